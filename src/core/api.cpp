@@ -1,0 +1,439 @@
+// Validation + dispatch: the only path from the public API to a backend.
+//
+// Every argument is checked once, here, before any backend runs, so an error never leaves a
+// partly written output. Each error names the argument, what was expected and what came.
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "core/backends.hpp"
+#include "core/problem.hpp"
+#include "ioattn/ioattn.hpp"
+
+namespace ioattn {
+
+const char* dtype_name(DType t) {
+  switch (t) {
+    case DType::f32: return "f32";
+    case DType::f16: return "f16";
+    case DType::bf16: return "bf16";
+    case DType::i32: return "i32";
+  }
+  return "?";
+}
+
+const char* device_name(Device d) { return d == Device::cpu ? "cpu" : "cuda"; }
+
+int64_t dtype_size(DType t) {
+  switch (t) {
+    case DType::f32: return 4;
+    case DType::f16: return 2;
+    case DType::bf16: return 2;
+    case DType::i32: return 4;
+  }
+  return 0;
+}
+
+const char* backend_name(Backend b) {
+  switch (b) {
+    case Backend::automatic: return "auto";
+    case Backend::flash: return "flash";
+    case Backend::naive: return "naive";
+  }
+  return "?";
+}
+
+int64_t TensorView::numel() const {
+  int64_t n = 1;
+  for (int i = 0; i < ndim; ++i) n *= shape[i];
+  return n;
+}
+
+TensorView TensorView::contiguous(const void* data, DType dtype,
+                                  std::initializer_list<int64_t> shape, Device device) {
+  TensorView t;
+  t.data = const_cast<void*>(data);
+  t.dtype = dtype;
+  t.device = device;
+  t.ndim = static_cast<int>(shape.size());
+  if (t.ndim > 4) throw Error("shape", "expected at most 4 dims, got " + std::to_string(t.ndim));
+  int i = 0;
+  for (int64_t s : shape) t.shape[i++] = s;
+  int64_t st = 1;
+  for (int d = t.ndim - 1; d >= 0; --d) {
+    t.stride[d] = st;
+    st *= t.shape[d];
+  }
+  return t;
+}
+
+TensorView TensorView::strided(const void* data, DType dtype, std::initializer_list<int64_t> shape,
+                               std::initializer_list<int64_t> strides, Device device) {
+  if (shape.size() != strides.size())
+    throw Error("strides", "expected " + std::to_string(shape.size()) + " strides (one per dim), got " +
+                               std::to_string(strides.size()));
+  TensorView t = contiguous(data, dtype, shape, device);
+  int i = 0;
+  for (int64_t s : strides) t.stride[i++] = s;
+  return t;
+}
+
+TensorView TensorView::transpose12() const {
+  TensorView t = *this;
+  if (ndim == 4) {
+    std::swap(t.shape[1], t.shape[2]);
+    std::swap(t.stride[1], t.stride[2]);
+  }
+  return t;
+}
+
+namespace detail {
+namespace {
+
+std::string shape_str(const TensorView& t) {
+  std::ostringstream os;
+  os << "[";
+  for (int i = 0; i < t.ndim; ++i) os << (i ? ", " : "") << t.shape[i];
+  os << "]";
+  return os.str();
+}
+
+[[noreturn]] void fail(const std::string& arg, const std::string& expected, const std::string& got) {
+  throw Error(arg, "ioattn: argument '" + arg + "': expected " + expected + ", got " + got);
+}
+
+bool is_float(DType t) { return t == DType::f32 || t == DType::f16 || t == DType::bf16; }
+
+// Checks that apply to every tensor argument.
+void check_view(const TensorView& t, const char* name, int ndim, const TensorView& ref_dev) {
+  if (t.ndim != ndim)
+    fail(name, std::to_string(ndim) + " dims", std::to_string(t.ndim) + " dims " + shape_str(t));
+  for (int i = 0; i < ndim; ++i) {
+    if (t.shape[i] < 0) fail(std::string(name) + ".shape", "non-negative sizes", shape_str(t));
+    if (t.stride[i] < 0)
+      fail(std::string(name) + ".stride[" + std::to_string(i) + "]", "a non-negative stride",
+           std::to_string(t.stride[i]));
+  }
+  if (t.stride[ndim - 1] != 1 && t.shape[ndim - 1] > 1)
+    fail(std::string(name) + ".stride[" + std::to_string(ndim - 1) + "]", "1 (unit stride on the last dim)",
+         std::to_string(t.stride[ndim - 1]));
+  if (t.data == nullptr && t.numel() > 0) fail(name, "a non-null data pointer", "null");
+  if (t.device != ref_dev.device || t.device_index != ref_dev.device_index)
+    fail(std::string(name) + ".device",
+         std::string(device_name(ref_dev.device)) + ":" + std::to_string(ref_dev.device_index) + " (as q)",
+         std::string(device_name(t.device)) + ":" + std::to_string(t.device_index));
+  if (t.device == Device::cuda && t.numel() > 0 && cuda_compiled() && !cuda_is_device_pointer(t.data))
+    fail(std::string(name) + ".data", "a CUDA device pointer (device = cuda)", "a host pointer");
+}
+
+void check_dtype(const TensorView& t, const char* name, DType want) {
+  if (t.dtype != want)
+    fail(std::string(name) + ".dtype", std::string(dtype_name(want)), dtype_name(t.dtype));
+}
+
+void check_dim(const char* name, int dim, int64_t got, int64_t want, const char* what) {
+  if (got != want)
+    fail(std::string(name) + ".shape[" + std::to_string(dim) + "]",
+         std::to_string(want) + " (" + what + ")", std::to_string(got));
+}
+
+// Outputs must not have stride 0 in a dim of size > 1 (two rows would land on one address).
+void check_writable(const TensorView& t, const char* name) {
+  for (int i = 0; i < t.ndim; ++i)
+    if (t.shape[i] > 1 && t.stride[i] == 0)
+      fail(std::string(name) + ".stride[" + std::to_string(i) + "]",
+           "a non-zero stride for an output dim of size > 1", "0");
+}
+
+const float* check_head_vector(const TensorView& t, const char* name, int64_t heads_q,
+                               const TensorView& q) {
+  if (!t.defined()) return nullptr;
+  check_view(t, name, 1, q);
+  check_dtype(t, name, DType::f32);
+  check_dim(name, 0, t.shape[0], heads_q, "heads_q");
+  if (t.data == nullptr) fail(name, "a non-null data pointer", "null");
+  return static_cast<const float*>(t.data);
+}
+
+std::vector<int32_t> read_cu_seqlens(const TensorView& cu, const char* name, int64_t batch,
+                                     int64_t total, const TensorView& q) {
+  check_view(cu, name, 1, q);
+  check_dtype(cu, name, DType::i32);
+  check_dim(name, 0, cu.shape[0], batch + 1, "batch + 1");
+  if (cu.data == nullptr) fail(name, "a non-null data pointer", "null");
+  std::vector<int32_t> h(static_cast<size_t>(batch + 1));
+  if (cu.device == Device::cuda)
+    cuda_copy_to_host(h.data(), cu.data, h.size() * sizeof(int32_t));
+  else
+    std::memcpy(h.data(), cu.data, h.size() * sizeof(int32_t));
+  if (h[0] != 0) fail(std::string(name) + "[0]", "0", std::to_string(h[0]));
+  for (int64_t b = 0; b < batch; ++b)
+    if (h[b + 1] < h[b])
+      fail(std::string(name), "non-decreasing offsets",
+           "[" + std::to_string(b) + "] = " + std::to_string(h[b]) + " > [" + std::to_string(b + 1) +
+               "] = " + std::to_string(h[b + 1]));
+  if (h[batch] > total)
+    fail(std::string(name) + "[" + std::to_string(batch) + "]",
+         "at most the packed token count " + std::to_string(total), std::to_string(h[batch]));
+  return h;
+}
+
+constexpr int64_t kMaxHeadDim = 512;
+
+struct Validated {
+  FwdProblem p;
+  std::vector<int32_t> cu_q_host, cu_k_host;
+};
+
+Validated validate(const TensorView& q, const TensorView& k, const TensorView& v,
+                   const TensorView& o, const TensorView& lse, const Varlen* varlen,
+                   const AttnParams& params, const Context& ctx) {
+  Validated out;
+  FwdProblem& p = out.p;
+  const int nd = varlen ? 3 : 4;
+  check_view(q, "q", nd, q);
+  if (!is_float(q.dtype)) fail("q.dtype", "f32, f16 or bf16", dtype_name(q.dtype));
+  check_view(k, "k", nd, q);
+  check_view(v, "v", nd, q);
+  check_view(o, "o", nd, q);
+  check_dtype(k, "k", q.dtype);
+  check_dtype(v, "v", q.dtype);
+  check_dtype(o, "o", q.dtype);
+  check_writable(o, "o");
+  if (q.device == Device::cuda && !cuda_compiled())
+    fail("q.device", "cpu (this build has no CUDA backend)", "cuda");
+
+  const int s = varlen ? 0 : 1;  // index of the seq dim
+  const int h = nd - 2, d = nd - 1;
+  if (!varlen) {
+    check_dim("k", 0, k.shape[0], q.shape[0], "batch of q");
+    check_dim("v", 0, v.shape[0], q.shape[0], "batch of q");
+    check_dim("o", 0, o.shape[0], q.shape[0], "batch of q");
+  }
+  check_dim("v", s, v.shape[s], k.shape[s], varlen ? "total_k of k" : "seqlen_k of k");
+  check_dim("o", s, o.shape[s], q.shape[s], varlen ? "total_q of q" : "seqlen_q of q");
+  check_dim("v", h, v.shape[h], k.shape[h], "heads_kv of k");
+  check_dim("o", h, o.shape[h], q.shape[h], "heads_q of q");
+  check_dim("k", d, k.shape[d], q.shape[d], "head_dim of q");
+  check_dim("o", d, o.shape[d], v.shape[d], "head_dim_v of v");
+  p.heads_q = q.shape[h];
+  p.heads_kv = k.shape[h];
+  p.head_dim = q.shape[d];
+  p.head_dim_v = v.shape[d];
+  if (p.heads_kv < 1) fail("k.shape[" + std::to_string(h) + "]", "heads_kv >= 1", std::to_string(p.heads_kv));
+  if (p.heads_q % p.heads_kv != 0)
+    fail("q.shape[" + std::to_string(h) + "]",
+         "heads_q divisible by heads_kv = " + std::to_string(p.heads_kv),
+         "heads_q = " + std::to_string(p.heads_q));
+  if (p.head_dim < 1 || p.head_dim > kMaxHeadDim)
+    fail("q.shape[" + std::to_string(d) + "]", "head_dim in 1.." + std::to_string(kMaxHeadDim),
+         std::to_string(p.head_dim));
+  if (p.head_dim_v < 1 || p.head_dim_v > kMaxHeadDim)
+    fail("v.shape[" + std::to_string(d) + "]", "head_dim_v in 1.." + std::to_string(kMaxHeadDim),
+         std::to_string(p.head_dim_v));
+
+  auto strides = [&](const TensorView& t) {
+    Strides3 r;
+    r.batch = varlen ? 0 : t.stride[0];
+    r.seq = t.stride[s];
+    r.head = t.stride[h];
+    return r;
+  };
+  p.q_stride = strides(q);
+  p.k_stride = strides(k);
+  p.v_stride = strides(v);
+  p.o_stride = strides(o);
+
+  if (varlen) {
+    const TensorView& cq = varlen->cu_seqlens_q;
+    if (!cq.defined()) fail("cu_seqlens_q", "an int32 tensor [batch + 1]", "undefined");
+    if (cq.ndim != 1) fail("cu_seqlens_q", "1 dim", std::to_string(cq.ndim) + " dims");
+    p.batch = cq.shape[0] - 1;
+    if (p.batch < 0) fail("cu_seqlens_q.shape[0]", "batch + 1 >= 1", std::to_string(cq.shape[0]));
+    out.cu_q_host = read_cu_seqlens(cq, "cu_seqlens_q", p.batch, q.shape[0], q);
+    out.cu_k_host = read_cu_seqlens(varlen->cu_seqlens_k, "cu_seqlens_k", p.batch, k.shape[0], q);
+    int64_t mq = 0, mk = 0;
+    for (int64_t b = 0; b < p.batch; ++b) {
+      mq = std::max<int64_t>(mq, out.cu_q_host[b + 1] - out.cu_q_host[b]);
+      mk = std::max<int64_t>(mk, out.cu_k_host[b + 1] - out.cu_k_host[b]);
+    }
+    if (varlen->max_seqlen_q != 0 && varlen->max_seqlen_q < mq)
+      fail("max_seqlen_q", ">= the longest query sequence " + std::to_string(mq),
+           std::to_string(varlen->max_seqlen_q));
+    if (varlen->max_seqlen_k != 0 && varlen->max_seqlen_k < mk)
+      fail("max_seqlen_k", ">= the longest key sequence " + std::to_string(mk),
+           std::to_string(varlen->max_seqlen_k));
+    p.seqlen_q = mq;
+    p.seqlen_k = mk;
+    p.cu_seqlens_q = static_cast<const int32_t*>(cq.data);
+    p.cu_seqlens_k = static_cast<const int32_t*>(varlen->cu_seqlens_k.data);
+    p.cu_seqlens_q_host = out.cu_q_host.data();
+    p.cu_seqlens_k_host = out.cu_k_host.data();
+  } else {
+    p.batch = q.shape[0];
+    p.seqlen_q = q.shape[1];
+    p.seqlen_k = k.shape[1];
+  }
+
+  if (lse.defined()) {
+    const int lnd = varlen ? 2 : 3;
+    check_view(lse, "lse", lnd, q);
+    check_dtype(lse, "lse", DType::f32);
+    check_writable(lse, "lse");
+    if (varlen) {
+      check_dim("lse", 0, lse.shape[0], p.heads_q, "heads_q");
+      check_dim("lse", 1, lse.shape[1], q.shape[0], "total_q");
+      p.lse_stride = {0, lse.stride[1], lse.stride[0]};
+    } else {
+      check_dim("lse", 0, lse.shape[0], p.batch, "batch");
+      check_dim("lse", 1, lse.shape[1], p.heads_q, "heads_q");
+      check_dim("lse", 2, lse.shape[2], p.seqlen_q, "seqlen_q");
+      p.lse_stride = {lse.stride[0], lse.stride[2], lse.stride[1]};
+    }
+    p.lse = static_cast<float*>(lse.data);
+  }
+
+  if (!std::isfinite(params.scale))
+    fail("params.scale", "a finite number (0 = 1/sqrt(head_dim))", std::to_string(params.scale));
+  p.scale = params.scale == 0.0f ? 1.0f / std::sqrt(static_cast<float>(p.head_dim)) : params.scale;
+  if (!(params.softcap >= 0.0f) || !std::isfinite(params.softcap))
+    fail("params.softcap", "a finite value >= 0 (0 = off)", std::to_string(params.softcap));
+  p.softcap = params.softcap;
+  if (params.window_left < -1)
+    fail("params.window_left", ">= -1 (-1 = unbounded)", std::to_string(params.window_left));
+  if (params.window_right < -1)
+    fail("params.window_right", ">= -1 (-1 = unbounded)", std::to_string(params.window_right));
+  p.causal = params.causal;
+  p.window_left = params.window_left;
+  p.window_right = params.causal ? 0 : params.window_right;  // causal = right window of 0
+  p.alibi_slopes = check_head_vector(params.alibi_slopes, "params.alibi_slopes", p.heads_q, q);
+  p.sinks = check_head_vector(params.sinks, "params.sinks", p.heads_q, q);
+  if (ctx.num_threads < 0)
+    fail("ctx.num_threads", ">= 0 (0 = all)", std::to_string(ctx.num_threads));
+
+  p.q = q.data;
+  p.k = k.data;
+  p.v = v.data;
+  p.o = o.data;
+  p.dtype = q.dtype;
+  p.device = q.device;
+  p.device_index = q.device_index;
+  p.stream = ctx.stream;
+  p.num_threads = ctx.num_threads;
+  return out;
+}
+
+std::string mask_name(const FwdProblem& p) {
+  std::string m;
+  if (p.causal) m = "causal";
+  if (p.window_left >= 0 || (!p.causal && p.window_right >= 0))
+    m += (m.empty() ? "" : "+") + std::string("window(") + std::to_string(p.window_left) + "," +
+         std::to_string(p.window_right) + ")";
+  if (m.empty()) m = "nomask";
+  if (p.softcap > 0) m += "+softcap";
+  if (p.alibi_slopes) m += "+alibi";
+  if (p.sinks) m += "+sinks";
+  if (p.varlen()) m += "+varlen";
+  if (p.heads_q != p.heads_kv) m += "+gqa" + std::to_string(p.group());
+  return m;
+}
+
+using Runner = void (*)(const FwdProblem&);
+
+struct Selection {
+  KernelChoice choice;
+  Runner run = nullptr;
+};
+
+Selection select(const FwdProblem& p, Backend backend) {
+  Selection s;
+  const std::string shape = std::string(dtype_name(p.dtype)) + " hdim" + std::to_string(p.head_dim) +
+                            (p.head_dim_v != p.head_dim ? "/" + std::to_string(p.head_dim_v) : "") +
+                            " " + mask_name(p);
+  if (p.device == Device::cpu) {
+    if (backend == Backend::naive) {
+      s.choice = {"cpu/naive f64 " + shape, "backend=naive requested: float64 standard attention"};
+      s.run = cpu_naive_forward;
+    } else {
+      s.choice = {"cpu/flash " + cpu_best_target() + " " + shape + " tile " + cpu_flash_tile(p),
+                  backend == Backend::flash ? "backend=flash requested"
+                                            : "auto: tiled online softmax is the CPU default"};
+      s.run = cpu_flash_forward;
+    }
+    return s;
+  }
+  const int arch = cuda_device_arch(p.device_index);
+  if (arch == 0)
+    fail("q.device", "a visible CUDA device " + std::to_string(p.device_index),
+         std::to_string(cuda_device_count()) + " CUDA devices");
+  const std::string sm = "sm" + std::to_string(arch);
+  if (backend == Backend::naive) {
+    s.choice = {"cuda/naive " + sm + " " + shape, "backend=naive requested: S and P materialised in HBM"};
+    s.run = cuda_naive_forward;
+    return s;
+  }
+  CudaSelection c = cuda_flash_select(p, arch);
+  if (c.kernel.empty())
+    throw Error("q", "ioattn: no CUDA flash kernel for " + sm + " " + shape + ": " + c.reason +
+                         " (backend=naive runs the materialising path)");
+  s.choice = {c.kernel, c.reason};
+  s.run = cuda_flash_forward;
+  return s;
+}
+
+bool log_enabled() {
+  const char* e = std::getenv("IOATTN_LOG");
+  return e && (std::strcmp(e, "info") == 0 || std::strcmp(e, "debug") == 0);
+}
+
+KernelChoice run(const Validated& val, const Context& ctx) {
+  Selection s = select(val.p, ctx.backend);
+  if (log_enabled())
+    std::fprintf(stderr, "ioattn: forward: %s (%s)\n", s.choice.kernel.c_str(), s.choice.reason.c_str());
+  s.run(val.p);
+  return s.choice;
+}
+
+}  // namespace
+}  // namespace detail
+
+KernelChoice forward(const TensorView& q, const TensorView& k, const TensorView& v,
+                     const TensorView& o, const TensorView& lse, const AttnParams& params,
+                     const Context& ctx) {
+  return detail::run(detail::validate(q, k, v, o, lse, nullptr, params, ctx), ctx);
+}
+
+KernelChoice forward_varlen(const TensorView& q, const TensorView& k, const TensorView& v,
+                            const TensorView& o, const TensorView& lse, const Varlen& varlen,
+                            const AttnParams& params, const Context& ctx) {
+  return detail::run(detail::validate(q, k, v, o, lse, &varlen, params, ctx), ctx);
+}
+
+KernelChoice select_forward(const TensorView& q, const TensorView& k, const TensorView& v,
+                            const TensorView& o, const TensorView& lse, const AttnParams& params,
+                            const Context& ctx) {
+  auto val = detail::validate(q, k, v, o, lse, nullptr, params, ctx);
+  return detail::select(val.p, ctx.backend).choice;
+}
+
+BuildInfo build_info() {
+  BuildInfo b;
+  b.version = IOATTN_VERSION;
+  b.cpu_targets = detail::cpu_compiled_targets();
+  b.cpu_best_target = detail::cpu_best_target();
+  b.cpu_threads = detail::cpu_max_threads();
+  b.cuda_compiled = detail::cuda_compiled();
+  b.cuda_devices = detail::cuda_device_count();
+  b.cuda_kernels = detail::cuda_compiled_kernels();
+  for (int i = 0; i < b.cuda_devices; ++i)
+    b.cuda_device_names.push_back(detail::cuda_device_name(i) + " (sm" +
+                                  std::to_string(detail::cuda_device_arch(i)) + ")");
+  return b;
+}
+
+}  // namespace ioattn

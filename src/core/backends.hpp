@@ -1,0 +1,52 @@
+// Internal: the backend entry points the dispatcher can call. Each backend implements the
+// semantics in include/ioattn/ioattn.hpp on an already validated FwdProblem.
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "core/problem.hpp"
+
+namespace ioattn::detail {
+
+// ---- CPU (src/cpu) ---------------------------------------------------------------------
+// Float64 "standard attention": materialises S and P per (batch, head). The oracle and the
+// `naive` backend.
+void cpu_naive_forward(const FwdProblem& p);
+// Tiled online-softmax backend (Highway SIMD, OpenMP threads).
+void cpu_flash_forward(const FwdProblem& p);
+// Tile shape the CPU flash kernel uses for this problem, e.g. "48x64".
+std::string cpu_flash_tile(const FwdProblem& p);
+// Highway targets compiled in, and the one chosen at run time on this machine.
+std::vector<std::string> cpu_compiled_targets();
+std::string cpu_best_target();
+int cpu_max_threads();
+
+// ---- CUDA (src/cuda; stubs in src/core/cuda_stubs.cpp when built without CUDA) -----------
+bool cuda_compiled();
+int cuda_device_count();
+std::string cuda_device_name(int index);
+int cuda_device_arch(int index);  // e.g. 90 for sm_90; 0 if absent
+// Whether ptr is device memory (for validation of views that claim Device::cuda).
+bool cuda_is_device_pointer(const void* ptr);
+// Copies n bytes from device to host (used to validate cu_seqlens on the host).
+void cuda_copy_to_host(void* dst, const void* src, size_t bytes);
+// Small memory helpers so tests, the CLI and benchmarks need no CUDA headers.
+void* cuda_malloc(size_t bytes);
+void cuda_free(void* ptr);
+void cuda_copy_from_host(void* dst, const void* src, size_t bytes);
+void cuda_synchronize();
+// Peak device memory allocated through the runtime (bytes in use now, from cudaMemGetInfo).
+size_t cuda_used_bytes();
+
+// Dispatch-table row for the CUDA flash kernel, or an empty name and a reason why none fits.
+struct CudaSelection {
+  std::string kernel;  // "" = no kernel fits
+  std::string reason;
+};
+CudaSelection cuda_flash_select(const FwdProblem& p, int arch);
+void cuda_flash_forward(const FwdProblem& p);
+void cuda_naive_forward(const FwdProblem& p);  // materialised S and P in HBM
+std::vector<std::string> cuda_compiled_kernels();
+
+}  // namespace ioattn::detail

@@ -1,0 +1,71 @@
+// Internal: the validated, normalised forward problem every backend receives.
+//
+// Validation (validate.cpp) turns the public TensorViews into this struct once; backends
+// never re-check arguments. All offsets are int64 and in elements. Fixed-length and varlen
+// problems share one description: a token of (batch b, row i) lives at
+//   base + b * batch_stride + (seq_start(b) + i) * seq_stride + head * head_stride
+// where seq_start(b) = cu_seqlens[b] for varlen (batch_stride = 0), else 0.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <limits>
+
+#include "ioattn/ioattn.hpp"
+
+namespace ioattn::detail {
+
+struct Strides3 {
+  int64_t batch = 0, seq = 0, head = 0;
+};
+
+struct FwdProblem {
+  const void* q = nullptr;
+  const void* k = nullptr;
+  const void* v = nullptr;
+  void* o = nullptr;
+  float* lse = nullptr;  // optional
+  Strides3 q_stride, k_stride, v_stride, o_stride, lse_stride;
+
+  DType dtype = DType::f32;
+  Device device = Device::cpu;
+  int device_index = 0;
+  int64_t batch = 0;
+  int64_t heads_q = 0, heads_kv = 0;
+  int64_t seqlen_q = 0, seqlen_k = 0;  // fixed length; for varlen: the max over the batch
+  int64_t head_dim = 0, head_dim_v = 0;
+
+  // Varlen (null for fixed length). Host copies of cu_seqlens are kept for CPU dispatch.
+  const int32_t* cu_seqlens_q = nullptr;  // on `device`
+  const int32_t* cu_seqlens_k = nullptr;
+  const int32_t* cu_seqlens_q_host = nullptr;  // always host (owned by the caller of the backend)
+  const int32_t* cu_seqlens_k_host = nullptr;
+
+  float scale = 1.0f;
+  float softcap = 0.0f;
+  bool causal = false;
+  int64_t window_left = -1, window_right = -1;  // -1 = unbounded; causal sets right = 0
+  const float* alibi_slopes = nullptr;  // on `device`, [heads_q]
+  const float* sinks = nullptr;         // on `device`, [heads_q]
+
+  void* stream = nullptr;
+  int num_threads = 0;
+
+  bool varlen() const { return cu_seqlens_q != nullptr; }
+  int64_t group() const { return heads_q / heads_kv; }
+  bool has_mask() const { return window_left >= 0 || window_right >= 0; }
+};
+
+// Key range [lo, hi) visible to query row i, bottom-right aligned. hi <= lo means empty.
+inline void visible_keys(int64_t i, int64_t sq, int64_t sk, int64_t wl, int64_t wr,
+                         int64_t* lo, int64_t* hi) {
+  const int64_t diag = i + (sk - sq);
+  int64_t l = wl >= 0 ? diag - wl : 0;
+  int64_t h = wr >= 0 ? diag + wr + 1 : sk;
+  *lo = l < 0 ? 0 : l;
+  *hi = h > sk ? sk : h;
+}
+
+inline float neg_inf() { return -std::numeric_limits<float>::infinity(); }
+
+}  // namespace ioattn::detail

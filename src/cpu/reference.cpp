@@ -1,0 +1,128 @@
+// Standard attention, materialised: see reference.hpp.
+#include "cpu/reference.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+
+#include "core/backends.hpp"
+#include "core/half.hpp"
+
+namespace ioattn::detail {
+namespace {
+
+struct SeqRange {
+  int64_t q_start, q_len, k_start, k_len;
+};
+
+SeqRange seq_range(const FwdProblem& p, int64_t b) {
+  if (!p.varlen()) return {0, p.seqlen_q, 0, p.seqlen_k};
+  return {p.cu_seqlens_q_host[b], p.cu_seqlens_q_host[b + 1] - p.cu_seqlens_q_host[b],
+          p.cu_seqlens_k_host[b], p.cu_seqlens_k_host[b + 1] - p.cu_seqlens_k_host[b]};
+}
+
+}  // namespace
+
+RefResult reference_forward(const FwdProblem& p, RefPrecision prec, int64_t total_q_rows) {
+  const bool emu = prec == RefPrecision::emulated;
+  const DType t = p.dtype;
+  // Rounds an intermediate tensor to the input precision when emulating.
+  auto rnd = [&](double x) -> double { return emu ? round_to(t, static_cast<float>(x)) : x; };
+
+  RefResult r;
+  r.rows = p.varlen() ? (total_q_rows >= 0 ? total_q_rows : p.cu_seqlens_q_host[p.batch])
+                      : p.batch * p.seqlen_q;
+  const int64_t hq = p.heads_q, d = p.head_dim, dv = p.head_dim_v;
+  r.o.assign(static_cast<size_t>(r.rows * hq * dv), 0.0);
+  r.lse.assign(static_cast<size_t>(r.rows * hq), -std::numeric_limits<double>::infinity());
+  const double ninf = -std::numeric_limits<double>::infinity();
+
+#pragma omp parallel for schedule(dynamic) collapse(2)
+  for (int64_t b = 0; b < p.batch; ++b) {
+    for (int64_t h = 0; h < hq; ++h) {
+      const SeqRange sr = seq_range(p, b);
+      const int64_t sq = sr.q_len, sk = sr.k_len, hk = h / p.group();
+      if (sq == 0) continue;
+      // S and P, materialised: [sq, sk].
+      std::vector<double> S(static_cast<size_t>(sq * sk));
+      const double slope = p.alibi_slopes ? p.alibi_slopes[h] : 0.0;
+      for (int64_t i = 0; i < sq; ++i) {
+        int64_t lo, hi;
+        visible_keys(i, sq, sk, p.window_left, p.window_right, &lo, &hi);
+        const int64_t qoff = b * p.q_stride.batch + (sr.q_start + i) * p.q_stride.seq + h * p.q_stride.head;
+        for (int64_t j = 0; j < sk; ++j) {
+          if (j < lo || j >= hi) {
+            S[i * sk + j] = ninf;
+            continue;
+          }
+          const int64_t koff = b * p.k_stride.batch + (sr.k_start + j) * p.k_stride.seq + hk * p.k_stride.head;
+          double acc = 0.0;
+          if (emu) {
+            float facc = 0.0f;  // fp32 accumulate of (q * scale rounded) . k
+            for (int64_t x = 0; x < d; ++x)
+              facc += round_to(t, load_float(p.q, t, qoff + x) * p.scale) * load_float(p.k, t, koff + x);
+            acc = rnd(facc);
+          } else {
+            for (int64_t x = 0; x < d; ++x)
+              acc += static_cast<double>(load_float(p.q, t, qoff + x)) * load_float(p.k, t, koff + x);
+            acc *= p.scale;
+          }
+          if (p.softcap > 0) acc = rnd(p.softcap * std::tanh(acc / p.softcap));
+          if (p.alibi_slopes)
+            acc = rnd(acc - slope * std::fabs(static_cast<double>(i + (sk - sq) - j)));
+          S[i * sk + j] = acc;
+        }
+      }
+      // Row softmax (with the optional sink in the denominator), then O = P V.
+      const double sink = p.sinks ? p.sinks[h] : ninf;
+      const int64_t orow0 = p.varlen() ? sr.q_start : b * sq;
+      for (int64_t i = 0; i < sq; ++i) {
+        double m = sink;
+        for (int64_t j = 0; j < sk; ++j) m = std::max(m, S[i * sk + j]);
+        const int64_t lse_idx = p.varlen() ? h * r.rows + sr.q_start + i : (b * hq + h) * sq + i;
+        if (m == ninf) continue;  // no visible key and no sink: O = 0, LSE = -inf
+        double l = p.sinks ? std::exp(sink - m) : 0.0;
+        for (int64_t j = 0; j < sk; ++j) {
+          const double e = S[i * sk + j] == ninf ? 0.0 : std::exp(S[i * sk + j] - m);
+          S[i * sk + j] = e;  // S now holds unnormalised P
+          l += e;
+        }
+        r.lse[lse_idx] = m + std::log(l);
+        double* orow = &r.o[((orow0 + i) * hq + h) * dv];
+        for (int64_t j = 0; j < sk; ++j) {
+          const double pij = rnd(S[i * sk + j] / l);
+          if (pij == 0.0) continue;
+          const int64_t voff = b * p.v_stride.batch + (sr.k_start + j) * p.v_stride.seq + hk * p.v_stride.head;
+          for (int64_t x = 0; x < dv; ++x) orow[x] += pij * load_float(p.v, t, voff + x);
+        }
+        if (emu)
+          for (int64_t x = 0; x < dv; ++x) orow[x] = rnd(static_cast<float>(orow[x]));
+      }
+    }
+  }
+  return r;
+}
+
+void cpu_naive_forward(const FwdProblem& p) {
+  const int64_t total = p.varlen() ? p.cu_seqlens_q_host[p.batch] : -1;
+  const RefResult r = reference_forward(p, RefPrecision::f64, total);
+  const int64_t hq = p.heads_q, dv = p.head_dim_v;
+  for (int64_t b = 0; b < p.batch; ++b) {
+    const int64_t q0 = p.varlen() ? p.cu_seqlens_q_host[b] : 0;
+    const int64_t sq = p.varlen() ? p.cu_seqlens_q_host[b + 1] - q0 : p.seqlen_q;
+    for (int64_t i = 0; i < sq; ++i)
+      for (int64_t h = 0; h < hq; ++h) {
+        const int64_t row = p.varlen() ? q0 + i : b * sq + i;
+        const int64_t ooff = b * p.o_stride.batch + (q0 + i) * p.o_stride.seq + h * p.o_stride.head;
+        for (int64_t x = 0; x < dv; ++x)
+          store_float(p.o, p.dtype, ooff + x, static_cast<float>(r.o[(row * hq + h) * dv + x]));
+        if (p.lse) {
+          const int64_t li = p.varlen() ? h * r.rows + row : (b * hq + h) * sq + i;
+          p.lse[b * p.lse_stride.batch + h * p.lse_stride.head + (q0 + i) * p.lse_stride.seq] =
+              static_cast<float>(r.lse[li]);
+        }
+      }
+  }
+}
+
+}  // namespace ioattn::detail
