@@ -13,6 +13,7 @@
 
 #include "core/backends.hpp"
 #include "core/problem.hpp"
+#include "core/validate.hpp"
 #include "ioattn/ioattn.hpp"
 
 namespace ioattn {
@@ -185,10 +186,7 @@ std::vector<int32_t> read_cu_seqlens(const TensorView& cu, const char* name, int
 
 constexpr int64_t kMaxHeadDim = 512;
 
-struct Validated {
-  FwdProblem p;
-  std::vector<int32_t> cu_q_host, cu_k_host;
-};
+}  // namespace
 
 Validated validate(const TensorView& q, const TensorView& k, const TensorView& v,
                    const TensorView& o, const TensorView& lse, const Varlen* varlen,
@@ -327,6 +325,8 @@ Validated validate(const TensorView& q, const TensorView& k, const TensorView& v
   p.num_threads = ctx.num_threads;
   return out;
 }
+
+namespace {
 
 std::string mask_name(const FwdProblem& p) {
   std::string m;

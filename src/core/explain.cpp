@@ -83,6 +83,12 @@ OnlineSoftmaxExample online_softmax_example(const std::vector<double>& scores,
 }
 
 namespace {
+std::string grouped(double v) {  // 134217728 -> "134,217,728"
+  std::string s = std::to_string(static_cast<long long>(std::llround(v)));
+  for (int i = static_cast<int>(s.size()) - 3; i > 0; i -= 3) s.insert(static_cast<size_t>(i), ",");
+  return s;
+}
+
 std::string human_bytes(double b) {
   char buf[64];
   if (b >= 1e12) std::snprintf(buf, sizeof buf, "%.2f TB", b / 1e12);
@@ -104,8 +110,8 @@ std::string explain_text(const ExplainInput& in) {
   put("Attention memory traffic: n=%lld tokens, head_dim=%lld, %lld heads, %lld layers, %lld-byte elements",
       (long long)in.seqlen, (long long)in.head_dim, (long long)in.heads, (long long)in.layers, (long long)in.dtype_bytes);
   put("");
-  put("Score matrix S = QK^T, per head:     n^2 x %lld B = %.0f B (%s)", (long long)in.dtype_bytes,
-      r.score_bytes_per_head, human_bytes(r.score_bytes_per_head).c_str());
+  put("Score matrix S = QK^T, per head:     n^2 x %lld B = %s B (%s)", (long long)in.dtype_bytes,
+      grouped(r.score_bytes_per_head).c_str(), human_bytes(r.score_bytes_per_head).c_str());
   put("Naive attention, %lld passes over it (write S, read S, write P, read P):", (long long)in.naive_passes);
   put("  per head   %s", human_bytes(r.naive_bytes_per_head).c_str());
   put("  per layer  %s (%lld heads)", human_bytes(r.naive_bytes_per_layer).c_str(), (long long)in.heads);
@@ -131,9 +137,13 @@ std::string explain_text(const ExplainInput& in) {
   for (const auto& st : ex.steps) {
     std::string sc;
     for (double s : st.block_scores) sc += (sc.empty() ? "" : ", ") + std::to_string(static_cast<int>(s));
-    put("  block %d: scores [%s]  max %g -> %g  rescale exp(%g - %g) = %.3f  l = %.3f  acc = %.3f", b++, sc.c_str(),
-        st.max_before, st.max_after, std::isinf(st.max_before) ? 0.0 : st.max_before, st.max_after, st.rescale,
-        st.sum_after, st.acc_after);
+    if (std::isinf(st.max_before))
+      put("  block %d: scores [%s]  running max -inf -> %g (first block: nothing to rescale)  l = %.3f  acc = %.3f",
+          b++, sc.c_str(), st.max_after, st.sum_after, st.acc_after);
+    else
+      put("  block %d: scores [%s]  running max %g -> %g  rescale l and acc by exp(%g - %g) = %.3f  l = %.3f  acc = %.3f",
+          b++, sc.c_str(), st.max_before, st.max_after, st.max_before, st.max_after, st.rescale, st.sum_after,
+          st.acc_after);
   }
   std::string pr;
   for (double p : ex.probabilities) {

@@ -43,35 +43,56 @@ RefResult reference_forward(const FwdProblem& p, RefPrecision prec, int64_t tota
       const SeqRange sr = seq_range(p, b);
       const int64_t sq = sr.q_len, sk = sr.k_len, hk = h / p.group();
       if (sq == 0) continue;
+      // Gather this head's Q, K (and later V) as contiguous double rows, so the inner loops are
+      // plain dot products (emulated mode keeps q * scale rounded to the input dtype).
+      std::vector<double> Q(static_cast<size_t>(sq * d)), K(static_cast<size_t>(sk * d));
+      for (int64_t i = 0; i < sq; ++i) {
+        const int64_t off = b * p.q_stride.batch + (sr.q_start + i) * p.q_stride.seq + h * p.q_stride.head;
+        for (int64_t x = 0; x < d; ++x) {
+          const float qv = load_float(p.q, t, off + x);
+          Q[i * d + x] = emu ? round_to(t, qv * p.scale) : qv;
+        }
+      }
+      for (int64_t j = 0; j < sk; ++j) {
+        const int64_t off = b * p.k_stride.batch + (sr.k_start + j) * p.k_stride.seq + hk * p.k_stride.head;
+        for (int64_t x = 0; x < d; ++x) K[j * d + x] = load_float(p.k, t, off + x);
+      }
       // S and P, materialised: [sq, sk].
       std::vector<double> S(static_cast<size_t>(sq * sk));
       const double slope = p.alibi_slopes ? p.alibi_slopes[h] : 0.0;
       for (int64_t i = 0; i < sq; ++i) {
         int64_t lo, hi;
         visible_keys(i, sq, sk, p.window_left, p.window_right, &lo, &hi);
-        const int64_t qoff = b * p.q_stride.batch + (sr.q_start + i) * p.q_stride.seq + h * p.q_stride.head;
+        const double* qi = &Q[i * d];
         for (int64_t j = 0; j < sk; ++j) {
           if (j < lo || j >= hi) {
             S[i * sk + j] = ninf;
             continue;
           }
-          const int64_t koff = b * p.k_stride.batch + (sr.k_start + j) * p.k_stride.seq + hk * p.k_stride.head;
-          double acc = 0.0;
+          const double* kj = &K[j * d];
+          double acc;
           if (emu) {
-            float facc = 0.0f;  // fp32 accumulate of (q * scale rounded) . k
-            for (int64_t x = 0; x < d; ++x)
-              facc += round_to(t, load_float(p.q, t, qoff + x) * p.scale) * load_float(p.k, t, koff + x);
+            float facc = 0.0f;  // fp32 accumulate, result rounded to the input dtype
+            for (int64_t x = 0; x < d; ++x) facc += static_cast<float>(qi[x]) * static_cast<float>(kj[x]);
             acc = rnd(facc);
           } else {
-            for (int64_t x = 0; x < d; ++x)
-              acc += static_cast<double>(load_float(p.q, t, qoff + x)) * load_float(p.k, t, koff + x);
-            acc *= p.scale;
+            double a4[4] = {0, 0, 0, 0};
+            int64_t x = 0;
+            for (; x + 4 <= d; x += 4)
+              for (int u = 0; u < 4; ++u) a4[u] += qi[x + u] * kj[x + u];
+            for (; x < d; ++x) a4[0] += qi[x] * kj[x];
+            acc = ((a4[0] + a4[1]) + (a4[2] + a4[3])) * p.scale;
           }
           if (p.softcap > 0) acc = rnd(p.softcap * std::tanh(acc / p.softcap));
           if (p.alibi_slopes)
             acc = rnd(acc - slope * std::fabs(static_cast<double>(i + (sk - sq) - j)));
           S[i * sk + j] = acc;
         }
+      }
+      std::vector<double> V(static_cast<size_t>(sk * dv));
+      for (int64_t j = 0; j < sk; ++j) {
+        const int64_t off = b * p.v_stride.batch + (sr.k_start + j) * p.v_stride.seq + hk * p.v_stride.head;
+        for (int64_t x = 0; x < dv; ++x) V[j * dv + x] = load_float(p.v, t, off + x);
       }
       // Row softmax (with the optional sink in the denominator), then O = P V.
       const double sink = p.sinks ? p.sinks[h] : ninf;
@@ -92,8 +113,8 @@ RefResult reference_forward(const FwdProblem& p, RefPrecision prec, int64_t tota
         for (int64_t j = 0; j < sk; ++j) {
           const double pij = rnd(S[i * sk + j] / l);
           if (pij == 0.0) continue;
-          const int64_t voff = b * p.v_stride.batch + (sr.k_start + j) * p.v_stride.seq + hk * p.v_stride.head;
-          for (int64_t x = 0; x < dv; ++x) orow[x] += pij * load_float(p.v, t, voff + x);
+          const double* vj = &V[j * dv];
+          for (int64_t x = 0; x < dv; ++x) orow[x] += pij * vj[x];
         }
         if (emu)
           for (int64_t x = 0; x < dv; ++x) orow[x] = rnd(static_cast<float>(orow[x]));

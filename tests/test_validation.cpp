@@ -1,0 +1,223 @@
+// Bad inputs: each is rejected with an ioattn::Error that names the argument, says what was
+// expected and what came, and leaves the outputs untouched.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <functional>
+#include <limits>
+
+#include "check.hpp"
+#include "ioattn/explain.hpp"
+
+namespace ioattn::test {
+namespace {
+
+// A valid problem: q [2, 16, 4, 32], k/v [2, 24, 2, 32], f32, plus varlen buffers.
+struct Problem {
+  detail::Buffer q{DType::f32, 2 * 16 * 4 * 32}, k{DType::f32, 2 * 24 * 2 * 32}, v{DType::f32, 2 * 24 * 2 * 32};
+  detail::Buffer o{DType::f32, 2 * 16 * 4 * 32}, lse{DType::f32, 2 * 4 * 16};
+  detail::Buffer q16{DType::f16, 2 * 16 * 4 * 32}, slopes{DType::f32, 4}, slopes_i{DType::i32, 4};
+  detail::Buffer cu{DType::i32, 3}, cu_bad{DType::i32, 3};
+  TensorView qv, kv, vv, ov, lv;
+  AttnParams prm;
+  Context ctx;
+  Varlen varlen;
+  bool use_varlen = false;
+  Problem() {
+    std::mt19937_64 rng(3);
+    q.fill_random(rng);
+    k.fill_random(rng);
+    v.fill_random(rng);
+    q16.fill_random(rng);
+    slopes.fill_random(rng);
+    o.poison();
+    lse.poison();
+    qv = q.view({2, 16, 4, 32});
+    kv = k.view({2, 24, 2, 32});
+    vv = v.view({2, 24, 2, 32});
+    ov = o.view({2, 16, 4, 32});
+    lv = lse.view({2, 4, 16});
+    cu.fill_i32({0, 10, 32});
+    cu_bad.fill_i32({0, 20, 12});
+  }
+  void to_varlen() {  // q [32, 4, 32], k/v [48, 2, 32]
+    use_varlen = true;
+    qv = TensorView::contiguous(q.data(), DType::f32, {32, 4, 32});
+    kv = TensorView::contiguous(k.data(), DType::f32, {48, 2, 32});
+    vv = TensorView::contiguous(v.data(), DType::f32, {48, 2, 32});
+    ov = TensorView::contiguous(o.data(), DType::f32, {32, 4, 32});
+    lv = TensorView::contiguous(lse.data(), DType::f32, {4, 32});
+    varlen.cu_seqlens_q = cu.view({3});
+    varlen.cu_seqlens_k = cu.view({3});
+  }
+  void call() {
+    if (use_varlen)
+      forward_varlen(qv, kv, vv, ov, lv, varlen, prm, ctx);
+    else
+      forward(qv, kv, vv, ov, lv, prm, ctx);
+  }
+  bool outputs_untouched() const {
+    for (int64_t i = 0; i < o.count(); ++i)
+      if (!std::isnan(o.get(i))) return false;
+    for (int64_t i = 0; i < lse.count(); ++i)
+      if (!std::isnan(lse.get(i))) return false;
+    return true;
+  }
+};
+
+struct BadInput {
+  const char* what;
+  const char* argument;  // must appear in the message
+  std::function<void(Problem&)> mutate;
+};
+
+const BadInput kBad[] = {
+    {"null q pointer", "'q'", [](Problem& s) { s.qv.data = nullptr; }},
+    {"null o pointer", "'o'", [](Problem& s) { s.ov.data = nullptr; }},
+    {"q with 3 dims", "'q'", [](Problem& s) { s.qv.ndim = 3; }},
+    {"int32 q", "q.dtype", [](Problem& s) { s.qv.dtype = DType::i32; }},
+    {"k dtype differs from q", "k.dtype", [](Problem& s) { s.kv.dtype = DType::f16; }},
+    {"o dtype differs from q", "o.dtype", [](Problem& s) { s.ov = s.q16.view({2, 16, 4, 32}); }},
+    {"k batch mismatch", "k.shape[0]", [](Problem& s) { s.kv.shape[0] = 3; }},
+    {"v seqlen mismatch", "v.shape[1]", [](Problem& s) { s.vv.shape[1] = 23; }},
+    {"k head_dim mismatch", "k.shape[3]", [](Problem& s) { s.kv.shape[3] = 16; }},
+    {"o heads mismatch", "o.shape[2]", [](Problem& s) { s.ov.shape[2] = 2; }},
+    {"heads_q not divisible by heads_kv", "q.shape[2]",
+     [](Problem& s) { s.kv.shape[2] = s.vv.shape[2] = 3; }},
+    {"head_dim too large", "q.shape[3]",
+     [](Problem& s) { s.qv.shape[3] = s.kv.shape[3] = 1024; }},
+    {"head_dim 0", "q.shape[3]", [](Problem& s) { s.qv.shape[3] = s.kv.shape[3] = 0; }},
+    {"non-unit last stride", "q.stride[3]", [](Problem& s) { s.qv.stride[3] = 2; }},
+    {"negative stride", "k.stride[1]", [](Problem& s) { s.kv.stride[1] = -64; }},
+    {"output stride 0", "o.stride[1]", [](Problem& s) { s.ov.stride[1] = 0; }},
+    {"negative shape", "q.shape", [](Problem& s) { s.qv.shape[1] = -1; }},
+    {"lse wrong shape", "lse.shape[2]", [](Problem& s) { s.lv.shape[2] = 15; }},
+    {"lse wrong dtype", "lse.dtype", [](Problem& s) { s.lv.dtype = DType::f16; }},
+    {"device mismatch", "k.device", [](Problem& s) { s.kv.device = Device::cuda; }},
+    {"NaN scale", "params.scale", [](Problem& s) { s.prm.scale = std::numeric_limits<float>::quiet_NaN(); }},
+    {"negative softcap", "params.softcap", [](Problem& s) { s.prm.softcap = -1.0f; }},
+    {"window_left < -1", "params.window_left", [](Problem& s) { s.prm.window_left = -2; }},
+    {"window_right < -1", "params.window_right", [](Problem& s) { s.prm.window_right = -5; }},
+    {"alibi slopes wrong length", "params.alibi_slopes",
+     [](Problem& s) { s.prm.alibi_slopes = s.slopes.view({3}); }},
+    {"alibi slopes wrong dtype", "params.alibi_slopes.dtype",
+     [](Problem& s) { s.prm.alibi_slopes = s.slopes_i.view({4}); }},
+    {"sinks wrong length", "params.sinks", [](Problem& s) { s.prm.sinks = s.slopes.view({2}); }},
+    {"negative threads", "ctx.num_threads", [](Problem& s) { s.ctx.num_threads = -1; }},
+    {"cu_seqlens not monotonic", "cu_seqlens_q",
+     [](Problem& s) { s.to_varlen(); s.varlen.cu_seqlens_q = s.cu_bad.view({3}); }},
+    {"cu_seqlens past the packed tokens", "cu_seqlens_q[2]",
+     [](Problem& s) { s.to_varlen(); s.qv.shape[0] = s.ov.shape[0] = 20; s.lv.shape[1] = 20; }},
+    {"cu_seqlens wrong dtype", "cu_seqlens_k.dtype",
+     [](Problem& s) { s.to_varlen(); s.varlen.cu_seqlens_k = s.slopes.view({3}); }},
+    {"cu_seqlens_k missing", "cu_seqlens_k",
+     [](Problem& s) { s.to_varlen(); s.varlen.cu_seqlens_k = TensorView{}; }},
+    {"max_seqlen_q too small", "max_seqlen_q",
+     [](Problem& s) { s.to_varlen(); s.varlen.max_seqlen_q = 5; }},
+    {"varlen with 4-dim q", "'q'", [](Problem& s) { s.to_varlen(); s.qv = s.q.view({2, 16, 4, 32}); }},
+};
+
+class BadInputs : public ::testing::TestWithParam<BadInput> {};
+
+TEST_P(BadInputs, RejectedWithClearMessageAndNothingWritten) {
+  const BadInput& bad = GetParam();
+  Problem s;
+  bad.mutate(s);
+  try {
+    s.call();
+    FAIL() << bad.what << ": accepted";
+  } catch (const Error& e) {
+    const std::string msg = e.what();
+    EXPECT_NE(msg.find(bad.argument), std::string::npos) << bad.what << ": message does not name " << bad.argument
+                                                         << ": " << msg;
+    EXPECT_NE(msg.find("expected"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("got"), std::string::npos) << msg;
+  }
+  EXPECT_TRUE(s.outputs_untouched()) << bad.what << ": outputs were written";
+}
+
+INSTANTIATE_TEST_SUITE_P(Table, BadInputs, ::testing::ValuesIn(kBad),
+                         [](const ::testing::TestParamInfo<BadInput>& info) {
+                           std::string n = info.param.what;
+                           for (char& ch : n)
+                             if (!std::isalnum(static_cast<unsigned char>(ch))) ch = '_';
+                           return n;
+                         });
+
+TEST(Validation, TheValidSetupRuns) {
+  Problem s;
+  s.call();
+  EXPECT_FALSE(s.outputs_untouched());
+  Problem sv;
+  sv.to_varlen();
+  sv.call();
+}
+
+TEST(Validation, SelectNamesKernelAndLogs) {
+  Problem s;
+  const KernelChoice c = select_forward(s.qv, s.kv, s.vv, s.ov, s.lv, s.prm, s.ctx);
+  EXPECT_NE(c.kernel.find("cpu/flash"), std::string::npos) << c.kernel;
+  EXPECT_NE(c.kernel.find("hdim32"), std::string::npos) << c.kernel;
+  EXPECT_FALSE(c.reason.empty());
+  EXPECT_TRUE(s.outputs_untouched());
+  s.ctx.backend = Backend::naive;
+  EXPECT_NE(select_forward(s.qv, s.kv, s.vv, s.ov, s.lv, s.prm, s.ctx).kernel.find("cpu/naive"), std::string::npos);
+}
+
+TEST(Validation, CudaTensorsWithoutCudaAreAClearError) {
+  if (detail::cuda_compiled()) GTEST_SKIP() << "this build has CUDA";
+  Problem s;
+  s.qv.device = s.kv.device = s.vv.device = s.ov.device = s.lv.device = Device::cuda;
+  try {
+    s.call();
+    FAIL() << "accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("q.device"), std::string::npos) << e.what();
+  }
+  EXPECT_TRUE(s.outputs_untouched());
+}
+
+// ---- explain: the seed arithmetic ---------------------------------------------------------
+TEST(Explain, SeedNumbers) {
+  const ExplainReport r = explain(ExplainInput{});
+  EXPECT_EQ(r.score_bytes_per_head, 134217728.0);
+  EXPECT_NEAR(r.naive_bytes_per_head / 1e6, 537, 0.5);
+  EXPECT_NEAR(r.naive_bytes_per_layer / 1e9, 34.4, 0.05);
+  EXPECT_NEAR(r.naive_bytes_per_model / 1e12, 2.75, 0.005);
+  EXPECT_NEAR(r.flash_bytes_per_head / 1e6, 8.4, 0.05);
+  EXPECT_NEAR(r.traffic_ratio, 64, 1e-9);
+  EXPECT_NEAR(r.flops_per_head / 1e9, 34.4, 0.05);
+  EXPECT_NEAR(r.flops_per_model / 1e12, 176, 0.5);
+  EXPECT_NEAR(r.naive_traffic_seconds, 0.92, 0.005);
+  EXPECT_NEAR(r.math_seconds, 0.35, 0.005);
+  ExplainInput e2e;
+  e2e.attention_share = 0.3;
+  e2e.kernel_speedup = 2;
+  EXPECT_NEAR(explain(e2e).end_to_end_speedup, 1.18, 0.005);
+}
+
+TEST(Explain, OnlineSoftmaxWorkedExample) {
+  const OnlineSoftmaxExample ex = online_softmax_example({2, 1, 3, 0}, {1, 2, 3, 4}, 2);
+  ASSERT_EQ(ex.steps.size(), 2u);
+  EXPECT_EQ(ex.steps[0].max_after, 2);
+  EXPECT_NEAR(ex.steps[1].rescale, 0.368, 5e-4);
+  EXPECT_NEAR(ex.steps[1].sum_after, 1.553, 5e-4);
+  const double want[] = {0.237, 0.087, 0.644, 0.032};
+  for (int i = 0; i < 4; ++i) EXPECT_NEAR(ex.probabilities[i], want[i], 5e-4);
+  EXPECT_NEAR(ex.output, 2.471, 5e-4);
+  EXPECT_NEAR(ex.output, ex.output_direct, 1e-12);
+  const std::string text = explain_text(ExplainInput{});
+  for (const char* s : {"134,217,728", "536.9 MB", "34.4 GB", "2.75 TB", "8.4 MB", "64x", "176 TFLOP", "0.92 s",
+                        "0.35 s", "0.368", "1.553", "2.471"})
+    EXPECT_NE(text.find(s), std::string::npos) << "explain text lacks " << s;
+}
+
+TEST(Explain, BadInputIsAnError) {
+  ExplainInput in;
+  in.seqlen = 0;
+  EXPECT_THROW(explain(in), Error);
+  EXPECT_THROW(online_softmax_example({1, 2}, {1}, 1), Error);
+}
+
+}  // namespace
+}  // namespace ioattn::test
