@@ -41,6 +41,10 @@ struct Case {
   int64_t dv() const { return head_dim_v < 0 ? head_dim : head_dim_v; }
 };
 
+// gtest prints parameters with these (instead of raw bytes).
+inline void PrintTo(const Target& t, std::ostream* os) { *os << t.name(); }
+inline void PrintTo(const Case& c, std::ostream* os) { *os << c.name; }
+
 inline double atol_for(DType t) { return t == DType::f32 ? 1e-5 : 1e-4; }
 
 struct RunResult {
@@ -142,6 +146,13 @@ inline RunResult run_case(const Case& c, const Target& tg, uint64_t seed = 42) {
   detail::ErrorStats eo, el, no, nl;
   detail::output_errors(hp, o.host(), static_cast<const float*>(lse.host()), ref, &eo, &el);
   detail::ref_errors(emu, ref, &no, &nl);
+  // Padding between heads is not part of o: it must still hold the poison.
+  if (ph > 0) {
+    int64_t written = 0;
+    for (int64_t row = 0; row < rows_q * Hq; ++row)
+      for (int64_t x = Dv; x < Dv + ph; ++x) written += !std::isnan(o.get(row * (Dv + ph) + x));
+    EXPECT_EQ(written, 0) << c.name << ": elements outside o's view were written";
+  }
   RunResult r{eo.max_abs, el.max_abs, no.max_abs, nl.max_abs, eo.bad_index < 0 && el.bad_index < 0};
   const double atol = atol_for(c.dtype);
   EXPECT_TRUE(r.finite) << c.name << ": non-finite or unwritten output at O[" << eo.bad_index << "] / LSE["

@@ -77,6 +77,7 @@ struct Context {
   Backend backend = Backend::automatic;
   void* stream = nullptr;  // cudaStream_t for CUDA tensors; null = default stream
   int num_threads = 0;     // CPU threads; 0 = all (OpenMP default / IOATTN_NUM_THREADS)
+  bool deterministic = false;  // backward: bitwise-reproducible gradient accumulation
 };
 
 // What the dispatcher picked and why ("cpu/flash avx3 f32 hdim128 causal tile 48x64").
@@ -119,6 +120,23 @@ KernelChoice forward_varlen(const TensorView& q, const TensorView& k, const Tens
 KernelChoice select_forward(const TensorView& q, const TensorView& k, const TensorView& v,
                             const TensorView& o, const TensorView& lse, const AttnParams& params,
                             const Context& ctx = {});
+
+// Backward by recomputation: given the forward's inputs, its output o and fp32 lse, and the
+// output gradient dout (shape of o), writes dq, dk, dv (shapes of q, k, v; dtype of q). GQA: dk/dv
+// are summed over the query heads of a group. dsinks (optional, f32 [heads_q]) receives the sink
+// gradient summed over batch and rows; it requires params.sinks. Rows with LSE = -inf
+// contribute 0. Extra memory is O(seqlen), never seqlen_q x seqlen_k.
+struct Gradients {
+  TensorView dq, dk, dv;
+  TensorView dsinks;  // optional
+};
+KernelChoice backward(const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& o,
+                      const TensorView& dout, const TensorView& lse, const Gradients& grads,
+                      const AttnParams& params, const Context& ctx = {});
+KernelChoice backward_varlen(const TensorView& q, const TensorView& k, const TensorView& v,
+                             const TensorView& o, const TensorView& dout, const TensorView& lse,
+                             const Gradients& grads, const Varlen& varlen, const AttnParams& params,
+                             const Context& ctx = {});
 
 // What this build contains: backends, ISA targets, compiled kernels, CUDA devices.
 struct BuildInfo {

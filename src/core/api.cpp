@@ -328,6 +328,54 @@ Validated validate(const TensorView& q, const TensorView& k, const TensorView& v
 
 namespace {
 
+// A gradient or dout view: the shape and dtype of its partner, checked like any other view.
+void check_like(const TensorView& t, const char* name, const TensorView& like, const char* like_name,
+                const TensorView& q, bool output) {
+  check_view(t, name, like.ndim, q);
+  check_dtype(t, name, like.dtype);
+  for (int i = 0; i < like.ndim; ++i)
+    check_dim(name, i, t.shape[i], like.shape[i], (std::string("as ") + like_name).c_str());
+  if (output) check_writable(t, name);
+}
+
+Strides3 strides3(const TensorView& t, bool varlen) {
+  const int nd = t.ndim;
+  return {varlen ? 0 : t.stride[0], t.stride[nd - 3], t.stride[nd - 2]};
+}
+
+}  // namespace
+
+ValidatedBwd validate_backward(const TensorView& q, const TensorView& k, const TensorView& v,
+                               const TensorView& o, const TensorView& dout, const TensorView& lse,
+                               const Gradients& g, const Varlen* varlen, const AttnParams& params,
+                               const Context& ctx) {
+  ValidatedBwd out;
+  if (!lse.defined()) fail("lse", "the forward's fp32 log-sum-exp (required by the backward)", "undefined");
+  out.fwd = validate(q, k, v, o, lse, varlen, params, ctx);
+  const bool vl = varlen != nullptr;
+  check_like(dout, "dout", o, "o", q, false);
+  check_like(g.dq, "dq", q, "q", q, true);
+  check_like(g.dk, "dk", k, "k", q, true);
+  check_like(g.dv, "dv", v, "v", q, true);
+  BwdProblem& p = out.p;
+  if (g.dsinks.defined()) {
+    if (!params.sinks.defined()) fail("grads.dsinks", "no dsinks when params.sinks is not given", "a dsinks view");
+    p.dsinks = const_cast<float*>(check_head_vector(g.dsinks, "grads.dsinks", out.fwd.p.heads_q, q));
+  }
+  p.dout = dout.data;
+  p.dout_stride = strides3(dout, vl);
+  p.dq = g.dq.data;
+  p.dk = g.dk.data;
+  p.dv = g.dv.data;
+  p.dq_stride = strides3(g.dq, vl);
+  p.dk_stride = strides3(g.dk, vl);
+  p.dv_stride = strides3(g.dv, vl);
+  p.deterministic = ctx.deterministic;
+  return out;
+}
+
+namespace {
+
 std::string mask_name(const FwdProblem& p) {
   std::string m;
   if (p.causal) m = "causal";
@@ -399,8 +447,53 @@ KernelChoice run(const Validated& val, const Context& ctx) {
   return s.choice;
 }
 
+KernelChoice run_backward(ValidatedBwd& val, const Context& ctx) {
+  BwdProblem& p = val.p;
+  p.f = val.fwd.p;
+  const std::string shape = std::string(dtype_name(p.f.dtype)) + " hdim" + std::to_string(p.f.head_dim) + " " +
+                            mask_name(p.f) + (p.deterministic ? " deterministic" : "");
+  KernelChoice choice;
+  void (*runner)(const BwdProblem&) = nullptr;
+  if (p.f.device == Device::cpu) {
+    if (ctx.backend == Backend::naive) {
+      choice = {"cpu/naive-backward f64 " + shape, "backend=naive requested: P, dP, dS materialised in float64"};
+      runner = cpu_naive_backward;
+    } else {
+      choice = {"cpu/flash-backward " + cpu_best_target() + " " + shape,
+                "tiled recomputation from Q, K, V and LSE; dK/dV pass over key blocks, dQ pass over query blocks"};
+      runner = cpu_flash_backward;
+    }
+  } else {
+    const int arch = cuda_device_arch(p.f.device_index);
+    CudaSelection c = cuda_backward_select(p, arch);
+    if (c.kernel.empty())
+      throw Error("q", "ioattn: no CUDA backward kernel for sm" + std::to_string(arch) + " " + shape + ": " + c.reason);
+    choice = {c.kernel, c.reason};
+    runner = cuda_flash_backward;
+  }
+  if (log_enabled())
+    std::fprintf(stderr, "ioattn: backward: %s (%s)\n", choice.kernel.c_str(), choice.reason.c_str());
+  runner(p);
+  return choice;
+}
+
 }  // namespace
 }  // namespace detail
+
+KernelChoice backward(const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& o,
+                      const TensorView& dout, const TensorView& lse, const Gradients& grads,
+                      const AttnParams& params, const Context& ctx) {
+  auto val = detail::validate_backward(q, k, v, o, dout, lse, grads, nullptr, params, ctx);
+  return detail::run_backward(val, ctx);
+}
+
+KernelChoice backward_varlen(const TensorView& q, const TensorView& k, const TensorView& v,
+                             const TensorView& o, const TensorView& dout, const TensorView& lse,
+                             const Gradients& grads, const Varlen& varlen, const AttnParams& params,
+                             const Context& ctx) {
+  auto val = detail::validate_backward(q, k, v, o, dout, lse, grads, &varlen, params, ctx);
+  return detail::run_backward(val, ctx);
+}
 
 KernelChoice forward(const TensorView& q, const TensorView& k, const TensorView& v,
                      const TensorView& o, const TensorView& lse, const AttnParams& params,

@@ -15,6 +15,10 @@ namespace ioattn::detail {
 void cpu_naive_forward(const FwdProblem& p);
 // Tiled online-softmax backend (Highway SIMD, OpenMP threads).
 void cpu_flash_forward(const FwdProblem& p);
+// Backward by recomputation. The reference materialises P, dP, dS per (batch, head) in float64;
+// the flash backend is tiled (two passes: dK/dV over key blocks, then dQ over query blocks).
+void cpu_naive_backward(const BwdProblem& p);
+void cpu_flash_backward(const BwdProblem& p);
 // Tile shape the CPU flash kernel uses for this problem, e.g. "48x64".
 std::string cpu_flash_tile(const FwdProblem& p);
 // Highway targets compiled in, and the one chosen at run time on this machine.
@@ -48,5 +52,8 @@ CudaSelection cuda_flash_select(const FwdProblem& p, int arch);
 void cuda_flash_forward(const FwdProblem& p);
 void cuda_naive_forward(const FwdProblem& p);  // materialised S and P in HBM
 std::vector<std::string> cuda_compiled_kernels();
+// Backward on CUDA: a dispatch-table row or an empty name and the reason.
+CudaSelection cuda_backward_select(const BwdProblem& p, int arch);
+void cuda_flash_backward(const BwdProblem& p);
 
 }  // namespace ioattn::detail

@@ -25,5 +25,7 @@ CudaSelection cuda_flash_select(const FwdProblem&, int) { return {"", "this buil
 void cuda_flash_forward(const FwdProblem&) { no_cuda(); }
 void cuda_naive_forward(const FwdProblem&) { no_cuda(); }
 std::vector<std::string> cuda_compiled_kernels() { return {}; }
+CudaSelection cuda_backward_select(const BwdProblem&, int) { return {"", "this build has no CUDA backend"}; }
+void cuda_flash_backward(const BwdProblem&) { no_cuda(); }
 
 }  // namespace ioattn::detail

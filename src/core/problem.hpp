@@ -56,6 +56,19 @@ struct FwdProblem {
   bool has_mask() const { return window_left >= 0 || window_right >= 0; }
 };
 
+// The backward problem: the forward's description (o and lse are inputs here) plus gradients.
+struct BwdProblem {
+  FwdProblem f;             // f.o, f.lse: the forward's outputs, read-only here
+  const void* dout = nullptr;
+  Strides3 dout_stride;
+  void* dq = nullptr;
+  void* dk = nullptr;
+  void* dv = nullptr;
+  Strides3 dq_stride, dk_stride, dv_stride;
+  float* dsinks = nullptr;  // optional, [heads_q]
+  bool deterministic = false;
+};
+
 // Key range [lo, hi) visible to query row i, bottom-right aligned. hi <= lo means empty.
 inline void visible_keys(int64_t i, int64_t sq, int64_t sk, int64_t wl, int64_t wr,
                          int64_t* lo, int64_t* hi) {

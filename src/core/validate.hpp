@@ -31,4 +31,15 @@ Validated validate(const TensorView& q, const TensorView& k, const TensorView& v
                    const TensorView& lse, const Varlen* varlen, const AttnParams& params,
                    const Context& ctx);
 
+struct ValidatedBwd {
+  Validated fwd;
+  BwdProblem p;  // p.f is filled from fwd.p right before a backend runs (fwd owns the host copies)
+};
+
+// Backward: the forward's checks plus dout/dq/dk/dv/dsinks; lse is required.
+ValidatedBwd validate_backward(const TensorView& q, const TensorView& k, const TensorView& v,
+                               const TensorView& o, const TensorView& dout, const TensorView& lse,
+                               const Gradients& g, const Varlen* varlen, const AttnParams& params,
+                               const Context& ctx);
+
 }  // namespace ioattn::detail
