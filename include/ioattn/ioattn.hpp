@@ -32,7 +32,8 @@
 
 namespace ioattn {
 
-enum class DType : uint8_t { f32, f16, bf16, i32 };
+// f8e4m3 and i8 appear only in 8-bit KV caches (serving.hpp), with per-head scales.
+enum class DType : uint8_t { f32, f16, bf16, i32, f8e4m3, i8 };
 enum class Device : uint8_t { cpu, cuda };
 
 const char* dtype_name(DType t);
