@@ -1,0 +1,84 @@
+"""ioattn._C: nanobind bindings of the ioattn C++ API (use the `ioattn` package).
+
+Hand-written from `python -m nanobind.stubgen -m ioattn._C`, with arrays typed as `Array`:
+the functions take any DLPack producer or buffer (numpy, torch, JAX, CuPy), not only numpy.
+"""
+
+from collections.abc import Sequence
+from typing import Any
+
+Array = Any  # numpy.ndarray | torch.Tensor | jax.Array | cupy.ndarray | any DLPack producer
+
+__version__: str
+
+class Error(ValueError):
+    """An argument the ioattn C++ API rejected. A ValueError; `.argument` names the argument."""
+
+    argument: str
+
+def forward(q: Array, k: Array, v: Array, o: Array, lse: Array | None, *, scale: float = 0.0,
+            causal: bool = False, window_left: int = -1, window_right: int = -1,
+            softcap: float = 0.0, alibi_slopes: Array | None = None, sinks: Array | None = None,
+            backend: str = "auto", stream: int = 0, num_threads: int = 0,
+            u16_is_bf16: bool = False) -> tuple[str, str]:
+    """Runs ioattn::forward on q, k, v [b, s, h, d], writing o [b, sq, hq, dv] and (unless
+    None) lse [b, hq, sq] float32. stream is a cudaStream_t as an integer (0 = default). With
+    u16_is_bf16, uint16 arrays are read as bfloat16 bit patterns. Returns (kernel, reason)."""
+
+def forward_varlen(q: Array, k: Array, v: Array, o: Array, lse: Array | None,
+                   cu_seqlens_q: Array, cu_seqlens_k: Array, max_seqlen_q: int = 0,
+                   max_seqlen_k: int = 0, *, scale: float = 0.0, causal: bool = False,
+                   window_left: int = -1, window_right: int = -1, softcap: float = 0.0,
+                   alibi_slopes: Array | None = None, sinks: Array | None = None,
+                   backend: str = "auto", stream: int = 0, num_threads: int = 0,
+                   u16_is_bf16: bool = False) -> tuple[str, str]:
+    """Runs ioattn::forward_varlen on packed q [total_q, hq, d], k, v [total_k, hkv, d] with
+    int32 cu_seqlens [batch + 1], writing o [total_q, hq, dv] and (unless None) lse
+    [hq, total_q]. Returns (kernel, reason)."""
+
+def backward(q: Array, k: Array, v: Array, o: Array, dout: Array, lse: Array, dq: Array,
+             dk: Array, dv: Array, dsinks: Array | None, *, scale: float = 0.0,
+             causal: bool = False, window_left: int = -1, window_right: int = -1,
+             softcap: float = 0.0, alibi_slopes: Array | None = None, sinks: Array | None = None,
+             backend: str = "auto", stream: int = 0, num_threads: int = 0,
+             deterministic: bool = False, u16_is_bf16: bool = False) -> tuple[str, str]:
+    """Runs ioattn::backward: from the forward's q, k, v, o, lse and dout (shape of o), writes
+    dq, dk, dv (shapes of q, k, v) and, unless None, dsinks float32 [heads_q] (needs sinks).
+    Returns (kernel, reason)."""
+
+def backward_varlen(q: Array, k: Array, v: Array, o: Array, dout: Array, lse: Array, dq: Array,
+                    dk: Array, dv: Array, dsinks: Array | None, cu_seqlens_q: Array,
+                    cu_seqlens_k: Array, max_seqlen_q: int = 0, max_seqlen_k: int = 0, *,
+                    scale: float = 0.0, causal: bool = False, window_left: int = -1,
+                    window_right: int = -1, softcap: float = 0.0,
+                    alibi_slopes: Array | None = None, sinks: Array | None = None,
+                    backend: str = "auto", stream: int = 0, num_threads: int = 0,
+                    deterministic: bool = False, u16_is_bf16: bool = False) -> tuple[str, str]:
+    """Runs ioattn::backward_varlen on packed tensors (lse [heads_q, total_q]).
+    Returns (kernel, reason)."""
+
+def select_forward(q: Array, k: Array, v: Array, *, scale: float = 0.0, causal: bool = False,
+                   window_left: int = -1, window_right: int = -1, softcap: float = 0.0,
+                   alibi_slopes: Array | None = None, sinks: Array | None = None,
+                   backend: str = "auto", stream: int = 0, num_threads: int = 0,
+                   u16_is_bf16: bool = False) -> tuple[str, str]:
+    """Validates like forward() and returns (kernel, reason) for the kernel it would run."""
+
+def build_info() -> dict[str, Any]:
+    """What this build contains (ioattn::BuildInfo) as a dict."""
+
+def explain(*, seqlen: int = 8192, head_dim: int = 128, heads: int = 64, layers: int = 80,
+            dtype_bytes: int = 2, naive_passes: int = 4, bandwidth_Bps: float = 3e12,
+            flops_per_s: float = 500e12, attention_share: float = 0.0,
+            kernel_speedup: float = 1.0) -> dict[str, float]:
+    """The memory-traffic arithmetic (ioattn::explain) as a dict of ExplainReport fields."""
+
+def explain_text(*, seqlen: int = 8192, head_dim: int = 128, heads: int = 64, layers: int = 80,
+                 dtype_bytes: int = 2, naive_passes: int = 4, bandwidth_Bps: float = 3e12,
+                 flops_per_s: float = 500e12, attention_share: float = 0.0,
+                 kernel_speedup: float = 1.0) -> str:
+    """The same arithmetic as the text `ioattn explain` prints."""
+
+def online_softmax_example(scores: Sequence[float], values: Sequence[float],
+                           block_size: int) -> dict[str, Any]:
+    """The online softmax over key blocks, step by step (ioattn::online_softmax_example)."""

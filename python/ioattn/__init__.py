@@ -1,0 +1,409 @@
+"""ioattn — IO-aware exact attention (FlashAttention-style) for CPUs and NVIDIA GPUs.
+
+    import numpy as np, ioattn
+    q = np.random.randn(2, 128, 8, 64).astype(np.float32)   # [batch, seqlen, heads, head_dim]
+    o, lse = ioattn.attention(q, q, q, causal=True, return_lse=True)
+
+Arrays are taken without copies from numpy, PyTorch, JAX, CuPy or any DLPack producer, on the
+CPU or a CUDA device; outputs are allocated in the caller's framework (numpy for numpy and for
+other CPU arrays, torch for torch tensors, CuPy for CuPy arrays). torch tensors go through the
+custom op ``torch.ops.ioattn.attention`` (see ``ioattn.torch``), so autograd and torch.compile
+see one opaque op.
+
+Semantics (one definition for every backend; include/ioattn/ioattn.hpp has the full text):
+  * S = scale * Q K^T (scale defaults to 1/sqrt(head_dim)); softcap c > 0: S = c tanh(S / c);
+    ALiBi: S -= slope_h |i + (Sk - Sq) - j|.
+  * Masks are aligned bottom-right: causal keeps j <= i + (Sk - Sq); window (left, right) keeps
+    i + (Sk - Sq) - left <= j <= i + (Sk - Sq) + right, -1 meaning unbounded.
+  * GQA/MQA: query head h reads KV head h // (Hq // Hkv).
+  * sinks: a per-head logit in the softmax denominator with a zero value vector.
+  * A row with no visible key: O = 0 and LSE = -inf (with a sink: LSE = sink).
+  * O has the input dtype; LSE is float32, natural log, [batch, heads_q, seqlen_q].
+
+Gradients: attention_backward / attention_varlen_backward (ioattn::backward, by recomputation
+from the forward's O and LSE) for numpy-style arrays; torch tensors get them through autograd.
+
+Errors: an argument the library rejects raises ioattn.Error, a ValueError whose message names
+the argument ("ioattn: argument 'k.shape[2]': expected ..., got ...") and whose ``.argument``
+holds that name; an argument of the wrong Python type raises TypeError.
+"""
+
+import sys
+from typing import Any, Dict, Optional, Sequence, Tuple, Union
+
+import numpy as np
+
+from . import _C
+from ._args import Options, call_backward, check_bool, check_int, check_ndim, type_name
+from ._C import Error
+
+__version__: str = _C.__version__
+
+__all__ = [
+    "Error",
+    "attention",
+    "attention_backward",
+    "attention_varlen",
+    "attention_varlen_backward",
+    "explain",
+    "explain_text",
+    "info",
+    "online_softmax_example",
+    "select",
+]
+
+Array = Any  # numpy.ndarray, torch.Tensor, jax.Array, cupy.ndarray, or any DLPack producer
+
+# DLPack device types (dlpack.h).
+_DL_CPU, _DL_CUDA, _DL_CUDA_HOST, _DL_CUDA_MANAGED = 1, 2, 3, 13
+
+
+def __getattr__(name: str) -> Any:
+    # `ioattn.torch` is imported on first use, so the package works without PyTorch.
+    if name == "torch":
+        import importlib
+
+        return importlib.import_module(".torch", __name__)
+    raise AttributeError(f"module 'ioattn' has no attribute '{name}'")
+
+
+# ---- frameworks --------------------------------------------------------------------------
+
+def _is_torch(x: object) -> bool:
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(x, torch.Tensor)
+
+
+def _module_root(x: object) -> str:
+    return type(x).__module__.split(".")[0]
+
+
+def _check_array(name: str, x: object) -> None:
+    if not isinstance(x, np.ndarray) and not hasattr(x, "__dlpack__"):
+        raise TypeError(
+            f"ioattn: argument '{name}' must be an array (numpy, torch, JAX, CuPy or any "
+            f"DLPack producer), got {type_name(x)}")
+
+
+class _Host:
+    """Where one call's outputs are allocated (any framework but torch, which ioattn.torch
+    handles): numpy for arrays on the CPU, CuPy for CuPy arrays on a CUDA device."""
+
+    def __init__(self, q: Array, k: Array, v: Array) -> None:
+        _check_array("q", q)
+        _check_array("k", k)
+        _check_array("v", v)
+        self.cupy_device: Optional[int] = None
+        if isinstance(q, np.ndarray) or not hasattr(q, "__dlpack_device__"):
+            return
+        dev_type, dev_id = (int(d) for d in q.__dlpack_device__())
+        if dev_type in (_DL_CUDA, _DL_CUDA_MANAGED):
+            if _module_root(q) != "cupy":
+                raise TypeError(
+                    f"ioattn: argument 'q': CUDA arrays are taken from torch and CuPy; wrap a "
+                    f"{type_name(q)} without a copy, e.g. torch.from_dlpack(q)")
+            self.cupy_device = dev_id
+        # Any other device: outputs in numpy, and the extension names q's unsupported device.
+
+    def empty(self, shape: Tuple[int, ...], like: Optional[Array],
+              fill: Optional[float] = None) -> Array:
+        """An output shaped `shape` with like's dtype (float32 when like is None)."""
+        if self.cupy_device is not None:
+            import cupy
+
+            with cupy.cuda.Device(self.cupy_device):
+                out = cupy.empty(shape, dtype=cupy.float32 if like is None else like.dtype)
+                if fill is not None:
+                    out.fill(fill)
+            return out
+        out = np.empty(shape, dtype=np.float32 if like is None else _np_dtype(like))
+        if fill is not None:
+            out.fill(fill)
+        return out
+
+    def asarray(self, x: Optional[Array], dtype: Any) -> Optional[Array]:
+        """Lists (of ALiBi slopes, sink logits, cu_seqlens) as arrays on q's device."""
+        if not isinstance(x, (list, tuple)):
+            return x
+        if self.cupy_device is not None:
+            import cupy
+
+            with cupy.cuda.Device(self.cupy_device):
+                return cupy.asarray(x, dtype=dtype)
+        return np.asarray(x, dtype=dtype)
+
+    def stream(self) -> int:
+        if self.cupy_device is not None:
+            import cupy
+
+            return int(cupy.cuda.get_current_stream().ptr)
+        return 0
+
+
+def _np_dtype(x: Array) -> Any:
+    """The numpy dtype for an output like x (bfloat16 via ml_dtypes when x is bfloat16)."""
+    dt = getattr(x, "dtype", None)
+    name = getattr(dt, "name", None) or str(dt)
+    if name.startswith("jax.numpy.") or name.startswith("torch."):
+        name = name.rsplit(".", 1)[1]
+    if name == "bfloat16":
+        try:
+            import ml_dtypes
+        except ImportError:
+            raise TypeError("ioattn: a bfloat16 array on the CPU needs ml_dtypes for the output "
+                            "(numpy has no bfloat16): pip install ml_dtypes") from None
+        return np.dtype(ml_dtypes.bfloat16)
+    try:
+        return np.dtype(name)
+    except TypeError:
+        return np.dtype(np.float32)  # the extension rejects the input's dtype with its name
+
+
+def _is_bf16(x: Array) -> bool:
+    return isinstance(x, np.ndarray) and x.dtype.name == "bfloat16"
+
+
+def _pass(x: Array) -> Array:
+    """The object handed to the extension: numpy bfloat16 (ml_dtypes) goes as its uint16 bits."""
+    if _is_bf16(x):
+        return x.view(np.uint16)
+    return x
+
+
+def _shape(x: Array) -> Tuple[int, ...]:
+    return tuple(int(s) for s in x.shape)
+
+
+# ---- attention ---------------------------------------------------------------------------
+
+def attention(q: Array, k: Array, v: Array, *, causal: bool = False,
+              window: Tuple[int, int] = (-1, -1), softcap: float = 0.0,
+              scale: Optional[float] = None, alibi_slopes: Optional[Array] = None,
+              sinks: Optional[Array] = None, return_lse: bool = False, backend: str = "auto",
+              num_threads: int = 0) -> Union[Array, Tuple[Array, Array]]:
+    """Exact attention O = softmax(scale Q K^T [softcap] [+ alibi] [masked]) V.
+
+    q: [batch, seqlen_q, heads_q, head_dim]; k: [batch, seqlen_k, heads_kv, head_dim];
+    v: [batch, seqlen_k, heads_kv, head_dim_v]; float32, float16 or bfloat16, one device.
+    Any strides with a unit last-dim stride are read in place (so a [b, h, s, d] buffer passed
+    as x.transpose(1, 2) costs nothing).
+
+    causal: bottom-right aligned causal mask. window: (left, right), -1 = unbounded.
+    softcap: c > 0 applies c * tanh(s / c). scale: None = 1/sqrt(head_dim).
+    alibi_slopes, sinks: float32 [heads_q] on q's device (lists accepted for numpy).
+    backend: "auto", "flash" (tiled online softmax) or "naive" (materialised S and P).
+    num_threads: CPU threads, 0 = all.
+
+    Returns O [batch, seqlen_q, heads_q, head_dim_v] in q's dtype and framework, and with
+    return_lse=True also LSE [batch, heads_q, seqlen_q] float32.
+    """
+    if _is_torch(q):
+        from . import torch as _ioattn_torch
+
+        return _ioattn_torch.attention(
+            q, k, v, causal=causal, window=window, softcap=softcap, scale=scale,
+            alibi_slopes=alibi_slopes, sinks=sinks, return_lse=return_lse, backend=backend,
+            num_threads=num_threads)
+    opt = Options(causal, window, softcap, scale, backend, num_threads)
+    return_lse = check_bool("return_lse", return_lse)
+    host = _Host(q, k, v)
+    qs, vs = _shape(q), _shape(v)
+    check_ndim("q", qs, 4)
+    check_ndim("v", vs, 4)
+    b, sq, hq, _ = qs
+    o = host.empty((b, sq, hq, vs[3]), like=q)
+    lse = host.empty((b, hq, sq), like=None) if return_lse else None
+    _C.forward(_pass(q), _pass(k), _pass(v), _pass(o), lse,
+               alibi_slopes=host.asarray(alibi_slopes, np.float32),
+               sinks=host.asarray(sinks, np.float32), stream=host.stream(),
+               u16_is_bf16=_is_bf16(o), **opt.kwargs())
+    return (o, lse) if return_lse else o
+
+
+def attention_varlen(q: Array, k: Array, v: Array, cu_seqlens_q: Array, cu_seqlens_k: Array,
+                     max_seqlen_q: int = 0, max_seqlen_k: int = 0, *, causal: bool = False,
+                     window: Tuple[int, int] = (-1, -1), softcap: float = 0.0,
+                     scale: Optional[float] = None, alibi_slopes: Optional[Array] = None,
+                     sinks: Optional[Array] = None, return_lse: bool = False,
+                     backend: str = "auto",
+                     num_threads: int = 0) -> Union[Array, Tuple[Array, Array]]:
+    """Attention over a packed batch of variable-length sequences.
+
+    q: [total_q, heads_q, head_dim]; k, v: [total_k, heads_kv, head_dim(_v)]; sequence b owns
+    rows cu_seqlens_q[b]:cu_seqlens_q[b+1] of q (and likewise of k, v); cu_seqlens_* are int32
+    [batch + 1] on q's device (lists accepted for numpy). max_seqlen_*: 0 = computed; otherwise
+    at least the longest sequence. Masks are aligned bottom-right per sequence. Empty sequences
+    are allowed.
+
+    Returns O [total_q, heads_q, head_dim_v] and with return_lse=True LSE [heads_q, total_q]
+    float32. Rows past cu_seqlens_q[-1] belong to no sequence: O = 0 and LSE = -inf there.
+    """
+    if _is_torch(q):
+        from . import torch as _ioattn_torch
+
+        return _ioattn_torch.attention_varlen(
+            q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal,
+            window=window, softcap=softcap, scale=scale, alibi_slopes=alibi_slopes, sinks=sinks,
+            return_lse=return_lse, backend=backend, num_threads=num_threads)
+    opt = Options(causal, window, softcap, scale, backend, num_threads)
+    return_lse = check_bool("return_lse", return_lse)
+    max_seqlen_q = check_int("max_seqlen_q", max_seqlen_q)
+    max_seqlen_k = check_int("max_seqlen_k", max_seqlen_k)
+    host = _Host(q, k, v)
+    cu_q = host.asarray(cu_seqlens_q, np.int32)
+    cu_k = host.asarray(cu_seqlens_k, np.int32)
+    _check_array("cu_seqlens_q", cu_q)
+    _check_array("cu_seqlens_k", cu_k)
+    qs, vs = _shape(q), _shape(v)
+    check_ndim("q", qs, 3)
+    check_ndim("v", vs, 3)
+    total_q, hq, _ = qs
+    o = host.empty((total_q, hq, vs[2]), like=q, fill=0)
+    lse = host.empty((hq, total_q), like=None, fill=-np.inf) if return_lse else None
+    _C.forward_varlen(_pass(q), _pass(k), _pass(v), _pass(o), lse, cu_q, cu_k,
+                      max_seqlen_q, max_seqlen_k,
+                      alibi_slopes=host.asarray(alibi_slopes, np.float32),
+                      sinks=host.asarray(sinks, np.float32), stream=host.stream(),
+                      u16_is_bf16=_is_bf16(o), **opt.kwargs())
+    return (o, lse) if return_lse else o
+
+
+def _grads(host: _Host, q: Array, k: Array, v: Array, sinks: Optional[Array]
+           ) -> Tuple[Array, Array, Array, Optional[Array]]:
+    dq = host.empty(_shape(q), like=q)
+    dk = host.empty(_shape(k), like=q)
+    dv = host.empty(_shape(v), like=q)
+    dsinks = None if sinks is None else host.empty((len(sinks),), like=None)
+    return dq, dk, dv, dsinks
+
+
+def attention_backward(dout: Array, q: Array, k: Array, v: Array, out: Array, lse: Array, *,
+                       causal: bool = False, window: Tuple[int, int] = (-1, -1),
+                       softcap: float = 0.0, scale: Optional[float] = None,
+                       alibi_slopes: Optional[Array] = None, sinks: Optional[Array] = None,
+                       backend: str = "auto", num_threads: int = 0,
+                       deterministic: bool = False) -> Tuple[Array, ...]:
+    """Gradients of attention() by recomputation (ioattn::backward).
+
+    dout is the gradient of O; out and lse are attention()'s outputs for the same q, k, v and
+    keyword arguments (lse from return_lse=True). Returns (dq, dk, dv) in q's dtype (GQA: dk, dv
+    summed over each group's query heads), and dsinks (float32 [heads_q]) as a fourth element
+    when sinks is given. deterministic=True asks for bitwise-reproducible accumulation.
+    NotImplementedError when this build has no backward for the case.
+    """
+    if _is_torch(q):
+        raise TypeError("ioattn: attention_backward takes numpy/DLPack arrays; for torch tensors "
+                        "use autograd (ioattn.torch.attention is differentiable)")
+    opt = Options(causal, window, softcap, scale, backend, num_threads, deterministic)
+    host = _Host(q, k, v)
+    for name, x in (("dout", dout), ("out", out), ("lse", lse)):
+        _check_array(name, x)
+    alibi_slopes = host.asarray(alibi_slopes, np.float32)
+    sinks = host.asarray(sinks, np.float32)
+    dq, dk, dv, dsinks = _grads(host, q, k, v, sinks)
+    call_backward(_C.backward, _pass(q), _pass(k), _pass(v), _pass(out), _pass(dout), lse,
+                  _pass(dq), _pass(dk), _pass(dv), dsinks, alibi_slopes=alibi_slopes, sinks=sinks,
+                  stream=host.stream(), deterministic=opt.deterministic,
+                  u16_is_bf16=_is_bf16(dq), **opt.kwargs())
+    return (dq, dk, dv) if sinks is None else (dq, dk, dv, dsinks)
+
+
+def attention_varlen_backward(dout: Array, q: Array, k: Array, v: Array, out: Array, lse: Array,
+                              cu_seqlens_q: Array, cu_seqlens_k: Array, max_seqlen_q: int = 0,
+                              max_seqlen_k: int = 0, *, causal: bool = False,
+                              window: Tuple[int, int] = (-1, -1), softcap: float = 0.0,
+                              scale: Optional[float] = None,
+                              alibi_slopes: Optional[Array] = None,
+                              sinks: Optional[Array] = None, backend: str = "auto",
+                              num_threads: int = 0,
+                              deterministic: bool = False) -> Tuple[Array, ...]:
+    """Gradients of attention_varlen() (ioattn::backward_varlen); lse is [heads_q, total_q].
+    Returns (dq, dk, dv) and dsinks when sinks is given, as attention_backward()."""
+    if _is_torch(q):
+        raise TypeError("ioattn: attention_varlen_backward takes numpy/DLPack arrays; for torch "
+                        "tensors use autograd (ioattn.torch.attention_varlen is differentiable)")
+    opt = Options(causal, window, softcap, scale, backend, num_threads, deterministic)
+    host = _Host(q, k, v)
+    for name, x in (("dout", dout), ("out", out), ("lse", lse)):
+        _check_array(name, x)
+    cu_q = host.asarray(cu_seqlens_q, np.int32)
+    cu_k = host.asarray(cu_seqlens_k, np.int32)
+    _check_array("cu_seqlens_q", cu_q)
+    _check_array("cu_seqlens_k", cu_k)
+    alibi_slopes = host.asarray(alibi_slopes, np.float32)
+    sinks = host.asarray(sinks, np.float32)
+    dq, dk, dv, dsinks = _grads(host, q, k, v, sinks)
+    # Rows of q, k, v past the last sequence belong to none: their gradient is 0.
+    for g in (dq, dk, dv):
+        g.fill(0)
+    call_backward(_C.backward_varlen, _pass(q), _pass(k), _pass(v), _pass(out), _pass(dout),
+                  lse, _pass(dq), _pass(dk), _pass(dv), dsinks, cu_q, cu_k,
+                  check_int("max_seqlen_q", max_seqlen_q), check_int("max_seqlen_k", max_seqlen_k),
+                  alibi_slopes=alibi_slopes, sinks=sinks, stream=host.stream(),
+                  deterministic=opt.deterministic, u16_is_bf16=_is_bf16(dq), **opt.kwargs())
+    return (dq, dk, dv) if sinks is None else (dq, dk, dv, dsinks)
+
+
+def select(q: Array, k: Array, v: Array, *, causal: bool = False,
+           window: Tuple[int, int] = (-1, -1), softcap: float = 0.0,
+           scale: Optional[float] = None, alibi_slopes: Optional[Array] = None,
+           sinks: Optional[Array] = None, backend: str = "auto",
+           num_threads: int = 0) -> Dict[str, str]:
+    """Which kernel attention() would run for these arguments, without running it.
+
+    Validates exactly as attention() does (same errors) and returns
+    {"kernel": "cpu/flash avx3 f32 hdim128 causal tile 48x64", "reason": "..."}.
+    """
+    opt = Options(causal, window, softcap, scale, backend, num_threads)
+    if _is_torch(q):
+        from . import torch as _ioattn_torch
+
+        args = [_ioattn_torch._detach(x) for x in (q, k, v, alibi_slopes, sinks)]
+        stream = _ioattn_torch._stream(q)
+        u16 = False
+    else:
+        host = _Host(q, k, v)
+        args = [_pass(q), _pass(k), _pass(v), host.asarray(alibi_slopes, np.float32),
+                host.asarray(sinks, np.float32)]
+        stream = host.stream()
+        u16 = _is_bf16(q)
+    kernel, reason = _C.select_forward(args[0], args[1], args[2], alibi_slopes=args[3],
+                                       sinks=args[4], stream=stream, u16_is_bf16=u16,
+                                       **opt.kwargs())
+    return {"kernel": kernel, "reason": reason}
+
+
+# ---- build and arithmetic ----------------------------------------------------------------
+
+def info() -> Dict[str, Any]:
+    """What this build contains (ioattn::BuildInfo): version, CPU SIMD targets compiled and the
+    one chosen on this machine, CPU threads, whether CUDA was compiled, CUDA devices and the
+    CUDA kernels compiled in."""
+    return _C.build_info()
+
+
+def explain(**kwargs: Any) -> Dict[str, float]:
+    """The memory-traffic arithmetic of IO-aware attention (ioattn::explain) as a dict.
+
+    Keyword arguments (defaults in parentheses): seqlen (8192), head_dim (128), heads (64),
+    layers (80), dtype_bytes (2), naive_passes (4), bandwidth_Bps (3e12), flops_per_s (500e12),
+    attention_share (0: skip the end-to-end estimate), kernel_speedup (1).
+
+    Returns score_bytes_per_head, naive_bytes_per_{head,layer,model}, flash_bytes_per_head,
+    traffic_ratio, flops_per_head, flops_per_model, naive_traffic_seconds,
+    flash_traffic_seconds, math_seconds and end_to_end_speedup.
+    """
+    return _C.explain(**kwargs)
+
+
+def explain_text(**kwargs: Any) -> str:
+    """The same arithmetic as text, as `ioattn explain` prints it (same keyword arguments)."""
+    return _C.explain_text(**kwargs)
+
+
+def online_softmax_example(scores: Sequence[float], values: Sequence[float],
+                           block_size: int = 2) -> Dict[str, Any]:
+    """The online softmax over key blocks, one step per block: the running max before and
+    after, the rescale factor exp(m_old - m_new), the running sum and output; then the final
+    probabilities and output next to the two-pass softmax's output."""
+    return _C.online_softmax_example(list(scores), list(values), block_size)

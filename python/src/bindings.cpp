@@ -1,0 +1,486 @@
+// ioattn._C — the nanobind extension under the `ioattn` Python package.
+//
+// A thin layer over the public C++ API (include/ioattn/*.hpp) and nothing else: every array
+// arrives as an nb::ndarray (numpy, torch, JAX, CuPy, any DLPack producer or buffer), and its
+// data pointer, dtype, device, shape and strides (nanobind gives strides in elements, as
+// TensorView wants them) go straight into an ioattn::TensorView. No copies, no conversions:
+// an array the C++ API cannot take is an ioattn.Error naming the argument.
+//
+// Functions: forward, forward_varlen, backward, backward_varlen, select_forward, build_info,
+// explain, explain_text, online_softmax_example. The Python package (python/ioattn/) allocates
+// outputs in the caller's framework and passes them in; this module only describes and runs,
+// with the GIL released while the library computes.
+//
+// Errors: ioattn::Error (a std::invalid_argument) becomes ioattn._C.Error, a subclass of
+// ValueError with the C++ message unchanged and the argument name in `.argument`. Wrong Python
+// types are nanobind's TypeError.
+#include <nanobind/nanobind.h>
+#include <nanobind/ndarray.h>
+#include <nanobind/stl/optional.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/tuple.h>
+#include <nanobind/stl/vector.h>
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "ioattn/explain.hpp"
+#include "ioattn/ioattn.hpp"
+
+namespace nb = nanobind;
+using namespace nb::literals;
+
+namespace {
+
+// Inputs are read-only views (nb::ro also admits read-only numpy arrays and broadcast views);
+// outputs must be writable.
+using InArray = nb::ndarray<nb::ro>;
+using OutArray = nb::ndarray<>;
+
+[[noreturn]] void fail(const std::string& arg, const std::string& expected, const std::string& got) {
+  throw ioattn::Error(arg, "ioattn: argument '" + arg + "': expected " + expected + ", got " + got);
+}
+
+std::string dlpack_dtype_name(nb::dlpack::dtype t) {
+  using Code = nb::dlpack::dtype_code;
+  std::string base;
+  switch (static_cast<Code>(t.code)) {
+    case Code::Int: base = "int"; break;
+    case Code::UInt: base = "uint"; break;
+    case Code::Float: base = "float"; break;
+    case Code::Bfloat: base = "bfloat"; break;
+    case Code::Complex: base = "complex"; break;
+    case Code::Bool: return "bool";
+    default: base = "dlpack_code" + std::to_string(t.code) + "_"; break;
+  }
+  std::string name = base + std::to_string(t.bits);
+  if (t.lanes != 1) name += "x" + std::to_string(t.lanes);
+  return name;
+}
+
+// Which dtypes an argument may have (for the error message only; the C++ API checks the rest).
+enum class Kind { floating, f32_only, i32_only };
+
+const char* kind_expected(Kind k) {
+  switch (k) {
+    case Kind::floating: return "float32, float16 or bfloat16";
+    case Kind::f32_only: return "float32";
+    case Kind::i32_only: return "int32";
+  }
+  return "?";
+}
+
+ioattn::DType to_dtype(nb::dlpack::dtype t, const std::string& name, Kind kind, bool u16_is_bf16) {
+  using Code = nb::dlpack::dtype_code;
+  const auto code = static_cast<Code>(t.code);
+  if (t.lanes == 1) {
+    if (code == Code::Float && t.bits == 32) return ioattn::DType::f32;
+    if (code == Code::Float && t.bits == 16) return ioattn::DType::f16;
+    if (code == Code::Bfloat && t.bits == 16) return ioattn::DType::bf16;
+    // numpy has no bfloat16 of its own and cannot export ml_dtypes.bfloat16 through DLPack or
+    // the buffer protocol; the Python layer passes such arrays as uint16 bit patterns.
+    if (code == Code::UInt && t.bits == 16 && u16_is_bf16) return ioattn::DType::bf16;
+    if (code == Code::Int && t.bits == 32) return ioattn::DType::i32;
+  }
+  fail(name + ".dtype", kind_expected(kind), dlpack_dtype_name(t));
+}
+
+// DLPack device types (dlpack.h DLDeviceType).
+constexpr int kDLCPU = 1, kDLCUDA = 2, kDLCUDAHost = 3, kDLCUDAManaged = 13;
+
+const char* dlpack_device_name(int type) {
+  switch (type) {
+    case 1: return "cpu";
+    case 2: return "cuda";
+    case 3: return "cuda_host";
+    case 4: return "opencl";
+    case 7: return "vulkan";
+    case 8: return "metal";
+    case 9: return "vpi";
+    case 10: return "rocm";
+    case 11: return "rocm_host";
+    case 13: return "cuda_managed";
+    case 14: return "oneapi";
+    default: return "unknown";
+  }
+}
+
+template <typename Array>
+ioattn::TensorView to_view(const Array& a, const std::string& name, Kind kind, bool u16_is_bf16) {
+  ioattn::TensorView t;
+  if (a.ndim() > 4)
+    fail(name, "at most 4 dims", std::to_string(a.ndim()) + " dims");
+  t.dtype = to_dtype(a.dtype(), name, kind, u16_is_bf16);
+  switch (a.device_type()) {
+    case kDLCPU:
+    case kDLCUDAHost:  // pinned host memory: the CPU reads it directly
+      t.device = ioattn::Device::cpu;
+      t.device_index = 0;
+      break;
+    case kDLCUDA:
+    case kDLCUDAManaged:
+      t.device = ioattn::Device::cuda;
+      t.device_index = a.device_id();
+      break;
+    default:
+      fail(name + ".device", "cpu or cuda", dlpack_device_name(a.device_type()));
+  }
+  t.data = const_cast<void*>(static_cast<const void*>(a.data()));
+  t.ndim = static_cast<int>(a.ndim());
+  for (int i = 0; i < t.ndim; ++i) {
+    t.shape[i] = static_cast<int64_t>(a.shape(static_cast<size_t>(i)));
+    t.stride[i] = a.stride(static_cast<size_t>(i));  // elements
+  }
+  return t;
+}
+
+ioattn::TensorView to_view_opt(const std::optional<InArray>& a, const std::string& name, Kind kind,
+                               bool u16_is_bf16) {
+  if (!a) return {};
+  return to_view(*a, name, kind, u16_is_bf16);
+}
+
+ioattn::Backend to_backend(const std::string& s) {
+  if (s == "auto") return ioattn::Backend::automatic;
+  if (s == "flash") return ioattn::Backend::flash;
+  if (s == "naive") return ioattn::Backend::naive;
+  fail("backend", "'auto', 'flash' or 'naive'", "'" + s + "'");
+}
+
+// Everything a forward call takes besides the tensors.
+struct Options {
+  ioattn::AttnParams params;
+  ioattn::Context ctx;
+};
+
+Options make_options(float scale, bool causal, int64_t window_left, int64_t window_right,
+                     float softcap, const std::optional<InArray>& alibi_slopes,
+                     const std::optional<InArray>& sinks, const std::string& backend,
+                     uintptr_t stream, int num_threads, bool deterministic = false) {
+  Options o;
+  o.params.scale = scale;
+  o.params.causal = causal;
+  o.params.window_left = window_left;
+  o.params.window_right = window_right;
+  o.params.softcap = softcap;
+  o.params.alibi_slopes = to_view_opt(alibi_slopes, "params.alibi_slopes", Kind::f32_only, false);
+  o.params.sinks = to_view_opt(sinks, "params.sinks", Kind::f32_only, false);
+  o.ctx.backend = to_backend(backend);
+  o.ctx.stream = reinterpret_cast<void*>(stream);
+  o.ctx.num_threads = num_threads;
+  o.ctx.deterministic = deterministic;
+  return o;
+}
+
+using Choice = std::tuple<std::string, std::string>;  // (kernel, reason)
+
+Choice forward(const InArray& q, const InArray& k, const InArray& v, const OutArray& o,
+               const std::optional<OutArray>& lse, float scale, bool causal, int64_t window_left,
+               int64_t window_right, float softcap, const std::optional<InArray>& alibi_slopes,
+               const std::optional<InArray>& sinks, const std::string& backend, uintptr_t stream,
+               int num_threads, bool u16_is_bf16) {
+  const Options opt = make_options(scale, causal, window_left, window_right, softcap, alibi_slopes,
+                                   sinks, backend, stream, num_threads);
+  const ioattn::TensorView qv = to_view(q, "q", Kind::floating, u16_is_bf16);
+  const ioattn::TensorView kv = to_view(k, "k", Kind::floating, u16_is_bf16);
+  const ioattn::TensorView vv = to_view(v, "v", Kind::floating, u16_is_bf16);
+  const ioattn::TensorView ov = to_view(o, "o", Kind::floating, u16_is_bf16);
+  const ioattn::TensorView lv = lse ? to_view(*lse, "lse", Kind::f32_only, false) : ioattn::TensorView{};
+  ioattn::KernelChoice c;
+  {
+    nb::gil_scoped_release nogil;
+    c = ioattn::forward(qv, kv, vv, ov, lv, opt.params, opt.ctx);
+  }
+  return {c.kernel, c.reason};
+}
+
+Choice forward_varlen(const InArray& q, const InArray& k, const InArray& v, const OutArray& o,
+                      const std::optional<OutArray>& lse, const InArray& cu_seqlens_q,
+                      const InArray& cu_seqlens_k, int64_t max_seqlen_q, int64_t max_seqlen_k,
+                      float scale, bool causal, int64_t window_left, int64_t window_right,
+                      float softcap, const std::optional<InArray>& alibi_slopes,
+                      const std::optional<InArray>& sinks, const std::string& backend,
+                      uintptr_t stream, int num_threads, bool u16_is_bf16) {
+  const Options opt = make_options(scale, causal, window_left, window_right, softcap, alibi_slopes,
+                                   sinks, backend, stream, num_threads);
+  ioattn::Varlen vl;
+  vl.cu_seqlens_q = to_view(cu_seqlens_q, "cu_seqlens_q", Kind::i32_only, false);
+  vl.cu_seqlens_k = to_view(cu_seqlens_k, "cu_seqlens_k", Kind::i32_only, false);
+  vl.max_seqlen_q = max_seqlen_q;
+  vl.max_seqlen_k = max_seqlen_k;
+  const ioattn::TensorView qv = to_view(q, "q", Kind::floating, u16_is_bf16);
+  const ioattn::TensorView kv = to_view(k, "k", Kind::floating, u16_is_bf16);
+  const ioattn::TensorView vv = to_view(v, "v", Kind::floating, u16_is_bf16);
+  const ioattn::TensorView ov = to_view(o, "o", Kind::floating, u16_is_bf16);
+  const ioattn::TensorView lv = lse ? to_view(*lse, "lse", Kind::f32_only, false) : ioattn::TensorView{};
+  ioattn::KernelChoice c;
+  {
+    nb::gil_scoped_release nogil;
+    c = ioattn::forward_varlen(qv, kv, vv, ov, lv, vl, opt.params, opt.ctx);
+  }
+  return {c.kernel, c.reason};
+}
+
+// Gradients by recomputation: reads q, k, v, o, dout and the forward's lse; writes dq, dk, dv
+// (shapes and dtype of q, k, v) and, when given, dsinks (float32 [heads_q]; needs sinks).
+struct GradViews {
+  ioattn::Gradients g;
+  ioattn::TensorView o, dout, lse;
+};
+
+GradViews grad_views(const InArray& o, const InArray& dout, const InArray& lse, const OutArray& dq,
+                     const OutArray& dk, const OutArray& dv, const std::optional<OutArray>& dsinks,
+                     bool u16_is_bf16) {
+  GradViews r;
+  r.o = to_view(o, "o", Kind::floating, u16_is_bf16);
+  r.dout = to_view(dout, "dout", Kind::floating, u16_is_bf16);
+  r.lse = to_view(lse, "lse", Kind::f32_only, false);
+  r.g.dq = to_view(dq, "dq", Kind::floating, u16_is_bf16);
+  r.g.dk = to_view(dk, "dk", Kind::floating, u16_is_bf16);
+  r.g.dv = to_view(dv, "dv", Kind::floating, u16_is_bf16);
+  if (dsinks) r.g.dsinks = to_view(*dsinks, "grads.dsinks", Kind::f32_only, false);
+  return r;
+}
+
+Choice backward(const InArray& q, const InArray& k, const InArray& v, const InArray& o,
+                const InArray& dout, const InArray& lse, const OutArray& dq, const OutArray& dk,
+                const OutArray& dv, const std::optional<OutArray>& dsinks, float scale, bool causal,
+                int64_t window_left, int64_t window_right, float softcap,
+                const std::optional<InArray>& alibi_slopes, const std::optional<InArray>& sinks,
+                const std::string& backend, uintptr_t stream, int num_threads, bool deterministic,
+                bool u16_is_bf16) {
+  const Options opt = make_options(scale, causal, window_left, window_right, softcap, alibi_slopes,
+                                   sinks, backend, stream, num_threads, deterministic);
+  const ioattn::TensorView qv = to_view(q, "q", Kind::floating, u16_is_bf16);
+  const ioattn::TensorView kv = to_view(k, "k", Kind::floating, u16_is_bf16);
+  const ioattn::TensorView vv = to_view(v, "v", Kind::floating, u16_is_bf16);
+  const GradViews gv = grad_views(o, dout, lse, dq, dk, dv, dsinks, u16_is_bf16);
+  ioattn::KernelChoice c;
+  {
+    nb::gil_scoped_release nogil;
+    c = ioattn::backward(qv, kv, vv, gv.o, gv.dout, gv.lse, gv.g, opt.params, opt.ctx);
+  }
+  return {c.kernel, c.reason};
+}
+
+Choice backward_varlen(const InArray& q, const InArray& k, const InArray& v, const InArray& o,
+                       const InArray& dout, const InArray& lse, const OutArray& dq,
+                       const OutArray& dk, const OutArray& dv, const std::optional<OutArray>& dsinks,
+                       const InArray& cu_seqlens_q, const InArray& cu_seqlens_k, int64_t max_seqlen_q,
+                       int64_t max_seqlen_k, float scale, bool causal, int64_t window_left,
+                       int64_t window_right, float softcap, const std::optional<InArray>& alibi_slopes,
+                       const std::optional<InArray>& sinks, const std::string& backend,
+                       uintptr_t stream, int num_threads, bool deterministic, bool u16_is_bf16) {
+  const Options opt = make_options(scale, causal, window_left, window_right, softcap, alibi_slopes,
+                                   sinks, backend, stream, num_threads, deterministic);
+  ioattn::Varlen vl;
+  vl.cu_seqlens_q = to_view(cu_seqlens_q, "cu_seqlens_q", Kind::i32_only, false);
+  vl.cu_seqlens_k = to_view(cu_seqlens_k, "cu_seqlens_k", Kind::i32_only, false);
+  vl.max_seqlen_q = max_seqlen_q;
+  vl.max_seqlen_k = max_seqlen_k;
+  const ioattn::TensorView qv = to_view(q, "q", Kind::floating, u16_is_bf16);
+  const ioattn::TensorView kv = to_view(k, "k", Kind::floating, u16_is_bf16);
+  const ioattn::TensorView vv = to_view(v, "v", Kind::floating, u16_is_bf16);
+  const GradViews gv = grad_views(o, dout, lse, dq, dk, dv, dsinks, u16_is_bf16);
+  ioattn::KernelChoice c;
+  {
+    nb::gil_scoped_release nogil;
+    c = ioattn::backward_varlen(qv, kv, vv, gv.o, gv.dout, gv.lse, gv.g, vl, opt.params, opt.ctx);
+  }
+  return {c.kernel, c.reason};
+}
+
+// Which kernel forward() would run, without running it and without an output buffer: the
+// output view borrows q's pointer (never dereferenced) with contiguous [b, sq, hq, dv] strides.
+Choice select_forward(const InArray& q, const InArray& k, const InArray& v, float scale, bool causal,
+                      int64_t window_left, int64_t window_right, float softcap,
+                      const std::optional<InArray>& alibi_slopes, const std::optional<InArray>& sinks,
+                      const std::string& backend, uintptr_t stream, int num_threads, bool u16_is_bf16) {
+  const Options opt = make_options(scale, causal, window_left, window_right, softcap, alibi_slopes,
+                                   sinks, backend, stream, num_threads);
+  const ioattn::TensorView qv = to_view(q, "q", Kind::floating, u16_is_bf16);
+  const ioattn::TensorView kv = to_view(k, "k", Kind::floating, u16_is_bf16);
+  const ioattn::TensorView vv = to_view(v, "v", Kind::floating, u16_is_bf16);
+  ioattn::TensorView ov = qv;
+  if (qv.ndim == 4 && vv.ndim == 4) {
+    ov.shape[3] = vv.shape[3];
+    int64_t st = 1;
+    for (int d = 3; d >= 0; --d) {
+      ov.stride[d] = st;
+      st *= ov.shape[d];
+    }
+  }
+  const ioattn::KernelChoice c = ioattn::select_forward(qv, kv, vv, ov, {}, opt.params, opt.ctx);
+  return {c.kernel, c.reason};
+}
+
+nb::dict build_info() {
+  const ioattn::BuildInfo b = ioattn::build_info();
+  nb::dict d;
+  d["version"] = b.version;
+  d["cpu_targets"] = b.cpu_targets;
+  d["cpu_best_target"] = b.cpu_best_target;
+  d["cpu_threads"] = b.cpu_threads;
+  d["cuda_compiled"] = b.cuda_compiled;
+  d["cuda_devices"] = b.cuda_devices;
+  d["cuda_kernels"] = b.cuda_kernels;
+  d["cuda_device_names"] = b.cuda_device_names;
+  return d;
+}
+
+nb::dict explain(int64_t seqlen, int64_t head_dim, int64_t heads, int64_t layers, int64_t dtype_bytes,
+                 int64_t naive_passes, double bandwidth_Bps, double flops_per_s,
+                 double attention_share, double kernel_speedup) {
+  ioattn::ExplainInput in;
+  in.seqlen = seqlen;
+  in.head_dim = head_dim;
+  in.heads = heads;
+  in.layers = layers;
+  in.dtype_bytes = dtype_bytes;
+  in.naive_passes = naive_passes;
+  in.bandwidth_Bps = bandwidth_Bps;
+  in.flops_per_s = flops_per_s;
+  in.attention_share = attention_share;
+  in.kernel_speedup = kernel_speedup;
+  const ioattn::ExplainReport r = ioattn::explain(in);
+  nb::dict d;
+  d["score_bytes_per_head"] = r.score_bytes_per_head;
+  d["naive_bytes_per_head"] = r.naive_bytes_per_head;
+  d["naive_bytes_per_layer"] = r.naive_bytes_per_layer;
+  d["naive_bytes_per_model"] = r.naive_bytes_per_model;
+  d["flash_bytes_per_head"] = r.flash_bytes_per_head;
+  d["traffic_ratio"] = r.traffic_ratio;
+  d["flops_per_head"] = r.flops_per_head;
+  d["flops_per_model"] = r.flops_per_model;
+  d["naive_traffic_seconds"] = r.naive_traffic_seconds;
+  d["flash_traffic_seconds"] = r.flash_traffic_seconds;
+  d["math_seconds"] = r.math_seconds;
+  d["end_to_end_speedup"] = r.end_to_end_speedup;
+  return d;
+}
+
+std::string explain_text(int64_t seqlen, int64_t head_dim, int64_t heads, int64_t layers,
+                         int64_t dtype_bytes, int64_t naive_passes, double bandwidth_Bps,
+                         double flops_per_s, double attention_share, double kernel_speedup) {
+  ioattn::ExplainInput in;
+  in.seqlen = seqlen;
+  in.head_dim = head_dim;
+  in.heads = heads;
+  in.layers = layers;
+  in.dtype_bytes = dtype_bytes;
+  in.naive_passes = naive_passes;
+  in.bandwidth_Bps = bandwidth_Bps;
+  in.flops_per_s = flops_per_s;
+  in.attention_share = attention_share;
+  in.kernel_speedup = kernel_speedup;
+  return ioattn::explain_text(in);
+}
+
+nb::dict online_softmax_example(const std::vector<double>& scores, const std::vector<double>& values,
+                                int block_size) {
+  const ioattn::OnlineSoftmaxExample ex = ioattn::online_softmax_example(scores, values, block_size);
+  nb::list steps;
+  for (const ioattn::OnlineSoftmaxStep& s : ex.steps) {
+    nb::dict st;
+    st["block_scores"] = s.block_scores;
+    st["max_before"] = s.max_before;
+    st["max_after"] = s.max_after;
+    st["rescale"] = s.rescale;
+    st["sum_after"] = s.sum_after;
+    st["acc_after"] = s.acc_after;
+    steps.append(st);
+  }
+  nb::dict d;
+  d["steps"] = steps;
+  d["probabilities"] = ex.probabilities;
+  d["output"] = ex.output;
+  d["output_direct"] = ex.output_direct;
+  return d;
+}
+
+// ioattn._C.Error: ValueError + `.argument`. A strong reference kept for the process lifetime
+// (extension modules are never unloaded).
+PyObject* g_error_type = nullptr;
+
+}  // namespace
+
+NB_MODULE(_C, m) {
+  m.doc() = "ioattn._C: nanobind bindings of the ioattn C++ API (use the `ioattn` package).";
+
+  g_error_type = PyErr_NewExceptionWithDoc(
+      "ioattn._C.Error",
+      "An argument the ioattn C++ API rejected. A ValueError; `.argument` names the argument.",
+      PyExc_ValueError, nullptr);
+  if (!g_error_type) throw nb::python_error();
+  m.attr("Error") = nb::borrow(g_error_type);
+  nb::register_exception_translator(
+      [](const std::exception_ptr& p, void*) {
+        try {
+          std::rethrow_exception(p);
+        } catch (const ioattn::Error& e) {
+          nb::object err = nb::borrow(g_error_type)(nb::str(e.what()));
+          err.attr("argument") = nb::str(e.argument().c_str());
+          PyErr_SetObject(g_error_type, err.ptr());
+        }
+      },
+      nullptr);
+
+  m.attr("__version__") = ioattn::build_info().version;
+
+  m.def("forward", &forward, "q"_a, "k"_a, "v"_a, "o"_a, "lse"_a.none(), nb::kw_only(),
+        "scale"_a = 0.0f, "causal"_a = false, "window_left"_a = -1, "window_right"_a = -1,
+        "softcap"_a = 0.0f, "alibi_slopes"_a.none() = nb::none(), "sinks"_a.none() = nb::none(),
+        "backend"_a = "auto", "stream"_a = 0, "num_threads"_a = 0, "u16_is_bf16"_a = false,
+        "Runs ioattn::forward on q, k, v [b, s, h, d], writing o [b, sq, hq, dv] and (unless None) "
+        "lse [b, hq, sq] float32. stream is a cudaStream_t as an integer (0 = default). With "
+        "u16_is_bf16, uint16 arrays are read as bfloat16 bit patterns. Returns (kernel, reason).");
+  m.def("forward_varlen", &forward_varlen, "q"_a, "k"_a, "v"_a, "o"_a, "lse"_a.none(),
+        "cu_seqlens_q"_a, "cu_seqlens_k"_a, "max_seqlen_q"_a = 0, "max_seqlen_k"_a = 0, nb::kw_only(),
+        "scale"_a = 0.0f, "causal"_a = false, "window_left"_a = -1, "window_right"_a = -1,
+        "softcap"_a = 0.0f, "alibi_slopes"_a.none() = nb::none(), "sinks"_a.none() = nb::none(),
+        "backend"_a = "auto", "stream"_a = 0, "num_threads"_a = 0, "u16_is_bf16"_a = false,
+        "Runs ioattn::forward_varlen on packed q [total_q, hq, d], k, v [total_k, hkv, d] with int32 "
+        "cu_seqlens [batch + 1], writing o [total_q, hq, dv] and (unless None) lse [hq, total_q]. "
+        "Returns (kernel, reason).");
+  m.def("backward", &backward, "q"_a, "k"_a, "v"_a, "o"_a, "dout"_a, "lse"_a, "dq"_a, "dk"_a,
+        "dv"_a, "dsinks"_a.none(), nb::kw_only(), "scale"_a = 0.0f, "causal"_a = false,
+        "window_left"_a = -1, "window_right"_a = -1, "softcap"_a = 0.0f,
+        "alibi_slopes"_a.none() = nb::none(), "sinks"_a.none() = nb::none(), "backend"_a = "auto",
+        "stream"_a = 0, "num_threads"_a = 0, "deterministic"_a = false, "u16_is_bf16"_a = false,
+        "Runs ioattn::backward: from the forward's q, k, v, o, lse and dout (shape of o), writes "
+        "dq, dk, dv (shapes of q, k, v) and, unless None, dsinks float32 [heads_q] (needs sinks). "
+        "Returns (kernel, reason).");
+  m.def("backward_varlen", &backward_varlen, "q"_a, "k"_a, "v"_a, "o"_a, "dout"_a, "lse"_a, "dq"_a,
+        "dk"_a, "dv"_a, "dsinks"_a.none(), "cu_seqlens_q"_a, "cu_seqlens_k"_a, "max_seqlen_q"_a = 0,
+        "max_seqlen_k"_a = 0, nb::kw_only(), "scale"_a = 0.0f, "causal"_a = false,
+        "window_left"_a = -1, "window_right"_a = -1, "softcap"_a = 0.0f,
+        "alibi_slopes"_a.none() = nb::none(), "sinks"_a.none() = nb::none(), "backend"_a = "auto",
+        "stream"_a = 0, "num_threads"_a = 0, "deterministic"_a = false, "u16_is_bf16"_a = false,
+        "Runs ioattn::backward_varlen on packed tensors (lse [heads_q, total_q]). "
+        "Returns (kernel, reason).");
+  m.def("select_forward", &select_forward, "q"_a, "k"_a, "v"_a, nb::kw_only(), "scale"_a = 0.0f,
+        "causal"_a = false, "window_left"_a = -1, "window_right"_a = -1, "softcap"_a = 0.0f,
+        "alibi_slopes"_a.none() = nb::none(), "sinks"_a.none() = nb::none(), "backend"_a = "auto",
+        "stream"_a = 0, "num_threads"_a = 0, "u16_is_bf16"_a = false,
+        "Validates like forward() and returns (kernel, reason) for the kernel it would run.");
+  m.def("build_info", &build_info, "What this build contains (ioattn::BuildInfo) as a dict.");
+
+  const ioattn::ExplainInput dflt;
+  m.def("explain", &explain, nb::kw_only(), "seqlen"_a = dflt.seqlen, "head_dim"_a = dflt.head_dim,
+        "heads"_a = dflt.heads, "layers"_a = dflt.layers, "dtype_bytes"_a = dflt.dtype_bytes,
+        "naive_passes"_a = dflt.naive_passes, "bandwidth_Bps"_a = dflt.bandwidth_Bps,
+        "flops_per_s"_a = dflt.flops_per_s, "attention_share"_a = dflt.attention_share,
+        "kernel_speedup"_a = dflt.kernel_speedup,
+        "The memory-traffic arithmetic (ioattn::explain) as a dict of ExplainReport fields.");
+  m.def("explain_text", &explain_text, nb::kw_only(), "seqlen"_a = dflt.seqlen,
+        "head_dim"_a = dflt.head_dim, "heads"_a = dflt.heads, "layers"_a = dflt.layers,
+        "dtype_bytes"_a = dflt.dtype_bytes, "naive_passes"_a = dflt.naive_passes,
+        "bandwidth_Bps"_a = dflt.bandwidth_Bps, "flops_per_s"_a = dflt.flops_per_s,
+        "attention_share"_a = dflt.attention_share, "kernel_speedup"_a = dflt.kernel_speedup,
+        "The same arithmetic as the text `ioattn explain` prints.");
+  m.def("online_softmax_example", &online_softmax_example, "scores"_a, "values"_a, "block_size"_a,
+        "The online softmax over key blocks, step by step (ioattn::online_softmax_example).");
+}
