@@ -1,0 +1,191 @@
+// ioattn_cuda_bench — times the CUDA forward paths through the public API and prints JSON lines.
+//
+//   ioattn_cuda_bench grid  [--hdims 64,128,256] [--seqlens 512,...,16384] [--tokens 16384]
+//                           [--hidden 2048] [--dtypes bf16,f16] [--f16-hdims 128] [--repeats 15]
+//       FlashAttention's benchmark grid: batch·seqlen = tokens, heads = hidden / hdim, causal and
+//       not; f16 only for --f16-hdims. One line per (config): ms, TFLOP/s, the selected kernel.
+//   ioattn_cuda_bench naive [--seqlens 4096,8192,16384] [--heads 16] [--hdim 128]
+//       standard attention (S, P in HBM) vs flash on one sequence: ms, workspace bytes, and the
+//       max |O_naive - O_flash| as a sanity check.
+//
+// bench/peer_bench.py runs this and PyTorch SDPA (flash, cudnn) on the same shapes in the same
+// run and joins the two. Inputs: Q, K, V [b, s, h, d] uniform in [-1, 1) (never zeros); every
+// shape moves >= 64 MB per tensor set at 16k tokens, beyond the 60 MB L2 of an H200.
+#include <cuda_runtime.h>
+
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "core/backends.hpp"
+#include "core/half.hpp"
+#include "cuda/bench_util.cuh"
+#include "cuda/naive.hpp"
+#include "ioattn/ioattn.hpp"
+
+namespace {
+
+using namespace ioattn;
+namespace cb = ioattn::cuda::bench;
+
+std::vector<int64_t> parse_list(const std::string& s) {
+  std::vector<int64_t> v;
+  std::stringstream ss(s);
+  std::string x;
+  while (std::getline(ss, x, ',')) v.push_back(std::stoll(x));
+  return v;
+}
+
+std::string arg(int argc, char** argv, const char* name, const std::string& def) {
+  for (int i = 2; i + 1 < argc; ++i)
+    if (std::strcmp(argv[i], name) == 0) return argv[i + 1];
+  return def;
+}
+
+struct Buffers {
+  void *q = nullptr, *k = nullptr, *v = nullptr, *o = nullptr;
+  float* lse = nullptr;
+  ~Buffers() {
+    for (void* p : {q, k, v, o, static_cast<void*>(lse)})
+      if (p) cudaFree(p);
+  }
+};
+
+void run_grid(int argc, char** argv) {
+  const auto hdims = parse_list(arg(argc, argv, "--hdims", "64,128,256"));
+  const auto seqlens = parse_list(arg(argc, argv, "--seqlens", "512,1024,2048,4096,8192,16384"));
+  const auto f16_hdims = parse_list(arg(argc, argv, "--f16-hdims", "128"));
+  const int64_t tokens = std::stoll(arg(argc, argv, "--tokens", "16384"));
+  const int64_t hidden = std::stoll(arg(argc, argv, "--hidden", "2048"));
+  const int repeats = std::stoi(arg(argc, argv, "--repeats", "15"));
+  const std::string dtypes = arg(argc, argv, "--dtypes", "bf16,f16");
+  for (int64_t d : hdims)
+    for (int64_t s : seqlens)
+      for (const char* dts : {"bf16", "f16"}) {
+        const bool bf16 = std::strcmp(dts, "bf16") == 0;
+        if (dtypes.find(dts) == std::string::npos) continue;
+        if (!bf16 && std::find(f16_hdims.begin(), f16_hdims.end(), d) == f16_hdims.end()) continue;
+        const int64_t b = std::max<int64_t>(1, tokens / s), h = hidden / d;
+        const int64_t n = b * s * h * d;
+        Buffers buf;
+        IOATTN_CUDA_CHECK(cudaMalloc(&buf.q, n * 2));
+        IOATTN_CUDA_CHECK(cudaMalloc(&buf.k, n * 2));
+        IOATTN_CUDA_CHECK(cudaMalloc(&buf.v, n * 2));
+        IOATTN_CUDA_CHECK(cudaMalloc(&buf.o, n * 2));
+        IOATTN_CUDA_CHECK(cudaMalloc(&buf.lse, b * h * s * 4));
+        cb::fill_uniform(buf.q, bf16, n, 1);
+        cb::fill_uniform(buf.k, bf16, n, 2);
+        cb::fill_uniform(buf.v, bf16, n, 3);
+        const DType dt = bf16 ? DType::bf16 : DType::f16;
+        const auto q = TensorView::contiguous(buf.q, dt, {b, s, h, d}, Device::cuda);
+        const auto k = TensorView::contiguous(buf.k, dt, {b, s, h, d}, Device::cuda);
+        const auto v = TensorView::contiguous(buf.v, dt, {b, s, h, d}, Device::cuda);
+        const auto o = TensorView::contiguous(buf.o, dt, {b, s, h, d}, Device::cuda);
+        const auto lse = TensorView::contiguous(buf.lse, DType::f32, {b, h, s}, Device::cuda);
+        for (bool causal : {false, true}) {
+          AttnParams prm;
+          prm.causal = causal;
+          Context ctx;
+          ctx.backend = Backend::flash;
+          const KernelChoice kc = select_forward(q, k, v, o, lse, prm, ctx);
+          auto fn = [&] { forward(q, k, v, o, lse, prm, ctx); };
+          const double one = cb::time_ms(fn, 2, 1, 1);
+          const double ms = cb::time_ms(fn, 1, repeats, cb::inner_for(one));
+          const double tflops = cb::attn_flops(b, h, s, s, d, causal) / (ms * 1e-3) / 1e12;
+          std::printf(
+              "{\"impl\": \"ioattn_flash\", \"dtype\": \"%s\", \"hdim\": %lld, \"seqlen\": %lld, \"batch\": %lld, "
+              "\"heads\": %lld, \"causal\": %s, \"ms\": %.5f, \"tflops\": %.2f, \"kernel\": \"%s\"}\n",
+              dts, (long long)d, (long long)s, (long long)b, (long long)h, causal ? "true" : "false", ms, tflops,
+              kc.kernel.c_str());
+          std::fflush(stdout);
+        }
+      }
+}
+
+float max_abs_diff_bf16(const void* a, const void* b, int64_t n) {
+  std::vector<uint16_t> ha(n), hb(n);
+  IOATTN_CUDA_CHECK(cudaMemcpy(ha.data(), a, n * 2, cudaMemcpyDeviceToHost));
+  IOATTN_CUDA_CHECK(cudaMemcpy(hb.data(), b, n * 2, cudaMemcpyDeviceToHost));
+  float m = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    const float x = detail::bf16_to_float(ha[i]), y = detail::bf16_to_float(hb[i]);
+    if (std::isnan(x) || std::isnan(y)) return NAN;
+    m = std::max(m, std::fabs(x - y));
+  }
+  return m;
+}
+
+void run_naive(int argc, char** argv) {
+  const auto seqlens = parse_list(arg(argc, argv, "--seqlens", "4096,8192,16384"));
+  const int64_t h = std::stoll(arg(argc, argv, "--heads", "16"));
+  const int64_t d = std::stoll(arg(argc, argv, "--hdim", "128"));
+  const int repeats = std::stoi(arg(argc, argv, "--repeats", "5"));
+  for (int64_t s : seqlens)
+    for (bool causal : {false, true}) {
+      const int64_t b = 1, n = b * s * h * d;
+      Buffers buf;
+      void* o2 = nullptr;
+      IOATTN_CUDA_CHECK(cudaMalloc(&buf.q, n * 2));
+      IOATTN_CUDA_CHECK(cudaMalloc(&buf.k, n * 2));
+      IOATTN_CUDA_CHECK(cudaMalloc(&buf.v, n * 2));
+      IOATTN_CUDA_CHECK(cudaMalloc(&buf.o, n * 2));
+      IOATTN_CUDA_CHECK(cudaMalloc(&o2, n * 2));
+      IOATTN_CUDA_CHECK(cudaMalloc(&buf.lse, b * h * s * 4));
+      cb::fill_uniform(buf.q, true, n, 11);
+      cb::fill_uniform(buf.k, true, n, 12);
+      cb::fill_uniform(buf.v, true, n, 13);
+      const auto q = TensorView::contiguous(buf.q, DType::bf16, {b, s, h, d}, Device::cuda);
+      const auto k = TensorView::contiguous(buf.k, DType::bf16, {b, s, h, d}, Device::cuda);
+      const auto v = TensorView::contiguous(buf.v, DType::bf16, {b, s, h, d}, Device::cuda);
+      const auto o = TensorView::contiguous(buf.o, DType::bf16, {b, s, h, d}, Device::cuda);
+      const auto on = TensorView::contiguous(o2, DType::bf16, {b, s, h, d}, Device::cuda);
+      const auto lse = TensorView::contiguous(buf.lse, DType::f32, {b, h, s}, Device::cuda);
+      AttnParams prm;
+      prm.causal = causal;
+      Context cf, cn;
+      cf.backend = Backend::flash;
+      cn.backend = Backend::naive;
+      const double flash_ms = cb::time_ms([&] { forward(q, k, v, o, lse, prm, cf); }, 2, repeats, 1);
+      const size_t used0 = detail::cuda_used_bytes();
+      const double naive_ms = cb::time_ms([&] { forward(q, k, v, on, lse, prm, cn); }, 1, repeats, 1);
+      const size_t ws = ioattn::cuda::naive_last_workspace_bytes();
+      IOATTN_CUDA_CHECK(cudaDeviceSynchronize());
+      const float diff = max_abs_diff_bf16(buf.o, o2, n);
+      std::printf(
+          "{\"impl\": \"ioattn_naive_vs_flash\", \"dtype\": \"bf16\", \"hdim\": %lld, \"seqlen\": %lld, "
+          "\"batch\": 1, \"heads\": %lld, \"causal\": %s, \"naive_ms\": %.4f, \"flash_ms\": %.4f, "
+          "\"naive_extra_bytes\": %zu, \"flash_extra_bytes\": 0, \"used_bytes_before\": %zu, "
+          "\"max_abs_diff\": %.6f}\n",
+          (long long)d, (long long)s, (long long)h, causal ? "true" : "false", naive_ms, flash_ms, ws, used0, diff);
+      std::fflush(stdout);
+      cudaFree(o2);
+    }
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  try {
+    if (detail::cuda_device_count() == 0) {
+      std::printf("skipped: no CUDA device\n");
+      return 0;
+    }
+    const std::string mode = argc > 1 ? argv[1] : "grid";
+    if (mode == "grid")
+      run_grid(argc, argv);
+    else if (mode == "naive")
+      run_naive(argc, argv);
+    else {
+      std::fprintf(stderr, "usage: ioattn_cuda_bench grid|naive [options]\n");
+      return 2;
+    }
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "ioattn_cuda_bench: %s\n", e.what());
+    return 1;
+  }
+  return 0;
+}

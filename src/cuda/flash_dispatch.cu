@@ -1,0 +1,194 @@
+// flash_dispatch.cu — the one selector for the CUDA flash forward: it answers both "is this
+// problem supported?" and "which kernel runs?", so the two can never disagree, and it launches.
+//
+// The table is FlashTraits<32..256> x {bf16, f16} (flash_traits.cuh). The selector string reads
+// "cuda/flash sm90 mma.sync bf16 hdim128 causal tile 128x64 warps 4" and the reason says why that
+// tile was chosen and how deep the K/V ring is on this device.
+#include <cuda_runtime.h>
+
+#include <array>
+#include <climits>
+#include <string>
+#include <vector>
+
+#include "core/backends.hpp"
+#include "cuda/check.cuh"
+#include "cuda/flash_launch.cuh"
+
+namespace ioattn::cuda {
+namespace {
+
+const std::array<FlashKernelInfo, 6>& flash_table() {
+  static const std::array<FlashKernelInfo, 6> table = {flash_info_hdim32(),  flash_info_hdim64(),
+                                                       flash_info_hdim96(),  flash_info_hdim128(),
+                                                       flash_info_hdim192(), flash_info_hdim256()};
+  return table;
+}
+
+constexpr int kMaxHeadDim = 256;
+constexpr int kVecElems = 8;  // cp.async moves 16 bytes = 8 f16/bf16 elements
+
+std::string mask_summary(const detail::FwdProblem& p) {
+  std::string m;
+  if (p.causal) m = "causal";
+  if (p.window_left >= 0 || (!p.causal && p.window_right >= 0))
+    m += (m.empty() ? "" : "+") + std::string("window(") + std::to_string(p.window_left) + "," +
+         std::to_string(p.window_right) + ")";
+  if (m.empty()) m = "nomask";
+  if (p.softcap > 0) m += "+softcap";
+  if (p.alibi_slopes) m += "+alibi";
+  if (p.sinks) m += "+sinks";
+  if (p.varlen()) m += "+varlen";
+  if (p.heads_q != p.heads_kv) m += "+gqa" + std::to_string(p.group());
+  return m;
+}
+
+bool aligned(const void* ptr, size_t bytes) { return reinterpret_cast<uintptr_t>(ptr) % bytes == 0; }
+
+// Strides that matter (dims of size > 1) must be multiples of `elems`.
+bool strides_ok(const detail::Strides3& s, const detail::FwdProblem& p, int64_t seqlen, int64_t heads,
+                int64_t elems) {
+  if (!p.varlen() && p.batch > 1 && s.batch % elems != 0) return false;
+  if ((seqlen > 1 || p.varlen()) && s.seq % elems != 0) return false;
+  if (heads > 1 && s.head % elems != 0) return false;
+  return true;
+}
+
+int device_smem_optin(int device) {
+  int bytes = 0;
+  IOATTN_CUDA_CHECK(cudaDeviceGetAttribute(&bytes, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+  return bytes;
+}
+
+struct Pick {
+  const FlashKernelInfo* info = nullptr;
+  detail::CudaSelection sel;
+};
+
+Pick pick(const detail::FwdProblem& p, int arch) {
+  Pick r;
+  auto no = [&](std::string why) {
+    r.sel = {"", std::move(why)};
+    return r;
+  };
+  if (arch < 80)
+    return no("the mma.sync kernel needs sm80+ (bf16 mma, cp.async, ldmatrix); device is sm" +
+              std::to_string(arch));
+  if (p.dtype != DType::f16 && p.dtype != DType::bf16)
+    return no(std::string("the tensor-core kernel takes f16 or bf16 inputs, got ") + dtype_name(p.dtype));
+  if (p.head_dim != p.head_dim_v)
+    return no("head_dim_v (" + std::to_string(p.head_dim_v) + ") must equal head_dim (" +
+              std::to_string(p.head_dim) + ")");
+  if (p.head_dim % kVecElems != 0 || p.head_dim > kMaxHeadDim)
+    return no("head_dim must be a multiple of 8 and at most 256, got " + std::to_string(p.head_dim));
+  if (!aligned(p.q, 16) || !aligned(p.k, 16) || !aligned(p.v, 16) || !aligned(p.o, 16))
+    return no("q, k, v and o must be 16-byte aligned (16-byte vector loads/stores)");
+  if (!strides_ok(p.q_stride, p, p.seqlen_q, p.heads_q, kVecElems) ||
+      !strides_ok(p.k_stride, p, p.seqlen_k, p.heads_kv, kVecElems) ||
+      !strides_ok(p.v_stride, p, p.seqlen_k, p.heads_kv, kVecElems) ||
+      !strides_ok(p.o_stride, p, p.seqlen_q, p.heads_q, kVecElems))
+    return no("q/k/v/o strides must be multiples of 8 elements (16-byte vector loads/stores)");
+  const int64_t total_len = p.seqlen_q + p.seqlen_k;
+  if (total_len >= (int64_t{1} << 30))
+    return no("seqlen_q + seqlen_k must be below 2^30 (32-bit positions in the kernel)");
+  const FlashKernelInfo* info = nullptr;
+  for (const auto& k : flash_table())
+    if (k.head_dim >= p.head_dim) {
+      info = &k;
+      break;
+    }
+  const int64_t m_blocks = (p.seqlen_q + info->block_m - 1) / info->block_m;
+  if (m_blocks * p.heads_q * p.batch > INT_MAX)
+    return no("query blocks x heads x batch exceeds the 2^31-1 grid limit");
+
+  DeviceGuard guard(p.device_index);
+  cudaFuncAttributes attr{};
+  const void* kernel = p.dtype == DType::bf16 ? info->kernel_bf16 : info->kernel_f16;
+  const cudaError_t e = cudaFuncGetAttributes(&attr, kernel);
+  if (e != cudaSuccess) {
+    cudaGetLastError();
+    return no(std::string("no kernel image for this device in this build (") + cudaGetErrorString(e) + ")");
+  }
+  const int optin = device_smem_optin(p.device_index);
+  const size_t smem = info->smem_bytes;
+  if (smem > static_cast<size_t>(optin))
+    return no("tile needs " + std::to_string(smem / 1024) + " KB of shared memory, the device allows " +
+              std::to_string(optin / 1024) + " KB");
+  r.info = info;
+  std::string name = "cuda/flash sm" + std::to_string(arch) + " mma.sync " + dtype_name(p.dtype) + " hdim" +
+                     std::to_string(info->head_dim);
+  if (info->head_dim != p.head_dim) name += "(d" + std::to_string(p.head_dim) + " zero-padded)";
+  name += " " + mask_summary(p) + " tile " + std::to_string(info->block_m) + "x" +
+          std::to_string(info->block_n) + " warps " + std::to_string(info->warps);
+  std::string reason = std::string(info->reason) + "; K/V ring " + std::to_string(info->stages) + " stage" +
+                       (info->stages > 1 ? "s" : "") + ", " + std::to_string(smem / 1024) + " KB smem, " +
+                       std::to_string(attr.numRegs) + " regs/thread";
+  if (info->head_dim != p.head_dim)
+    reason += "; head_dim " + std::to_string(p.head_dim) + " runs on the hdim" + std::to_string(info->head_dim) +
+              " kernel with zero-filled columns";
+  r.sel = {name, reason};
+  return r;
+}
+
+// Windows that reach past both sequences are the same as unbounded; mapping them to -1 keeps
+// every position the kernel computes inside int32.
+int clamp_window(int64_t w, int64_t total_len) { return (w < 0 || w >= total_len) ? -1 : static_cast<int>(w); }
+
+}  // namespace
+}  // namespace ioattn::cuda
+
+namespace ioattn::detail {
+
+CudaSelection cuda_flash_select(const FwdProblem& p, int arch) { return cuda::pick(p, arch).sel; }
+
+void cuda_flash_forward(const FwdProblem& p) {
+  const int arch = cuda_device_arch(p.device_index);
+  const cuda::Pick pk = cuda::pick(p, arch);
+  if (pk.info == nullptr) throw Error("q", "ioattn: no CUDA flash kernel: " + pk.sel.reason);
+  cuda::DeviceGuard guard(p.device_index);
+
+  cuda::FlashParams fp;
+  fp.q = p.q;
+  fp.k = p.k;
+  fp.v = p.v;
+  fp.o = p.o;
+  fp.lse = p.lse;
+  fp.q_batch = p.q_stride.batch, fp.q_seq = p.q_stride.seq, fp.q_head = p.q_stride.head;
+  fp.k_batch = p.k_stride.batch, fp.k_seq = p.k_stride.seq, fp.k_head = p.k_stride.head;
+  fp.v_batch = p.v_stride.batch, fp.v_seq = p.v_stride.seq, fp.v_head = p.v_stride.head;
+  fp.o_batch = p.o_stride.batch, fp.o_seq = p.o_stride.seq, fp.o_head = p.o_stride.head;
+  fp.lse_batch = p.lse_stride.batch, fp.lse_seq = p.lse_stride.seq, fp.lse_head = p.lse_stride.head;
+  fp.batch = static_cast<int>(p.batch);
+  fp.heads_q = static_cast<int>(p.heads_q);
+  fp.group = static_cast<int>(p.group());
+  fp.seqlen_q = static_cast<int>(p.seqlen_q);
+  fp.seqlen_k = static_cast<int>(p.seqlen_k);
+  fp.head_dim = static_cast<int>(p.head_dim);
+  fp.num_m_blocks = static_cast<int>((p.seqlen_q + pk.info->block_m - 1) / pk.info->block_m);
+  fp.cu_seqlens_q = p.cu_seqlens_q;
+  fp.cu_seqlens_k = p.cu_seqlens_k;
+  fp.scale = p.scale;
+  fp.scale_log2 = p.scale * cuda::kLog2e;
+  fp.softcap = p.softcap;
+  fp.softcap_inv = p.softcap > 0 ? 1.f / p.softcap : 0.f;
+  const int64_t total_len = p.seqlen_q + p.seqlen_k;
+  fp.window_left = cuda::clamp_window(p.window_left, total_len);
+  fp.window_right = cuda::clamp_window(p.window_right, total_len);
+  fp.alibi_slopes = p.alibi_slopes;
+  fp.sinks = p.sinks;
+  if (p.batch == 0 || p.seqlen_q == 0 || p.heads_q == 0) return;
+  pk.info->launch(fp, p.dtype == DType::bf16, static_cast<cudaStream_t>(p.stream));
+}
+
+std::vector<std::string> cuda_compiled_kernels() {
+  std::vector<std::string> rows;
+  for (const auto& k : cuda::flash_table())
+    for (const char* dt : {"bf16", "f16"})
+      rows.push_back("cuda/flash mma.sync " + std::string(dt) + " hdim" + std::to_string(k.head_dim) + " tile " +
+                     std::to_string(k.block_m) + "x" + std::to_string(k.block_n) + " warps " +
+                     std::to_string(k.warps) + (k.q_in_regs ? " q-in-regs" : ""));
+  rows.push_back("cuda/naive cublas f32/f16/bf16 any head_dim (S fp32 and P materialised in HBM)");
+  return rows;
+}
+
+}  // namespace ioattn::detail

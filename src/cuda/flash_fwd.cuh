@@ -1,0 +1,480 @@
+// flash_fwd.cuh — the tensor-core flash-attention forward kernel (mma.sync path, sm_80+).
+//
+// What it computes: O = softmax(scale·Q Kᵀ [softcap] [+ALiBi] [mask] [+sink]) V and the
+// natural-log LSE per query row, in one pass over K/V, never writing the score matrix anywhere.
+//
+// Tiling (FlashAttention-2): one CTA per (query block of kBlockM rows, query head, batch); the
+// product sits in grid.x, query blocks fastest (and longest-first, for causal load balance), so
+// CTAs that share K/V run together and hit L2. Each warp owns kRowsPerWarp = kBlockM / kWarps
+// query rows (16 or 32, i.e. 1 or 2 mma row tiles) and walks the K/V blocks of kBlockN keys:
+//   S = Q Kᵀ         mma.m16n8k16, A = Q (ldmatrix from smem, or kept in registers), B = K (ldmatrix)
+//   online softmax   in registers: row max over the 4 lanes of a quad, exp2 with scale·log2(e)
+//                    folded into one FFMA, O rescaled by 2^(m_old - m_new)
+//   O += P V         P converted to bf16/f16 in registers and used directly as the A operand
+//                    (the C layout of S equals the A layout of P), B = V via ldmatrix.trans
+// K/V arrive by cp.async into a ring of `stages` (K, V) buffers: after K(i) lands, V(i+S-1) is
+// issued; after V(i) lands, K(i+S) is issued — with S = 1 this is FlashAttention-2's schedule
+// (V loads under QKᵀ, the next K under P·V), S = 2 adds a whole block of prefetch.
+// Shared memory rows are padded by 16 bytes (pitch = head_dim + 8 elements): a row pitch that is
+// an odd number of 16-byte units makes every 8-row ldmatrix phase hit 8 different bank groups.
+//
+// Assumptions (checked by cuda_flash_select): f16/bf16; head_dim == head_dim_v, a multiple of 8,
+// <= kHeadDim (padded columns are zero-filled); 16-byte aligned base pointers and strides that
+// are multiples of 8 elements; sequence lengths < 2^31. Offsets are int64 throughout.
+// Blocks fully outside the causal/window band are never visited; rows with no visible key get
+// O = 0 and LSE = -inf (or the sink); keys past the end of the sequence are zero-filled in smem,
+// so no NaN from unrelated memory can reach P·V.
+//
+// History (H200, bf16, 16k tokens, hidden 2048; PyTorch SDPA flash = FA2 in the same run)
+//   1. FA2-style mma.sync kernel: padded smem, cp.async K/V ring, runtime mask/softcap/ALiBi/sink
+//      flags (one instantiation per head dim and dtype), Q optionally held in registers.
+//      hdim128 non-causal 16k: 297 TFLOP/s = 0.84x FA2; hdim64 0.75x; hdim256 0.74x.
+//   2. Tile copies: one pointer bump per 16-byte cp.async and no bounds checks on full tiles
+//      (the rolled, checked loop was ~450 of ~1000 instructions per warp per K/V block);
+//      lazy O rescaling (only when a row max grows by > 2^8); ring depth compile-time.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <cstdint>
+
+#include "cuda/ptx.cuh"
+
+namespace ioattn::cuda {
+
+constexpr float kLog2e = 1.4426950408889634f;  // log2(e): exp(x) = 2^(x·log2 e)
+constexpr float kLn2 = 0.6931471805599453f;     // ln(2): natural LSE from a log2 one
+constexpr float kNegInf = -__builtin_huge_valf();
+constexpr float kRescaleLog2 = 8.f;  // lazy-rescale threshold: P <= 2^8 against a stale max
+
+// Plain pointers + int64 strides (elements); everything the kernel reads.
+struct FlashParams {
+  const void* q = nullptr;
+  const void* k = nullptr;
+  const void* v = nullptr;
+  void* o = nullptr;
+  float* lse = nullptr;  // optional
+  int64_t q_batch = 0, q_seq = 0, q_head = 0;
+  int64_t k_batch = 0, k_seq = 0, k_head = 0;
+  int64_t v_batch = 0, v_seq = 0, v_head = 0;
+  int64_t o_batch = 0, o_seq = 0, o_head = 0;
+  int64_t lse_batch = 0, lse_seq = 0, lse_head = 0;
+  int batch = 0, heads_q = 0, group = 1;  // kv head = h / group
+  int seqlen_q = 0, seqlen_k = 0;         // fixed length, or the max for varlen
+  int head_dim = 0;                       // actual (<= the kernel's kHeadDim)
+  int num_m_blocks = 0;
+  const int32_t* cu_seqlens_q = nullptr;  // varlen, on the device
+  const int32_t* cu_seqlens_k = nullptr;
+  float scale = 1.f;
+  float scale_log2 = kLog2e;  // scale·log2(e)
+  float softcap = 0.f;        // 0 = off
+  float softcap_inv = 0.f;
+  int window_left = -1, window_right = -1;  // -1 = unbounded (causal: right = 0); the host maps
+                                            // windows wider than both sequences to -1
+  const float* alibi_slopes = nullptr;
+  const float* sinks = nullptr;
+};
+
+// Tile shape of one kernel instantiation. "Should not affect results, only speed."
+template <int kHeadDim_, int kBlockM_, int kBlockN_, int kWarps_, int kStages_, bool kQInRegs_>
+struct FlashTile {
+  static constexpr int kHeadDim = kHeadDim_;   // padded head dim the kernel is built for
+  static constexpr int kBlockM = kBlockM_;     // query rows per CTA
+  static constexpr int kBlockN = kBlockN_;     // keys per inner-loop step
+  static constexpr int kWarps = kWarps_;
+  static constexpr int kStages = kStages_;     // K/V ring depth, 1 or 2
+  static constexpr bool kQInRegs = kQInRegs_;  // Q fragments loaded once into registers
+  static constexpr int kThreads = kWarps * 32;
+  static constexpr int kRowsPerWarp = kBlockM / kWarps;
+  static constexpr int kPitch = kHeadDim + 8;  // smem row pitch in elements (+16 B: no bank conflicts)
+  static constexpr int kMinBlocksPerSm = kWarps <= 4 ? 2 : 1;  // register budget 255/thread either way
+  static constexpr size_t kSmemBytes = (static_cast<size_t>(kBlockM) + 2 * kStages * kBlockN) * kPitch * 2;
+  static_assert(kRowsPerWarp == 16 || kRowsPerWarp == 32, "a warp owns 1 or 2 mma row tiles");
+  static_assert(kStages == 1 || kStages == 2, "a 3-deep ring measured slower (occupancy) on H200");
+  static_assert(kBlockN % 16 == 0 && kHeadDim % 16 == 0, "k16 steps over keys and head dims");
+  static_assert((kBlockM * kHeadDim / 8) % kThreads == 0 && (kBlockN * kHeadDim / 8) % kThreads == 0,
+                "tile loads split evenly into 16-byte chunks per thread");
+};
+
+namespace flash_detail {
+
+// cp.async of a (kRows, kHeadDim) tile, rows [0, rows) of g (row stride in elements) and columns
+// [0, d); everything else is zero-filled. One commit group is closed by the caller.
+// Thread t copies chunk (t % kChunks) of rows t / kChunks + i·kRowsPerPass: one 64-bit pointer
+// bump per 16-byte copy, and no bounds checks at all for full tiles (every block but the last).
+template <class Tr, int kRows, typename T>
+__device__ __forceinline__ void load_tile(uint32_t s_tile, const T* g, int64_t g_row_stride, int rows,
+                                          int d, int tid) {
+  constexpr int kChunks = Tr::kHeadDim / 8;  // 16-byte chunks per row
+  constexpr int kRowBytes = Tr::kPitch * 2;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  constexpr bool kUnrolled = true;
+#else
+  // sm_8x: ptxas spills the hdim >= 128 kernels with the unrolled copy loop; the rolled loop
+  // below costs more instructions but keeps every accumulator in registers.
+  constexpr bool kUnrolled = Tr::kHeadDim < 128;
+#endif
+  if constexpr (kUnrolled && Tr::kThreads % kChunks == 0 && kRows % (Tr::kThreads / kChunks) == 0) {
+    constexpr int kRowsPerPass = Tr::kThreads / kChunks;
+    constexpr int kPasses = kRows / kRowsPerPass;
+    const int r0 = tid / kChunks, c = tid % kChunks;
+    // The row step is made opaque so the compiler cannot hoist kPasses 64-bit products out of
+    // the main loop (that costs 2·kPasses registers per tensor, which the accumulators need).
+    const int64_t step = ptx::opaque(g_row_stride * kRowsPerPass);
+    const T* src = g + r0 * g_row_stride + c * 8;
+    const uint32_t dst = s_tile + r0 * kRowBytes + c * 16;
+    if (rows >= kRows && d == Tr::kHeadDim) {
+#pragma unroll
+      for (int i = 0; i < kPasses; ++i, src += step) ptx::cp_async_16(dst + i * kRowsPerPass * kRowBytes, src, 16);
+    } else {
+      const bool col_ok = c * 8 < d;
+#pragma unroll
+      for (int i = 0; i < kPasses; ++i, src += step) {
+        const bool ok = col_ok && r0 + i * kRowsPerPass < rows;
+        ptx::cp_async_16(dst + i * kRowsPerPass * kRowBytes, ok ? src : g, ok ? 16 : 0);
+      }
+    }
+  } else {
+    // Generic split (sm_8x, and head dims whose chunk count does not divide the thread count).
+    // Not unrolled on purpose: unrolled, the compiler hoists one 64-bit address per chunk out of
+    // the main loop and the kernel spills.
+#pragma unroll 1
+    for (int idx = tid; idx < kRows * kChunks; idx += Tr::kThreads) {
+      const int r = idx / kChunks, c = idx % kChunks;
+      const bool ok = r < rows && c * 8 < d;
+      const T* src = ok ? g + r * g_row_stride + c * 8 : g;
+      ptx::cp_async_16(s_tile + r * kRowBytes + c * 16, src, ok ? 16 : 0);
+    }
+  }
+}
+
+// 2·stages - 2 groups may stay in flight when block i's K (or V) must have landed (see the
+// schedule above).
+template <int kStages>
+__device__ __forceinline__ void wait_kv() {
+  ptx::cp_async_wait<2 * kStages - 2>();
+}
+
+}  // namespace flash_detail
+
+template <class Tr, typename T>
+__global__ void __launch_bounds__(Tr::kThreads, Tr::kMinBlocksPerSm) flash_fwd_kernel(const FlashParams p) {
+  using namespace ptx;
+  constexpr int kM = Tr::kBlockM, kN = Tr::kBlockN, kD = Tr::kHeadDim;
+  constexpr int kRowBytes = Tr::kPitch * 2;
+  constexpr int kMT = Tr::kRowsPerWarp / 16;  // 16-row mma tiles per warp
+  constexpr int kNT = kN / 8;                 // 8-key score tiles per block
+  constexpr int kDT = kD / 8;                 // 8-column output tiles
+  constexpr int kKD = kD / 16;                // k16 steps of Q Kᵀ
+  constexpr int kKN = kN / 16;                // k16 steps of P V
+
+  extern __shared__ __align__(16) unsigned char smem[];
+  constexpr int stages = Tr::kStages;
+  const uint32_t sQ = smem_u32(smem);                   // (kM, pitch)
+  const uint32_t sK = sQ + kM * kRowBytes;              // (stages, kN, pitch)
+  const uint32_t sV = sK + stages * kN * kRowBytes;     // (stages, kN, pitch)
+
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  const int g = lane / 4, t = lane % 4;  // fragment row group / column pair
+  const int m_block = p.num_m_blocks - 1 - static_cast<int>(blockIdx.x % p.num_m_blocks);
+  const int bh = static_cast<int>(blockIdx.x / p.num_m_blocks);
+  const int h = bh % p.heads_q, b = bh / p.heads_q, hk = h / p.group;
+
+  int q_start = 0, k_start = 0, sq = p.seqlen_q, sk = p.seqlen_k;
+  if (p.cu_seqlens_q != nullptr) {
+    q_start = p.cu_seqlens_q[b];
+    sq = p.cu_seqlens_q[b + 1] - q_start;
+    k_start = p.cu_seqlens_k[b];
+    sk = p.cu_seqlens_k[b + 1] - k_start;
+  }
+  const int m0 = m_block * kM;
+  if (m0 >= sq) return;
+  const int m_end = min(m0 + kM, sq);
+  const int off = sk - sq;  // bottom-right alignment: row i sees up to key i + off
+
+  // Key blocks that intersect the band of rows [m0, m_end): visited from the last down.
+  // (Positions stay in int: the host guarantees seqlen_q + seqlen_k + window < 2^31.)
+  int n_lo = 0, n_hi = sk;
+  if (p.window_left >= 0) n_lo = max(0, m0 + off - p.window_left);
+  if (p.window_right >= 0) n_hi = min(sk, m_end - 1 + off + p.window_right + 1);
+  const int nb_lo = n_lo / kN;
+  const int n_blocks = n_hi > n_lo ? (n_hi + kN - 1) / kN - nb_lo : 0;
+  const int nb_top = nb_lo + n_blocks - 1;
+
+  const T* gQ = static_cast<const T*>(p.q) + b * p.q_batch + (q_start + m0) * p.q_seq + h * p.q_head;
+  const T* gK = static_cast<const T*>(p.k) + b * p.k_batch + k_start * p.k_seq + hk * p.k_head;
+  const T* gV = static_cast<const T*>(p.v) + b * p.v_batch + k_start * p.v_seq + hk * p.v_head;
+
+  // Block `it` lives in ring slot it % stages; callers pass that slot.
+  auto load_k = [&](int it, int slot) {
+    if (it < n_blocks) {
+      const int n0 = (nb_top - it) * kN;
+      flash_detail::load_tile<Tr, kN>(sK + slot * kN * kRowBytes, gK + n0 * p.k_seq, p.k_seq,
+                                      sk - n0, p.head_dim, tid);
+    }
+    cp_async_commit();
+  };
+  auto load_v = [&](int it, int slot) {
+    if (it < n_blocks) {
+      const int n0 = (nb_top - it) * kN;
+      flash_detail::load_tile<Tr, kN>(sV + slot * kN * kRowBytes, gV + n0 * p.v_seq, p.v_seq,
+                                      sk - n0, p.head_dim, tid);
+    }
+    cp_async_commit();
+  };
+
+  // Prologue: groups Q+K0, V0, K1, V1, ..., K(S-1)  (2S-1 groups).
+  flash_detail::load_tile<Tr, kM>(sQ, gQ, p.q_seq, m_end - m0, p.head_dim, tid);
+  load_k(0, 0);
+  for (int s = 1; s < stages; ++s) {
+    load_v(s - 1, s - 1);
+    load_k(s, s);
+  }
+
+  // Score transform: "plain" folds scale·log2(e) into the exp2 FFMA (raw scores are compared,
+  // which needs scale > 0); otherwise scores are mapped to the log2 domain first.
+  const bool plain = p.softcap == 0.f && p.alibi_slopes == nullptr && p.scale > 0.f;
+  const float mul = plain ? p.scale_log2 : 1.f;
+  const float slope_log2 = p.alibi_slopes != nullptr ? p.alibi_slopes[h] * kLog2e : 0.f;
+  const int row0 = m0 + warp * Tr::kRowsPerWarp + g;  // sequence row of c0 in row tile 0
+
+  // ldmatrix lane addresses (see ptx.cuh for the fragment each matrix becomes).
+  const uint32_t q_lane = sQ + (warp * Tr::kRowsPerWarp + lane % 16) * kRowBytes + (lane / 16) * 16;
+  const uint32_t k_lane = (lane % 8 + (lane / 16) * 8) * kRowBytes + ((lane / 8) % 2) * 16;
+  const uint32_t v_lane = (lane % 8 + ((lane / 8) % 2) * 8) * kRowBytes + (lane / 16) * 16;
+
+  float acc_o[kMT][kDT][4];  // (rows, head_dim) accumulator, fp32
+  float row_max[kMT][2];     // running max of the raw (plain) or log2-domain scores
+  float row_sum[kMT][2];     // this thread's part of the running denominator
+#pragma unroll
+  for (int mt = 0; mt < kMT; ++mt) {
+#pragma unroll
+    for (int dt = 0; dt < kDT; ++dt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc_o[mt][dt][e] = 0.f;
+    row_max[mt][0] = row_max[mt][1] = kNegInf;
+    row_sum[mt][0] = row_sum[mt][1] = 0.f;
+  }
+  uint32_t q_frag[Tr::kQInRegs ? kMT : 1][Tr::kQInRegs ? kKD : 1][4];
+
+  for (int it = 0; it < n_blocks; ++it) {
+    const int stage = it & (stages - 1);  // ring slot of block it (stages is 1 or 2)
+    const int n0 = (nb_top - it) * kN;
+    flash_detail::wait_kv<stages>();  // K(it) (and Q) landed
+    __syncthreads();
+    if constexpr (Tr::kQInRegs) {
+      if (it == 0) {
+#pragma unroll
+        for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+          for (int kk = 0; kk < kKD; ++kk) ldmatrix_x4(q_frag[mt][kk], q_lane + mt * 16 * kRowBytes + kk * 32);
+      }
+    }
+    load_v(it + stages - 1, stage ^ (stages - 1));  // the slot of block it-1, consumed
+
+    // ---- S = Q Kᵀ: (kRowsPerWarp, kN) per warp ----
+    float s[kMT][kNT][4];
+#pragma unroll
+    for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+      for (int nt = 0; nt < kNT; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) s[mt][nt][e] = 0.f;
+    const uint32_t k_stage = sK + stage * kN * kRowBytes + k_lane;
+#pragma unroll
+    for (int kk = 0; kk < kKD; ++kk) {
+      uint32_t a[kMT][4];
+#pragma unroll
+      for (int mt = 0; mt < kMT; ++mt) {
+        if constexpr (Tr::kQInRegs) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) a[mt][e] = q_frag[mt][kk][e];
+        } else {
+          ldmatrix_x4(a[mt], q_lane + mt * 16 * kRowBytes + kk * 32);
+        }
+      }
+#pragma unroll
+      for (int np = 0; np < kNT / 2; ++np) {
+        uint32_t bk[4];  // b0,b1 of key tiles 2np and 2np+1
+        ldmatrix_x4(bk, k_stage + np * 16 * kRowBytes + kk * 32);
+#pragma unroll
+        for (int mt = 0; mt < kMT; ++mt) {
+          mma_m16n8k16<T>(s[mt][2 * np], a[mt], bk[0], bk[1]);
+          mma_m16n8k16<T>(s[mt][2 * np + 1], a[mt], bk[2], bk[3]);
+        }
+      }
+    }
+
+    // ---- scores: log2 domain (softcap, ALiBi), then the mask for blocks that need one ----
+    if (!plain) {
+#pragma unroll
+      for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+        for (int nt = 0; nt < kNT; ++nt)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            float x = s[mt][nt][e] * p.scale;
+            if (p.softcap > 0.f) x = p.softcap * tanh_approx(x * p.softcap_inv);
+            x *= kLog2e;
+            // |i + off - j| for row i = row0 + 16mt + 8(e/2), key j = n0 + 8nt + 2t + e%2
+            const int dist = row0 + off - n0 - 2 * t + mt * 16 + (e / 2) * 8 - nt * 8 - (e % 2);
+            x -= slope_log2 * fabsf(static_cast<float>(dist));  // slope 0 when ALiBi is off
+            s[mt][nt][e] = x;
+          }
+    }
+    const bool needs_mask = n0 + kN > sk ||
+                            (p.window_right >= 0 && n0 + kN - 1 > m0 + off + p.window_right) ||
+                            (p.window_left >= 0 && n0 < m_end - 1 + off - p.window_left);
+    if (needs_mask) {
+#pragma unroll
+      for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+        for (int rh = 0; rh < 2; ++rh) {
+          const int diag = row0 + mt * 16 + rh * 8 + off;
+          const int lo = p.window_left >= 0 ? diag - p.window_left : 0;
+          const int hi = p.window_right >= 0 ? min(sk, diag + p.window_right + 1) : sk;
+#pragma unroll
+          for (int nt = 0; nt < kNT; ++nt)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+              const int j = n0 + nt * 8 + 2 * t + e;
+              if (j < lo || j >= hi) s[mt][nt][2 * rh + e] = kNegInf;
+            }
+        }
+    }
+
+    // ---- online softmax (rows g and g+8 of each row tile; a quad shares a row) ----
+    // Lazy rescaling: the running max only moves (and O, l are rescaled) when a row's max grows
+    // by more than 2^kRescaleLog2; otherwise P is computed against the stale max and stays
+    // <= 2^8, harmless in fp32 and bf16/f16, and exact after the final division by l (which
+    // uses the same max). Past the first blocks a row's max rarely jumps that much, so the
+    // O·corr multiplies (head_dim/4 per row per step) are mostly branched over. The condition
+    // is uniform over a quad; a warp skips the branch when all 8 of its row pairs agree.
+#pragma unroll
+    for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+      for (int rh = 0; rh < 2; ++rh) {
+        float m = row_max[mt][rh];
+#pragma unroll
+        for (int nt = 0; nt < kNT; ++nt) m = fmaxf(m, fmaxf(s[mt][nt][2 * rh], s[mt][nt][2 * rh + 1]));
+        m = fmaxf(m, shfl_xor(m, 1));
+        m = fmaxf(m, shfl_xor(m, 2));
+        // -inf - -inf is NaN, so a row that has seen nothing keeps max -inf; m_old = -inf and a
+        // finite m gives corr = 0 (O and l are still 0 then).
+        if (m * mul - row_max[mt][rh] * mul > kRescaleLog2) {
+          const float corr = exp2_approx(row_max[mt][rh] * mul - m * mul);
+          row_max[mt][rh] = m;
+          row_sum[mt][rh] *= corr;
+#pragma unroll
+          for (int dt = 0; dt < kDT; ++dt) {
+            acc_o[mt][dt][2 * rh] *= corr;
+            acc_o[mt][dt][2 * rh + 1] *= corr;
+          }
+        }
+      }
+#pragma unroll
+    for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+      for (int rh = 0; rh < 2; ++rh) {
+        // A row with no visible key yet keeps max -inf: subtract 0 so exp2(-inf) = 0, never NaN.
+        const float m_scaled = row_max[mt][rh] == kNegInf ? 0.f : row_max[mt][rh] * mul;
+        float sum = 0.f;
+#pragma unroll
+        for (int nt = 0; nt < kNT; ++nt)
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const float pe = exp2_approx(fmaf(s[mt][nt][2 * rh + e], mul, -m_scaled));
+            s[mt][nt][2 * rh + e] = pe;
+            sum += pe;
+          }
+        row_sum[mt][rh] += sum;
+      }
+
+    // ---- P to 16-bit A fragments: C layout of key tiles (2kk, 2kk+1) = A layout of k16 step kk ----
+    uint32_t pf[kMT][kKN][4];
+#pragma unroll
+    for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+      for (int kk = 0; kk < kKN; ++kk) {
+        pf[mt][kk][0] = pack2<T>(s[mt][2 * kk][0], s[mt][2 * kk][1]);
+        pf[mt][kk][1] = pack2<T>(s[mt][2 * kk][2], s[mt][2 * kk][3]);
+        pf[mt][kk][2] = pack2<T>(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1]);
+        pf[mt][kk][3] = pack2<T>(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3]);
+      }
+
+    flash_detail::wait_kv<stages>();  // V(it) landed; every warp is done with K(it)
+    __syncthreads();
+    load_k(it + stages, stage);  // slot of block it, just consumed
+
+    // ---- O += P V: (kRowsPerWarp, kD) per warp ----
+    const uint32_t v_stage = sV + stage * kN * kRowBytes + v_lane;
+#pragma unroll
+    for (int kk = 0; kk < kKN; ++kk)
+#pragma unroll
+      for (int dp = 0; dp < kDT / 2; ++dp) {
+        uint32_t bv[4];  // b0,b1 of output tiles 2dp and 2dp+1
+        ldmatrix_x4_trans(bv, v_stage + kk * 16 * kRowBytes + dp * 32);
+#pragma unroll
+        for (int mt = 0; mt < kMT; ++mt) {
+          mma_m16n8k16<T>(acc_o[mt][2 * dp], pf[mt][kk], bv[0], bv[1]);
+          mma_m16n8k16<T>(acc_o[mt][2 * dp + 1], pf[mt][kk], bv[2], bv[3]);
+        }
+      }
+  }
+  cp_async_wait<0>();
+
+  // ---- epilogue: O = acc / l (with the sink in l), LSE = m + log(l); written once ----
+  const float sink_log2 = p.sinks != nullptr ? p.sinks[h] * kLog2e : kNegInf;
+  T* gO = static_cast<T*>(p.o) + b * p.o_batch + q_start * p.o_seq + h * p.o_head;
+#pragma unroll
+  for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+    for (int rh = 0; rh < 2; ++rh) {
+      float l = row_sum[mt][rh];
+      l += shfl_xor(l, 1);
+      l += shfl_xor(l, 2);
+      const float mx = row_max[mt][rh];
+      float m_log2 = mx == kNegInf ? kNegInf : mx * mul;
+      float o_scale = 1.f;
+      if (sink_log2 > kNegInf) {  // the sink joins the denominator with a zero value vector
+        const float mm = fmaxf(m_log2, sink_log2);
+        o_scale = exp2_approx(m_log2 - mm);
+        l = l * o_scale + exp2_approx(sink_log2 - mm);
+        m_log2 = mm;
+      }
+      const float inv = l > 0.f ? o_scale / l : 0.f;
+      const int r = row0 + mt * 16 + rh * 8;
+      if (r < sq) {
+        T* o_row = gO + static_cast<int64_t>(r) * p.o_seq;
+#pragma unroll
+        for (int dt = 0; dt < kDT; ++dt)
+          if (dt * 8 < p.head_dim)
+            *reinterpret_cast<uint32_t*>(o_row + dt * 8 + 2 * t) =
+                pack2<T>(acc_o[mt][dt][2 * rh] * inv, acc_o[mt][dt][2 * rh + 1] * inv);
+        if (p.lse != nullptr && t == 0)
+          p.lse[b * p.lse_batch + h * p.lse_head + (q_start + static_cast<int64_t>(r)) * p.lse_seq] =
+              l > 0.f ? (m_log2 + __log2f(l)) * kLn2 : kNegInf;
+      }
+    }
+}
+
+// Launch of one instantiation (the caller checked that kSmemBytes fits the device).
+template <class Tr, typename T>
+void launch_flash_fwd(const FlashParams& p, cudaStream_t stream, int64_t grid_x);
+
+// What a head-dim translation unit exports to the dispatcher.
+struct FlashKernelInfo {
+  int head_dim, block_m, block_n, warps, stages;
+  bool q_in_regs;
+  const char* reason;  // why this tile, written next to the traits
+  size_t smem_bytes;   // dynamic shared memory per CTA
+  const void* kernel_bf16;
+  const void* kernel_f16;
+  // Launches the bf16 (is_bf16) or f16 kernel with p.
+  void (*launch)(const FlashParams& p, bool is_bf16, cudaStream_t stream);
+};
+
+}  // namespace ioattn::cuda

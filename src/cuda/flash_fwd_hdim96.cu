@@ -1,0 +1,7 @@
+// Instantiates the flash forward kernel for head dim 96 (bf16 and f16); see flash_traits.cuh.
+#include "cuda/flash_launch.cuh"
+#include "cuda/flash_traits.cuh"
+
+namespace ioattn::cuda {
+FlashKernelInfo flash_info_hdim96() { return make_flash_info<FlashTraits<96>>(FlashTraits<96>::kReason); }
+}  // namespace ioattn::cuda

@@ -1,0 +1,171 @@
+// ptx.cuh — every PTX instruction the CUDA kernels use, one small function each.
+//
+// Kernels never write `asm` themselves: they call these. Each wrapper holds exactly one
+// instruction and says in a comment what it does and which fragment layout it produces, so a
+// kernel body reads like the algorithm (ThunderKittens style). All of these need sm_80+.
+//
+// Fragment layouts of mma.m16n8k16 (row.col), lane = threadIdx.x % 32, g = lane / 4, t = lane % 4:
+//   A (16x16, row-major)  a0: (g,   2t..2t+1)   a1: (g+8, 2t..2t+1)
+//                         a2: (g, 2t+8..2t+9)   a3: (g+8, 2t+8..2t+9)        two 16-bit values each
+//   B (16x8, k x n)       b0: (k = 2t..2t+1, n = g)   b1: (k = 2t+8..2t+9, n = g)
+//   C/D (16x8, fp32)      c0,c1: (g, 2t..2t+1)   c2,c3: (g+8, 2t..2t+1)
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cstdint>
+#include <type_traits>
+
+namespace ioattn::cuda::ptx {
+
+// 32-bit shared-memory address of a generic pointer into shared memory (what ldmatrix and
+// cp.async take).
+__device__ __forceinline__ uint32_t smem_u32(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+// ---- asynchronous global -> shared copies (sm_80) -------------------------------------------
+
+// cp.async.cg: copies 16 bytes from global to shared without staging in registers and without
+// allocating in L1 (.cg). Bytes past src_bytes are zero-filled, so src_bytes = 0 writes 16 zero
+// bytes and reads nothing: that is how tiles are padded past the end of a sequence or head_dim.
+__device__ __forceinline__ void cp_async_16(uint32_t dst_smem, const void* src, int src_bytes) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst_smem), "l"(src),
+               "r"(src_bytes));
+}
+
+// Closes the current group of cp.async copies issued by this thread.
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+
+// Waits until at most N of this thread's most recent cp.async groups are still in flight.
+// Other threads' copies are visible only after a following barrier.
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
+// ---- shared -> register matrix loads -------------------------------------------------------
+
+// ldmatrix.x4: four 8x8 matrices of 16-bit values. Lane l supplies the shared address of row
+// (l % 8) of matrix (l / 8); register j receives matrix j in the mma "A/B fragment" layout
+// (lane holds row g, elements 2t, 2t+1). Rows must be 16-byte aligned.
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+
+// ldmatrix.x4.trans: as ldmatrix_x4 but each 8x8 matrix is transposed on the way, so lane holds
+// column g, rows 2t, 2t+1. Reading V [keys x dims] this way yields the B fragment of P·V.
+__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+
+// ---- tensor-core matrix multiply-accumulate ------------------------------------------------
+
+// mma.sync m16n8k16, bf16 inputs, fp32 accumulate in place: D = A·B + D (layouts above).
+__device__ __forceinline__ void mma_m16n8k16_bf16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
+                                                  uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+      "{%8, %9}, {%0, %1, %2, %3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// mma.sync m16n8k16, fp16 inputs, fp32 accumulate in place: D = A·B + D (layouts above).
+__device__ __forceinline__ void mma_m16n8k16_f16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
+                                                 uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+      "{%8, %9}, {%0, %1, %2, %3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// The element type picks the instruction.
+template <typename T>
+__device__ __forceinline__ void mma_m16n8k16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
+                                             uint32_t b1) {
+  if constexpr (std::is_same_v<T, __nv_bfloat16>)
+    mma_m16n8k16_bf16(d, a, b0, b1);
+  else
+    mma_m16n8k16_f16(d, a, b0, b1);
+}
+
+// ---- conversions -------------------------------------------------------------------------------
+
+// cvt.rn.bf16x2.f32: two fp32 -> packed bf16x2 (round to nearest even); `lo` lands in the low
+// half (the lower address / lower column), as the mma fragments and memory order expect.
+__device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
+  uint32_t r;
+  asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
+  return r;
+}
+
+// cvt.rn.f16x2.f32: two fp32 -> packed f16x2 (round to nearest even), `lo` in the low half.
+__device__ __forceinline__ uint32_t pack_f16x2(float lo, float hi) {
+  uint32_t r;
+  asm("cvt.rn.f16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
+  return r;
+}
+
+template <typename T>
+__device__ __forceinline__ uint32_t pack2(float lo, float hi) {
+  if constexpr (std::is_same_v<T, __nv_bfloat16>)
+    return pack_bf16x2(lo, hi);
+  else
+    return pack_f16x2(lo, hi);
+}
+
+// ---- special functions (the MUFU unit) ----------------------------------------------------
+
+// ex2.approx.ftz: 2^x with ~2 ulp error; 2^-inf = +0, which is how masked scores vanish.
+__device__ __forceinline__ float exp2_approx(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+
+// tanh.approx (sm_75+): max relative error ~2^-10.987, plenty for a softcap feeding bf16/f16 P.
+__device__ __forceinline__ float tanh_approx(float x) {
+  float y;
+  asm("tanh.approx.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+
+// ---- compiler fences -------------------------------------------------------------------------
+
+// mov.b64 inside asm volatile: returns x unchanged but opaque to the optimiser, so values derived
+// from it are recomputed where used instead of being hoisted into long-lived registers.
+__device__ __forceinline__ int64_t opaque(int64_t x) {
+  int64_t y;
+  asm volatile("mov.b64 %0, %1;\n" : "=l"(y) : "l"(x));
+  return y;
+}
+
+// ---- warp shuffles ---------------------------------------------------------------------------
+
+// shfl.sync.bfly: value of lane (lane ^ mask); reduces a row over the 4 lanes of a quad that
+// share it in the C fragment (masks 1 and 2).
+__device__ __forceinline__ float shfl_xor(float x, int mask) {
+  float y;
+  asm volatile("shfl.sync.bfly.b32 %0, %1, %2, 0x1f, 0xffffffff;\n" : "=f"(y) : "f"(x), "r"(mask));
+  return y;
+}
+
+// vote.sync.any: true in every lane if pred is true in any lane of the (full) warp.
+__device__ __forceinline__ bool any_sync(bool pred) {
+  uint32_t r;
+  asm volatile(
+      "{\n .reg .pred p, q;\n setp.ne.u32 p, %1, 0;\n vote.sync.any.pred q, p, 0xffffffff;\n"
+      " selp.u32 %0, 1, 0, q;\n}\n"
+      : "=r"(r)
+      : "r"(static_cast<uint32_t>(pred)));
+  return r != 0;
+}
+
+}  // namespace ioattn::cuda::ptx

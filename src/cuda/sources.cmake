@@ -1,0 +1,55 @@
+# CUDA backend sources (included from the top-level CMakeLists.txt when CUDA is on).
+#
+# Build-time budget: one translation unit per flash head dim (bf16 + f16 inside), so the 12
+# kernels compile in parallel; nothing else is instantiated.
+set(IOATTN_CUDA_SOURCES
+  ${CMAKE_CURRENT_LIST_DIR}/runtime.cu
+  ${CMAKE_CURRENT_LIST_DIR}/naive.cu
+  ${CMAKE_CURRENT_LIST_DIR}/flash_dispatch.cu
+  ${CMAKE_CURRENT_LIST_DIR}/flash_fwd_hdim32.cu
+  ${CMAKE_CURRENT_LIST_DIR}/flash_fwd_hdim64.cu
+  ${CMAKE_CURRENT_LIST_DIR}/flash_fwd_hdim96.cu
+  ${CMAKE_CURRENT_LIST_DIR}/flash_fwd_hdim128.cu
+  ${CMAKE_CURRENT_LIST_DIR}/flash_fwd_hdim192.cu
+  ${CMAKE_CURRENT_LIST_DIR}/flash_fwd_hdim256.cu
+)
+
+# Kernel resource report (registers, spills, smem) in the build log: -DIOATTN_PTXAS_VERBOSE=ON.
+option(IOATTN_PTXAS_VERBOSE "Print ptxas resource usage for the CUDA kernels" OFF)
+if(IOATTN_PTXAS_VERBOSE)
+  set_source_files_properties(${IOATTN_CUDA_SOURCES} PROPERTIES COMPILE_OPTIONS "-Xptxas=-v")
+endif()
+
+# The CUDA executables are defined once the library target exists (this file is included right
+# after add_library(ioattn)); they link the static library and its private CUDA dependencies.
+function(ioattn_cuda_extras)
+  if(IOATTN_BUILD_BENCH)
+    add_executable(ioattn_cuda_bench ${PROJECT_SOURCE_DIR}/src/cuda/bench_main.cu)
+    target_link_libraries(ioattn_cuda_bench PRIVATE ioattn::ioattn CUDA::cudart_static)
+    target_include_directories(ioattn_cuda_bench PRIVATE ${PROJECT_SOURCE_DIR}/src)
+    # Tile-variant sweep for tuning the traits (not part of `all`: gpu-check builds it on demand).
+    add_executable(ioattn_cuda_tune EXCLUDE_FROM_ALL
+      ${PROJECT_SOURCE_DIR}/src/cuda/flash_tune.cu ${PROJECT_SOURCE_DIR}/src/cuda/flash_tune_d64.cu
+      ${PROJECT_SOURCE_DIR}/src/cuda/flash_tune_d128.cu ${PROJECT_SOURCE_DIR}/src/cuda/flash_tune_d256.cu)
+    target_link_libraries(ioattn_cuda_tune PRIVATE ioattn::ioattn CUDA::cudart_static)
+    target_include_directories(ioattn_cuda_tune PRIVATE ${PROJECT_SOURCE_DIR}/src)
+  endif()
+  if(IOATTN_BUILD_TESTS)
+    find_package(GTest CONFIG QUIET)
+    if(NOT GTest_FOUND)
+      find_package(GTest QUIET)
+    endif()
+    if(GTest_FOUND)
+      enable_testing()
+      add_executable(test_cuda_kernels ${PROJECT_SOURCE_DIR}/tests/test_cuda_kernels.cpp)
+      target_link_libraries(test_cuda_kernels PRIVATE ioattn::ioattn GTest::gtest GTest::gtest_main)
+      target_include_directories(test_cuda_kernels PRIVATE ${PROJECT_SOURCE_DIR}/src)
+      add_test(NAME cuda_kernels COMMAND test_cuda_kernels)
+      # A GPU-less machine prints "skipped: no CUDA device"; ctest reports those as skipped.
+      set_tests_properties(cuda_kernels PROPERTIES SKIP_REGULAR_EXPRESSION "skipped: no CUDA device")
+    else()
+      message(STATUS "ioattn: GoogleTest not found; test_cuda_kernels not built")
+    endif()
+  endif()
+endfunction()
+cmake_language(DEFER DIRECTORY ${PROJECT_SOURCE_DIR} CALL ioattn_cuda_extras)

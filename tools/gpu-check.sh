@@ -1,0 +1,109 @@
+#!/usr/bin/env bash
+# gpu-check.sh RESULTS_DIR — the project's single GPU entry point (run it on the GPU machine).
+#
+#   1. configure + build with CUDA (Ninja, sm_90a by default; deps from .deps/ if present:
+#      run tools/fetch-deps.sh on a machine with a package registry and carry .deps along)
+#   2. ctest: the whole suite, GPU tests included
+#   3. test_cuda_kernels verbose (per-case errors vs the float64 reference)
+#   4. compute-sanitizer memcheck (+ racecheck) on small flash and naive cases
+#   5. the peer benchmark: bench/peer_bench.py (ioattn vs PyTorch SDPA flash/cudnn, same run)
+#   6. optional tile sweep (GPU_CHECK_TUNE=1): ioattn_cuda_tune
+# Each stage logs to its own file in RESULTS_DIR; a short summary table is printed last.
+#
+# Environment: GPU_CHECK_ARCHS (default 90a), GPU_CHECK_STAGES (default "build ctest tests
+# sanitizer bench"), GPU_CHECK_TUNE=1, GPU_CHECK_BENCH_ARGS (extra peer_bench.py args),
+# GPU_CHECK_JOBS (build parallelism, default nproc).
+set -uo pipefail
+OUT=${1:?usage: tools/gpu-check.sh RESULTS_DIR}
+mkdir -p "$OUT"
+OUT=$(cd "$OUT" && pwd)
+cd "$(dirname "$0")/.."
+ROOT=$PWD
+BUILD=${GPU_CHECK_BUILD:-$ROOT/build-gpu}
+ARCHS=${GPU_CHECK_ARCHS:-90a}
+STAGES=${GPU_CHECK_STAGES:-build ctest tests sanitizer bench}
+JOBS=${GPU_CHECK_JOBS:-$(nproc)}
+export PATH=/usr/local/cuda/bin:$PATH
+SUMMARY=$OUT/summary.txt
+: >"$SUMMARY"
+
+note() { echo "$*" | tee -a "$SUMMARY"; }
+want() { [[ " $STAGES " == *" $1 "* ]]; }
+stamp() { date +%s; }
+
+# ---- 1. build ----------------------------------------------------------------------------
+if want build; then
+  t0=$(stamp)
+  (
+    echo "## $(date -u) $(uname -n)"
+    nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm --format=csv || true
+    nvcc --version | tail -1
+    PREFIX=()
+    [[ -d $ROOT/.deps/usr ]] && PREFIX=(-DCMAKE_PREFIX_PATH="$ROOT/.deps/usr")
+    cmake -S "$ROOT" -B "$BUILD" -G Ninja -DIOATTN_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES="$ARCHS" \
+      -DIOATTN_BUILD_TESTS=ON -DIOATTN_BUILD_BENCH=ON -DIOATTN_PTXAS_VERBOSE=ON "${PREFIX[@]}" &&
+      { ninja -C "$BUILD" -j "$JOBS" -k 0 ||
+        { echo "## full build failed; building the CUDA targets alone";
+          ninja -C "$BUILD" -j "$JOBS" ioattn test_cuda_kernels ioattn_cuda_bench; }; }
+    rc=$?
+    if [[ ${GPU_CHECK_TUNE:-0} == 1 ]]; then ninja -C "$BUILD" -j "$JOBS" ioattn_cuda_tune; fi
+    exit $rc
+  ) >"$OUT/build.log" 2>&1
+  rc=$?
+  note "build      rc=$rc  $(( $(stamp) - t0 )) s  (archs $ARCHS; log build.log)"
+  grep -E "spill stores" "$OUT/build.log" | grep -v " 0 bytes spill stores" | head -3 | sed 's/^/  SPILL: /' | tee -a "$SUMMARY"
+  [[ $rc == 0 ]] || { tail -30 "$OUT/build.log"; exit 1; }
+fi
+
+# ---- 2. ctest -------------------------------------------------------------------------------
+if want ctest; then
+  t0=$(stamp)
+  (cd "$BUILD" && ctest --output-on-failure -j 4 --timeout 600) >"$OUT/ctest.log" 2>&1
+  rc=$?
+  note "ctest      rc=$rc  $(( $(stamp) - t0 )) s  $(grep -E 'tests passed|tests failed' "$OUT/ctest.log" | tail -1)"
+fi
+
+# ---- 3. CUDA kernel tests, verbose -------------------------------------------------------------
+if want tests; then
+  t0=$(stamp)
+  "$BUILD/test_cuda_kernels" >"$OUT/cuda_tests.log" 2>&1
+  rc=$?
+  note "cuda tests rc=$rc  $(( $(stamp) - t0 )) s  $(grep -E '^\[  (PASSED|FAILED) ' "$OUT/cuda_tests.log" | tr '\n' ' ')"
+fi
+
+# ---- 4. compute-sanitizer ------------------------------------------------------------------------
+if want sanitizer; then
+  t0=$(stamp)
+  small='*one_token*:*naive_odd*:*seq17_f16*:*113x203*:*203x113*:*varlen_empty_seq:*padded_hdim40*:*sinks_empty_rows*:*naive_varlen*:*naive_bf16_causal*:*hdim256_bf16*'
+  {
+    compute-sanitizer --tool memcheck --error-exitcode 9 "$BUILD/test_cuda_kernels" --gtest_filter="$small"
+    echo "memcheck rc=$?"
+    compute-sanitizer --tool racecheck --error-exitcode 9 "$BUILD/test_cuda_kernels" \
+      --gtest_filter='*113x203*:*varlen_empty_seq:*hdim192_bf16*'
+    echo "racecheck rc=$?"
+  } >"$OUT/sanitizer.log" 2>&1
+  note "sanitizer  $(( $(stamp) - t0 )) s  $(grep -E '^(memcheck|racecheck) rc=|ERROR SUMMARY' "$OUT/sanitizer.log" | tr '\n' ' ')"
+fi
+
+# ---- 5. peer benchmark --------------------------------------------------------------------------
+if want bench; then
+  t0=$(stamp)
+  PYTHONUNBUFFERED=1 python3 "$ROOT/bench/peer_bench.py" --bench "$BUILD/ioattn_cuda_bench" \
+    --out "$OUT/peer.json" ${GPU_CHECK_BENCH_ARGS:-} >"$OUT/bench.log" 2>&1
+  rc=$?
+  note "bench      rc=$rc  $(( $(stamp) - t0 )) s  (bench.log, peer.json)"
+fi
+
+# ---- 6. tile sweep -------------------------------------------------------------------------------
+if [[ ${GPU_CHECK_TUNE:-0} == 1 && -x $BUILD/ioattn_cuda_tune ]]; then
+  t0=$(stamp)
+  "$BUILD/ioattn_cuda_tune" ${GPU_CHECK_TUNE_ARGS:-} >"$OUT/tune.log" 2>&1
+  note "tune       rc=$?  $(( $(stamp) - t0 )) s  (tune.log)"
+fi
+
+echo
+echo "==== gpu-check summary ($OUT) ===="
+cat "$SUMMARY"
+[[ -f $OUT/cuda_tests.log ]] && grep -E '^\[  FAILED|Failure|error' "$OUT/cuda_tests.log" | head -20
+[[ -f $OUT/bench.log ]] && sed -n '/^## forward/,$p' "$OUT/bench.log"
+exit 0
