@@ -14,6 +14,7 @@
 #include "core/backends.hpp"
 #include "cuda/check.cuh"
 #include "cuda/flash_launch.cuh"
+#include "cuda/hopper/sm90.hpp"
 
 namespace ioattn::cuda {
 namespace {
@@ -139,10 +140,22 @@ int clamp_window(int64_t w, int64_t total_len) { return (w < 0 || w >= total_len
 
 namespace ioattn::detail {
 
-CudaSelection cuda_flash_select(const FwdProblem& p, int arch) { return cuda::pick(p, arch).sel; }
+// sm90: the wgmma/TMA kernel first when its table has the problem; otherwise the mma.sync
+// kernel, and the reason says why the Hopper kernel was not used.
+CudaSelection cuda_flash_select(const FwdProblem& p, int arch) {
+  std::string k90, why90;
+  if (arch == 90 && sm90_flash_select(p, &k90, &why90)) return {k90, why90};
+  CudaSelection s = cuda::pick(p, arch).sel;
+  if (arch == 90 && !s.kernel.empty()) s.reason += "; sm90 wgmma kernel not used: " + why90;
+  return s;
+}
 
 void cuda_flash_forward(const FwdProblem& p) {
   const int arch = cuda_device_arch(p.device_index);
+  if (arch == 90 && sm90_flash_select(p, nullptr, nullptr)) {
+    sm90_flash_forward(p);
+    return;
+  }
   const cuda::Pick pk = cuda::pick(p, arch);
   if (pk.info == nullptr) throw Error("q", "ioattn: no CUDA flash kernel: " + pk.sel.reason);
   cuda::DeviceGuard guard(p.device_index);

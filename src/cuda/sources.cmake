@@ -13,6 +13,9 @@ set(IOATTN_CUDA_SOURCES
   ${CMAKE_CURRENT_LIST_DIR}/flash_fwd_hdim192.cu
   ${CMAKE_CURRENT_LIST_DIR}/flash_fwd_hdim256.cu
 )
+# The Hopper (sm_90a) wgmma/TMA kernel and its PTX unit tests / check harness.
+include(${CMAKE_CURRENT_LIST_DIR}/hopper/sources.cmake)
+list(APPEND IOATTN_CUDA_SOURCES ${IOATTN_SM90_SOURCES})
 
 # Kernel resource report (registers, spills, smem) in the build log: -DIOATTN_PTXAS_VERBOSE=ON.
 option(IOATTN_PTXAS_VERBOSE "Print ptxas resource usage for the CUDA kernels" OFF)

@@ -1,0 +1,200 @@
+// Internal: the validated, normalised serving problems (decode, append_kv, merge_states) that
+// every backend receives, plus the backend entry points and the split / workspace arithmetic
+// that plan_decode() and the backends must agree on.
+//
+// Validation (serving_api.cpp) turns the public views into these structs once; backends never
+// re-check arguments. All offsets are int64 and in elements.
+//
+// KV cache addressing, one rule for paged and contiguous caches: token t of sequence b lives at
+//   page = block_table ? block_table[b * bt_stride_batch + (t / page_size) * bt_stride_page] : b
+//   elem = page * cache_stride.page + (t % page_size) * cache_stride.slot + hk * cache_stride.head
+// A contiguous cache [batch, max_seqlen, hkv, d] is the special case page_size = max_seqlen,
+// one page per sequence.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+#include "core/backends.hpp"
+#include "core/problem.hpp"
+#include "ioattn/ioattn.hpp"
+#include "ioattn/serving.hpp"
+
+namespace ioattn::detail {
+
+struct CacheStrides {
+  int64_t page = 0, slot = 0, head = 0;  // elements
+};
+
+inline bool is_8bit(DType t) { return t == DType::f8e4m3 || t == DType::i8; }
+
+// ---- decode ------------------------------------------------------------------------------
+
+struct DecodeProblem {
+  // Queries and outputs: q [batch, seqlen_q, heads_q, d], o [batch, seqlen_q, heads_q, dv],
+  // lse f32 [batch, heads_q, seqlen_q] (optional). Strides3 = (batch, seq, head).
+  const void* q = nullptr;
+  void* o = nullptr;
+  float* lse = nullptr;
+  Strides3 q_stride, o_stride, lse_stride;
+  DType dtype = DType::f32;  // of q and o
+
+  // Cache. k_scale / v_scale are per kv head, non-null exactly for 8-bit caches.
+  const void* k_cache = nullptr;
+  const void* v_cache = nullptr;
+  CacheStrides k_stride, v_stride;
+  DType cache_dtype = DType::f32;
+  int64_t page_size = 0;               // tokens per page; contiguous: max_seqlen
+  int64_t num_pages = 0;               // pages in the cache; contiguous: batch
+  const int32_t* block_table = nullptr;  // on `device`; null = contiguous cache
+  int64_t bt_stride_batch = 0, bt_stride_page = 0;
+  int64_t max_pages_per_seq = 0;       // contiguous: 1
+  const int32_t* cache_seqlens = nullptr;       // on `device`, [batch]
+  const int32_t* cache_seqlens_host = nullptr;  // host copy (CPU tensors: the same pointer)
+  const float* k_scale = nullptr;      // on `device`, [heads_kv]
+  const float* v_scale = nullptr;
+
+  int64_t batch = 0, heads_q = 0, heads_kv = 0, seqlen_q = 0, head_dim = 0, head_dim_v = 0;
+  int64_t max_seqlen_k = 0;  // upper bound of cache_seqlens the split partition is sized for
+
+  // Masks and score modifiers, as in FwdProblem (causal sets window_right = 0).
+  float scale = 1.0f;
+  float softcap = 0.0f;
+  bool causal = false;
+  int64_t window_left = -1, window_right = -1;
+  const float* alibi_slopes = nullptr;  // on `device`, [heads_q]
+  const float* sinks = nullptr;         // on `device`, [heads_q]; added once, at the merge
+
+  // Split-KV and the caller's (or the internal) workspace, laid out by decode_layout().
+  int num_splits = 1;
+  void* workspace = nullptr;
+  size_t workspace_bytes = 0;
+  // Set by the backend from the workspace (num_splits > 1): [batch, heads_q, seqlen_q, splits, dv]
+  // and [batch, heads_q, seqlen_q, splits], fp32.
+  float* partial_o = nullptr;
+  float* partial_lse = nullptr;
+
+  Device device = Device::cpu;
+  int device_index = 0;
+  void* stream = nullptr;
+  int num_threads = 0;  // CPU threads to use; the backend caps it by the workspace's scratch slots
+
+  bool paged() const { return block_table != nullptr; }
+  int64_t group() const { return heads_q / heads_kv; }
+  int64_t rows_per_group() const { return group() * seqlen_q; }  // query rows sharing one kv head
+};
+
+// ---- workspace layout --------------------------------------------------------------------
+//
+//   [o_offset,  +o_bytes)        partial O   fp32 [batch, heads_q, seqlen_q, splits, dv]
+//   [lse_offset, +lse_bytes)     partial LSE fp32 [batch, heads_q, seqlen_q, splits]
+//   [scratch_offset, +threads * scratch_bytes_per_thread)   CPU per-thread tiles (see
+//                                serving_cpu.cpp); none on CUDA
+// With one split there are no partials: the chunk task writes O and LSE directly.
+// Offsets are multiples of kWorkspaceAlign; the workspace pointer must be kWorkspaceAlign-aligned.
+constexpr size_t kWorkspaceAlign = 64;
+constexpr int kMaxSplits = 128;
+
+struct DecodeLayout {
+  size_t o_offset = 0, lse_offset = 0, scratch_offset = 0;
+  size_t scratch_bytes_per_thread = 0;
+  int scratch_threads = 0;
+  size_t total_bytes = 0;
+};
+
+// The CPU layout for `threads` scratch slots.
+DecodeLayout cpu_decode_layout(int64_t batch, int64_t heads_q, int64_t heads_kv, int64_t seqlen_q,
+                               int64_t head_dim, int64_t head_dim_v, int num_splits, int threads);
+// Recovers the scratch slot count from a plan's workspace_bytes (the inverse of the above).
+DecodeLayout cpu_decode_layout_for_bytes(int64_t batch, int64_t heads_q, int64_t heads_kv,
+                                         int64_t seqlen_q, int64_t head_dim, int64_t head_dim_v,
+                                         int num_splits, size_t workspace_bytes);
+
+// The CPU split heuristic (documented at its definition); `why` receives the reasoning for the log.
+int cpu_decode_num_splits(int64_t batch, int64_t heads_kv, int64_t max_seqlen_k, int threads,
+                          std::string* why);
+
+// Key range [k0, k1) of split s of sequence b (len tokens), shared by the chunk tasks and the
+// merge: the union of the visible keys of the sequence's query rows, cut into num_splits chunks
+// of equal length (a multiple of kSplitAlignTokens). k1 <= k0 means the split is empty.
+constexpr int64_t kSplitAlignTokens = 16;
+void decode_split_range(const DecodeProblem& p, int64_t len, int split, int64_t* k0, int64_t* k1);
+
+// ---- append_kv ---------------------------------------------------------------------------
+
+struct AppendProblem {
+  const void* k_new = nullptr;  // [tokens, heads_kv, d]
+  const void* v_new = nullptr;  // [tokens, heads_kv, dv]
+  int64_t k_new_stride_token = 0, k_new_stride_head = 0;
+  int64_t v_new_stride_token = 0, v_new_stride_head = 0;
+  DType new_dtype = DType::f32;
+  // i32 [tokens] (or i64: the backends read both; the public DType has no i64 yet, so only
+  // internal callers set slot_i64).
+  const void* slot_mapping = nullptr;       // on `device`
+  const void* slot_mapping_host = nullptr;  // host copy (CPU: the same pointer)
+  bool slot_i64 = false;
+  int64_t slot_stride = 1;
+  void* k_cache = nullptr;
+  void* v_cache = nullptr;
+  CacheStrides k_stride, v_stride;
+  DType cache_dtype = DType::f32;
+  int64_t page_size = 0, num_slots = 0;  // slot = page * page_size + offset, < num_slots
+  const float* k_scale = nullptr;         // 8-bit caches: stored = quantise(value / scale)
+  const float* v_scale = nullptr;
+  int64_t tokens = 0, heads_kv = 0, head_dim = 0, head_dim_v = 0;
+  Device device = Device::cpu;
+  int device_index = 0;
+  void* stream = nullptr;
+  int num_threads = 0;
+
+  int64_t slot(int64_t t) const {
+    return slot_i64 ? static_cast<const int64_t*>(slot_mapping_host)[t * slot_stride]
+                    : static_cast<const int32_t*>(slot_mapping_host)[t * slot_stride];
+  }
+};
+
+// Validation of append_kv's arguments (serving_api.cpp), exposed for tests of the backend.
+AppendProblem validate_append(const TensorView& k_new, const TensorView& v_new, const TensorView& slot_mapping,
+                              const KVCache& cache, const Context& ctx);
+
+// ---- merge_states ------------------------------------------------------------------------
+
+struct MergeProblem {
+  const void* o_a = nullptr;  // [batch, seqlen, heads, d]
+  const void* o_b = nullptr;
+  void* o_out = nullptr;
+  const float* lse_a = nullptr;  // [batch, heads, seqlen]
+  const float* lse_b = nullptr;
+  float* lse_out = nullptr;      // optional
+  Strides3 oa_stride, ob_stride, oo_stride, la_stride, lb_stride, lo_stride;  // (batch, seq, head)
+  DType dtype = DType::f32;      // of o_a
+  DType dtype_b = DType::f32;    // of o_b (may differ: e.g. an fp32 accumulator + a bf16 partial)
+  DType dtype_out = DType::f32;  // of o_out
+  int64_t batch = 0, seqlen = 0, heads = 0, head_dim = 0;
+  Device device = Device::cpu;
+  int device_index = 0;
+  void* stream = nullptr;
+  int num_threads = 0;
+};
+
+// ---- backend entry points ----------------------------------------------------------------
+
+// CPU (src/cpu/serving_cpu.cpp).
+void cpu_decode(const DecodeProblem& p);  // p.workspace laid out by cpu_decode_layout*
+void cpu_append_kv(const AppendProblem& p);
+void cpu_merge_states(const MergeProblem& p);
+
+// CUDA: declared for the CUDA backend to implement (src/cuda/). Nothing calls them yet: the
+// dispatcher in serving_api.cpp throws "no CUDA decode kernel yet" until they exist, so a
+// CUDA build links without them.
+CudaSelection cuda_decode_select(const DecodeProblem& p, int arch);
+int cuda_decode_num_splits(int64_t batch, int64_t heads_kv, int64_t max_seqlen_k, int device_index,
+                           std::string* why);
+size_t cuda_decode_workspace_bytes(int64_t batch, int64_t heads_q, int64_t seqlen_q, int64_t head_dim_v,
+                                   int num_splits);
+void cuda_decode(const DecodeProblem& p);
+void cuda_append_kv(const AppendProblem& p);
+void cuda_merge_states(const MergeProblem& p);
+
+}  // namespace ioattn::detail

@@ -1,0 +1,394 @@
+// flash_fwd_sm90.cu — selector and host launch of the Hopper forward kernel.
+//
+// The kernel itself (warp-specialised TMA + wgmma, ping-pong) is in flash_fwd_sm90.cuh and its
+// dispatch-table rows are instantiated in flash_fwd_sm90_hdim{64,128,256}.cu. This file answers
+// "does the sm90 kernel take this problem, and which row?" (sm90_flash_select), builds the TMA
+// tensor maps from the problem's int64 strides, and launches (sm90_flash_forward).
+//
+// Tensor maps are encoded with cuTensorMapEncodeTiled fetched through
+// cudaGetDriverEntryPointByVersion, so the library needs no -lcuda.
+#include <cuda.h>
+#include <cudaTypedefs.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <climits>
+#include <cstdint>
+#include <cstdlib>
+#include <string>
+
+#include "cuda/check.cuh"
+#include "cuda/hopper/flash_fwd_sm90.cuh"
+#include "cuda/hopper/sm90.hpp"
+
+namespace ioattn::cuda::sm90 {
+using Hdim64Bf16 = Sm90Traits<64, __nv_bfloat16, false>;
+using Hdim64Bf16Causal = Sm90Traits<64, __nv_bfloat16, true>;
+using Hdim64F16 = Sm90Traits<64, __half, false>;
+using Hdim64F16Causal = Sm90Traits<64, __half, true>;
+using Hdim128Bf16 = Sm90Traits<128, __nv_bfloat16, false>;
+using Hdim128Bf16Causal = Sm90Traits<128, __nv_bfloat16, true>;
+using Hdim128F16 = Sm90Traits<128, __half, false>;
+using Hdim128F16Causal = Sm90Traits<128, __half, true>;
+using Hdim256Bf16 = Sm90Traits<256, __nv_bfloat16, false>;
+using Hdim256Bf16Causal = Sm90Traits<256, __nv_bfloat16, true>;
+using Hdim256F16 = Sm90Traits<256, __half, false>;
+using Hdim256F16Causal = Sm90Traits<256, __half, true>;
+IOATTN_SM90_EXTERN(Hdim64Bf16, false)
+IOATTN_SM90_EXTERN(Hdim64Bf16Causal, true)
+IOATTN_SM90_EXTERN(Hdim64F16, false)
+IOATTN_SM90_EXTERN(Hdim64F16Causal, true)
+IOATTN_SM90_EXTERN(Hdim128Bf16, false)
+IOATTN_SM90_EXTERN(Hdim128Bf16Causal, true)
+IOATTN_SM90_EXTERN(Hdim128F16, false)
+IOATTN_SM90_EXTERN(Hdim128F16Causal, true)
+IOATTN_SM90_EXTERN(Hdim256Bf16, false)
+IOATTN_SM90_EXTERN(Hdim256Bf16Causal, true)
+IOATTN_SM90_EXTERN(Hdim256F16, false)
+IOATTN_SM90_EXTERN(Hdim256F16Causal, true)
+using Hdim64Bf16Wg3 = Sm90Traits3<__nv_bfloat16, false>;
+using Hdim64Bf16Wg3Causal = Sm90Traits3<__nv_bfloat16, true>;
+using Hdim64F16Wg3 = Sm90Traits3<__half, false>;
+using Hdim64F16Wg3Causal = Sm90Traits3<__half, true>;
+IOATTN_SM90_EXTERN(Hdim64Bf16Wg3, false)
+IOATTN_SM90_EXTERN(Hdim64Bf16Wg3Causal, true)
+IOATTN_SM90_EXTERN(Hdim64F16Wg3, false)
+IOATTN_SM90_EXTERN(Hdim64F16Wg3Causal, true)
+
+namespace {
+
+using detail::FwdProblem;
+using detail::Strides3;
+
+// One dispatch-table row: what the tile is, why, and how to check / launch it.
+struct Row {
+  int block_m = 0, block_n = 0, stages = 0, consumer_wgs = 0;
+  const char* why = "";
+  bool (*present)() = nullptr;
+  void (*launch)(const FwdLaunch&) = nullptr;
+};
+
+template <class Tr, bool kCausal>
+Row make_row(const char* why) {
+  return Row{Tr::kBlockM, Tr::kBlockN, Tr::kStages, Tr::kConsumerWGs, why, &flash_fwd_sm90_present<Tr, kCausal>,
+             &flash_fwd_sm90_launch<Tr, kCausal>};
+}
+template <int kHeadDim, typename T, bool kCausal>
+Row make_row() {
+  return make_row<Sm90Traits<kHeadDim, T, kCausal>, kCausal>(Sm90Tile<kHeadDim, kCausal>::kWhy);
+}
+
+template <typename T>
+Row row_for_dtype(int64_t hdim, bool causal, bool wg3) {
+  switch (hdim) {
+    case 64:
+      if (wg3)
+        return causal ? make_row<Sm90Traits3<T, true>, true>(Sm90Tile3<true>::kWhy)
+                      : make_row<Sm90Traits3<T, false>, false>(Sm90Tile3<false>::kWhy);
+      return causal ? make_row<64, T, true>() : make_row<64, T, false>();
+    case 128: return causal ? make_row<128, T, true>() : make_row<128, T, false>();
+    case 256: return causal ? make_row<256, T, true>() : make_row<256, T, false>();
+    default: return Row{};
+  }
+}
+
+Row table_row(const FwdProblem& p, bool wg3) {
+  const bool causal = p.causal;
+  if (p.dtype == DType::bf16) return row_for_dtype<__nv_bfloat16>(p.head_dim, causal, wg3);
+  if (p.dtype == DType::f16) return row_for_dtype<__half>(p.head_dim, causal, wg3);
+  return Row{};
+}
+
+const char* dtype_str(DType t) { return t == DType::bf16 ? "bf16" : t == DType::f16 ? "f16" : t == DType::f32 ? "f32" : "i32"; }
+
+bool fail(std::string* why, std::string message) {
+  *why = std::move(message);
+  return false;
+}
+
+constexpr int64_t kTmaMaxStrideBytes = int64_t(1) << 40;
+
+// TMA's rules for a [batch, seq, heads, head_dim] operand: 16-byte aligned base, strides (bytes)
+// multiples of 16 below 2^40. Strides of size-1 dims are never used, so they are not checked.
+bool tma_compatible(const void* ptr, const Strides3& s, int64_t batch, int64_t seqlen, int64_t heads,
+                    const char* name, std::string* why) {
+  if (reinterpret_cast<uintptr_t>(ptr) % 16 != 0) {
+    *why = std::string(name) + " is not 16-byte aligned (TMA needs it)";
+    return false;
+  }
+  const struct {
+    int64_t extent, stride;
+    const char* dim;
+  } dims[3] = {{seqlen, s.seq, "seq"}, {heads, s.head, "head"}, {batch, s.batch, "batch"}};
+  for (const auto& d : dims) {
+    if (d.extent <= 1) continue;
+    const int64_t bytes = d.stride * 2;
+    if (d.stride < 0 || bytes % 16 != 0 || bytes >= kTmaMaxStrideBytes) {
+      *why = std::string(name) + " " + d.dim + " stride " + std::to_string(d.stride) +
+             " elements is not a non-negative multiple of 16 bytes below 2^40 (TMA needs it)";
+      return false;
+    }
+  }
+  return true;
+}
+
+bool env_flag(const char* name) {
+  const char* v = std::getenv(name);
+  return v != nullptr && *v == '1';
+}
+// -1 when unset, else 0 / 1.
+int env_bool(const char* name) {
+  const char* v = std::getenv(name);
+  return v == nullptr || *v == '\0' ? -1 : (*v == '1' ? 1 : 0);
+}
+
+// Grid policy ("should not affect results, only speed"):
+//   kTilePerCta  one CTA per tile; the hardware block scheduler hands tiles out longest first.
+//   kStatic      persistent (one CTA per SM), tiles round robin (tile_of_round); the next tile's
+//                Q/K/V load under the current tile's last blocks and epilogue.
+//   kDynamic     persistent, each next tile claimed from an atomic counter (sched_sm90.cuh):
+//                balanced like kTilePerCta, overlapped like kStatic.
+// Non-causal tiles are all the same length, so kStatic balances them. Causal tiles differ in
+// length: kStatic measured up to 35% slower than kTilePerCta (hdim256, seqlen 16k).
+enum class Grid { kTilePerCta, kStatic, kDynamic };
+
+// Defaults per (head_dim, causal) from the H200 measurements in NOTES.md (run 4).
+struct Policy {
+  Grid grid = Grid::kStatic;
+  bool rescale_skip = false;  // O *= corr only in warps where a row max changed
+  bool wg3 = false;           // hdim 64: 3 consumer warpgroups (192-row tiles)
+};
+Policy default_policy(int64_t hdim, bool causal) {
+  Policy pol;
+  (void)hdim;
+  pol.grid = causal ? Grid::kTilePerCta : Grid::kStatic;
+  return pol;
+}
+
+bool mempools_supported(int device) {
+  int v = 0;
+  if (cudaDeviceGetAttribute(&v, cudaDevAttrMemoryPoolsSupported, device) != cudaSuccess) {
+    cudaGetLastError();
+    return false;
+  }
+  return v != 0;
+}
+
+// The default policy, then the measurement / test knobs (environment):
+//   IOATTN_SM90_GRID=tile|static|dynamic   grid policy (old knobs: IOATTN_SM90_ONE_TILE_PER_CTA=1
+//       = tile; IOATTN_SM90_PERSISTENT_CAUSAL=1 = static for causal too, zigzag order);
+//   IOATTN_SM90_RESCALE_SKIP=0|1, IOATTN_SM90_WG3=0|1 (hdim 64 only);
+//   IOATTN_SM90_MAX_CTAS=N caps a persistent grid (with a handful of CTAs every small problem runs
+//       many tiles per CTA through the cross-tile pipeline);
+//   IOATTN_SM90_NO_STAGGER=1 keeps every non-causal tile's key order unrotated.
+// kDynamic needs a stream-ordered allocation (memory pools); without them it falls back.
+Policy policy_for(const FwdProblem& p) {
+  Policy pol = default_policy(p.head_dim, p.causal);
+  if (p.causal && env_flag("IOATTN_SM90_PERSISTENT_CAUSAL")) pol.grid = Grid::kStatic;
+  if (const char* g = std::getenv("IOATTN_SM90_GRID")) {
+    const std::string v(g);
+    if (v == "tile") pol.grid = Grid::kTilePerCta;
+    if (v == "static") pol.grid = Grid::kStatic;
+    if (v == "dynamic") pol.grid = Grid::kDynamic;
+  }
+  if (env_flag("IOATTN_SM90_ONE_TILE_PER_CTA")) pol.grid = Grid::kTilePerCta;
+  if (const int v = env_bool("IOATTN_SM90_RESCALE_SKIP"); v >= 0) pol.rescale_skip = v == 1;
+  if (const int v = env_bool("IOATTN_SM90_WG3"); v >= 0) pol.wg3 = v == 1;
+  if (p.head_dim != 64) pol.wg3 = false;
+  if (pol.grid == Grid::kDynamic && !mempools_supported(p.device_index))
+    pol.grid = p.causal ? Grid::kTilePerCta : Grid::kStatic;
+  return pol;
+}
+
+const char* grid_str(Grid g) {
+  return g == Grid::kTilePerCta ? " 1 CTA/tile longest-first" : g == Grid::kStatic ? " persistent" : " persistent dynamic";
+}
+
+int64_t grid_ctas(int device, int64_t tiles, bool persistent) {
+  if (!persistent) return tiles;
+  int sms = 0;
+  IOATTN_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  int64_t n = std::min<int64_t>(tiles, sms);
+  if (const char* env = std::getenv("IOATTN_SM90_MAX_CTAS")) {
+    const long long cap = std::atoll(env);
+    if (cap > 0) n = std::min<int64_t>(n, cap);
+  }
+  return n;
+}
+
+bool select_impl(const FwdProblem& p, std::string* kernel, std::string* why) {
+  if (p.device != Device::cuda) return fail(why, "inputs are not on a CUDA device");
+  int count = 0;
+  if (cudaGetDeviceCount(&count) != cudaSuccess || p.device_index < 0 || p.device_index >= count) {
+    cudaGetLastError();
+    return fail(why, "no CUDA device " + std::to_string(p.device_index));
+  }
+  int major = 0, minor = 0;
+  IOATTN_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, p.device_index));
+  IOATTN_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, p.device_index));
+  if (major != 9 || minor != 0)
+    return fail(why, "device is sm_" + std::to_string(major * 10 + minor) + ", the wgmma kernel needs sm_90");
+  if (p.dtype != DType::bf16 && p.dtype != DType::f16)
+    return fail(why, std::string("dtype ") + dtype_str(p.dtype) + " (wgmma kernel: bf16, f16)");
+  if (p.head_dim != p.head_dim_v)
+    return fail(why, "head_dim_v " + std::to_string(p.head_dim_v) + " != head_dim " + std::to_string(p.head_dim));
+  if (p.head_dim != 64 && p.head_dim != 128 && p.head_dim != 256)
+    return fail(why, "head_dim " + std::to_string(p.head_dim) + " (wgmma kernel: 64, 128, 256)");
+  if (p.varlen()) return fail(why, "varlen (cu_seqlens) is not supported by the wgmma kernel");
+  const bool plain_causal = p.causal && p.window_left < 0 && p.window_right == 0;
+  const bool no_window = !p.causal && p.window_left < 0 && p.window_right < 0;
+  if (!plain_causal && !no_window) return fail(why, "sliding window is not supported by the wgmma kernel");
+  if (p.softcap > 0.0f) return fail(why, "softcap is not supported by the wgmma kernel");
+  if (p.alibi_slopes != nullptr) return fail(why, "ALiBi is not supported by the wgmma kernel");
+  if (p.sinks != nullptr) return fail(why, "attention sinks are not supported by the wgmma kernel");
+  if (!(p.scale > 0.0f)) return fail(why, "scale <= 0 (the kernel's running max assumes scale > 0)");
+  if (p.heads_kv <= 0 || p.heads_q % p.heads_kv != 0) return fail(why, "heads_q is not a multiple of heads_kv");
+  constexpr int64_t kMaxInt = 2147483647;
+  if (p.seqlen_q > kMaxInt - 256 || p.seqlen_k > kMaxInt - 256) return fail(why, "seqlen >= 2^31");
+  const int64_t m_blocks = (p.seqlen_q + 127) / 128;
+  if (m_blocks * p.heads_q * p.batch > kMaxInt) return fail(why, "more than 2^31-1 query tiles");
+  if (!tma_compatible(p.q, p.q_stride, p.batch, p.seqlen_q, p.heads_q, "q", why)) return false;
+  if (!tma_compatible(p.k, p.k_stride, p.batch, p.seqlen_k, p.heads_kv, "k", why)) return false;
+  if (!tma_compatible(p.v, p.v_stride, p.batch, p.seqlen_k, p.heads_kv, "v", why)) return false;
+  if (reinterpret_cast<uintptr_t>(p.o) % 4 != 0 || p.o_stride.seq % 2 != 0 || p.o_stride.head % 2 != 0 ||
+      p.o_stride.batch % 2 != 0)
+    return fail(why, "o is not 4-byte aligned with even strides (the kernel stores element pairs)");
+
+  const Policy pol = policy_for(p);
+  const Row row = table_row(p, pol.wg3);
+  if (row.present == nullptr) return fail(why, "no table row");
+  if (!row.present()) return fail(why, "this build has no sm_90a image of the wgmma kernel (CUDA archs lack 90a)");
+  *kernel = std::string("cuda/flash sm90 wgmma+tma ") + dtype_str(p.dtype) + " hdim" + std::to_string(p.head_dim) +
+            (p.causal ? " causal" : "") + " tile " + std::to_string(row.block_m) + "x" + std::to_string(row.block_n) +
+            " stages " + std::to_string(row.stages) + " ws " + std::to_string(row.consumer_wgs) + " consumer WGs " +
+            (row.consumer_wgs == 2 ? "pingpong" : "round-robin") + grid_str(pol.grid) +
+            (pol.rescale_skip ? " rescale-skip" : "");
+  *why = row.why;
+  return true;
+}
+
+// cuTensorMapEncodeTiled from the driver, looked up once.
+PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
+  static PFN_cuTensorMapEncodeTiled_v12000 fn = [] {
+    void* f = nullptr;
+    cudaDriverEntryPointQueryResult q{};
+    IOATTN_CUDA_CHECK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &f, 12000, cudaEnableDefault, &q));
+    if (q != cudaDriverEntryPointSuccess || f == nullptr)
+      throw Error("cuda", "ioattn: the CUDA driver has no cuTensorMapEncodeTiled (driver too old for TMA)");
+    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(f);
+  }();
+  return fn;
+}
+
+// 4D map over (head_dim, seqlen, heads, batch) with box (64, box_rows, 1, 1) and 128-byte
+// swizzle: one box is one swizzled column block of a tile. Out-of-bounds rows read as zeros.
+CUtensorMap make_tensor_map(const void* ptr, DType dtype, int64_t head_dim, int64_t seqlen, int64_t heads,
+                            int64_t batch, const Strides3& s, int box_rows, const char* name) {
+  // seqlen 0 (no keys) still needs a valid map; the kernel then loads nothing.
+  const cuuint64_t dims[4] = {static_cast<cuuint64_t>(head_dim), static_cast<cuuint64_t>(seqlen > 0 ? seqlen : 1),
+                              static_cast<cuuint64_t>(heads), static_cast<cuuint64_t>(batch)};
+  // Size-1 dims: their stride is never followed; give TMA a packed (valid) one.
+  const int64_t packed[3] = {head_dim * 2, head_dim * seqlen * 2, head_dim * seqlen * heads * 2};
+  const int64_t given[3] = {s.seq * 2, s.head * 2, s.batch * 2};
+  cuuint64_t strides[3];
+  for (int i = 0; i < 3; ++i)
+    strides[i] = static_cast<cuuint64_t>(static_cast<int64_t>(dims[i + 1]) <= 1 ? packed[i] : given[i]);
+  const cuuint32_t box[4] = {64, static_cast<cuuint32_t>(box_rows), 1, 1};
+  const cuuint32_t elem_strides[4] = {1, 1, 1, 1};
+  CUtensorMap map{};
+  const CUresult r = tensor_map_encoder()(
+      &map, dtype == DType::bf16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 4,
+      const_cast<void*>(ptr), dims, strides, box, elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
+      CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  if (r != CUDA_SUCCESS)
+    throw Error("cuda", std::string("ioattn: cuTensorMapEncodeTiled failed for ") + name + " (CUresult " +
+                            std::to_string(static_cast<int>(r)) + ")");
+  return map;
+}
+
+// K + V bytes a scheduling section may keep in L2 (H200: 60 MB L2 in two halves; leave room for
+// Q, O and the other half's copies).
+constexpr int64_t kL2SectionBytes = 24ll << 20;
+
+}  // namespace
+}  // namespace ioattn::cuda::sm90
+
+namespace ioattn::detail {
+
+bool sm90_flash_select(const FwdProblem& p, std::string* kernel, std::string* reason) {
+  std::string k, r;
+  const bool ok = cuda::sm90::select_impl(p, &k, &r);
+  if (kernel) *kernel = ok ? k : std::string();
+  if (reason) *reason = r;
+  return ok;
+}
+
+void sm90_flash_forward(const FwdProblem& p) {
+  using namespace cuda::sm90;
+  std::string kernel, why;
+  if (!select_impl(p, &kernel, &why)) throw Error("q", "ioattn: sm90 flash kernel cannot run this problem: " + why);
+  const Policy pol = policy_for(p);
+  const Row row = table_row(p, pol.wg3);
+  const int64_t m_blocks = (p.seqlen_q + row.block_m - 1) / row.block_m;
+  const int64_t grid = m_blocks * p.heads_q * p.batch;
+  if (grid == 0) return;  // nothing to compute (seqlen_q, heads or batch is 0)
+  cuda::DeviceGuard guard(p.device_index);
+
+  FwdLaunch l;
+  l.q = make_tensor_map(p.q, p.dtype, p.head_dim, p.seqlen_q, p.heads_q, p.batch, p.q_stride, row.block_m, "q");
+  l.k = make_tensor_map(p.k, p.dtype, p.head_dim, p.seqlen_k, p.heads_kv, p.batch, p.k_stride, row.block_n, "k");
+  l.v = make_tensor_map(p.v, p.dtype, p.head_dim, p.seqlen_k, p.heads_kv, p.batch, p.v_stride, row.block_n, "v");
+  FwdParams& f = l.params;
+  f.o = p.o;
+  f.lse = p.lse;
+  f.o_batch = p.o_stride.batch;
+  f.o_seq = p.o_stride.seq;
+  f.o_head = p.o_stride.head;
+  f.lse_batch = p.lse_stride.batch;
+  f.lse_head = p.lse_stride.head;
+  f.lse_seq = p.lse_stride.seq;
+  f.seqlen_q = static_cast<int>(p.seqlen_q);
+  f.seqlen_k = static_cast<int>(p.seqlen_k);
+  f.heads_q = static_cast<int>(p.heads_q);
+  f.group = static_cast<int>(p.heads_q / p.heads_kv);
+  f.num_m_blocks = static_cast<int>(m_blocks);
+  f.batch_heads = static_cast<int>(p.batch * p.heads_q);
+  f.num_tiles = static_cast<int>(grid);
+  // Sections of (batch, head) pairs whose K + V fit in kL2SectionBytes (heads of one GQA group
+  // share theirs), so the tiles in flight reuse K/V from L2 (see decode_tile).
+  const int64_t kv_bytes_per_head = std::max<int64_t>(std::max<int64_t>(p.seqlen_k, 1) * p.head_dim * 2 * 2 / f.group, 1);
+  f.section_heads = static_cast<int>(std::clamp<int64_t>(kL2SectionBytes / kv_bytes_per_head, 1, f.batch_heads));
+  constexpr float kLog2e = 1.4426950408889634f;
+  f.scale = p.scale;
+  f.scale_log2 = p.scale * kLog2e;
+  const bool persistent = pol.grid != Grid::kTilePerCta;
+  f.zigzag = pol.grid == Grid::kStatic && p.causal ? 1 : 0;
+  f.stagger = !p.causal && !env_flag("IOATTN_SM90_NO_STAGGER") ? 1 : 0;
+  f.rescale_skip = pol.rescale_skip ? 1 : 0;
+  l.grid = static_cast<unsigned>(grid_ctas(p.device_index, grid, persistent));
+  l.stream = static_cast<cudaStream_t>(p.stream);
+  // Dynamic schedule: one int tile counter per launch, allocated and zeroed in stream order, so
+  // launches on other streams (or replays of a captured graph) never share it; freed after the
+  // kernel in stream order. With every tile a CTA's first one there is nothing to claim.
+  struct CounterGuard {
+    int* ptr = nullptr;
+    cudaStream_t stream = nullptr;
+    ~CounterGuard() {
+      if (ptr != nullptr) cudaFreeAsync(ptr, stream);
+    }
+  } counter;
+  if (pol.grid == Grid::kDynamic && static_cast<int64_t>(l.grid) < grid) {
+    counter.stream = l.stream;
+    IOATTN_CUDA_CHECK(cudaMallocAsync(reinterpret_cast<void**>(&counter.ptr), sizeof(int), l.stream));
+    IOATTN_CUDA_CHECK(cudaMemsetAsync(counter.ptr, 0, sizeof(int), l.stream));
+    f.tile_counter = counter.ptr;
+  }
+  row.launch(l);
+  if (counter.ptr != nullptr) {
+    int* ptr = counter.ptr;
+    counter.ptr = nullptr;
+    IOATTN_CUDA_CHECK(cudaFreeAsync(ptr, l.stream));
+  }
+}
+
+}  // namespace ioattn::detail

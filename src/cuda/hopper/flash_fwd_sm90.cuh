@@ -1,0 +1,625 @@
+// flash_fwd_sm90.cuh — FlashAttention-3-style forward kernel for Hopper (sm_90a).
+//
+// Computes O = softmax(scale * Q K^T [causal mask]) V and LSE (natural log, fp32) in 128-row
+// query tiles, 16-bit inputs (bf16 or f16), fp32 accumulation.
+//
+// Tiling and roles (one CTA = 1 + kConsumerWGs warpgroups, 384 or 512 threads, 1 CTA per SM):
+//   * warpgroup 0, the producer, drops to kProducerRegs registers (setmaxnreg.dec) and one
+//     thread issues TMA copies: a tile's Q [128 x d] once, then K and V tiles [kBlockN x d]
+//     through a kStages-deep ring of shared-memory buffers, each completing on a "full"
+//     mbarrier; it refills a buffer once both consumers arrive on its "empty" mbarrier.
+//   * warpgroups 1, 2 (and 3), the consumers, rise to kConsumerRegs registers and each owns 64
+//     query rows (tiles of 128 rows, or 192 with 3 consumer warpgroups). Per key block j: S = Q K_j^T by wgmma (both operands from shared memory),
+//     online softmax in registers (exp2 with scale*log2(e) folded in, row max/sum within the quad
+//     of threads that share a row), P rounded to 16 bits in registers and fed as the A operand of
+//     O += P V_j (wgmma with A in registers).
+//   * Overlap: (a) ping-pong — named barriers hand the tensor cores from one consumer warpgroup
+//     to the next (round robin with 3), so one's softmax runs while the others' GEMMs run; (b) inside a warpgroup,
+//     S_{j+1} = Q K_{j+1}^T is issued together with O += P_j V_j, so softmax(j+1) only waits
+//     for the first of the two; (c) across tiles (persistent grid) the producer loads the next
+//     tile's Q and K/V while the consumers finish the last P V and store O.
+//   * Key blocks are visited last to first, so the blocks that need masking (the ragged end of
+//     the keys, the causal diagonal) come first and the rest run without mask code; non-causal
+//     tiles rotate that order (stagger) so CTAs on one head do not read the same block at once.
+//   * Tiles are scheduled in L2-sized sections of (batch, head) pairs, longest first for causal
+//     (decode_tile); the grid is one CTA per tile, or persistent with a static (tile_of_round) or
+//     dynamic (atomic counter, sched_sm90.cuh) schedule, per the host table (flash_fwd_sm90.cu).
+//     The producer announces each tile to the consumers with its Q (tile_slot + full_q).
+//   * Shared memory holds 128-byte-swizzled column blocks of 64 elements (see ptx_sm90.cuh),
+//     written by TMA with CU_TENSOR_MAP_SWIZZLE_128B and read by wgmma with SW128 descriptors.
+//
+// Assumes (sm90_flash_select checks it): head_dim = head_dim_v in {64, 128, 256}; unit stride on
+// the last dim; q/k/v 16-byte aligned with 16-byte-multiple strides (TMA); o 4-byte aligned
+// with even strides; no window/softcap/alibi/sinks/varlen; scale > 0.
+// Masks are bottom-right aligned: row i sees key j iff j <= i + (seqlen_k - seqlen_q).
+// Rows with no visible key get O = 0, LSE = -inf.
+//
+// History (numbers: NOTES.md; bf16 TFLOP/s on an H200 vs cuDNN in the same run)
+//   v1  TMA + mbarrier ring, producer/2-consumer warp specialisation, wgmma SS for Q K^T and RS
+//       for P V, ping-pong + intra-warpgroup overlap, backward key order, 1D longest-first grid.
+//       Correct first time; 0.80-1.02x cuDNN.
+//   v2  persistent grid with cross-tile prefetch (empty_q barrier), L2 sections; optional FMA-pipe
+//       exp2 share (measured slower: off). Non-causal +2..7%; causal worse (static imbalance).
+//   v3  causal back to one CTA per tile; non-causal key-order stagger; tile per (hdim, causal):
+//       128x192 / 128x176 for non-causal hdim64 / 128. 0.82-1.02x cuDNN, geomean 0.91x.
+//   v4  dynamic tile scheduler (persistent + balanced), O-rescale skip by warp vote, 3 consumer
+//       warpgroups (192x128) for hdim64; the host table picks per (hdim, causal).
+#pragma once
+
+#include <cuda.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <type_traits>
+
+#include "cuda/check.cuh"
+#include "cuda/hopper/ptx_sm90.cuh"
+#include "cuda/hopper/sched_sm90.cuh"
+
+namespace ioattn::cuda::sm90 {
+
+// Everything the kernel needs besides the three tensor maps. Offsets in elements, int64.
+struct FwdParams {
+  void* o = nullptr;
+  float* lse = nullptr;  // may be null
+  int64_t o_batch = 0, o_seq = 0, o_head = 0;
+  int64_t lse_batch = 0, lse_head = 0, lse_seq = 0;
+  int seqlen_q = 0, seqlen_k = 0;
+  int heads_q = 0, group = 1;  // group = heads_q / heads_kv
+  int num_m_blocks = 0;
+  int num_tiles = 0;      // num_m_blocks * batch_heads
+  int batch_heads = 0;    // batch * heads_q
+  int section_heads = 1;  // (batch, head) pairs per scheduling section (L2-sized)
+  int stagger = 0;        // non-causal: rotate each tile's key order (see key_block)
+  int zigzag = 0;         // persistent grid: odd rounds walk the CTAs backwards (see tile loops)
+  int* tile_counter = nullptr;  // non-null: dynamic persistent schedule (claim_tile), zeroed per launch
+  int rescale_skip = 0;   // skip O *= corr in a warp whose 16 rows all kept their running max
+  float scale = 1.0f;       // natural-log units (for LSE)
+  float scale_log2 = 1.0f;  // scale * log2(e) (for exp2)
+};
+
+// Tiling parameters of one kernel instance. "should not affect results, only speed".
+template <int kHeadDim_, int kBlockN_, int kStages_, typename Element_, int kExp2PolyEvery_ = 0,
+          int kConsumerWGs_ = 2>
+struct FwdTraits {
+  using Element = Element_;
+  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kConsumerWGs = kConsumerWGs_;  // 2 (ping-pong) or 3 (round robin)
+  static constexpr int kBlockM = 64 * kConsumerWGs;   // 64 query rows per consumer warpgroup
+  static constexpr int kBlockN = kBlockN_;
+  static constexpr int kStages = kStages_;
+  // Every kExp2PolyEvery-th group of 8 scores per row takes its exp2 on the FMA pipe (0: none).
+  static constexpr int kExp2PolyEvery = kExp2PolyEvery_;
+  static constexpr int kThreads = 128 * (1 + kConsumerWGs);
+  static constexpr int kConsumerWarps = 4 * kConsumerWGs;
+  static constexpr int kColBlock = 64;  // 16-bit elements in one 128-byte swizzle row
+  static constexpr int kColBlocks = kHeadDim / kColBlock;
+  static constexpr int kQBytes = kBlockM * kHeadDim * 2;
+  static constexpr int kKVBytes = kBlockN * kHeadDim * 2;  // one stage of K (or of V)
+  static constexpr int kSmemBytes = kQBytes + 2 * kStages * kKVBytes + 1024;  // + alignment slack
+  // 24 x 128 + 240 x 256 = 64512 (2 consumer WGs) or 24 x 128 + 160 x 384 = 64512 (3) <= 65536
+  // registers of the SM.
+  static constexpr int kProducerRegs = 24;
+  static constexpr int kConsumerRegs = kConsumerWGs == 2 ? 240 : 160;
+  static_assert(kConsumerWGs == 2 || kConsumerWGs == 3, "consumer warpgroups");
+  static_assert(kProducerRegs * 128 + kConsumerRegs * 128 * kConsumerWGs <= 65536, "register file");
+  static_assert(kHeadDim % 64 == 0 && kBlockN % 16 == 0 && kBlockN <= 256, "tile shape");
+  static_assert(kSmemBytes <= 227 * 1024, "shared memory per block");
+};
+
+// ---- the dispatch table: one tile per (head_dim, causal) ("should not affect results, only speed")
+// Register budget per consumer thread (240): O takes d/2 fp32, S kBlockN/2, P kBlockN/4.
+// Shared memory (227 KB max): Q 128 x d, plus kStages x (K + V) of kBlockN x d, 16-bit.
+// Measured on the H200 against 128x128 (NOTES.md, run 3): wider key blocks pay off without a
+// mask (fewer, longer iterations) and cost on causal tiles (more of the diagonal block is wasted).
+template <int kHeadDim, bool kCausal>
+struct Sm90Tile;
+template <>
+struct Sm90Tile<64, false> {
+  static constexpr int kBlockN = 192, kStages = 2, kExp2PolyEvery = 0;
+  static constexpr const char* kWhy =
+      "hdim64: 128x192 (S 96 + P 48 + O 32 registers, 16 KB Q + 2 x 48 KB K/V smem): the kernel is "
+      "exp-bound, long key blocks amortise each iteration's barriers (+2..6% over 128x128 measured)";
+};
+template <>
+struct Sm90Tile<64, true> {
+  static constexpr int kBlockN = 128, kStages = 3, kExp2PolyEvery = 0;
+  static constexpr const char* kWhy =
+      "hdim64 causal: 128x128, 3 stages (16 KB Q + 3 x 32 KB K/V): square tiles waste the least of "
+      "the diagonal block; smem is cheap at hdim64, so a deeper ring";
+};
+template <>
+struct Sm90Tile<128, false> {
+  static constexpr int kBlockN = 176, kStages = 2, kExp2PolyEvery = 0;
+  static constexpr const char* kWhy =
+      "hdim128: 128x176 = S 88 + P 44 + O 64 registers (fits 240 with the overlapped next S), "
+      "32 KB Q + 2 x 88 KB K/V = 208 KB smem; +0..8% over 128x128 measured";
+};
+template <>
+struct Sm90Tile<128, true> {
+  static constexpr int kBlockN = 128, kStages = 2, kExp2PolyEvery = 0;
+  static constexpr const char* kWhy =
+      "hdim128 causal: 128x128 (S 64 + P 32 + O 64 registers; 32 KB Q + 2 x 64 KB K/V): square "
+      "tiles waste the least of the diagonal block (128x176 measured -8% at 2k)";
+};
+template <bool kCausal>
+struct Sm90Tile<256, kCausal> {
+  static constexpr int kBlockN = 80, kStages = 2, kExp2PolyEvery = 0;
+  static constexpr const char* kWhy =
+      "hdim256: O alone takes 128 registers, so kBlockN = 80 (S 40 + P 20) fits 240; smem 64 KB Q + "
+      "2 stages x 80 KB K/V = 224 KB, the most that fits under 227 KB (128x64 measured -5..8%)";
+};
+template <int kHeadDim, typename T, bool kCausal>
+using Sm90Traits = FwdTraits<kHeadDim, Sm90Tile<kHeadDim, kCausal>::kBlockN, Sm90Tile<kHeadDim, kCausal>::kStages,
+                             T, Sm90Tile<kHeadDim, kCausal>::kExp2PolyEvery>;
+
+// Alternative rows with 3 consumer warpgroups (192-row tiles, as FlashAttention-3 for hdim 64):
+// each warpgroup's softmax hides under the GEMMs of the other two instead of one. Registers drop
+// to 160 per consumer thread (S 64 + P 32 + O 32 at 192x128). Chosen per (hdim, causal) by the
+// host table (flash_fwd_sm90.cu); only hdim 64, where the softmax is as long as the GEMMs.
+template <bool kCausal>
+struct Sm90Tile3 {
+  static constexpr int kBlockN = 128, kStages = 3;
+  static constexpr const char* kWhy =
+      "hdim64: 3 consumer warpgroups (192x128, 160 registers: S 64 + P 32 + O 32; 24 KB Q + 3 x 32 KB "
+      "K/V): the exp-bound softmax of each warpgroup hides under the GEMMs of the other two";
+};
+template <typename T, bool kCausal>
+using Sm90Traits3 = FwdTraits<64, Sm90Tile3<kCausal>::kBlockN, Sm90Tile3<kCausal>::kStages, T, 0, 3>;
+
+// Named barrier ids (0 is __syncthreads). Consumer warpgroup c waits on kSchedWG0 + c for its
+// turn at the tensor cores; warpgroup c - 1 (mod the count) arrives there when it has issued its
+// GEMMs (ping-pong for 2 warpgroups, round robin for 3).
+enum class NamedBarrier : int { kSchedWG0 = 1 };
+
+__device__ __forceinline__ uint32_t ring_stage(int i, int stages) { return static_cast<uint32_t>(i % stages); }
+__device__ __forceinline__ uint32_t ring_phase(int i, int stages) { return static_cast<uint32_t>((i / stages) & 1); }
+
+// Key blocks the query tile [m0, m0 + kBlockM) must visit: [0, n_blocks).
+template <int kBlockM, int kBlockN, bool kCausal>
+__device__ __forceinline__ int num_key_blocks(int m0, int seqlen_q, int seqlen_k) {
+  int last_key = seqlen_k - 1;  // last key any row of the tile can see
+  if (kCausal) last_key = min(last_key, m0 + kBlockM - 1 + (seqlen_k - seqlen_q));
+  return last_key < 0 ? 0 : last_key / kBlockN + 1;
+}
+
+// Tile t of the persistent schedule -> (query block, head, batch). Tiles come in sections of
+// `section_heads` (batch, head) pairs whose K and V fit in L2 together; inside a section the query
+// block is the slow index, so the tiles running at one time share K/V through L2, and for causal
+// it counts down, so the longest tiles (most keys) run first and the short ones fill the tail.
+struct TileCoord {
+  int m_block, h, b;
+};
+template <bool kCausal>
+__device__ __forceinline__ TileCoord decode_tile(int t, const FwdParams& p) {
+  const int per_section = p.section_heads * p.num_m_blocks;
+  const int section = t / per_section;
+  const int r = t - section * per_section;
+  const int heads_here = min(p.section_heads, p.batch_heads - section * p.section_heads);
+  const int m_idx = r / heads_here;
+  const int bh = section * p.section_heads + (r - m_idx * heads_here);
+  return {kCausal ? p.num_m_blocks - 1 - m_idx : m_idx, bh % p.heads_q, bh / p.heads_q};
+}
+
+// Persistent grid: the tile this CTA takes in `round` (tiles round * gridDim.x ... + gridDim.x - 1).
+// zigzag: odd rounds hand them out in reverse CTA order, so a CTA that drew a long tile in one
+// round draws a short one in the next when tile lengths fall along the order (causal).
+__device__ __forceinline__ int tile_of_round(int round, int zigzag) {
+  const int pos = (zigzag && (round & 1)) ? static_cast<int>(gridDim.x - 1 - blockIdx.x) : static_cast<int>(blockIdx.x);
+  return round * static_cast<int>(gridDim.x) + pos;
+}
+
+// Key blocks are visited last to first (the blocks that need a mask come first for causal). With
+// `stagger` (non-causal) the order is also rotated by a per-query-block amount, so the CTAs that
+// work on one head at the same time read different K/V blocks instead of all hammering the same
+// L2 lines (seen as a 20% drop at hdim256, seqlen 16k, where one head fills the whole GPU).
+__device__ __forceinline__ int key_rotation(int m_block, int n_blocks, const FwdParams& p) {
+  return p.stagger && n_blocks > 0 ? static_cast<int>((static_cast<int64_t>(m_block) * n_blocks) / p.num_m_blocks) : 0;
+}
+__device__ __forceinline__ int key_block(int i, int n_blocks, int rot) {
+  const int n = n_blocks - 1 - i + rot;
+  return n >= n_blocks ? n - n_blocks : n;
+}
+
+// 2^x on the FMA pipe, for a share of the softmax exponentials so the MUFU unit (16 ex2 per clock
+// per SM, the bottleneck at hdim 64) is not the only one working: 2^x = 2^k 2^f with k = round(x)
+// (the 1.5 * 2^23 trick: x + 1.5*2^23 holds k in its low mantissa bits) and 2^f, f in [-0.5, 0.5],
+// by a degree-3 minimax polynomial (max relative error 7.5e-5, far below bf16's 3.9e-3). Inputs
+// below -126.5 give ~1e-38 instead of 0, so callers use it only where no score is masked.
+__device__ __forceinline__ float exp2_poly3(float x) {
+  constexpr float kRound = 12582912.0f;  // 1.5 * 2^23
+  constexpr float kC0 = 0.999928057f, kC1 = 0.693260968f, kC2 = 0.24261114f, kC3 = 0.0551716685f;
+  x = fmaxf(x, -126.5f);
+  const float t = x + kRound;
+  const float f = x - (t - kRound);
+  const float p = fmaf(fmaf(fmaf(kC3, f, kC2), f, kC1), f, kC0);
+  return __int_as_float(__float_as_int(p) + (__float_as_int(t) << 23));
+}
+
+// Whether score group i (8 columns) takes exp2_poly3: every kEvery-th group, none for kEvery = 0.
+template <int kEvery>
+__device__ __forceinline__ constexpr bool use_poly_exp2(int i) {
+  return kEvery > 0 && i % (kEvery > 0 ? kEvery : 1) == kEvery - 1;
+}
+
+template <class Tr, bool kCausal>
+__global__ void __launch_bounds__(Tr::kThreads, 1)
+    flash_fwd_sm90_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_k,
+                          const __grid_constant__ CUtensorMap tm_v, const FwdParams p) {
+#if IOATTN_SM90A_ENABLED
+  using Element = typename Tr::Element;
+  constexpr int kBlockM = Tr::kBlockM, kBlockN = Tr::kBlockN, kHeadDim = Tr::kHeadDim;
+  constexpr int kStages = Tr::kStages;
+
+  __shared__ uint64_t full_q, empty_q;                    // Q tile landed / Q buffer free again
+  __shared__ uint64_t full_k[kStages], full_v[kStages];    // K / V stage landed
+  __shared__ uint64_t empty_k[kStages], empty_v[kStages];  // K / V stage free again
+  __shared__ int tile_slot;  // the tile whose Q the last full_q phase announced (see below)
+  extern __shared__ uint8_t smem_raw[];
+  // 1024-byte alignment: the 128-byte swizzle pattern repeats every 8 rows x 128 bytes.
+  uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+  uint8_t* s_q = smem;                          // (kColBlocks, kBlockM, 64)
+  uint8_t* s_k = smem + Tr::kQBytes;            // (kStages, kColBlocks, kBlockN, 64)
+  uint8_t* s_v = s_k + kStages * Tr::kKVBytes;  // (kStages, kColBlocks, kBlockN, 64)
+
+  if (threadIdx.x == 0) {
+    mbarrier_init(&full_q, 1);
+    mbarrier_init(&empty_q, Tr::kConsumerWarps);
+#pragma unroll
+    for (int s = 0; s < kStages; ++s) {
+      mbarrier_init(&full_k[s], 1);
+      mbarrier_init(&full_v[s], 1);
+      mbarrier_init(&empty_k[s], Tr::kConsumerWarps);
+      mbarrier_init(&empty_v[s], Tr::kConsumerWarps);
+    }
+    fence_mbarrier_init();
+  }
+  __syncthreads();
+
+  // The producer decides the tiles and announces each one with its Q: it writes the tile index
+  // to tile_slot before its arrival on full_q (release), and the consumers read it after their
+  // wait on full_q (acquire); they arrive on empty_q when done with Q (and so with the slot) for
+  // that tile. Tiles without keys (n_blocks = 0: the consumers write O = 0, LSE = -inf) and the
+  // end marker (index >= num_tiles) take the same handshake with a plain arrival (no Q bytes).
+  // So the Q count is the tile count, and both roles skip the same empty tiles for the K/V ring
+  // position `ring`. The next tile: static schedule, tile_of_round; dynamic (p.tile_counter),
+  // claim_tile after the current tile's last K/V load (sched_sm90.cuh).
+  const bool dynamic = p.tile_counter != nullptr;
+  const int warpgroup = threadIdx.x / 128;
+  if (warpgroup == 0) {
+    // ================================ producer ================================
+    setmaxnreg_dec<Tr::kProducerRegs>();
+    if (threadIdx.x == 0) {
+      tma_prefetch_map(&tm_q);
+      tma_prefetch_map(&tm_k);
+      tma_prefetch_map(&tm_v);
+      int ring = 0;
+      int t = tile_of_round(0, p.zigzag);  // = blockIdx.x, for either schedule
+      for (int round = 0;; ++round) {
+        // The Q buffer and tile_slot are free once the consumers finished every Q K^T of the
+        // previous tile.
+        mbarrier_wait(&empty_q, (round & 1) ^ 1);
+        *reinterpret_cast<volatile int*>(&tile_slot) = t;
+        if (t >= p.num_tiles) {
+          mbarrier_arrive(&full_q);  // the end marker
+          break;
+        }
+        const TileCoord tc = decode_tile<kCausal>(t, p);
+        const int m0 = tc.m_block * kBlockM, hk = tc.h / p.group;
+        const int n_blocks = num_key_blocks<kBlockM, kBlockN, kCausal>(m0, p.seqlen_q, p.seqlen_k);
+        if (n_blocks == 0) {
+          mbarrier_arrive(&full_q);
+          t = dynamic ? claim_tile(p.tile_counter) : tile_of_round(round + 1, p.zigzag);
+          continue;
+        }
+        const int rot = key_rotation(tc.m_block, n_blocks, p);
+        mbarrier_arrive_expect_tx(&full_q, Tr::kQBytes);
+#pragma unroll
+        for (int c = 0; c < Tr::kColBlocks; ++c)
+          tma_load_4d(s_q + c * kBlockM * 128, &tm_q, &full_q, c * 64, m0, tc.h, tc.b);
+        // K or V of the i-th visited key block of this tile into ring slot (ring + i) % kStages.
+        auto load_kv = [&](const CUtensorMap* map, uint8_t* buf, uint64_t* full, uint64_t* empty, int i) {
+          const uint32_t st = ring_stage(ring + i, kStages);
+          mbarrier_wait(&empty[st], ring_phase(ring + i, kStages) ^ 1);
+          mbarrier_arrive_expect_tx(&full[st], Tr::kKVBytes);
+          const int n0 = key_block(i, n_blocks, rot) * kBlockN;
+          uint8_t* dst = buf + st * Tr::kKVBytes;
+#pragma unroll
+          for (int c = 0; c < Tr::kColBlocks; ++c)
+            tma_load_4d(dst + c * kBlockN * 128, map, &full[st], c * 64, n0, hk, tc.b);
+        };
+        // Order K0, K1, V0, K2, V1, ...: the consumers need K_{i+1} before V_i.
+        load_kv(&tm_k, s_k, full_k, empty_k, 0);
+        for (int i = 1; i < n_blocks; ++i) {
+          load_kv(&tm_k, s_k, full_k, empty_k, i);
+          load_kv(&tm_v, s_v, full_v, empty_v, i - 1);
+        }
+        load_kv(&tm_v, s_v, full_v, empty_v, n_blocks - 1);
+        // Dynamic: claim the next tile only now, when this one is nearly done (the consumers are
+        // kStages blocks behind), so the claim order follows the CTAs' finishing order.
+        t = dynamic ? claim_tile(p.tile_counter) : tile_of_round(round + 1, p.zigzag);
+        ring += n_blocks;
+      }
+    }
+  } else {
+    // ================================ consumers ===============================
+    setmaxnreg_inc<Tr::kConsumerRegs>();
+    const int cw = warpgroup - 1;  // consumer warpgroup 0, 1(, 2): rows [64 cw, 64 cw + 64) of the tile
+    const int warp = (threadIdx.x / 32) % 4;
+    const int lane = threadIdx.x % 32;
+    const int row_in_tile = cw * 64 + warp * 16 + lane / 4;  // this thread's rows: +0 and +8
+    const int off = p.seqlen_k - p.seqlen_q;                 // bottom-right causal offset
+    const int sched_mine = static_cast<int>(NamedBarrier::kSchedWG0) + cw;
+    const int sched_other = static_cast<int>(NamedBarrier::kSchedWG0) + (cw + 1) % Tr::kConsumerWGs;
+    // Ping-pong / round-robin protocol: warpgroup 0 goes first. Every GEMM issue is bracketed by a
+    // sync on my barrier (256 threads: mine + the previous warpgroup's arrival) and an arrival on
+    // the next one's, across tiles; every warpgroup issues equally often, and this one extra
+    // arrival is consumed by warpgroup 0's final sync below, so every barrier phase completes.
+    // A warpgroup cannot arrive twice before its successor synced: its own next turn needs the
+    // whole ring to pass first.
+    if (cw == Tr::kConsumerWGs - 1) named_barrier_arrive(static_cast<int>(NamedBarrier::kSchedWG0), 256);
+    const uint32_t q_base = smem_u32(s_q) + cw * 64 * 128;
+    const uint32_t k_base = smem_u32(s_k);
+    const uint32_t v_base = smem_u32(s_v);
+    // One arrival of this warp on an "empty" barrier (the producer may refill / reuse).
+    auto release = [&](uint64_t* empty) {
+      __syncwarp();
+      if (lane == 0) mbarrier_arrive(empty);
+    };
+    int ring = 0;
+
+    for (int round = 0;; ++round) {
+      mbarrier_wait(&full_q, round & 1);  // this tile's index, and its Q when it has keys
+      const int t = *reinterpret_cast<volatile int*>(&tile_slot);
+      if (t >= p.num_tiles) break;
+      const TileCoord tc = decode_tile<kCausal>(t, p);
+      const int m0 = tc.m_block * kBlockM;
+      const int n_blocks = num_key_blocks<kBlockM, kBlockN, kCausal>(m0, p.seqlen_q, p.seqlen_k);
+      const int rot = key_rotation(tc.m_block, n_blocks, p);
+
+      float o[kHeadDim / 2];  // O accumulator fragment (64 x kHeadDim per warpgroup)
+#pragma unroll
+      for (int i = 0; i < kHeadDim / 2; ++i) o[i] = 0.0f;
+      float row_max[2] = {-INFINITY, -INFINITY};  // raw (unscaled) running max of S, per row
+      float row_sum[2] = {0.0f, 0.0f};            // this thread's share of sum exp, per row
+
+      if (n_blocks > 0) {
+        float s[kBlockN / 2];      // S fragment (64 x kBlockN)
+        uint32_t pf[kBlockN / 4];  // P fragment as 16-bit pairs: the A operand of P V
+        float corr[2] = {1.0f, 1.0f};
+        // Whether O needs O *= corr before the next P V: false when no row of this warp changed
+        // its running max in the last softmax (corr = 1 exactly), or O is still 0 (first block).
+        bool rescale = true;
+
+        // S = Q K^T for ring slot st: kHeadDim/16 k-steps, K-major A and B.
+        auto issue_qk = [&](uint32_t st) {
+          wgmma_fence();
+#pragma unroll
+          for (int kk = 0; kk < kHeadDim / 16; ++kk) {
+            const uint32_t col = kk / 4, byte_in_row = (kk % 4) * 32;
+            const uint64_t a = make_desc_sw128(q_base + col * kBlockM * 128 + byte_in_row, 16, 1024);
+            const uint64_t bd =
+                make_desc_sw128(k_base + st * Tr::kKVBytes + col * kBlockN * 128 + byte_in_row, 16, 1024);
+            Wgmma<kBlockN, Element>::template ss<0>(s, a, bd, kk > 0 ? 1 : 0);
+          }
+          wgmma_commit();
+        };
+        // O += P V for ring slot st: kBlockN/16 k-steps, A = P from registers, V MN-major.
+        auto issue_pv = [&](uint32_t st) {
+          wgmma_fence();
+#pragma unroll
+          for (int kk = 0; kk < kBlockN / 16; ++kk) {
+            const uint64_t bd = make_desc_sw128(v_base + st * Tr::kKVBytes + kk * 16 * 128, kBlockN * 128, 1024);
+            const uint32_t a[4] = {pf[4 * kk], pf[4 * kk + 1], pf[4 * kk + 2], pf[4 * kk + 3]};
+            Wgmma<kHeadDim, Element>::template rs<1>(o, a, bd, 1);
+          }
+          wgmma_commit();
+        };
+        auto fence_s = [&]() {
+#pragma unroll
+          for (int i = 0; i < kBlockN / 2; ++i) reg_fence(s[i]);
+        };
+        auto fence_o = [&]() {
+#pragma unroll
+          for (int i = 0; i < kHeadDim / 2; ++i) reg_fence(o[i]);
+#pragma unroll
+          for (int i = 0; i < kBlockN / 4; ++i) reg_fence(pf[i]);
+        };
+        // Sets S to -inf where key >= seqlen_k or (causal) key > row + off. Key block n.
+        auto apply_mask = [&](int n) {
+          const int key0 = n * kBlockN + 2 * (lane % 4);
+#pragma unroll
+          for (int r = 0; r < 2; ++r) {
+            const int row = m0 + row_in_tile + 8 * r;
+            const int key_end = kCausal ? min(p.seqlen_k, row + off + 1) : p.seqlen_k;  // visible: key < key_end
+#pragma unroll
+            for (int i = 0; i < kBlockN / 8; ++i) {
+#pragma unroll
+              for (int e = 0; e < 2; ++e)
+                if (key0 + 8 * i + e >= key_end) s[4 * i + 2 * r + e] = -INFINITY;
+            }
+          }
+        };
+        auto needs_mask = [&](int n) {
+          return (n + 1) * kBlockN > p.seqlen_k || (kCausal && (n + 1) * kBlockN - 1 > m0 + off);
+        };
+        // Online softmax on S of one key block: new row max, corr = exp(old max - new max),
+        // S <- exp(scale (S - max)), row_sum <- row_sum * corr + sum. Rows stay -inf-safe.
+        // kPoly: every kExp2PolyEvery-th group of 8 columns uses exp2_poly3 (no masked scores).
+        auto softmax = [&](auto poly_tag) {
+          constexpr bool kPoly = decltype(poly_tag)::value;
+          bool changed = false;
+#pragma unroll
+          for (int r = 0; r < 2; ++r) {
+            float mx = row_max[r];
+#pragma unroll
+            for (int i = 0; i < kBlockN / 8; ++i) mx = fmaxf(mx, fmaxf(s[4 * i + 2 * r], s[4 * i + 2 * r + 1]));
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));  // the 4 threads of a quad share a row
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+            changed |= mx != row_max[r];
+            const float m_scaled = mx == -INFINITY ? 0.0f : mx * p.scale_log2;
+            corr[r] = exp2_approx(row_max[r] * p.scale_log2 - m_scaled);  // old max -inf -> 0
+            row_max[r] = mx;
+            float sum = 0.0f;
+#pragma unroll
+            for (int i = 0; i < kBlockN / 8; ++i) {
+#pragma unroll
+              for (int e = 0; e < 2; ++e) {
+                float& x = s[4 * i + 2 * r + e];
+                const float arg = fmaf(x, p.scale_log2, -m_scaled);
+                if (kPoly && use_poly_exp2<Tr::kExp2PolyEvery>(i))
+                  x = exp2_poly3(arg);
+                else
+                  x = exp2_approx(arg);
+                sum += x;
+              }
+            }
+            row_sum[r] = row_sum[r] * corr[r] + sum;
+          }
+          rescale = !p.rescale_skip || __any_sync(0xffffffffu, changed);  // warp-uniform
+        };
+        auto mask_and_softmax = [&](int n) {
+          if (needs_mask(n)) {
+            apply_mask(n);
+            softmax(std::false_type{});
+          } else {
+            softmax(std::true_type{});
+          }
+        };
+        auto rescale_o = [&]() {
+          if (!rescale) return;
+#pragma unroll
+          for (int i = 0; i < kHeadDim / 8; ++i) {
+            o[4 * i + 0] *= corr[0];
+            o[4 * i + 1] *= corr[0];
+            o[4 * i + 2] *= corr[1];
+            o[4 * i + 3] *= corr[1];
+          }
+        };
+        auto convert_p = [&]() {
+#pragma unroll
+          for (int j = 0; j < kBlockN / 4; ++j) pf[j] = pack2<Element>(s[2 * j], s[2 * j + 1]);
+        };
+
+        // ---- first key block (the last one in key order) ----
+        {
+          const uint32_t st = ring_stage(ring, kStages);
+          mbarrier_wait(&full_k[st], ring_phase(ring, kStages));
+          named_barrier_sync(sched_mine, 256);
+          issue_qk(st);
+          named_barrier_arrive(sched_other, 256);
+          wgmma_wait<0>();
+          fence_s();
+          release(&empty_k[st]);
+          mask_and_softmax(key_block(0, n_blocks, rot));
+          if (p.rescale_skip) rescale = false;  // O is still all zeros
+          convert_p();
+        }
+
+        // ---- steady state: S_i = Q K_i^T issued with O += P_{i-1} V_{i-1} ----
+        for (int i = 1; i < n_blocks; ++i) {
+          const uint32_t st = ring_stage(ring + i, kStages), prev = ring_stage(ring + i - 1, kStages);
+          mbarrier_wait(&full_k[st], ring_phase(ring + i, kStages));
+          named_barrier_sync(sched_mine, 256);
+          issue_qk(st);
+          rescale_o();  // O to the max of block i-1, while Q K_i^T runs
+          mbarrier_wait(&full_v[prev], ring_phase(ring + i - 1, kStages));
+          issue_pv(prev);
+          named_barrier_arrive(sched_other, 256);
+          wgmma_wait<1>();  // S_i ready (P V may still run)
+          fence_s();
+          release(&empty_k[st]);
+          mask_and_softmax(key_block(i, n_blocks, rot));
+          wgmma_wait<0>();  // P_{i-1} V_{i-1} done: pf and the V slot are free
+          fence_o();
+          release(&empty_v[prev]);
+          convert_p();
+        }
+        release(&empty_q);  // every Q K^T of this tile has completed: the producer may load the next Q
+
+        // ---- last P V ----
+        {
+          const uint32_t prev = ring_stage(ring + n_blocks - 1, kStages);
+          mbarrier_wait(&full_v[prev], ring_phase(ring + n_blocks - 1, kStages));
+          named_barrier_sync(sched_mine, 256);
+          rescale_o();
+          issue_pv(prev);
+          named_barrier_arrive(sched_other, 256);
+          wgmma_wait<0>();
+          fence_o();
+          release(&empty_v[prev]);
+        }
+        ring += n_blocks;
+      } else {
+        release(&empty_q);  // nothing loaded for this tile: the slot is free again at once
+      }
+
+      // ---- epilogue: O /= row sum, LSE = scale * max + log(sum); stored straight from registers
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        float sum = row_sum[r];
+        sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+        sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+        const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
+        const int row = m0 + row_in_tile + 8 * r;
+        if (row < p.seqlen_q) {
+          Element* orow =
+              static_cast<Element*>(p.o) + tc.b * p.o_batch + row * p.o_seq + tc.h * p.o_head + 2 * (lane % 4);
+#pragma unroll
+          for (int i = 0; i < kHeadDim / 8; ++i)
+            *reinterpret_cast<uint32_t*>(orow + 8 * i) =
+                pack2<Element>(o[4 * i + 2 * r] * inv, o[4 * i + 2 * r + 1] * inv);
+          if (p.lse != nullptr && lane % 4 == 0)
+            p.lse[tc.b * p.lse_batch + tc.h * p.lse_head + row * p.lse_seq] =
+                sum > 0.0f ? row_max[r] * p.scale + logf(sum) : -INFINITY;
+        }
+      }
+    }
+    if (cw == 0) named_barrier_sync(static_cast<int>(NamedBarrier::kSchedWG0), 256);  // the extra arrival
+  }
+#elif defined(__CUDA_ARCH__)
+  __trap();  // an image without sm_90a features must never run (the selector checks; this is loud)
+#endif  // IOATTN_SM90A_ENABLED
+}
+
+// ---- host side of one kernel instance ---------------------------------------------------------
+
+struct FwdLaunch {
+  CUtensorMap q, k, v;  // 4D maps (head_dim, seqlen, heads, batch), box (64, rows, 1, 1), 128B swizzle
+  FwdParams params;
+  unsigned grid = 0;     // CTAs: num_m_blocks * heads_q * batch
+  cudaStream_t stream = nullptr;
+};
+
+// Whether this build holds an sm_90a image of the instance: false when built for sm_80 only, and
+// also when the driver would JIT older PTX for sm_90 (ptxVersion < 90: that body is empty).
+template <class Tr, bool kCausal>
+bool flash_fwd_sm90_present() {
+  cudaFuncAttributes attr{};
+  const cudaError_t e = cudaFuncGetAttributes(&attr, flash_fwd_sm90_kernel<Tr, kCausal>);
+  if (e != cudaSuccess) {
+    cudaGetLastError();  // clear: "no image" is an answer here, not a failure
+    return false;
+  }
+  return attr.binaryVersion >= 90 && attr.ptxVersion >= 90;
+}
+
+template <class Tr, bool kCausal>
+void flash_fwd_sm90_launch(const FwdLaunch& l) {
+  auto kernel = flash_fwd_sm90_kernel<Tr, kCausal>;
+  IOATTN_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Tr::kSmemBytes));
+  kernel<<<l.grid, Tr::kThreads, Tr::kSmemBytes, l.stream>>>(l.q, l.k, l.v, l.params);
+  IOATTN_CUDA_CHECK_LAUNCH("flash_fwd_sm90_kernel");
+}
+
+// Explicit instantiation (one line per dispatch-table row, in the flash_fwd_sm90_hdim*.cu files).
+#define IOATTN_SM90_INSTANTIATE(TR, CAUSAL)                                \
+  template bool flash_fwd_sm90_present<TR, CAUSAL>();                    \
+  template void flash_fwd_sm90_launch<TR, CAUSAL>(const FwdLaunch& l);
+#define IOATTN_SM90_EXTERN(TR, CAUSAL)                                     \
+  extern template bool flash_fwd_sm90_present<TR, CAUSAL>();             \
+  extern template void flash_fwd_sm90_launch<TR, CAUSAL>(const FwdLaunch& l);
+
+}  // namespace ioattn::cuda::sm90

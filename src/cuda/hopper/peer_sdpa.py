@@ -1,0 +1,91 @@
+#!/usr/bin/env python3
+"""Peer timings for the sm90 forward kernel: PyTorch SDPA with cuDNN and FlashAttention-2.
+
+Same shapes as `ioattn_sm90_check --bench-only`: bf16, batch * seqlen = 16k tokens, hidden 2048
+(heads = 2048 / hdim), hdim 64/128/256, seqlen 2k..16k, causal and not. Inputs are
+[batch, heads, seqlen, hdim] (SDPA's layout), random normal. CUDA events around each call, 3
+warm-ups, median of 25. FLOPs = 4 b h s^2 d, halved when causal.
+
+Usage: peer_sdpa.py [--ours [NAME=]ours.csv ...] [--csv peer.csv]
+With --ours (CSVs that ioattn_sm90_check --csv wrote in the same run; the first one is the one the
+ratios use) it prints one table with ioattn / cuDNN / flash TFLOP/s and the ratios.
+"""
+import argparse
+import csv
+import statistics
+import sys
+
+import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+import torch.nn.functional as F
+
+TOKENS, HIDDEN, WARMUP, REPS = 16384, 2048, 3, 25
+
+
+def time_ms(fn):
+    for _ in range(WARMUP):
+        fn()
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(REPS)]
+    stops = [torch.cuda.Event(enable_timing=True) for _ in range(REPS)]
+    for a, b in zip(starts, stops):
+        a.record()
+        fn()
+        b.record()
+    torch.cuda.synchronize()
+    return statistics.median(a.elapsed_time(b) for a, b in zip(starts, stops))
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--ours", action="append", default=[], help="[NAME=]CSV from ioattn_sm90_check --csv")
+    ap.add_argument("--csv", help="write peer rows here")
+    args = ap.parse_args()
+    print(f"torch {torch.__version__}, cuDNN {torch.backends.cudnn.version()}, {torch.cuda.get_device_name()}")
+    rows = []
+    for d in (64, 128, 256):
+        for s in (2048, 4096, 8192, 16384):
+            for causal in (False, True):
+                b, h = TOKENS // s, HIDDEN // d
+                q, k, v = (torch.randn(b, h, s, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+                flops = 4.0 * b * h * s * s * d / (2.0 if causal else 1.0)
+                for name, backend in (("cudnn", SDPBackend.CUDNN_ATTENTION), ("flash", SDPBackend.FLASH_ATTENTION)):
+                    try:
+                        with sdpa_kernel(backend):
+                            ms = time_ms(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal))
+                        rows.append((name, d, s, int(causal), b, h, ms, flops / (ms * 1e-3) / 1e12))
+                    except RuntimeError as e:  # backend refuses the shape (e.g. flash hdim > 256)
+                        print(f"{name} d{d} s{s} causal={causal}: unavailable ({str(e).splitlines()[0][:80]})")
+                del q, k, v
+    if args.csv:
+        with open(args.csv, "w", newline="") as f:
+            w = csv.writer(f)
+            w.writerow(["impl", "hdim", "seqlen", "causal", "batch", "heads", "ms", "tflops"])
+            w.writerows(rows)
+    peer = {(r[0], r[1], r[2], r[3]): r[7] for r in rows}
+    ours = []  # (name, {(hdim, seqlen, causal): tflops})
+    for spec in args.ours:
+        name, _, path = spec.rpartition("=")
+        table = {}
+        with open(path) as f:
+            for r in csv.DictReader(f):
+                table[(int(r["hdim"]), int(r["seqlen"]), int(r["causal"]))] = float(r["tflops"])
+        ours.append((name or "ioattn", table))
+    fmt = lambda x: f"{x:7.1f}" if x else "      -"
+    ratio = lambda a, b: f"{a / b:8.2f}" if a and b else "       -"
+    head = " ".join(f"{n[:7]:>7}" for n, _ in ours)
+    print(f"\n{'hdim':>4} {'seqlen':>6} {'causal':>6} | {head} {'cudnn':>7} {'flash':>7} | "
+          f"{'vs cudnn':>8} {'vs flash':>8}   (TFLOP/s, bf16, same run; ratios of the first column)")
+    for d in (64, 128, 256):
+        for s in (2048, 4096, 8192, 16384):
+            for c in (0, 1):
+                vals = [t.get((d, s, c)) for _, t in ours]
+                cu = peer.get(("cudnn", d, s, c))
+                fl = peer.get(("flash", d, s, c))
+                o = vals[0] if vals else None
+                print(f"{d:>4} {s:>6} {'yes' if c else 'no':>6} | {' '.join(fmt(v) for v in vals)} {fmt(cu)} {fmt(fl)} | "
+                      f"{ratio(o, cu)} {ratio(o, fl)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

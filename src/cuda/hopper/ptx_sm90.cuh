@@ -1,0 +1,297 @@
+// ptx_sm90.cuh — the Hopper-only PTX the sm90 kernels use, one small function per instruction.
+//
+// Kernels never write `asm` themselves: they call these (ThunderKittens style). Everything here
+// needs sm_90a (wgmma, setmaxnreg) or sm_90 (TMA, mbarrier tx-count); the callers guard their
+// bodies with IOATTN_SM90A_ENABLED so the same source also compiles for sm_80.
+// Each wrapper is tested on the GPU by test_ptx_sm90.cu.
+//
+// Shared-memory tile convention (the one TMA SWIZZLE_128B writes and wgmma SW128 reads):
+//   a tile of R rows x 64 16-bit columns (128 bytes a row) is stored row after row, 1024-byte
+//   aligned, with the 16-byte chunk c of row r at chunk position c ^ (r % 8)  (Swizzle<3,4,3>).
+//   A tile wider than 64 columns is several such "column blocks" one after another.
+//
+// wgmma register fragments (warpgroup of 4 warps; w = warp in group, lane l, g = l/4, t = l%4):
+//   D (64 x N, fp32), N/2 floats:   d[4i+0,1]: row 16w+g,   cols 8i+2t, 8i+2t+1
+//                                   d[4i+2,3]: row 16w+g+8, same cols           (i < N/8)
+//   A (64 x 16, 16-bit) in regs, 4 x b32: a0: (16w+g, 2t..2t+1)   a1: (16w+g+8, 2t..2t+1)
+//                                          a2: (16w+g, 8+2t..)     a3: (16w+g+8, 8+2t..)
+//   so the D fragment of S (64 x kBlockN) converted pairwise to 16-bit IS the A fragment of P for
+//   the k-steps of P V: A-register j of k-step kk = pack(d[8kk + 2j], d[8kk + 2j + 1]).
+#pragma once
+
+#include <cuda.h>  // CUtensorMap (a plain struct; no driver library is linked)
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cstdint>
+
+// True only in the device pass for sm_90a ("a" = the arch-specific features wgmma/setmaxnreg).
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define IOATTN_SM90A_ENABLED 1
+#else
+#define IOATTN_SM90A_ENABLED 0
+#endif
+
+namespace ioattn::cuda::sm90 {
+
+// 32-bit shared-window address of a generic pointer into shared memory.
+__device__ __forceinline__ uint32_t smem_u32(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+// ---- mbarrier: an opaque 8-byte shared-memory barrier with a phase bit and a tx count --------
+
+// mbarrier.init: `count` arrivals complete a phase. One thread initialises; then
+// fence_mbarrier_init() and a CTA barrier make it visible to all threads and to the TMA unit.
+__device__ __forceinline__ void mbarrier_init(uint64_t* bar, uint32_t count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_u32(bar)), "r"(count) : "memory");
+}
+
+// fence.mbarrier_init: orders the preceding mbarrier.init before later arrivals of any proxy.
+__device__ __forceinline__ void fence_mbarrier_init() {
+  asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+}
+
+// mbarrier.arrive.expect_tx: this thread's arrival, and `bytes` more to come from async copies
+// (TMA) before the phase can complete.
+__device__ __forceinline__ void mbarrier_arrive_expect_tx(uint64_t* bar, uint32_t bytes) {
+  asm volatile(
+      "{\n.reg .b64 st;\nmbarrier.arrive.expect_tx.shared::cta.b64 st, [%0], %1;\n}\n" ::"r"(smem_u32(bar)),
+      "r"(bytes)
+      : "memory");
+}
+
+// mbarrier.arrive: one arrival (release semantics: this thread's prior accesses are ordered
+// before whoever waits on the phase).
+__device__ __forceinline__ void mbarrier_arrive(uint64_t* bar) {
+  asm volatile("{\n.reg .b64 st;\nmbarrier.arrive.shared::cta.b64 st, [%0];\n}\n" ::"r"(smem_u32(bar)) : "memory");
+}
+
+// mbarrier.try_wait.parity: true once the phase with parity `parity` has completed (a fresh
+// barrier is in phase 0, so waiting for parity 1 passes at once: "the previous phase is done").
+// May suspend the thread for a while inside the instruction before answering false.
+__device__ __forceinline__ bool mbarrier_try_wait(uint64_t* bar, uint32_t parity) {
+  uint32_t done;
+  asm volatile(
+      "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
+      : "=r"(done)
+      : "r"(smem_u32(bar)), "r"(parity)
+      : "memory");
+  return done != 0;
+}
+
+// Spins on mbarrier_try_wait (acquire: data the phase guarded is visible afterwards).
+__device__ __forceinline__ void mbarrier_wait(uint64_t* bar, uint32_t parity) {
+  while (!mbarrier_try_wait(bar, parity)) {
+  }
+}
+
+// ---- TMA: cp.async.bulk.tensor, global -> shared, completing on an mbarrier ----------------
+// The tensor map (built on the host with cuTensorMapEncodeTiled) is a __grid_constant__ kernel
+// parameter; its generic address is what the instruction takes. Coordinates are in elements,
+// innermost first; out-of-bounds box elements are written as zeros. The destination must be
+// 128-byte aligned (1024 for SWIZZLE_128B so the pattern lines up with wgmma's).
+
+// prefetch.tensormap: pulls the descriptor into the cache ahead of the first copy.
+__device__ __forceinline__ void tma_prefetch_map(const CUtensorMap* map) {
+  asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(map)) : "memory");
+}
+
+__device__ __forceinline__ void tma_load_2d(void* dst, const CUtensorMap* map, uint64_t* bar, int c0, int c1) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+      " [%0], [%1, {%3, %4}], [%2];\n" ::"r"(smem_u32(dst)),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(smem_u32(bar)), "r"(c0), "r"(c1)
+      : "memory");
+}
+
+__device__ __forceinline__ void tma_load_3d(void* dst, const CUtensorMap* map, uint64_t* bar, int c0, int c1,
+                                            int c2) {
+  asm volatile(
+      "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+      " [%0], [%1, {%3, %4, %5}], [%2];\n" ::"r"(smem_u32(dst)),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(smem_u32(bar)), "r"(c0), "r"(c1), "r"(c2)
+      : "memory");
+}
+
+__device__ __forceinline__ void tma_load_4d(void* dst, const CUtensorMap* map, uint64_t* bar, int c0, int c1,
+                                            int c2, int c3) {
+  asm volatile(
+      "cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+      " [%0], [%1, {%3, %4, %5, %6}], [%2];\n" ::"r"(smem_u32(dst)),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(smem_u32(bar)), "r"(c0), "r"(c1), "r"(c2), "r"(c3)
+      : "memory");
+}
+
+// fence.proxy.async.shared::cta: makes this thread's ordinary shared-memory writes visible to
+// the async proxy (wgmma operand reads, TMA stores) that a later barrier hands them to.
+__device__ __forceinline__ void fence_proxy_async() {
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+
+// ---- warpgroup register budget and named barriers ------------------------------------------
+
+// setmaxnreg.inc / .dec: the whole warpgroup raises / lowers its per-thread register limit.
+// Takes effect only when the kernel has a register cap at entry (__launch_bounds__(n, 1)).
+template <int kRegs>
+__device__ __forceinline__ void setmaxnreg_inc() {
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kRegs));
+}
+template <int kRegs>
+__device__ __forceinline__ void setmaxnreg_dec() {
+  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kRegs));
+}
+
+// bar.sync id, n: waits until n threads (a multiple of 32) have arrived at barrier `id`,
+// counting this warp. bar.arrive: counts this warp without waiting. Id 0 is __syncthreads.
+__device__ __forceinline__ void named_barrier_sync(int id, int threads) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+__device__ __forceinline__ void named_barrier_arrive(int id, int threads) {
+  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+
+// ---- math ------------------------------------------------------------------------------------
+
+// ex2.approx.ftz: 2^x in one MUFU op (ex2(-inf) = +0); softmax folds scale*log2(e) into its
+// argument so this is the only transcendental per score.
+__device__ __forceinline__ float exp2_approx(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+
+// ---- wgmma: warpgroup-wide asynchronous matrix multiply-accumulate --------------------------
+
+// wgmma.fence: required before the first wgmma of a batch whenever its accumulator or A
+// registers were touched by ordinary instructions since the previous wgmma.
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+
+// wgmma.commit_group: closes the wgmma ops issued so far into one group.
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+
+// wgmma.wait_group N: waits until at most N groups are still in flight; only then may their
+// accumulators be read and their shared-memory operands be overwritten.
+template <int N>
+__device__ __forceinline__ void wgmma_wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+}
+
+// Compiler-only fence on a register: keeps reads/writes of accumulators from being moved across
+// the wgmma issue / wait asm statements (which do not name them).
+__device__ __forceinline__ void reg_fence(float& r) { asm volatile("" : "+f"(r)::"memory"); }
+__device__ __forceinline__ void reg_fence(uint32_t& r) { asm volatile("" : "+r"(r)::"memory"); }
+
+// Shared-memory matrix descriptor (PTX ISA "matrix descriptor format"), 128-byte swizzle:
+//   bits 0-13 start address >> 4, 16-29 leading byte offset >> 4, 32-45 stride byte offset >> 4,
+//   49-51 base offset (0: tiles are 1024-byte aligned), 62-63 swizzle mode (1 = 128B).
+// K-major operand (K contiguous, e.g. Q or K for S = Q K^T): rows of 128 bytes, 8-row groups
+//   `sbo` = 1024 bytes apart, LBO unused (1). Step k by 16 elements: start address + 32 bytes.
+// MN-major operand (N contiguous, e.g. V [keys x dims] for O = P V): each 8 K-rows x 64 N-values
+//   atom is 1024 bytes; `sbo` = 1024 = next 8 K-rows, `lbo` = distance to the next 64 N-values
+//   (the next column block). Step k by 16 rows: start address + 2048 bytes.
+__device__ __forceinline__ uint64_t make_desc_sw128(uint32_t smem_addr, uint32_t lbo_bytes, uint32_t sbo_bytes) {
+  return static_cast<uint64_t>((smem_addr & 0x3FFFF) >> 4) | static_cast<uint64_t>((lbo_bytes & 0x3FFFF) >> 4) << 16 |
+         static_cast<uint64_t>((sbo_bytes & 0x3FFFF) >> 4) << 32 | 1ull << 62;
+}
+
+// Register-list strings for the accumulators ("{%0, ..., %K-1}") and their "+f" operands.
+#define IOATTN_SM90_R0 "%0, %1, %2, %3, %4, %5, %6, %7"
+#define IOATTN_SM90_R8 "%8, %9, %10, %11, %12, %13, %14, %15"
+#define IOATTN_SM90_R16 "%16, %17, %18, %19, %20, %21, %22, %23"
+#define IOATTN_SM90_R24 "%24, %25, %26, %27, %28, %29, %30, %31"
+#define IOATTN_SM90_R32 "%32, %33, %34, %35, %36, %37, %38, %39"
+#define IOATTN_SM90_R40 "%40, %41, %42, %43, %44, %45, %46, %47"
+#define IOATTN_SM90_R48 "%48, %49, %50, %51, %52, %53, %54, %55"
+#define IOATTN_SM90_R56 "%56, %57, %58, %59, %60, %61, %62, %63"
+#define IOATTN_SM90_R64 "%64, %65, %66, %67, %68, %69, %70, %71"
+#define IOATTN_SM90_R72 "%72, %73, %74, %75, %76, %77, %78, %79"
+#define IOATTN_SM90_R80 "%80, %81, %82, %83, %84, %85, %86, %87"
+#define IOATTN_SM90_R88 "%88, %89, %90, %91, %92, %93, %94, %95"
+#define IOATTN_SM90_R96 "%96, %97, %98, %99, %100, %101, %102, %103"
+#define IOATTN_SM90_R104 "%104, %105, %106, %107, %108, %109, %110, %111"
+#define IOATTN_SM90_R112 "%112, %113, %114, %115, %116, %117, %118, %119"
+#define IOATTN_SM90_R120 "%120, %121, %122, %123, %124, %125, %126, %127"
+#define IOATTN_SM90_R_32 IOATTN_SM90_R0 ", " IOATTN_SM90_R8 ", " IOATTN_SM90_R16 ", " IOATTN_SM90_R24
+#define IOATTN_SM90_R_64 IOATTN_SM90_R_32 ", " IOATTN_SM90_R32 ", " IOATTN_SM90_R40 ", " IOATTN_SM90_R48 ", " IOATTN_SM90_R56
+#define IOATTN_SM90_R_96 IOATTN_SM90_R_64 ", " IOATTN_SM90_R64 ", " IOATTN_SM90_R72 ", " IOATTN_SM90_R80 ", " IOATTN_SM90_R88
+#define IOATTN_SM90_DREGS_32 "{" IOATTN_SM90_R_32 "}"
+#define IOATTN_SM90_DREGS_40 "{" IOATTN_SM90_R_32 ", " IOATTN_SM90_R32 "}"
+#define IOATTN_SM90_DREGS_48 "{" IOATTN_SM90_R_32 ", " IOATTN_SM90_R32 ", " IOATTN_SM90_R40 "}"
+#define IOATTN_SM90_DREGS_64 "{" IOATTN_SM90_R_64 "}"
+#define IOATTN_SM90_DREGS_88 "{" IOATTN_SM90_R_64 ", " IOATTN_SM90_R64 ", " IOATTN_SM90_R72 ", " IOATTN_SM90_R80 "}"
+#define IOATTN_SM90_DREGS_96 "{" IOATTN_SM90_R_96 "}"
+#define IOATTN_SM90_DREGS_128 \
+  "{" IOATTN_SM90_R_96 ", " IOATTN_SM90_R96 ", " IOATTN_SM90_R104 ", " IOATTN_SM90_R112 ", " IOATTN_SM90_R120 "}"
+
+#define IOATTN_SM90_D8(i)                                                                            \
+  "+f"(d[(i) + 0]), "+f"(d[(i) + 1]), "+f"(d[(i) + 2]), "+f"(d[(i) + 3]), "+f"(d[(i) + 4]), "+f"(d[(i) + 5]), \
+      "+f"(d[(i) + 6]), "+f"(d[(i) + 7])
+#define IOATTN_SM90_D32(i) IOATTN_SM90_D8(i), IOATTN_SM90_D8((i) + 8), IOATTN_SM90_D8((i) + 16), IOATTN_SM90_D8((i) + 24)
+#define IOATTN_SM90_DOPS_32 IOATTN_SM90_D32(0)
+#define IOATTN_SM90_DOPS_40 IOATTN_SM90_D32(0), IOATTN_SM90_D8(32)
+#define IOATTN_SM90_DOPS_48 IOATTN_SM90_D32(0), IOATTN_SM90_D8(32), IOATTN_SM90_D8(40)
+#define IOATTN_SM90_DOPS_64 IOATTN_SM90_D32(0), IOATTN_SM90_D32(32)
+#define IOATTN_SM90_DOPS_88 IOATTN_SM90_D32(0), IOATTN_SM90_D32(32), IOATTN_SM90_D8(64), IOATTN_SM90_D8(72), IOATTN_SM90_D8(80)
+#define IOATTN_SM90_DOPS_96 IOATTN_SM90_D32(0), IOATTN_SM90_D32(32), IOATTN_SM90_D32(64)
+#define IOATTN_SM90_DOPS_128 IOATTN_SM90_D32(0), IOATTN_SM90_D32(32), IOATTN_SM90_D32(64), IOATTN_SM90_D32(96)
+
+// Wgmma<N, T>::ss: D(64 x N) (+)= A(64 x 16) B(16 x N), A and B in shared memory (descriptors).
+// Wgmma<N, T>::rs: the same with A in registers (4 x b32 in the fragment above).
+// accumulate = 0 overwrites D (scale-d = 0); kTransB = 1 reads B as MN-major (N contiguous).
+// T is __nv_bfloat16 or __half; accumulation is fp32 either way.
+template <int N, typename T>
+struct Wgmma;
+
+#define IOATTN_SM90_WGMMA(N, T, PTYPE, K, I0, I1, I2, I3, I4, I5, I6)                                     \
+  template <>                                                                                            \
+  struct Wgmma<N, T> {                                                                                   \
+    template <int kTransB>                                                                               \
+    __device__ __forceinline__ static void ss(float (&d)[K], uint64_t a_desc, uint64_t b_desc, int accumulate) { \
+      asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %" #I3 ", 0;\n"                                     \
+                   "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." PTYPE "." PTYPE " " IOATTN_SM90_DREGS_##K \
+                   ", %" #I0 ", %" #I1 ", p, 1, 1, 0, %" #I2 ";\n}\n"                                    \
+                   : IOATTN_SM90_DOPS_##K                                                                \
+                   : "l"(a_desc), "l"(b_desc), "n"(kTransB), "r"(accumulate));                           \
+    }                                                                                                    \
+    template <int kTransB>                                                                               \
+    __device__ __forceinline__ static void rs(float (&d)[K], const uint32_t (&a)[4], uint64_t b_desc,    \
+                                              int accumulate) {                                          \
+      asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %" #I6 ", 0;\n"                                     \
+                   "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." PTYPE "." PTYPE " " IOATTN_SM90_DREGS_##K \
+                   ", {%" #I0 ", %" #I1 ", %" #I2 ", %" #I3 "}, %" #I4 ", p, 1, 1, %" #I5 ";\n}\n"       \
+                   : IOATTN_SM90_DOPS_##K                                                                \
+                   : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_desc), "n"(kTransB), "r"(accumulate)); \
+    }                                                                                                    \
+  };
+
+#define IOATTN_SM90_WGMMA_BOTH(N, K, I0, I1, I2, I3, I4, I5, I6)                   \
+  IOATTN_SM90_WGMMA(N, __nv_bfloat16, "bf16", K, I0, I1, I2, I3, I4, I5, I6) \
+  IOATTN_SM90_WGMMA(N, __half, "f16", K, I0, I1, I2, I3, I4, I5, I6)
+
+IOATTN_SM90_WGMMA_BOTH(64, 32, 32, 33, 34, 35, 36, 37, 38)
+IOATTN_SM90_WGMMA_BOTH(80, 40, 40, 41, 42, 43, 44, 45, 46)
+IOATTN_SM90_WGMMA_BOTH(96, 48, 48, 49, 50, 51, 52, 53, 54)
+IOATTN_SM90_WGMMA_BOTH(128, 64, 64, 65, 66, 67, 68, 69, 70)
+IOATTN_SM90_WGMMA_BOTH(176, 88, 88, 89, 90, 91, 92, 93, 94)
+IOATTN_SM90_WGMMA_BOTH(192, 96, 96, 97, 98, 99, 100, 101, 102)
+IOATTN_SM90_WGMMA_BOTH(256, 128, 128, 129, 130, 131, 132, 133, 134)
+
+#undef IOATTN_SM90_WGMMA_BOTH
+#undef IOATTN_SM90_WGMMA
+
+// Two fp32 -> one b32 of two 16-bit values (lo = first), round to nearest even.
+template <typename T>
+__device__ __forceinline__ uint32_t pack2(float lo, float hi);
+template <>
+__device__ __forceinline__ uint32_t pack2<__nv_bfloat16>(float lo, float hi) {
+  __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<uint32_t*>(&v);
+}
+template <>
+__device__ __forceinline__ uint32_t pack2<__half>(float lo, float hi) {
+  __half2 v = __floats2half2_rn(lo, hi);
+  return *reinterpret_cast<uint32_t*>(&v);
+}
+
+}  // namespace ioattn::cuda::sm90

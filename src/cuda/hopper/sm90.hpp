@@ -1,0 +1,25 @@
+// sm90.hpp — entry points of the Hopper (sm_90a) forward kernel (src/cuda/hopper/).
+//
+// One selector answers both "is this problem supported?" and "which kernel runs?", so the two
+// can never disagree: sm90_flash_forward runs exactly the row sm90_flash_select names.
+#pragma once
+
+#include <string>
+
+#include "core/problem.hpp"
+
+namespace ioattn::detail {
+
+// True, with the dispatch-table row in *kernel (e.g. "cuda/flash sm90 wgmma+tma bf16 hdim128
+// causal tile 128x128 stages 2 ws 2 consumer WGs pingpong") and the reason for the tile in
+// *reason, when the wgmma/TMA kernel handles p on p.device_index. False, with *reason naming the
+// feature or constraint that rules it out (then the caller uses the sm80 kernel and logs why).
+// Either pointer may be null. Never throws for an unsupported problem.
+bool sm90_flash_select(const FwdProblem& p, std::string* kernel, std::string* reason);
+
+// Runs the kernel on p.stream. Precondition: sm90_flash_select(p) is true (otherwise throws
+// ioattn::Error with the selector's reason). Every CUDA call and the launch are checked; a failure
+// throws ioattn::Error naming the call.
+void sm90_flash_forward(const FwdProblem& p);
+
+}  // namespace ioattn::detail

@@ -1,0 +1,38 @@
+// Internal: the few memory operations ring attention needs, on the CPU or a CUDA device.
+// Views are up to 4-D with a unit last-dim stride (the API's TensorView).
+#pragma once
+
+#include "ioattn/ioattn.hpp"
+
+namespace ioattn::detail::dist {
+
+// Device memory owned by the ring algorithm (K/V ring buffers, fp32 accumulators).
+class Scratch {
+ public:
+  Scratch(Device dev, size_t bytes);
+  ~Scratch();
+  Scratch(const Scratch&) = delete;
+  Scratch& operator=(const Scratch&) = delete;
+  void* get() const { return ptr_; }
+
+ private:
+  Device dev_;
+  void* ptr_ = nullptr;
+};
+
+void fill_f32(const TensorView& dst, float value, void* stream);
+void copy(const TensorView& dst, const TensorView& src, void* stream);        // same dtype, any strides
+void accumulate(const TensorView& acc_f32, const TensorView& src, void* stream);  // acc += float(src)
+void convert(const TensorView& dst, const TensorView& src_f32, void* stream);     // dst = dtype(src)
+void synchronize(Device dev, void* stream);
+void copy_bytes(Device dev, void* dst, const void* src, size_t bytes, void* stream);
+
+// CUDA versions (src/dist/ops_cuda.cu; stubs that throw when built without CUDA).
+void cuda_fill_f32(const TensorView& dst, float value, void* stream);
+void cuda_copy(const TensorView& dst, const TensorView& src, void* stream);
+void cuda_accumulate(const TensorView& acc_f32, const TensorView& src, void* stream);
+void cuda_convert(const TensorView& dst, const TensorView& src_f32, void* stream);
+void cuda_stream_synchronize(void* stream);
+void cuda_copy_bytes(void* dst, const void* src, size_t bytes, void* stream);
+
+}  // namespace ioattn::detail::dist

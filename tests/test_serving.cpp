@@ -1,0 +1,1375 @@
+// Serving API on the CPU: decode (split-KV over a paged or contiguous cache, 8-bit KV), plans,
+// append_kv and merge_states, against the float64 reference and against each other.
+//
+// Decode of sequence b is the forward of its seqlen_q query rows against its cache_seqlens[b]
+// keys (bottom-right aligned masks), so the oracle is detail::reference_forward on a contiguous
+// batch-1 problem built from the same (dequantised) values. Outputs are poisoned with NaN before
+// every run; unused cache slots and pages hold NaN (or the 8-bit NaN code), so a read outside the
+// live tokens shows up as a NaN output.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <functional>
+#include <limits>
+#include <memory>
+#include <new>
+#include <numeric>
+#include <random>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "check.hpp"
+#include "core/serving_problem.hpp"
+#include "cpu/serving_quant.h"
+#include "ioattn/serving.hpp"
+
+namespace ioattn::test {
+namespace {
+
+constexpr float kNaN = std::numeric_limits<float>::quiet_NaN();
+constexpr float kInf = std::numeric_limits<float>::infinity();
+
+// ---- problem description and construction -------------------------------------------------
+
+struct Spec {
+  std::string name;
+  int64_t hq = 4, hkv = 2, d = 64, dv = -1, sq = 1;
+  std::vector<int32_t> lens{37};
+  int64_t page_size = 0;  // 0 = contiguous [batch, capacity, hkv, d] cache
+  bool shuffle = true;    // paged: pages of a sequence in random order
+  DType dtype = DType::f32;
+  DType cache = DType::f32;  // == dtype, or f8e4m3 / i8 (set by with_cache)
+  bool causal = false;
+  int64_t wl = -1, wr = -1;
+  float softcap = 0.0f, scale = 0.0f, q_range = 1.0f;
+  bool alibi = false, sinks = false;
+  int splits = 0;
+  int64_t pad_head = 0;  // elements between heads of q and o (o's padding must stay poisoned)
+  int64_t DV() const { return dv < 0 ? d : dv; }
+  int64_t B() const { return static_cast<int64_t>(lens.size()); }
+};
+
+Spec mk(std::string name, DType t) {
+  Spec s;
+  s.name = std::move(name);
+  s.dtype = s.cache = t;
+  return s;
+}
+
+// Logical values, independent of the cache layout (so paged / contiguous / single-sequence
+// builds of one Values hold the same numbers).
+struct Values {
+  std::vector<float> q;                   // [B, sq, hq, d], rounded to the q dtype
+  std::vector<std::vector<float>> k, v;   // per sequence [len, hkv, d|dv]: what append_kv receives
+  std::vector<float> k_scale, v_scale;    // [hkv], 8-bit caches
+  std::vector<float> alibi, sinks;        // [hq]
+};
+
+Values make_values(const Spec& c, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::uniform_real_distribution<float> u(-1.0f, 1.0f);
+  const DType t = c.dtype;
+  Values v;
+  v.q.resize(static_cast<size_t>(c.B() * c.sq * c.hq * c.d));
+  for (float& x : v.q) x = detail::round_to(t, u(rng) * c.q_range);
+  for (int64_t b = 0; b < c.B(); ++b) {
+    const int64_t L = c.lens[static_cast<size_t>(b)];
+    std::vector<float> kk(static_cast<size_t>(L * c.hkv * c.d)), vv(static_cast<size_t>(L * c.hkv * c.DV()));
+    for (float& x : kk) x = detail::round_to(t, u(rng) * c.q_range);
+    for (float& x : vv) x = detail::round_to(t, u(rng));
+    v.k.push_back(std::move(kk));
+    v.v.push_back(std::move(vv));
+  }
+  // 8-bit: the scale maps the value range (-range, range) onto (most of) the code range.
+  const float code_max = c.cache == DType::i8 ? 127.0f : detail::kE4m3Max;
+  for (int64_t h = 0; h < c.hkv; ++h) {
+    v.k_scale.push_back(c.q_range * (1.0f + 0.125f * static_cast<float>(h)) / code_max);
+    v.v_scale.push_back((1.0f + 0.25f * static_cast<float>(h)) / code_max);
+  }
+  for (int64_t h = 0; h < c.hq; ++h) {
+    v.alibi.push_back(0.5f / static_cast<float>(h + 1));
+    v.sinks.push_back(static_cast<float>(h % 3) - 1.0f);
+  }
+  return v;
+}
+
+// The values of sequences [b, b + 1) as a batch of one.
+Values slice(const Spec& c, const Values& v, int64_t b) {
+  Values s = v;
+  const size_t per = static_cast<size_t>(c.sq * c.hq * c.d);
+  s.q.assign(v.q.begin() + static_cast<std::ptrdiff_t>(b * per), v.q.begin() + static_cast<std::ptrdiff_t>((b + 1) * per));
+  s.k = {v.k[static_cast<size_t>(b)]};
+  s.v = {v.v[static_cast<size_t>(b)]};
+  return s;
+}
+
+uint8_t quantise(DType t, float x, float scale) {
+  return t == DType::f8e4m3 ? detail::float_to_e4m3(x / scale)
+                            : static_cast<uint8_t>(detail::float_to_i8(x / scale));
+}
+float dequantise(DType t, uint8_t code, float scale) {
+  return (t == DType::f8e4m3 ? detail::e4m3_to_float(code) : detail::i8_to_float(static_cast<int8_t>(code))) * scale;
+}
+
+// A decode problem: q, o, lse and a KV cache holding Values in the spec's layout.
+struct Built {
+  Spec c;
+  Values val;
+  int64_t ps = 0, pages = 0, width = 1, capacity = 0;
+  std::vector<int32_t> table;  // [B, width], -1 = unused
+  detail::Buffer q, o, lse, kc, vc, bt, lens, ks, vs, alibi, sinks;
+  std::vector<std::vector<float>> kdeq, vdeq;  // per sequence: the values the kernel sees
+  KVCache cache;
+  TensorView qv, ov, lv;
+  AttnParams prm;
+
+  Built(const Spec& spec, Values values, uint64_t layout_seed = 1) : c(spec), val(std::move(values)) {
+    const int64_t B = c.B(), hq = c.hq, hkv = c.hkv, d = c.d, dv = c.DV(), sq = c.sq, ph = c.pad_head;
+    const int32_t max_len = B ? *std::max_element(c.lens.begin(), c.lens.end()) : 0;
+    if (c.page_size > 0) {
+      ps = c.page_size;
+      std::vector<int64_t> need;
+      for (int32_t L : c.lens) need.push_back((L + ps - 1) / ps);
+      pages = std::accumulate(need.begin(), need.end(), int64_t{0}) + 2;  // two pages nobody owns
+      width = (need.empty() ? 0 : *std::max_element(need.begin(), need.end())) + 1;
+      std::vector<int32_t> perm(static_cast<size_t>(pages));
+      std::iota(perm.begin(), perm.end(), 0);
+      if (c.shuffle) {
+        std::mt19937_64 rng(layout_seed);
+        std::shuffle(perm.begin(), perm.end(), rng);
+      }
+      table.assign(static_cast<size_t>(B * width), -1);
+      size_t next = 0;
+      for (int64_t b = 0; b < B; ++b)
+        for (int64_t j = 0; j < need[static_cast<size_t>(b)]; ++j) table[static_cast<size_t>(b * width + j)] = perm[next++];
+      capacity = width * ps;
+    } else {
+      capacity = max_len + 3;
+      ps = capacity;
+      pages = B;
+    }
+    q = detail::Buffer(c.dtype, B * sq * hq * (d + ph));
+    o = detail::Buffer(c.dtype, B * sq * hq * (dv + ph));
+    lse = detail::Buffer(DType::f32, B * hq * sq);
+    kc = detail::Buffer(c.cache, pages * ps * hkv * d);
+    vc = detail::Buffer(c.cache, pages * ps * hkv * dv);
+    bt = detail::Buffer(DType::i32, std::max<int64_t>(1, B * width));
+    lens = detail::Buffer(DType::i32, std::max<int64_t>(1, B));
+    ks = detail::Buffer(DType::f32, hkv);
+    vs = detail::Buffer(DType::f32, hkv);
+    alibi = detail::Buffer(DType::f32, hq);
+    sinks = detail::Buffer(DType::f32, hq);
+    q.poison();
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t i = 0; i < sq; ++i)
+        for (int64_t h = 0; h < hq; ++h)
+          for (int64_t x = 0; x < d; ++x)
+            q.set(((b * sq + i) * hq + h) * (d + ph) + x, val.q[static_cast<size_t>(((b * sq + i) * hq + h) * d + x)]);
+    for (int64_t h = 0; h < hkv; ++h) {
+      ks.set(h, val.k_scale[static_cast<size_t>(h)]);
+      vs.set(h, val.v_scale[static_cast<size_t>(h)]);
+    }
+    for (int64_t h = 0; h < hq; ++h) {
+      alibi.set(h, val.alibi[static_cast<size_t>(h)]);
+      sinks.set(h, val.sinks[static_cast<size_t>(h)]);
+    }
+    if (!table.empty()) bt.fill_i32(table);
+    lens.fill_i32(c.lens);
+    clear_cache();
+    kdeq.resize(static_cast<size_t>(B));
+    vdeq.resize(static_cast<size_t>(B));
+    for (int64_t b = 0; b < B; ++b) {
+      const int64_t L = c.lens[static_cast<size_t>(b)];
+      kdeq[static_cast<size_t>(b)].resize(static_cast<size_t>(L * hkv * d));
+      vdeq[static_cast<size_t>(b)].resize(static_cast<size_t>(L * hkv * dv));
+      for (int64_t t = 0; t < L; ++t)
+        for (int64_t h = 0; h < hkv; ++h) {
+          for (int64_t x = 0; x < d; ++x) {
+            const size_t li = static_cast<size_t>((t * hkv + h) * d + x);
+            kdeq[static_cast<size_t>(b)][li] = put(kc, elem(b, t, h, d) + x, val.k[static_cast<size_t>(b)][li], val.k_scale[static_cast<size_t>(h)]);
+          }
+          for (int64_t x = 0; x < dv; ++x) {
+            const size_t li = static_cast<size_t>((t * hkv + h) * dv + x);
+            vdeq[static_cast<size_t>(b)][li] = put(vc, elem(b, t, h, dv) + x, val.v[static_cast<size_t>(b)][li], val.v_scale[static_cast<size_t>(h)]);
+          }
+        }
+    }
+    auto view4 = [&](detail::Buffer& buf, int64_t s, int64_t h, int64_t dd) {
+      const int64_t hs = dd + ph;
+      return TensorView::strided(buf.data(), buf.dtype(), {B, s, h, dd}, {s * h * hs, h * hs, hs, 1});
+    };
+    qv = view4(q, sq, hq, d);
+    ov = view4(o, sq, hq, dv);
+    lv = lse.view({B, hq, sq});
+    cache.k_cache = kc.view({pages, ps, hkv, d});
+    cache.v_cache = vc.view({pages, ps, hkv, dv});
+    if (c.page_size > 0) cache.block_table = bt.view({B, width});
+    cache.cache_seqlens = lens.view({B});
+    if (detail::is_8bit(c.cache)) {
+      cache.k_scale = ks.view({hkv});
+      cache.v_scale = vs.view({hkv});
+    }
+    prm.causal = c.causal;
+    prm.window_left = c.wl;
+    prm.window_right = c.wr;
+    prm.softcap = c.softcap;
+    prm.scale = c.scale;
+    if (c.alibi) prm.alibi_slopes = alibi.view({hq});
+    if (c.sinks) prm.sinks = sinks.view({hq});
+  }
+
+  // Cache element of (sequence b, token t, kv head h, dim 0) for rows of `dim` elements.
+  int64_t elem(int64_t b, int64_t t, int64_t h, int64_t dim) const {
+    const int64_t page = c.page_size > 0 ? table[static_cast<size_t>(b * width + t / ps)] : b;
+    return ((page * ps + t % ps) * c.hkv + h) * dim;
+  }
+  int64_t slot(int64_t b, int64_t t) const {
+    const int64_t page = c.page_size > 0 ? table[static_cast<size_t>(b * width + t / ps)] : b;
+    return page * ps + t % ps;
+  }
+
+  // Stores x (quantised for 8-bit) and returns the value a reader sees.
+  float put(detail::Buffer& buf, int64_t idx, float x, float scale) {
+    if (detail::is_8bit(c.cache)) {
+      const uint8_t code = quantise(c.cache, x, scale);
+      static_cast<uint8_t*>(buf.host())[idx] = code;
+      return dequantise(c.cache, code, scale);
+    }
+    buf.set(idx, x);
+    return buf.get(idx);
+  }
+
+  // Every cache byte poisoned: NaN (f32/f16/bf16), the f8 NaN code, or i8 -128.
+  void clear_cache() {
+    for (detail::Buffer* b : {&kc, &vc}) {
+      if (c.cache == DType::f8e4m3)
+        std::memset(b->host(), detail::kE4m3NaN, b->bytes());
+      else if (c.cache == DType::i8)
+        std::memset(b->host(), 0x80, b->bytes());
+      else
+        b->poison();
+    }
+  }
+
+  KernelChoice run(int splits = -1, const Context& ctx = {}) {
+    o.poison();
+    lse.poison();
+    DecodeOptions opt;
+    opt.num_splits = splits < 0 ? c.splits : splits;
+    return decode(qv, cache, ov, lv, prm, opt, ctx);
+  }
+
+  float o_at(int64_t b, int64_t i, int64_t h, int64_t x) const {
+    return o.get(((b * c.sq + i) * c.hq + h) * (c.DV() + c.pad_head) + x);
+  }
+  float lse_at(int64_t b, int64_t h, int64_t i) const { return lse.get((b * c.hq + h) * c.sq + i); }
+
+  // Logical outputs, [B, sq, hq, dv] and [B, hq, sq].
+  std::vector<float> outputs() const {
+    std::vector<float> r;
+    for (int64_t b = 0; b < c.B(); ++b)
+      for (int64_t i = 0; i < c.sq; ++i)
+        for (int64_t h = 0; h < c.hq; ++h)
+          for (int64_t x = 0; x < c.DV(); ++x) r.push_back(o_at(b, i, h, x));
+    for (int64_t i = 0; i < lse.count(); ++i) r.push_back(lse.get(i));
+    return r;
+  }
+};
+
+// The float64 reference for sequence b: forward over its rows and its len keys.
+detail::RefResult reference(const Built& bl, int64_t b, const std::vector<std::vector<float>>& k,
+                            const std::vector<std::vector<float>>& v) {
+  const Spec& c = bl.c;
+  const int64_t L = c.lens[static_cast<size_t>(b)];
+  std::vector<float> qb(bl.val.q.begin() + static_cast<std::ptrdiff_t>(b * c.sq * c.hq * c.d),
+                        bl.val.q.begin() + static_cast<std::ptrdiff_t>((b + 1) * c.sq * c.hq * c.d));
+  std::vector<float> ob(static_cast<size_t>(c.sq * c.hq * c.DV())), lb(static_cast<size_t>(c.hq * c.sq));
+  const TensorView qv = TensorView::contiguous(qb.data(), DType::f32, {1, c.sq, c.hq, c.d});
+  const TensorView kv = TensorView::contiguous(k[static_cast<size_t>(b)].data(), DType::f32, {1, L, c.hkv, c.d});
+  const TensorView vv = TensorView::contiguous(v[static_cast<size_t>(b)].data(), DType::f32, {1, L, c.hkv, c.DV()});
+  const TensorView ov = TensorView::contiguous(ob.data(), DType::f32, {1, c.sq, c.hq, c.DV()});
+  const TensorView lv = TensorView::contiguous(lb.data(), DType::f32, {1, c.hq, c.sq});
+  detail::Validated val = detail::validate(qv, kv, vv, ov, lv, nullptr, bl.prm, Context{});
+  return detail::reference_forward(val.p, detail::RefPrecision::f64);
+}
+
+// O tolerance: fp32 accumulation error plus the rounding of O to its dtype (half an ulp).
+double o_tol(DType t, double want) {
+  const double rel = t == DType::bf16 ? std::ldexp(1.0, -8) : t == DType::f16 ? std::ldexp(1.0, -10) : 1e-6;
+  return 2e-6 + rel * std::fabs(want);
+}
+double lse_tol(double want) { return 4e-6 + 1e-6 * std::fabs(want); }
+
+bool close(double got, double want, double tol) {
+  if (std::isinf(want) && want < 0) return std::isinf(got) && got < 0;
+  return std::fabs(got - want) <= tol;  // false for NaN
+}
+
+// Decode output vs the float64 reference on the values the kernel sees; extra_o / extra_lse
+// widen the tolerance per (b, h, i) row (8-bit vs unquantised values).
+// `out` holds the outputs when they are not in bl (default: bl's own).
+void expect_matches_reference(const Built& bl, const std::string& what, bool use_original = false,
+                              const std::function<double(int64_t, int64_t, int64_t)>& extra_o = nullptr,
+                              const std::function<double(int64_t, int64_t, int64_t)>& extra_lse = nullptr,
+                              const Built* out = nullptr) {
+  const Spec& c = bl.c;
+  const Built& res = out ? *out : bl;
+  int64_t bad = 0;
+  std::ostringstream first;
+  double worst_o = 0, worst_lse = 0;
+  for (int64_t b = 0; b < c.B(); ++b) {
+    const auto ref = use_original ? reference(bl, b, bl.val.k, bl.val.v) : reference(bl, b, bl.kdeq, bl.vdeq);
+    for (int64_t i = 0; i < c.sq; ++i)
+      for (int64_t h = 0; h < c.hq; ++h) {
+        const double xo = extra_o ? extra_o(b, h, i) : 0.0, xl = extra_lse ? extra_lse(b, h, i) : 0.0;
+        for (int64_t x = 0; x < c.DV(); ++x) {
+          const double want = ref.o[static_cast<size_t>((i * c.hq + h) * c.DV() + x)], got = res.o_at(b, i, h, x);
+          worst_o = std::max(worst_o, std::fabs(got - want));
+          if (!close(got, want, o_tol(c.dtype, want) + xo) && bad++ == 0)
+            first << "O[b" << b << " i" << i << " h" << h << " x" << x << "] = " << got << ", want " << want;
+        }
+        const double want = ref.lse[static_cast<size_t>(h * c.sq + i)], got = res.lse_at(b, h, i);
+        if (std::isfinite(want)) worst_lse = std::max(worst_lse, std::fabs(got - want));
+        if (!close(got, want, lse_tol(want) + xl) && bad++ == 0)
+          first << "LSE[b" << b << " h" << h << " i" << i << "] = " << got << ", want " << want;
+      }
+  }
+  if (std::getenv("IOATTN_TEST_VERBOSE"))
+    std::printf("  %-28s max |dO| %.3g  max |dLSE| %.3g\n", what.c_str(), worst_o, worst_lse);
+  EXPECT_EQ(bad, 0) << what << ": " << bad << " elements off; first: " << first.str() << " (max |dO| " << worst_o
+                    << ", max |dLSE| " << worst_lse << ")";
+  if (c.pad_head > 0) {
+    int64_t written = 0;
+    for (int64_t row = 0; row < c.B() * c.sq * c.hq; ++row)
+      for (int64_t x = c.DV(); x < c.DV() + c.pad_head; ++x) written += !std::isnan(res.o.get(row * (c.DV() + c.pad_head) + x));
+    EXPECT_EQ(written, 0) << what << ": elements outside o's view were written";
+  }
+}
+
+// Max |a - b| over two output vectors (NaN anywhere = inf).
+double max_diff(const std::vector<float>& a, const std::vector<float>& b) {
+  double m = 0;
+  for (size_t i = 0; i < a.size(); ++i) {
+    if (std::isinf(a[i]) && std::isinf(b[i]) && (a[i] < 0) == (b[i] < 0)) continue;
+    const double d = std::fabs(static_cast<double>(a[i]) - b[i]);
+    if (!(d == d)) return kInf;
+    m = std::max(m, d);
+  }
+  return m;
+}
+
+bool bitwise_equal(const std::vector<float>& a, const std::vector<float>& b) {
+  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
+}
+
+// ---- decode vs the float64 reference --------------------------------------------------------
+
+std::vector<Spec> reference_cases() {
+  std::vector<Spec> v;
+  for (DType t : {DType::f32, DType::bf16}) {
+    const std::string ts = dtype_name(t);
+    { Spec c = mk("contiguous_" + ts, t); v.push_back(c); }
+    { Spec c = mk("paged16_ragged_" + ts, t); c.lens = {0, 1, 17, 300, 1000}; c.page_size = 16; c.hq = 8; c.d = 128; v.push_back(c); }
+    { Spec c = mk("page1_" + ts, t); c.lens = {5, 40}; c.page_size = 1; v.push_back(c); }
+    { Spec c = mk("page256_" + ts, t); c.lens = {700, 3, 256}; c.page_size = 256; v.push_back(c); }
+    { Spec c = mk("gqa32_8_" + ts, t); c.hq = 32; c.hkv = 8; c.d = 128; c.lens = {513, 2048}; c.page_size = 16; v.push_back(c); }
+    { Spec c = mk("causal_sq4_" + ts, t); c.sq = 4; c.causal = true; c.lens = {4, 9, 300}; c.hq = 8; c.page_size = 16; v.push_back(c); }
+    { Spec c = mk("causal_sq16_mqa_" + ts, t); c.sq = 16; c.causal = true; c.lens = {16, 100}; c.hq = 8; c.hkv = 1; v.push_back(c); }
+    { Spec c = mk("window_causal_" + ts, t); c.sq = 4; c.causal = true; c.wl = 50; c.lens = {400, 4, 0}; c.page_size = 16; v.push_back(c); }
+    { Spec c = mk("window_both_" + ts, t); c.sq = 3; c.wl = 20; c.wr = 3; c.lens = {200, 70}; c.splits = 3; v.push_back(c); }
+    { Spec c = mk("softcap_" + ts, t); c.softcap = 5.0f; c.q_range = 3.0f; c.lens = {90, 33}; c.page_size = 16; v.push_back(c); }
+    { Spec c = mk("alibi_causal_" + ts, t); c.alibi = true; c.causal = true; c.sq = 2; c.lens = {150, 2}; v.push_back(c); }
+    { Spec c = mk("sinks_" + ts, t); c.sinks = true; c.causal = true; c.sq = 2; c.lens = {0, 2, 64, 500}; c.page_size = 16; c.splits = 5; v.push_back(c); }
+    { Spec c = mk("hdim72_dv40_" + ts, t); c.d = 72; c.dv = 40; c.lens = {33, 129}; c.page_size = 8; v.push_back(c); }
+    { Spec c = mk("splits7_" + ts, t); c.lens = {1000, 3, 0, 1}; c.splits = 7; c.page_size = 16; v.push_back(c); }
+    { Spec c = mk("f8e4m3_" + ts, t); c.cache = DType::f8e4m3; c.lens = {300, 17}; c.page_size = 16; c.hq = 8; v.push_back(c); }
+    { Spec c = mk("i8_" + ts, t); c.cache = DType::i8; c.lens = {300, 0, 5}; c.sq = 2; c.causal = true; v.push_back(c); }
+    { Spec c = mk("padded_heads_" + ts, t); c.pad_head = 8; c.lens = {77, 20}; c.page_size = 16; v.push_back(c); }
+    { Spec c = mk("scale_custom_" + ts, t); c.scale = 0.3f; c.lens = {50}; v.push_back(c); }
+  }
+  { Spec c = mk("hdim256_f32", DType::f32); c.d = 256; c.lens = {300}; c.splits = 2; v.push_back(c); }
+  { Spec c = mk("hdim8_f16", DType::f16); c.d = 8; c.lens = {45, 1}; c.page_size = 4; v.push_back(c); }
+  { Spec c = mk("f8e4m3_f16_sq8", DType::f16); c.cache = DType::f8e4m3; c.sq = 8; c.causal = true; c.lens = {64, 8}; v.push_back(c); }
+  return v;
+}
+
+class DecodeReference : public ::testing::TestWithParam<Spec> {};
+
+TEST_P(DecodeReference, MatchesFloat64Reference) {
+  const Spec& c = GetParam();
+  Built bl(c, make_values(c, 42));
+  const KernelChoice k = bl.run();
+  EXPECT_NE(k.kernel.find("cpu/splitkv"), std::string::npos) << k.kernel;
+  expect_matches_reference(bl, c.name);
+}
+
+INSTANTIATE_TEST_SUITE_P(Cases, DecodeReference, ::testing::ValuesIn(reference_cases()),
+                         [](const ::testing::TestParamInfo<Spec>& info) { return info.param.name; });
+
+// ---- decode vs itself -----------------------------------------------------------------------
+
+TEST(DecodeSplits, SplitMatchesUnsplitWithinFp32Rounding) {
+  for (DType t : {DType::f32, DType::bf16}) {
+    Spec c = mk("splits", t);
+    c.hq = 32;
+    c.hkv = 8;
+    c.d = 128;
+    c.sq = 4;
+    c.causal = true;
+    c.lens = {0, 4, 17, 2000, 777};
+    c.page_size = 16;
+    c.sinks = true;
+    Built bl(c, make_values(c, 3));
+    bl.run(1);
+    const auto one = bl.outputs();
+    for (int s : {7, 3, 0}) {
+      bl.run(s);
+      const auto many = bl.outputs();
+      // f32: accumulation-order differences only; bf16: plus one bf16 rounding step of O.
+      EXPECT_LE(max_diff(one, many), t == DType::f32 ? 2e-6 : 8e-3) << dtype_name(t) << " splits " << s;
+    }
+    expect_matches_reference(bl, std::string("heuristic splits ") + dtype_name(t));
+  }
+}
+
+TEST(DecodePaged, PagedEqualsContiguousBitwise) {
+  for (DType t : {DType::f32, DType::bf16}) {
+    Spec c = mk("paged", t);
+    c.hq = 8;
+    c.hkv = 2;
+    c.sq = 2;
+    c.causal = true;
+    c.lens = {513, 2, 0, 64, 257};
+    const Values vals = make_values(c, 11);
+    for (int splits : {1, 3}) {
+      Spec cc = c;
+      Built contiguous(cc, vals);
+      contiguous.run(splits);
+      const auto want = contiguous.outputs();
+      for (int64_t ps : {1, 16, 256}) {
+        Spec pc = c;
+        pc.page_size = ps;
+        Built paged(pc, vals, /*layout_seed=*/static_cast<uint64_t>(ps));
+        const KernelChoice k = paged.run(splits);
+        EXPECT_NE(k.kernel.find("page" + std::to_string(ps)), std::string::npos) << k.kernel;
+        EXPECT_TRUE(bitwise_equal(paged.outputs(), want))
+            << dtype_name(t) << " page_size " << ps << " splits " << splits << ": max diff "
+            << max_diff(paged.outputs(), want);
+      }
+    }
+  }
+}
+
+TEST(DecodeBatch, BatchEqualsSingleSequenceBitwise) {
+  Spec c = mk("batch", DType::bf16);
+  c.hq = 8;
+  c.hkv = 4;
+  c.sq = 3;
+  c.causal = true;
+  c.lens = {1000, 3, 0, 47};
+  c.page_size = 16;
+  const Values vals = make_values(c, 5);
+  Built all(c, vals);
+  all.run(4);
+  for (int64_t b = 0; b < c.B(); ++b) {
+    Spec one = c;
+    one.lens = {c.lens[static_cast<size_t>(b)]};
+    Built single(one, slice(c, vals, b), 99 + static_cast<uint64_t>(b));
+    single.run(4);
+    for (int64_t i = 0; i < c.sq; ++i)
+      for (int64_t h = 0; h < c.hq; ++h) {
+        for (int64_t x = 0; x < c.DV(); ++x) {
+          const float a = all.o_at(b, i, h, x), s = single.o_at(0, i, h, x);
+          ASSERT_EQ(std::memcmp(&a, &s, 4), 0) << "b" << b << " i" << i << " h" << h << " x" << x << ": " << a << " vs " << s;
+        }
+        const float a = all.lse_at(b, h, i), s = single.lse_at(0, h, i);
+        ASSERT_EQ(std::memcmp(&a, &s, 4), 0) << "lse b" << b << " h" << h << " i" << i;
+      }
+  }
+}
+
+// cache_seqlens 0: O = 0 and LSE = -inf (with a sink: LSE = sink); 1: O = that token's V.
+TEST(DecodeEdge, EmptyAndSingleTokenSequences) {
+  for (bool sinks : {false, true})
+    for (DType t : {DType::f32, DType::bf16})
+      for (int splits : {1, 4}) {
+        Spec c = mk("edge", t);
+        c.lens = {0, 1, 0, 1};
+        c.sinks = sinks;
+        c.page_size = 16;
+        Built bl(c, make_values(c, 8));
+        bl.run(splits);
+        for (int64_t b = 0; b < c.B(); ++b)
+          for (int64_t h = 0; h < c.hq; ++h) {
+            const int64_t hk = h / (c.hq / c.hkv);
+            const float sink = bl.val.sinks[static_cast<size_t>(h)];
+            if (c.lens[static_cast<size_t>(b)] == 0) {
+              for (int64_t x = 0; x < c.DV(); ++x) ASSERT_EQ(bl.o_at(b, 0, h, x), 0.0f) << "b" << b;
+              const float l = bl.lse_at(b, h, 0);
+              if (sinks)
+                EXPECT_EQ(l, sink);
+              else
+                EXPECT_TRUE(std::isinf(l) && l < 0) << l;
+            } else if (!sinks) {
+              for (int64_t x = 0; x < c.DV(); ++x)
+                ASSERT_EQ(bl.o_at(b, 0, h, x), bl.vdeq[static_cast<size_t>(b)][static_cast<size_t>(hk * c.DV() + x)])
+                    << "b" << b << " x" << x;
+            }
+          }
+        expect_matches_reference(bl, std::string("edge ") + dtype_name(t));
+      }
+}
+
+// A NaN key and an inf value that the causal mask hides from rows 0..2 stay out of their output;
+// row 3 sees them and is NaN (as in the forward).
+TEST(DecodeEdge, MaskedNaNDoesNotLeak) {
+  for (int splits : {1, 3}) {
+    Spec c = mk("nan", DType::f32);
+    c.sq = 4;
+    c.causal = true;
+    c.lens = {100};
+    c.page_size = 16;
+    Built bl(c, make_values(c, 2));
+    for (int64_t h = 0; h < c.hkv; ++h) {
+      for (int64_t x = 0; x < c.d; ++x) bl.kc.set(bl.elem(0, 99, h, c.d) + x, kNaN);
+      for (int64_t x = 0; x < c.DV(); ++x) bl.vc.set(bl.elem(0, 99, h, c.DV()) + x, kInf);
+    }
+    bl.run(splits);
+    for (int64_t i = 0; i < 4; ++i)
+      for (int64_t h = 0; h < c.hq; ++h) {
+        const bool sees = i == 3;
+        EXPECT_EQ(std::isnan(bl.lse_at(0, h, i)), sees) << "row " << i << " lse " << bl.lse_at(0, h, i);
+        for (int64_t x = 0; x < c.DV(); ++x)
+          ASSERT_EQ(std::isfinite(bl.o_at(0, i, h, x)), !sees) << "row " << i << " x " << x;
+      }
+  }
+}
+
+// ---- 8-bit KV ------------------------------------------------------------------------------
+
+// Against the reference on the *unquantised* values, the error is bounded by the quantisation
+// step. Per element, the stored value differs by at most ek (K) / ev (V) from the original
+// (e4m3: half a step, 2^-4 relative for normals, 2^-10 * scale absolute for subnormals; i8:
+// scale / 2). A score then moves by at most delta = scale * sum_x |q_x| * ek, so every softmax
+// weight by a factor within exp(+-2 delta):
+//   |dO| <= ev + (exp(2 delta) - 1) * max|V|,   |dLSE| <= delta.
+TEST(DecodeQuant, EightBitWithinQuantisationBound) {
+  for (DType cache : {DType::f8e4m3, DType::i8})
+    for (DType t : {DType::f32, DType::bf16}) {
+      Spec c = mk("q8", t);
+      c.cache = cache;
+      c.hq = 8;
+      c.hkv = 2;
+      c.d = 128;
+      c.sq = 2;
+      c.causal = true;
+      c.lens = {700, 40};
+      c.page_size = 16;
+      Built bl(c, make_values(c, 21));
+      bl.run();
+      // fp32 level against what the kernel sees.
+      expect_matches_reference(bl, std::string("vs dequantised ") + dtype_name(cache));
+      // Derived bound against the original values: per key, |ds_j| <= scale * sum_x |q_x| |dk_jx|
+      // with the actual quantisation errors dk (each within half a step); delta = max over keys.
+      double ev = 0, vmax = 0;
+      for (int64_t b = 0; b < c.B(); ++b)
+        for (size_t j = 0; j < bl.vdeq[static_cast<size_t>(b)].size(); ++j) {
+          ev = std::max(ev, std::fabs(static_cast<double>(bl.vdeq[static_cast<size_t>(b)][j]) - bl.val.v[static_cast<size_t>(b)][j]));
+          vmax = std::max(vmax, std::fabs(static_cast<double>(bl.val.v[static_cast<size_t>(b)][j])));
+        }
+      const double scale = 1.0 / std::sqrt(static_cast<double>(c.d));
+      const int64_t g = c.hq / c.hkv;
+      auto delta = [&](int64_t b, int64_t h, int64_t i) {
+        const auto& kd = bl.kdeq[static_cast<size_t>(b)];
+        const auto& ko = bl.val.k[static_cast<size_t>(b)];
+        double worst = 0;
+        for (int64_t t = 0; t < c.lens[static_cast<size_t>(b)]; ++t) {
+          double s = 0;
+          for (int64_t x = 0; x < c.d; ++x) {
+            const size_t e = static_cast<size_t>((t * c.hkv + h / g) * c.d + x);
+            s += std::fabs(bl.val.q[static_cast<size_t>(((b * c.sq + i) * c.hq + h) * c.d + x)]) *
+                 std::fabs(static_cast<double>(kd[e]) - ko[e]);
+          }
+          worst = std::max(worst, scale * s);
+        }
+        return worst;
+      };
+      EXPECT_GT(ev, 0.0);
+      // The bound must be meaningful: well below the O scale.
+      EXPECT_LT(ev + (std::exp(2 * delta(0, 0, 0)) - 1) * vmax, 0.5) << "bound too loose to test anything";
+      expect_matches_reference(
+          bl, std::string("vs original ") + dtype_name(cache), /*use_original=*/true,
+          [&](int64_t b, int64_t h, int64_t i) { return ev + (std::exp(2 * delta(b, h, i)) - 1) * vmax; },
+          [&](int64_t b, int64_t h, int64_t i) { return delta(b, h, i); });
+    }
+}
+
+TEST(ServingQuant, E4m3ConversionIsExactAndRoundsToNearestEven) {
+  using detail::e4m3_to_float;
+  using detail::float_to_e4m3;
+  // Every code round-trips (NaN codes stay NaN).
+  for (int code = 0; code < 256; ++code) {
+    const float f = e4m3_to_float(static_cast<uint8_t>(code));
+    if ((code & 0x7f) == 0x7f) {
+      EXPECT_TRUE(std::isnan(f)) << code;
+      EXPECT_EQ(float_to_e4m3(f) & 0x7f, 0x7f);
+    } else {
+      EXPECT_EQ(float_to_e4m3(f), code) << code << " = " << f;
+    }
+  }
+  EXPECT_EQ(e4m3_to_float(0x7e), 448.0f);
+  EXPECT_EQ(e4m3_to_float(0xfe), -448.0f);
+  EXPECT_EQ(e4m3_to_float(0x01), std::ldexp(1.0f, -9));  // smallest subnormal
+  EXPECT_EQ(e4m3_to_float(0x08), std::ldexp(1.0f, -6));  // smallest normal
+  EXPECT_EQ(e4m3_to_float(0x38), 1.0f);                  // exponent 7 = bias
+  EXPECT_EQ(float_to_e4m3(1000.0f), 0x7e);               // saturate
+  EXPECT_EQ(float_to_e4m3(-kInf), 0xfe);
+  EXPECT_EQ(float_to_e4m3(kNaN), 0x7f);
+  EXPECT_EQ(float_to_e4m3(1.0625f), 0x38);   // halfway 1.0 | 1.125: to even (1.0)
+  EXPECT_EQ(float_to_e4m3(1.1875f), 0x3a);   // halfway 1.125 | 1.25: to even (1.25)
+  EXPECT_EQ(float_to_e4m3(1.07f), 0x39);     // above half: up
+  EXPECT_EQ(float_to_e4m3(440.0f), 0x7e);    // 432 | 448 halfway -> even (448)
+  EXPECT_EQ(float_to_e4m3(std::ldexp(1.0f, -10)), 0x00);  // half the smallest subnormal: to even (0)
+  EXPECT_EQ(float_to_e4m3(std::ldexp(3.0f, -10)), 0x02);  // 1.5 subnormal steps: to even (2)
+  EXPECT_EQ(float_to_e4m3(-0.0f), 0x80);
+  // Exhaustive: the encoder picks the nearest code for a dense sweep of values.
+  for (int i = 0; i < 20000; ++i) {
+    const float x = std::ldexp(static_cast<float>(i) / 20000.0f, 0) * 460.0f - 5.0f;
+    const float y = e4m3_to_float(float_to_e4m3(x));
+    float best = kInf;
+    for (int code = 0; code < 256; ++code) {
+      const float f = e4m3_to_float(static_cast<uint8_t>(code));
+      if (!std::isnan(f)) best = std::min(best, std::fabs(f - std::min(x, 448.0f)));
+    }
+    ASSERT_EQ(std::fabs(y - std::min(x, 448.0f)), best) << x;
+  }
+  // i8: symmetric, round to nearest even, saturate to +-127.
+  EXPECT_EQ(detail::float_to_i8(2.5f), 2);
+  EXPECT_EQ(detail::float_to_i8(-3.5f), -4);
+  EXPECT_EQ(detail::float_to_i8(300.0f), 127);
+  EXPECT_EQ(detail::float_to_i8(-300.0f), -127);
+  EXPECT_EQ(detail::float_to_i8(kNaN), 0);
+}
+
+// ---- plans ----------------------------------------------------------------------------------
+
+struct AlignedBytes {
+  std::unique_ptr<uint8_t[]> raw;
+  uint8_t* ptr = nullptr;
+  explicit AlignedBytes(size_t n, size_t offset = 0) : raw(new uint8_t[n + 128]) {
+    ptr = raw.get() + (64 - reinterpret_cast<uintptr_t>(raw.get()) % 64) % 64 + offset;
+    std::memset(ptr, 0xff, n);  // NaN-ish garbage: the kernel must not rely on zeroed memory
+  }
+};
+
+Spec plan_spec() {
+  Spec c = mk("plan", DType::bf16);
+  c.hq = 8;
+  c.hkv = 2;
+  c.sq = 2;
+  c.causal = true;
+  c.lens = {700, 5, 0, 300};
+  c.page_size = 16;
+  return c;
+}
+
+TEST(DecodePlan, ReuseGivesIdenticalResults) {
+  const Spec c = plan_spec();
+  Built bl(c, make_values(c, 4));
+  for (int splits : {0, 1, 6}) {
+    DecodeOptions opt;
+    opt.num_splits = splits;
+    const DecodePlan plan = plan_decode(c.B(), c.hq, c.hkv, c.d, c.DV(), c.sq, bl.capacity, c.page_size, Device::cpu, opt);
+    EXPECT_GE(plan.num_splits, 1);
+    if (splits) {
+      EXPECT_EQ(plan.num_splits, splits);
+    }
+    AlignedBytes ws(plan.workspace_bytes);
+    std::vector<float> first;
+    for (int rep = 0; rep < 12; ++rep) {
+      bl.o.poison();
+      bl.lse.poison();
+      Context ctx;
+      ctx.num_threads = rep % 3;  // any thread count: same result
+      const KernelChoice k = decode(bl.qv, bl.cache, bl.ov, bl.lv, bl.prm, plan, ws.ptr, ctx);
+      EXPECT_NE(k.reason.find("plan"), std::string::npos) << k.reason;
+      if (rep == 0) {
+        first = bl.outputs();
+        expect_matches_reference(bl, "plan splits " + std::to_string(plan.num_splits));
+      } else {
+        ASSERT_TRUE(bitwise_equal(bl.outputs(), first)) << "rep " << rep;
+      }
+    }
+    bl.run(plan.num_splits);  // the unplanned call with the same split count agrees bitwise
+    EXPECT_TRUE(bitwise_equal(bl.outputs(), first)) << "splits " << plan.num_splits;
+  }
+}
+
+// Serving loop: one plan for the cache capacity, a token appended and decoded per step.
+TEST(DecodePlan, AppendDecodeLoopUnderOnePlan) {
+  Spec c = mk("loop", DType::f32);
+  c.hq = 4;
+  c.hkv = 2;
+  c.lens = {30, 0, 64};
+  c.page_size = 16;
+  c.causal = true;
+  Spec full = c;
+  const int steps = 20;
+  for (int32_t& L : full.lens) L += steps;
+  Values vals = make_values(full, 77);
+  Built bl(full, vals);  // the final cache geometry; lengths grow from c.lens below
+  const DecodePlan plan = plan_decode(c.B(), c.hq, c.hkv, c.d, c.DV(), c.sq, bl.capacity, c.page_size, Device::cpu);
+  AlignedBytes ws(plan.workspace_bytes);
+  bl.clear_cache();
+  std::vector<int32_t> cur = c.lens;
+  // Prefill: append the first cur[b] tokens.
+  auto append = [&](int64_t b, int64_t t0, int64_t t1) {
+    const int64_t T = t1 - t0;
+    std::vector<float> kn(static_cast<size_t>(T * c.hkv * c.d)), vn(static_cast<size_t>(T * c.hkv * c.DV()));
+    std::vector<int32_t> slots;
+    for (int64_t t = t0; t < t1; ++t) {
+      std::copy_n(vals.k[static_cast<size_t>(b)].begin() + t * c.hkv * c.d, c.hkv * c.d, kn.begin() + (t - t0) * c.hkv * c.d);
+      std::copy_n(vals.v[static_cast<size_t>(b)].begin() + t * c.hkv * c.DV(), c.hkv * c.DV(), vn.begin() + (t - t0) * c.hkv * c.DV());
+      slots.push_back(static_cast<int32_t>(bl.slot(b, t)));
+    }
+    append_kv(TensorView::contiguous(kn.data(), DType::f32, {T, c.hkv, c.d}),
+              TensorView::contiguous(vn.data(), DType::f32, {T, c.hkv, c.DV()}),
+              TensorView::contiguous(slots.data(), DType::i32, {T}), bl.cache);
+  };
+  for (int64_t b = 0; b < c.B(); ++b) append(b, 0, cur[static_cast<size_t>(b)]);
+  for (int step = 0; step < steps; ++step) {
+    for (int64_t b = 0; b < c.B(); ++b) {
+      append(b, cur[static_cast<size_t>(b)], cur[static_cast<size_t>(b)] + 1);
+      ++cur[static_cast<size_t>(b)];
+    }
+    bl.lens.fill_i32(cur);
+    bl.o.poison();
+    bl.lse.poison();
+    decode(bl.qv, bl.cache, bl.ov, bl.lv, bl.prm, plan, ws.ptr);
+    // Reference over the current prefix of every sequence.
+    Spec now = full;
+    now.lens = cur;
+    const Built ref_view(now, vals);  // same values, lengths = cur
+    expect_matches_reference(ref_view, "step " + std::to_string(step), false, nullptr, nullptr, &bl);
+  }
+}
+
+TEST(DecodePlan, MismatchedPlanIsRejectedNamingPlan) {
+  const Spec c = plan_spec();
+  Built bl(c, make_values(c, 4));
+  const auto make = [&](int64_t batch, int64_t hq, int64_t sq, int64_t max_k, int64_t ps) {
+    return plan_decode(batch, hq, c.hkv, c.d, c.DV(), sq, max_k, ps, Device::cpu);
+  };
+  const DecodePlan good = make(c.B(), c.hq, c.sq, bl.capacity, c.page_size);
+  AlignedBytes ws(good.workspace_bytes + 64);
+  struct Bad {
+    const char* what;
+    DecodePlan plan;
+    const char* arg;
+    const char* says;
+  };
+  DecodePlan tampered = good;
+  tampered.num_splits += 1;
+  std::vector<Bad> bad = {
+      {"batch", make(c.B() + 1, c.hq, c.sq, bl.capacity, c.page_size), "plan", "batch"},
+      {"heads_q", make(c.B(), 2 * c.hq, c.sq, bl.capacity, c.page_size), "plan", "heads_q"},
+      {"seqlen_q", make(c.B(), c.hq, 1, bl.capacity, c.page_size), "plan", "seqlen_q"},
+      {"page_size", make(c.B(), c.hq, c.sq, bl.capacity, 32), "plan", "page_size"},
+      {"contiguous plan for a paged cache", make(c.B(), c.hq, c.sq, bl.capacity, 0), "plan", "page_size"},
+      {"max_seqlen_k too small", make(c.B(), c.hq, c.sq, 100, c.page_size), "plan", "max_seqlen_k"},
+      {"edited plan", tampered, "plan", "fingerprint"},
+  };
+  for (const Bad& b : bad) {
+    bl.o.poison();
+    bl.lse.poison();
+    try {
+      decode(bl.qv, bl.cache, bl.ov, bl.lv, bl.prm, b.plan, ws.ptr);
+      ADD_FAILURE() << b.what << ": accepted";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.argument(), b.arg) << b.what << ": " << e.what();
+      EXPECT_NE(std::string(e.what()).find(b.says), std::string::npos) << b.what << ": " << e.what();
+      EXPECT_NE(std::string(e.what()).find("'plan'"), std::string::npos) << e.what();
+    }
+    for (int64_t i = 0; i < bl.o.count(); ++i) ASSERT_TRUE(std::isnan(bl.o.get(i))) << b.what << ": o written";
+    for (int64_t i = 0; i < bl.lse.count(); ++i) ASSERT_TRUE(std::isnan(bl.lse.get(i))) << b.what << ": lse written";
+  }
+  // The workspace: null, misaligned.
+  for (int which = 0; which < 2; ++which) {
+    try {
+      decode(bl.qv, bl.cache, bl.ov, bl.lv, bl.prm, good, which == 0 ? nullptr : ws.ptr + 4);
+      ADD_FAILURE() << "bad workspace accepted";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.argument(), "workspace") << e.what();
+    }
+  }
+}
+
+TEST(DecodePlan, PlanDecodeRejectsBadArguments) {
+  auto expect_bad = [](const char* arg, const std::function<void()>& f) {
+    try {
+      f();
+      ADD_FAILURE() << arg << ": accepted";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.argument(), arg) << e.what();
+    }
+  };
+  expect_bad("heads_q", [] { plan_decode(1, 6, 4, 64, 64, 1, 100, 16, Device::cpu); });
+  expect_bad("seqlen_q", [] { plan_decode(1, 8, 4, 64, 64, 0, 100, 16, Device::cpu); });
+  expect_bad("seqlen_q", [] { plan_decode(1, 8, 4, 64, 64, 17, 100, 16, Device::cpu); });
+  expect_bad("head_dim", [] { plan_decode(1, 8, 4, 0, 64, 1, 100, 16, Device::cpu); });
+  expect_bad("page_size", [] { plan_decode(1, 8, 4, 64, 64, 1, 100, -1, Device::cpu); });
+  expect_bad("opt.num_splits", [] {
+    DecodeOptions o;
+    o.num_splits = -1;
+    plan_decode(1, 8, 4, 64, 64, 1, 100, 16, Device::cpu, o);
+  });
+  expect_bad("device", [] { plan_decode(1, 8, 4, 64, 64, 1, 100, 16, Device::cuda); });
+}
+
+// The split heuristic: documented examples (serving_cpu.cpp).
+TEST(DecodePlan, SplitHeuristic) {
+  EXPECT_EQ(detail::cpu_decode_num_splits(1, 8, 32768, 16, nullptr), 4);
+  EXPECT_EQ(detail::cpu_decode_num_splits(16, 8, 32768, 16, nullptr), 1);
+  EXPECT_EQ(detail::cpu_decode_num_splits(1, 1, 100, 64, nullptr), 1);     // too short to split
+  EXPECT_EQ(detail::cpu_decode_num_splits(1, 1, 1 << 20, 256, nullptr), detail::kMaxSplits);
+  EXPECT_EQ(detail::cpu_decode_num_splits(0, 8, 0, 4, nullptr), 1);
+}
+
+// ---- append_kv -------------------------------------------------------------------------------
+
+// k_new / v_new for every live token of bl (in shuffled order, with padding tokens), and the
+// slot mapping.
+struct NewTokens {
+  std::vector<float> k, v;
+  std::vector<int32_t> slots;
+  int64_t T = 0;
+};
+
+NewTokens all_tokens(const Built& bl, uint64_t seed, int padding) {
+  const Spec& c = bl.c;
+  std::vector<std::pair<int64_t, int64_t>> order;
+  for (int64_t b = 0; b < c.B(); ++b)
+    for (int64_t t = 0; t < c.lens[static_cast<size_t>(b)]; ++t) order.emplace_back(b, t);
+  for (int i = 0; i < padding; ++i) order.emplace_back(-1, -1);
+  std::mt19937_64 rng(seed);
+  std::shuffle(order.begin(), order.end(), rng);
+  NewTokens n;
+  n.T = static_cast<int64_t>(order.size());
+  for (const auto& [b, t] : order) {
+    for (int64_t x = 0; x < c.hkv * c.d; ++x)
+      n.k.push_back(b < 0 ? kNaN : bl.val.k[static_cast<size_t>(b)][static_cast<size_t>(t * c.hkv * c.d + x)]);
+    for (int64_t x = 0; x < c.hkv * c.DV(); ++x)
+      n.v.push_back(b < 0 ? kNaN : bl.val.v[static_cast<size_t>(b)][static_cast<size_t>(t * c.hkv * c.DV() + x)]);
+    n.slots.push_back(b < 0 ? -1 - static_cast<int32_t>(n.slots.size()) : static_cast<int32_t>(bl.slot(b, t)));
+  }
+  return n;
+}
+
+std::vector<uint8_t> bytes_of(const detail::Buffer& b) {
+  const auto* p = static_cast<const uint8_t*>(b.host());
+  return std::vector<uint8_t>(p, p + b.bytes());
+}
+
+// append_kv then decode == decode over the directly built cache: the same cache bytes (the
+// unused slots keep their poison), the same outputs.
+TEST(AppendKv, AppendThenDecodeEqualsDirectCache) {
+  struct Combo {
+    DType q, cache, input;
+    int64_t page_size;
+  };
+  const Combo combos[] = {{DType::f32, DType::f32, DType::f32, 16},   {DType::bf16, DType::bf16, DType::bf16, 16},
+                          {DType::bf16, DType::bf16, DType::f32, 0},  {DType::f32, DType::f8e4m3, DType::f32, 16},
+                          {DType::bf16, DType::f8e4m3, DType::bf16, 1}, {DType::f32, DType::i8, DType::f32, 0},
+                          {DType::f16, DType::i8, DType::f16, 16}};
+  for (const Combo& cb : combos) {
+    Spec c = mk("append", cb.q);
+    c.cache = cb.cache;
+    c.hq = 4;
+    c.hkv = 2;
+    c.sq = 2;
+    c.causal = true;
+    c.lens = {100, 0, 33, 2};
+    c.page_size = cb.page_size;
+    const std::string what = std::string(dtype_name(cb.input)) + "->" + dtype_name(cb.cache) + " page" +
+                             std::to_string(cb.page_size);
+    const Values vals = make_values(c, 13);
+    Built direct(c, vals), appended(c, vals);
+    appended.clear_cache();
+    const NewTokens n = all_tokens(appended, 6, 5);
+    detail::Buffer kn(cb.input, static_cast<int64_t>(n.k.size())), vn(cb.input, static_cast<int64_t>(n.v.size()));
+    for (size_t i = 0; i < n.k.size(); ++i) kn.set(static_cast<int64_t>(i), n.k[i]);
+    for (size_t i = 0; i < n.v.size(); ++i) vn.set(static_cast<int64_t>(i), n.v[i]);
+    const KernelChoice k = append_kv(kn.view({n.T, c.hkv, c.d}), vn.view({n.T, c.hkv, c.DV()}),
+                                     TensorView::contiguous(n.slots.data(), DType::i32, {n.T}), appended.cache);
+    EXPECT_NE(k.kernel.find("cpu/append_kv"), std::string::npos) << k.kernel;
+    EXPECT_TRUE(bytes_of(appended.kc) == bytes_of(direct.kc)) << what << ": k cache bytes differ";
+    EXPECT_TRUE(bytes_of(appended.vc) == bytes_of(direct.vc)) << what << ": v cache bytes differ";
+    direct.run(3);
+    appended.run(3);
+    EXPECT_TRUE(bitwise_equal(direct.outputs(), appended.outputs())) << what;
+    expect_matches_reference(appended, what);
+  }
+}
+
+TEST(AppendKv, NegativeSlotsAreSkipped) {
+  Spec c = mk("skip", DType::bf16);
+  c.lens = {40};
+  c.page_size = 16;
+  Built bl(c, make_values(c, 1));
+  bl.clear_cache();
+  const auto k_before = bytes_of(bl.kc), v_before = bytes_of(bl.vc);
+  const int64_t T = 4;
+  detail::Buffer kn(DType::bf16, T * c.hkv * c.d), vn(DType::bf16, T * c.hkv * c.DV());
+  std::mt19937_64 rng(3);
+  kn.fill_random(rng);
+  vn.fill_random(rng);
+  const std::vector<int32_t> slots = {-1, 5, -7, 2};
+  append_kv(kn.view({T, c.hkv, c.d}), vn.view({T, c.hkv, c.DV()}), TensorView::contiguous(slots.data(), DType::i32, {T}),
+            bl.cache);
+  const auto k_after = bytes_of(bl.kc), v_after = bytes_of(bl.vc);
+  const int64_t row_k = c.hkv * c.d * 2, row_v = c.hkv * c.DV() * 2;  // bytes per slot
+  for (int64_t s = 0; s < bl.pages * bl.ps; ++s) {
+    const bool written = s == 5 || s == 2;
+    const bool k_same = std::equal(k_after.begin() + s * row_k, k_after.begin() + (s + 1) * row_k, k_before.begin() + s * row_k);
+    const bool v_same = std::equal(v_after.begin() + s * row_v, v_after.begin() + (s + 1) * row_v, v_before.begin() + s * row_v);
+    EXPECT_EQ(k_same, !written) << "slot " << s;
+    EXPECT_EQ(v_same, !written) << "slot " << s;
+  }
+  // Token 1 landed in slot 5, token 3 in slot 2, bit for bit (bf16 -> bf16).
+  EXPECT_EQ(std::memcmp(static_cast<const uint8_t*>(bl.kc.host()) + 5 * row_k,
+                        static_cast<const uint8_t*>(kn.host()) + 1 * row_k, static_cast<size_t>(row_k)), 0);
+  EXPECT_EQ(std::memcmp(static_cast<const uint8_t*>(bl.vc.host()) + 2 * row_v,
+                        static_cast<const uint8_t*>(vn.host()) + 3 * row_v, static_cast<size_t>(row_v)), 0);
+}
+
+// The backend reads i64 slot mappings too (the public DType has no i64 yet; see the report).
+TEST(AppendKv, Int64SlotMappingInBackend) {
+  Spec c = mk("i64", DType::f32);
+  c.cache = DType::f8e4m3;
+  c.lens = {20, 7};
+  c.page_size = 4;
+  const Values vals = make_values(c, 9);
+  Built direct(c, vals), appended(c, vals);
+  appended.clear_cache();
+  const NewTokens n = all_tokens(appended, 2, 3);
+  const std::vector<int64_t> slots64(n.slots.begin(), n.slots.end());
+  detail::AppendProblem p = detail::validate_append(
+      TensorView::contiguous(n.k.data(), DType::f32, {n.T, c.hkv, c.d}),
+      TensorView::contiguous(n.v.data(), DType::f32, {n.T, c.hkv, c.DV()}),
+      TensorView::contiguous(n.slots.data(), DType::i32, {n.T}), appended.cache, Context{});
+  p.slot_mapping = p.slot_mapping_host = slots64.data();
+  p.slot_i64 = true;
+  detail::cpu_append_kv(p);
+  EXPECT_TRUE(bytes_of(appended.kc) == bytes_of(direct.kc));
+  EXPECT_TRUE(bytes_of(appended.vc) == bytes_of(direct.vc));
+}
+
+TEST(AppendKv, QuantisesWithRoundingAndSaturation) {
+  Spec c = mk("sat", DType::f32);
+  c.cache = DType::f8e4m3;
+  c.hkv = 1;
+  c.hq = 1;
+  c.d = 4;
+  c.lens = {1};
+  Built bl(c, make_values(c, 1));
+  const float s = bl.val.k_scale[0];
+  const std::vector<float> kn = {1000.0f * s, -1000.0f * s, 1.0625f * s, kNaN};
+  const std::vector<float> vn = {0.0f, 0.0f, 0.0f, 0.0f};
+  const int32_t slot = 0;
+  append_kv(TensorView::contiguous(kn.data(), DType::f32, {1, 1, 4}), TensorView::contiguous(vn.data(), DType::f32, {1, 1, 4}),
+            TensorView::contiguous(&slot, DType::i32, {1}), bl.cache);
+  const auto* k = static_cast<const uint8_t*>(bl.kc.host());
+  EXPECT_EQ(k[0], 0x7e);
+  EXPECT_EQ(k[1], 0xfe);
+  EXPECT_EQ(k[2], 0x38);
+  EXPECT_EQ(k[3] & 0x7f, 0x7f);
+}
+
+// ---- merge_states ------------------------------------------------------------------------------
+
+// Forward (float64 naive backend) over keys [k0, k1) of k/v; returns O in dtype t and LSE.
+struct Partial {
+  detail::Buffer o, lse;
+};
+
+Partial forward_part(const detail::Buffer& q, const detail::Buffer& k, const detail::Buffer& v, int64_t B, int64_t S,
+                     int64_t H, int64_t D, int64_t Sk, int64_t k0, int64_t k1, DType t) {
+  Partial r{detail::Buffer(t, B * S * H * D), detail::Buffer(DType::f32, B * H * S)};
+  r.o.poison();
+  r.lse.poison();
+  const auto* kb = static_cast<const uint8_t*>(k.host()) + k0 * H * D * dtype_size(t);
+  const auto* vb = static_cast<const uint8_t*>(v.host()) + k0 * H * D * dtype_size(t);
+  const TensorView kv = TensorView::strided(kb, t, {B, k1 - k0, H, D}, {Sk * H * D, H * D, D, 1});
+  const TensorView vv = TensorView::strided(vb, t, {B, k1 - k0, H, D}, {Sk * H * D, H * D, D, 1});
+  Context ctx;
+  ctx.backend = Backend::naive;
+  forward(TensorView::contiguous(q.host(), t, {B, S, H, D}), kv, vv, r.o.view({B, S, H, D}), r.lse.view({B, H, S}),
+          AttnParams{}, ctx);
+  return r;
+}
+
+TEST(MergeStates, MatchesAttentionOverTheUnionOfKeys) {
+  for (DType t : {DType::f32, DType::bf16}) {
+    const int64_t B = 2, S = 7, H = 3, D = 64, Sk = 50, cut = 20;
+    std::mt19937_64 rng(17);
+    detail::Buffer q(t, B * S * H * D), k(t, B * Sk * H * D), v(t, B * Sk * H * D);
+    q.fill_random(rng, 2.0f);
+    k.fill_random(rng, 2.0f);
+    v.fill_random(rng);
+    Partial a = forward_part(q, k, v, B, S, H, D, Sk, 0, cut, t);
+    Partial b = forward_part(q, k, v, B, S, H, D, Sk, cut, Sk, t);
+    Partial all = forward_part(q, k, v, B, S, H, D, Sk, 0, Sk, t);
+    // Rows (b=1, s=2, h=*) empty on side b, (b=0, s=5, h=1) empty on side a, (b=1, s=6, h=2) on
+    // both: the empty side's O holds NaN, which must not be read.
+    auto empty = [&](Partial& p, int64_t bb, int64_t s, int64_t h) {
+      p.lse.set((bb * H + h) * S + s, -kInf);
+      for (int64_t x = 0; x < D; ++x) p.o.set(((bb * S + s) * H + h) * D + x, kNaN);
+    };
+    for (int64_t h = 0; h < H; ++h) empty(b, 1, 2, h);
+    empty(a, 0, 5, 1);
+    empty(a, 1, 6, 2);
+    empty(b, 1, 6, 2);
+    for (bool alias : {false, true}) {
+      detail::Buffer o(t, B * S * H * D), lse(DType::f32, B * H * S);
+      o.poison();
+      lse.poison();
+      // Aliasing: the outputs are o_a / lse_a themselves (on a copy of a).
+      Partial ac{detail::Buffer(t, B * S * H * D), detail::Buffer(DType::f32, B * H * S)};
+      std::memcpy(ac.o.host(), a.o.host(), a.o.bytes());
+      std::memcpy(ac.lse.host(), a.lse.host(), a.lse.bytes());
+      detail::Buffer& out_o = alias ? ac.o : o;
+      detail::Buffer& out_l = alias ? ac.lse : lse;
+      const KernelChoice kc = merge_states(ac.o.view({B, S, H, D}), ac.lse.view({B, H, S}), b.o.view({B, S, H, D}),
+                                           b.lse.view({B, H, S}), out_o.view({B, S, H, D}), out_l.view({B, H, S}));
+      EXPECT_NE(kc.kernel.find("cpu/merge_states"), std::string::npos);
+      for (int64_t bb = 0; bb < B; ++bb)
+        for (int64_t s = 0; s < S; ++s)
+          for (int64_t h = 0; h < H; ++h) {
+            const bool no_a = (bb == 0 && s == 5 && h == 1) || (bb == 1 && s == 6 && h == 2);
+            const bool no_b = (bb == 1 && s == 2) || (bb == 1 && s == 6 && h == 2);
+            const int64_t li = (bb * H + h) * S + s;
+            const float got_l = out_l.get(li);
+            for (int64_t x = 0; x < D; ++x) {
+              const int64_t oi = ((bb * S + s) * H + h) * D + x;
+              const float got = out_o.get(oi);
+              if (no_a && no_b) {
+                ASSERT_EQ(got, 0.0f);
+              } else if (no_a || no_b) {  // the other side, exactly
+                ASSERT_EQ(got, (no_a ? b : a).o.get(oi)) << "row " << bb << "," << s << "," << h;
+              } else {
+                // bf16: the partials are rounded (half an ulp of each, weighted), the merged O
+                // and the reference O once more each.
+                const double want = all.o.get(oi), L = all.lse.get(li);
+                const double wa = std::exp(a.lse.get(li) - L), wb = std::exp(b.lse.get(li) - L);
+                const double u = t == DType::f32 ? std::ldexp(1.0, -24) : std::ldexp(1.0, -8);  // half an ulp, relative
+                const double tol = u * (wa * std::fabs(a.o.get(oi)) + wb * std::fabs(b.o.get(oi)) + 2 * std::fabs(want)) + 2e-6;
+                ASSERT_LE(std::fabs(got - want), tol) << dtype_name(t) << " alias " << alias << " row " << bb << "," << s
+                                                      << "," << h << " x " << x;
+              }
+            }
+            if (no_a && no_b)
+              EXPECT_TRUE(std::isinf(got_l) && got_l < 0) << got_l;
+            else if (no_a || no_b)
+              EXPECT_EQ(got_l, (no_a ? b : a).lse.get(li));
+            else
+              EXPECT_NEAR(got_l, all.lse.get(li), 2e-6 * std::max(1.0, std::fabs(static_cast<double>(all.lse.get(li)))));
+          }
+    }
+  }
+}
+
+// ---- bad inputs: a clear error naming the argument, nothing written ---------------------------
+
+struct DecodeCall {
+  TensorView q, o, lse;
+  KVCache cache;
+  AttnParams prm;
+  DecodeOptions opt;
+  Context ctx;
+};
+
+struct BadDecode {
+  const char* what;
+  const char* argument;  // must appear in the message
+  std::function<void(Built&, DecodeCall&)> mutate;
+};
+
+Spec bad_spec() {
+  Spec c = mk("bad", DType::f32);
+  c.hq = 4;
+  c.hkv = 2;
+  c.d = 32;
+  c.sq = 2;
+  c.lens = {5, 20};
+  c.page_size = 16;
+  return c;
+}
+
+const BadDecode kBadDecode[] = {
+    {"seqlen_q 17", "q.shape[1]", [](Built&, DecodeCall& k) { k.q.shape[1] = k.o.shape[1] = 17; }},
+    {"seqlen_q 0", "q.shape[1]", [](Built&, DecodeCall& k) { k.q.shape[1] = k.o.shape[1] = 0; }},
+    {"int8 q", "q.dtype", [](Built&, DecodeCall& k) { k.q.dtype = DType::i8; }},
+    {"cache_seqlens past capacity", "cache.cache_seqlens[1]", [](Built& b, DecodeCall&) { b.lens.fill_i32({5, 1000}); }},
+    {"cache_seqlens below seqlen_q", "cache.cache_seqlens[0]", [](Built& b, DecodeCall&) { b.lens.fill_i32({1, 20}); }},
+    {"negative cache_seqlens", "cache.cache_seqlens[0]", [](Built& b, DecodeCall&) { b.lens.fill_i32({-3, 20}); }},
+    {"block_table entry past the pages", "cache.block_table[1][1]",
+     [](Built& b, DecodeCall&) {
+       b.table[static_cast<size_t>(b.width + 1)] = static_cast<int32_t>(b.pages);
+       b.bt.fill_i32(b.table);
+     }},
+    {"negative block_table entry", "cache.block_table[0][0]",
+     [](Built& b, DecodeCall&) {
+       b.table[0] = -1;
+       b.bt.fill_i32(b.table);
+     }},
+    {"block_table f32", "cache.block_table.dtype", [](Built&, DecodeCall& k) { k.cache.block_table.dtype = DType::f32; }},
+    {"block_table batch", "cache.block_table.shape[0]", [](Built&, DecodeCall& k) { k.cache.block_table.shape[0] = 3; }},
+    {"8-bit cache without scales", "cache.k_scale",
+     [](Built&, DecodeCall& k) { k.cache.k_cache.dtype = k.cache.v_cache.dtype = DType::f8e4m3; }},
+    {"scales on an f32 cache", "cache.v_scale", [](Built& b, DecodeCall& k) { k.cache.v_scale = b.vs.view({2}); }},
+    {"zero scale", "cache.k_scale[1]",
+     [](Built& b, DecodeCall& k) {
+       k.cache.k_cache.dtype = k.cache.v_cache.dtype = DType::i8;
+       b.ks.set(1, 0.0f);
+       k.cache.k_scale = b.ks.view({2});
+       k.cache.v_scale = b.vs.view({2});
+     }},
+    {"scale length", "cache.k_scale.shape[0]",
+     [](Built& b, DecodeCall& k) {
+       k.cache.k_cache.dtype = k.cache.v_cache.dtype = DType::i8;
+       k.cache.k_scale = b.ks.view({1});
+     }},
+    {"bf16 cache with f32 q", "cache.k_cache.dtype",
+     [](Built&, DecodeCall& k) { k.cache.k_cache.dtype = k.cache.v_cache.dtype = DType::bf16; }},
+    {"v cache dtype differs", "cache.v_cache.dtype", [](Built&, DecodeCall& k) { k.cache.v_cache.dtype = DType::f16; }},
+    {"o head_dim_v", "o.shape[3]", [](Built&, DecodeCall& k) { k.o.shape[3] = 16; }},
+    {"o dtype", "o.dtype", [](Built&, DecodeCall& k) { k.o.dtype = DType::bf16; }},
+    {"heads not divisible", "q.shape[2]",
+     [](Built&, DecodeCall& k) { k.cache.k_cache.shape[2] = k.cache.v_cache.shape[2] = 3; }},
+    {"cache head_dim", "cache.k_cache.shape[3]", [](Built&, DecodeCall& k) { k.cache.k_cache.shape[3] = 16; }},
+    {"v cache pages", "cache.v_cache.shape[0]", [](Built&, DecodeCall& k) { k.cache.v_cache.shape[0] -= 1; }},
+    {"page_size 0", "cache.k_cache.shape[1]",
+     [](Built&, DecodeCall& k) { k.cache.k_cache.shape[1] = k.cache.v_cache.shape[1] = 0; }},
+    {"contiguous cache of the wrong batch", "cache.k_cache.shape[0]",
+     [](Built&, DecodeCall& k) { k.cache.block_table = TensorView{}; }},
+    {"lse shape", "lse.shape[2]", [](Built&, DecodeCall& k) { k.lse.shape[2] = 1; }},
+    {"cache_seqlens missing", "cache.cache_seqlens", [](Built&, DecodeCall& k) { k.cache.cache_seqlens = TensorView{}; }},
+    {"cache_seqlens length", "cache.cache_seqlens.shape[0]", [](Built&, DecodeCall& k) { k.cache.cache_seqlens.shape[0] = 1; }},
+    {"num_splits -1", "opt.num_splits", [](Built&, DecodeCall& k) { k.opt.num_splits = -1; }},
+    {"num_splits too many", "opt.num_splits", [](Built&, DecodeCall& k) { k.opt.num_splits = 100000; }},
+    {"window_left -2", "params.window_left", [](Built&, DecodeCall& k) { k.prm.window_left = -2; }},
+    {"sinks length", "params.sinks", [](Built& b, DecodeCall& k) { k.prm.sinks = b.sinks.view({3}); }},
+    {"negative threads", "ctx.num_threads", [](Built&, DecodeCall& k) { k.ctx.num_threads = -2; }},
+    {"cache on another device", "cache.k_cache.device", [](Built&, DecodeCall& k) { k.cache.k_cache.device = Device::cuda; }},
+    // Host pointers labelled cuda: "q.device" without CUDA, "q.data" (not a device pointer) with it.
+    {"cuda tensors", "q.d",
+     [](Built&, DecodeCall& k) {
+       for (TensorView* t : {&k.q, &k.o, &k.lse, &k.cache.k_cache, &k.cache.v_cache, &k.cache.block_table,
+                             &k.cache.cache_seqlens})
+         t->device = Device::cuda;
+     }},
+};
+
+class DecodeBadInputs : public ::testing::TestWithParam<BadDecode> {};
+
+TEST_P(DecodeBadInputs, RejectedWithClearMessageAndNothingWritten) {
+  const BadDecode& bad = GetParam();
+  const Spec c = bad_spec();
+  Built bl(c, make_values(c, 5));
+  DecodeCall call{bl.qv, bl.ov, bl.lv, bl.cache, bl.prm, DecodeOptions{}, Context{}};
+  bad.mutate(bl, call);
+  bl.o.poison();
+  bl.lse.poison();
+  try {
+    decode(call.q, call.cache, call.o, call.lse, call.prm, call.opt, call.ctx);
+    FAIL() << bad.what << ": accepted";
+  } catch (const Error& e) {
+    const std::string msg = e.what();
+    EXPECT_NE(msg.find(bad.argument), std::string::npos) << bad.what << ": message does not name " << bad.argument << ": " << msg;
+    EXPECT_NE(msg.find("expected"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("got"), std::string::npos) << msg;
+  }
+  for (int64_t i = 0; i < bl.o.count(); ++i) ASSERT_TRUE(std::isnan(bl.o.get(i))) << bad.what << ": o written";
+  for (int64_t i = 0; i < bl.lse.count(); ++i) ASSERT_TRUE(std::isnan(bl.lse.get(i))) << bad.what << ": lse written";
+}
+
+std::string bad_name(const char* what) {
+  std::string s;
+  for (const char* p = what; *p; ++p) s += std::isalnum(static_cast<unsigned char>(*p)) ? *p : '_';
+  return s;
+}
+
+INSTANTIATE_TEST_SUITE_P(Table, DecodeBadInputs, ::testing::ValuesIn(kBadDecode),
+                         [](const ::testing::TestParamInfo<BadDecode>& info) { return bad_name(info.param.what); });
+
+// With CUDA built in, CUDA tensors get "no CUDA decode kernel yet"; without, "no CUDA backend".
+TEST(DecodeDispatch, CudaTensorsFailLoudly) {
+  if (detail::cuda_compiled() && !cuda_available()) GTEST_SKIP() << "skipped: no CUDA device";
+  const Spec c = bad_spec();
+  Built host(c, make_values(c, 5));
+  if (!detail::cuda_compiled()) {
+    TensorView q = host.qv;
+    q.device = Device::cuda;
+    try {
+      decode(q, host.cache, host.ov, host.lv, host.prm);
+      FAIL() << "accepted";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("no CUDA backend"), std::string::npos) << e.what();
+    }
+    return;
+  }
+  auto dev = [](detail::Buffer& b) {
+    detail::Buffer d(b.dtype(), b.count(), Device::cuda);
+    std::memcpy(d.host(), b.host(), b.bytes());
+    d.upload();
+    return d;
+  };
+  detail::Buffer q = dev(host.q), o = dev(host.o), l = dev(host.lse), k = dev(host.kc), v = dev(host.vc),
+                 bt = dev(host.bt), lens = dev(host.lens);
+  auto on = [](TensorView t, detail::Buffer& b) {
+    t.data = b.data();
+    t.device = Device::cuda;
+    return t;
+  };
+  KVCache cache = host.cache;
+  cache.k_cache = on(cache.k_cache, k);
+  cache.v_cache = on(cache.v_cache, v);
+  cache.block_table = on(cache.block_table, bt);
+  cache.cache_seqlens = on(cache.cache_seqlens, lens);
+  try {
+    decode(on(host.qv, q), cache, on(host.ov, o), on(host.lv, l), host.prm);
+    FAIL() << "accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("no CUDA decode kernel yet"), std::string::npos) << e.what();
+  }
+}
+
+struct AppendCall {
+  TensorView k_new, v_new, slots;
+  KVCache cache;
+};
+
+struct BadAppend {
+  const char* what;
+  const char* argument;
+  std::function<void(Built&, AppendCall&, std::vector<int32_t>&)> mutate;
+};
+
+const BadAppend kBadAppend[] = {
+    {"slot past the cache", "slot_mapping[2]", [](Built& b, AppendCall&, std::vector<int32_t>& s) { s[2] = static_cast<int32_t>(b.pages * b.ps); }},
+    {"duplicate slot", "slot_mapping", [](Built&, AppendCall&, std::vector<int32_t>& s) { s[3] = s[0]; }},
+    {"f32 slot mapping", "slot_mapping.dtype", [](Built&, AppendCall& a, std::vector<int32_t>&) { a.slots.dtype = DType::f32; }},
+    {"slot mapping length", "slot_mapping.shape[0]", [](Built&, AppendCall& a, std::vector<int32_t>&) { a.slots.shape[0] = 3; }},
+    {"k_new heads", "k_new.shape[1]", [](Built&, AppendCall& a, std::vector<int32_t>&) { a.k_new.shape[1] = 1; }},
+    {"v_new head_dim_v", "v_new.shape[2]", [](Built&, AppendCall& a, std::vector<int32_t>&) { a.v_new.shape[2] = 8; }},
+    {"v_new dtype", "v_new.dtype", [](Built&, AppendCall& a, std::vector<int32_t>&) { a.v_new.dtype = DType::bf16; }},
+    {"int8 k_new", "k_new.dtype", [](Built&, AppendCall& a, std::vector<int32_t>&) { a.k_new.dtype = DType::i8; }},
+    {"8-bit cache without scales", "cache.k_scale",
+     [](Built&, AppendCall& a, std::vector<int32_t>&) { a.cache.k_cache.dtype = a.cache.v_cache.dtype = DType::i8; }},
+    {"cache page stride 0", "cache.k_cache.stride[0]",
+     [](Built&, AppendCall& a, std::vector<int32_t>&) { a.cache.k_cache.stride[0] = 0; }},
+    {"cache on another device", "cache.v_cache.device",
+     [](Built&, AppendCall& a, std::vector<int32_t>&) { a.cache.v_cache.device = Device::cuda; }},
+};
+
+class AppendBadInputs : public ::testing::TestWithParam<BadAppend> {};
+
+TEST_P(AppendBadInputs, RejectedWithClearMessageAndCacheUntouched) {
+  const BadAppend& bad = GetParam();
+  const Spec c = bad_spec();
+  Built bl(c, make_values(c, 5));
+  const auto k_before = bytes_of(bl.kc), v_before = bytes_of(bl.vc);
+  const int64_t T = 4;
+  std::vector<float> kn(static_cast<size_t>(T * c.hkv * c.d), 0.5f), vn(static_cast<size_t>(T * c.hkv * c.DV()), 0.5f);
+  std::vector<int32_t> slots = {0, 1, 2, 3};
+  AppendCall call{TensorView::contiguous(kn.data(), DType::f32, {T, c.hkv, c.d}),
+                  TensorView::contiguous(vn.data(), DType::f32, {T, c.hkv, c.DV()}),
+                  TensorView::contiguous(slots.data(), DType::i32, {T}), bl.cache};
+  bad.mutate(bl, call, slots);
+  try {
+    append_kv(call.k_new, call.v_new, call.slots, call.cache);
+    FAIL() << bad.what << ": accepted";
+  } catch (const Error& e) {
+    const std::string msg = e.what();
+    EXPECT_NE(msg.find(bad.argument), std::string::npos) << bad.what << ": " << msg;
+    EXPECT_NE(msg.find("expected"), std::string::npos) << msg;
+  }
+  EXPECT_TRUE(bytes_of(bl.kc) == k_before) << bad.what << ": k cache written";
+  EXPECT_TRUE(bytes_of(bl.vc) == v_before) << bad.what << ": v cache written";
+}
+
+INSTANTIATE_TEST_SUITE_P(Table, AppendBadInputs, ::testing::ValuesIn(kBadAppend),
+                         [](const ::testing::TestParamInfo<BadAppend>& info) { return bad_name(info.param.what); });
+
+TEST(MergeBadInputs, RejectedWithClearMessageAndNothingWritten) {
+  const int64_t B = 2, S = 3, H = 2, D = 16;
+  detail::Buffer oa(DType::f32, B * S * H * D), ob(DType::f32, B * S * H * D), oo(DType::f32, B * S * H * D);
+  detail::Buffer la(DType::f32, B * H * S), lb(DType::f32, B * H * S), lo(DType::f32, B * H * S);
+  std::mt19937_64 rng(1);
+  oa.fill_random(rng);
+  ob.fill_random(rng);
+  la.fill_random(rng);
+  lb.fill_random(rng);
+  struct Views {
+    TensorView oa, la, ob, lb, oo, lo;
+  };
+  struct Bad {
+    const char* what;
+    const char* argument;
+    std::function<void(Views&)> mutate;
+  };
+  const Bad bads[] = {
+      {"o_b head_dim", "o_b.shape[3]", [](Views& v) { v.ob.shape[3] = 8; }},
+      {"o_out seqlen", "o_out.shape[1]", [](Views& v) { v.oo.shape[1] = 2; }},
+      {"lse_a dtype", "lse_a.dtype", [](Views& v) { v.la.dtype = DType::f16; }},
+      {"lse_b shape", "lse_b.shape[2]", [](Views& v) { v.lb.shape[2] = 1; }},
+      {"lse_a missing", "lse_a", [](Views& v) { v.la = TensorView{}; }},
+      {"o_out int dtype", "o_out.dtype", [](Views& v) { v.oo.dtype = DType::i32; }},
+      {"o_a int32", "o_a.dtype", [](Views& v) { v.oa.dtype = DType::i32; }},
+      {"o_out stride 0", "o_out.stride[1]", [](Views& v) { v.oo.stride[1] = 0; }},
+      {"lse_out on another device", "lse_out.device", [](Views& v) { v.lo.device = Device::cuda; }},
+      {"head_dim past 512", "o_a.shape[3]",
+       [](Views& v) { v.oa.shape[3] = v.ob.shape[3] = v.oo.shape[3] = 1024; }},
+  };
+  for (const Bad& bad : bads) {
+    oo.poison();
+    lo.poison();
+    Views v{oa.view({B, S, H, D}), la.view({B, H, S}), ob.view({B, S, H, D}), lb.view({B, H, S}), oo.view({B, S, H, D}),
+            lo.view({B, H, S})};
+    bad.mutate(v);
+    try {
+      merge_states(v.oa, v.la, v.ob, v.lb, v.oo, v.lo);
+      ADD_FAILURE() << bad.what << ": accepted";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find(bad.argument), std::string::npos) << bad.what << ": " << e.what();
+    }
+    for (int64_t i = 0; i < oo.count(); ++i) ASSERT_TRUE(std::isnan(oo.get(i))) << bad.what;
+    for (int64_t i = 0; i < lo.count(); ++i) ASSERT_TRUE(std::isnan(lo.get(i))) << bad.what;
+  }
+}
+
+// The log line / KernelChoice names the kernel and the split decision.
+TEST(DecodeDispatch, KernelChoiceNamesSplitsAndLayout) {
+  Spec c = mk("choice", DType::bf16);
+  c.hq = 32;
+  c.hkv = 8;
+  c.d = 128;
+  c.lens = {64};
+  c.page_size = 16;
+  Built bl(c, make_values(c, 1));
+  KernelChoice k = bl.run(7);
+  EXPECT_NE(k.kernel.find("cpu/splitkv"), std::string::npos) << k.kernel;
+  EXPECT_NE(k.kernel.find("bf16 hdim128 gqa4 page16"), std::string::npos) << k.kernel;
+  EXPECT_NE(k.kernel.find("splits 7"), std::string::npos) << k.kernel;
+  EXPECT_NE(k.reason.find("requested"), std::string::npos) << k.reason;
+  k = bl.run(0);
+  EXPECT_NE(k.reason.find("heuristic"), std::string::npos) << k.reason;
+}
+
+}  // namespace
+}  // namespace ioattn::test
