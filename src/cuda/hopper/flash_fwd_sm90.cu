@@ -1,7 +1,9 @@
 // flash_fwd_sm90.cu — selector and host launch of the Hopper forward kernel.
 //
-// The kernel itself (warp-specialised TMA + wgmma, ping-pong) is in flash_fwd_sm90.cuh and its
-// dispatch-table rows are instantiated in flash_fwd_sm90_hdim{64,128,256}.cu. This file answers
+// The kernel itself (warp-specialised TMA + wgmma, ping-pong) is in flash_fwd_sm90.cuh (the v3
+// body, kept for hdim128, in flash_fwd_sm90_v3.cuh) and its dispatch-table rows are instantiated
+// in flash_fwd_sm90_hdim{64,128,256}.cu. The per-(hdim, causal) policy (grid, rescale skip and
+// placement, 3 consumer warpgroups, body) is default_policy below. This file answers
 // "does the sm90 kernel take this problem, and which row?" (sm90_flash_select), builds the TMA
 // tensor maps from the problem's int64 strides, and launches (sm90_flash_forward).
 //
@@ -19,6 +21,7 @@
 
 #include "cuda/check.cuh"
 #include "cuda/hopper/flash_fwd_sm90.cuh"
+#include "cuda/hopper/flash_fwd_sm90_v3.cuh"
 #include "cuda/hopper/sm90.hpp"
 
 namespace ioattn::cuda::sm90 {
@@ -54,6 +57,10 @@ IOATTN_SM90_EXTERN(Hdim64Bf16Wg3, false)
 IOATTN_SM90_EXTERN(Hdim64Bf16Wg3Causal, true)
 IOATTN_SM90_EXTERN(Hdim64F16Wg3, false)
 IOATTN_SM90_EXTERN(Hdim64F16Wg3Causal, true)
+IOATTN_SM90_V3_EXTERN(Hdim128Bf16, false)
+IOATTN_SM90_V3_EXTERN(Hdim128F16, false)
+IOATTN_SM90_V3_EXTERN(Hdim128Bf16Causal, true)
+IOATTN_SM90_V3_EXTERN(Hdim128F16Causal, true)
 
 namespace {
 
@@ -63,6 +70,7 @@ using detail::Strides3;
 // One dispatch-table row: what the tile is, why, and how to check / launch it.
 struct Row {
   int block_m = 0, block_n = 0, stages = 0, consumer_wgs = 0;
+  bool v3 = false;  // the v3 kernel body (flash_fwd_sm90_v3.cuh)
   const char* why = "";
   bool (*present)() = nullptr;
   void (*launch)(const FwdLaunch&) = nullptr;
@@ -70,8 +78,13 @@ struct Row {
 
 template <class Tr, bool kCausal>
 Row make_row(const char* why) {
-  return Row{Tr::kBlockM, Tr::kBlockN, Tr::kStages, Tr::kConsumerWGs, why, &flash_fwd_sm90_present<Tr, kCausal>,
-             &flash_fwd_sm90_launch<Tr, kCausal>};
+  return Row{Tr::kBlockM, Tr::kBlockN, Tr::kStages, Tr::kConsumerWGs, false, why,
+             &flash_fwd_sm90_present<Tr, kCausal>, &flash_fwd_sm90_launch<Tr, kCausal>};
+}
+template <class Tr, bool kCausal>
+Row make_row_v3(const char* why) {
+  return Row{Tr::kBlockM, Tr::kBlockN, Tr::kStages, Tr::kConsumerWGs, true, why,
+             &flash_fwd_sm90_v3_present<Tr, kCausal>, &flash_fwd_sm90_v3_launch<Tr, kCausal>};
 }
 template <int kHeadDim, typename T, bool kCausal>
 Row make_row() {
@@ -79,23 +92,27 @@ Row make_row() {
 }
 
 template <typename T>
-Row row_for_dtype(int64_t hdim, bool causal, bool wg3) {
+Row row_for_dtype(int64_t hdim, bool causal, bool wg3, bool v3) {
   switch (hdim) {
     case 64:
       if (wg3)
         return causal ? make_row<Sm90Traits3<T, true>, true>(Sm90Tile3<true>::kWhy)
                       : make_row<Sm90Traits3<T, false>, false>(Sm90Tile3<false>::kWhy);
       return causal ? make_row<64, T, true>() : make_row<64, T, false>();
-    case 128: return causal ? make_row<128, T, true>() : make_row<128, T, false>();
+    case 128:
+      if (v3)
+        return causal ? make_row_v3<Sm90Traits<128, T, true>, true>(Sm90Tile<128, true>::kWhy)
+                      : make_row_v3<Sm90Traits<128, T, false>, false>(Sm90Tile<128, false>::kWhy);
+      return causal ? make_row<128, T, true>() : make_row<128, T, false>();
     case 256: return causal ? make_row<256, T, true>() : make_row<256, T, false>();
     default: return Row{};
   }
 }
 
-Row table_row(const FwdProblem& p, bool wg3) {
+Row table_row(const FwdProblem& p, bool wg3, bool v3) {
   const bool causal = p.causal;
-  if (p.dtype == DType::bf16) return row_for_dtype<__nv_bfloat16>(p.head_dim, causal, wg3);
-  if (p.dtype == DType::f16) return row_for_dtype<__half>(p.head_dim, causal, wg3);
+  if (p.dtype == DType::bf16) return row_for_dtype<__nv_bfloat16>(p.head_dim, causal, wg3, v3);
+  if (p.dtype == DType::f16) return row_for_dtype<__half>(p.head_dim, causal, wg3, v3);
   return Row{};
 }
 
@@ -152,16 +169,35 @@ int env_bool(const char* name) {
 // length: kStatic measured up to 35% slower than kTilePerCta (hdim256, seqlen 16k).
 enum class Grid { kTilePerCta, kStatic, kDynamic };
 
-// Defaults per (head_dim, causal) from the H200 measurements in NOTES.md (run 4).
+// Defaults per (head_dim, causal) from the H200 measurements in NOTES.md (runs 4 and 5).
 struct Policy {
   Grid grid = Grid::kStatic;
   bool rescale_skip = false;  // O *= corr only in warps where a row max changed
   bool wg3 = false;           // hdim 64: 3 consumer warpgroups (192-row tiles)
+  bool rescale_early = false; // O *= corr before the tensor-core turn instead of after Q K^T issue
+  bool v3_body = false;       // hdim 128: the v3 kernel body (static tiles, no skip)
 };
+// Runs 4 and 5 (NOTES.md): 3 consumer warpgroups + dynamic + skip won every hdim64 row (+3..13%
+// over v3); dynamic + skip won the causal rows at hdim256 (up to +20% at 16k) and mostly at
+// hdim128 (two runs disagree at 8k); the early rescale placement was +0..5% at hdim256 only; at
+// hdim128 non-causal the v3 body (static grid) stayed 2-7% ahead of every v4 variant, so that
+// row keeps it. IOATTN_SM90_OLD_POLICY=1: the v3 policy on the v4 body (causal one CTA per tile,
+// non-causal static, no skip, 2 warpgroups), as measured in runs 4-5 ("v3pol").
 Policy default_policy(int64_t hdim, bool causal) {
   Policy pol;
-  (void)hdim;
-  pol.grid = causal ? Grid::kTilePerCta : Grid::kStatic;
+  if (env_flag("IOATTN_SM90_OLD_POLICY")) {
+    pol.grid = causal ? Grid::kTilePerCta : Grid::kStatic;
+    return pol;
+  }
+  if (hdim == 128 && !causal) {
+    pol.grid = Grid::kStatic;
+    pol.v3_body = true;
+    return pol;
+  }
+  pol.grid = Grid::kDynamic;
+  pol.rescale_skip = true;
+  pol.wg3 = hdim == 64;
+  pol.rescale_early = hdim == 256;
   return pol;
 }
 
@@ -177,7 +213,8 @@ bool mempools_supported(int device) {
 // The default policy, then the measurement / test knobs (environment):
 //   IOATTN_SM90_GRID=tile|static|dynamic   grid policy (old knobs: IOATTN_SM90_ONE_TILE_PER_CTA=1
 //       = tile; IOATTN_SM90_PERSISTENT_CAUSAL=1 = static for causal too, zigzag order);
-//   IOATTN_SM90_RESCALE_SKIP=0|1, IOATTN_SM90_WG3=0|1 (hdim 64 only);
+//   IOATTN_SM90_RESCALE_SKIP=0|1, IOATTN_SM90_RESCALE_EARLY=0|1, IOATTN_SM90_WG3=0|1 (hdim 64);
+//   IOATTN_SM90_BODY=v3|v4 (hdim 128: the v3 kernel body or the current one);
 //   IOATTN_SM90_MAX_CTAS=N caps a persistent grid (with a handful of CTAs every small problem runs
 //       many tiles per CTA through the cross-tile pipeline);
 //   IOATTN_SM90_NO_STAGGER=1 keeps every non-causal tile's key order unrotated.
@@ -194,7 +231,19 @@ Policy policy_for(const FwdProblem& p) {
   if (env_flag("IOATTN_SM90_ONE_TILE_PER_CTA")) pol.grid = Grid::kTilePerCta;
   if (const int v = env_bool("IOATTN_SM90_RESCALE_SKIP"); v >= 0) pol.rescale_skip = v == 1;
   if (const int v = env_bool("IOATTN_SM90_WG3"); v >= 0) pol.wg3 = v == 1;
+  if (const int v = env_bool("IOATTN_SM90_RESCALE_EARLY"); v >= 0) pol.rescale_early = v == 1;
+  if (const char* b = std::getenv("IOATTN_SM90_BODY")) {
+    if (std::string(b) == "v3") pol.v3_body = true;
+    if (std::string(b) == "v4") pol.v3_body = false;
+  }
   if (p.head_dim != 64) pol.wg3 = false;
+  // The v3 body exists for hdim 128 only; it walks tiles statically (causal: one CTA per tile
+  // unless a static grid is asked for), with 2 warpgroups and no skip / placement knobs.
+  if (p.head_dim != 128 || pol.wg3) pol.v3_body = false;
+  if (pol.v3_body) {
+    if (pol.grid == Grid::kDynamic) pol.grid = p.causal ? Grid::kTilePerCta : Grid::kStatic;
+    pol.rescale_skip = pol.rescale_early = false;
+  }
   if (pol.grid == Grid::kDynamic && !mempools_supported(p.device_index))
     pol.grid = p.causal ? Grid::kTilePerCta : Grid::kStatic;
   return pol;
@@ -255,14 +304,15 @@ bool select_impl(const FwdProblem& p, std::string* kernel, std::string* why) {
     return fail(why, "o is not 4-byte aligned with even strides (the kernel stores element pairs)");
 
   const Policy pol = policy_for(p);
-  const Row row = table_row(p, pol.wg3);
+  const Row row = table_row(p, pol.wg3, pol.v3_body);
   if (row.present == nullptr) return fail(why, "no table row");
   if (!row.present()) return fail(why, "this build has no sm_90a image of the wgmma kernel (CUDA archs lack 90a)");
   *kernel = std::string("cuda/flash sm90 wgmma+tma ") + dtype_str(p.dtype) + " hdim" + std::to_string(p.head_dim) +
             (p.causal ? " causal" : "") + " tile " + std::to_string(row.block_m) + "x" + std::to_string(row.block_n) +
             " stages " + std::to_string(row.stages) + " ws " + std::to_string(row.consumer_wgs) + " consumer WGs " +
             (row.consumer_wgs == 2 ? "pingpong" : "round-robin") + grid_str(pol.grid) +
-            (pol.rescale_skip ? " rescale-skip" : "");
+            (pol.rescale_skip ? " rescale-skip" : "") + (pol.rescale_early ? " rescale-early" : "") +
+            (row.v3 ? " (v3 body)" : "");
   *why = row.why;
   return true;
 }
@@ -328,7 +378,7 @@ void sm90_flash_forward(const FwdProblem& p) {
   std::string kernel, why;
   if (!select_impl(p, &kernel, &why)) throw Error("q", "ioattn: sm90 flash kernel cannot run this problem: " + why);
   const Policy pol = policy_for(p);
-  const Row row = table_row(p, pol.wg3);
+  const Row row = table_row(p, pol.wg3, pol.v3_body);
   const int64_t m_blocks = (p.seqlen_q + row.block_m - 1) / row.block_m;
   const int64_t grid = m_blocks * p.heads_q * p.batch;
   if (grid == 0) return;  // nothing to compute (seqlen_q, heads or batch is 0)
@@ -365,6 +415,7 @@ void sm90_flash_forward(const FwdProblem& p) {
   f.zigzag = pol.grid == Grid::kStatic && p.causal ? 1 : 0;
   f.stagger = !p.causal && !env_flag("IOATTN_SM90_NO_STAGGER") ? 1 : 0;
   f.rescale_skip = pol.rescale_skip ? 1 : 0;
+  f.rescale_early = pol.rescale_early ? 1 : 0;
   l.grid = static_cast<unsigned>(grid_ctas(p.device_index, grid, persistent));
   l.stream = static_cast<cudaStream_t>(p.stream);
   // Dynamic schedule: one int tile counter per launch, allocated and zeroed in stream order, so

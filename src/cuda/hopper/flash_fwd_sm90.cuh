@@ -1,20 +1,22 @@
 // flash_fwd_sm90.cuh — FlashAttention-3-style forward kernel for Hopper (sm_90a).
 //
-// Computes O = softmax(scale * Q K^T [causal mask]) V and LSE (natural log, fp32) in 128-row
-// query tiles, 16-bit inputs (bf16 or f16), fp32 accumulation.
+// Computes O = softmax(scale * Q K^T [causal mask]) V and LSE (natural log, fp32) in 128- or
+// 192-row query tiles, 16-bit inputs (bf16 or f16), fp32 accumulation.
 //
 // Tiling and roles (one CTA = 1 + kConsumerWGs warpgroups, 384 or 512 threads, 1 CTA per SM):
 //   * warpgroup 0, the producer, drops to kProducerRegs registers (setmaxnreg.dec) and one
-//     thread issues TMA copies: a tile's Q [128 x d] once, then K and V tiles [kBlockN x d]
+//     thread issues TMA copies: a tile's Q [kBlockM x d] once, then K and V tiles [kBlockN x d]
 //     through a kStages-deep ring of shared-memory buffers, each completing on a "full"
 //     mbarrier; it refills a buffer once both consumers arrive on its "empty" mbarrier.
 //   * warpgroups 1, 2 (and 3), the consumers, rise to kConsumerRegs registers and each owns 64
-//     query rows (tiles of 128 rows, or 192 with 3 consumer warpgroups). Per key block j: S = Q K_j^T by wgmma (both operands from shared memory),
+//     query rows (tiles of 128 rows, or 192 with 3 consumer warpgroups). Per key block j:
+//     S = Q K_j^T by wgmma (both operands from shared memory),
 //     online softmax in registers (exp2 with scale*log2(e) folded in, row max/sum within the quad
 //     of threads that share a row), P rounded to 16 bits in registers and fed as the A operand of
 //     O += P V_j (wgmma with A in registers).
 //   * Overlap: (a) ping-pong — named barriers hand the tensor cores from one consumer warpgroup
-//     to the next (round robin with 3), so one's softmax runs while the others' GEMMs run; (b) inside a warpgroup,
+//     to the next (round robin with 3), so one's softmax runs while the others' GEMMs run;
+//     (b) inside a warpgroup,
 //     S_{j+1} = Q K_{j+1}^T is issued together with O += P_j V_j, so softmax(j+1) only waits
 //     for the first of the two; (c) across tiles (persistent grid) the producer loads the next
 //     tile's Q and K/V while the consumers finish the last P V and store O.
@@ -42,8 +44,10 @@
 //       exp2 share (measured slower: off). Non-causal +2..7%; causal worse (static imbalance).
 //   v3  causal back to one CTA per tile; non-causal key-order stagger; tile per (hdim, causal):
 //       128x192 / 128x176 for non-causal hdim64 / 128. 0.82-1.02x cuDNN, geomean 0.91x.
-//   v4  dynamic tile scheduler (persistent + balanced), O-rescale skip by warp vote, 3 consumer
-//       warpgroups (192x128) for hdim64; the host table picks per (hdim, causal).
+//   v4  dynamic tile scheduler (persistent + balanced), O-rescale skip by warp vote (+ placement
+//       knob), 3 consumer warpgroups (192x128) for hdim64; the host table picks per (hdim, causal);
+//       hdim128 non-causal keeps the v3 body (flash_fwd_sm90_v3.cuh). 0.79-1.06x cuDNN, geomean
+//       0.95x (the v3 build in the same run: 0.92x).
 #pragma once
 
 #include <cuda.h>
@@ -74,10 +78,12 @@ struct FwdParams {
   int section_heads = 1;  // (batch, head) pairs per scheduling section (L2-sized)
   int stagger = 0;        // non-causal: rotate each tile's key order (see key_block)
   int zigzag = 0;         // persistent grid: odd rounds walk the CTAs backwards (see tile loops)
-  int* tile_counter = nullptr;  // non-null: dynamic persistent schedule (claim_tile), zeroed per launch
-  int rescale_skip = 0;   // skip O *= corr in a warp whose 16 rows all kept their running max
   float scale = 1.0f;       // natural-log units (for LSE)
   float scale_log2 = 1.0f;  // scale * log2(e) (for exp2)
+  // v4 (after the v3 fields, so the v3 body in flash_fwd_sm90_v3.cuh compiles to the v3 SASS):
+  int* tile_counter = nullptr;  // non-null: dynamic persistent schedule (claim_tile), zeroed per launch
+  int rescale_skip = 0;   // skip O *= corr in a warp whose 16 rows all kept their running max
+  int rescale_early = 0;  // O *= corr before waiting for the tensor-core turn (else after Q K^T issue)
 };
 
 // Tiling parameters of one kernel instance. "should not affect results, only speed".
@@ -372,7 +378,9 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
 
     for (int round = 0;; ++round) {
       mbarrier_wait(&full_q, round & 1);  // this tile's index, and its Q when it has keys
-      const int t = *reinterpret_cast<volatile int*>(&tile_slot);
+      // (Every lane reads the same value; the lane-0 broadcast states that for the compiler. With
+      // nvcc 13.0 the SASS is the same with or without it: the load is already seen as uniform.)
+      const int t = __shfl_sync(0xffffffffu, *reinterpret_cast<volatile int*>(&tile_slot), 0);
       if (t >= p.num_tiles) break;
       const TileCoord tc = decode_tile<kCausal>(t, p);
       const int m0 = tc.m_block * kBlockM;
@@ -521,10 +529,13 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         // ---- steady state: S_i = Q K_i^T issued with O += P_{i-1} V_{i-1} ----
         for (int i = 1; i < n_blocks; ++i) {
           const uint32_t st = ring_stage(ring + i, kStages), prev = ring_stage(ring + i - 1, kStages);
+          // O to the max of block i-1: early, while the other warpgroup holds the tensor cores;
+          // or late, while Q K_i^T runs (FlashAttention-3's place).
+          if (p.rescale_early) rescale_o();
           mbarrier_wait(&full_k[st], ring_phase(ring + i, kStages));
           named_barrier_sync(sched_mine, 256);
           issue_qk(st);
-          rescale_o();  // O to the max of block i-1, while Q K_i^T runs
+          if (!p.rescale_early) rescale_o();
           mbarrier_wait(&full_v[prev], ring_phase(ring + i - 1, kStages));
           issue_pv(prev);
           named_barrier_arrive(sched_other, 256);
@@ -542,9 +553,10 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         // ---- last P V ----
         {
           const uint32_t prev = ring_stage(ring + n_blocks - 1, kStages);
+          if (p.rescale_early) rescale_o();
           mbarrier_wait(&full_v[prev], ring_phase(ring + n_blocks - 1, kStages));
           named_barrier_sync(sched_mine, 256);
-          rescale_o();
+          if (!p.rescale_early) rescale_o();
           issue_pv(prev);
           named_barrier_arrive(sched_other, 256);
           wgmma_wait<0>();

@@ -1,6 +1,7 @@
 // Dispatch-table rows of the sm90 forward kernel for head_dim 128 (bf16, f16; causal or not).
 // One file per head_dim so the build compiles them in parallel.
 #include "cuda/hopper/flash_fwd_sm90.cuh"
+#include "cuda/hopper/flash_fwd_sm90_v3.cuh"
 
 namespace ioattn::cuda::sm90 {
 using Hdim128Bf16 = Sm90Traits<128, __nv_bfloat16, false>;
@@ -11,4 +12,10 @@ IOATTN_SM90_INSTANTIATE(Hdim128Bf16, false)
 IOATTN_SM90_INSTANTIATE(Hdim128Bf16Causal, true)
 IOATTN_SM90_INSTANTIATE(Hdim128F16, false)
 IOATTN_SM90_INSTANTIATE(Hdim128F16Causal, true)
+// The v3 body: the non-causal rows' default, and for causal an A/B option (IOATTN_SM90_BODY=v3);
+// see flash_fwd_sm90_v3.cuh and the table in flash_fwd_sm90.cu.
+IOATTN_SM90_V3_INSTANTIATE(Hdim128Bf16, false)
+IOATTN_SM90_V3_INSTANTIATE(Hdim128F16, false)
+IOATTN_SM90_V3_INSTANTIATE(Hdim128Bf16Causal, true)
+IOATTN_SM90_V3_INSTANTIATE(Hdim128F16Causal, true)
 }  // namespace ioattn::cuda::sm90

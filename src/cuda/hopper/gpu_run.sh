@@ -2,11 +2,12 @@
 # One GPU session for the sm90 kernel: PTX unit tests, correctness, speed, peer (cuDNN / flash).
 #   src/cuda/hopper/gpu_run.sh OUTDIR [VARIANT_DIR...]   (logs: OUTDIR/logs.tgz)
 # Uses the binaries in build-sm90/v0 (built by build.sh, carried) when they load on this machine,
-# else rebuilds them. Correctness runs four ways: the default policy; static persistent grid on 3
-# CTAs (every CTA runs many tiles: the cross-tile pipeline, causal zigzag); dynamic scheduler +
-# O-rescale skip on the full grid; dynamic + skip + 3 consumer warpgroups (hdim 64) on 3 CTAs.
-# Speed runs the default and the policy knobs (see flash_fwd_sm90.cu), then the peer prints one
-# table. Each extra VARIANT_DIR (another build, e.g. the previous version) is timed only.
+# else rebuilds them. Correctness: the default table; the default on 3 CTAs (every CTA runs many
+# tiles: dynamic claims, the cross-tile pipeline); the v4 body everywhere (hdim128 too) with the
+# early rescale on 5 CTAs. Speed, 50 launches per shape, interleaved so each variant runs twice:
+# the default, IOATTN_SM90_BODY=v4 / v3 (hdim128 rows: current vs v3 kernel body), the v3 policy
+# on the v4 body (IOATTN_SM90_OLD_POLICY=1); each extra VARIANT_DIR (another build, e.g. the
+# previous version) is timed only. Then the peer (cuDNN, flash) prints one table, every column.
 set -uo pipefail
 final=$1; shift
 out=$final/raw  # everything lands here and is packed into $final/logs.tgz at exit (few files come back)
@@ -37,17 +38,19 @@ bench() {  # name, binary dir, env...
 stamp "ptx unit tests"
 timeout 60 "$bin/ioattn_test_ptx_sm90" 2>&1 | tee "$out/ptx.log" | grep -E "FAIL|passed"
 check default
-check static3 IOATTN_SM90_GRID=static IOATTN_SM90_MAX_CTAS=3
-check dynskip IOATTN_SM90_GRID=dynamic IOATTN_SM90_RESCALE_SKIP=1
-check all3 IOATTN_SM90_GRID=dynamic IOATTN_SM90_RESCALE_SKIP=1 IOATTN_SM90_WG3=1 IOATTN_SM90_MAX_CTAS=3
+check 3ctas IOATTN_SM90_MAX_CTAS=3
+check knobs5 IOATTN_SM90_BODY=v4 IOATTN_SM90_RESCALE_EARLY=1 IOATTN_SM90_MAX_CTAS=5
+export IOATTN_SM90_BENCH_REPS=${IOATTN_SM90_BENCH_REPS:-50}
+# Interleaved A B C D .. D C B A: the spread between the two runs of one variant is the noise.
 bench default "$bin"
-bench dyn "$bin" IOATTN_SM90_GRID=dynamic
-bench skip "$bin" IOATTN_SM90_RESCALE_SKIP=1
-bench dynskip "$bin" IOATTN_SM90_GRID=dynamic IOATTN_SM90_RESCALE_SKIP=1
-bench wg3 "$bin" IOATTN_SM90_WG3=1
-bench wg3dsk "$bin" IOATTN_SM90_WG3=1 IOATTN_SM90_GRID=dynamic IOATTN_SM90_RESCALE_SKIP=1
-bench tile "$bin" IOATTN_SM90_GRID=tile
+bench body4 "$bin" IOATTN_SM90_BODY=v4
+bench body3 "$bin" IOATTN_SM90_BODY=v3
+bench v3pol "$bin" IOATTN_SM90_OLD_POLICY=1
 for v in "$@"; do bench "$(basename "$v")" "$v"; done
+for v in "$@"; do bench "$(basename "$v")2" "$v"; done
+bench v3pol2 "$bin" IOATTN_SM90_OLD_POLICY=1
+bench body3_2 "$bin" IOATTN_SM90_BODY=v3
+bench body4_2 "$bin" IOATTN_SM90_BODY=v4
 bench again "$bin"
 stamp "peer (torch SDPA cudnn / flash)"
 PYTHONUNBUFFERED=1 timeout 200 python3 src/cuda/hopper/peer_sdpa.py "${ours[@]}" --csv "$out/peer.csv" \

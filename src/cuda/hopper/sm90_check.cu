@@ -13,7 +13,7 @@
 //
 // Speed: bf16, batch * seqlen = 16k tokens, hidden 2048 (heads = 2048 / hdim), hdim 64/128/256,
 // seqlen 2k..16k, causal and not. CUDA events around each launch (enqueued back to back), 3
-// warm-ups, median of 25. FLOPs = 4 b h s^2 d, halved when causal.
+// warm-ups, median of 25 (IOATTN_SM90_BENCH_REPS). FLOPs = 4 b h s^2 d, halved when causal.
 //
 // Build: nvcc -gencode=arch=compute_90a,code=sm_90a -O3 -std=c++17 -I include -I src
 //        src/cuda/hopper/sm90_check.cu src/cuda/hopper/flash_fwd_sm90*.cu -o ioattn_sm90_check
@@ -25,6 +25,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <random>
@@ -289,6 +290,9 @@ __global__ void fill_uniform(__nv_bfloat16* x, int64_t n, uint32_t seed) {
 }
 
 int run_bench(const char* csv_path) {
+  // Timed launches per shape (median reported): IOATTN_SM90_BENCH_REPS, default 25, at most 200.
+  int reps = 25;
+  if (const char* e = std::getenv("IOATTN_SM90_BENCH_REPS")) reps = std::max(1, std::min(200, std::atoi(e)));
   constexpr int64_t kTokens = 16384, kHidden = 2048;
   const int64_t n = kTokens * kHidden;
   void *q, *k, *v, *o;
@@ -307,7 +311,7 @@ int run_bench(const char* csv_path) {
   if (csv) std::fprintf(csv, "impl,hdim,seqlen,causal,batch,heads,ms,tflops\n");
   std::printf("\n%-6s %-6s %-7s %-6s %-6s %10s %9s  %s\n", "hdim", "seqlen", "causal", "batch", "heads", "ms", "TFLOP/s",
               "kernel");
-  cudaEvent_t ev[2 * 25];
+  cudaEvent_t ev[2 * 200];
   for (auto& e : ev) CHECK_CUDA(cudaEventCreate(&e));
   for (int64_t d : {64, 128, 256})
     for (int64_t s : {2048, 4096, 8192, 16384})
@@ -336,7 +340,7 @@ int run_bench(const char* csv_path) {
           continue;
         }
         for (int w = 0; w < 3; ++w) ioattn::detail::sm90_flash_forward(p);
-        constexpr int kReps = 25;
+        const int kReps = reps;
         for (int r = 0; r < kReps; ++r) {
           CHECK_CUDA(cudaEventRecord(ev[2 * r]));
           ioattn::detail::sm90_flash_forward(p);

@@ -38,11 +38,11 @@ function(ioattn_sm90_extras)
   # The same checks with 3 CTAs: every CTA walks many tiles through the cross-tile pipeline.
   add_test(NAME sm90_check_3ctas COMMAND ioattn_sm90_check --check-only)
   set_tests_properties(sm90_check_3ctas PROPERTIES ENVIRONMENT "IOATTN_SM90_MAX_CTAS=3")
-  # The dynamic tile scheduler, O-rescale skip and 3-consumer-warpgroup rows, on 3 CTAs (many
-  # claims per CTA) whatever the table's defaults are.
+  # The dynamic tile scheduler, O-rescale skip, 3-consumer-warpgroup rows and the v4 body for
+  # hdim128, on 3 CTAs (many claims per CTA), whatever the table's defaults are.
   add_test(NAME sm90_check_dynamic COMMAND ioattn_sm90_check --check-only)
   set_tests_properties(sm90_check_dynamic PROPERTIES ENVIRONMENT
-    "IOATTN_SM90_GRID=dynamic;IOATTN_SM90_MAX_CTAS=3;IOATTN_SM90_RESCALE_SKIP=1;IOATTN_SM90_WG3=1")
+    "IOATTN_SM90_GRID=dynamic;IOATTN_SM90_MAX_CTAS=3;IOATTN_SM90_RESCALE_SKIP=1;IOATTN_SM90_WG3=1;IOATTN_SM90_BODY=v4")
   set_tests_properties(ptx_sm90 sm90_check sm90_check_3ctas sm90_check_dynamic PROPERTIES
     SKIP_REGULAR_EXPRESSION "skipped: ")
 endfunction()
