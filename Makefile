@@ -7,6 +7,8 @@ JOBS ?= $(shell nproc)
 CUDA ?= AUTO
 CMAKE_FLAGS ?=
 PYTHON ?= python3
+# OpenMP threads sleep between parallel regions instead of spinning (2-core machines).
+export OMP_WAIT_POLICY ?= passive
 VENV ?= $(BUILD)/venv
 # The Python extension is built with CUDA only where a GPU is visible (saves a second CUDA build).
 PY_CUDA ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo AUTO || echo OFF)

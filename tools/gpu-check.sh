@@ -21,7 +21,7 @@ cd "$(dirname "$0")/.."
 ROOT=$PWD
 BUILD=${GPU_CHECK_BUILD:-$ROOT/build-gpu}
 ARCHS=${GPU_CHECK_ARCHS:-90a}
-STAGES=${GPU_CHECK_STAGES:-build ctest tests sanitizer bench}
+STAGES=${GPU_CHECK_STAGES:-build ctest tests sanitizer bench sm90 python}
 JOBS=${GPU_CHECK_JOBS:-$(nproc)}
 export PATH=/usr/local/cuda/bin:$PATH
 SUMMARY=$OUT/summary.txt
@@ -94,7 +94,32 @@ if want bench; then
   note "bench      rc=$rc  $(( $(stamp) - t0 )) s  (bench.log, peer.json)"
 fi
 
-# ---- 6. tile sweep -------------------------------------------------------------------------------
+# ---- 6. Hopper kernel vs cuDNN / FA2 (same run) ---------------------------------------------------
+if want sm90 && [[ -x $BUILD/ioattn_sm90_check ]]; then
+  t0=$(stamp)
+  {
+    "$BUILD/ioattn_sm90_check" --bench-only --csv "$OUT/sm90.csv" &&
+      PYTHONUNBUFFERED=1 python3 "$ROOT/src/cuda/hopper/peer_sdpa.py" --ours sm90="$OUT/sm90.csv" --csv "$OUT/peer_sm90.csv"
+  } >"$OUT/sm90.log" 2>&1
+  note "sm90 bench rc=$?  $(( $(stamp) - t0 )) s  (sm90.log, peer_sm90.csv)"
+fi
+
+# ---- 7. Python package: pip install with CUDA, pytest with torch (CUDA, autograd, compile) -------
+if want python; then
+  t0=$(stamp)
+  {
+    PREFIX=()
+    [[ -d $ROOT/.deps/usr ]] && PREFIX=(-Ccmake.define.CMAKE_PREFIX_PATH="$ROOT/.deps/usr")
+    python3 -m pip install -q --no-build-isolation --no-deps --no-index "$ROOT" "${PREFIX[@]}" \
+      -Ccmake.define.CMAKE_CUDA_ARCHITECTURES="$ARCHS" -Cbuild-dir="$BUILD-python" &&
+      (cd "$ROOT/python/tests" && PYTHONUNBUFFERED=1 python3 -m pytest -q -p no:cacheprovider .) &&
+      PYTHONUNBUFFERED=1 python3 "$ROOT/python/examples/transformer_block.py" --device cuda --dtype bf16 --compile
+  } >"$OUT/python.log" 2>&1
+  rc=$?
+  note "python     rc=$rc  $(( $(stamp) - t0 )) s  $(grep -E '[0-9]+ passed' "$OUT/python.log" | tail -1)"
+fi
+
+# ---- 8. tile sweep -------------------------------------------------------------------------------
 if [[ ${GPU_CHECK_TUNE:-0} == 1 && -x $BUILD/ioattn_cuda_tune ]]; then
   t0=$(stamp)
   "$BUILD/ioattn_cuda_tune" ${GPU_CHECK_TUNE_ARGS:-} >"$OUT/tune.log" 2>&1
@@ -106,4 +131,8 @@ echo "==== gpu-check summary ($OUT) ===="
 cat "$SUMMARY"
 [[ -f $OUT/cuda_tests.log ]] && grep -E '^\[  FAILED|Failure|error' "$OUT/cuda_tests.log" | head -20
 [[ -f $OUT/bench.log ]] && sed -n '/^## forward/,$p' "$OUT/bench.log"
+[[ -f $OUT/sm90.log ]] && tail -40 "$OUT/sm90.log"
+# At most 8 files come back from the device machine: keep the summary and the JSON/CSV results,
+# pack every log into one archive.
+(cd "$OUT" && ls *.log >/dev/null 2>&1 && tar czf logs.tgz *.log && rm -f *.log)
 exit 0

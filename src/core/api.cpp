@@ -170,8 +170,8 @@ Validated validate(const TensorView& q, const TensorView& k, const TensorView& v
     if (cq.ndim != 1) fail("cu_seqlens_q", "1 dim", std::to_string(cq.ndim) + " dims");
     p.batch = cq.shape[0] - 1;
     if (p.batch < 0) fail("cu_seqlens_q.shape[0]", "batch + 1 >= 1", std::to_string(cq.shape[0]));
-    out.cu_q_host = read_cu_seqlens(cq, "cu_seqlens_q", p.batch, q.shape[0], q);
-    out.cu_k_host = read_cu_seqlens(varlen->cu_seqlens_k, "cu_seqlens_k", p.batch, k.shape[0], q);
+    out.cu_q_host = read_cu_seqlens(cq, "cu_seqlens_q", p.batch, q.shape[0], q, ctx.stream);
+    out.cu_k_host = read_cu_seqlens(varlen->cu_seqlens_k, "cu_seqlens_k", p.batch, k.shape[0], q, ctx.stream);
     int64_t mq = 0, mk = 0;
     for (int64_t b = 0; b < p.batch; ++b) {
       mq = std::max<int64_t>(mq, out.cu_q_host[b + 1] - out.cu_q_host[b]);

@@ -33,8 +33,9 @@ std::string cuda_device_name(int index);
 int cuda_device_arch(int index);  // e.g. 90 for sm_90; 0 if absent
 // Whether ptr is device memory (for validation of views that claim Device::cuda).
 bool cuda_is_device_pointer(const void* ptr);
-// Copies n bytes from device to host (used to validate cu_seqlens on the host).
-void cuda_copy_to_host(void* dst, const void* src, size_t bytes);
+// Copies n bytes from device to host (used to validate cu_seqlens on the host), ordered after the
+// work already queued on `stream` (the caller's stream: data written there is seen).
+void cuda_copy_to_host(void* dst, const void* src, size_t bytes, void* stream = nullptr);
 // Small memory helpers so tests, the CLI and benchmarks need no CUDA headers.
 void* cuda_malloc(size_t bytes);
 void cuda_free(void* ptr);

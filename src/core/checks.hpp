@@ -78,14 +78,14 @@ inline const float* check_head_vector(const TensorView& t, const char* name, int
 }
 
 inline std::vector<int32_t> read_cu_seqlens(const TensorView& cu, const char* name, int64_t batch,
-                                     int64_t total, const TensorView& q) {
+                                     int64_t total, const TensorView& q, void* stream = nullptr) {
   check_view(cu, name, 1, q);
   check_dtype(cu, name, DType::i32);
   check_dim(name, 0, cu.shape[0], batch + 1, "batch + 1");
   if (cu.data == nullptr) fail(name, "a non-null data pointer", "null");
   std::vector<int32_t> h(static_cast<size_t>(batch + 1));
   if (cu.device == Device::cuda)
-    cuda_copy_to_host(h.data(), cu.data, h.size() * sizeof(int32_t));
+    cuda_copy_to_host(h.data(), cu.data, h.size() * sizeof(int32_t), stream);
   else
     std::memcpy(h.data(), cu.data, h.size() * sizeof(int32_t));
   if (h[0] != 0) fail(std::string(name) + "[0]", "0", std::to_string(h[0]));

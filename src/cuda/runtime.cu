@@ -48,9 +48,15 @@ bool cuda_is_device_pointer(const void* ptr) {
   return attr.type == cudaMemoryTypeDevice || attr.type == cudaMemoryTypeManaged;
 }
 
-void cuda_copy_to_host(void* dst, const void* src, size_t bytes) {
+void cuda_copy_to_host(void* dst, const void* src, size_t bytes, void* stream) {
   if (bytes == 0) return;
-  IOATTN_CUDA_CHECK(cudaMemcpy(dst, src, bytes, cudaMemcpyDeviceToHost));
+  if (stream == nullptr) {
+    IOATTN_CUDA_CHECK(cudaMemcpy(dst, src, bytes, cudaMemcpyDeviceToHost));
+    return;
+  }
+  auto s = static_cast<cudaStream_t>(stream);
+  IOATTN_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, s));
+  IOATTN_CUDA_CHECK(cudaStreamSynchronize(s));
 }
 
 void* cuda_malloc(size_t bytes) {
