@@ -61,15 +61,19 @@ def test_numpy_bfloat16_via_ml_dtypes():
 
 
 def test_jax_arrays():
+    jax = pytest.importorskip("jax")
     jnp = pytest.importorskip("jax.numpy")
     q, k, v = data()
-    o, lse = ioattn.attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), causal=True,
-                              return_lse=True)
+    # Host arrays (on a GPU machine JAX defaults to the GPU, which ioattn takes via torch/CuPy).
+    with jax.default_device(jax.devices("cpu")[0]):
+        o, lse = ioattn.attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), causal=True,
+                                  return_lse=True)
     o_ref, lse_ref = attention_ref(q, k, v, causal=True)
     assert max_err(np.asarray(o), o_ref) < 1e-5 and max_err(np.asarray(lse), lse_ref) < 1e-4
     if BF16 is not None:  # JAX bfloat16 arrives through DLPack's bfloat code
-        qb, kb, vb = (jnp.asarray(x, dtype=jnp.bfloat16) for x in (q, k, v))
-        o = ioattn.attention(qb, kb, vb, causal=True)
+        with jax.default_device(jax.devices("cpu")[0]):
+            qb, kb, vb = (jnp.asarray(x, dtype=jnp.bfloat16) for x in (q, k, v))
+            o = ioattn.attention(qb, kb, vb, causal=True)
         assert o.dtype == BF16
         want = attention_ref(np.asarray(qb), np.asarray(kb), np.asarray(vb), causal=True)[0]
         assert max_err(o, want) < 2e-2

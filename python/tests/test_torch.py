@@ -373,7 +373,13 @@ def test_cuda_naive_backend_and_select():
     q = randn(1, 33, 4, 64, dtype=torch.float16, device="cuda")
     o = iot.attention(q, q, q, backend="naive")
     ref, _ = sdpa_ref(q, q, q)
-    assert (o.double() - ref).abs().max().item() < 2e-3
+    # The tolerance rule: 2x the error of unfused attention computed in fp16 (SDPA's math
+    # backend on fp16 tensors), plus a small atol.
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    with sdpa_kernel(SDPBackend.MATH):
+        lowp = F.scaled_dot_product_attention(*(x.transpose(1, 2) for x in (q, q, q))).transpose(1, 2)
+    bound = 2 * (lowp.double() - ref).abs().max().item() + 1e-3
+    assert (o.double() - ref).abs().max().item() <= bound
     assert ioattn.select(q, q, q, backend="naive")["kernel"].startswith("cuda/naive")
 
 
