@@ -293,20 +293,6 @@ ValidatedBwd validate_backward(const TensorView& q, const TensorView& k, const T
 
 namespace {
 
-std::string mask_name(const FwdProblem& p) {
-  std::string m;
-  if (p.causal) m = "causal";
-  if (p.window_left >= 0 || (!p.causal && p.window_right >= 0))
-    m += (m.empty() ? "" : "+") + std::string("window(") + std::to_string(p.window_left) + "," +
-         std::to_string(p.window_right) + ")";
-  if (m.empty()) m = "nomask";
-  if (p.softcap > 0) m += "+softcap";
-  if (p.alibi_slopes) m += "+alibi";
-  if (p.sinks) m += "+sinks";
-  if (p.varlen()) m += "+varlen";
-  if (p.heads_q != p.heads_kv) m += "+gqa" + std::to_string(p.group());
-  return m;
-}
 
 using Runner = void (*)(const FwdProblem&);
 

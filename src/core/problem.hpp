@@ -10,6 +10,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <string>
 
 #include "ioattn/ioattn.hpp"
 
@@ -77,6 +78,22 @@ inline void visible_keys(int64_t i, int64_t sq, int64_t sk, int64_t wl, int64_t 
   int64_t h = wr >= 0 ? diag + wr + 1 : sk;
   *lo = l < 0 ? 0 : l;
   *hi = h > sk ? sk : h;
+}
+
+// "causal+window(64,0)+softcap+gqa4": the mask and feature part of a kernel's name in the logs.
+inline std::string mask_name(const FwdProblem& p) {
+  std::string m;
+  if (p.causal) m = "causal";
+  if (p.window_left >= 0 || (!p.causal && p.window_right >= 0))
+    m += (m.empty() ? "" : "+") + std::string("window(") + std::to_string(p.window_left) + "," +
+         std::to_string(p.window_right) + ")";
+  if (m.empty()) m = "nomask";
+  if (p.softcap > 0) m += "+softcap";
+  if (p.alibi_slopes) m += "+alibi";
+  if (p.sinks) m += "+sinks";
+  if (p.varlen()) m += "+varlen";
+  if (p.heads_q != p.heads_kv) m += "+gqa" + std::to_string(p.group());
+  return m;
 }
 
 inline float neg_inf() { return -std::numeric_limits<float>::infinity(); }

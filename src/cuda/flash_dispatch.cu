@@ -29,20 +29,6 @@ const std::array<FlashKernelInfo, 6>& flash_table() {
 constexpr int kMaxHeadDim = 256;
 constexpr int kVecElems = 8;  // cp.async moves 16 bytes = 8 f16/bf16 elements
 
-std::string mask_summary(const detail::FwdProblem& p) {
-  std::string m;
-  if (p.causal) m = "causal";
-  if (p.window_left >= 0 || (!p.causal && p.window_right >= 0))
-    m += (m.empty() ? "" : "+") + std::string("window(") + std::to_string(p.window_left) + "," +
-         std::to_string(p.window_right) + ")";
-  if (m.empty()) m = "nomask";
-  if (p.softcap > 0) m += "+softcap";
-  if (p.alibi_slopes) m += "+alibi";
-  if (p.sinks) m += "+sinks";
-  if (p.varlen()) m += "+varlen";
-  if (p.heads_q != p.heads_kv) m += "+gqa" + std::to_string(p.group());
-  return m;
-}
 
 bool aligned(const void* ptr, size_t bytes) { return reinterpret_cast<uintptr_t>(ptr) % bytes == 0; }
 
@@ -119,7 +105,7 @@ Pick pick(const detail::FwdProblem& p, int arch) {
   std::string name = "cuda/flash sm" + std::to_string(arch) + " mma.sync " + dtype_name(p.dtype) + " hdim" +
                      std::to_string(info->head_dim);
   if (info->head_dim != p.head_dim) name += "(d" + std::to_string(p.head_dim) + " zero-padded)";
-  name += " " + mask_summary(p) + " tile " + std::to_string(info->block_m) + "x" +
+  name += " " + detail::mask_name(p) + " tile " + std::to_string(info->block_m) + "x" +
           std::to_string(info->block_n) + " warps " + std::to_string(info->warps);
   std::string reason = std::string(info->reason) + "; K/V ring " + std::to_string(info->stages) + " stage" +
                        (info->stages > 1 ? "s" : "") + ", " + std::to_string(smem / 1024) + " KB smem, " +
