@@ -3,7 +3,6 @@
 #pragma once
 
 #include <cstring>
-#include <sstream>
 #include <string>
 #include <vector>
 
@@ -13,11 +12,9 @@
 namespace ioattn::detail {
 
 inline std::string shape_str(const TensorView& t) {
-  std::ostringstream os;
-  os << "[";
-  for (int i = 0; i < t.ndim; ++i) os << (i ? ", " : "") << t.shape[i];
-  os << "]";
-  return os.str();
+  std::string s = "[";
+  for (int i = 0; i < t.ndim && i < 4; ++i) s += (i ? ", " : "") + std::to_string(t.shape[i]);
+  return s + "]";
 }
 
 [[noreturn]] inline void fail(const std::string& arg, const std::string& expected, const std::string& got) {
