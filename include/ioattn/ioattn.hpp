@@ -32,8 +32,9 @@
 
 namespace ioattn {
 
-// f8e4m3 and i8 appear only in 8-bit KV caches (serving.hpp), with per-head scales.
-enum class DType : uint8_t { f32, f16, bf16, i32, f8e4m3, i8 };
+// f8e4m3 and i8 appear only in 8-bit KV caches (serving.hpp), with per-head scales; i64 only in
+// append_kv's slot_mapping.
+enum class DType : uint8_t { f32, f16, bf16, i32, f8e4m3, i8, i64 };
 enum class Device : uint8_t { cpu, cuda };
 
 const char* dtype_name(DType t);

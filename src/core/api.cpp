@@ -27,6 +27,7 @@ const char* dtype_name(DType t) {
     case DType::i32: return "i32";
     case DType::f8e4m3: return "f8e4m3";
     case DType::i8: return "i8";
+    case DType::i64: return "i64";
   }
   return "?";
 }
@@ -41,6 +42,7 @@ int64_t dtype_size(DType t) {
     case DType::i32: return 4;
     case DType::f8e4m3: return 1;
     case DType::i8: return 1;
+    case DType::i64: return 8;
   }
   return 0;
 }

@@ -480,9 +480,10 @@ AppendProblem validate_append(const TensorView& k_new, const TensorView& v_new, 
   check_dtype(v_new, "v_new", k_new.dtype);
   p.tokens = k_new.shape[0];
   check_dim("v_new", 0, v_new.shape[0], p.tokens, "tokens of k_new");
-  if (!slot_mapping.defined()) fail("slot_mapping", "an i32 [tokens] tensor", "undefined");
+  if (!slot_mapping.defined()) fail("slot_mapping", "an i32 or i64 [tokens] tensor", "undefined");
   check_view_as(slot_mapping, "slot_mapping", 1, k_new, "k_new");
-  check_dtype(slot_mapping, "slot_mapping", DType::i32);
+  if (slot_mapping.dtype != DType::i32 && slot_mapping.dtype != DType::i64)
+    fail("slot_mapping.dtype", "i32 or i64", dtype_name(slot_mapping.dtype));
   check_dim("slot_mapping", 0, slot_mapping.shape[0], p.tokens, "tokens of k_new");
 
   const TensorView &k = cache.k_cache, &v = cache.v_cache;
@@ -502,6 +503,7 @@ AppendProblem validate_append(const TensorView& k_new, const TensorView& v_new, 
   p.num_slots = k.shape[0] * k.shape[1];
 
   p.slot_mapping = slot_mapping.data;
+  p.slot_i64 = slot_mapping.dtype == DType::i64;
   p.slot_stride = slot_mapping.stride[0];
   if (k_new.device == Device::cpu) {
     // Every slot in range (negative = padding, skipped) and no slot written twice (two tokens

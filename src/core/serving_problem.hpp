@@ -129,8 +129,7 @@ struct AppendProblem {
   int64_t k_new_stride_token = 0, k_new_stride_head = 0;
   int64_t v_new_stride_token = 0, v_new_stride_head = 0;
   DType new_dtype = DType::f32;
-  // i32 [tokens] (or i64: the backends read both; the public DType has no i64 yet, so only
-  // internal callers set slot_i64).
+  // i32 or i64 [tokens]
   const void* slot_mapping = nullptr;       // on `device`
   const void* slot_mapping_host = nullptr;  // host copy (CPU: the same pointer)
   bool slot_i64 = false;
