@@ -56,6 +56,7 @@
 #include <cctype>
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <limits>
@@ -791,7 +792,7 @@ std::string lower(std::string s) {
   return s;
 }
 
-// IOATTN_CPU_TARGET=avx2|sse4|emu128|avx3: never pick a target better than that (for testing
+// IOATTN_CPU_TARGET=avx2|sse4|scalar|avx3 (emu128 with compilers where Highway uses it): never pick a target better than that (for testing
 // the lower code paths on a machine that has the higher ones). Applied once per process.
 void apply_target_cap() {
   static std::once_flag once;
@@ -799,13 +800,18 @@ void apply_target_cap() {
     const char* e = std::getenv("IOATTN_CPU_TARGET");
     if (!e || !*e) return;
     const std::string want = lower(e);
+    std::string compiled;
     for (int64_t bits = HWY_TARGETS; bits != 0; bits &= bits - 1) {
       const int64_t t = bits & -bits;
       if (lower(hwy::TargetName(t)) == want) {
         hwy::DisableTargets(t - 1);  // all better targets have lower bits
         return;
       }
+      compiled += (compiled.empty() ? "" : ", ") + lower(hwy::TargetName(t));
     }
+    // Never silently: say that the cap did nothing and what would have worked.
+    std::fprintf(stderr, "ioattn: IOATTN_CPU_TARGET=%s matches no compiled SIMD target (%s); ignored\n", e,
+                 compiled.c_str());
   });
 }
 
