@@ -113,23 +113,12 @@ inline void accumulate_error(ErrorStats& e, double got, double want, int64_t idx
 // Errors of the O and LSE written by a backend (host copies, strides from p) vs a RefResult.
 inline void output_errors(const FwdProblem& p, const void* o_host, const float* lse_host, const RefResult& ref,
                           ErrorStats* o_err, ErrorStats* lse_err) {
-  const int64_t hq = p.heads_q, dv = p.head_dim_v;
-  for (int64_t b = 0; b < p.batch; ++b) {
-    const int64_t q0 = p.varlen() ? p.cu_seqlens_q_host[b] : 0;
-    const int64_t sq = p.varlen() ? p.cu_seqlens_q_host[b + 1] - q0 : p.seqlen_q;
-    for (int64_t i = 0; i < sq; ++i)
-      for (int64_t h = 0; h < hq; ++h) {
-        const int64_t row = p.varlen() ? q0 + i : b * sq + i;
-        const int64_t ooff = b * p.o_stride.batch + (q0 + i) * p.o_stride.seq + h * p.o_stride.head;
-        for (int64_t x = 0; x < dv; ++x)
-          accumulate_error(*o_err, load_float(o_host, p.dtype, ooff + x), ref.o[(row * hq + h) * dv + x], ooff + x);
-        if (lse_host && lse_err) {
-          const int64_t li = p.varlen() ? h * ref.rows + row : (b * hq + h) * sq + i;
-          const int64_t loff = b * p.lse_stride.batch + h * p.lse_stride.head + (q0 + i) * p.lse_stride.seq;
-          accumulate_error(*lse_err, lse_host[loff], ref.lse[li], loff);
-        }
-      }
-  }
+  const int64_t dv = p.head_dim_v;
+  for_each_output_row(p, ref, [&](int64_t ooff, int64_t ro, int64_t loff, int64_t rl) {
+    for (int64_t x = 0; x < dv; ++x)
+      accumulate_error(*o_err, load_float(o_host, p.dtype, ooff + x), ref.o[ro + x], ooff + x);
+    if (lse_host && lse_err) accumulate_error(*lse_err, lse_host[loff], ref.lse[rl], loff);
+  });
 }
 
 // Error of one reference against another (e.g. emulated low precision vs float64).

@@ -127,23 +127,11 @@ RefResult reference_forward(const FwdProblem& p, RefPrecision prec, int64_t tota
 void cpu_naive_forward(const FwdProblem& p) {
   const int64_t total = p.varlen() ? p.cu_seqlens_q_host[p.batch] : -1;
   const RefResult r = reference_forward(p, RefPrecision::f64, total);
-  const int64_t hq = p.heads_q, dv = p.head_dim_v;
-  for (int64_t b = 0; b < p.batch; ++b) {
-    const int64_t q0 = p.varlen() ? p.cu_seqlens_q_host[b] : 0;
-    const int64_t sq = p.varlen() ? p.cu_seqlens_q_host[b + 1] - q0 : p.seqlen_q;
-    for (int64_t i = 0; i < sq; ++i)
-      for (int64_t h = 0; h < hq; ++h) {
-        const int64_t row = p.varlen() ? q0 + i : b * sq + i;
-        const int64_t ooff = b * p.o_stride.batch + (q0 + i) * p.o_stride.seq + h * p.o_stride.head;
-        for (int64_t x = 0; x < dv; ++x)
-          store_float(p.o, p.dtype, ooff + x, static_cast<float>(r.o[(row * hq + h) * dv + x]));
-        if (p.lse) {
-          const int64_t li = p.varlen() ? h * r.rows + row : (b * hq + h) * sq + i;
-          p.lse[b * p.lse_stride.batch + h * p.lse_stride.head + (q0 + i) * p.lse_stride.seq] =
-              static_cast<float>(r.lse[li]);
-        }
-      }
-  }
+  const int64_t dv = p.head_dim_v;
+  for_each_output_row(p, r, [&](int64_t ooff, int64_t ro, int64_t loff, int64_t rl) {
+    for (int64_t x = 0; x < dv; ++x) store_float(p.o, p.dtype, ooff + x, static_cast<float>(r.o[ro + x]));
+    if (p.lse) p.lse[loff] = static_cast<float>(r.lse[rl]);
+  });
 }
 
 }  // namespace ioattn::detail

@@ -29,4 +29,24 @@ struct RefResult {
 // total_q_rows: for varlen the packed token count of q (>= cu_seqlens_q[batch]).
 RefResult reference_forward(const FwdProblem& p, RefPrecision prec, int64_t total_q_rows = -1);
 
+// Visits every (query row, head) of p once, pairing where the backend's strided output lives with
+// where the contiguous RefResult holds it: f(o_off, ref_o_off, lse_off, ref_lse_off), offsets in
+// elements (o_off into p.o's layout, lse_off into p.lse's; ref_* index r.o / r.lse, which start a
+// row of head_dim_v values / hold one value).
+template <class F>
+void for_each_output_row(const FwdProblem& p, const RefResult& r, F f) {
+  const int64_t hq = p.heads_q, dv = p.head_dim_v;
+  for (int64_t b = 0; b < p.batch; ++b) {
+    const int64_t q0 = p.varlen() ? p.cu_seqlens_q_host[b] : 0;
+    const int64_t sq = p.varlen() ? p.cu_seqlens_q_host[b + 1] - q0 : p.seqlen_q;
+    for (int64_t i = 0; i < sq; ++i)
+      for (int64_t h = 0; h < hq; ++h) {
+        const int64_t row = p.varlen() ? q0 + i : b * sq + i;
+        f(b * p.o_stride.batch + (q0 + i) * p.o_stride.seq + h * p.o_stride.head, (row * hq + h) * dv,
+          b * p.lse_stride.batch + h * p.lse_stride.head + (q0 + i) * p.lse_stride.seq,
+          p.varlen() ? h * r.rows + row : (b * hq + h) * sq + i);
+      }
+  }
+}
+
 }  // namespace ioattn::detail
