@@ -32,14 +32,6 @@ namespace {
 using namespace ioattn;
 namespace cb = ioattn::cuda::bench;
 
-std::vector<int64_t> parse_list(const std::string& s) {
-  std::vector<int64_t> v;
-  std::stringstream ss(s);
-  std::string x;
-  while (std::getline(ss, x, ',')) v.push_back(std::stoll(x));
-  return v;
-}
-
 std::string arg(int argc, char** argv, const char* name, const std::string& def) {
   for (int i = 2; i + 1 < argc; ++i)
     if (std::strcmp(argv[i], name) == 0) return argv[i + 1];
@@ -56,9 +48,9 @@ struct Buffers {
 };
 
 void run_grid(int argc, char** argv) {
-  const auto hdims = parse_list(arg(argc, argv, "--hdims", "64,128,256"));
-  const auto seqlens = parse_list(arg(argc, argv, "--seqlens", "512,1024,2048,4096,8192,16384"));
-  const auto f16_hdims = parse_list(arg(argc, argv, "--f16-hdims", "128"));
+  const auto hdims = cb::parse_list(arg(argc, argv, "--hdims", "64,128,256"));
+  const auto seqlens = cb::parse_list(arg(argc, argv, "--seqlens", "512,1024,2048,4096,8192,16384"));
+  const auto f16_hdims = cb::parse_list(arg(argc, argv, "--f16-hdims", "128"));
   const int64_t tokens = std::stoll(arg(argc, argv, "--tokens", "16384"));
   const int64_t hidden = std::stoll(arg(argc, argv, "--hidden", "2048"));
   const int repeats = std::stoi(arg(argc, argv, "--repeats", "15"));
@@ -120,7 +112,7 @@ float max_abs_diff_bf16(const void* a, const void* b, int64_t n) {
 }
 
 void run_naive(int argc, char** argv) {
-  const auto seqlens = parse_list(arg(argc, argv, "--seqlens", "4096,8192,16384"));
+  const auto seqlens = cb::parse_list(arg(argc, argv, "--seqlens", "4096,8192,16384"));
   const int64_t h = std::stoll(arg(argc, argv, "--heads", "16"));
   const int64_t d = std::stoll(arg(argc, argv, "--hdim", "128"));
   const int repeats = std::stoi(arg(argc, argv, "--repeats", "5"));

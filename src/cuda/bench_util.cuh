@@ -10,11 +10,22 @@
 #include <cstdint>
 #include <cstdio>
 #include <functional>
+#include <sstream>
+#include <string>
 #include <vector>
 
 #include "cuda/check.cuh"
 
 namespace ioattn::cuda::bench {
+
+// "64,128,256" -> {64, 128, 256} (command-line lists of the benchmark drivers).
+inline std::vector<int64_t> parse_list(const std::string& s) {
+  std::vector<int64_t> v;
+  std::stringstream ss(s);
+  std::string x;
+  while (std::getline(ss, x, ',')) v.push_back(std::stoll(x));
+  return v;
+}
 
 // Uniform values in [-amp, amp) from a counter hash (splitmix64): fresh, non-zero inputs.
 template <typename T>

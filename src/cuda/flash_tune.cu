@@ -24,14 +24,6 @@ namespace {
 using namespace ioattn;
 namespace cb = ioattn::cuda::bench;
 
-std::vector<int64_t> parse_list(const std::string& s) {
-  std::vector<int64_t> v;
-  std::stringstream ss(s);
-  std::string x;
-  while (std::getline(ss, x, ',')) v.push_back(std::stoll(x));
-  return v;
-}
-
 float max_diff(const void* a, const void* b, int64_t n) {
   std::vector<uint16_t> ha(n), hb(n);
   IOATTN_CUDA_CHECK(cudaMemcpy(ha.data(), a, n * 2, cudaMemcpyDeviceToHost));
@@ -64,7 +56,7 @@ int main(int argc, char** argv) {
     for (int64_t d : {64, 128, 256}) {
       std::vector<cuda::tune::Variant> vars =
           d == 64 ? cuda::tune::variants_d64() : d == 128 ? cuda::tune::variants_d128() : cuda::tune::variants_d256();
-      for (int64_t s : parse_list(seq_arg)) {
+      for (int64_t s : cb::parse_list(seq_arg)) {
         const int64_t b = tokens / s, h = hidden / d, n = b * s * h * d;
         void *q, *k, *v, *o_ref, *o;
         float* lse;
