@@ -193,7 +193,14 @@ TEST(Explain, SeedNumbers) {
   ExplainInput e2e;
   e2e.attention_share = 0.3;
   e2e.kernel_speedup = 2;
-  EXPECT_NEAR(explain(e2e).end_to_end_speedup, 1.18, 0.005);
+  EXPECT_NEAR(explain(e2e).end_to_end_speedup, 1.0 / (0.7 + 0.3 / 2), 1e-12);  // 1.18x
+  EXPECT_NEAR(explain(e2e).end_to_end_limit, 1.0 / 0.7, 1e-12);               // Amdahl: 1.43x at most
+  const std::string text = explain_text(e2e);
+  for (const char* s : {"= 1.18x", "= 1.43x"}) EXPECT_NE(text.find(s), std::string::npos) << "explain text lacks " << s;
+  e2e.attention_share = 1.0;  // all of the step is attention: the kernel speedup is the whole speedup
+  EXPECT_NEAR(explain(e2e).end_to_end_speedup, 2.0, 1e-12);
+  EXPECT_TRUE(std::isinf(explain(e2e).end_to_end_limit));
+  EXPECT_EQ(explain(ExplainInput{}).end_to_end_speedup, 1.0);  // share 0: no estimate
 }
 
 TEST(Explain, OnlineSoftmaxWorkedExample) {

@@ -130,16 +130,30 @@ int cmd_explain(const Args& a) {
   in.flops_per_s = a.num("flops", 500.0) * 1e12;
   in.attention_share = a.num("attention-share", 0.0);
   in.kernel_speedup = a.num("speedup", 1.0);
+  if (a.has("speedup") && !a.has("attention-share"))
+    throw Error("attention-share", "ioattn: option '--attention-share': expected the share of a model step spent in "
+                                   "attention, in (0, 1], with --speedup; got none");
   if (a.has("json")) {
     const ExplainReport r = explain(in);
+    // The inputs first, so a script can read the model for its own shape (tools/report/traffic.py).
     std::printf(
-        "{\"score_bytes_per_head\": %.0f, \"naive_bytes_per_head\": %.0f, \"naive_bytes_per_layer\": %.0f, "
+        "{\"seqlen\": %lld, \"head_dim\": %lld, \"heads\": %lld, \"layers\": %lld, \"dtype_bytes\": %lld, "
+        "\"naive_passes\": %lld, \"bandwidth_Bps\": %.6g, \"flops_per_s\": %.6g, \"attention_share\": %.6g, "
+        "\"kernel_speedup\": %.6g, ",
+        (long long)in.seqlen, (long long)in.head_dim, (long long)in.heads, (long long)in.layers,
+        (long long)in.dtype_bytes, (long long)in.naive_passes, in.bandwidth_Bps, in.flops_per_s, in.attention_share,
+        in.kernel_speedup);
+    std::printf(
+        "\"score_bytes_per_head\": %.0f, \"naive_bytes_per_head\": %.0f, \"naive_bytes_per_layer\": %.0f, "
         "\"naive_bytes_per_model\": %.0f, \"flash_bytes_per_head\": %.0f, \"traffic_ratio\": %.4f, "
         "\"flops_per_head\": %.0f, \"flops_per_model\": %.0f, \"naive_traffic_seconds\": %.6f, "
-        "\"flash_traffic_seconds\": %.6f, \"math_seconds\": %.6f, \"end_to_end_speedup\": %.6f}\n",
+        "\"flash_traffic_seconds\": %.6f, \"math_seconds\": %.6f, \"end_to_end_speedup\": %.6f, ",
         r.score_bytes_per_head, r.naive_bytes_per_head, r.naive_bytes_per_layer, r.naive_bytes_per_model,
         r.flash_bytes_per_head, r.traffic_ratio, r.flops_per_head, r.flops_per_model, r.naive_traffic_seconds,
         r.flash_traffic_seconds, r.math_seconds, r.end_to_end_speedup);
+    // JSON has no infinity: share 1 (all of the step is attention) has no ceiling.
+    if (std::isinf(r.end_to_end_limit)) std::printf("\"end_to_end_limit\": null}\n");
+    else std::printf("\"end_to_end_limit\": %.6f}\n", r.end_to_end_limit);
   } else {
     std::fputs(explain_text(in).c_str(), stdout);
   }

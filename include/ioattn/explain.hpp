@@ -34,6 +34,7 @@ struct ExplainReport {
   double flash_traffic_seconds;
   double math_seconds;            // flops_per_model / flops_per_s
   double end_to_end_speedup;      // 1 / ((1 - share) + share / speedup); 1 if share = 0
+  double end_to_end_limit;        // the same with an infinitely fast kernel: 1 / (1 - share)
 };
 
 ExplainReport explain(const ExplainInput& in);

@@ -38,6 +38,9 @@ ExplainReport explain(const ExplainInput& in) {
   r.end_to_end_speedup = in.attention_share > 0
                              ? 1.0 / ((1.0 - in.attention_share) + in.attention_share / in.kernel_speedup)
                              : 1.0;
+  // Amdahl's bound: what removing attention altogether would buy (infinite at share 1).
+  r.end_to_end_limit = in.attention_share < 1 ? 1.0 / (1.0 - in.attention_share)
+                                              : std::numeric_limits<double>::infinity();
   return r;
 }
 
@@ -129,6 +132,9 @@ std::string explain_text(const ExplainInput& in) {
     put("End to end: attention is %.0f%% of a step; a %.2fx faster kernel gives 1 / ((1 - %.2f) + %.2f / %.2f) = %.2fx",
         in.attention_share * 100, in.kernel_speedup, in.attention_share, in.attention_share, in.kernel_speedup,
         r.end_to_end_speedup);
+    if (in.attention_share < 1)
+      put("  (Amdahl's ceiling: even an infinitely fast attention kernel gives 1 / (1 - %.2f) = %.2fx)",
+          in.attention_share, r.end_to_end_limit);
   }
   put("");
   put("Online softmax, worked example: one query, scores [2, 1 | 3, 0] in two key blocks, values [1, 2, 3, 4]");
