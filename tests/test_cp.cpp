@@ -38,24 +38,30 @@ struct CpCase {
   CpLayout layout;
   DType dtype;
   int64_t heads_q, heads_kv;
+  Device device = Device::cpu;
 };
 
 std::string cp_label(const CpCase& c) {
-  return "P" + std::to_string(c.P) + (c.causal ? "_causal" : "_full") +
+  return std::string(c.device == Device::cuda ? "cuda_" : "") + "P" + std::to_string(c.P) + (c.causal ? "_causal" : "_full") +
          (c.layout == CpLayout::zigzag ? "_zigzag_" : "_contiguous_") + dtype_name(c.dtype) + "_gqa" +
          std::to_string(c.heads_q / c.heads_kv);
 }
 std::string cp_name(const ::testing::TestParamInfo<CpCase>& i) { return cp_label(i.param); }
 void PrintTo(const CpCase& c, std::ostream* os) { *os << cp_label(c); }
 
-struct Full {  // full-sequence tensors on the host: inputs, single-device outputs and gradients
-  int64_t B = 2, S = 48, Hq, Hk, D = 32;
+// Full-sequence tensors on the case's device (host copies kept by Buffer): inputs, single-device
+// outputs and gradients. The CUDA kernels take head dims that are multiples of 8 (64 here) and
+// need longer shards to cross their tile boundaries.
+struct Full {
+  Device dev;
+  int64_t B = 2, S, Hq, Hk, D;
   DType dt;
   detail::Buffer q, k, v, dout, o, lse, dq, dk, dv;
-  Full(DType t, int64_t hq, int64_t hk)
-      : Hq(hq), Hk(hk), dt(t), q(t, B * S * hq * D), k(t, B * S * hk * D), v(t, B * S * hk * D),
-        dout(t, B * S * hq * D), o(t, B * S * hq * D), lse(DType::f32, B * hq * S), dq(t, B * S * hq * D),
-        dk(t, B * S * hk * D), dv(t, B * S * hk * D) {
+  Full(DType t, int64_t hq, int64_t hk, Device d)
+      : dev(d), S(d == Device::cuda ? 240 : 48), Hq(hq), Hk(hk), D(d == Device::cuda ? 64 : 32), dt(t),
+        q(t, B * S * hq * D, d), k(t, B * S * hk * D, d), v(t, B * S * hk * D, d), dout(t, B * S * hq * D, d),
+        o(t, B * S * hq * D, d), lse(DType::f32, B * hq * S, d), dq(t, B * S * hq * D, d), dk(t, B * S * hk * D, d),
+        dv(t, B * S * hk * D, d) {
     std::mt19937_64 rng(11);
     q.fill_random(rng);
     k.fill_random(rng);
@@ -82,11 +88,13 @@ class ContextParallel : public ::testing::TestWithParam<CpCase> {};
 
 TEST_P(ContextParallel, MatchesSingleDevice) {
   const CpCase c = GetParam();
-  Full f(c.dtype, c.heads_q, c.heads_kv);
+  if (c.device == Device::cuda && !cuda_available()) GTEST_SKIP() << "skipped: no CUDA device";
+  Full f(c.dtype, c.heads_q, c.heads_kv, c.device);
   AttnParams prm;
   prm.causal = c.causal;
   Context one;
   one.num_threads = 1;
+  one.deterministic = true;  // CUDA: dQ without float atomics, so P = 1 can be compared bitwise
   // Single device.
   forward(f.qv(), f.kv(), f.vv(), f.o.view({f.B, f.S, f.Hq, f.D}), f.lse.view({f.B, f.Hq, f.S}), prm, one);
   Gradients g{f.dq.view({f.B, f.S, f.Hq, f.D}), f.dk.view({f.B, f.S, f.Hk, f.D}), f.dv.view({f.B, f.S, f.Hk, f.D}), {}};
@@ -96,16 +104,18 @@ TEST_P(ContextParallel, MatchesSingleDevice) {
   // P ranks: shard, run, gather.
   const int P = c.P;
   const int64_t L = f.S / P;
-  detail::Buffer o_cp(c.dtype, f.o.count()), lse_cp(DType::f32, f.lse.count()), dq_cp(c.dtype, f.dq.count()),
-      dk_cp(c.dtype, f.dk.count()), dv_cp(c.dtype, f.dv.count());
+  for (detail::Buffer* b : {&f.o, &f.lse, &f.dq, &f.dk, &f.dv}) b->download();
+  const Device dev = c.device;
+  detail::Buffer o_cp(c.dtype, f.o.count(), dev), lse_cp(DType::f32, f.lse.count()), dq_cp(c.dtype, f.dq.count(), dev),
+      dk_cp(c.dtype, f.dk.count(), dev), dv_cp(c.dtype, f.dv.count(), dev);
   o_cp.poison();
   dq_cp.poison();
   dk_cp.poison();
   dv_cp.poison();
   run_ranks(P, [&](Communicator& comm, int r) {
-    auto local = [&](int64_t h) { return detail::Buffer(c.dtype, f.B * L * h * f.D); };
+    auto local = [&](int64_t h) { return detail::Buffer(c.dtype, f.B * L * h * f.D, dev); };
     detail::Buffer q = local(f.Hq), k = local(f.Hk), v = local(f.Hk), dout = local(f.Hq), o = local(f.Hq);
-    detail::Buffer dq = local(f.Hq), dk = local(f.Hk), dv = local(f.Hk), lse(DType::f32, f.B * f.Hq * L);
+    detail::Buffer dq = local(f.Hq), dk = local(f.Hk), dv = local(f.Hk), lse(DType::f32, f.B * f.Hq * L, dev);
     auto lv = [&](detail::Buffer& b, int64_t h) { return b.view({f.B, L, h, f.D}); };
     cp_shard(f.qv(), lv(q, f.Hq), r, P, c.layout);
     cp_shard(f.kv(), lv(k, f.Hk), r, P, c.layout);
@@ -121,7 +131,8 @@ TEST_P(ContextParallel, MatchesSingleDevice) {
     cp_unshard(lv(dq, f.Hq), dq_cp.view({f.B, f.S, f.Hq, f.D}), r, P, c.layout);
     cp_unshard(lv(dk, f.Hk), dk_cp.view({f.B, f.S, f.Hk, f.D}), r, P, c.layout);
     cp_unshard(lv(dv, f.Hk), dv_cp.view({f.B, f.S, f.Hk, f.D}), r, P, c.layout);
-    // LSE [b, h, L] -> the full [b, h, S]: a 4-D view with the seq dim second.
+    // LSE [b, h, L] -> the full [b, h, S], on the host.
+    lse.download();
     const auto pos = cp_positions(f.S, r, P, c.layout);
     for (int64_t b = 0; b < f.B; ++b)
       for (int64_t h = 0; h < f.Hq; ++h)
@@ -129,6 +140,7 @@ TEST_P(ContextParallel, MatchesSingleDevice) {
           lse_cp.set((b * f.Hq + h) * f.S + pos[static_cast<size_t>(i)], lse.get((b * f.Hq + h) * L + i));
   });
 
+  for (detail::Buffer* b : {&o_cp, &dq_cp, &dk_cp, &dv_cp}) b->download();
   if (P == 1) {  // the same block computations in the same order: bitwise
     EXPECT_EQ(max_diff(o_cp, f.o), 0.0);
     EXPECT_EQ(max_diff(lse_cp, f.lse), 0.0);
@@ -153,6 +165,13 @@ std::vector<CpCase> cp_cases() {
       for (CpLayout l : {CpLayout::contiguous, CpLayout::zigzag}) v.push_back({P, causal, l, DType::f32, 4, 2});
   v.push_back({4, true, CpLayout::zigzag, DType::bf16, 4, 4});
   v.push_back({2, false, CpLayout::contiguous, DType::bf16, 8, 1});
+  // P virtual ranks on one GPU: the same ring through the CUDA forward, backward, merge_states
+  // and the ring's device copies.
+  for (int P : {1, 2, 4, 8})
+    for (bool causal : {false, true})
+      for (CpLayout l : {CpLayout::contiguous, CpLayout::zigzag})
+        v.push_back({P, causal, l, DType::bf16, 4, 2, Device::cuda});
+  v.push_back({3, true, CpLayout::zigzag, DType::f16, 8, 1, Device::cuda});
   return v;
 }
 

@@ -33,6 +33,23 @@ std::string cuda_device_name(int index);
 int cuda_device_arch(int index);  // e.g. 90 for sm_90; 0 if absent
 // Whether ptr is device memory (for validation of views that claim Device::cuda).
 bool cuda_is_device_pointer(const void* ptr);
+// The device ordinal ptr lives on: -1 for host/unknown memory, -2 for managed memory (any device).
+int cuda_pointer_device(const void* ptr);
+// Makes `index` the calling thread's current CUDA device; returns the previous one.
+int cuda_set_device(int index);
+// Runs a CUDA call on the device its tensors live on and restores the caller's device after.
+class CudaDeviceGuard {
+ public:
+  explicit CudaDeviceGuard(int index) : prev_(cuda_set_device(index)), index_(index) {}
+  ~CudaDeviceGuard() {
+    if (prev_ != index_) cuda_set_device(prev_);
+  }
+  CudaDeviceGuard(const CudaDeviceGuard&) = delete;
+  CudaDeviceGuard& operator=(const CudaDeviceGuard&) = delete;
+
+ private:
+  int prev_, index_;
+};
 // Copies n bytes from device to host (used to validate cu_seqlens on the host), ordered after the
 // work already queued on `stream` (the caller's stream: data written there is seen).
 void cuda_copy_to_host(void* dst, const void* src, size_t bytes, void* stream = nullptr);

@@ -41,8 +41,13 @@ inline void check_view(const TensorView& t, const char* name, int ndim, const Te
     fail(std::string(name) + ".device",
          std::string(device_name(ref_dev.device)) + ":" + std::to_string(ref_dev.device_index) + " (as q)",
          std::string(device_name(t.device)) + ":" + std::to_string(t.device_index));
-  if (t.device == Device::cuda && t.numel() > 0 && cuda_compiled() && !cuda_is_device_pointer(t.data))
-    fail(std::string(name) + ".data", "a CUDA device pointer (device = cuda)", "a host pointer");
+  if (t.device == Device::cuda && t.numel() > 0 && cuda_compiled()) {
+    const int where = cuda_pointer_device(t.data);
+    if (where == -1) fail(std::string(name) + ".data", "a CUDA device pointer (device = cuda)", "a host pointer");
+    if (where >= 0 && where != t.device_index)
+      fail(std::string(name) + ".device_index", std::to_string(where) + " (the device " + name + ".data lives on)",
+           std::to_string(t.device_index));
+  }
 }
 
 inline void check_dtype(const TensorView& t, const char* name, DType want) {

@@ -15,6 +15,8 @@ int cuda_device_count() { return 0; }
 std::string cuda_device_name(int) { return ""; }
 int cuda_device_arch(int) { return 0; }
 bool cuda_is_device_pointer(const void*) { return false; }
+int cuda_pointer_device(const void*) { return -1; }
+int cuda_set_device(int index) { return index; }
 void cuda_copy_to_host(void*, const void*, size_t, void*) { no_cuda(); }
 void* cuda_malloc(size_t) { no_cuda(); }
 void cuda_free(void*) {}

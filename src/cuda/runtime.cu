@@ -38,14 +38,24 @@ int cuda_device_arch(int index) {
   return major * 10 + minor;
 }
 
-bool cuda_is_device_pointer(const void* ptr) {
-  if (ptr == nullptr || cuda_device_count() == 0) return false;
+int cuda_pointer_device(const void* ptr) {
+  if (ptr == nullptr || cuda_device_count() == 0) return -1;
   cudaPointerAttributes attr{};
   if (cudaPointerGetAttributes(&attr, ptr) != cudaSuccess) {
     cudaGetLastError();  // an unknown pointer is "not device memory", not an error
-    return false;
+    return -1;
   }
-  return attr.type == cudaMemoryTypeDevice || attr.type == cudaMemoryTypeManaged;
+  if (attr.type == cudaMemoryTypeManaged) return -2;
+  return attr.type == cudaMemoryTypeDevice ? attr.device : -1;
+}
+
+bool cuda_is_device_pointer(const void* ptr) { return cuda_pointer_device(ptr) != -1; }
+
+int cuda_set_device(int index) {
+  int prev = 0;
+  IOATTN_CUDA_CHECK(cudaGetDevice(&prev));
+  if (prev != index) IOATTN_CUDA_CHECK(cudaSetDevice(index));
+  return prev;
 }
 
 void cuda_copy_to_host(void* dst, const void* src, size_t bytes, void* stream) {

@@ -11,6 +11,9 @@
 #include <string>
 #include <vector>
 
+#include <optional>
+
+#include "core/backends.hpp"
 #include "core/checks.hpp"
 #include "dist/ops.hpp"
 #include "ioattn/context_parallel.hpp"
@@ -121,6 +124,8 @@ KernelChoice cp_forward(Communicator& comm, const TensorView& q, const TensorVie
   const Shapes s = check_cp(comm, q, k, v, params, layout);
   const int P = comm.size(), r = comm.rank();
   const Device dev = q.device;
+  std::optional<detail::CudaDeviceGuard> on;  // scratch and kernels on q's device
+  if (dev == Device::cuda) on.emplace(q.device_index);
   if (!lse.defined()) fail("lse", "an f32 [batch, heads_q, seqlen/P] view (the ring merges on it)", "undefined");
   // Validate the local problem once through the ordinary forward path (no work: select only).
   select_forward(q, k, v, o, lse, params, ctx);
@@ -176,6 +181,8 @@ KernelChoice cp_backward(Communicator& comm, const TensorView& q, const TensorVi
   const Shapes s = check_cp(comm, q, k, v, params, layout);
   const int P = comm.size(), r = comm.rank();
   const Device dev = q.device;
+  std::optional<detail::CudaDeviceGuard> on;  // scratch and kernels on q's device
+  if (dev == Device::cuda) on.emplace(q.device_index);
   if (grads.dsinks.defined()) fail("grads.dsinks", "undefined (no sinks in cp_backward)", "a view");
   for (const auto& [t, like, name] : {std::tuple{&grads.dq, &q, "dq"}, {&grads.dk, &k, "dk"}, {&grads.dv, &v, "dv"}}) {
     if (t->ndim != 4) fail(name, "4 dims", std::to_string(t->ndim) + " dims");
@@ -262,12 +269,17 @@ namespace {
 void shard_copy(const TensorView& full, const TensorView& local, int rank, int size, CpLayout layout, bool to_local) {
   if (full.ndim != 4 || local.ndim != 4) fail("full", "4-D [batch, seqlen, heads, dim] views", std::to_string(full.ndim) + " dims");
   if (full.dtype != local.dtype) fail("local.dtype", dtype_name(full.dtype), dtype_name(local.dtype));
+  if (full.device != local.device || full.device_index != local.device_index)
+    fail("local.device", std::string(device_name(full.device)) + ":" + std::to_string(full.device_index) + " (as full)",
+         std::string(device_name(local.device)) + ":" + std::to_string(local.device_index));
   const int64_t parts = layout == CpLayout::zigzag ? 2 * size : size;
   if (full.shape[1] % parts != 0)
     fail("full.shape[1]", "a multiple of " + std::to_string(parts), std::to_string(full.shape[1]));
   if (local.shape[1] != full.shape[1] / size)
     fail("local.shape[1]", std::to_string(full.shape[1] / size), std::to_string(local.shape[1]));
   const int64_t c = full.shape[1] / parts;
+  std::optional<detail::CudaDeviceGuard> on;
+  if (full.device == Device::cuda) on.emplace(full.device_index);
   for (const Chunk& ch : chunks_of(rank, size, local.shape[1], layout)) {
     const TensorView f = rows(full, 1, ch.id * c, ch.len), l = rows(local, 1, ch.offset, ch.len);
     if (to_local)
