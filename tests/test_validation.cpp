@@ -226,5 +226,66 @@ TEST(Explain, BadInputIsAnError) {
   EXPECT_THROW(online_softmax_example({1, 2}, {1}, 1), Error);
 }
 
+// ---- sampled check (ioattn bench on large problems) ------------------------------------------
+// The last rows of one (batch, head) as a problem of their own have the same reference as the
+// whole problem on those rows, with every feature that depends on the row position: bottom-right
+// causal + window with seqlen_q != seqlen_k, ALiBi, sinks, GQA, [b, h, s, d] strides.
+TEST(SampledCheck, LastRowsProblemMatchesTheWholeReference) {
+  std::mt19937_64 rng(7);
+  const int64_t B = 2, Sq = 37, Sk = 53, Hq = 4, Hk = 2, D = 24, Dv = 16;
+  detail::Buffer q(DType::bf16, B * Sq * Hq * D), k(DType::bf16, B * Sk * Hk * D), v(DType::bf16, B * Sk * Hk * Dv);
+  detail::Buffer o(DType::bf16, B * Sq * Hq * Dv), lse(DType::f32, B * Hq * Sq);
+  detail::Buffer alibi(DType::f32, Hq), sinks(DType::f32, Hq);
+  for (detail::Buffer* b : {&q, &k, &v, &alibi, &sinks}) b->fill_random(rng);
+  o.poison();
+  lse.poison();
+  AttnParams prm;
+  prm.causal = true;
+  prm.window_left = 20;
+  prm.alibi_slopes = alibi.view({Hq});
+  prm.sinks = sinks.view({Hq});
+  const TensorView qv = q.view({B, Hq, Sq, D}).transpose12(), kv = k.view({B, Hk, Sk, D}).transpose12();
+  const TensorView vv = v.view({B, Hk, Sk, Dv}).transpose12(), ov = o.view({B, Hq, Sq, Dv}).transpose12();
+  const TensorView lv = lse.view({B, Hq, Sq});
+  Context ctx;
+  forward(qv, kv, vv, ov, lv, prm, ctx);
+  const detail::Validated val = detail::validate(qv, kv, vv, ov, lv, nullptr, prm, ctx);
+  const detail::FwdProblem& p = val.p;
+  const detail::RefResult full = detail::reference_forward(p, detail::RefPrecision::f64);
+  const int64_t rows = 9;
+  for (auto [b, h] : {std::pair<int64_t, int64_t>{1, 3}, {0, 1}}) {
+    const detail::FwdProblem sp = detail::last_rows_problem(p, b, h, rows);
+    const detail::RefResult part = detail::reference_forward(sp, detail::RefPrecision::f64);
+    ASSERT_EQ(part.o.size(), static_cast<size_t>(rows * Dv));
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t i = Sq - rows + r;
+      EXPECT_EQ(part.lse[r], full.lse[(b * Hq + h) * Sq + i]) << "b " << b << " h " << h << " row " << i;
+      for (int64_t x = 0; x < Dv; ++x)
+        EXPECT_EQ(part.o[r * Dv + x], full.o[((b * Sq + i) * Hq + h) * Dv + x]) << "b " << b << " h " << h << " row " << i;
+    }
+  }
+
+  // check_forward: whole when the budget allows, else the last rows of the first and last pairs.
+  const detail::ForwardCheck whole = detail::check_forward(p, 1e12);
+  EXPECT_FALSE(whole.sampled);
+  const double row_flops = 2.0 * Sk * (D + Dv);
+  const detail::ForwardCheck part = detail::check_forward(p, 2 * 5 * row_flops);
+  EXPECT_TRUE(part.sampled);
+  EXPECT_EQ(part.heads_checked, 2);
+  EXPECT_EQ(part.rows_checked, 5);
+  EXPECT_GT(part.o.max_abs, 0.0);  // bf16 output: rounding errors, never exactly the reference
+  EXPECT_LE(part.o.max_abs, whole.o.max_abs);
+  EXPECT_LE(whole.o.max_abs, 2 * whole.naive_o.max_abs + 1e-3);
+  // A wrong value in a sampled row is caught; one outside the sample is not (the scope is stated
+  // in every bench record).
+  const int64_t last_row_last_head = ((B - 1) * Hq + (Hq - 1)) * Sq + (Sq - 1);  // [b, h, s] element row
+  const float kept = o.get(last_row_last_head * Dv);
+  o.set(last_row_last_head * Dv, 5.0f);  // |O| <= 1 here (a convex mix of values in [-1, 1])
+  EXPECT_GT(detail::check_forward(p, 2 * 5 * row_flops).o.max_abs, 3.0);
+  o.set(last_row_last_head * Dv, kept);
+  o.set(((B - 1) * Hq + 1) * Sq * Dv, 5.0f);  // batch 1, head 1, row 0: outside the sample
+  EXPECT_LE(detail::check_forward(p, 2 * 5 * row_flops).o.max_abs, whole.o.max_abs);
+}
+
 }  // namespace
 }  // namespace ioattn::test

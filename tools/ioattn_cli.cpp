@@ -6,12 +6,24 @@
 //                  [--batch B] [--seqlen N | --seqlen-q N --seqlen-k N] [--heads H] [--heads-kv H]
 //                  [--head-dim D] [--head-dim-v D] [--causal] [--window L,R] [--softcap C]
 //                  [--alibi] [--sinks] [--layout bshd|bhsd] [--threads T] [--repeats R]
-//                  [--no-check] [--json]
+//                  [--no-check] [--check-flops F] [--json]
+//   ioattn bench   [--device cpu|cuda] [--seqlen N,N..] [--hdim D,D..] [--causal 0,1] [--dtype f16,bf16,f32]
+//                  [--backend naive,flash,auto] [--batch B | --tokens T] [--heads H | --hidden W]
+//                  [--repeats R] [--warmup W] [--threads T] [--no-check] [--check-flops F] [--out FILE] [--quiet]
 //   ioattn info    [--json]
+//
+// `bench` sweeps the grid and writes one JSON record per point (JSON lines, to --out or stdout):
+// shape, kernel, median time, TFLOP/s (4 b h s^2 d, halved when causal), the traffic model of
+// `explain` and the bandwidth it implies, extra memory (CUDA: measured; CPU: model) and the error
+// vs the float64 reference (a sample of rows when the reference would cost more than
+// --check-flops; the record says which). Progress goes to stderr. --tokens T --hidden W is
+// FlashAttention's grid: batch = T / seqlen, heads = W / hdim. --repeats 0 --warmup 0 --no-check
+// makes exactly one forward call per point (for Nsight Compute: tools/report/traffic.py).
 //
 // With no arguments `ioattn run` runs the embedded default workload (batch 2, 8 heads,
 // seqlen 1024, head_dim 128, f32, causal, CPU flash) and checks it against the float64 reference.
 #include <sys/resource.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
@@ -20,6 +32,8 @@
 #include <cstdlib>
 #include <cstring>
 #include <map>
+#include <memory>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -57,7 +71,7 @@ struct Args {
   }
 };
 
-const char* const kFlags[] = {"causal", "alibi", "sinks", "no-check", "json", "help"};
+const char* const kFlags[] = {"causal", "alibi", "sinks", "no-check", "json", "help", "quiet"};
 
 Args parse(int argc, char** argv) {
   Args a;
@@ -75,7 +89,9 @@ Args parse(int argc, char** argv) {
     const bool flag = std::find_if(std::begin(kFlags), std::end(kFlags),
                                    [&](const char* f) { return s == f; }) != std::end(kFlags);
     if (flag) {
-      a.kv[s] = "1";
+      // A flag may carry a value (`bench --causal 0,1`); a following option is not one.
+      const bool valued = i + 1 < argc && std::strncmp(argv[i + 1], "--", 2) != 0;
+      a.kv[s] = valued ? argv[++i] : "1";
     } else {
       if (i + 1 >= argc) throw Error(s, "ioattn: option '--" + s + "' needs a value");
       a.kv[s] = argv[++i];
@@ -104,11 +120,15 @@ void usage() {
       "ioattn — IO-aware exact attention\n\n"
       "  ioattn run      time one attention forward on random inputs, check vs the float64 reference\n"
       "  ioattn explain  the memory-traffic arithmetic and the online-softmax worked example\n"
+      "  ioattn bench    sweep a grid of shapes and backends, one JSON record per point\n"
       "  ioattn info     backends, SIMD targets, compiled kernels, dispatcher choices\n\n"
       "ioattn run [--device cpu|cuda] [--backend auto|flash|naive] [--dtype f32|f16|bf16] [--batch B]\n"
       "           [--seqlen N | --seqlen-q N --seqlen-k N] [--heads H] [--heads-kv H] [--head-dim D]\n"
       "           [--head-dim-v D] [--causal] [--window L,R] [--softcap C] [--alibi] [--sinks]\n"
-      "           [--layout bshd|bhsd] [--threads T] [--repeats R] [--no-check] [--json]\n"
+      "           [--layout bshd|bhsd] [--threads T] [--repeats R] [--no-check] [--check-flops F] [--json]\n"
+      "ioattn bench [--device cpu|cuda] [--seqlen 1024,2048] [--hdim 64,128] [--causal 0,1] [--dtype bf16]\n"
+      "           [--backend naive,flash] [--batch B | --tokens T] [--heads H | --hidden W] [--repeats R]\n"
+      "           [--warmup W] [--threads T] [--no-check] [--check-flops F] [--out FILE] [--quiet]\n"
       "ioattn explain [--seqlen N] [--head-dim D] [--heads H] [--layers L] [--dtype f16|bf16|f32]\n"
       "           [--bandwidth TB/s] [--flops TFLOP/s] [--attention-share S] [--speedup K] [--json]\n"
       "ioattn info [--json]\n\n"
@@ -234,7 +254,7 @@ int cmd_info(const Args& a) {
   return 0;
 }
 
-// ---- run --------------------------------------------------------------------------------
+// ---- shared by run and bench: one workload, its timing, its check -------------------------
 long peak_rss_kb() {
   rusage u{};
   getrusage(RUSAGE_SELF, &u);
@@ -246,86 +266,232 @@ double median(std::vector<double> v) {
   return v.empty() ? 0.0 : v[v.size() / 2];
 }
 
+struct Shape {
+  Device device = Device::cpu;
+  DType dtype = DType::f32;
+  int64_t batch = 1, seqlen_q = 0, seqlen_k = 0, heads_q = 1, heads_kv = 1, head_dim = 64, head_dim_v = 64;
+  bool bhsd = false;  // [b, h, s, d] memory seen as [b, s, h, d] (PyTorch SDPA's layout)
+};
+
+// One forward problem on random inputs (uniform in [-1, 1], rounded to the dtype): host buffers
+// mirrored on the device, the views a call takes, and its parameters (mask set by the caller).
+struct Workload {
+  Shape s;
+  AttnParams prm;
+  detail::Buffer q, k, v, o, lse, alibi, sinks;
+  TensorView qv, kv, vv, ov, lv;
+
+  Workload(const Shape& shape, bool with_alibi, bool with_sinks, std::mt19937_64& rng)
+      : s(shape),
+        q(s.dtype, s.batch * s.seqlen_q * s.heads_q * s.head_dim, s.device),
+        k(s.dtype, s.batch * s.seqlen_k * s.heads_kv * s.head_dim, s.device),
+        v(s.dtype, s.batch * s.seqlen_k * s.heads_kv * s.head_dim_v, s.device),
+        o(s.dtype, s.batch * s.seqlen_q * s.heads_q * s.head_dim_v, s.device),
+        lse(DType::f32, s.batch * s.heads_q * s.seqlen_q, s.device),
+        alibi(DType::f32, s.heads_q, s.device),
+        sinks(DType::f32, s.heads_q, s.device) {
+    q.fill_random(rng);
+    k.fill_random(rng);
+    v.fill_random(rng);
+    poison();
+    if (with_alibi) {
+      for (int64_t h = 0; h < s.heads_q; ++h)
+        alibi.set(h, std::pow(2.0f, -8.0f * static_cast<float>(h + 1) / static_cast<float>(s.heads_q)));
+      alibi.upload();
+      prm.alibi_slopes = alibi.view({s.heads_q});
+    }
+    if (with_sinks) {
+      sinks.fill_random(rng, 2.0f);
+      prm.sinks = sinks.view({s.heads_q});
+    }
+    qv = view(q, s.seqlen_q, s.heads_q, s.head_dim);
+    kv = view(k, s.seqlen_k, s.heads_kv, s.head_dim);
+    vv = view(v, s.seqlen_k, s.heads_kv, s.head_dim_v);
+    ov = view(o, s.seqlen_q, s.heads_q, s.head_dim_v);
+    lv = lse.view({s.batch, s.heads_q, s.seqlen_q});
+  }
+  Workload(const Workload&) = delete;
+  Workload& operator=(const Workload&) = delete;
+
+  // Outputs back to NaN, so an element the next call leaves unwritten shows as an error.
+  void poison() {
+    o.poison();
+    lse.poison();
+  }
+  KernelChoice forward(const Context& ctx) { return ioattn::forward(qv, kv, vv, ov, lv, prm, ctx); }
+  // The problem exactly as a backend receives it (validation included).
+  detail::Validated validated(const Context& ctx) const {
+    return detail::validate(qv, kv, vv, ov, lv, nullptr, prm, ctx);
+  }
+
+ private:
+  TensorView view(detail::Buffer& b, int64_t seq, int64_t heads, int64_t d) {
+    if (!s.bhsd) return b.view({s.batch, seq, heads, d});
+    return b.view({s.batch, heads, seq, d}).transpose12();
+  }
+};
+
+struct Timing {
+  KernelChoice choice;
+  double median_s = 0, min_s = 0;
+  int samples = 0;                  // timed samples (0 repeats: the first call alone, cold)
+  int inner = 1;                    // back-to-back calls per sample
+  double device_extra_bytes = 0;    // CUDA: device memory the first call held beyond what was in use
+  double rss_growth_bytes = 0;      // CPU: growth of the peak RSS during the first call
+};
+
+// The first call measures memory; then `warmup` untimed calls; then `repeats` samples, each of
+// `inner` back-to-back calls timed with steady_clock between device synchronisations. With
+// batch_calls, inner grows until a sample lasts ~2 ms (at most 50 calls), so the launch and
+// synchronise cost is small against short kernels. repeats = 0: one call in all (Nsight Compute
+// profiles exactly one forward per point), timed cold.
+Timing time_forward(Workload& w, const Context& ctx, int warmup, int repeats, bool batch_calls) {
+  using clock = std::chrono::steady_clock;
+  const bool cuda = w.s.device == Device::cuda;
+  auto sync = [&] {
+    if (cuda) detail::cuda_synchronize();
+  };
+  auto seconds = [](clock::time_point t0) { return std::chrono::duration<double>(clock::now() - t0).count(); };
+  Timing t;
+  sync();
+  const size_t dev0 = cuda ? detail::cuda_used_bytes() : 0;
+  const long rss0 = peak_rss_kb();
+  auto t0 = clock::now();
+  t.choice = w.forward(ctx);
+  // Before the synchronise: a workspace the call took from the stream-ordered pool is still held
+  // (the pool gives freed memory back to the device at a synchronise).
+  const size_t dev_held = cuda ? detail::cuda_used_bytes() : 0;
+  sync();
+  double last_s = seconds(t0);
+  if (cuda) {
+    const size_t peak = std::max(dev_held, detail::cuda_used_bytes());
+    t.device_extra_bytes = static_cast<double>(peak - std::min(peak, dev0));
+  }
+  t.rss_growth_bytes = static_cast<double>(peak_rss_kb() - rss0) * 1e3;
+  if (repeats <= 0) {
+    t.median_s = t.min_s = last_s;
+    return t;
+  }
+  for (int i = 0; i < warmup; ++i) {
+    t0 = clock::now();
+    w.forward(ctx);
+    sync();
+    last_s = seconds(t0);
+  }
+  if (batch_calls) t.inner = static_cast<int>(std::clamp(std::ceil(2e-3 / std::max(last_s, 1e-7)), 1.0, 50.0));
+  std::vector<double> times;
+  for (int r = 0; r < repeats; ++r) {
+    t0 = clock::now();
+    for (int i = 0; i < t.inner; ++i) w.forward(ctx);
+    sync();
+    times.push_back(seconds(t0) / t.inner);
+  }
+  t.samples = repeats;
+  t.median_s = median(times);
+  t.min_s = *std::min_element(times.begin(), times.end());
+  return t;
+}
+
+// The workload's outputs (downloaded) against the float64 reference on the exact problem the
+// backend received; a large problem is checked on a sample of rows (detail::check_forward).
+struct Check {
+  detail::ForwardCheck c;
+  double bound = 0;
+  bool pass = true;
+};
+Check check_workload(Workload& w, const Context& ctx, double max_ref_flops) {
+  w.o.download();
+  w.lse.download();
+  detail::Validated val = w.validated(ctx);
+  detail::FwdProblem hp = val.p;  // the reference reads host copies
+  hp.q = w.q.host();
+  hp.k = w.k.host();
+  hp.v = w.v.host();
+  hp.o = w.o.host();
+  hp.lse = static_cast<float*>(w.lse.host());
+  hp.alibi_slopes = w.prm.alibi_slopes.defined() ? static_cast<const float*>(w.alibi.host()) : nullptr;
+  hp.sinks = w.prm.sinks.defined() ? static_cast<const float*>(w.sinks.host()) : nullptr;
+  Check r;
+  r.c = detail::check_forward(hp, max_ref_flops);
+  r.bound = 2 * r.c.naive_o.max_abs + (w.s.dtype == DType::f32 ? 1e-5 : 1e-3);
+  r.pass = r.c.o.max_abs <= r.bound;
+  return r;
+}
+
+std::string check_scope(const detail::ForwardCheck& c, const Shape& s) {
+  if (!c.sampled) return "full";
+  return "sampled: last " + std::to_string(c.rows_checked) + " of " + std::to_string(s.seqlen_q) + " query rows of " +
+         (c.heads_checked > 1 ? "the first and the last" : "one") + " of " + std::to_string(s.batch * s.heads_q) +
+         " (batch, head) pairs";
+}
+
+Device parse_device(const std::string& s) {
+  if (s == "cpu") return Device::cpu;
+  if (s == "cuda") return Device::cuda;
+  throw Error("device", "ioattn: option '--device': expected cpu or cuda, got '" + s + "'");
+}
+
+Backend parse_backend(const std::string& s, const char* opt) {
+  if (s == "flash") return Backend::flash;
+  if (s == "naive") return Backend::naive;
+  if (s == "auto") return Backend::automatic;
+  throw Error(opt, std::string("ioattn: option '--") + opt + "': expected auto, flash or naive, got '" + s + "'");
+}
+
+constexpr double kDefaultCheckFlops = 2e9;  // float64 reference budget per point (~1-2 s on one core)
+
+// ---- run --------------------------------------------------------------------------------
 int cmd_run(const Args& a) {
   check_known(a, {"device", "backend", "dtype", "batch", "seqlen", "seqlen-q", "seqlen-k", "heads", "heads-kv",
                   "head-dim", "head-dim-v", "causal", "window", "softcap", "alibi", "sinks", "layout", "threads",
-                  "repeats", "no-check", "json", "seed"});
+                  "repeats", "no-check", "json", "seed", "check-flops"});
   const bool defaults = a.kv.empty() || (a.kv.size() == 1 && a.has("json"));
   const std::string dev_s = a.str("device", "cpu");
-  if (dev_s != "cpu" && dev_s != "cuda")
-    throw Error("device", "ioattn: option '--device': expected cpu or cuda, got '" + dev_s + "'");
-  const Device dev = dev_s == "cuda" ? Device::cuda : Device::cpu;
-  const std::string be_s = a.str("backend", "auto");
+  Shape sh;
+  sh.device = parse_device(dev_s);
   Context ctx;
-  if (be_s == "flash") ctx.backend = Backend::flash;
-  else if (be_s == "naive") ctx.backend = Backend::naive;
-  else if (be_s != "auto") throw Error("backend", "ioattn: option '--backend': expected auto, flash or naive, got '" + be_s + "'");
+  ctx.backend = parse_backend(a.str("backend", "auto"), "backend");
   ctx.num_threads = static_cast<int>(a.integer("threads", 0));
-  const DType dt = parse_dtype(a.str("dtype", "f32"), "dtype");
-  const int64_t B = a.integer("batch", 2);
+  sh.dtype = parse_dtype(a.str("dtype", "f32"), "dtype");
+  sh.batch = a.integer("batch", 2);
   const int64_t S = a.integer("seqlen", 1024);
-  const int64_t Sq = a.integer("seqlen-q", S), Sk = a.integer("seqlen-k", S);
-  const int64_t Hq = a.integer("heads", 8), Hk = a.integer("heads-kv", Hq);
-  const int64_t D = a.integer("head-dim", 128), Dv = a.integer("head-dim-v", D);
+  sh.seqlen_q = a.integer("seqlen-q", S);
+  sh.seqlen_k = a.integer("seqlen-k", S);
+  sh.heads_q = a.integer("heads", 8);
+  sh.heads_kv = a.integer("heads-kv", sh.heads_q);
+  sh.head_dim = a.integer("head-dim", 128);
+  sh.head_dim_v = a.integer("head-dim-v", sh.head_dim);
   const int repeats = static_cast<int>(std::max<int64_t>(1, a.integer("repeats", 5)));
   const std::string layout = a.str("layout", "bshd");
   if (layout != "bshd" && layout != "bhsd")
     throw Error("layout", "ioattn: option '--layout': expected bshd or bhsd, got '" + layout + "'");
-  for (auto [name, v] : {std::pair{"batch", B}, {"seqlen-q", Sq}, {"seqlen-k", Sk}, {"heads", Hq}, {"heads-kv", Hk},
-                         {"head-dim", D}, {"head-dim-v", Dv}})
+  sh.bhsd = layout == "bhsd";
+  for (auto [name, v] : {std::pair{"batch", sh.batch}, {"seqlen-q", sh.seqlen_q}, {"seqlen-k", sh.seqlen_k},
+                         {"heads", sh.heads_q}, {"heads-kv", sh.heads_kv}, {"head-dim", sh.head_dim},
+                         {"head-dim-v", sh.head_dim_v}})
     if (v < 0) throw Error(name, std::string("ioattn: option '--") + name + "': expected >= 0, got " + std::to_string(v));
 
-  AttnParams prm;
-  prm.causal = a.has("causal") || defaults;
+  std::mt19937_64 rng(static_cast<uint64_t>(a.integer("seed", 1234)));
+  Workload w(sh, a.has("alibi"), a.has("sinks"), rng);
+  AttnParams& prm = w.prm;
+  prm.causal = (a.has("causal") && a.str("causal", "1") != "0") || defaults;
   prm.softcap = static_cast<float>(a.num("softcap", 0.0));
   if (a.has("window")) {
-    const std::string w = a.str("window", "");
-    const auto comma = w.find(',');
-    if (comma == std::string::npos) throw Error("window", "ioattn: option '--window': expected L,R, got '" + w + "'");
-    prm.window_left = std::atoll(w.substr(0, comma).c_str());
-    prm.window_right = std::atoll(w.substr(comma + 1).c_str());
+    const std::string win = a.str("window", "");
+    const auto comma = win.find(',');
+    if (comma == std::string::npos) throw Error("window", "ioattn: option '--window': expected L,R, got '" + win + "'");
+    prm.window_left = std::atoll(win.substr(0, comma).c_str());
+    prm.window_right = std::atoll(win.substr(comma + 1).c_str());
   }
-  std::mt19937_64 rng(static_cast<uint64_t>(a.integer("seed", 1234)));
-  detail::Buffer q(dt, B * Sq * Hq * D, dev), k(dt, B * Sk * Hk * D, dev), v(dt, B * Sk * Hk * Dv, dev);
-  detail::Buffer o(dt, B * Sq * Hq * Dv, dev), lse(DType::f32, B * Hq * Sq, dev);
-  detail::Buffer alibi(DType::f32, Hq, dev), sinks(DType::f32, Hq, dev);
-  q.fill_random(rng);
-  k.fill_random(rng);
-  v.fill_random(rng);
-  o.poison();
-  lse.poison();
-  auto view = [&](detail::Buffer& b, int64_t s, int64_t h, int64_t d) {
-    if (layout == "bshd") return b.view({B, s, h, d});
-    return b.view({B, h, s, d}).transpose12();  // [b, h, s, d] memory seen as [b, s, h, d]
-  };
-  if (a.has("alibi")) {
-    for (int64_t h = 0; h < Hq; ++h) alibi.set(h, std::pow(2.0f, -8.0f * static_cast<float>(h + 1) / static_cast<float>(Hq)));
-    alibi.upload();
-    prm.alibi_slopes = alibi.view({Hq});
-  }
-  if (a.has("sinks")) {
-    sinks.fill_random(rng, 2.0f);
-    prm.sinks = sinks.view({Hq});
-  }
-  TensorView qv = view(q, Sq, Hq, D), kv = view(k, Sk, Hk, D), vv = view(v, Sk, Hk, Dv), ov = view(o, Sq, Hq, Dv);
-  TensorView lv = lse.view({B, Hq, Sq});
+  const Device dev = sh.device;
+  const int64_t B = sh.batch, Sq = sh.seqlen_q, Sk = sh.seqlen_k, Hq = sh.heads_q, Hk = sh.heads_kv;
+  const int64_t D = sh.head_dim, Dv = sh.head_dim_v;
+  const DType dt = sh.dtype;
 
-  // First call: measures peak host memory growth (RSS) or device memory in use.
-  const long rss0 = peak_rss_kb();
-  const size_t dev0 = dev == Device::cuda ? detail::cuda_used_bytes() : 0;
-  const KernelChoice choice = forward(qv, kv, vv, ov, lv, prm, ctx);
-  if (dev == Device::cuda) detail::cuda_synchronize();
-  const double extra_mb = dev == Device::cuda
-                              ? static_cast<double>(detail::cuda_used_bytes() - std::min(dev0, detail::cuda_used_bytes())) / 1e6
-                              : static_cast<double>(peak_rss_kb() - rss0) / 1e3;
-  std::vector<double> times;
-  for (int r = 0; r < repeats; ++r) {
-    const auto t0 = std::chrono::steady_clock::now();
-    forward(qv, kv, vv, ov, lv, prm, ctx);
-    if (dev == Device::cuda) detail::cuda_synchronize();
-    times.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
-  }
-  const double t = median(times);
+  const Timing tm = time_forward(w, ctx, 0, repeats, false);
+  const double t = tm.median_s;
+  const KernelChoice& choice = tm.choice;
+  const double extra_mb = (dev == Device::cuda ? tm.device_extra_bytes : tm.rss_growth_bytes) / 1e6;
   // FLOPs of the visible part of S (4 * d per score for QK^T and PV, d and dv averaged).
   double visible = 0;
   for (int64_t i = 0; i < Sq; ++i) {
@@ -337,36 +503,24 @@ int cmd_run(const Args& a) {
 
   double err_o = -1, err_lse = -1, err_naive = -1, bound = -1;
   bool pass = true;
+  std::string scope = "none";
   if (!a.has("no-check")) {
-    o.download();
-    lse.download();
-    detail::Validated val = detail::validate(qv, kv, vv, ov, lv, nullptr, prm, ctx);
-    // The reference reads inputs on the host.
-    detail::FwdProblem hp = val.p;
-    hp.q = q.host();
-    hp.k = k.host();
-    hp.v = v.host();
-    hp.alibi_slopes = prm.alibi_slopes.defined() ? static_cast<const float*>(alibi.host()) : nullptr;
-    hp.sinks = prm.sinks.defined() ? static_cast<const float*>(sinks.host()) : nullptr;
-    const auto ref = detail::reference_forward(hp, detail::RefPrecision::f64);
-    const auto emu = detail::reference_forward(hp, detail::RefPrecision::emulated);
-    detail::ErrorStats eo, el, no, nl;
-    detail::output_errors(hp, o.host(), static_cast<const float*>(lse.host()), ref, &eo, &el);
-    detail::ref_errors(emu, ref, &no, &nl);
-    err_o = eo.max_abs;
-    err_lse = el.max_abs;
-    err_naive = no.max_abs;
-    bound = 2 * err_naive + (dt == DType::f32 ? 1e-5 : 1e-3);
-    pass = err_o <= bound;
+    const Check ck = check_workload(w, ctx, a.num("check-flops", kDefaultCheckFlops));
+    err_o = ck.c.o.max_abs;
+    err_lse = ck.c.lse.max_abs;
+    err_naive = ck.c.naive_o.max_abs;
+    bound = ck.bound;
+    pass = ck.pass;
+    scope = check_scope(ck.c, sh);
   }
   if (a.has("json")) {
     std::printf("{\"kernel\": \"%s\", \"device\": \"%s\", \"dtype\": \"%s\", \"batch\": %lld, \"seqlen_q\": %lld, "
                 "\"seqlen_k\": %lld, \"heads_q\": %lld, \"heads_kv\": %lld, \"head_dim\": %lld, \"causal\": %s, "
                 "\"time_ms\": %.4f, \"gflops\": %.2f, \"extra_memory_mb\": %.2f, \"max_err_o\": %.3g, "
-                "\"max_err_lse\": %.3g, \"naive_lowp_err\": %.3g, \"pass\": %s}\n",
+                "\"max_err_lse\": %.3g, \"naive_lowp_err\": %.3g, \"check\": \"%s\", \"pass\": %s}\n",
                 choice.kernel.c_str(), dev_s.c_str(), dtype_name(dt), (long long)B, (long long)Sq, (long long)Sk,
                 (long long)Hq, (long long)Hk, (long long)D, prm.causal ? "true" : "false", t * 1e3, flops / t / 1e9,
-                extra_mb, err_o, err_lse, err_naive, pass ? "true" : "false");
+                extra_mb, err_o, err_lse, err_naive, scope.c_str(), pass ? "true" : "false");
   } else {
     std::printf("kernel:   %s\n          (%s)\n", choice.kernel.c_str(), choice.reason.c_str());
     std::printf("problem:  batch %lld, seqlen_q %lld, seqlen_k %lld, heads %lld/%lld, head_dim %lld/%lld, %s%s\n",
@@ -377,10 +531,233 @@ int cmd_run(const Args& a) {
     std::printf("memory:   %.1f MB peak extra %s (n x n scores would be %.1f MB per head in fp32)\n", extra_mb,
                 dev == Device::cuda ? "device memory" : "host RSS", static_cast<double>(Sq * Sk * 4) / 1e6);
     if (err_o >= 0)
-      std::printf("check:    max |O - ref| = %.3g (bound %.3g = 2 x naive-%s error %.3g + atol), max |LSE - ref| = %.3g: %s\n",
-                  err_o, bound, dtype_name(dt), err_naive, err_lse, pass ? "PASS" : "FAIL");
+      std::printf("check:    max |O - ref| = %.3g (bound %.3g = 2 x naive-%s error %.3g + atol), max |LSE - ref| = %.3g: %s%s\n",
+                  err_o, bound, dtype_name(dt), err_naive, err_lse, pass ? "PASS" : "FAIL",
+                  scope == "full" ? "" : (" (" + scope + ")").c_str());
   }
   return pass ? 0 : 1;
+}
+
+// ---- bench ------------------------------------------------------------------------------
+std::vector<std::string> split_list(const std::string& s) {
+  std::vector<std::string> out;
+  size_t at = 0;
+  while (at <= s.size()) {
+    const size_t comma = std::min(s.find(',', at), s.size());
+    if (comma > at) out.push_back(s.substr(at, comma - at));
+    at = comma + 1;
+  }
+  return out;
+}
+
+std::vector<int64_t> int_list(const Args& a, const std::string& key, const std::string& def, int64_t min_value) {
+  std::vector<int64_t> out;
+  for (const std::string& x : split_list(a.str(key, def))) {
+    char* end = nullptr;
+    const long long v = std::strtoll(x.c_str(), &end, 10);
+    if (end == x.c_str() || *end != '\0' || v < min_value)
+      throw Error(key, "ioattn: option '--" + key + "': expected a comma-separated list of integers >= " +
+                           std::to_string(min_value) + ", got '" + x + "'");
+    out.push_back(v);
+  }
+  if (out.empty()) throw Error(key, "ioattn: option '--" + key + "': expected at least one value, got none");
+  return out;
+}
+
+std::string json_escape(const std::string& s) {
+  std::string out;
+  for (char c : s) {
+    if (c == '"' || c == '\\') out += '\\';
+    if (static_cast<unsigned char>(c) >= 0x20) out += c;
+  }
+  return out;
+}
+
+// A number for JSON: no inf or NaN there, so a non-finite value (NaN output) becomes null.
+std::string jnum(double x, const char* fmt = "%.6g") {
+  if (!std::isfinite(x)) return "null";
+  char buf[64];
+  std::snprintf(buf, sizeof buf, fmt, x);
+  return buf;
+}
+
+// Progress on stderr: a bar redrawn in place on a terminal, one line per point in a log.
+void progress(size_t done, size_t total, const std::string& what, bool tty) {
+  if (tty) {
+    constexpr int kWidth = 30;
+    const int filled = static_cast<int>(kWidth * done / std::max<size_t>(total, 1));
+    std::fprintf(stderr, "\r[%s%s] %zu/%zu %s\x1b[K", std::string(static_cast<size_t>(filled), '#').c_str(),
+                 std::string(static_cast<size_t>(kWidth - filled), '.').c_str(), done, total, what.c_str());
+    if (done == total) std::fputc('\n', stderr);
+  } else {
+    std::fprintf(stderr, "[%zu/%zu] %s\n", done, total, what.c_str());
+  }
+  std::fflush(stderr);
+}
+
+// Extra memory a backend needs beyond its inputs and outputs, from how it is written:
+//  CUDA naive: fp32 S plus P in the dtype, per head (src/cuda/naive.cu); CUDA flash: none.
+//  CPU naive: the float64 reference materialises S (and copies of Q, K, V) per (batch, head), one
+//  per thread in flight; CPU flash: one tile workspace per thread (src/cpu/flash_cpu.cpp).
+double extra_bytes_model(const Shape& s, Backend be, const detail::FwdProblem& p, int threads) {
+  const double sq = static_cast<double>(s.seqlen_q), sk = static_cast<double>(s.seqlen_k);
+  const double d = static_cast<double>(s.head_dim), dv = static_cast<double>(s.head_dim_v);
+  const double pairs = static_cast<double>(s.batch * s.heads_q), esz = static_cast<double>(dtype_size(s.dtype));
+  const bool naive = be == Backend::naive;
+  if (s.device == Device::cuda) return naive ? static_cast<double>(s.heads_q) * (4 + esz) * sq * sk : 0.0;
+  if (naive) return std::min(pairs, static_cast<double>(threads)) * 8.0 * (sq * sk + sq * d + sk * (d + dv));
+  const std::string tile = detail::cpu_flash_tile(p);  // "BRxBC"
+  const double br = std::atof(tile.c_str()), bc = std::atof(tile.c_str() + tile.find('x') + 1);
+  return static_cast<double>(threads) * 4.0 * (d * br + bc * br + bc * d + bc * dv + br * dv + 5 * br);
+}
+
+int cmd_bench(const Args& a) {
+  check_known(a, {"device", "backend", "dtype", "seqlen", "hdim", "causal", "batch", "tokens", "heads", "hidden",
+                  "threads", "repeats", "warmup", "no-check", "check-flops", "out", "seed", "quiet"});
+  const std::string dev_s = a.str("device", "cpu");
+  const Device dev = parse_device(dev_s);
+  const bool cuda = dev == Device::cuda;
+  if (cuda && build_info().cuda_devices == 0)
+    throw Error("device", std::string("ioattn: option '--device': expected cpu here (") +
+                              (build_info().cuda_compiled ? "no CUDA device visible" : "built without CUDA") +
+                              "), got 'cuda'");
+  std::vector<DType> dtypes;
+  for (const std::string& x : split_list(a.str("dtype", "bf16"))) dtypes.push_back(parse_dtype(x, "dtype"));
+  std::vector<Backend> backends;
+  for (const std::string& x : split_list(a.str("backend", "naive,flash"))) backends.push_back(parse_backend(x, "backend"));
+  const auto seqlens = int_list(a, "seqlen", "1024,2048", 1);
+  const auto hdims = int_list(a, "hdim", "64,128", 1);
+  const auto causals = int_list(a, "causal", "0,1", 0);
+  for (int64_t c : causals)
+    if (c > 1) throw Error("causal", "ioattn: option '--causal': expected a list of 0 and 1, got " + std::to_string(c));
+  if (dtypes.empty() || backends.empty())
+    throw Error(dtypes.empty() ? "dtype" : "backend", "ioattn: option '--" + std::string(dtypes.empty() ? "dtype" : "backend") +
+                                                          "': expected at least one value, got none");
+  // Problem size: --batch/--heads as given, or FlashAttention's grid: --tokens = batch x seqlen
+  // (batch = tokens / seqlen, at least 1) and --hidden = heads x head_dim.
+  const int64_t tokens = a.integer("tokens", 0), hidden = a.integer("hidden", 0);
+  if (a.has("tokens") && a.has("batch")) throw Error("batch", "ioattn: option '--batch': expected --batch or --tokens, got both");
+  if (a.has("hidden") && a.has("heads")) throw Error("heads", "ioattn: option '--heads': expected --heads or --hidden, got both");
+  const int64_t batch_opt = a.integer("batch", 1), heads_opt = a.integer("heads", 8);
+  for (auto [name, v] : {std::pair{"batch", batch_opt}, {"heads", heads_opt}, {"tokens", tokens}, {"hidden", hidden}})
+    if (v < (a.has(name) ? 1 : 0))
+      throw Error(name, std::string("ioattn: option '--") + name + "': expected >= 1, got " + std::to_string(v));
+  const int repeats = static_cast<int>(a.integer("repeats", cuda ? 10 : 3));
+  const int warmup = static_cast<int>(a.integer("warmup", 1));
+  if (repeats < 0 || warmup < 0)
+    throw Error(repeats < 0 ? "repeats" : "warmup", "ioattn: option '--" + std::string(repeats < 0 ? "repeats" : "warmup") +
+                                                        "': expected >= 0, got " + std::to_string(std::min(repeats, warmup)));
+  const bool check = !a.has("no-check");
+  const double check_flops = a.num("check-flops", kDefaultCheckFlops);
+  Context ctx;
+  ctx.num_threads = static_cast<int>(a.integer("threads", 0));
+  const int threads = ctx.num_threads > 0 ? ctx.num_threads : build_info().cpu_threads;
+
+  FILE* out = stdout;
+  if (a.has("out")) {
+    out = std::fopen(a.str("out", "").c_str(), "w");
+    if (!out) throw Error("out", "ioattn: option '--out': expected a writable file, got '" + a.str("out", "") + "'");
+  }
+  const bool tty = !a.has("quiet") && isatty(fileno(stderr));
+  const size_t total = dtypes.size() * hdims.size() * seqlens.size() * causals.size() * backends.size();
+  size_t done = 0, failed = 0;
+  std::mt19937_64 rng(static_cast<uint64_t>(a.integer("seed", 1234)));
+  auto emit = [&](const std::string& record) {
+    std::fprintf(out, "%s\n", record.c_str());
+    std::fflush(out);  // a crash later keeps the points measured so far
+  };
+
+  for (DType dt : dtypes)
+    for (int64_t d : hdims)
+      for (int64_t s : seqlens) {
+        Shape sh;
+        sh.device = dev;
+        sh.dtype = dt;
+        sh.seqlen_q = sh.seqlen_k = s;
+        sh.head_dim = sh.head_dim_v = d;
+        sh.batch = tokens > 0 ? std::max<int64_t>(1, tokens / s) : batch_opt;
+        sh.heads_q = sh.heads_kv = hidden > 0 ? std::max<int64_t>(1, hidden / d) : heads_opt;
+        char shape_c[160];
+        std::snprintf(shape_c, sizeof shape_c,
+                      "\"device\": \"%s\", \"dtype\": \"%s\", \"batch\": %lld, \"heads\": %lld, \"heads_kv\": %lld, "
+                      "\"seqlen\": %lld, \"hdim\": %lld",
+                      dev_s.c_str(), dtype_name(dt), (long long)sh.batch, (long long)sh.heads_q, (long long)sh.heads_kv,
+                      (long long)s, (long long)d);
+        const std::string shape_json = shape_c;
+        // The traffic model of `ioattn explain` for this shape (every (batch, head) a head).
+        ExplainInput ein;
+        ein.seqlen = s;
+        ein.head_dim = d;
+        ein.heads = sh.batch * sh.heads_q;
+        ein.layers = 1;
+        ein.dtype_bytes = dtype_size(dt);
+        const ExplainReport model = explain(ein);
+        const double naive_bytes = model.naive_bytes_per_layer;
+        const double flash_bytes = model.flash_bytes_per_head * static_cast<double>(ein.heads);
+        std::unique_ptr<Workload> w;
+        std::string setup_error;
+        try {
+          w = std::make_unique<Workload>(sh, false, false, rng);
+        } catch (const std::exception& e) {
+          setup_error = e.what();
+        }
+        for (int64_t causal : causals)
+          for (Backend be : backends) {
+            std::string what = std::string(dtype_name(dt)) + " hdim " + std::to_string(d) + " seqlen " +
+                               std::to_string(s) + (causal ? " causal " : " ") + backend_name(be);
+            std::string rec = "{" + shape_json + ", \"causal\": " + (causal ? "true" : "false") +
+                              ", \"backend\": \"" + backend_name(be) + "\"";
+            try {
+              if (!w) throw std::runtime_error(setup_error);
+              w->prm.causal = causal != 0;
+              ctx.backend = be;
+              w->poison();
+              const Timing tm = time_forward(*w, ctx, warmup, repeats, cuda);
+              const double flops = 4.0 * static_cast<double>(sh.batch * sh.heads_q) * static_cast<double>(s) *
+                                   static_cast<double>(s) * static_cast<double>(d) * (causal ? 0.5 : 1.0);
+              const double bytes = be == Backend::naive ? naive_bytes : flash_bytes;
+              const detail::Validated val = w->validated(ctx);
+              const double extra_model = extra_bytes_model(sh, be, val.p, threads);
+              rec += ", \"kernel\": \"" + json_escape(tm.choice.kernel) + "\"";
+              rec += ", \"repeats\": " + std::to_string(tm.samples) + ", \"warmup\": " + std::to_string(warmup) +
+                     ", \"inner\": " + std::to_string(tm.inner);
+              rec += ", \"time_ms\": " + jnum(tm.median_s * 1e3) + ", \"time_ms_min\": " + jnum(tm.min_s * 1e3);
+              rec += ", \"flops\": " + jnum(flops, "%.0f") + ", \"tflops\": " + jnum(flops / tm.median_s / 1e12);
+              rec += ", \"model_bytes\": " + jnum(bytes, "%.0f") + ", \"bandwidth_tbps\": " + jnum(bytes / tm.median_s / 1e12);
+              rec += ", \"model_naive_bytes\": " + jnum(naive_bytes, "%.0f") + ", \"model_flash_bytes\": " +
+                     jnum(flash_bytes, "%.0f") + ", \"model_traffic_ratio\": " + jnum(model.traffic_ratio);
+              rec += ", \"extra_bytes\": " + jnum(cuda ? tm.device_extra_bytes : extra_model, "%.0f") +
+                     ", \"extra_bytes_source\": \"" + (cuda ? "measured" : "model") + "\"" +
+                     ", \"extra_bytes_model\": " + jnum(extra_model, "%.0f");
+              if (!cuda) rec += ", \"threads\": " + std::to_string(threads);
+              bool pass = true;
+              if (check) {
+                const Check ck = check_workload(*w, ctx, check_flops);
+                pass = ck.pass;
+                rec += ", \"max_err_o\": " + jnum(ck.c.o.max_abs) + ", \"max_err_lse\": " + jnum(ck.c.lse.max_abs) +
+                       ", \"naive_lowp_err\": " + jnum(ck.c.naive_o.max_abs) + ", \"err_bound\": " + jnum(ck.bound) +
+                       ", \"pass\": " + (pass ? "true" : "false") + ", \"check\": \"" + check_scope(ck.c, sh) + "\"";
+              } else {
+                rec += ", \"check\": \"skipped\"";
+              }
+              if (!pass) ++failed;
+              char tail[96];
+              std::snprintf(tail, sizeof tail, ": %.3f ms, %.2f TFLOP/s%s", tm.median_s * 1e3, flops / tm.median_s / 1e12,
+                            pass ? "" : ", CHECK FAILED");
+              what += tail;
+            } catch (const std::exception& e) {
+              ++failed;
+              rec += ", \"error\": \"" + json_escape(e.what()) + "\"";
+              what += std::string(": error: ") + e.what();
+            }
+            emit(rec + "}");
+            ++done;
+            if (!a.has("quiet")) progress(done, total, what, tty);
+          }
+      }
+  if (out != stdout) std::fclose(out);
+  if (failed) std::fprintf(stderr, "ioattn bench: %zu of %zu points failed (error or check)\n", failed, total);
+  return failed ? 1 : 0;
 }
 
 }  // namespace
@@ -398,6 +775,7 @@ int main(int argc, char** argv) {
     }
     if (a.command == "explain") return cmd_explain(a);
     if (a.command == "info") return cmd_info(a);
+    if (a.command == "bench") return cmd_bench(a);
     std::fprintf(stderr, "ioattn: unknown command '%s'\n\n", a.command.c_str());
     usage();
     return 2;

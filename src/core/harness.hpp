@@ -8,6 +8,7 @@
 #include <cstring>
 #include <limits>
 #include <random>
+#include <utility>
 #include <vector>
 
 #include "core/backends.hpp"
@@ -125,6 +126,71 @@ inline void output_errors(const FwdProblem& p, const void* o_host, const float* 
 inline void ref_errors(const RefResult& a, const RefResult& b, ErrorStats* o_err, ErrorStats* lse_err) {
   for (size_t i = 0; i < a.o.size(); ++i) accumulate_error(*o_err, a.o[i], b.o[i], static_cast<int64_t>(i));
   for (size_t i = 0; i < a.lse.size(); ++i) accumulate_error(*lse_err, a.lse[i], b.lse[i], static_cast<int64_t>(i));
+}
+
+// The last `rows` query rows of (batch b, query head h) of a fixed-length problem, as a problem
+// of its own (batch 1, one head, seqlen_q = rows; pointers moved, strides kept). The masks and
+// ALiBi depend on i + (seqlen_k - seqlen_q) only, which the last rows keep, so its reference is
+// the full problem's on those rows: a large problem is checked on a sample for a fraction of
+// the float64 cost. o and lse point where the full problem's outputs hold those rows.
+inline FwdProblem last_rows_problem(const FwdProblem& p, int64_t b, int64_t h, int64_t rows) {
+  const int64_t esz = dtype_size(p.dtype), hk = h / p.group(), i0 = p.seqlen_q - rows;
+  auto at = [&](const void* base, const Strides3& s, int64_t head, int64_t row) {
+    return static_cast<const char*>(base) + (b * s.batch + row * s.seq + head * s.head) * esz;
+  };
+  FwdProblem s = p;
+  s.q = at(p.q, p.q_stride, h, i0);
+  s.k = at(p.k, p.k_stride, hk, 0);
+  s.v = at(p.v, p.v_stride, hk, 0);
+  s.o = const_cast<char*>(at(p.o, p.o_stride, h, i0));
+  s.lse = p.lse ? p.lse + b * p.lse_stride.batch + h * p.lse_stride.head + i0 * p.lse_stride.seq : nullptr;
+  s.alibi_slopes = p.alibi_slopes ? p.alibi_slopes + h : nullptr;
+  s.sinks = p.sinks ? p.sinks + h : nullptr;
+  s.batch = 1;
+  s.heads_q = s.heads_kv = 1;
+  s.seqlen_q = rows;
+  return s;
+}
+
+// A backend's outputs against the float64 reference, with the error of standard attention in
+// the input precision beside it (the tolerance rule's baseline).
+struct ForwardCheck {
+  ErrorStats o, lse;              // backend vs float64 reference
+  ErrorStats naive_o, naive_lse;  // emulated input-precision standard attention vs float64
+  bool sampled = false;           // true: only (heads_checked x rows_checked) rows were compared
+  int64_t heads_checked = 0;      // (batch, head) pairs
+  int64_t rows_checked = 0;       // query rows per pair
+};
+
+// hp: the problem with host pointers for every input and for o / lse (downloaded outputs).
+// When the float64 reference of the whole problem would cost more than max_ref_flops, the check
+// runs on the last rows of the first and the last (batch, head) pair instead (fixed length only;
+// varlen is always checked whole).
+inline ForwardCheck check_forward(const FwdProblem& hp, double max_ref_flops) {
+  ForwardCheck c;
+  const double row_flops = 2.0 * static_cast<double>(hp.seqlen_k) * static_cast<double>(hp.head_dim + hp.head_dim_v);
+  const double full_flops = row_flops * static_cast<double>(hp.batch * hp.heads_q * hp.seqlen_q);
+  auto compare = [&](const FwdProblem& p) {
+    const RefResult ref = reference_forward(p, RefPrecision::f64);
+    const RefResult emu = reference_forward(p, RefPrecision::emulated);
+    output_errors(p, p.o, p.lse, ref, &c.o, p.lse ? &c.lse : nullptr);
+    ref_errors(emu, ref, &c.naive_o, &c.naive_lse);
+  };
+  if (hp.varlen() || full_flops <= max_ref_flops || hp.batch * hp.heads_q == 0) {
+    compare(hp);
+    c.heads_checked = hp.batch * hp.heads_q;
+    c.rows_checked = hp.seqlen_q;
+    return c;
+  }
+  std::vector<std::pair<int64_t, int64_t>> pairs = {{0, 0}};
+  if (hp.batch * hp.heads_q > 1) pairs.emplace_back(hp.batch - 1, hp.heads_q - 1);
+  const double per_pair = max_ref_flops / static_cast<double>(pairs.size());
+  const int64_t rows = std::clamp<int64_t>(static_cast<int64_t>(per_pair / std::max(row_flops, 1.0)), 1, hp.seqlen_q);
+  for (const auto& bh : pairs) compare(last_rows_problem(hp, bh.first, bh.second, rows));
+  c.sampled = true;
+  c.heads_checked = static_cast<int64_t>(pairs.size());
+  c.rows_checked = rows;
+  return c;
 }
 
 }  // namespace ioattn::detail
