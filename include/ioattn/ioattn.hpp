@@ -32,8 +32,8 @@
 
 namespace ioattn {
 
-// f8e4m3 and i8 appear only in 8-bit KV caches (serving.hpp), with per-head scales; i64 only in
-// append_kv's slot_mapping.
+// f8e4m3: the forward's q/k/v (with descale factors in AttnParams; o is then bf16 or f16) and
+// 8-bit KV caches (serving.hpp); i8 only in KV caches; i64 only in append_kv's slot_mapping.
 enum class DType : uint8_t { f32, f16, bf16, i32, f8e4m3, i8, i64 };
 enum class Device : uint8_t { cpu, cuda };
 
@@ -70,6 +70,15 @@ struct AttnParams {
   float softcap = 0.0f;        // 0 = off
   TensorView alibi_slopes;     // optional, f32 [heads_q], same device as q
   TensorView sinks;            // optional, f32 [heads_q], same device as q
+  // FP8 forward (q, k, v all f8e4m3; o bf16 or f16; lse fp32), FlashAttention-3's convention:
+  // the real inputs are q * q_descale, k * k_descale, v * v_descale, each descale an optional
+  // f32 view [batch, heads_kv] (unit stride on the last dim; undefined = 1) on the device of q. q_descale is
+  // per kv head: all query heads of a GQA group share it. Scores are then
+  // scale * q_descale * k_descale * (q_code . k_code), and O = descale_v * (P V_code).
+  // Only with f8e4m3 inputs (an error otherwise); forward only (the backward refuses f8e4m3).
+  TensorView q_descale;
+  TensorView k_descale;
+  TensorView v_descale;
 };
 
 enum class Backend : uint8_t { automatic, flash, naive };

@@ -105,6 +105,25 @@ namespace {
 
 constexpr int64_t kMaxHeadDim = 512;
 
+// An FP8 descale view: only with f8e4m3 inputs; f32 [batch, heads_kv], any strides, on q's device.
+Descale check_descale(const TensorView& t, const char* name, bool fp8, int64_t batch, int64_t heads_kv,
+                      const TensorView& q) {
+  Descale d;
+  if (!t.defined()) return d;
+  if (!fp8)
+    fail(name, "undefined (descale factors apply to f8e4m3 inputs only)",
+         std::string("a descale view with ") + dtype_name(q.dtype) + " inputs");
+  check_view(t, name, 2, q);
+  check_dtype(t, name, DType::f32);
+  check_dim(name, 0, t.shape[0], batch, "batch");
+  check_dim(name, 1, t.shape[1], heads_kv, "heads_kv");
+  if (t.data == nullptr) fail(name, "a non-null data pointer", "null");
+  d.ptr = static_cast<const float*>(t.data);
+  d.batch_stride = t.stride[0];
+  d.head_stride = t.stride[1];
+  return d;
+}
+
 }  // namespace
 
 Validated validate(const TensorView& q, const TensorView& k, const TensorView& v,
@@ -114,13 +133,19 @@ Validated validate(const TensorView& q, const TensorView& k, const TensorView& v
   FwdProblem& p = out.p;
   const int nd = varlen ? 3 : 4;
   check_view(q, "q", nd, q);
-  if (!is_float(q.dtype)) fail("q.dtype", "f32, f16 or bf16", dtype_name(q.dtype));
+  const bool fp8 = q.dtype == DType::f8e4m3;
+  if (!is_float(q.dtype) && !fp8) fail("q.dtype", "f32, f16, bf16 or f8e4m3", dtype_name(q.dtype));
   check_view(k, "k", nd, q);
   check_view(v, "v", nd, q);
   check_view(o, "o", nd, q);
   check_dtype(k, "k", q.dtype);
   check_dtype(v, "v", q.dtype);
-  check_dtype(o, "o", q.dtype);
+  if (fp8) {
+    if (o.dtype != DType::bf16 && o.dtype != DType::f16)
+      fail("o.dtype", "bf16 or f16 (the output of f8e4m3 inputs)", dtype_name(o.dtype));
+  } else {
+    check_dtype(o, "o", q.dtype);
+  }
   check_writable(o, "o");
   if (q.device == Device::cuda && !cuda_compiled())
     fail("q.device", "cpu (this build has no CUDA backend)", "cuda");
@@ -232,6 +257,10 @@ Validated validate(const TensorView& q, const TensorView& k, const TensorView& v
   p.sinks = check_head_vector(params.sinks, "params.sinks", p.heads_q, q);
   if (ctx.num_threads < 0)
     fail("ctx.num_threads", ">= 0 (0 = all)", std::to_string(ctx.num_threads));
+  p.q_descale = check_descale(params.q_descale, "params.q_descale", fp8, p.batch, p.heads_kv, q);
+  p.k_descale = check_descale(params.k_descale, "params.k_descale", fp8, p.batch, p.heads_kv, q);
+  p.v_descale = check_descale(params.v_descale, "params.v_descale", fp8, p.batch, p.heads_kv, q);
+  if (fp8) p.fp8_out = o.dtype;
 
   p.q = q.data;
   p.k = k.data;
@@ -270,6 +299,8 @@ ValidatedBwd validate_backward(const TensorView& q, const TensorView& k, const T
                                const Context& ctx) {
   ValidatedBwd out;
   if (!lse.defined()) fail("lse", "the forward's fp32 log-sum-exp (required by the backward)", "undefined");
+  if (q.dtype == DType::f8e4m3)
+    fail("q.dtype", "f32, f16 or bf16 (the backward has no f8e4m3 path)", dtype_name(q.dtype));
   out.fwd = validate(q, k, v, o, lse, varlen, params, ctx);
   const bool vl = varlen != nullptr;
   check_like(dout, "dout", o, "o", q, false);
@@ -326,6 +357,9 @@ Selection select(const FwdProblem& p, Backend backend) {
          std::to_string(cuda_device_count()) + " CUDA devices");
   const std::string sm = "sm" + std::to_string(arch);
   if (backend == Backend::naive) {
+    if (p.fp8())
+      throw Error("q", "ioattn: no CUDA naive kernel for " + sm + " " + shape +
+                           ": the cuBLAS path has no f8e4m3 inputs (the CPU naive backend has)");
     s.choice = {"cuda/naive " + sm + " " + shape, "backend=naive requested: S and P materialised in HBM"};
     s.run = cuda_naive_forward;
     return s;

@@ -20,6 +20,15 @@ struct Strides3 {
   int64_t batch = 0, seq = 0, head = 0;
 };
 
+// An FP8 descale factor per (batch, kv head): value = code * at(b, hk); null = 1.
+struct Descale {
+  const float* ptr = nullptr;  // on the problem's device
+  int64_t batch_stride = 0, head_stride = 0;  // elements
+  bool defined() const { return ptr != nullptr; }
+  // Host only (the pointer must be host memory).
+  float at(int64_t b, int64_t hk) const { return ptr ? ptr[b * batch_stride + hk * head_stride] : 1.0f; }
+};
+
 struct FwdProblem {
   const void* q = nullptr;
   const void* k = nullptr;
@@ -52,7 +61,14 @@ struct FwdProblem {
   void* stream = nullptr;
   int num_threads = 0;
 
+  // FP8 (dtype == f8e4m3): o's dtype (bf16 or f16) and the descales (see AttnParams).
+  DType fp8_out = DType::bf16;
+  Descale q_descale, k_descale, v_descale;
+
   bool varlen() const { return cu_seqlens_q != nullptr; }
+  bool fp8() const { return dtype == DType::f8e4m3; }
+  // The dtype O is written in: the input dtype, or fp8_out for f8e4m3 inputs.
+  DType out_dtype() const { return fp8() ? fp8_out : dtype; }
   int64_t group() const { return heads_q / heads_kv; }
   bool has_mask() const { return window_left >= 0 || window_right >= 0; }
 };
@@ -93,6 +109,9 @@ inline std::string mask_name(const FwdProblem& p) {
   if (p.sinks) m += "+sinks";
   if (p.varlen()) m += "+varlen";
   if (p.heads_q != p.heads_kv) m += "+gqa" + std::to_string(p.group());
+  if (p.fp8())
+    m += std::string("+fp8") + (p.q_descale.defined() || p.k_descale.defined() || p.v_descale.defined() ? "-descale" : "") +
+         "->" + (p.fp8_out == DType::f16 ? "f16" : "bf16");
   return m;
 }
 

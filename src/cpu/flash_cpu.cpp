@@ -3,6 +3,7 @@
 // What it computes: the forward of ioattn's attention (include/ioattn/ioattn.hpp) -- scale,
 // softcap, ALiBi, bottom-right causal/window masks, sinks, GQA, varlen, any int64 strides --
 // with fp32 accumulation for f32/f16/bf16 inputs. O is written in the input dtype, LSE in fp32.
+// f8e4m3 inputs are dequantised on load (code * descale, scalar) and O is written in bf16/f16.
 // The n x n score matrix never exists; extra memory is O(tile) per thread.
 //
 // Tiling. A task is (batch b, kv head hk, query tile). The g = heads_q / heads_kv query heads
@@ -67,6 +68,7 @@
 #include "core/backends.hpp"
 #include "core/half.hpp"
 #include "core/problem.hpp"
+#include "cpu/serving_quant.h"
 
 #ifndef HWY_DISABLED_TARGETS
 #define HWY_DISABLED_TARGETS HWY_SSSE3
@@ -234,11 +236,15 @@ HWY_INLINE VF LoadBF16(const uint16_t* HWY_RESTRICT p) {
   return hn::PromoteTo(df, hn::LoadU(db, reinterpret_cast<const hwy::bfloat16_t*>(p)));
 }
 
-// dst[0, n) = row base[off, off + n) of dtype t, as fp32.
-HWY_INLINE void LoadRow(DType t, const void* base, int64_t off, size_t n, float* HWY_RESTRICT dst) {
+// dst[0, n) = row base[off, off + n) of dtype t, as fp32 (f8e4m3: codes times `descale`).
+HWY_INLINE void LoadRow(DType t, const void* base, int64_t off, size_t n, float* HWY_RESTRICT dst,
+                        float descale = 1.0f) {
   const DF df;
   size_t x = 0;
-  if (t == DType::f32) {
+  if (t == DType::f8e4m3) {  // scalar: fp8 inputs are a correctness path on the CPU
+    const uint8_t* src = static_cast<const uint8_t*>(base) + off;
+    for (; x < n; ++x) dst[x] = e4m3_to_float(src[x]) * descale;
+  } else if (t == DType::f32) {
     const float* src = static_cast<const float*>(base) + off;
     for (; x + kL <= n; x += kL) hn::StoreU(hn::LoadU(df, src + x), df, dst + x);
     for (; x < n; ++x) dst[x] = src[x];
@@ -659,8 +665,14 @@ void RunTask(const FwdProblem& p, const Task& t, const Workspace& ws) {
     ws.slope[c] = p.alibi_slopes ? p.alibi_slopes[h] : 0.0f;
     ws.m[c] = p.sinks ? p.sinks[h] : ninf;
     const int64_t qoff = t.b * p.q_stride.batch + (t.q_start + i) * p.q_stride.seq + h * p.q_stride.head;
-    for (size_t k = 0; k < d; ++k)
-      ws.qt[k * kBr + c] = load_float(p.q, dt, qoff + static_cast<int64_t>(k)) * p.scale;
+    if (p.fp8()) {
+      const float qs = p.q_descale.at(t.b, t.hk) * p.scale;
+      for (size_t k = 0; k < d; ++k)
+        ws.qt[k * kBr + c] = e4m3_to_float(static_cast<const uint8_t*>(p.q)[qoff + static_cast<int64_t>(k)]) * qs;
+    } else {
+      for (size_t k = 0; k < d; ++k)
+        ws.qt[k * kBr + c] = load_float(p.q, dt, qoff + static_cast<int64_t>(k)) * p.scale;
+    }
   }
   std::memset(ws.o, 0, kBr * dvp * sizeof(float));
 
@@ -673,6 +685,7 @@ void RunTask(const FwdProblem& p, const Task& t, const Workspace& ws) {
   mods.alibi = p.alibi_slopes != nullptr;
   mods.softcap = p.softcap;
   const int64_t hk = t.hk;
+  const float k_descale = p.k_descale.at(t.b, hk), v_descale = p.v_descale.at(t.b, hk);
   // Blocks sit on a global grid of kBc keys, so a row's result does not depend on which tile
   // (hence on the thread count) computed it: bit-identical for any number of threads.
   const int64_t kb0 = lo_first / static_cast<int64_t>(kBc) * static_cast<int64_t>(kBc);
@@ -683,9 +696,9 @@ void RunTask(const FwdProblem& p, const Task& t, const Workspace& ws) {
     for (size_t j = 0; j < len; ++j) {
       const int64_t key = t.k_start + kb + static_cast<int64_t>(j);
       LoadRow(dt, p.k, t.b * p.k_stride.batch + key * p.k_stride.seq + hk * p.k_stride.head, d,
-              ws.kp + j * d);
+              ws.kp + j * d, k_descale);
       LoadRow(dt, p.v, t.b * p.v_stride.batch + key * p.v_stride.seq + hk * p.v_stride.head, dv,
-              ws.vp + j * dvp);
+              ws.vp + j * dvp, v_descale);
     }
     if (nkeys > len) std::memset(ws.kp + len * d, 0, (nkeys - len) * d * sizeof(float));
 
@@ -693,7 +706,7 @@ void RunTask(const FwdProblem& p, const Task& t, const Workspace& ws) {
     const int64_t next = kb + static_cast<int64_t>(kBc);
     if (next < hi_last) {
       const int64_t key = t.k_start + next;
-      const int64_t esize = dt == DType::f32 ? 4 : 2;
+      const int64_t esize = dtype_size(dt);
       pf.k = static_cast<const char*>(p.k) +
              (t.b * p.k_stride.batch + key * p.k_stride.seq + hk * p.k_stride.head) * esize;
       pf.v = static_cast<const char*>(p.v) +
@@ -738,7 +751,7 @@ void RunTask(const FwdProblem& p, const Task& t, const Workspace& ws) {
     float lse = l > 0.0f ? m + std::log(l) : ninf;
     if (ws.poison[c] != 0.0f) inv = lse = std::numeric_limits<float>::quiet_NaN();
     const int64_t ooff = t.b * p.o_stride.batch + (t.q_start + i) * p.o_stride.seq + h * p.o_stride.head;
-    StoreRow(dt, p.o, ooff, dv, ws.o + c * dvp, inv);
+    StoreRow(p.out_dtype(), p.o, ooff, dv, ws.o + c * dvp, inv);
     if (p.lse) p.lse[t.b * p.lse_stride.batch + h * p.lse_stride.head + (t.q_start + i) * p.lse_stride.seq] = lse;
   }
 }

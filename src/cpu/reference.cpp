@@ -7,6 +7,7 @@
 
 #include "core/backends.hpp"
 #include "core/half.hpp"
+#include "cpu/serving_quant.h"
 
 namespace ioattn::detail {
 namespace {
@@ -25,9 +26,20 @@ SeqRange seq_range(const FwdProblem& p, int64_t b) {
 
 RefResult reference_forward(const FwdProblem& p, RefPrecision prec, int64_t total_q_rows) {
   const bool emu = prec == RefPrecision::emulated;
+  const bool fp8 = p.fp8();
   const DType t = p.dtype;
-  // Rounds an intermediate tensor to the input precision when emulating.
-  auto rnd = [&](double x) -> double { return emu ? round_to(t, static_cast<float>(x)) : x; };
+  // Rounds an intermediate tensor to the input precision when emulating. FP8: S stays fp32 (as
+  // in the kernels: fp32 accumulation of exact e4m3 products), P is rounded to e4m3 (below), O to
+  // the output dtype.
+  auto rnd = [&](double x) -> double {
+    if (!emu) return x;
+    return fp8 ? static_cast<float>(x) : round_to(t, static_cast<float>(x));
+  };
+  // Element x of a q/k/v buffer as a value: fp8 codes dequantised with their (b, kv head) descale.
+  auto load = [&](const void* base, int64_t off, const Descale& ds, int64_t b, int64_t hk) -> float {
+    if (!fp8) return load_float(base, t, off);
+    return e4m3_to_float(static_cast<const uint8_t*>(base)[off]) * ds.at(b, hk);
+  };
 
   RefResult r;
   r.rows = p.varlen() ? (total_q_rows >= 0 ? total_q_rows : p.cu_seqlens_q_host[p.batch])
@@ -49,13 +61,13 @@ RefResult reference_forward(const FwdProblem& p, RefPrecision prec, int64_t tota
       for (int64_t i = 0; i < sq; ++i) {
         const int64_t off = b * p.q_stride.batch + (sr.q_start + i) * p.q_stride.seq + h * p.q_stride.head;
         for (int64_t x = 0; x < d; ++x) {
-          const float qv = load_float(p.q, t, off + x);
-          Q[i * d + x] = emu ? round_to(t, qv * p.scale) : qv;
+          const float qv = load(p.q, off + x, p.q_descale, b, hk);
+          Q[i * d + x] = emu ? (fp8 ? qv : round_to(t, qv * p.scale)) : qv;
         }
       }
       for (int64_t j = 0; j < sk; ++j) {
         const int64_t off = b * p.k_stride.batch + (sr.k_start + j) * p.k_stride.seq + hk * p.k_stride.head;
-        for (int64_t x = 0; x < d; ++x) K[j * d + x] = load_float(p.k, t, off + x);
+        for (int64_t x = 0; x < d; ++x) K[j * d + x] = load(p.k, off + x, p.k_descale, b, hk);
       }
       // S and P, materialised: [sq, sk].
       std::vector<double> S(static_cast<size_t>(sq * sk));
@@ -74,7 +86,7 @@ RefResult reference_forward(const FwdProblem& p, RefPrecision prec, int64_t tota
           if (emu) {
             float facc = 0.0f;  // fp32 accumulate, result rounded to the input dtype
             for (int64_t x = 0; x < d; ++x) facc += static_cast<float>(qi[x]) * static_cast<float>(kj[x]);
-            acc = rnd(facc);
+            acc = fp8 ? static_cast<double>(facc * p.scale) : rnd(facc);
           } else {
             double a4[4] = {0, 0, 0, 0};
             int64_t x = 0;
@@ -92,7 +104,7 @@ RefResult reference_forward(const FwdProblem& p, RefPrecision prec, int64_t tota
       std::vector<double> V(static_cast<size_t>(sk * dv));
       for (int64_t j = 0; j < sk; ++j) {
         const int64_t off = b * p.v_stride.batch + (sr.k_start + j) * p.v_stride.seq + hk * p.v_stride.head;
-        for (int64_t x = 0; x < dv; ++x) V[j * dv + x] = load_float(p.v, t, off + x);
+        for (int64_t x = 0; x < dv; ++x) V[j * dv + x] = load(p.v, off + x, p.v_descale, b, hk);
       }
       // Row softmax (with the optional sink in the denominator), then O = P V.
       const double sink = p.sinks ? p.sinks[h] : ninf;
@@ -111,13 +123,16 @@ RefResult reference_forward(const FwdProblem& p, RefPrecision prec, int64_t tota
         r.lse[lse_idx] = m + std::log(l);
         double* orow = &r.o[((orow0 + i) * hq + h) * dv];
         for (int64_t j = 0; j < sk; ++j) {
-          const double pij = rnd(S[i * sk + j] / l);
+          // FP8 emulation: the unnormalised P (max 1) in e4m3, as the P V GEMM of an fp8 kernel
+          // takes it; the normalisation by l (a sum of the unrounded values) comes after.
+          const double pij = emu && fp8 ? e4m3_to_float(float_to_e4m3(static_cast<float>(S[i * sk + j]))) / l
+                                        : rnd(S[i * sk + j] / l);
           if (pij == 0.0) continue;
           const double* vj = &V[j * dv];
           for (int64_t x = 0; x < dv; ++x) orow[x] += pij * vj[x];
         }
         if (emu)
-          for (int64_t x = 0; x < dv; ++x) orow[x] = rnd(static_cast<float>(orow[x]));
+          for (int64_t x = 0; x < dv; ++x) orow[x] = round_to(p.out_dtype(), static_cast<float>(orow[x]));
       }
     }
   }
@@ -129,7 +144,7 @@ void cpu_naive_forward(const FwdProblem& p) {
   const RefResult r = reference_forward(p, RefPrecision::f64, total);
   const int64_t dv = p.head_dim_v;
   for_each_output_row(p, r, [&](int64_t ooff, int64_t ro, int64_t loff, int64_t rl) {
-    for (int64_t x = 0; x < dv; ++x) store_float(p.o, p.dtype, ooff + x, static_cast<float>(r.o[ro + x]));
+    for (int64_t x = 0; x < dv; ++x) store_float(p.o, p.out_dtype(), ooff + x, static_cast<float>(r.o[ro + x]));
     if (p.lse) p.lse[loff] = static_cast<float>(r.lse[rl]);
   });
 }
