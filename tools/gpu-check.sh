@@ -8,11 +8,15 @@
 #   4. compute-sanitizer memcheck (+ racecheck) on small flash and naive cases
 #   5. the peer benchmark: bench/peer_bench.py (ioattn vs PyTorch SDPA flash/cudnn, same run)
 #   6. optional tile sweep (GPU_CHECK_TUNE=1): ioattn_cuda_tune
+#   report (not in the default stages; ~4-5 min): tools/report/report.sh — ioattn bench sweeps (CPU
+#      and CUDA), Nsight Compute DRAM traffic vs the model, ceilings, charts; packed into report.tgz.
+#      Run it with the stages that write its peer inputs: GPU_CHECK_STAGES="build bench sm90 report"
 # Each stage logs to its own file in RESULTS_DIR; a short summary table is printed last.
 #
 # Environment: GPU_CHECK_ARCHS (default 90a), GPU_CHECK_STAGES (default "build ctest tests
 # sanitizer bench"), GPU_CHECK_TUNE=1, GPU_CHECK_BENCH_ARGS (extra peer_bench.py args),
-# GPU_CHECK_JOBS (build parallelism, default nproc).
+# GPU_CHECK_JOBS (build parallelism, default nproc), GPU_CHECK_REPORT_INPUTS (folder holding
+# peer.json / sm90.csv / peer_sm90.csv / peer_decode.json for the report's charts; default RESULTS_DIR).
 set -uo pipefail
 OUT=${1:?usage: tools/gpu-check.sh RESULTS_DIR}
 mkdir -p "$OUT"
@@ -119,6 +123,19 @@ if want python; then
   note "python     rc=$rc  $(( $(stamp) - t0 )) s  $(grep -E '[0-9]+ passed' "$OUT/python.log" | tail -1)"
 fi
 
+# ---- report: JSON + charts from the built tree (tools/report/report.sh), one archive --------------
+if want report; then
+  t0=$(stamp)
+  [[ -x $BUILD/ioattn || ! -f $BUILD/build.ninja ]] || ninja -C "$BUILD" -j "$JOBS" ioattn_cli >"$OUT/report.log" 2>&1
+  "$ROOT/tools/report/report.sh" "$OUT/report" "$BUILD" "${GPU_CHECK_REPORT_INPUTS:-$OUT}" >>"$OUT/report.log" 2>&1
+  rc=$?
+  note "report     rc=$rc  $(( $(stamp) - t0 )) s  (report.tgz: PNG charts + JSON; report.log)"
+  [[ -f $OUT/report/steps.txt ]] && sed 's/^/  /' "$OUT/report/steps.txt" | tee -a "$SUMMARY"
+  grep -E "skipped \(|FAILED" "$OUT/report.log" | sort -u | sed 's/^ */  /' | tee -a "$SUMMARY"
+  # The charts and JSON travel as one file (at most 8 come back from the device machine).
+  (cd "$OUT" && [[ -d report ]] && tar czf report.tgz report && rm -rf report)
+fi
+
 # ---- 8. tile sweep -------------------------------------------------------------------------------
 if [[ ${GPU_CHECK_TUNE:-0} == 1 && -x $BUILD/ioattn_cuda_tune ]]; then
   t0=$(stamp)
@@ -132,6 +149,7 @@ cat "$SUMMARY"
 [[ -f $OUT/cuda_tests.log ]] && grep -E '^\[  FAILED|Failure|error' "$OUT/cuda_tests.log" | head -20
 [[ -f $OUT/bench.log ]] && sed -n '/^## forward/,$p' "$OUT/bench.log"
 [[ -f $OUT/sm90.log ]] && tail -40 "$OUT/sm90.log"
+[[ -f $OUT/report.log ]] && sed -n '/^==== report/,$p' "$OUT/report.log"
 # At most 8 files come back from the device machine: keep the summary and the JSON/CSV results,
 # pack every log into one archive.
 (cd "$OUT" && ls *.log >/dev/null 2>&1 && tar czf logs.tgz *.log && rm -f *.log)
