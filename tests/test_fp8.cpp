@@ -138,6 +138,37 @@ TEST(Fp8Validation, SelectNamesFp8) {
   EXPECT_NE(kc.kernel.find("fp8-descale->bf16"), std::string::npos) << kc.kernel;
 }
 
+// The descales act (a reference and a kernel that both ignored them would agree with each other):
+// v_descale = 2 doubles O exactly; q_descale = 2 equals scale doubled; on both CPU backends.
+TEST(Fp8Forward, DescalesAct) {
+  for (Backend be : {Backend::naive, Backend::flash}) {
+    Context ctx;
+    ctx.backend = be;
+    Fp8Problem base({"d", 1, 9, 20, 2, 1, 32, false, DType::bf16, false});
+    forward(base.qv, base.kv, base.vv, base.ov, base.lv, base.prm, ctx);
+    Fp8Problem vd({"d", 1, 9, 20, 2, 1, 32, false, DType::bf16, false});
+    std::vector<float> two(1, 2.0f);
+    vd.prm.v_descale = TensorView::contiguous(two.data(), DType::f32, {1, 1});
+    forward(vd.qv, vd.kv, vd.vv, vd.ov, vd.lv, vd.prm, ctx);
+    Fp8Problem qd({"d", 1, 9, 20, 2, 1, 32, false, DType::bf16, false});
+    qd.prm.q_descale = TensorView::contiguous(two.data(), DType::f32, {1, 1});
+    forward(qd.qv, qd.kv, qd.vv, qd.ov, qd.lv, qd.prm, ctx);
+    Fp8Problem sc({"d", 1, 9, 20, 2, 1, 32, false, DType::bf16, false});
+    sc.prm.scale = 2.0f / std::sqrt(32.0f);
+    forward(sc.qv, sc.kv, sc.vv, sc.ov, sc.lv, sc.prm, ctx);
+    float diff_v = 0, diff_q = 0, moved = 0;
+    for (size_t i = 0; i < base.o.size(); ++i) {
+      diff_v = std::max(diff_v, std::fabs(vd.out_at(i) - 2.0f * base.out_at(i)));
+      diff_q = std::max(diff_q, std::fabs(qd.out_at(i) - sc.out_at(i)));
+      moved = std::max(moved, std::fabs(qd.out_at(i) - base.out_at(i)));
+    }
+    EXPECT_EQ(diff_v, 0.0f) << backend_name(be);
+    EXPECT_LE(diff_q, 1e-6) << backend_name(be);
+    EXPECT_GT(moved, 1e-2) << backend_name(be);
+    for (size_t i = 0; i < base.lse.size(); ++i) EXPECT_NEAR(qd.lse[i], sc.lse[i], 1e-5) << backend_name(be);
+  }
+}
+
 class Fp8Forward : public ::testing::TestWithParam<std::tuple<Fp8Case, Backend>> {};
 
 TEST_P(Fp8Forward, MatchesReference) {

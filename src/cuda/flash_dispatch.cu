@@ -131,6 +131,9 @@ namespace ioattn::detail {
 CudaSelection cuda_flash_select(const FwdProblem& p, int arch) {
   std::string k90, why90;
   if (arch == 90 && sm90_flash_select(p, &k90, &why90)) return {k90, why90};
+  if (p.dtype == DType::f8e4m3)  // the mma.sync kernel has no fp8 path: say why the sm90 one refused
+    return {"", arch == 90 ? "the sm90 fp8 kernel cannot run it: " + why90
+                           : "f8e4m3 inputs run only on the sm90 wgmma kernel (device is sm" + std::to_string(arch) + ")"};
   CudaSelection s = cuda::pick(p, arch).sel;
   if (arch == 90 && !s.kernel.empty()) s.reason += "; sm90 wgmma kernel not used: " + why90;
   return s;

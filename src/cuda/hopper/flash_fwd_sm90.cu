@@ -17,10 +17,12 @@
 #include <climits>
 #include <cstdint>
 #include <cstdlib>
+#include <memory>
 #include <string>
 
 #include "cuda/check.cuh"
 #include "cuda/hopper/flash_fwd_sm90.cuh"
+#include "cuda/hopper/flash_fwd_sm90_fp8.cuh"
 #include "cuda/hopper/flash_fwd_sm90_v3.cuh"
 #include "cuda/hopper/sm90.hpp"
 
@@ -61,6 +63,12 @@ IOATTN_SM90_V3_EXTERN(Hdim128Bf16, false)
 IOATTN_SM90_V3_EXTERN(Hdim128F16, false)
 IOATTN_SM90_V3_EXTERN(Hdim128Bf16Causal, true)
 IOATTN_SM90_V3_EXTERN(Hdim128F16Causal, true)
+using Fp8Hdim128Bf16 = Fp8Traits128<__nv_bfloat16>;
+using Fp8Hdim128F16 = Fp8Traits128<__half>;
+IOATTN_SM90_FP8_EXTERN(Fp8Hdim128Bf16, false)
+IOATTN_SM90_FP8_EXTERN(Fp8Hdim128Bf16, true)
+IOATTN_SM90_FP8_EXTERN(Fp8Hdim128F16, false)
+IOATTN_SM90_FP8_EXTERN(Fp8Hdim128F16, true)
 
 namespace {
 
@@ -116,7 +124,28 @@ Row table_row(const FwdProblem& p, bool wg3, bool v3) {
   return Row{};
 }
 
-const char* dtype_str(DType t) { return t == DType::bf16 ? "bf16" : t == DType::f16 ? "f16" : t == DType::f32 ? "f32" : "i32"; }
+const char* dtype_str(DType t) { return dtype_name(t); }
+
+// The fp8 dispatch table: one row per (O dtype, causal) at hdim 128 (flash_fwd_sm90_fp8.cuh).
+struct Fp8Row {
+  int block_m = 0, block_n = 0, stages = 0;
+  const char* why = "";
+  bool (*present)() = nullptr;
+  void (*launch)(const Fp8Launch&) = nullptr;
+};
+template <class Tr, bool kCausal>
+Fp8Row make_fp8_row() {
+  return Fp8Row{Tr::kBlockM, Tr::kBlockN, Tr::kStages, Fp8Tile128::kWhy, &flash_fwd_sm90_fp8_present<Tr, kCausal>,
+                &flash_fwd_sm90_fp8_launch<Tr, kCausal>};
+}
+Fp8Row fp8_table_row(const FwdProblem& p) {
+  if (p.head_dim != 128) return Fp8Row{};
+  if (p.fp8_out == DType::bf16)
+    return p.causal ? make_fp8_row<Fp8Hdim128Bf16, true>() : make_fp8_row<Fp8Hdim128Bf16, false>();
+  if (p.fp8_out == DType::f16)
+    return p.causal ? make_fp8_row<Fp8Hdim128F16, true>() : make_fp8_row<Fp8Hdim128F16, false>();
+  return Fp8Row{};
+}
 
 bool fail(std::string* why, std::string message) {
   *why = std::move(message);
@@ -128,7 +157,7 @@ constexpr int64_t kTmaMaxStrideBytes = int64_t(1) << 40;
 // TMA's rules for a [batch, seq, heads, head_dim] operand: 16-byte aligned base, strides (bytes)
 // multiples of 16 below 2^40. Strides of size-1 dims are never used, so they are not checked.
 bool tma_compatible(const void* ptr, const Strides3& s, int64_t batch, int64_t seqlen, int64_t heads,
-                    const char* name, std::string* why) {
+                    const char* name, std::string* why, int64_t elem_bytes = 2) {
   if (reinterpret_cast<uintptr_t>(ptr) % 16 != 0) {
     *why = std::string(name) + " is not 16-byte aligned (TMA needs it)";
     return false;
@@ -139,7 +168,7 @@ bool tma_compatible(const void* ptr, const Strides3& s, int64_t batch, int64_t s
   } dims[3] = {{seqlen, s.seq, "seq"}, {heads, s.head, "head"}, {batch, s.batch, "batch"}};
   for (const auto& d : dims) {
     if (d.extent <= 1) continue;
-    const int64_t bytes = d.stride * 2;
+    const int64_t bytes = d.stride * elem_bytes;
     if (d.stride < 0 || bytes % 16 != 0 || bytes >= kTmaMaxStrideBytes) {
       *why = std::string(name) + " " + d.dim + " stride " + std::to_string(d.stride) +
              " elements is not a non-negative multiple of 16 bytes below 2^40 (TMA needs it)";
@@ -265,6 +294,49 @@ int64_t grid_ctas(int device, int64_t tiles, bool persistent) {
   return n;
 }
 
+// The fp8 rows: hdim 128, the plain causal mask or none, GQA; a V^T workspace in stream order.
+bool select_fp8(const FwdProblem& p, std::string* kernel, std::string* why) {
+  if (p.head_dim != p.head_dim_v)
+    return fail(why, "fp8: head_dim_v " + std::to_string(p.head_dim_v) + " != head_dim " + std::to_string(p.head_dim));
+  if (p.head_dim != 128) return fail(why, "fp8: head_dim " + std::to_string(p.head_dim) + " (fp8 wgmma kernel: 128)");
+  if (p.fp8_out != DType::bf16 && p.fp8_out != DType::f16)
+    return fail(why, std::string("fp8: output dtype ") + dtype_str(p.fp8_out) + " (bf16, f16)");
+  if (p.varlen()) return fail(why, "fp8: varlen (cu_seqlens) is not supported by the fp8 wgmma kernel");
+  const bool plain_causal = p.causal && p.window_left < 0 && p.window_right == 0;
+  const bool no_window = !p.causal && p.window_left < 0 && p.window_right < 0;
+  if (!plain_causal && !no_window) return fail(why, "fp8: sliding window is not supported by the fp8 wgmma kernel");
+  if (p.softcap > 0.0f) return fail(why, "fp8: softcap is not supported by the fp8 wgmma kernel");
+  if (p.alibi_slopes != nullptr) return fail(why, "fp8: ALiBi is not supported by the fp8 wgmma kernel");
+  if (p.sinks != nullptr) return fail(why, "fp8: attention sinks are not supported by the fp8 wgmma kernel");
+  if (!(p.scale > 0.0f)) return fail(why, "fp8: scale <= 0 (the kernel's running max assumes scale > 0)");
+  if (p.heads_kv <= 0 || p.heads_q % p.heads_kv != 0) return fail(why, "heads_q is not a multiple of heads_kv");
+  constexpr int64_t kMaxInt = 2147483647;
+  if (p.seqlen_q > kMaxInt - 256 || p.seqlen_k > (int64_t(65535) * 64 - 256)) return fail(why, "fp8: seqlen_q >= 2^31 or seqlen_k > 4M");
+  const int64_t m_blocks = (p.seqlen_q + 127) / 128;
+  if (m_blocks * p.heads_q * p.batch > kMaxInt) return fail(why, "more than 2^31-1 query tiles");
+  if (p.batch * p.heads_kv * 2 > kMaxInt) return fail(why, "fp8: batch * heads_kv too large for the transpose grid");
+  if (!tma_compatible(p.q, p.q_stride, p.batch, p.seqlen_q, p.heads_q, "q", why, 1)) return false;
+  if (!tma_compatible(p.k, p.k_stride, p.batch, p.seqlen_k, p.heads_kv, "k", why, 1)) return false;
+  // v is read by the transpose pre-pass with 4-byte loads: the same 16-byte rules keep it simple.
+  if (!tma_compatible(p.v, p.v_stride, p.batch, p.seqlen_k, p.heads_kv, "v", why, 1)) return false;
+  if (reinterpret_cast<uintptr_t>(p.o) % 4 != 0 || p.o_stride.seq % 2 != 0 || p.o_stride.head % 2 != 0 ||
+      p.o_stride.batch % 2 != 0)
+    return fail(why, "o is not 4-byte aligned with even strides (the kernel stores element pairs)");
+  if (!mempools_supported(p.device_index))
+    return fail(why, "fp8: the device has no stream-ordered allocator (memory pools) for the V^T workspace");
+  const Policy pol = policy_for(p);
+  const Fp8Row row = fp8_table_row(p);
+  if (row.present == nullptr) return fail(why, "fp8: no table row");
+  if (!row.present()) return fail(why, "this build has no sm_90a image of the fp8 wgmma kernel (CUDA archs lack 90a)");
+  *kernel = std::string("cuda/flash sm90 wgmma+tma f8e4m3->") + dtype_str(p.fp8_out) + " hdim128" +
+            (p.causal ? " causal" : "") + " tile " + std::to_string(row.block_m) + "x" + std::to_string(row.block_n) +
+            " stages " + std::to_string(row.stages) + " ws 2 consumer WGs pingpong" + grid_str(pol.grid) +
+            (pol.rescale_skip ? " rescale-skip" : "") + " +V^T pre-pass" +
+            (p.q_descale.defined() || p.k_descale.defined() || p.v_descale.defined() ? " descale" : "");
+  *why = row.why;
+  return true;
+}
+
 bool select_impl(const FwdProblem& p, std::string* kernel, std::string* why) {
   if (p.device != Device::cuda) return fail(why, "inputs are not on a CUDA device");
   int count = 0;
@@ -277,8 +349,9 @@ bool select_impl(const FwdProblem& p, std::string* kernel, std::string* why) {
   IOATTN_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, p.device_index));
   if (major != 9 || minor != 0)
     return fail(why, "device is sm_" + std::to_string(major * 10 + minor) + ", the wgmma kernel needs sm_90");
+  if (p.fp8()) return select_fp8(p, kernel, why);
   if (p.dtype != DType::bf16 && p.dtype != DType::f16)
-    return fail(why, std::string("dtype ") + dtype_str(p.dtype) + " (wgmma kernel: bf16, f16)");
+    return fail(why, std::string("dtype ") + dtype_str(p.dtype) + " (wgmma kernel: bf16, f16, f8e4m3)");
   if (p.head_dim != p.head_dim_v)
     return fail(why, "head_dim_v " + std::to_string(p.head_dim_v) + " != head_dim " + std::to_string(p.head_dim));
   if (p.head_dim != 64 && p.head_dim != 128 && p.head_dim != 256)
@@ -360,6 +433,132 @@ CUtensorMap make_tensor_map(const void* ptr, DType dtype, int64_t head_dim, int6
 // Q, O and the other half's copies).
 constexpr int64_t kL2SectionBytes = 24ll << 20;
 
+// 4D uint8 map (e4m3 codes): dims innermost first, strides of dims 1..3 in bytes, box (box0,
+// box1, 1, 1), 128-byte swizzle (box0 = 128 bytes: one swizzled column block per box row).
+CUtensorMap make_map_u8(const void* ptr, const int64_t (&dims)[4], const int64_t (&strides)[3], int box0, int box1,
+                        const char* name) {
+  cuuint64_t d[4];
+  cuuint64_t st[3];
+  for (int i = 0; i < 4; ++i) d[i] = static_cast<cuuint64_t>(std::max<int64_t>(dims[i], 1));
+  int64_t packed = d[0];
+  for (int i = 0; i < 3; ++i) {  // size-1 dims: their stride is never followed; give TMA a packed one
+    st[i] = static_cast<cuuint64_t>(dims[i + 1] <= 1 ? packed : strides[i]);
+    packed *= static_cast<int64_t>(d[i + 1]);
+  }
+  const cuuint32_t box[4] = {static_cast<cuuint32_t>(box0), static_cast<cuuint32_t>(box1), 1, 1};
+  const cuuint32_t elem_strides[4] = {1, 1, 1, 1};
+  CUtensorMap map{};
+  const CUresult r = tensor_map_encoder()(&map, CU_TENSOR_MAP_DATA_TYPE_UINT8, 4, const_cast<void*>(ptr), d, st, box,
+                                          elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                                          CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  if (r != CUDA_SUCCESS)
+    throw Error("cuda", std::string("ioattn: cuTensorMapEncodeTiled failed for ") + name + " (CUresult " +
+                            std::to_string(static_cast<int>(r)) + ")");
+  return map;
+}
+
+// Keys of the V^T workspace per (batch, kv head, dim) row: seqlen_k rounded up to the key block
+// (at least one block, so the map is valid when there are no keys).
+int64_t fp8_padded_keys(const FwdProblem& p) {
+  const int64_t n = Fp8Tile128::kBlockN;
+  return std::max<int64_t>((p.seqlen_k + n - 1) / n * n, n);
+}
+
+// Stream-ordered device allocation freed on scope exit (also when a launch throws).
+struct AsyncBuffer {
+  void* ptr = nullptr;
+  cudaStream_t stream = nullptr;
+  AsyncBuffer(size_t bytes, cudaStream_t s) : stream(s) {
+    IOATTN_CUDA_CHECK(cudaMallocAsync(&ptr, bytes, s));
+  }
+  ~AsyncBuffer() {
+    if (ptr != nullptr) cudaFreeAsync(ptr, stream);
+  }
+  AsyncBuffer(const AsyncBuffer&) = delete;
+  AsyncBuffer& operator=(const AsyncBuffer&) = delete;
+};
+
+// The V transpose pre-pass into `vt` ([batch, heads_kv, d, skp] e4m3, P-fragment key order).
+void fp8_transpose(const FwdProblem& p, void* vt, int64_t skp, cudaStream_t stream) {
+  Fp8TransposeArgs a;
+  a.v = static_cast<const uint8_t*>(p.v);
+  a.v_batch = p.v_stride.batch;
+  a.v_seq = p.v_stride.seq;
+  a.v_head = p.v_stride.head;
+  a.vt = static_cast<uint8_t*>(vt);
+  a.seqlen_k = static_cast<int>(p.seqlen_k);
+  a.skp = static_cast<int>(skp);
+  a.head_dim = static_cast<int>(p.head_dim);
+  a.heads_kv = static_cast<int>(p.heads_kv);
+  fp8_transpose_v_launch(a, p.batch, stream);
+}
+
+void fp8_forward(const FwdProblem& p, const Policy& pol) {
+  const Fp8Row row = fp8_table_row(p);
+  const int64_t m_blocks = (p.seqlen_q + row.block_m - 1) / row.block_m;
+  const int64_t tiles = m_blocks * p.heads_q * p.batch;
+  if (tiles == 0) return;
+  cuda::DeviceGuard guard(p.device_index);
+  const cudaStream_t stream = static_cast<cudaStream_t>(p.stream);
+  const int64_t d = p.head_dim, skp = fp8_padded_keys(p);
+  AsyncBuffer vt(static_cast<size_t>(p.batch * p.heads_kv * d * skp), stream);
+  fp8_transpose(p, vt.ptr, skp, stream);
+
+  Fp8Launch l;
+  l.q = make_map_u8(p.q, {d, p.seqlen_q, p.heads_q, p.batch}, {p.q_stride.seq, p.q_stride.head, p.q_stride.batch}, 128,
+                    row.block_m, "q");
+  l.k = make_map_u8(p.k, {d, p.seqlen_k, p.heads_kv, p.batch}, {p.k_stride.seq, p.k_stride.head, p.k_stride.batch},
+                    128, row.block_n, "k");
+  l.vt = make_map_u8(vt.ptr, {skp, d, p.heads_kv, p.batch}, {skp, d * skp, p.heads_kv * d * skp}, 128,
+                     static_cast<int>(d), "v^T");
+  Fp8Params& pp = l.params;
+  FwdParams& f = pp.f;
+  f.o = p.o;
+  f.lse = p.lse;
+  f.o_batch = p.o_stride.batch;
+  f.o_seq = p.o_stride.seq;
+  f.o_head = p.o_stride.head;
+  f.lse_batch = p.lse_stride.batch;
+  f.lse_head = p.lse_stride.head;
+  f.lse_seq = p.lse_stride.seq;
+  f.seqlen_q = static_cast<int>(p.seqlen_q);
+  f.seqlen_k = static_cast<int>(p.seqlen_k);
+  f.heads_q = static_cast<int>(p.heads_q);
+  f.group = static_cast<int>(p.heads_q / p.heads_kv);
+  f.num_m_blocks = static_cast<int>(m_blocks);
+  f.batch_heads = static_cast<int>(p.batch * p.heads_q);
+  f.num_tiles = static_cast<int>(tiles);
+  // L2 sections as for 16-bit inputs, with 1-byte K and V^T.
+  const int64_t kv_bytes_per_head = std::max<int64_t>(skp * d * 2 / f.group, 1);
+  f.section_heads = static_cast<int>(std::clamp<int64_t>(kL2SectionBytes / kv_bytes_per_head, 1, f.batch_heads));
+  constexpr float kLog2e = 1.4426950408889634f;
+  f.scale = p.scale;
+  f.scale_log2 = p.scale * kLog2e;
+  const bool persistent = pol.grid != Grid::kTilePerCta;
+  f.zigzag = pol.grid == Grid::kStatic && p.causal ? 1 : 0;
+  f.stagger = !p.causal && !env_flag("IOATTN_SM90_NO_STAGGER") ? 1 : 0;
+  f.rescale_skip = pol.rescale_skip ? 1 : 0;
+  pp.q_descale = p.q_descale.ptr;
+  pp.k_descale = p.k_descale.ptr;
+  pp.v_descale = p.v_descale.ptr;
+  pp.qd_batch = p.q_descale.batch_stride;
+  pp.qd_head = p.q_descale.head_stride;
+  pp.kd_batch = p.k_descale.batch_stride;
+  pp.kd_head = p.k_descale.head_stride;
+  pp.vd_batch = p.v_descale.batch_stride;
+  pp.vd_head = p.v_descale.head_stride;
+  l.grid = static_cast<unsigned>(grid_ctas(p.device_index, tiles, persistent));
+  l.stream = stream;
+  std::unique_ptr<AsyncBuffer> counter;
+  if (pol.grid == Grid::kDynamic && static_cast<int64_t>(l.grid) < tiles) {
+    counter = std::make_unique<AsyncBuffer>(sizeof(int), stream);
+    IOATTN_CUDA_CHECK(cudaMemsetAsync(counter->ptr, 0, sizeof(int), stream));
+    f.tile_counter = static_cast<int*>(counter->ptr);
+  }
+  row.launch(l);
+}
+
+
 }  // namespace
 }  // namespace ioattn::cuda::sm90
 
@@ -378,6 +577,10 @@ void sm90_flash_forward(const FwdProblem& p) {
   std::string kernel, why;
   if (!select_impl(p, &kernel, &why)) throw Error("q", "ioattn: sm90 flash kernel cannot run this problem: " + why);
   const Policy pol = policy_for(p);
+  if (p.fp8()) {
+    fp8_forward(p, pol);
+    return;
+  }
   const Row row = table_row(p, pol.wg3, pol.v3_body);
   const int64_t m_blocks = (p.seqlen_q + row.block_m - 1) / row.block_m;
   const int64_t grid = m_blocks * p.heads_q * p.batch;
@@ -440,6 +643,16 @@ void sm90_flash_forward(const FwdProblem& p) {
     counter.ptr = nullptr;
     IOATTN_CUDA_CHECK(cudaFreeAsync(ptr, l.stream));
   }
+}
+
+void sm90_fp8_transpose_only(const FwdProblem& p) {
+  using namespace cuda::sm90;
+  if (!p.fp8() || p.head_dim % 64 != 0) throw Error("q", "ioattn: sm90_fp8_transpose_only: f8e4m3, head_dim % 64 == 0");
+  cuda::DeviceGuard guard(p.device_index);
+  const cudaStream_t stream = static_cast<cudaStream_t>(p.stream);
+  const int64_t skp = fp8_padded_keys(p);
+  AsyncBuffer vt(static_cast<size_t>(p.batch * p.heads_kv * p.head_dim * skp), stream);
+  fp8_transpose(p, vt.ptr, skp, stream);
 }
 
 }  // namespace ioattn::detail

@@ -294,4 +294,81 @@ __device__ __forceinline__ uint32_t pack2<__half>(float lo, float hi) {
   return *reinterpret_cast<uint32_t*>(&v);
 }
 
+// ---- FP8 (e4m3): wgmma k32, conversion, and the P fragment ------------------------------------
+//
+// 8-bit wgmma reads 32 elements of K per instruction (m64nNk32) and only K-major operands from
+// shared memory (no transpose flag for 8-bit types): a row of the SW128 tile convention above is
+// 128 e4m3 elements, one k-step is still 32 bytes (start address + 32), so the Q K^T descriptors
+// are the 16-bit ones. P V needs V K-major along the keys, i.e. V^T tiles [d rows x keys].
+// A fragment (64 x 32, 8-bit) in registers, 4 x b32 of 4 elements each, low byte first (PTX ISA,
+// wgmma k32 / mma.m16n8k32 8-bit A layout; w, g, t as above):
+//   a0: row 16w+g,   cols 4t..4t+3        a1: row 16w+g+8, cols 4t..4t+3
+//   a2: row 16w+g,   cols 16+4t..16+4t+3  a3: row 16w+g+8, cols 16+4t..16+4t+3
+// while the fp32 D fragment of S holds, per row, cols 8i+2t, 8i+2t+1 (i = 0..3 in a 32-col step).
+// Rather than exchanging values between threads, fp8_p_fragment keeps every value in its thread
+// and the key order inside each 32-key group is permuted instead: A column c of k-step kk holds
+// the score of key 32kk + fp8_p_key(c), so V^T must hold key 32kk + fp8_p_key(c) at column c
+// (the V transpose pre-pass writes it so; flash_fwd_sm90_fp8.cuh).
+
+// WgmmaFp8<N>::ss: D(64 x N) (+)= A(64 x 32) B(32 x N), e4m3 x e4m3 -> fp32, both operands
+// K-major in shared memory. ::rs: A from registers (the fragment above). accumulate = 0: D = A B.
+template <int N>
+struct WgmmaFp8;
+
+#define IOATTN_SM90_WGMMA_FP8(N, K, I0, I1, I2, I3, I4, I5)                                                  \
+  template <>                                                                                              \
+  struct WgmmaFp8<N> {                                                                                     \
+    __device__ __forceinline__ static void ss(float (&d)[K], uint64_t a_desc, uint64_t b_desc, int accumulate) { \
+      asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %" #I2 ", 0;\n"                                       \
+                   "wgmma.mma_async.sync.aligned.m64n" #N "k32.f32.e4m3.e4m3 " IOATTN_SM90_DREGS_##K          \
+                   ", %" #I0 ", %" #I1 ", p, 1, 1;\n}\n"                                                   \
+                   : IOATTN_SM90_DOPS_##K                                                                  \
+                   : "l"(a_desc), "l"(b_desc), "r"(accumulate));                                           \
+    }                                                                                                      \
+    __device__ __forceinline__ static void rs(float (&d)[K], const uint32_t (&a)[4], uint64_t b_desc,      \
+                                              int accumulate) {                                            \
+      asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %" #I5 ", 0;\n"                                       \
+                   "wgmma.mma_async.sync.aligned.m64n" #N "k32.f32.e4m3.e4m3 " IOATTN_SM90_DREGS_##K          \
+                   ", {%" #I0 ", %" #I1 ", %" #I2 ", %" #I3 "}, %" #I4 ", p, 1, 1;\n}\n"                   \
+                   : IOATTN_SM90_DOPS_##K                                                                  \
+                   : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_desc), "r"(accumulate));            \
+    }                                                                                                      \
+  };
+
+IOATTN_SM90_WGMMA_FP8(64, 32, 32, 33, 34, 35, 36, 37)
+IOATTN_SM90_WGMMA_FP8(128, 64, 64, 65, 66, 67, 68, 69)
+IOATTN_SM90_WGMMA_FP8(256, 128, 128, 129, 130, 131, 132, 133)
+
+#undef IOATTN_SM90_WGMMA_FP8
+
+// cvt.rn.satfinite.e4m3x2.f32 (twice): four fp32 -> one b32 of four e4m3, x0 in the low byte.
+// Round to nearest even; out-of-range values saturate to +-448 (NaN stays NaN). The instruction
+// puts its first source in the upper byte, hence the swapped operands.
+__device__ __forceinline__ uint32_t pack4_e4m3(float x0, float x1, float x2, float x3) {
+  uint32_t r;
+  asm("{\n.reg .b16 lo, hi;\n"
+      "cvt.rn.satfinite.e4m3x2.f32 lo, %2, %1;\n"
+      "cvt.rn.satfinite.e4m3x2.f32 hi, %4, %3;\n"
+      "mov.b32 %0, {lo, hi};\n}\n"
+      : "=r"(r)
+      : "f"(x0), "f"(x1), "f"(x2), "f"(x3));
+  return r;
+}
+
+// The key (0..31, inside a 32-key group) whose score sits in A column c of the fp8 P fragment
+// built by fp8_p_fragment: thread t's row values are the S columns {2t, 2t+1, 8+2t, 9+2t} and
+// {16+2t, 17+2t, 24+2t, 25+2t}, placed at A columns 4t..4t+3 and 16+4t..16+4t+3.
+__host__ __device__ constexpr int fp8_p_key(int c) {
+  return 16 * (c / 16) + 8 * ((c % 4) / 2) + 2 * ((c % 16) / 4) + (c % 2);
+}
+
+// The A fragment of P for one 32-key k-step from the 16 floats of the S D-fragment that cover
+// those keys (s = &S[16 kk]): no data leaves the thread (see fp8_p_key for the resulting order).
+__device__ __forceinline__ void fp8_p_fragment(const float* s, uint32_t (&a)[4]) {
+  a[0] = pack4_e4m3(s[0], s[1], s[4], s[5]);      // row g:   keys 2t, 2t+1, 8+2t, 9+2t
+  a[1] = pack4_e4m3(s[2], s[3], s[6], s[7]);      // row g+8: the same keys
+  a[2] = pack4_e4m3(s[8], s[9], s[12], s[13]);    // row g:   keys 16+2t, 17+2t, 24+2t, 25+2t
+  a[3] = pack4_e4m3(s[10], s[11], s[14], s[15]);  // row g+8
+}
+
 }  // namespace ioattn::cuda::sm90

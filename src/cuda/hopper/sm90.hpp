@@ -22,4 +22,9 @@ bool sm90_flash_select(const FwdProblem& p, std::string* kernel, std::string* re
 // throws ioattn::Error naming the call.
 void sm90_flash_forward(const FwdProblem& p);
 
+// FP8 problems (dtype f8e4m3, head_dim a multiple of 64): runs only the V transpose pre-pass of
+// the fp8 kernel (into a workspace allocated and freed on p.stream), so benchmarks can time it
+// apart from the attention kernel. No output is written.
+void sm90_fp8_transpose_only(const FwdProblem& p);
+
 }  // namespace ioattn::detail

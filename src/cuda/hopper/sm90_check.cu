@@ -17,9 +17,15 @@
 //
 // Build: nvcc -gencode=arch=compute_90a,code=sm_90a -O3 -std=c++17 -I include -I src
 //        src/cuda/hopper/sm90_check.cu src/cuda/hopper/flash_fwd_sm90*.cu -o ioattn_sm90_check
-// Run:   ioattn_sm90_check [--check-only | --bench-only] [--csv FILE]
+// FP8 (e4m3 q/k/v with descales, bf16/f16 O): checked on the same odd shapes at hdim 128 against
+// the float64 reference of the dequantised inputs, with a naive fp8 attention (P in e4m3) as the
+// error baseline (run_fp8_checks); timed next to the bf16 kernel at hdim 128, 4k-16k, with the
+// ratio and the V^T pre-pass time (run_fp8_bench). --fp8-only runs only these.
+//
+// Run:   ioattn_sm90_check [--check-only | --bench-only] [--fp8-only] [--csv FILE]
 // Exit 0 = all checks passed (or no CUDA device: prints "skipped: no CUDA device").
 #include <cuda_bf16.h>
+#include <cuda_fp8.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -35,6 +41,7 @@
 
 #include "core/half.hpp"
 #include "core/problem.hpp"
+#include "cpu/serving_quant.h"  // host e4m3 encode / decode
 #include "cuda/hopper/sm90.hpp"
 
 using ioattn::DType;
@@ -289,10 +296,370 @@ __global__ void fill_uniform(__nv_bfloat16* x, int64_t n, uint32_t seed) {
   }
 }
 
-int run_bench(const char* csv_path) {
+// ---- FP8 (e4m3) ------------------------------------------------------------------------------
+// Inputs: e4m3 codes of Uniform(-2, 2), descales per (batch, kv head) in [0.5, 1.5] (or none).
+// Reference: float64 attention of the dequantised inputs (code * descale). Naive fp8 baseline,
+// "standard attention in the same low precision": S = Q K^T on fp8 tensor cores, modelled as fp32
+// sums over each 32-element k-step added into an accumulator kept to 14 significant bits (Hopper's
+// fp8 wgmma accumulates with about 14 bits: DeepSeek-V3 report, sec. 3.3.2; a model of that, not
+// its exact rounding), the unnormalised P = exp(S - max) rounded to e4m3 (as an fp8 kernel feeds
+// its P V GEMM), normalised by the fp32 row sum, O rounded to the output dtype.
+// Rule: max|O - ref| <= 2 * max|O_naive_fp8 - ref| + 1e-3, LSE likewise.
+struct Fp8Case {
+  int64_t b, hq, hkv, sq, sk;
+  bool causal, bhsd, descale;
+  DType out;
+};
+
+std::string fp8_case_name(const Fp8Case& c) {
+  char buf[160];
+  std::snprintf(buf, sizeof buf, "f8e4m3->%s d128 b%lld hq%lld hkv%lld %lldx%lld %s%s%s",
+                c.out == DType::bf16 ? "bf16" : "f16", (long long)c.b, (long long)c.hq, (long long)c.hkv,
+                (long long)c.sq, (long long)c.sk, c.causal ? "causal" : "full", c.bhsd ? " bhsd" : "",
+                c.descale ? "" : " no-descale");
+  return buf;
+}
+
+// x kept to 14 significant bits (round to nearest): the fp8 tensor-core accumulator model.
+float round_sig14(float x) {
+  if (x == 0.0f || !std::isfinite(x)) return x;
+  int e = 0;
+  const float m = std::frexp(x, &e);  // x = m * 2^e, 0.5 <= |m| < 1
+  return std::ldexp(std::nearbyint(std::ldexp(m, 14)), e - 14);
+}
+
+bool run_fp8_case(const Fp8Case& c, std::mt19937_64& rng, bool verbose) {
+  using namespace ioattn::detail;
+  constexpr int64_t d = 128;
+  const Case shape{c.b, c.hq, c.hkv, c.sq, c.sk, d, DType::bf16, c.causal, c.bhsd};
+  const int64_t nq = c.b * c.sq * c.hq * d, nk = c.b * c.sk * c.hkv * d;
+  std::vector<uint8_t> q(nq), k(nk), v(nk);
+  std::uniform_real_distribution<float> dist(-2.0f, 2.0f), dsd(0.5f, 1.5f);
+  for (auto& x : q) x = float_to_e4m3(dist(rng));
+  for (auto& x : k) x = float_to_e4m3(dist(rng));
+  for (auto& x : v) x = float_to_e4m3(dist(rng));
+  std::vector<float> qd(c.b * c.hkv, 1.0f), kd(qd), vd(qd);
+  if (c.descale)
+    for (auto* ds : {&qd, &kd, &vd})
+      for (auto& x : *ds) x = dsd(rng);
+  auto from16 = [&](uint16_t x) { return c.out == DType::bf16 ? bf16_to_float(x) : f16_to_float(x); };
+  const uint16_t nan16 = c.out == DType::bf16 ? 0x7fc0 : 0x7e00;
+  std::vector<uint16_t> o(nq, nan16);
+  std::vector<float> lse(c.b * c.hq * c.sq, std::numeric_limits<float>::quiet_NaN());
+
+  void *dq, *dk, *dv, *dout;
+  float *dlse, *dds;
+  CHECK_CUDA(cudaMalloc(&dq, nq + 16));
+  CHECK_CUDA(cudaMalloc(&dk, nk + 16));
+  CHECK_CUDA(cudaMalloc(&dv, nk + 16));
+  CHECK_CUDA(cudaMalloc(&dout, nq * 2 + 16));
+  CHECK_CUDA(cudaMalloc(&dlse, lse.size() * 4 + 16));
+  CHECK_CUDA(cudaMalloc(&dds, 3 * qd.size() * 4 + 16));
+  CHECK_CUDA(cudaMemcpy(dq, q.data(), nq, cudaMemcpyHostToDevice));
+  CHECK_CUDA(cudaMemcpy(dk, k.data(), nk, cudaMemcpyHostToDevice));
+  CHECK_CUDA(cudaMemcpy(dv, v.data(), nk, cudaMemcpyHostToDevice));
+  CHECK_CUDA(cudaMemcpy(dout, o.data(), nq * 2, cudaMemcpyHostToDevice));
+  CHECK_CUDA(cudaMemcpy(dlse, lse.data(), lse.size() * 4, cudaMemcpyHostToDevice));
+  CHECK_CUDA(cudaMemcpy(dds, qd.data(), qd.size() * 4, cudaMemcpyHostToDevice));
+  CHECK_CUDA(cudaMemcpy(dds + qd.size(), kd.data(), qd.size() * 4, cudaMemcpyHostToDevice));
+  CHECK_CUDA(cudaMemcpy(dds + 2 * qd.size(), vd.data(), qd.size() * 4, cudaMemcpyHostToDevice));
+
+  FwdProblem p;
+  p.q = dq;
+  p.k = dk;
+  p.v = dv;
+  p.o = dout;
+  p.lse = dlse;
+  p.q_stride = strides(shape, c.sq, c.hq);
+  p.k_stride = strides(shape, c.sk, c.hkv);
+  p.v_stride = p.k_stride;
+  p.o_stride = p.q_stride;
+  p.lse_stride = {c.hq * c.sq, 1, c.sq};
+  p.dtype = DType::f8e4m3;
+  p.fp8_out = c.out;
+  p.device = ioattn::Device::cuda;
+  p.batch = c.b;
+  p.heads_q = c.hq;
+  p.heads_kv = c.hkv;
+  p.seqlen_q = c.sq;
+  p.seqlen_k = c.sk;
+  p.head_dim = p.head_dim_v = d;
+  p.scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(d)));
+  p.causal = c.causal;
+  p.window_left = -1;
+  p.window_right = c.causal ? 0 : -1;
+  if (c.descale) {
+    p.q_descale = {dds, c.hkv, 1};
+    p.k_descale = {dds + qd.size(), c.hkv, 1};
+    p.v_descale = {dds + 2 * qd.size(), c.hkv, 1};
+  }
+
+  std::string kernel, why;
+  std::printf("%-52s ", fp8_case_name(c).c_str());
+  std::fflush(stdout);
+  if (!sm90_flash_select(p, &kernel, &why)) {
+    std::printf("FAIL not selected: %s\n", why.c_str());
+    return false;
+  }
+  sm90_flash_forward(p);
+  CHECK_CUDA(cudaDeviceSynchronize());
+  CHECK_CUDA(cudaMemcpy(o.data(), dout, nq * 2, cudaMemcpyDeviceToHost));
+  CHECK_CUDA(cudaMemcpy(lse.data(), dlse, lse.size() * 4, cudaMemcpyDeviceToHost));
+  for (void* ptr : {dq, dk, dv, dout, static_cast<void*>(dlse), static_cast<void*>(dds)}) CHECK_CUDA(cudaFree(ptr));
+
+  Errors err;
+  for (auto x : o)
+    if (std::isnan(from16(x))) ++err.unwritten;
+  for (auto x : lse)
+    if (std::isnan(x)) ++err.unwritten;
+  std::vector<int64_t> rows;
+  const bool sample = c.b * c.hq * c.sq * c.sk > (int64_t(1) << 23);
+  for (int64_t i = 0; i < c.sq; ++i)
+    if (!sample || i < 130 || i >= c.sq - 130 || i % 17 == 0) rows.push_back(i);
+  const int64_t work = c.b * c.hq * static_cast<int64_t>(rows.size());
+  std::vector<Errors> per(work);
+  const int64_t group = c.hq / c.hkv;
+  const double scale = p.scale;
+  const double ninf = -std::numeric_limits<double>::infinity();
+  parallel_for(work, [&](int64_t w) {
+    const int64_t i = rows[w % rows.size()];
+    const int64_t h = (w / rows.size()) % c.hq, b = w / rows.size() / c.hq, hk = h / group;
+    int64_t lo, hi;
+    visible_keys(i, c.sq, c.sk, -1, c.causal ? 0 : -1, &lo, &hi);
+    const float dsq = qd[b * c.hkv + hk], dsk = kd[b * c.hkv + hk], dsv = vd[b * c.hkv + hk];
+    auto qc = [&](int64_t x) {  // codes as values (no descale)
+      return e4m3_to_float(q[b * p.q_stride.batch + i * p.q_stride.seq + h * p.q_stride.head + x]);
+    };
+    auto kc = [&](int64_t j, int64_t x) {
+      return e4m3_to_float(k[b * p.k_stride.batch + j * p.k_stride.seq + hk * p.k_stride.head + x]);
+    };
+    auto ve = [&](int64_t j, int64_t x) {
+      return e4m3_to_float(v[b * p.v_stride.batch + j * p.v_stride.seq + hk * p.v_stride.head + x]) * dsv;
+    };
+    const int64_t n = std::max<int64_t>(hi - lo, 0);
+    std::vector<double> s(n), se(n), ref(d, 0.0), emu(d, 0.0);
+    double m = ninf, me = ninf;
+    for (int64_t j = 0; j < n; ++j) {
+      // The kernel multiplies codes and folds the descales into the scale; so does the model.
+      double acc = 0;
+      float facc = 0;
+      for (int64_t x0 = 0; x0 < d; x0 += 32) {
+        float part = 0;
+        for (int64_t x = x0; x < x0 + 32; ++x) {
+          const float qv = qc(x), kv = kc(lo + j, x);
+          acc += (static_cast<double>(qv) * dsq) * (static_cast<double>(kv) * dsk);
+          part += qv * kv;  // a product of two e4m3 values is exact in fp32
+        }
+        facc = round_sig14(facc + part);
+      }
+      s[j] = acc * scale;
+      se[j] = static_cast<double>(facc * (p.scale * (dsq * dsk)));
+      m = std::max(m, s[j]);
+      me = std::max(me, se[j]);
+    }
+    double l = 0, le = 0;
+    for (int64_t j = 0; j < n; ++j) {
+      s[j] = std::exp(s[j] - m);
+      se[j] = std::exp(se[j] - me);
+      l += s[j];
+      le += se[j];
+    }
+    for (int64_t j = 0; j < n; ++j) {
+      const double pr = s[j] / l, pe = e4m3_to_float(float_to_e4m3(static_cast<float>(se[j]))) / le;
+      for (int64_t x = 0; x < d; ++x) {
+        const double vv = ve(lo + j, x);
+        ref[x] += pr * vv;
+        emu[x] += pe * vv;
+      }
+    }
+    const double ref_lse = n > 0 ? m + std::log(l) : ninf, emu_lse = n > 0 ? me + std::log(le) : ninf;
+    Errors& e = per[w];
+    for (int64_t x = 0; x < d; ++x) {
+      const double got = from16(o[b * p.o_stride.batch + i * p.o_stride.seq + h * p.o_stride.head + x]);
+      e.o = std::max(e.o, std::isnan(got) ? INFINITY : std::fabs(got - ref[x]));
+      e.naive_o = std::max(e.naive_o, std::fabs(round_to(c.out, static_cast<float>(emu[x])) - ref[x]));
+    }
+    const double got_lse = lse[b * p.lse_stride.batch + h * p.lse_stride.head + i * p.lse_stride.seq];
+    if (n == 0) {
+      if (!(std::isinf(got_lse) && got_lse < 0)) e.lse = INFINITY;
+    } else {
+      e.lse = std::isnan(got_lse) ? INFINITY : std::fabs(got_lse - ref_lse);
+      e.naive_lse = std::fabs(emu_lse - ref_lse);
+    }
+  });
+  for (const Errors& e : per) {
+    err.o = std::max(err.o, e.o);
+    err.lse = std::max(err.lse, e.lse);
+    err.naive_o = std::max(err.naive_o, e.naive_o);
+    err.naive_lse = std::max(err.naive_lse, e.naive_lse);
+  }
+  const double atol = 1e-3;
+  const bool ok = err.unwritten == 0 && err.o <= 2 * err.naive_o + atol && err.lse <= 2 * err.naive_lse + atol;
+  if (!ok || verbose)
+    std::printf("%s O err %.2e (naive fp8 %.2e)  LSE err %.2e (naive %.2e)  unwritten %lld\n", ok ? "ok  " : "FAIL",
+                err.o, err.naive_o, err.lse, err.naive_lse, (long long)err.unwritten);
+  return ok;
+}
+
+int run_fp8_checks() {
+  std::mt19937_64 rng(20261130);
+  int pass = 0, fail = 0;
+  struct Shape {
+    int64_t b, hq, hkv, sq, sk;
+    bool bhsd;
+  };
+  const Shape shapes[] = {
+      {1, 2, 2, 1, 1, false},     {2, 2, 2, 17, 17, false},     {2, 4, 1, 113, 203, false}, {2, 4, 1, 203, 113, true},
+      {1, 8, 2, 17, 1, false},    {1, 4, 1, 1023, 1024, false}, {1, 2, 2, 4097, 4097, true},
+      {1, 24, 6, 777, 1500, false},  // 168 tiles > 132 SMs
+      {1, 2, 1, 300, 10, false},     // causal: the first query tile sees no key
+  };
+  for (bool causal : {false, true})
+    for (const Shape& s : shapes) {
+      const Fp8Case c{s.b, s.hq, s.hkv, s.sq, s.sk, causal, s.bhsd, true, DType::bf16};
+      (run_fp8_case(c, rng, true) ? pass : fail)++;
+    }
+  // f16 output and no descales (null pointers = 1).
+  for (bool causal : {false, true}) {
+    (run_fp8_case({2, 4, 1, 113, 203, causal, false, true, DType::f16}, rng, true) ? pass : fail)++;
+    (run_fp8_case({1, 4, 2, 1023, 1024, causal, true, false, DType::bf16}, rng, true) ? pass : fail)++;
+  }
+  std::printf("\nsm90 fp8 correctness: %d passed, %d failed\n", pass, fail);
+  return fail == 0 ? 0 : 1;
+}
+
+// e4m3 codes of Uniform(-1, 1) from a hash of the index.
+__global__ void fill_uniform_e4m3(uint8_t* x, int64_t n, uint32_t seed) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
+    uint32_t h = static_cast<uint32_t>(i) * 2654435761u ^ seed ^ static_cast<uint32_t>(i >> 32) * 40503u;
+    h ^= h >> 16;
+    h *= 2246822519u;
+    h ^= h >> 13;
+    h *= 3266489917u;
+    h ^= h >> 16;
+    x[i] = __nv_fp8_e4m3(static_cast<float>(h) * (2.0f / 4294967296.0f) - 1.0f).__x;
+  }
+}
+
+// Median milliseconds of `reps` launches of f (CUDA events around each, back to back).
+template <class F>
+void time_median(F f, int reps, cudaEvent_t* ev, double* med, double* lo, double* hi) {
+  for (int w = 0; w < 3; ++w) f();
+  for (int r = 0; r < reps; ++r) {
+    CHECK_CUDA(cudaEventRecord(ev[2 * r]));
+    f();
+    CHECK_CUDA(cudaEventRecord(ev[2 * r + 1]));
+  }
+  CHECK_CUDA(cudaDeviceSynchronize());
+  std::vector<float> ms(reps);
+  for (int r = 0; r < reps; ++r) CHECK_CUDA(cudaEventElapsedTime(&ms[r], ev[2 * r], ev[2 * r + 1]));
+  std::sort(ms.begin(), ms.end());
+  *med = ms[reps / 2];
+  *lo = ms[0];
+  *hi = ms[reps - 1];
+}
+
+// FP8 vs bf16 at hdim 128, 16k tokens, hidden 2048 (16 heads), seqlen 4k/8k/16k, causal and not,
+// in one run: bf16 kernel, fp8 kernel (V^T pre-pass included, as a caller sees it), and the
+// pre-pass alone. Ratio = fp8 TFLOP/s / bf16 TFLOP/s (the issue's target: >= 1.5 at >= 4k).
+int run_fp8_bench(FILE* csv, int reps) {
+  constexpr int64_t kTokens = 16384, kHidden = 2048, d = 128, h = kHidden / d;
+  const int64_t n = kTokens * kHidden;
+  void *q16, *k16, *v16, *q8, *k8, *v8, *o;
+  float *lse, *ds;
+  CHECK_CUDA(cudaMalloc(&q16, n * 2));
+  CHECK_CUDA(cudaMalloc(&k16, n * 2));
+  CHECK_CUDA(cudaMalloc(&v16, n * 2));
+  CHECK_CUDA(cudaMalloc(&q8, n));
+  CHECK_CUDA(cudaMalloc(&k8, n));
+  CHECK_CUDA(cudaMalloc(&v8, n));
+  CHECK_CUDA(cudaMalloc(&o, n * 2));
+  CHECK_CUDA(cudaMalloc(&lse, kTokens * h * 4));
+  CHECK_CUDA(cudaMalloc(&ds, 3 * kTokens * 4));  // descales: >= batch * heads_kv each
+  fill_uniform<<<1024, 256>>>(static_cast<__nv_bfloat16*>(q16), n, 1);
+  fill_uniform<<<1024, 256>>>(static_cast<__nv_bfloat16*>(k16), n, 2);
+  fill_uniform<<<1024, 256>>>(static_cast<__nv_bfloat16*>(v16), n, 3);
+  fill_uniform_e4m3<<<1024, 256>>>(static_cast<uint8_t*>(q8), n, 1);
+  fill_uniform_e4m3<<<1024, 256>>>(static_cast<uint8_t*>(k8), n, 2);
+  fill_uniform_e4m3<<<1024, 256>>>(static_cast<uint8_t*>(v8), n, 3);
+  {
+    std::vector<float> ones(3 * kTokens, 1.0f);
+    CHECK_CUDA(cudaMemcpy(ds, ones.data(), ones.size() * 4, cudaMemcpyHostToDevice));
+  }
+  CHECK_CUDA(cudaGetLastError());
+  CHECK_CUDA(cudaDeviceSynchronize());
+  std::vector<cudaEvent_t> ev(2 * reps);
+  for (auto& e : ev) CHECK_CUDA(cudaEventCreate(&e));
+  std::printf("\nfp8 vs bf16, hdim 128 (16k tokens, 16 heads; fp8 includes its V^T pre-pass)\n");
+  std::printf("%-6s %-7s %10s %9s %10s %9s %7s %12s  %s\n", "seqlen", "causal", "bf16 ms", "TFLOP/s", "fp8 ms", "TFLOP/s",
+              "ratio", "pre-pass ms", "fp8 kernel");
+  for (int64_t s : {4096, 8192, 16384})
+    for (bool causal : {false, true}) {
+      const int64_t b = kTokens / s;
+      FwdProblem p;
+      p.q = q16;
+      p.k = k16;
+      p.v = v16;
+      p.o = o;
+      p.lse = lse;
+      p.q_stride = p.k_stride = p.v_stride = p.o_stride = {s * h * d, h * d, d};
+      p.lse_stride = {h * s, 1, s};
+      p.dtype = DType::bf16;
+      p.device = ioattn::Device::cuda;
+      p.batch = b;
+      p.heads_q = p.heads_kv = h;
+      p.seqlen_q = p.seqlen_k = s;
+      p.head_dim = p.head_dim_v = d;
+      p.scale = static_cast<float>(1.0 / std::sqrt(double(d)));
+      p.causal = causal;
+      p.window_right = causal ? 0 : -1;
+      FwdProblem p8 = p;
+      p8.q = q8;
+      p8.k = k8;
+      p8.v = v8;
+      p8.dtype = DType::f8e4m3;
+      p8.fp8_out = DType::bf16;
+      p8.q_descale = {ds, h, 1};
+      p8.k_descale = {ds + kTokens, h, 1};
+      p8.v_descale = {ds + 2 * kTokens, h, 1};
+      std::string k16name, k8name, why;
+      if (!ioattn::detail::sm90_flash_select(p, &k16name, &why) || !ioattn::detail::sm90_flash_select(p8, &k8name, &why)) {
+        std::printf("seqlen %lld not selected: %s\n", (long long)s, why.c_str());
+        continue;
+      }
+      double t16, t16lo, t16hi, t8, t8lo, t8hi, tt, ttlo, tthi;
+      time_median([&] { ioattn::detail::sm90_flash_forward(p); }, reps, ev.data(), &t16, &t16lo, &t16hi);
+      time_median([&] { ioattn::detail::sm90_flash_forward(p8); }, reps, ev.data(), &t8, &t8lo, &t8hi);
+      time_median([&] { ioattn::detail::sm90_fp8_transpose_only(p8); }, reps, ev.data(), &tt, &ttlo, &tthi);
+      const double flops = 4.0 * b * h * double(s) * s * d / (causal ? 2.0 : 1.0);
+      const double tf16 = flops / (t16 * 1e-3) / 1e12, tf8 = flops / (t8 * 1e-3) / 1e12;
+      std::printf("%-6lld %-7s %10.3f %9.1f %10.3f %9.1f %7.2f %12.4f  %s\n", (long long)s, causal ? "yes" : "no", t16,
+                  tf16, t8, tf8, tf8 / tf16, tt, k8name.c_str());
+      if (csv) {
+        std::fprintf(csv, "ioattn_sm90,%lld,%lld,%d,%lld,%lld,%.4f,%.2f\n", (long long)d, (long long)s, causal ? 1 : 0,
+                     (long long)b, (long long)h, t16, tf16);
+        std::fprintf(csv, "ioattn_sm90_fp8,%lld,%lld,%d,%lld,%lld,%.4f,%.2f\n", (long long)d, (long long)s,
+                     causal ? 1 : 0, (long long)b, (long long)h, t8, tf8);
+        std::fprintf(csv, "ioattn_sm90_fp8_prepass,%lld,%lld,%d,%lld,%lld,%.4f,0\n", (long long)d, (long long)s,
+                     causal ? 1 : 0, (long long)b, (long long)h, tt);
+      }
+    }
+  for (auto& e : ev) CHECK_CUDA(cudaEventDestroy(e));
+  for (void* ptr : {q16, k16, v16, q8, k8, v8, o, static_cast<void*>(lse), static_cast<void*>(ds)}) CHECK_CUDA(cudaFree(ptr));
+  return 0;
+}
+
+int run_bench(const char* csv_path, bool fp8_only) {
   // Timed launches per shape (median reported): IOATTN_SM90_BENCH_REPS, default 25, at most 200.
   int reps = 25;
   if (const char* e = std::getenv("IOATTN_SM90_BENCH_REPS")) reps = std::max(1, std::min(200, std::atoi(e)));
+  if (fp8_only) {
+    FILE* csv = csv_path ? std::fopen(csv_path, "w") : nullptr;
+    if (csv) std::fprintf(csv, "impl,hdim,seqlen,causal,batch,heads,ms,tflops\n");
+    run_fp8_bench(csv, reps);
+    if (csv) std::fclose(csv);
+    return 0;
+  }
   constexpr int64_t kTokens = 16384, kHidden = 2048;
   const int64_t n = kTokens * kHidden;
   void *q, *k, *v, *o;
@@ -360,8 +727,9 @@ int run_bench(const char* csv_path) {
           std::fprintf(csv, "ioattn_sm90,%lld,%lld,%d,%lld,%lld,%.4f,%.2f\n", (long long)d, (long long)s, causal ? 1 : 0,
                        (long long)b, (long long)h, med, tflops);
       }
-  if (csv) std::fclose(csv);
   for (auto& e : ev) CHECK_CUDA(cudaEventDestroy(e));
+  run_fp8_bench(csv, reps);
+  if (csv) std::fclose(csv);
   CHECK_CUDA(cudaFree(q));
   CHECK_CUDA(cudaFree(k));
   CHECK_CUDA(cudaFree(v));
@@ -374,11 +742,12 @@ int run_bench(const char* csv_path) {
 
 int main(int argc, char** argv) {
   std::setvbuf(stdout, nullptr, _IOLBF, 0);
-  bool check = true, bench = true;
+  bool check = true, bench = true, fp8_only = false;
   const char* csv = nullptr;
   for (int i = 1; i < argc; ++i) {
     if (!std::strcmp(argv[i], "--probe")) return std::printf("probe ok\n"), 0;  // does the binary load?
-    if (!std::strcmp(argv[i], "--check-only")) bench = false;
+    if (!std::strcmp(argv[i], "--fp8-only")) fp8_only = true;
+    else if (!std::strcmp(argv[i], "--check-only")) bench = false;
     else if (!std::strcmp(argv[i], "--bench-only")) check = false;
     else if (!std::strcmp(argv[i], "--csv") && i + 1 < argc) csv = argv[++i];
   }
@@ -396,8 +765,9 @@ int main(int argc, char** argv) {
   }
   int rc = 0;
   try {
-    if (check) rc = run_checks();
-    if (bench) run_bench(csv);
+    if (check && !fp8_only) rc = run_checks();
+    if (check) rc |= run_fp8_checks();
+    if (bench) run_bench(csv, fp8_only);
   } catch (const std::exception& e) {
     std::printf("FAIL: exception: %s\n", e.what());
     return 1;

@@ -17,6 +17,10 @@
 //                 shared slot + mbarriers (plain arrivals, as for key-less tiles and the end
 //                 marker); every tile must reach every consumer warp of exactly one CTA
 //   exp2_approx   against exp2
+//   pack4_e4m3    cvt.rn.satfinite.e4m3x2.f32 x2: byte order, rounding, saturation vs the host encoder
+//   fp8_p_key     a permutation of 0..31
+//   wgmma fp8     S = Q K^T (WgmmaFp8 ss, Q by a UINT8 TMA map), P = e4m3 by fp8_p_fragment, O = P V
+//                 (WgmmaFp8 rs, V^T K-major in the fp8_p_key order): the fp8 kernel's data path
 // Prints "ok"/"FAIL" per test and "N passed, M failed"; exit 1 on any failure.
 // Without a CUDA device it prints "skipped: no CUDA device" and exits 0.
 #include <cuda.h>
@@ -35,6 +39,7 @@
 
 #include "cuda/hopper/ptx_sm90.cuh"
 #include "cuda/hopper/sched_sm90.cuh"
+#include "cpu/serving_quant.h"  // host e4m3 encode / decode (round to nearest even, satfinite)
 
 using namespace ioattn::cuda::sm90;
 
@@ -557,6 +562,203 @@ void test_wgmma_rs() {
   CHECK_CUDA(cudaFree(out));
 }
 
+// ---------------------------------------------------------------- fp8 (e4m3)
+// Byte offset of 8-bit element (row, col) of a 128-column block stored with the 128-byte swizzle.
+__host__ __device__ inline uint32_t swz8(int row, int col) {
+  return row * 128 + (((col / 16) ^ (row % 8)) * 16) + col % 16;
+}
+
+std::vector<uint8_t> random_e4m3(size_t n, float range, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::uniform_real_distribution<float> d(-range, range);
+  std::vector<uint8_t> v(n);
+  for (auto& x : v) x = ioattn::detail::float_to_e4m3(d(rng));
+  return v;
+}
+float e4(uint8_t b) { return ioattn::detail::e4m3_to_float(b); }
+
+// pack4_e4m3: byte order (x0 lowest), round to nearest even, saturation, sign, subnormals.
+__global__ void k_pack4(const float* x, uint32_t* out, int n4) {
+#if IOATTN_SM90A_ENABLED
+  const int i = threadIdx.x;
+  if (i < n4) out[i] = pack4_e4m3(x[4 * i], x[4 * i + 1], x[4 * i + 2], x[4 * i + 3]);
+#endif
+}
+
+void test_pack4() {
+  std::vector<float> x = {1.0f, -2.0f, 0.5f, 448.0f,          1.0625f, 1.1875f, 1.07f, 1000.0f,
+                          -1000.0f, 0.0f, -0.0f, 0.001953125f, 0.0029296875f, 0.3f, 1e-6f, 440.0f};
+  std::mt19937_64 rng(77);
+  std::uniform_real_distribution<float> d(-3.0f, 3.0f);
+  for (int i = 0; i < 240; ++i) x.push_back(d(rng) * (i % 3 == 0 ? 0.01f : 1.0f));
+  const int n4 = static_cast<int>(x.size() / 4);
+  auto* dx = to_device(x);
+  uint32_t* dout;
+  CHECK_CUDA(cudaMalloc(&dout, n4 * 4));
+  k_pack4<<<1, 128>>>(dx, dout, n4);
+  CHECK_CUDA(cudaGetLastError());
+  CHECK_CUDA(cudaDeviceSynchronize());
+  auto got = to_host(dout, n4);
+  int bad = 0;
+  std::string first;
+  for (int i = 0; i < n4 * 4; ++i) {
+    const uint8_t want = ioattn::detail::float_to_e4m3(x[i]);
+    const uint8_t g = static_cast<uint8_t>(got[i / 4] >> (8 * (i % 4)));
+    if (g != want) {
+      if (bad++ == 0) first = "x=" + std::to_string(x[i]) + " got " + std::to_string(g) + " want " + std::to_string(want);
+    }
+  }
+  report("pack4_e4m3 (cvt e4m3x2)", bad == 0, bad ? std::to_string(bad) + " wrong, first " + first : "256 values exact");
+  CHECK_CUDA(cudaFree(dx));
+  CHECK_CUDA(cudaFree(dout));
+}
+
+// fp8_p_key is a permutation of 0..31 (host side; the device uses the same constexpr function).
+void test_fp8_p_key() {
+  bool seen[32] = {};
+  bool ok = true;
+  for (int c = 0; c < 32; ++c) {
+    const int k = fp8_p_key(c);
+    ok = ok && k >= 0 && k < 32 && !seen[k];
+    if (k >= 0 && k < 32) seen[k] = true;
+  }
+  // Thread t = 1's row values sit at A columns 4..7 (keys 2, 3, 10, 11) and 20..23 (18, 19, 26, 27).
+  ok = ok && fp8_p_key(4) == 2 && fp8_p_key(5) == 3 && fp8_p_key(6) == 10 && fp8_p_key(7) == 11 &&
+       fp8_p_key(20) == 18 && fp8_p_key(23) == 27;
+  report("fp8_p_key permutation", ok);
+}
+
+// The fp8 flash data path on one warpgroup:
+//   S (64 x 128) = Q K^T: WgmmaFp8<128>::ss, Q by TMA (UINT8 map, SW128, box 128 x 64), K by threads;
+//   P = e4m3(S * p_scale) in registers by fp8_p_fragment (no shuffles, keys permuted per 32);
+//   O (64 x 128) = P V: WgmmaFp8<128>::rs with B = V^T [128 dims x 128 keys] K-major, written by
+//   the threads in the fp8_p_key order (as the kernel's pre-pass writes it).
+// The host recomputes O from the GPU's own S, rounded to e4m3 by the host encoder in natural key
+// order, so a wrong fragment layout or permutation shows as a large O error.
+__global__ void k_fp8_chain(const __grid_constant__ CUtensorMap map_q, const uint8_t* k, const uint8_t* vt_perm,
+                            float p_scale, float* out_s, float* out_o) {
+#if IOATTN_SM90A_ENABLED
+  constexpr int kD = 128, kN = 128;
+  extern __shared__ uint8_t raw[];
+  uint8_t* sq = align1024(raw);  // [64 x 128 B]
+  uint8_t* sk = sq + 64 * kD;    // [128 keys x 128 B]
+  uint8_t* sv = sk + kN * kD;    // [128 dims x 128 B (keys)]
+  __shared__ uint64_t bar;
+  if (threadIdx.x == 0) {
+    mbarrier_init(&bar, 1);
+    fence_mbarrier_init();
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    mbarrier_arrive_expect_tx(&bar, 64 * kD);
+    tma_load_2d(sq, &map_q, &bar, 0, 0);
+  }
+  for (int i = threadIdx.x; i < kN * kD; i += blockDim.x) {
+    const int r = i / 128, c = i % 128;
+    sk[swz8(r, c)] = k[i];
+    sv[swz8(r, c)] = vt_perm[i];
+  }
+  fence_proxy_async();
+  __syncthreads();
+  mbarrier_wait(&bar, 0);
+  float s[kN / 2];
+  wgmma_fence();
+#pragma unroll
+  for (int kk = 0; kk < kD / 32; ++kk)
+    WgmmaFp8<kN>::ss(s, make_desc_sw128(smem_u32(sq) + kk * 32, 16, 1024), make_desc_sw128(smem_u32(sk) + kk * 32, 16, 1024),
+                     kk > 0);
+  wgmma_commit();
+  wgmma_wait<0>();
+#pragma unroll
+  for (int i = 0; i < kN / 2; ++i) reg_fence(s[i]);
+  store_d<kN>(s, out_s);
+  uint32_t pf[kN / 8];
+#pragma unroll
+  for (int kk = 0; kk < kN / 32; ++kk) {
+    float sc[16];
+#pragma unroll
+    for (int j = 0; j < 16; ++j) sc[j] = s[16 * kk + j] * p_scale;
+    uint32_t a[4];
+    fp8_p_fragment(sc, a);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) pf[4 * kk + j] = a[j];
+  }
+  float o[kD / 2];
+#pragma unroll
+  for (int i = 0; i < kD / 2; ++i) o[i] = 0.0f;
+  wgmma_fence();
+#pragma unroll
+  for (int kk = 0; kk < kN / 32; ++kk) {
+    const uint32_t a[4] = {pf[4 * kk], pf[4 * kk + 1], pf[4 * kk + 2], pf[4 * kk + 3]};
+    WgmmaFp8<kD>::rs(o, a, make_desc_sw128(smem_u32(sv) + kk * 32, 16, 1024), 1);
+  }
+  wgmma_commit();
+  wgmma_wait<0>();
+#pragma unroll
+  for (int i = 0; i < kD / 2; ++i) reg_fence(o[i]);
+  store_d<kD>(o, out_o);
+#endif
+}
+
+void test_fp8_chain() {
+  constexpr int kD = 128, kN = 128;
+  auto q = random_e4m3(64 * kD, 2.0f, 41), k = random_e4m3(kN * kD, 2.0f, 42), v = random_e4m3(kN * kD, 2.0f, 43);
+  // V^T in the P fragment's key order: vt[x][32 j + c] = v[32 j + fp8_p_key(c)][x].
+  std::vector<uint8_t> vt(kD * kN);
+  for (int x = 0; x < kD; ++x)
+    for (int c = 0; c < kN; ++c) vt[x * kN + c] = v[((c & ~31) + fp8_p_key(c & 31)) * kD + x];
+  auto *dq = to_device(q), *dk = to_device(k), *dvt = to_device(vt);
+  CUtensorMap mq{};
+  {
+    const cuuint64_t dims[2] = {kD, 64}, strides[1] = {kD};
+    const cuuint32_t box[2] = {128, 64}, es[2] = {1, 1};
+    const CUresult r = encoder()(&mq, CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, dq, dims, strides, box, es,
+                                 CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                                 CU_TENSOR_MAP_L2_PROMOTION_NONE, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+    if (r != CUDA_SUCCESS) {
+      std::printf("FAIL cuTensorMapEncodeTiled (uint8): %d\n", (int)r);
+      std::exit(1);
+    }
+  }
+  float *ds, *dout;
+  CHECK_CUDA(cudaMalloc(&ds, 64 * kN * 4));
+  CHECK_CUDA(cudaMalloc(&dout, 64 * kD * 4));
+  const int smem = (64 + 2 * kN) * kD + 1024;
+  const float p_scale = 1.0f / 16.0f;  // |S| <= 128 * 4: |P| <= 32, normals and subnormals of e4m3
+  CHECK_CUDA(cudaFuncSetAttribute(k_fp8_chain, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  k_fp8_chain<<<1, 128, smem>>>(mq, dk, dvt, p_scale, ds, dout);
+  CHECK_CUDA(cudaGetLastError());
+  CHECK_CUDA(cudaDeviceSynchronize());
+  auto s = to_host(ds, 64 * kN);
+  auto o = to_host(dout, 64 * kD);
+  // Tolerances are relative to the largest magnitude: fp8 wgmma accumulates with fewer than fp32's
+  // mantissa bits (about 2^-14 relative is reported for Hopper), while a layout error is O(1).
+  double max_s = 0, max_o = 0, ref_scale = 0, s_scale = 0;
+  for (int r = 0; r < 64; ++r) {
+    for (int n = 0; n < kN; ++n) {
+      double ref = 0;
+      for (int x = 0; x < kD; ++x) ref += double(e4(q[r * kD + x])) * e4(k[n * kD + x]);
+      max_s = std::max(max_s, std::fabs(ref - s[r * kN + n]));
+      s_scale = std::max(s_scale, std::fabs(ref));
+    }
+    for (int x = 0; x < kD; ++x) {
+      double ref = 0;
+      for (int n = 0; n < kN; ++n)
+        ref += double(e4(ioattn::detail::float_to_e4m3(s[r * kN + n] * p_scale))) * e4(v[n * kD + x]);
+      max_o = std::max(max_o, std::fabs(ref - o[r * kD + x]));
+      ref_scale = std::max(ref_scale, std::fabs(ref));
+    }
+  }
+  char buf[112];
+  std::snprintf(buf, sizeof buf, "S max |err| %.2e, O max |err| %.2e (|O| <= %.1f)", max_s, max_o, ref_scale);
+  report("wgmma fp8 ss->p_fragment->rs", max_s < 1e-3 * (1 + s_scale) && max_o < 1e-3 * (1 + ref_scale), buf);
+  CHECK_CUDA(cudaFree(dq));
+  CHECK_CUDA(cudaFree(dk));
+  CHECK_CUDA(cudaFree(dvt));
+  CHECK_CUDA(cudaFree(ds));
+  CHECK_CUDA(cudaFree(dout));
+}
+
 // ---------------------------------------------------------------- setmaxnreg + named barriers
 // Warpgroup 0 gives registers back and leaves; warpgroups 1 and 2 take more and alternate through
 // two named barriers exactly like the flash kernel's scheduler: the log must read 0,1,0,1,...
@@ -803,6 +1005,9 @@ int main() {
   test_wgmma_ss<64, 64>("wgmma_ss m64n64 K=64");
   test_wgmma_chain();
   test_wgmma_rs();
+  test_pack4();
+  test_fp8_p_key();
+  test_fp8_chain();
   test_pingpong();
   test_roundrobin();
   test_claim();

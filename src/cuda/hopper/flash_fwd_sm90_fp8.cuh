@@ -1,0 +1,462 @@
+// flash_fwd_sm90_fp8.cuh — FP8 (e4m3) forward for Hopper (sm_90a): e4m3 Q, K, V with per
+// (batch, kv head) descale factors, fp32 accumulation, bf16/f16 O, fp32 LSE.
+//
+// The structure is the v4 kernel's (flash_fwd_sm90.cuh: producer warpgroup with one TMA thread,
+// two consumer warpgroups in ping-pong, S_{j+1} issued with P_j V_j, persistent grid with the
+// static or dynamic schedule, tile hand-over through tile_slot + full_q, O-rescale skip); what
+// differs for 8-bit inputs:
+//   * wgmma m64nNk32 e4m3 (WgmmaFp8, ptx_sm90.cuh): 32 keys / dims per k-step, one 128-byte
+//     swizzled row = 128 elements, so a hdim-128 Q or K tile is a single column block.
+//   * 8-bit wgmma takes only K-major shared-memory operands. Q K^T: Q and K are K-major as stored.
+//     P V: B must be V^T [d x keys]. A pre-pass kernel (fp8_transpose_v below) writes
+//     V^T [batch, heads_kv, d, seqlen_k padded to kBlockN] into a workspace (cudaMallocAsync on the
+//     call's stream), zero past seqlen_k, and TMA loads [d x kBlockN] tiles of it.
+//   * P (fp32 D fragment of S) becomes the e4m3 A fragment of P V in registers with no shuffles:
+//     fp8_p_fragment keeps each value in its thread and permutes the key order inside every
+//     32-key group; the pre-pass writes V^T in that same order (fp8_p_key), so P V is exact.
+//   * Descales: scale * q_descale * k_descale goes into the softmax scale (and the LSE), v_descale
+//     into the final 1 / rowsum; read once per tile from [batch, heads_kv] f32 arrays.
+// Assumes (the fp8 rows of sm90_flash_select check it): head_dim = head_dim_v = 128; q/k 16-byte
+// aligned with 16-byte-multiple strides; o 4-byte aligned with even strides; no window / softcap /
+// alibi / sinks / varlen; scale > 0, descales > 0.
+#pragma once
+
+#include <cuda.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "cuda/check.cuh"
+#include "cuda/hopper/flash_fwd_sm90.cuh"
+#include "cuda/hopper/ptx_sm90.cuh"
+#include "cuda/hopper/sched_sm90.cuh"
+
+namespace ioattn::cuda::sm90 {
+
+// The v4 parameters plus the descales (null = 1; element strides of [batch, heads_kv]).
+struct Fp8Params {
+  FwdParams f;
+  const float* q_descale = nullptr;
+  const float* k_descale = nullptr;
+  const float* v_descale = nullptr;
+  int64_t qd_batch = 0, qd_head = 0, kd_batch = 0, kd_head = 0, vd_batch = 0, vd_head = 0;
+};
+
+// Tiling of the fp8 kernel. Out: the O dtype (__nv_bfloat16 or __half).
+template <int kHeadDim_, int kBlockN_, int kStages_, typename Out_>
+struct Fp8Traits {
+  using Out = Out_;
+  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kConsumerWGs = 2;
+  static constexpr int kBlockM = 128;
+  static constexpr int kBlockN = kBlockN_;
+  static constexpr int kStages = kStages_;
+  static constexpr int kThreads = 384;
+  static constexpr int kConsumerWarps = 8;
+  static constexpr int kColBlock = 128;                     // e4m3 elements in one 128-byte swizzle row
+  static constexpr int kQColBlocks = kHeadDim / kColBlock;  // of Q and K (along d)
+  static constexpr int kVColBlocks = kBlockN / kColBlock;   // of V^T (along the keys)
+  static constexpr int kQBytes = kBlockM * kHeadDim;
+  static constexpr int kKVBytes = kBlockN * kHeadDim;  // one stage of K, or of V^T
+  static constexpr int kSmemBytes = kQBytes + 2 * kStages * kKVBytes + 1024;
+  static constexpr int kProducerRegs = 24;
+  static constexpr int kConsumerRegs = 240;
+  static_assert(kHeadDim % kColBlock == 0 && kBlockN % kColBlock == 0, "fp8 tile shape (128-byte rows)");
+  static_assert(kHeadDim <= 256 && kBlockN <= 256, "wgmma N and TMA box rows <= 256");
+  static_assert(kSmemBytes <= 227 * 1024, "shared memory per block");
+};
+
+// The one fp8 row: hdim 128, 128x128 tiles (S 64 + P 16 + O 64 registers per consumer thread;
+// 16 KB Q + 4 stages x (16 KB K + 16 KB V^T) = 144 KB). kBlockN = 128 keeps V^T tiles one
+// 128-byte column block; a longer key block (192/256) would need S of 96-128 registers.
+struct Fp8Tile128 {
+  static constexpr int kBlockN = 128, kStages = 4;
+  static constexpr const char* kWhy =
+      "fp8 hdim128: 128x128 (S 64 + P 16 + O 64 registers), 4 stages of K + V^T (144 KB smem); "
+      "wgmma k32 e4m3, V^T from a transpose pre-pass";
+};
+template <typename Out>
+using Fp8Traits128 = Fp8Traits<128, Fp8Tile128::kBlockN, Fp8Tile128::kStages, Out>;
+
+template <class Tr, bool kCausal>
+__global__ void __launch_bounds__(Tr::kThreads, 1)
+    flash_fwd_sm90_fp8_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_k,
+                              const __grid_constant__ CUtensorMap tm_vt, const Fp8Params pp) {
+#if IOATTN_SM90A_ENABLED
+  using Out = typename Tr::Out;
+  constexpr int kBlockM = Tr::kBlockM, kBlockN = Tr::kBlockN, kHeadDim = Tr::kHeadDim;
+  constexpr int kStages = Tr::kStages;
+  const FwdParams& p = pp.f;
+
+  __shared__ uint64_t full_q, empty_q;
+  __shared__ uint64_t full_k[kStages], full_v[kStages];
+  __shared__ uint64_t empty_k[kStages], empty_v[kStages];
+  __shared__ int tile_slot;
+  extern __shared__ uint8_t smem_raw[];
+  uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+  uint8_t* s_q = smem;                          // (kQColBlocks, kBlockM, 128 B)
+  uint8_t* s_k = smem + Tr::kQBytes;            // (kStages, kQColBlocks, kBlockN, 128 B)
+  uint8_t* s_v = s_k + kStages * Tr::kKVBytes;  // (kStages, kVColBlocks, kHeadDim, 128 B): V^T
+
+  if (threadIdx.x == 0) {
+    mbarrier_init(&full_q, 1);
+    mbarrier_init(&empty_q, Tr::kConsumerWarps);
+#pragma unroll
+    for (int s = 0; s < kStages; ++s) {
+      mbarrier_init(&full_k[s], 1);
+      mbarrier_init(&full_v[s], 1);
+      mbarrier_init(&empty_k[s], Tr::kConsumerWarps);
+      mbarrier_init(&empty_v[s], Tr::kConsumerWarps);
+    }
+    fence_mbarrier_init();
+  }
+  __syncthreads();
+
+  // Tile hand-over, schedules and ring positions exactly as in flash_fwd_sm90_kernel.
+  const bool dynamic = p.tile_counter != nullptr;
+  const int warpgroup = threadIdx.x / 128;
+  if (warpgroup == 0) {
+    // ================================ producer ================================
+    setmaxnreg_dec<Tr::kProducerRegs>();
+    if (threadIdx.x == 0) {
+      tma_prefetch_map(&tm_q);
+      tma_prefetch_map(&tm_k);
+      tma_prefetch_map(&tm_vt);
+      int ring = 0;
+      int t = tile_of_round(0, p.zigzag);
+      for (int round = 0;; ++round) {
+        mbarrier_wait(&empty_q, (round & 1) ^ 1);
+        *reinterpret_cast<volatile int*>(&tile_slot) = t;
+        if (t >= p.num_tiles) {
+          mbarrier_arrive(&full_q);  // the end marker
+          break;
+        }
+        const TileCoord tc = decode_tile<kCausal>(t, p);
+        const int m0 = tc.m_block * kBlockM, hk = tc.h / p.group;
+        const int n_blocks = num_key_blocks<kBlockM, kBlockN, kCausal>(m0, p.seqlen_q, p.seqlen_k);
+        if (n_blocks == 0) {
+          mbarrier_arrive(&full_q);
+          t = dynamic ? claim_tile(p.tile_counter) : tile_of_round(round + 1, p.zigzag);
+          continue;
+        }
+        const int rot = key_rotation(tc.m_block, n_blocks, p);
+        mbarrier_arrive_expect_tx(&full_q, Tr::kQBytes);
+#pragma unroll
+        for (int c = 0; c < Tr::kQColBlocks; ++c)
+          tma_load_4d(s_q + c * kBlockM * 128, &tm_q, &full_q, c * 128, m0, tc.h, tc.b);
+        // K tile i: [kBlockN keys x d] at (d, key); V^T tile i: [d x kBlockN keys] at (key, d).
+        auto load_k = [&](int i) {
+          const uint32_t st = ring_stage(ring + i, kStages);
+          mbarrier_wait(&empty_k[st], ring_phase(ring + i, kStages) ^ 1);
+          mbarrier_arrive_expect_tx(&full_k[st], Tr::kKVBytes);
+          const int n0 = key_block(i, n_blocks, rot) * kBlockN;
+          uint8_t* dst = s_k + st * Tr::kKVBytes;
+#pragma unroll
+          for (int c = 0; c < Tr::kQColBlocks; ++c)
+            tma_load_4d(dst + c * kBlockN * 128, &tm_k, &full_k[st], c * 128, n0, hk, tc.b);
+        };
+        auto load_v = [&](int i) {
+          const uint32_t st = ring_stage(ring + i, kStages);
+          mbarrier_wait(&empty_v[st], ring_phase(ring + i, kStages) ^ 1);
+          mbarrier_arrive_expect_tx(&full_v[st], Tr::kKVBytes);
+          const int n0 = key_block(i, n_blocks, rot) * kBlockN;
+          uint8_t* dst = s_v + st * Tr::kKVBytes;
+#pragma unroll
+          for (int c = 0; c < Tr::kVColBlocks; ++c)
+            tma_load_4d(dst + c * kHeadDim * 128, &tm_vt, &full_v[st], n0 + c * 128, 0, hk, tc.b);
+        };
+        load_k(0);
+        for (int i = 1; i < n_blocks; ++i) {
+          load_k(i);
+          load_v(i - 1);
+        }
+        load_v(n_blocks - 1);
+        t = dynamic ? claim_tile(p.tile_counter) : tile_of_round(round + 1, p.zigzag);
+        ring += n_blocks;
+      }
+    }
+  } else {
+    // ================================ consumers ===============================
+    setmaxnreg_inc<Tr::kConsumerRegs>();
+    const int cw = warpgroup - 1;
+    const int warp = (threadIdx.x / 32) % 4;
+    const int lane = threadIdx.x % 32;
+    const int row_in_tile = cw * 64 + warp * 16 + lane / 4;
+    const int off = p.seqlen_k - p.seqlen_q;
+    const int sched_mine = static_cast<int>(NamedBarrier::kSchedWG0) + cw;
+    const int sched_other = static_cast<int>(NamedBarrier::kSchedWG0) + (cw + 1) % Tr::kConsumerWGs;
+    if (cw == Tr::kConsumerWGs - 1) named_barrier_arrive(static_cast<int>(NamedBarrier::kSchedWG0), 256);
+    const uint32_t q_base = smem_u32(s_q) + cw * 64 * 128;
+    const uint32_t k_base = smem_u32(s_k);
+    const uint32_t v_base = smem_u32(s_v);
+    auto release = [&](uint64_t* empty) {
+      __syncwarp();
+      if (lane == 0) mbarrier_arrive(empty);
+    };
+    int ring = 0;
+
+    for (int round = 0;; ++round) {
+      mbarrier_wait(&full_q, round & 1);
+      const int t = __shfl_sync(0xffffffffu, *reinterpret_cast<volatile int*>(&tile_slot), 0);
+      if (t >= p.num_tiles) break;
+      const TileCoord tc = decode_tile<kCausal>(t, p);
+      const int m0 = tc.m_block * kBlockM;
+      const int n_blocks = num_key_blocks<kBlockM, kBlockN, kCausal>(m0, p.seqlen_q, p.seqlen_k);
+      const int rot = key_rotation(tc.m_block, n_blocks, p);
+      // This tile's descales (per batch and kv head): folded into the score scale and 1 / rowsum.
+      const int hk = tc.h / p.group;
+      const float dq = pp.q_descale ? pp.q_descale[tc.b * pp.qd_batch + hk * pp.qd_head] : 1.0f;
+      const float dk = pp.k_descale ? pp.k_descale[tc.b * pp.kd_batch + hk * pp.kd_head] : 1.0f;
+      const float dv = pp.v_descale ? pp.v_descale[tc.b * pp.vd_batch + hk * pp.vd_head] : 1.0f;
+      const float scale_log2 = p.scale_log2 * (dq * dk);
+      const float scale_ln = p.scale * (dq * dk);
+
+      float o[kHeadDim / 2];
+#pragma unroll
+      for (int i = 0; i < kHeadDim / 2; ++i) o[i] = 0.0f;
+      float row_max[2] = {-INFINITY, -INFINITY};
+      float row_sum[2] = {0.0f, 0.0f};
+
+      if (n_blocks > 0) {
+        float s[kBlockN / 2];      // S fragment (64 x kBlockN), fp32
+        uint32_t pf[kBlockN / 8];  // P as e4m3, 4 per register: the A fragments of P V
+        float corr[2] = {1.0f, 1.0f};
+        bool rescale = true;
+
+        // S = Q K^T: kHeadDim / 32 k-steps of 32 bytes, both operands K-major.
+        auto issue_qk = [&](uint32_t st) {
+          wgmma_fence();
+#pragma unroll
+          for (int kk = 0; kk < kHeadDim / 32; ++kk) {
+            const uint32_t col = kk / 4, byte_in_row = (kk % 4) * 32;
+            const uint64_t a = make_desc_sw128(q_base + col * kBlockM * 128 + byte_in_row, 16, 1024);
+            const uint64_t bd =
+                make_desc_sw128(k_base + st * Tr::kKVBytes + col * kBlockN * 128 + byte_in_row, 16, 1024);
+            WgmmaFp8<kBlockN>::ss(s, a, bd, kk > 0 ? 1 : 0);
+          }
+          wgmma_commit();
+        };
+        // O += P V: kBlockN / 32 k-steps, A = P from registers, B = V^T K-major (keys contiguous).
+        auto issue_pv = [&](uint32_t st) {
+          wgmma_fence();
+#pragma unroll
+          for (int kk = 0; kk < kBlockN / 32; ++kk) {
+            const uint32_t col = kk / 4, byte_in_row = (kk % 4) * 32;
+            const uint64_t bd =
+                make_desc_sw128(v_base + st * Tr::kKVBytes + col * kHeadDim * 128 + byte_in_row, 16, 1024);
+            const uint32_t a[4] = {pf[4 * kk], pf[4 * kk + 1], pf[4 * kk + 2], pf[4 * kk + 3]};
+            WgmmaFp8<kHeadDim>::rs(o, a, bd, 1);
+          }
+          wgmma_commit();
+        };
+        auto fence_s = [&]() {
+#pragma unroll
+          for (int i = 0; i < kBlockN / 2; ++i) reg_fence(s[i]);
+        };
+        auto fence_o = [&]() {
+#pragma unroll
+          for (int i = 0; i < kHeadDim / 2; ++i) reg_fence(o[i]);
+#pragma unroll
+          for (int i = 0; i < kBlockN / 8; ++i) reg_fence(pf[i]);
+        };
+        auto apply_mask = [&](int n) {
+          const int key0 = n * kBlockN + 2 * (lane % 4);
+#pragma unroll
+          for (int r = 0; r < 2; ++r) {
+            const int row = m0 + row_in_tile + 8 * r;
+            const int key_end = kCausal ? min(p.seqlen_k, row + off + 1) : p.seqlen_k;
+#pragma unroll
+            for (int i = 0; i < kBlockN / 8; ++i) {
+#pragma unroll
+              for (int e = 0; e < 2; ++e)
+                if (key0 + 8 * i + e >= key_end) s[4 * i + 2 * r + e] = -INFINITY;
+            }
+          }
+        };
+        auto needs_mask = [&](int n) {
+          return (n + 1) * kBlockN > p.seqlen_k || (kCausal && (n + 1) * kBlockN - 1 > m0 + off);
+        };
+        auto softmax = [&]() {
+          bool changed = false;
+#pragma unroll
+          for (int r = 0; r < 2; ++r) {
+            float mx = row_max[r];
+#pragma unroll
+            for (int i = 0; i < kBlockN / 8; ++i) mx = fmaxf(mx, fmaxf(s[4 * i + 2 * r], s[4 * i + 2 * r + 1]));
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+            changed |= mx != row_max[r];
+            const float m_scaled = mx == -INFINITY ? 0.0f : mx * scale_log2;
+            corr[r] = exp2_approx(row_max[r] * scale_log2 - m_scaled);
+            row_max[r] = mx;
+            float sum = 0.0f;
+#pragma unroll
+            for (int i = 0; i < kBlockN / 8; ++i) {
+#pragma unroll
+              for (int e = 0; e < 2; ++e) {
+                float& x = s[4 * i + 2 * r + e];
+                x = exp2_approx(fmaf(x, scale_log2, -m_scaled));
+                sum += x;
+              }
+            }
+            row_sum[r] = row_sum[r] * corr[r] + sum;
+          }
+          rescale = !p.rescale_skip || __any_sync(0xffffffffu, changed);
+        };
+        auto mask_and_softmax = [&](int n) {
+          if (needs_mask(n)) apply_mask(n);
+          softmax();
+        };
+        auto rescale_o = [&]() {
+          if (!rescale) return;
+#pragma unroll
+          for (int i = 0; i < kHeadDim / 8; ++i) {
+            o[4 * i + 0] *= corr[0];
+            o[4 * i + 1] *= corr[0];
+            o[4 * i + 2] *= corr[1];
+            o[4 * i + 3] *= corr[1];
+          }
+        };
+        // P (values in [0, 1]) -> e4m3 A fragments, key order permuted per 32 (fp8_p_key).
+        auto convert_p = [&]() {
+#pragma unroll
+          for (int kk = 0; kk < kBlockN / 32; ++kk) {
+            uint32_t a[4];
+            fp8_p_fragment(&s[16 * kk], a);
+#pragma unroll
+            for (int j = 0; j < 4; ++j) pf[4 * kk + j] = a[j];
+          }
+        };
+
+        // ---- first key block ----
+        {
+          const uint32_t st = ring_stage(ring, kStages);
+          mbarrier_wait(&full_k[st], ring_phase(ring, kStages));
+          named_barrier_sync(sched_mine, 256);
+          issue_qk(st);
+          named_barrier_arrive(sched_other, 256);
+          wgmma_wait<0>();
+          fence_s();
+          release(&empty_k[st]);
+          mask_and_softmax(key_block(0, n_blocks, rot));
+          if (p.rescale_skip) rescale = false;  // O is still all zeros
+          convert_p();
+        }
+
+        // ---- steady state: S_i = Q K_i^T issued with O += P_{i-1} V_{i-1} ----
+        for (int i = 1; i < n_blocks; ++i) {
+          const uint32_t st = ring_stage(ring + i, kStages), prev = ring_stage(ring + i - 1, kStages);
+          mbarrier_wait(&full_k[st], ring_phase(ring + i, kStages));
+          named_barrier_sync(sched_mine, 256);
+          issue_qk(st);
+          rescale_o();
+          mbarrier_wait(&full_v[prev], ring_phase(ring + i - 1, kStages));
+          issue_pv(prev);
+          named_barrier_arrive(sched_other, 256);
+          wgmma_wait<1>();
+          fence_s();
+          release(&empty_k[st]);
+          mask_and_softmax(key_block(i, n_blocks, rot));
+          wgmma_wait<0>();
+          fence_o();
+          release(&empty_v[prev]);
+          convert_p();
+        }
+        release(&empty_q);
+
+        // ---- last P V ----
+        {
+          const uint32_t prev = ring_stage(ring + n_blocks - 1, kStages);
+          mbarrier_wait(&full_v[prev], ring_phase(ring + n_blocks - 1, kStages));
+          named_barrier_sync(sched_mine, 256);
+          rescale_o();
+          issue_pv(prev);
+          named_barrier_arrive(sched_other, 256);
+          wgmma_wait<0>();
+          fence_o();
+          release(&empty_v[prev]);
+        }
+        ring += n_blocks;
+      } else {
+        release(&empty_q);
+      }
+
+      // ---- epilogue: O * v_descale / rowsum in Out; LSE = scale' * max + log(sum) ----
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        float sum = row_sum[r];
+        sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+        sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+        const float inv = sum > 0.0f ? dv / sum : 0.0f;
+        const int row = m0 + row_in_tile + 8 * r;
+        if (row < p.seqlen_q) {
+          Out* orow = static_cast<Out*>(p.o) + tc.b * p.o_batch + row * p.o_seq + tc.h * p.o_head + 2 * (lane % 4);
+#pragma unroll
+          for (int i = 0; i < kHeadDim / 8; ++i)
+            *reinterpret_cast<uint32_t*>(orow + 8 * i) = pack2<Out>(o[4 * i + 2 * r] * inv, o[4 * i + 2 * r + 1] * inv);
+          if (p.lse != nullptr && lane % 4 == 0)
+            p.lse[tc.b * p.lse_batch + tc.h * p.lse_head + row * p.lse_seq] =
+                sum > 0.0f ? row_max[r] * scale_ln + logf(sum) : -INFINITY;
+        }
+      }
+    }
+    if (cw == 0) named_barrier_sync(static_cast<int>(NamedBarrier::kSchedWG0), 256);
+  }
+#elif defined(__CUDA_ARCH__)
+  __trap();
+#endif  // IOATTN_SM90A_ENABLED
+}
+
+// ---- the V transpose pre-pass ------------------------------------------------------------------
+// vt[b][hk][x][key'] = v[b, key, hk, x] for key' in [0, skp): key' = 32 j + c holds key
+// 32 j + fp8_p_key(c) (the P fragment's order), zero where that key >= seqlen_k. One block per
+// 64 keys x 64 dims of one (b, kv head); 4-byte loads and stores (v rows and strides are 16-byte
+// aligned: the selector's TMA checks), 256 threads.
+struct Fp8TransposeArgs {
+  const uint8_t* v = nullptr;
+  int64_t v_batch = 0, v_seq = 0, v_head = 0;  // element (= byte) strides
+  uint8_t* vt = nullptr;
+  int seqlen_k = 0, skp = 0, head_dim = 0, heads_kv = 0;
+};
+
+// ---- host side ---------------------------------------------------------------------------------
+
+struct Fp8Launch {
+  CUtensorMap q, k, vt;  // 4D: q/k (d, seq, heads, batch) box (128, rows); vt (skp, d, heads_kv, batch) box (kBlockN, d)
+  Fp8Params params;
+  unsigned grid = 0;
+  cudaStream_t stream = nullptr;
+};
+
+template <class Tr, bool kCausal>
+bool flash_fwd_sm90_fp8_present() {
+  cudaFuncAttributes attr{};
+  const cudaError_t e = cudaFuncGetAttributes(&attr, flash_fwd_sm90_fp8_kernel<Tr, kCausal>);
+  if (e != cudaSuccess) {
+    cudaGetLastError();
+    return false;
+  }
+  return attr.binaryVersion >= 90 && attr.ptxVersion >= 90;
+}
+
+template <class Tr, bool kCausal>
+void flash_fwd_sm90_fp8_launch(const Fp8Launch& l) {
+  auto kernel = flash_fwd_sm90_fp8_kernel<Tr, kCausal>;
+  IOATTN_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Tr::kSmemBytes));
+  kernel<<<l.grid, Tr::kThreads, Tr::kSmemBytes, l.stream>>>(l.q, l.k, l.vt, l.params);
+  IOATTN_CUDA_CHECK_LAUNCH("flash_fwd_sm90_fp8_kernel");
+}
+
+// The pre-pass (compiled once, in flash_fwd_sm90_fp8.cu).
+void fp8_transpose_v_launch(const Fp8TransposeArgs& a, int64_t batch, cudaStream_t stream);
+
+#define IOATTN_SM90_FP8_INSTANTIATE(TR, CAUSAL)          \
+  template bool flash_fwd_sm90_fp8_present<TR, CAUSAL>(); \
+  template void flash_fwd_sm90_fp8_launch<TR, CAUSAL>(const Fp8Launch& l);
+#define IOATTN_SM90_FP8_EXTERN(TR, CAUSAL)                       \
+  extern template bool flash_fwd_sm90_fp8_present<TR, CAUSAL>(); \
+  extern template void flash_fwd_sm90_fp8_launch<TR, CAUSAL>(const Fp8Launch& l);
+
+}  // namespace ioattn::cuda::sm90
