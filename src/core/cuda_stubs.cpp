@@ -2,6 +2,7 @@
 #include <stdexcept>
 
 #include "core/backends.hpp"
+#include "core/serving_problem.hpp"
 
 namespace ioattn::detail {
 namespace {
@@ -29,5 +30,12 @@ void cuda_naive_forward(const FwdProblem&) { no_cuda(); }
 std::vector<std::string> cuda_compiled_kernels() { return {}; }
 CudaSelection cuda_backward_select(const BwdProblem&, int) { return {"", "this build has no CUDA backend"}; }
 void cuda_flash_backward(const BwdProblem&) { no_cuda(); }
+// Serving (never reached: validation refuses CUDA tensors in a build without CUDA).
+CudaSelection cuda_decode_select(const DecodeProblem&, int) { return {"", "this build has no CUDA backend"}; }
+int cuda_decode_num_splits(int64_t, int64_t, int64_t, int64_t, int64_t, int, std::string*) { no_cuda(); }
+size_t cuda_decode_workspace_bytes(int64_t, int64_t, int64_t, int64_t, int) { return 0; }
+void cuda_decode(const DecodeProblem&) { no_cuda(); }
+void cuda_append_kv(const AppendProblem&) { no_cuda(); }
+void cuda_merge_states(const MergeProblem&) { no_cuda(); }
 
 }  // namespace ioattn::detail

@@ -5,10 +5,11 @@
 // never leaves a partly written output or cache. Each error names the argument, what was
 // expected and what came. Values that decide memory safety (block_table entries, cache_seqlens,
 // slot_mapping, the 8-bit scales) are read on the host for CPU tensors. For CUDA tensors those
-// reads would need a device -> host copy (and would break CUDA-graph capture); there is no CUDA
-// serving kernel yet, so the value checks are skipped for them and dispatch throws
-// "no CUDA decode kernel yet". When the CUDA kernels land (serving_problem.hpp declares their
-// entry points), the placeholders at the bottom of the anonymous namespace become calls to them.
+// reads would need a device -> host copy and would break CUDA-graph capture, so they stay on the
+// device and the CUDA kernels bound-check instead (src/cuda/serving_decode.cu: a sequence whose
+// length or pages are out of range decodes to NaN; serving_ops.cu: an out-of-range slot is
+// skipped). The CUDA decode kernel is picked by cuda_decode_select() (a row or a reason: no
+// silent fallback to the CPU); IOATTN_LOG=info prints the kernel, the split count and why.
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
@@ -305,10 +306,13 @@ uint64_t plan_fingerprint(const DecodePlan& pl) {
   return h;
 }
 
-// ---- CUDA placeholders: replace with cuda_decode_select() / cuda_decode() etc. ------------
-[[noreturn]] void no_cuda_kernel(const char* what, const std::string& shape) {
-  throw Error("q", std::string("ioattn: no CUDA ") + what + " kernel yet (" + shape +
-                       "); serving runs on the CPU for now: pass Device::cpu tensors");
+// CUDA: the dispatcher's row for this decode, or an error naming q with the reason.
+CudaSelection select_cuda_decode(const DecodeProblem& p, const std::string& shape) {
+  const int arch = cuda_device_arch(p.device_index);
+  CudaSelection sel = cuda_decode_select(p, arch);
+  if (sel.kernel.empty())
+    throw Error("q", "ioattn: no CUDA decode kernel for " + shape + ": " + sel.reason);
+  return sel;
 }
 
 std::string decode_shape(const DecodeProblem& p) {
@@ -329,7 +333,13 @@ int split_threads(const DecodeProblem& p, int threads, int splits) {
 
 KernelChoice run_decode(DecodeProblem& p, const std::string& reason) {
   const std::string shape = decode_shape(p);
-  if (p.device == Device::cuda) no_cuda_kernel("decode", shape);
+  if (p.device == Device::cuda) {
+    const CudaSelection sel = select_cuda_decode(p, shape);
+    KernelChoice c{sel.kernel + " " + shape + " splits " + i2s(p.num_splits), reason + "; " + sel.reason};
+    log_choice("decode", c);
+    cuda_decode(p);
+    return c;
+  }
   KernelChoice c{"cpu/splitkv " + cpu_best_target() + " " + shape + " splits " + i2s(p.num_splits), reason};
   log_choice("decode", c);
   cpu_decode(p);
@@ -360,8 +370,10 @@ DecodePlan plan_decode(int64_t batch, int64_t heads_q, int64_t heads_kv, int64_t
   if (device_index < 0) fail("device_index", ">= 0", i2s(device_index));
   if (device == Device::cuda) {
     if (!cuda_compiled()) fail("device", "cpu (this build has no CUDA backend)", "cuda");
-    throw Error("device", "ioattn: no CUDA decode kernel yet: plan_decode(device = cuda) has no CUDA plan to make; "
-                          "serving runs on the CPU for now");
+    const int n = cuda_device_count();
+    if (device_index >= n)
+      fail("device_index", n ? "a CUDA device index in 0.." + i2s(n - 1) : std::string("a CUDA device (none found)"),
+           i2s(device_index));
   }
   DecodePlan pl;
   pl.batch = batch;
@@ -373,6 +385,15 @@ DecodePlan plan_decode(int64_t batch, int64_t heads_q, int64_t heads_kv, int64_t
   pl.max_seqlen_k = max_seqlen_k;
   pl.page_size = page_size;
   pl.device = device;
+  if (device == Device::cuda) {
+    // CUDA: splits for this device's SM count; the workspace holds only the partials.
+    pl.num_splits = opt.num_splits > 0 ? opt.num_splits
+                                       : cuda_decode_num_splits(batch, heads_q, heads_kv, seqlen_q, max_seqlen_k,
+                                                                device_index, nullptr);
+    pl.workspace_bytes = cuda_decode_workspace_bytes(batch, heads_q, seqlen_q, head_dim_v, pl.num_splits);
+    pl.fingerprint = plan_fingerprint(pl);
+    return pl;
+  }
   const int threads = cpu_max_threads();
   pl.num_splits = opt.num_splits > 0 ? opt.num_splits
                                      : cpu_decode_num_splits(batch, heads_kv, max_seqlen_k, threads, nullptr);
@@ -392,7 +413,23 @@ KernelChoice decode(const TensorView& q, const KVCache& cache, const TensorView&
   check_num_splits(opt.num_splits, "opt.num_splits");
   DecodeProblem& p = val.p;
   p.max_seqlen_k = val.max_len;
-  if (p.device == Device::cuda) no_cuda_kernel("decode", decode_shape(p));
+  if (p.device == Device::cuda) {
+    // Splits from the capacity (the device's lengths are not read); partials in a stream-ordered
+    // allocation made by the backend for this call.
+    std::string reason;
+    if (opt.num_splits > 0) {
+      p.num_splits = opt.num_splits;
+      reason = "num_splits=" + i2s(opt.num_splits) + " requested";
+    } else {
+      p.num_splits = cuda_decode_num_splits(p.batch, p.heads_q, p.heads_kv, p.seqlen_q, val.max_len, p.device_index,
+                                            &reason);
+      reason = "heuristic: " + reason;
+    }
+    return run_decode(p, reason + "; internal workspace (stream-ordered) " +
+                             i2s(static_cast<int64_t>(cuda_decode_workspace_bytes(
+                                 p.batch, p.heads_q, p.seqlen_q, p.head_dim_v, p.num_splits))) +
+                             " B");
+  }
   const int threads = ctx.num_threads > 0 ? ctx.num_threads : cpu_max_threads();
   std::string reason;
   if (opt.num_splits > 0) {
@@ -438,7 +475,9 @@ KernelChoice decode(const TensorView& q, const KVCache& cache, const TensorView&
   if (plan.device != p.device)
     fail("plan", std::string("a plan for device ") + device_name(p.device) + " (from q)",
          std::string("a plan for device ") + device_name(plan.device));
-  if (val.max_len > plan.max_seqlen_k)
+  // CPU: the longest entry, read above. CUDA: the lengths stay on the device; the kernel treats an
+  // entry past min(capacity, plan.max_seqlen_k) as invalid (NaN output).
+  if (p.device == Device::cpu && val.max_len > plan.max_seqlen_k)
     fail("plan", "max_seqlen_k >= the longest cache_seqlens entry " + i2s(val.max_len),
          "a plan for max_seqlen_k = " + i2s(plan.max_seqlen_k) + "; plan with the cache capacity");
   check_num_splits(plan.num_splits, "plan.num_splits");
@@ -453,7 +492,22 @@ KernelChoice decode(const TensorView& q, const KVCache& cache, const TensorView&
              " bytes past alignment");
   p.max_seqlen_k = plan.max_seqlen_k;
   p.num_splits = plan.num_splits;
-  if (p.device == Device::cuda) no_cuda_kernel("decode", decode_shape(p));
+  if (p.device == Device::cuda) {
+    const size_t need = cuda_decode_workspace_bytes(p.batch, p.heads_q, p.seqlen_q, p.head_dim_v, p.num_splits);
+    if (plan.workspace_bytes < need)
+      fail("plan.workspace_bytes", ">= " + i2s(static_cast<int64_t>(need)) + " (as plan_decode sets it)",
+           i2s(static_cast<int64_t>(plan.workspace_bytes)));
+    if (need > 0 && !cuda_is_device_pointer(workspace))
+      fail("workspace", "device memory on the device of q (plan.workspace_bytes = " + i2s(static_cast<int64_t>(need)) +
+                            " B)",
+           "a host pointer");
+    p.max_seqlen_k = std::min(plan.max_seqlen_k, val.max_len);  // val.max_len: the capacity
+    p.workspace = need > 0 ? workspace : nullptr;
+    p.workspace_bytes = plan.workspace_bytes;
+    return run_decode(p, "plan: splits fixed by plan_decode, caller workspace " +
+                             i2s(static_cast<int64_t>(plan.workspace_bytes)) + " B, device bound on cache_seqlens " +
+                             i2s(p.max_seqlen_k));
+  }
   const DecodeLayout lay = cpu_decode_layout_for_bytes(p.batch, p.heads_q, p.heads_kv, p.seqlen_q, p.head_dim,
                                                        p.head_dim_v, p.num_splits, plan.workspace_bytes);
   if (lay.scratch_threads < 1)
@@ -616,7 +670,15 @@ KernelChoice append_kv(const TensorView& k_new, const TensorView& v_new, const T
   const std::string shape = std::string(dtype_name(p.new_dtype)) + "->" + dtype_name(p.cache_dtype) + " hdim" +
                             i2s(p.head_dim) + (p.head_dim_v != p.head_dim ? "/" + i2s(p.head_dim_v) : "") +
                             " page" + i2s(p.page_size);
-  if (p.device == Device::cuda) no_cuda_kernel("append_kv", shape);
+  if (p.device == Device::cuda) {
+    KernelChoice c{"cuda/append_kv " + shape,
+                   std::string(is_8bit(p.cache_dtype) ? "quantise with the per-kv-head scales, round to nearest, saturate"
+                                                      : "convert to the cache dtype (round to nearest even)") +
+                       "; one warp per (token, kv head); slots outside 0..pages*page_size-1 skipped on the device"};
+    log_choice("append_kv", c);
+    cuda_append_kv(p);
+    return c;
+  }
   KernelChoice c{"cpu/append_kv " + shape,
                  is_8bit(p.cache_dtype) ? "quantise with the per-kv-head scales, round to nearest, saturate"
                                         : "convert to the cache dtype (round to nearest even)"};
@@ -631,7 +693,12 @@ KernelChoice merge_states(const TensorView& o_a, const TensorView& lse_a, const 
   using namespace detail;
   const MergeProblem p = validate_merge(o_a, lse_a, o_b, lse_b, o_out, lse_out, ctx);
   const std::string shape = std::string(dtype_name(p.dtype)) + " hdim" + i2s(p.head_dim);
-  if (p.device == Device::cuda) no_cuda_kernel("merge_states", shape);
+  if (p.device == Device::cuda) {
+    KernelChoice c{"cuda/merge_states " + shape, "row-wise log-sum-exp rescale, fp32; one warp per row"};
+    log_choice("merge_states", c);
+    cuda_merge_states(p);
+    return c;
+  }
   KernelChoice c{"cpu/merge_states " + shape, "row-wise log-sum-exp rescale, fp32"};
   log_choice("merge_states", c);
   cpu_merge_states(p);

@@ -184,14 +184,20 @@ void cpu_decode(const DecodeProblem& p);  // p.workspace laid out by cpu_decode_
 void cpu_append_kv(const AppendProblem& p);
 void cpu_merge_states(const MergeProblem& p);
 
-// CUDA: declared for the CUDA backend to implement (src/cuda/). Nothing calls them yet: the
-// dispatcher in serving_api.cpp throws "no CUDA decode kernel yet" until they exist, so a
-// CUDA build links without them.
+// CUDA (src/cuda/serving_decode.cu, serving_ops.cu; stubs in core/cuda_stubs.cpp without CUDA).
+// On CUDA, cache_seqlens / block_table / slot_mapping / scales stay on the device (validation
+// does not read them: CUDA-graph capture); the kernels bound-check instead (see serving_decode.cu).
+// The decode kernel's row for this problem, or an empty name and why none fits.
 CudaSelection cuda_decode_select(const DecodeProblem& p, int arch);
-int cuda_decode_num_splits(int64_t batch, int64_t heads_kv, int64_t max_seqlen_k, int device_index,
-                           std::string* why);
+// The CUDA split heuristic (documented at its definition) for the SM count of device_index.
+int cuda_decode_num_splits(int64_t batch, int64_t heads_q, int64_t heads_kv, int64_t seqlen_q,
+                           int64_t max_seqlen_k, int device_index, std::string* why);
+// CUDA workspace: partial O fp32 [batch, heads_q, seqlen_q, splits, dv] at offset 0, partial LSE
+// fp32 [batch, heads_q, seqlen_q, splits] at the next kWorkspaceAlign boundary; 0 bytes for one split.
 size_t cuda_decode_workspace_bytes(int64_t batch, int64_t heads_q, int64_t seqlen_q, int64_t head_dim_v,
                                    int num_splits);
+// p.max_seqlen_k is the device-side bound of cache_seqlens; p.workspace null = allocate on the
+// stream (cudaMallocAsync) for this call.
 void cuda_decode(const DecodeProblem& p);
 void cuda_append_kv(const AppendProblem& p);
 void cuda_merge_states(const MergeProblem& p);

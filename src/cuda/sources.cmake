@@ -12,6 +12,9 @@ set(IOATTN_CUDA_SOURCES
   ${CMAKE_CURRENT_LIST_DIR}/flash_fwd_hdim128.cu
   ${CMAKE_CURRENT_LIST_DIR}/flash_fwd_hdim192.cu
   ${CMAKE_CURRENT_LIST_DIR}/flash_fwd_hdim256.cu
+  # Serving: split-KV decode (5 cache dtypes) + merge, append_kv, merge_states.
+  ${CMAKE_CURRENT_LIST_DIR}/serving_decode.cu
+  ${CMAKE_CURRENT_LIST_DIR}/serving_ops.cu
 )
 # The Hopper (sm_90a) wgmma/TMA kernel and its PTX unit tests / check harness.
 include(${CMAKE_CURRENT_LIST_DIR}/hopper/sources.cmake)
@@ -36,6 +39,10 @@ function(ioattn_cuda_extras)
       ${PROJECT_SOURCE_DIR}/src/cuda/flash_tune_d128.cu ${PROJECT_SOURCE_DIR}/src/cuda/flash_tune_d256.cu)
     target_link_libraries(ioattn_cuda_tune PRIVATE ioattn::ioattn CUDA::cudart_static)
     target_include_directories(ioattn_cuda_tune PRIVATE ${PROJECT_SOURCE_DIR}/src)
+    # Decode benchmark (JSON lines; bench/peer_decode.py runs it next to torch SDPA).
+    add_executable(ioattn_cuda_decode_bench ${PROJECT_SOURCE_DIR}/src/cuda/bench_decode_cuda.cu)
+    target_link_libraries(ioattn_cuda_decode_bench PRIVATE ioattn::ioattn CUDA::cudart_static)
+    target_include_directories(ioattn_cuda_decode_bench PRIVATE ${PROJECT_SOURCE_DIR}/src)
   endif()
   if(IOATTN_BUILD_TESTS)
     find_package(GTest CONFIG QUIET)
@@ -50,6 +57,11 @@ function(ioattn_cuda_extras)
       add_test(NAME cuda_kernels COMMAND test_cuda_kernels)
       # A GPU-less machine prints "skipped: no CUDA device"; ctest reports those as skipped.
       set_tests_properties(cuda_kernels PROPERTIES SKIP_REGULAR_EXPRESSION "skipped: no CUDA device")
+      add_executable(test_cuda_serving ${PROJECT_SOURCE_DIR}/tests/test_cuda_serving.cpp)
+      target_link_libraries(test_cuda_serving PRIVATE ioattn::ioattn GTest::gtest GTest::gtest_main CUDA::cudart_static)
+      target_include_directories(test_cuda_serving PRIVATE ${PROJECT_SOURCE_DIR}/src ${PROJECT_SOURCE_DIR}/tests)
+      add_test(NAME cuda_serving COMMAND test_cuda_serving)
+      set_tests_properties(cuda_serving PROPERTIES SKIP_REGULAR_EXPRESSION "skipped: no CUDA device")
     else()
       message(STATUS "ioattn: GoogleTest not found; test_cuda_kernels not built")
     endif()

@@ -1,0 +1,724 @@
+// serving_decode.cu — split-KV decode (Flash-Decoding) on CUDA over a paged or contiguous KV
+// cache (bf16 / f16 / f32 or 8-bit f8e4m3 / i8 with per-kv-head scales), the exact merge of the
+// splits, the CUDA split heuristic and the dispatcher's row for decode.
+//
+// Semantics: exactly those of the CPU backend (src/cpu/serving_cpu.cpp, whose file comment is the
+// specification): the same key range per split (decode_split_range), masks, softcap before ALiBi,
+// sinks added once (at the merge, or in the CTA when there is one split), NaN / +inf visible scores
+// poison their row, rows with no visible key give O = 0 and LSE = -inf (or the sink).
+//
+// Work partition. CTA = (sequence b, kv head hk, split s, row block rb). The R = group * seqlen_q
+// query rows of a kv head are cut into blocks of kRows = 4 (GQA 32/8 with one query token: one
+// block, so every K/V byte is read once); a larger group runs ceil(R / 4) CTAs over the same
+// chunk, adjacent in the grid so the repeats hit L2. Grid = batch * heads_kv * splits * blocks,
+// fixed by the shape and the split count: nothing depends on cache_seqlens on the host, so the
+// launch is CUDA-graph capturable; a CTA whose range is empty writes an empty partial.
+//
+// One CTA, 4 warps. A key's head_dim is spread over TX = pow2(ceil(max(d, dv) / 16)) lanes of
+// 16 elements each ("a lane group"); the CTA's G = 128 / TX groups each take one key at a time.
+// Per tile of BK = 4 * G keys (K and V tiles of 8 KiB per element byte, cp.async 16-byte copies
+// through the page table into a 2-4 stage ring):
+//   every group scores its 4 keys for the 4 rows: partial dots over its 16 elements, a butterfly
+//   over the TX lanes; softcap, ALiBi, mask (select -inf); online softmax per (group, row)
+//   (running max m, sum l, acc rescaled once per tile); acc += p * V (p == 0 skipped: a masked
+//   key's V may hold inf / NaN).
+// At the end the G groups are merged exactly in shared memory (in group order: deterministic, so a
+// graph replay is bitwise the eager run), then the CTA writes O and LSE (one split) or its fp32
+// partial (O normalised, LSE) to the workspace, [b, h, i, split, dv] / [b, h, i, split].
+//
+// Shared-memory layout: a cache row of the tile occupies CPR = TX * kBytes 16-byte chunks (a lane
+// owns kBytes chunks of 16 / kBytes elements: chunk c = tx + v * TX, v < kBytes). When
+// TX < 8 and CPR >= 8, chunk c of row j is stored at c ^ ((j % (8 / TX)) * TX), so the 8 lanes of a
+// 16-byte shared-load phase (8 / TX consecutive keys) hit 8 distinct bank groups.
+//
+// Device-side bounds (validation cannot read device tensors): a cache_seqlens entry outside
+// [0, bound] (bound = the capacity, or the plan's max_seqlen_k if smaller) or a block_table entry
+// outside [0, pages) makes the whole sequence's output NaN (LSE NaN); nothing out of range is read.
+// A length below seqlen_q (rejected on the CPU) is computed as the position formula says.
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <atomic>
+#include <climits>
+#include <cmath>
+#include <string>
+
+#include "core/serving_problem.hpp"
+#include "cuda/check.cuh"
+#include "cuda/ptx.cuh"
+#include "cuda/serving.cuh"
+
+namespace ioattn::cuda::serving {
+namespace {
+
+constexpr int kThreads = 128;     // 4 warps
+constexpr int kRows = 4;          // query rows per CTA
+constexpr int kElems = 16;        // head-dim elements per lane
+constexpr int kKeysPerGroup = 4;  // keys a lane group scores per tile
+constexpr int kMaxDim = 256;      // head_dim, head_dim_v
+constexpr int kMaxGroups = kThreads;  // TX = 1
+
+struct DecodeParams {
+  const void* q;
+  void* o;
+  float* lse;
+  int64_t q_sb, q_ss, q_sh, o_sb, o_ss, o_sh, l_sb, l_ss, l_sh;  // elements
+  DType dtype;
+
+  const uint8_t* k;
+  const uint8_t* v;
+  int64_t k_sp, k_ss, k_sh, v_sp, v_ss, v_sh;  // bytes (page, slot, head)
+  int k_row_bytes, v_row_bytes;                 // d * esize, dv * esize
+  const int32_t* block_table;                   // null: contiguous (page = b, slot = t)
+  int64_t bt_sb, bt_sp;
+  int page_size;
+  int64_t num_pages;
+  const int32_t* seqlens;
+  int64_t bound;  // largest accepted cache_seqlens entry
+  const float* k_scale;
+  const float* v_scale;
+
+  int heads_q, heads_kv, seqlen_q, group, rows, row_blocks, splits, d, dv, tx_log2;
+  float scale, softcap;
+  int64_t wl, wr;
+  const float* alibi;
+  const float* sinks;
+  float* part_o;  // splits > 1
+  float* part_lse;
+};
+
+__device__ __forceinline__ float ninf() { return -INFINITY; }
+
+// problem.hpp's visible_keys, on the device.
+__device__ __forceinline__ void vis_keys(int64_t i, int64_t sq, int64_t sk, int64_t wl, int64_t wr, int64_t* lo,
+                                         int64_t* hi) {
+  const int64_t diag = i + (sk - sq);
+  const int64_t l = wl >= 0 ? diag - wl : 0;
+  const int64_t h = wr >= 0 ? diag + wr + 1 : sk;
+  *lo = l < 0 ? 0 : l;
+  *hi = h > sk ? sk : h;
+}
+
+// detail::decode_split_range, on the device.
+__device__ __forceinline__ void split_range(int64_t len, int64_t sq, int64_t wl, int64_t wr, int splits, int split,
+                                            int64_t* k0, int64_t* k1) {
+  *k0 = *k1 = 0;
+  if (len <= 0) return;
+  int64_t lo_first, hi_first, lo_last, hi_last;
+  vis_keys(0, sq, len, wl, wr, &lo_first, &hi_first);
+  vis_keys(sq - 1, sq, len, wl, wr, &lo_last, &hi_last);
+  const int64_t span = hi_last - lo_first;
+  if (span <= 0) return;
+  int64_t chunk = (span + splits - 1) / splits;
+  chunk = (chunk + detail::kSplitAlignTokens - 1) / detail::kSplitAlignTokens * detail::kSplitAlignTokens;
+  *k0 = lo_first + split * chunk;
+  *k1 = min(hi_last, *k0 + chunk);
+}
+
+// The lane's 16 elements of cache row `row` (shared memory) in fp32: chunk v of the lane is
+// logical chunk tx + v * TX, stored at that ^ sw.
+template <typename CT>
+__device__ __forceinline__ void load_row(const uint8_t* row, int tx, int txl, int sw, float (&out)[kElems]) {
+  constexpr int NV = CacheTraits<CT>::kBytes, VEC = 16 / NV;
+#pragma unroll
+  for (int v = 0; v < NV; ++v) {
+    const int c = (tx + (v << txl)) ^ sw;
+    const uint4 raw = *reinterpret_cast<const uint4*>(row + c * 16);
+    CacheTraits<CT>::convert(raw, out + v * VEC);
+  }
+}
+
+template <typename CT>
+__global__ void __launch_bounds__(kThreads) decode_kernel(const DecodeParams p) {
+  using Tr = CacheTraits<CT>;
+  constexpr int NV = Tr::kBytes;        // 16-byte chunks per lane per row
+  constexpr int VEC = 16 / NV;          // elements per chunk
+  constexpr int STAGES = Tr::kStages;
+  constexpr int kTileBytes = 8192 * NV;  // one K (or V) tile: BK rows of CPR chunks
+  constexpr int kLoadIters = 4 * NV;     // chunks per thread per tile (of K, and of V)
+  static_assert(kTileBytes == (kThreads * kKeysPerGroup) * kElems * NV, "tile bytes");
+
+  extern __shared__ __align__(16) uint8_t smem[];
+  __shared__ float grp_m[kMaxGroups * kRows], grp_l[kMaxGroups * kRows];
+  __shared__ int grp_bad[kMaxGroups];
+  __shared__ float row_m[kRows], row_l[kRows];
+  __shared__ int row_bad[kRows];
+
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int txl = p.tx_log2, TX = 1 << txl;
+  const int tx = lane & (TX - 1), ty = lane >> txl;
+  const int G = kThreads >> txl;             // lane groups
+  const int gi = (warp << (5 - txl)) + ty;   // this lane's group
+  const int CPR = NV << txl;                 // 16-byte chunks per tile row
+  const int row_stride = CPR * 16;           // bytes
+  const int BK = G * kKeysPerGroup;          // keys per tile
+  const int swz_mask = (TX < 8 && CPR >= 8) ? (8 >> txl) - 1 : 0;
+
+  // ---- work item --------------------------------------------------------------------------
+  int64_t id = blockIdx.x;
+  const int rb = static_cast<int>(id % p.row_blocks);
+  id /= p.row_blocks;
+  const int split = static_cast<int>(id % p.splits);
+  id /= p.splits;
+  const int hk = static_cast<int>(id % p.heads_kv);
+  const int64_t b = id / p.heads_kv;
+
+  const int64_t len_raw = p.seqlens[b];
+  const bool seq_bad = len_raw < 0 || len_raw > p.bound;
+  const int64_t len = seq_bad ? 0 : len_raw;
+  const int sq = p.seqlen_q;
+  int64_t k0, k1;
+  split_range(len, sq, p.wl, p.wr, p.splits, split, &k0, &k1);
+
+  // ---- rows: visible range within the split, pre-scaled Q --------------------------------
+  const float k_scale = p.k_scale ? p.k_scale[hk] : 1.0f;
+  const float q_mul = p.scale * k_scale;
+  float qr[kRows][kElems];
+  int lo[kRows], hi[kRows];
+  float slope[kRows], diag[kRows];
+  int64_t klo = k1, khi = k0;
+#pragma unroll
+  for (int r = 0; r < kRows; ++r) {
+    const int rr = rb * kRows + r;
+    const bool valid = rr < p.rows;
+    const int hh = valid ? rr / sq : 0, i = valid ? rr % sq : 0;
+    const int h = hk * p.group + hh;
+    int64_t a = 0, z = 0;
+    if (valid && len > 0) {
+      vis_keys(i, sq, len, p.wl, p.wr, &a, &z);
+      a = max(a, k0);
+      z = min(z, k1);
+    }
+    if (a < z) {
+      klo = min(klo, a);
+      khi = max(khi, z);
+    } else {
+      a = z = 0;
+    }
+    lo[r] = static_cast<int>(a);
+    hi[r] = static_cast<int>(z);
+    slope[r] = (valid && p.alibi) ? p.alibi[h] : 0.0f;
+    diag[r] = static_cast<float>(i + len - sq);
+    const int64_t qoff = b * p.q_sb + i * p.q_ss + h * p.q_sh;
+#pragma unroll
+    for (int e = 0; e < kElems; ++e) {
+      const int dim = ((tx + ((e / VEC) << txl)) * VEC) + e % VEC;
+      qr[r][e] = (valid && dim < p.d) ? load_elem(p.q, p.dtype, qoff + dim) * q_mul : 0.0f;
+    }
+  }
+
+  // ---- the cp.async loader: this thread copies chunk c_ld of rows j_ld0 + it * j_step --------
+  const int64_t nkeys = khi > klo ? khi - klo : 0;
+  const int ntiles = static_cast<int>((nkeys + BK - 1) / BK);
+  const int c_ld = tid & (CPR - 1);
+  const int j_ld0 = tid / CPR, j_step = kThreads / CPR;  // kLoadIters * j_step == BK
+  const int k_valid = min(max(p.k_row_bytes - c_ld * 16, 0), 16);
+  const int v_valid = min(max(p.v_row_bytes - c_ld * 16, 0), 16);
+  int pg_bad = 0;
+
+  auto issue = [&](int tile) {
+    if (tile < ntiles) {
+      uint8_t* ks = smem + (tile % STAGES) * 2 * kTileBytes;
+      uint8_t* vs = ks + kTileBytes;
+      const int64_t t0 = klo + static_cast<int64_t>(tile) * BK;
+#pragma unroll
+      for (int it = 0; it < kLoadIters; ++it) {
+        const int j = j_ld0 + it * j_step;
+        const int64_t t = t0 + j;
+        const int off = j * row_stride + ((c_ld ^ ((j & swz_mask) << txl)) << 4);
+        const uint8_t* ksrc = p.k;
+        const uint8_t* vsrc = p.v;
+        int kb = 0, vb = 0;
+        if (t < khi) {
+          int64_t page, slot;
+          if (p.block_table) {
+            const int pi = static_cast<int>(t) / p.page_size;
+            slot = t - static_cast<int64_t>(pi) * p.page_size;
+            page = __ldg(p.block_table + b * p.bt_sb + pi * p.bt_sp);
+            if (page < 0 || page >= p.num_pages) {
+              pg_bad = 1;
+              page = -1;
+            }
+          } else {
+            page = b;
+            slot = t;
+          }
+          if (page >= 0) {
+            ksrc = p.k + page * p.k_sp + slot * p.k_ss + hk * p.k_sh + c_ld * 16;
+            vsrc = p.v + page * p.v_sp + slot * p.v_ss + hk * p.v_sh + c_ld * 16;
+            kb = k_valid;
+            vb = v_valid;
+            if (kb == 0) ksrc = p.k;
+            if (vb == 0) vsrc = p.v;
+          }
+        }
+        ptx::cp_async_16(ptx::smem_u32(ks + off), ksrc, kb);
+        ptx::cp_async_16(ptx::smem_u32(vs + off), vsrc, vb);
+      }
+    }
+    ptx::cp_async_commit();  // always: the wait counts groups
+  };
+
+  float m[kRows], l[kRows], acc[kRows][kElems];
+  int bad = 0;  // bit r: row r saw a NaN or +inf score
+#pragma unroll
+  for (int r = 0; r < kRows; ++r) {
+    m[r] = ninf();
+    l[r] = 0.0f;
+#pragma unroll
+    for (int e = 0; e < kElems; ++e) acc[r][e] = 0.0f;
+  }
+  const float cap = p.softcap, inv_cap = cap > 0.0f ? 1.0f / cap : 0.0f;
+
+#pragma unroll
+  for (int s = 0; s < STAGES - 1; ++s) issue(s);
+
+  for (int tile = 0; tile < ntiles; ++tile) {
+    ptx::cp_async_wait<STAGES - 2>();
+    __syncthreads();  // tile landed for every thread; tile - 1's stage is free again
+    issue(tile + STAGES - 1);
+    const uint8_t* ks = smem + (tile % STAGES) * 2 * kTileBytes;
+    const uint8_t* vs = ks + kTileBytes;
+    const int t0 = static_cast<int>(klo) + tile * BK;
+
+    // Scores of this group's keys u * G + gi for the 4 rows.
+    float s[kRows][kKeysPerGroup];
+#pragma unroll
+    for (int u = 0; u < kKeysPerGroup; ++u) {
+      const int j = u * G + gi;
+      const int sw = (j & swz_mask) << txl;
+#pragma unroll
+      for (int r = 0; r < kRows; ++r) s[r][u] = 0.0f;
+#pragma unroll
+      for (int v = 0; v < NV; ++v) {
+        const int c = (tx + (v << txl)) ^ sw;
+        const uint4 raw = *reinterpret_cast<const uint4*>(ks + j * row_stride + c * 16);
+        float kf[VEC];
+        Tr::convert(raw, kf);
+#pragma unroll
+        for (int r = 0; r < kRows; ++r)
+#pragma unroll
+          for (int x = 0; x < VEC; ++x) s[r][u] = fmaf(qr[r][v * VEC + x], kf[x], s[r][u]);
+      }
+    }
+    for (int off = TX >> 1; off > 0; off >>= 1)
+#pragma unroll
+      for (int r = 0; r < kRows; ++r)
+#pragma unroll
+        for (int u = 0; u < kKeysPerGroup; ++u) s[r][u] += ptx::shfl_xor(s[r][u], off);
+
+    // Score modifiers, mask, online softmax (s becomes P).
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) {
+      float mb = ninf();
+#pragma unroll
+      for (int u = 0; u < kKeysPerGroup; ++u) {
+        const int t = t0 + u * G + gi;
+        float x = s[r][u];
+        if (cap > 0.0f) x = cap * tanhf(x * inv_cap);
+        if (p.alibi) x = fmaf(-slope[r], fabsf(diag[r] - static_cast<float>(t)), x);
+        const bool vis = t >= lo[r] && t < hi[r];
+        x = vis ? x : ninf();
+        if (vis && !(x < INFINITY)) bad |= 1 << r;
+        mb = fmaxf(mb, x);
+        s[r][u] = x;
+      }
+      const float mn = fmaxf(m[r], mb);
+      if (mn == ninf()) {  // nothing visible yet: P = 0
+#pragma unroll
+        for (int u = 0; u < kKeysPerGroup; ++u) s[r][u] = 0.0f;
+        continue;
+      }
+      const float alpha = expf(m[r] - mn);  // m = -inf -> 0
+      float sum = 0.0f;
+#pragma unroll
+      for (int u = 0; u < kKeysPerGroup; ++u) {
+        const float e = s[r][u] > ninf() ? expf(s[r][u] - mn) : 0.0f;
+        s[r][u] = e;
+        sum += e;
+      }
+      l[r] = l[r] * alpha + sum;
+      m[r] = mn;
+#pragma unroll
+      for (int e = 0; e < kElems; ++e) acc[r][e] *= alpha;
+    }
+
+    // acc += P V.
+#pragma unroll
+    for (int u = 0; u < kKeysPerGroup; ++u) {
+      const int j = u * G + gi;
+      float vf[kElems];
+      load_row<CT>(vs + j * row_stride, tx, txl, (j & swz_mask) << txl, vf);
+#pragma unroll
+      for (int r = 0; r < kRows; ++r) {
+        const float pu = s[r][u];
+        if (pu != 0.0f) {
+#pragma unroll
+          for (int e = 0; e < kElems; ++e) acc[r][e] = fmaf(pu, vf[e], acc[r][e]);
+        }
+      }
+    }
+  }
+
+  // ---- merge the G groups (shared memory, in group order) ---------------------------------
+  ptx::cp_async_wait<0>();
+  const int any_pg_bad = __syncthreads_or(pg_bad);  // also: every thread is done with the ring
+  if (tx == 0) {
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) {
+      grp_m[gi * kRows + r] = m[r];
+      grp_l[gi * kRows + r] = l[r];
+    }
+    grp_bad[gi] = bad;
+  }
+  __syncthreads();
+  if (tid < kRows) {
+    const int r = tid;
+    float M = ninf();
+    for (int g = 0; g < G; ++g) M = fmaxf(M, grp_m[g * kRows + r]);
+    float L = 0.0f;
+    int B = 0;
+    for (int g = 0; g < G; ++g) {
+      const float mg = grp_m[g * kRows + r];
+      if (mg > ninf()) L += grp_l[g * kRows + r] * expf(mg - M);
+      B |= (grp_bad[g] >> r) & 1;
+    }
+    row_m[r] = M;
+    row_l[r] = L;
+    row_bad[r] = B | any_pg_bad | (seq_bad ? 1 : 0);
+  }
+  __syncthreads();
+  const int Dp = kElems << txl;
+  float* red = reinterpret_cast<float*>(smem);  // [G][kRows][Dp] fp32 = 32 KiB
+#pragma unroll
+  for (int r = 0; r < kRows; ++r) {
+    const float f = m[r] > ninf() ? expf(m[r] - row_m[r]) : 0.0f;
+#pragma unroll
+    for (int e = 0; e < kElems; ++e) {
+      const int dim = ((tx + ((e / VEC) << txl)) * VEC) + e % VEC;
+      red[(gi * kRows + r) * Dp + dim] = acc[r][e] * f;
+    }
+  }
+  __syncthreads();
+
+  // ---- finish: O and LSE (one split) or this split's partial -------------------------------
+  const float v_scale = p.v_scale ? p.v_scale[hk] : 1.0f;
+  const bool direct = p.splits == 1;
+  for (int o = tid; o < kRows * Dp; o += kThreads) {
+    const int r = o / Dp, x = o % Dp;
+    const int rr = rb * kRows + r;
+    if (rr >= p.rows || x >= p.dv) continue;
+    const int hh = rr / sq, i = rr % sq, h = hk * p.group + hh;
+    float sum = 0.0f;
+    for (int g = 0; g < G; ++g) sum += red[(g * kRows + r) * Dp + x];
+    const float M = row_m[r], L = row_l[r];
+    float out, lse;
+    if (row_bad[r]) {
+      out = lse = NAN;
+    } else if (direct) {
+      const float sink = p.sinks ? p.sinks[h] : ninf();
+      const float mx = fmaxf(M, sink);
+      if (mx == ninf()) {
+        out = 0.0f;
+        lse = ninf();
+      } else {
+        const float a = expf(M - mx);  // M = -inf (only the sink) -> 0
+        const float lsum = L * a + (p.sinks ? expf(sink - mx) : 0.0f);
+        const float mul = a * v_scale / lsum;
+        out = sum * mul;
+        lse = mx + logf(lsum);
+      }
+    } else if (L == 0.0f) {  // no visible key in this split
+      out = 0.0f;
+      lse = ninf();
+    } else {
+      out = sum * (v_scale / L);
+      lse = M + logf(L);
+    }
+    if (direct) {
+      store_elem(p.o, p.dtype, b * p.o_sb + i * p.o_ss + h * p.o_sh + x, out);
+      if (x == 0 && p.lse) p.lse[b * p.l_sb + h * p.l_sh + i * p.l_ss] = lse;
+    } else {
+      const int64_t at = ((b * p.heads_q + h) * sq + i) * p.splits + split;
+      p.part_o[at * p.dv + x] = out;
+      if (x == 0) p.part_lse[at] = lse;
+    }
+  }
+}
+
+// ---- merge of the splits: one warp per query row ----------------------------------------------
+
+struct MergeParams {
+  const float* part_o;
+  const float* part_lse;
+  void* o;
+  float* lse;
+  int64_t o_sb, o_ss, o_sh, l_sb, l_ss, l_sh;
+  DType dtype;
+  int64_t rows;  // batch * heads_q * seqlen_q
+  int heads_q, seqlen_q, splits, dv;
+  const float* sinks;
+};
+
+constexpr int kMergeWarps = 4;
+constexpr int kMergeElems = kMaxDim / 32;
+
+__global__ void __launch_bounds__(kMergeWarps * 32) merge_splits_kernel(const MergeParams p) {
+  const int lane = threadIdx.x & 31;
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * kMergeWarps + (threadIdx.x >> 5);
+  if (row >= p.rows) return;
+  const int i = static_cast<int>(row % p.seqlen_q);
+  const int64_t bh = row / p.seqlen_q;
+  const int h = static_cast<int>(bh % p.heads_q);
+  const int64_t b = bh / p.heads_q;
+  const int S = p.splits;
+  const float* pl = p.part_lse + row * S;
+  const float* po = p.part_o + row * S * p.dv;
+  const float sink = p.sinks ? p.sinks[h] : ninf();
+  float M = sink;
+  bool nan = false;
+  for (int s = 0; s < S; ++s) {
+    const float x = pl[s];
+    nan |= isnan(x);
+    M = fmaxf(M, x);
+  }
+  const int64_t ooff = b * p.o_sb + i * p.o_ss + h * p.o_sh;
+  float lse;
+  if (nan || M == ninf()) {
+    const float fill = nan ? NAN : 0.0f;
+    for (int x = lane; x < p.dv; x += 32) store_elem(p.o, p.dtype, ooff + x, fill);
+    lse = nan ? NAN : ninf();
+  } else {
+    float total = p.sinks ? expf(sink - M) : 0.0f;
+    float acc[kMergeElems];
+#pragma unroll
+    for (int k = 0; k < kMergeElems; ++k) acc[k] = 0.0f;
+    for (int s = 0; s < S; ++s) {
+      const float w = expf(pl[s] - M);  // an empty split (-inf) -> 0
+      total += w;
+      if (w == 0.0f) continue;
+#pragma unroll
+      for (int k = 0; k < kMergeElems; ++k) {
+        const int x = lane + 32 * k;
+        if (x < p.dv) acc[k] = fmaf(w, po[s * p.dv + x], acc[k]);
+      }
+    }
+    const float inv = 1.0f / total;
+#pragma unroll
+    for (int k = 0; k < kMergeElems; ++k) {
+      const int x = lane + 32 * k;
+      if (x < p.dv) store_elem(p.o, p.dtype, ooff + x, acc[k] * inv);
+    }
+    lse = M + logf(total);
+  }
+  if (lane == 0 && p.lse) p.lse[b * p.l_sb + h * p.l_sh + i * p.l_ss] = lse;
+}
+
+// ---- host side ---------------------------------------------------------------------------------
+
+int tx_log2_for(int64_t dim) {
+  int txl = 0;
+  while ((int64_t{kElems} << txl) < dim) ++txl;
+  return txl;
+}
+
+size_t align_up(size_t n) {
+  return (n + detail::kWorkspaceAlign - 1) / detail::kWorkspaceAlign * detail::kWorkspaceAlign;
+}
+
+template <typename CT>
+void launch_decode(const DecodeParams& dp, int64_t grid, cudaStream_t stream) {
+  constexpr size_t smem = static_cast<size_t>(CacheTraits<CT>::kStages) * 2 * 8192 * CacheTraits<CT>::kBytes;
+  static_assert(smem >= 32768, "the group merge reuses 32 KiB ([G][kRows][Dp] fp32) of the ring");
+  auto* kernel = &decode_kernel<CT>;
+  // Once per device (a bit per device index), so a call under CUDA-graph capture that follows an
+  // eager one makes no attribute call at all.
+  static std::atomic<uint64_t> done{0};
+  int dev = 0;
+  IOATTN_CUDA_CHECK(cudaGetDevice(&dev));
+  const uint64_t bit = dev < 64 ? uint64_t{1} << dev : 0;
+  if (!bit || !(done.load() & bit)) {
+    IOATTN_CUDA_CHECK(
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+    done.fetch_or(bit);
+  }
+  kernel<<<static_cast<unsigned>(grid), kThreads, smem, stream>>>(dp);
+  IOATTN_CUDA_CHECK_LAUNCH("decode_kernel");
+}
+
+int sm_count(int device) {
+  int n = 0;
+  IOATTN_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device));
+  return n;
+}
+
+int64_t row_blocks_of(int64_t heads_q, int64_t heads_kv, int64_t seqlen_q) {
+  return (heads_q / heads_kv * seqlen_q + kRows - 1) / kRows;
+}
+
+}  // namespace
+}  // namespace ioattn::cuda::serving
+
+namespace ioattn::detail {
+
+using namespace ioattn::cuda::serving;
+
+CudaSelection cuda_decode_select(const DecodeProblem& p, int arch) {
+  auto no = [](std::string why) { return CudaSelection{"", std::move(why)}; };
+  if (arch < 80) return no("the CUDA decode kernel needs sm80+ (cp.async); device is sm" + std::to_string(arch));
+  if (p.head_dim > kMaxDim || p.head_dim_v > kMaxDim)
+    return no("the CUDA decode kernel takes head_dim and head_dim_v up to " + std::to_string(kMaxDim) + ", got " +
+              std::to_string(p.head_dim) + "/" + std::to_string(p.head_dim_v));
+  const int64_t es = dtype_size(p.cache_dtype);
+  auto al = [](const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; };
+  auto st = [es](int64_t stride, int64_t extent) { return extent <= 1 || (stride * es) % 16 == 0; };
+  if (!al(p.k_cache) || !al(p.v_cache) || !st(p.k_stride.page, p.num_pages) || !st(p.v_stride.page, p.num_pages) ||
+      !st(p.k_stride.slot, p.page_size) || !st(p.v_stride.slot, p.page_size) || !st(p.k_stride.head, p.heads_kv) ||
+      !st(p.v_stride.head, p.heads_kv))
+    return no("the CUDA decode kernel reads cache rows with 16-byte copies: k_cache / v_cache must be 16-byte "
+              "aligned and their page, slot and head strides multiples of 16 bytes (" +
+              std::to_string(16 / es) + " " + dtype_name(p.cache_dtype) + " elements)");
+  if (p.paged() && p.page_size > INT_MAX) return no("page_size must be below 2^31 on CUDA");
+  const int txl = tx_log2_for(std::max(p.head_dim, p.head_dim_v));
+  const int TX = 1 << txl;
+  const int64_t rb = row_blocks_of(p.heads_q, p.heads_kv, p.seqlen_q);
+  const int stages = p.cache_dtype == DType::f32 ? 2 : dtype_size(p.cache_dtype) == 2 ? 3 : 4;
+  std::string why = "fp32 FMA, 4 warps, " + std::to_string(kRows) + " query rows per CTA (" +
+                    std::to_string(p.rows_per_group()) + " rows per kv head: " + std::to_string(rb) +
+                    (rb == 1 ? " block" : " blocks") + "), " + std::to_string(TX) + " lanes x " +
+                    std::to_string(kElems) + " dims per key, " + std::to_string(4 * (kThreads / TX)) +
+                    "-key tiles, " + std::to_string(stages) + "-stage cp.async ring";
+  return {"cuda/splitkv sm" + std::to_string(arch), why};
+}
+
+// Split heuristic (CUDA). A CTA is (sequence, kv head, split, row block); beyond batch * heads_kv
+// * row_blocks CTAs, parallelism comes only from splitting the KV range. Aim at two waves of
+// kCtasPerSm resident CTAs per SM, but keep every chunk at least kMinChunkTokens long (a split
+// costs a partial of rows x dv fp32 written and read back by the merge, and a pipeline ramp):
+//   work   = batch * heads_kv * row_blocks
+//   splits = 1 if work >= want = 2 * kCtasPerSm * SMs, else ceil(want / work),
+//   capped by ceil(max_seqlen_k / kMinChunkTokens) and kMaxSplits; at least 1.
+// H200 (132 SMs), GQA 32/8: batch 1 x 4k -> 16 splits (128 CTAs of 256 tokens); batch 1 x 128k
+// -> 66; batch 16 x 32k -> 5; batch 64 -> 2 (1024 CTAs); batch 128 -> 1.
+int cuda_decode_num_splits(int64_t batch, int64_t heads_q, int64_t heads_kv, int64_t seqlen_q, int64_t max_seqlen_k,
+                           int device_index, std::string* why) {
+  constexpr int64_t kCtasPerSm = 2, kMinChunkTokens = 256;
+  const int sms = sm_count(device_index);
+  const int64_t rb = heads_kv > 0 ? row_blocks_of(heads_q, heads_kv, seqlen_q) : 1;
+  const int64_t work = std::max<int64_t>(1, batch * heads_kv * rb);
+  const int64_t want = 2 * kCtasPerSm * sms;
+  int64_t splits = work >= want ? 1 : (want + work - 1) / work;
+  const int64_t by_len = std::max<int64_t>(1, (max_seqlen_k + kMinChunkTokens - 1) / kMinChunkTokens);
+  splits = std::clamp<int64_t>(std::min(splits, by_len), 1, kMaxSplits);
+  if (why)
+    *why = "batch*heads_kv*row_blocks " + std::to_string(work) + " CTAs for " + std::to_string(sms) +
+           " SMs (want " + std::to_string(want) + " = 2 waves of " + std::to_string(kCtasPerSm) +
+           " per SM), max_seqlen_k " + std::to_string(max_seqlen_k) + " allows " + std::to_string(by_len) +
+           " chunks of >= " + std::to_string(kMinChunkTokens) + " tokens";
+  return static_cast<int>(splits);
+}
+
+size_t cuda_decode_workspace_bytes(int64_t batch, int64_t heads_q, int64_t seqlen_q, int64_t head_dim_v,
+                                   int num_splits) {
+  if (num_splits <= 1) return 0;
+  const size_t rows = static_cast<size_t>(batch * heads_q * seqlen_q) * static_cast<size_t>(num_splits);
+  return align_up(rows * static_cast<size_t>(head_dim_v) * 4) + align_up(rows * 4);
+}
+
+void cuda_decode(const DecodeProblem& p) {
+  cuda::DeviceGuard guard(p.device_index);
+  auto stream = static_cast<cudaStream_t>(p.stream);
+  const int S = std::max(p.num_splits, 1);
+  const int64_t rb = row_blocks_of(p.heads_q, p.heads_kv, p.seqlen_q);
+  const int64_t grid = p.batch * p.heads_kv * S * rb;
+  if (grid == 0) return;
+  if (grid > INT_MAX)
+    throw Error("q", "ioattn: CUDA decode grid of " + std::to_string(grid) +
+                         " CTAs (batch * heads_kv * splits * row blocks) exceeds 2^31 - 1; use fewer splits");
+  const int64_t es = dtype_size(p.cache_dtype);
+
+  DecodeParams dp{};
+  dp.q = p.q;
+  dp.o = p.o;
+  dp.lse = p.lse;
+  dp.q_sb = p.q_stride.batch, dp.q_ss = p.q_stride.seq, dp.q_sh = p.q_stride.head;
+  dp.o_sb = p.o_stride.batch, dp.o_ss = p.o_stride.seq, dp.o_sh = p.o_stride.head;
+  dp.l_sb = p.lse_stride.batch, dp.l_ss = p.lse_stride.seq, dp.l_sh = p.lse_stride.head;
+  dp.dtype = p.dtype;
+  dp.k = static_cast<const uint8_t*>(p.k_cache);
+  dp.v = static_cast<const uint8_t*>(p.v_cache);
+  dp.k_sp = p.k_stride.page * es, dp.k_ss = p.k_stride.slot * es, dp.k_sh = p.k_stride.head * es;
+  dp.v_sp = p.v_stride.page * es, dp.v_ss = p.v_stride.slot * es, dp.v_sh = p.v_stride.head * es;
+  dp.k_row_bytes = static_cast<int>(p.head_dim * es);
+  dp.v_row_bytes = static_cast<int>(p.head_dim_v * es);
+  dp.block_table = p.block_table;
+  dp.bt_sb = p.bt_stride_batch, dp.bt_sp = p.bt_stride_page;
+  dp.page_size = p.paged() ? static_cast<int>(p.page_size) : 0;
+  dp.num_pages = p.num_pages;
+  dp.seqlens = p.cache_seqlens;
+  dp.bound = p.max_seqlen_k;
+  dp.k_scale = p.k_scale;
+  dp.v_scale = p.v_scale;
+  dp.heads_q = static_cast<int>(p.heads_q);
+  dp.heads_kv = static_cast<int>(p.heads_kv);
+  dp.seqlen_q = static_cast<int>(p.seqlen_q);
+  dp.group = static_cast<int>(p.group());
+  dp.rows = static_cast<int>(p.rows_per_group());
+  dp.row_blocks = static_cast<int>(rb);
+  dp.splits = S;
+  dp.d = static_cast<int>(p.head_dim);
+  dp.dv = static_cast<int>(p.head_dim_v);
+  dp.tx_log2 = tx_log2_for(std::max(p.head_dim, p.head_dim_v));
+  dp.scale = p.scale;
+  dp.softcap = p.softcap;
+  dp.wl = p.window_left;
+  dp.wr = p.window_right;
+  dp.alibi = p.alibi_slopes;
+  dp.sinks = p.sinks;
+
+  // Partials: the caller's workspace (plan) or a stream-ordered allocation (capturable too).
+  void* internal = nullptr;
+  if (S > 1) {
+    void* ws = p.workspace;
+    const size_t need = cuda_decode_workspace_bytes(p.batch, p.heads_q, p.seqlen_q, p.head_dim_v, S);
+    if (ws == nullptr) {
+      IOATTN_CUDA_CHECK(cudaMallocAsync(&internal, need, stream));
+      ws = internal;
+    }
+    const size_t rows = static_cast<size_t>(p.batch * p.heads_q * p.seqlen_q) * static_cast<size_t>(S);
+    dp.part_o = static_cast<float*>(ws);
+    dp.part_lse = reinterpret_cast<float*>(static_cast<uint8_t*>(ws) + align_up(rows * p.head_dim_v * 4));
+  }
+
+  switch (p.cache_dtype) {
+    case DType::bf16: launch_decode<__nv_bfloat16>(dp, grid, stream); break;
+    case DType::f16: launch_decode<__half>(dp, grid, stream); break;
+    case DType::f32: launch_decode<float>(dp, grid, stream); break;
+    case DType::f8e4m3: launch_decode<E4m3>(dp, grid, stream); break;
+    case DType::i8: launch_decode<int8_t>(dp, grid, stream); break;
+    default: throw Error("cache.k_cache.dtype", "ioattn: no CUDA decode kernel for this cache dtype");
+  }
+
+  if (S > 1) {
+    MergeParams mp{};
+    mp.part_o = dp.part_o;
+    mp.part_lse = dp.part_lse;
+    mp.o = p.o;
+    mp.lse = p.lse;
+    mp.o_sb = dp.o_sb, mp.o_ss = dp.o_ss, mp.o_sh = dp.o_sh;
+    mp.l_sb = dp.l_sb, mp.l_ss = dp.l_ss, mp.l_sh = dp.l_sh;
+    mp.dtype = p.dtype;
+    mp.rows = p.batch * p.heads_q * p.seqlen_q;
+    mp.heads_q = dp.heads_q;
+    mp.seqlen_q = dp.seqlen_q;
+    mp.splits = S;
+    mp.dv = dp.dv;
+    mp.sinks = p.sinks;
+    const int64_t blocks = (mp.rows + kMergeWarps - 1) / kMergeWarps;
+    merge_splits_kernel<<<static_cast<unsigned>(blocks), kMergeWarps * 32, 0, stream>>>(mp);
+    IOATTN_CUDA_CHECK_LAUNCH("merge_splits_kernel");
+  }
+  if (internal) IOATTN_CUDA_CHECK(cudaFreeAsync(internal, stream));
+}
+
+}  // namespace ioattn::detail

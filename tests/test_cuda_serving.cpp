@@ -1,0 +1,790 @@
+// Serving on CUDA: split-KV decode over paged / contiguous / 8-bit caches, plans + CUDA-graph
+// capture, append_kv and merge_states, against the float64 reference and against the CPU backend
+// on the same inputs. The problem builder (Built: host buffers mirrored on the device), the
+// reference and the tolerance check are serving_common.hpp's, shared with test_serving.cpp; CUDA
+// specs use twice the CPU test's tolerance (tol_mul = 2). Outputs are poisoned with NaN before
+// every run and unused cache slots / pages hold NaN, so a read outside the live tokens shows up.
+// Without a GPU every test prints "skipped: no CUDA device" (ctest reports it as skipped).
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "core/serving_problem.hpp"
+#include "ioattn/serving.hpp"
+#include "serving_common.hpp"
+
+namespace ioattn::test {
+namespace {
+
+#define SKIP_WITHOUT_GPU() \
+  if (!cuda_available()) GTEST_SKIP() << "skipped: no CUDA device"
+
+#define CUDA_OK(call) ASSERT_EQ((call), cudaSuccess) << #call << ": " << cudaGetErrorString(cudaGetLastError())
+
+Spec on_cuda(Spec c) {
+  c.device = Device::cuda;
+  c.tol_mul = 2.0;
+  return c;
+}
+
+// Max |a - b| allowed between the CUDA and the CPU backend on the same inputs: fp32 accumulation
+// order (f32), plus up to two roundings of O to its dtype (f16 / bf16 near |O| ~ 1).
+double backend_tol(DType t) { return t == DType::f32 ? 2e-5 : t == DType::f16 ? 2e-3 : 1.6e-2; }
+
+bool all_nan(const std::vector<float>& v) {
+  return std::all_of(v.begin(), v.end(), [](float x) { return std::isnan(x); });
+}
+
+// Device buffer of raw bytes (workspace), freed on scope exit.
+struct DeviceBytes {
+  void* ptr = nullptr;
+  explicit DeviceBytes(size_t n) { ptr = detail::cuda_malloc(std::max<size_t>(n, 1)); }
+  ~DeviceBytes() { detail::cuda_free(ptr); }
+};
+
+// ---- decode vs the float64 reference and vs the CPU backend ---------------------------------
+
+std::vector<Spec> cuda_cases() {
+  std::vector<Spec> v = reference_cases();
+  // GQA shapes of the benchmark and the row-block paths: 8 rows (2 blocks), MQA 32/1 (8 blocks),
+  // and one kv head with 16 query tokens x 8 heads (32 blocks).
+  { Spec c = mk("gqa64_8_bf16", DType::bf16); c.hq = 64; c.hkv = 8; c.d = 128; c.lens = {1500, 9}; c.page_size = 16; v.push_back(c); }
+  { Spec c = mk("mqa32_1_bf16", DType::bf16); c.hq = 32; c.hkv = 1; c.d = 128; c.lens = {700, 0, 33}; c.page_size = 64; v.push_back(c); }
+  { Spec c = mk("mqa32_1_f16_causal_sq4", DType::f16); c.hq = 32; c.hkv = 1; c.d = 64; c.sq = 4; c.causal = true; c.lens = {300, 4}; v.push_back(c); }
+  { Spec c = mk("hdim64_bf16_page1", DType::bf16); c.hq = 16; c.hkv = 4; c.lens = {129, 1, 64}; c.page_size = 1; v.push_back(c); }
+  { Spec c = mk("hdim256_bf16_f8", DType::bf16); c.d = 256; c.cache = DType::f8e4m3; c.lens = {500, 2}; c.page_size = 16; v.push_back(c); }
+  { Spec c = mk("hdim32_i8_f16", DType::f16); c.d = 32; c.cache = DType::i8; c.lens = {257, 31}; c.page_size = 16; v.push_back(c); }
+  for (Spec& c : v) c = on_cuda(c);
+  return v;
+}
+
+class CudaDecodeReference : public ::testing::TestWithParam<Spec> {};
+
+TEST_P(CudaDecodeReference, MatchesFloat64ReferenceAndTheCpu) {
+  SKIP_WITHOUT_GPU();
+  const Spec& c = GetParam();
+  const Values vals = make_values(c, 42);
+  Built gpu(c, vals);
+  Spec cc = c;
+  cc.device = Device::cpu;
+  Built cpu(cc, vals);
+  for (int splits : {c.splits, 1, 5}) {
+    const KernelChoice k = gpu.run(splits);
+    EXPECT_NE(k.kernel.find("cuda/splitkv"), std::string::npos) << k.kernel;
+    if (splits > 0) EXPECT_NE(k.kernel.find("splits " + std::to_string(splits)), std::string::npos) << k.kernel;
+    expect_matches_reference(gpu, c.name + " splits " + std::to_string(splits));
+    cpu.run(splits);
+    EXPECT_LE(max_diff(gpu.outputs(), cpu.outputs()), backend_tol(c.dtype)) << c.name << " splits " << splits;
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Cases, CudaDecodeReference, ::testing::ValuesIn(cuda_cases()),
+                         [](const ::testing::TestParamInfo<Spec>& info) { return info.param.name; });
+
+// ---- decode vs itself ---------------------------------------------------------------------------
+
+TEST(CudaDecode, SplitMatchesUnsplitWithinFp32Rounding) {
+  SKIP_WITHOUT_GPU();
+  for (DType t : {DType::f32, DType::bf16}) {
+    Spec c = on_cuda(mk("splits", t));
+    c.hq = 32;
+    c.hkv = 8;
+    c.d = 128;
+    c.sq = 4;
+    c.causal = true;
+    c.lens = {0, 4, 17, 2000, 777};
+    c.page_size = 16;
+    c.sinks = true;
+    Built bl(c, make_values(c, 3));
+    bl.run(1);
+    const auto one = bl.outputs();
+    for (int s : {7, 3, 64, 0}) {
+      bl.run(s);
+      EXPECT_LE(max_diff(one, bl.outputs()), t == DType::f32 ? 4e-6 : 8e-3) << dtype_name(t) << " splits " << s;
+    }
+    expect_matches_reference(bl, std::string("heuristic splits ") + dtype_name(t));
+  }
+}
+
+// The kernel's arithmetic does not depend on where a token lives: bitwise equal.
+TEST(CudaDecode, PagedEqualsContiguousBitwise) {
+  SKIP_WITHOUT_GPU();
+  for (DType t : {DType::f32, DType::bf16}) {
+    Spec c = on_cuda(mk("paged", t));
+    c.hq = 8;
+    c.hkv = 2;
+    c.sq = 2;
+    c.causal = true;
+    c.lens = {513, 2, 0, 64, 257};
+    const Values vals = make_values(c, 11);
+    for (int splits : {1, 3}) {
+      Built contiguous(c, vals);
+      contiguous.run(splits);
+      const auto want = contiguous.outputs();
+      for (int64_t ps : {1, 16, 256}) {
+        Spec pc = c;
+        pc.page_size = ps;
+        Built paged(pc, vals, /*layout_seed=*/static_cast<uint64_t>(ps));
+        const KernelChoice k = paged.run(splits);
+        EXPECT_NE(k.kernel.find("page" + std::to_string(ps)), std::string::npos) << k.kernel;
+        EXPECT_TRUE(bitwise_equal(paged.outputs(), want))
+            << dtype_name(t) << " page_size " << ps << " splits " << splits << ": max diff "
+            << max_diff(paged.outputs(), want);
+      }
+    }
+  }
+}
+
+TEST(CudaDecode, BatchEqualsSingleSequenceBitwise) {
+  SKIP_WITHOUT_GPU();
+  Spec c = on_cuda(mk("batch", DType::bf16));
+  c.hq = 8;
+  c.hkv = 4;
+  c.sq = 3;
+  c.causal = true;
+  c.lens = {1000, 3, 0, 47};
+  c.page_size = 16;
+  const Values vals = make_values(c, 5);
+  Built all(c, vals);
+  all.run(4);
+  for (int64_t b = 0; b < c.B(); ++b) {
+    Spec one = c;
+    one.lens = {c.lens[static_cast<size_t>(b)]};
+    Built single(one, slice(c, vals, b), 99 + static_cast<uint64_t>(b));
+    single.run(4);
+    for (int64_t i = 0; i < c.sq; ++i)
+      for (int64_t h = 0; h < c.hq; ++h) {
+        for (int64_t x = 0; x < c.DV(); ++x) {
+          const float a = all.o_at(b, i, h, x), s = single.o_at(0, i, h, x);
+          ASSERT_EQ(std::memcmp(&a, &s, 4), 0) << "b" << b << " i" << i << " h" << h << " x" << x << ": " << a << " vs " << s;
+        }
+        const float a = all.lse_at(b, h, i), s = single.lse_at(0, h, i);
+        ASSERT_EQ(std::memcmp(&a, &s, 4), 0) << "lse b" << b << " h" << h << " i" << i;
+      }
+  }
+}
+
+// cache_seqlens 0: O = 0 and LSE = -inf (with a sink: LSE = sink); 1: O = that token's V.
+TEST(CudaDecode, EmptyAndSingleTokenSequences) {
+  SKIP_WITHOUT_GPU();
+  for (bool sinks : {false, true})
+    for (DType t : {DType::f32, DType::bf16})
+      for (int splits : {1, 4}) {
+        Spec c = on_cuda(mk("edge", t));
+        c.lens = {0, 1, 0, 1};
+        c.sinks = sinks;
+        c.page_size = 16;
+        Built bl(c, make_values(c, 8));
+        bl.run(splits);
+        for (int64_t b = 0; b < c.B(); ++b)
+          for (int64_t h = 0; h < c.hq; ++h) {
+            const int64_t hk = h / (c.hq / c.hkv);
+            const float sink = bl.val.sinks[static_cast<size_t>(h)];
+            if (c.lens[static_cast<size_t>(b)] == 0) {
+              for (int64_t x = 0; x < c.DV(); ++x) ASSERT_EQ(bl.o_at(b, 0, h, x), 0.0f) << "b" << b;
+              const float l = bl.lse_at(b, h, 0);
+              if (sinks)
+                EXPECT_EQ(l, sink);
+              else
+                EXPECT_TRUE(std::isinf(l) && l < 0) << l;
+            } else if (!sinks) {
+              for (int64_t x = 0; x < c.DV(); ++x)
+                ASSERT_EQ(bl.o_at(b, 0, h, x), bl.vdeq[static_cast<size_t>(b)][static_cast<size_t>(hk * c.DV() + x)])
+                    << "b" << b << " x" << x;
+            }
+          }
+        expect_matches_reference(bl, std::string("edge ") + dtype_name(t));
+      }
+}
+
+// A NaN key and an inf value that the causal mask hides from rows 0..2 stay out of their output;
+// row 3 sees them and is NaN (as in the forward).
+TEST(CudaDecode, MaskedNaNDoesNotLeak) {
+  SKIP_WITHOUT_GPU();
+  for (int splits : {1, 3}) {
+    Spec c = on_cuda(mk("nan", DType::f32));
+    c.sq = 4;
+    c.causal = true;
+    c.lens = {100};
+    c.page_size = 16;
+    Built bl(c, make_values(c, 2));
+    for (int64_t h = 0; h < c.hkv; ++h) {
+      for (int64_t x = 0; x < c.d; ++x) bl.kc.set(bl.elem(0, 99, h, c.d) + x, kNaN);
+      for (int64_t x = 0; x < c.DV(); ++x) bl.vc.set(bl.elem(0, 99, h, c.DV()) + x, kInf);
+    }
+    bl.upload();
+    bl.run(splits);
+    for (int64_t i = 0; i < 4; ++i)
+      for (int64_t h = 0; h < c.hq; ++h) {
+        const bool sees = i == 3;
+        EXPECT_EQ(std::isnan(bl.lse_at(0, h, i)), sees) << "row " << i << " lse " << bl.lse_at(0, h, i);
+        for (int64_t x = 0; x < c.DV(); ++x)
+          ASSERT_EQ(std::isfinite(bl.o_at(0, i, h, x)), !sees) << "row " << i << " x " << x;
+      }
+  }
+}
+
+// Validation cannot read device tensors, so the kernel bound-checks: a length past the capacity or
+// a block-table entry outside the cache poisons that sequence's rows (NaN), and only those.
+TEST(CudaDecode, OutOfRangeLengthsAndPagesGiveNaNForThatSequenceOnly) {
+  SKIP_WITHOUT_GPU();
+  Spec c = on_cuda(mk("bounds", DType::bf16));
+  c.hq = 8;
+  c.hkv = 2;
+  c.lens = {40, 70, 33};
+  c.page_size = 16;
+  Built bl(c, make_values(c, 6));
+  for (int splits : {1, 3}) {
+    bl.run(splits);
+    for (int which = 0; which < 3; ++which) {
+      Built t(c, bl.val);
+      if (which == 0) t.lens.fill_i32({40, static_cast<int32_t>(t.capacity + 1), 33});  // past the capacity
+      if (which == 1) t.lens.fill_i32({40, -5, 33});                                   // negative
+      if (which == 2) {                                                                // a page outside the cache
+        t.table[static_cast<size_t>(1 * t.width + 2)] = static_cast<int32_t>(t.pages + 7);
+        t.bt.fill_i32(t.table);
+      }
+      t.run(splits);
+      for (int64_t b = 0; b < c.B(); ++b)
+        for (int64_t h = 0; h < c.hq; ++h) {
+          const float l = t.lse_at(b, h, 0), want = bl.lse_at(b, h, 0);
+          if (b == 1)
+            EXPECT_TRUE(std::isnan(l)) << "case " << which << " splits " << splits;
+          else
+            EXPECT_EQ(std::memcmp(&l, &want, 4), 0) << "case " << which << " b" << b;
+          for (int64_t x = 0; x < c.DV(); ++x) {
+            const float o = t.o_at(b, 0, h, x), w = bl.o_at(b, 0, h, x);
+            if (b == 1)
+              ASSERT_TRUE(std::isnan(o)) << "case " << which << " splits " << splits;
+            else
+              ASSERT_EQ(std::memcmp(&o, &w, 4), 0) << "case " << which << " b" << b << " x" << x;
+          }
+        }
+    }
+  }
+}
+
+// ---- 8-bit KV --------------------------------------------------------------------------------
+
+// As DecodeQuant.EightBitWithinQuantisationBound (test_serving.cpp): at fp32 level against the
+// dequantised values, and within the quantisation bound against the original ones.
+TEST(CudaDecode, EightBitWithinQuantisationBound) {
+  SKIP_WITHOUT_GPU();
+  for (DType cache : {DType::f8e4m3, DType::i8})
+    for (DType t : {DType::f32, DType::bf16, DType::f16}) {
+      Spec c = on_cuda(mk("q8", t));
+      c.cache = cache;
+      c.hq = 8;
+      c.hkv = 2;
+      c.d = 128;
+      c.sq = 2;
+      c.causal = true;
+      c.lens = {700, 40};
+      c.page_size = 16;
+      Built bl(c, make_values(c, 21));
+      bl.run();
+      expect_matches_reference(bl, std::string("vs dequantised ") + dtype_name(cache) + " " + dtype_name(t));
+      double ev = 0, vmax = 0;
+      for (int64_t b = 0; b < c.B(); ++b)
+        for (size_t j = 0; j < bl.vdeq[static_cast<size_t>(b)].size(); ++j) {
+          ev = std::max(ev, std::fabs(static_cast<double>(bl.vdeq[static_cast<size_t>(b)][j]) - bl.val.v[static_cast<size_t>(b)][j]));
+          vmax = std::max(vmax, std::fabs(static_cast<double>(bl.val.v[static_cast<size_t>(b)][j])));
+        }
+      const double scale = 1.0 / std::sqrt(static_cast<double>(c.d));
+      const int64_t g = c.hq / c.hkv;
+      auto delta = [&](int64_t b, int64_t h, int64_t i) {
+        const auto& kd = bl.kdeq[static_cast<size_t>(b)];
+        const auto& ko = bl.val.k[static_cast<size_t>(b)];
+        double worst = 0;
+        for (int64_t tk = 0; tk < c.lens[static_cast<size_t>(b)]; ++tk) {
+          double s = 0;
+          for (int64_t x = 0; x < c.d; ++x) {
+            const size_t e = static_cast<size_t>((tk * c.hkv + h / g) * c.d + x);
+            s += std::fabs(bl.val.q[static_cast<size_t>(((b * c.sq + i) * c.hq + h) * c.d + x)]) *
+                 std::fabs(static_cast<double>(kd[e]) - ko[e]);
+          }
+          worst = std::max(worst, scale * s);
+        }
+        return worst;
+      };
+      expect_matches_reference(
+          bl, std::string("vs original ") + dtype_name(cache), /*use_original=*/true,
+          [&](int64_t b, int64_t h, int64_t i) { return ev + (std::exp(2 * delta(b, h, i)) - 1) * vmax; },
+          [&](int64_t b, int64_t h, int64_t i) { return delta(b, h, i); });
+    }
+}
+
+// ---- plans and CUDA graphs -------------------------------------------------------------------
+
+Spec plan_spec() {
+  Spec c = on_cuda(mk("plan", DType::bf16));
+  c.hq = 32;
+  c.hkv = 8;
+  c.d = 128;
+  c.sq = 2;
+  c.causal = true;
+  c.lens = {1700, 5, 0, 300};
+  c.page_size = 16;
+  return c;
+}
+
+TEST(CudaDecodePlan, ReuseGivesIdenticalResultsAndMatchesUnplanned) {
+  SKIP_WITHOUT_GPU();
+  const Spec c = plan_spec();
+  Built bl(c, make_values(c, 4));
+  for (int splits : {0, 1, 6}) {
+    DecodeOptions opt;
+    opt.num_splits = splits;
+    const DecodePlan plan =
+        plan_decode(c.B(), c.hq, c.hkv, c.d, c.DV(), c.sq, bl.capacity, c.page_size, Device::cuda, opt);
+    EXPECT_GE(plan.num_splits, 1);
+    if (splits) EXPECT_EQ(plan.num_splits, splits);
+    EXPECT_EQ(plan.workspace_bytes,
+              detail::cuda_decode_workspace_bytes(c.B(), c.hq, c.sq, c.DV(), plan.num_splits));
+    DeviceBytes ws(plan.workspace_bytes);
+    std::vector<float> first;
+    for (int rep = 0; rep < 5; ++rep) {
+      bl.o.poison();
+      bl.lse.poison();
+      const KernelChoice k = decode(bl.qv, bl.cache, bl.ov, bl.lv, bl.prm, plan, ws.ptr);
+      bl.download();
+      EXPECT_NE(k.reason.find("plan"), std::string::npos) << k.reason;
+      if (rep == 0) {
+        first = bl.outputs();
+        expect_matches_reference(bl, "plan splits " + std::to_string(plan.num_splits));
+      } else {
+        ASSERT_TRUE(bitwise_equal(bl.outputs(), first)) << "rep " << rep;
+      }
+    }
+    bl.run(plan.num_splits);  // the unplanned call with the same split count agrees bitwise
+    EXPECT_TRUE(bitwise_equal(bl.outputs(), first)) << "splits " << plan.num_splits;
+  }
+}
+
+// Capture decode under a plan into a CUDA graph; replays give bitwise the eager result, and a
+// replay after the lengths (device memory) change decodes the new lengths.
+void graph_replay(cudaStreamCaptureMode mode) {
+  const Spec c = plan_spec();
+  Built bl(c, make_values(c, 9));
+  const std::vector<int32_t> full = c.lens;
+  std::vector<int32_t> shorter = full;
+  for (int32_t& L : shorter) L = L > 3 ? L - 3 : L;
+  for (int splits : {1, 5}) {
+    DecodeOptions opt;
+    opt.num_splits = splits;
+    const DecodePlan plan =
+        plan_decode(c.B(), c.hq, c.hkv, c.d, c.DV(), c.sq, bl.capacity, c.page_size, Device::cuda, opt);
+    DeviceBytes ws(plan.workspace_bytes);
+    cudaStream_t stream;
+    CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+    Context ctx;
+    ctx.stream = stream;
+    // Eager references at both lengths.
+    std::vector<float> eager_short, eager_full;
+    for (int pass = 0; pass < 2; ++pass) {
+      bl.lens.fill_i32(pass == 0 ? shorter : full);
+      bl.o.poison();
+      bl.lse.poison();
+      decode(bl.qv, bl.cache, bl.ov, bl.lv, bl.prm, plan, ws.ptr, ctx);
+      CUDA_OK(cudaStreamSynchronize(stream));
+      bl.download();
+      (pass == 0 ? eager_short : eager_full) = bl.outputs();
+    }
+    // Capture with the short lengths in place (the graph must not bake them in).
+    bl.lens.fill_i32(shorter);
+    cudaGraph_t graph;
+    cudaGraphExec_t exec;
+    CUDA_OK(cudaStreamBeginCapture(stream, mode));
+    decode(bl.qv, bl.cache, bl.ov, bl.lv, bl.prm, plan, ws.ptr, ctx);
+    CUDA_OK(cudaStreamEndCapture(stream, &graph));
+    CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
+    for (int pass = 0; pass < 4; ++pass) {  // short, full, short, full
+      bl.lens.fill_i32(pass % 2 ? full : shorter);
+      bl.o.poison();
+      bl.lse.poison();
+      CUDA_OK(cudaGraphLaunch(exec, stream));
+      CUDA_OK(cudaStreamSynchronize(stream));
+      bl.download();
+      EXPECT_TRUE(bitwise_equal(bl.outputs(), pass % 2 ? eager_full : eager_short))
+          << "splits " << splits << " replay " << pass << ": max diff "
+          << max_diff(bl.outputs(), pass % 2 ? eager_full : eager_short);
+    }
+    CUDA_OK(cudaGraphExecDestroy(exec));
+    CUDA_OK(cudaGraphDestroy(graph));
+    CUDA_OK(cudaStreamDestroy(stream));
+    Spec now = c;
+    now.lens = full;
+    now.device = Device::cpu;
+    const Built ref_view(now, bl.val);
+    expect_matches_reference(ref_view, "graph replay splits " + std::to_string(splits), false, nullptr, nullptr, &bl);
+  }
+}
+
+TEST(CudaDecodePlan, GraphReplayEqualsEagerBitwiseThreadLocalCapture) {
+  SKIP_WITHOUT_GPU();
+  graph_replay(cudaStreamCaptureModeThreadLocal);
+}
+
+TEST(CudaDecodePlan, GraphReplayEqualsEagerBitwiseGlobalCapture) {
+  SKIP_WITHOUT_GPU();
+  graph_replay(cudaStreamCaptureModeGlobal);
+}
+
+TEST(CudaDecodePlan, MismatchedPlanIsRejectedNamingPlan) {
+  SKIP_WITHOUT_GPU();
+  const Spec c = plan_spec();
+  Built bl(c, make_values(c, 4));
+  const auto make = [&](int64_t batch, int64_t hq, int64_t sq, int64_t ps, Device dev) {
+    DecodeOptions opt;
+    opt.num_splits = 4;
+    return plan_decode(batch, hq, c.hkv, c.d, c.DV(), sq, bl.capacity, ps, dev, opt);
+  };
+  const DecodePlan good = make(c.B(), c.hq, c.sq, c.page_size, Device::cuda);
+  DeviceBytes ws(good.workspace_bytes + 4096);
+  DecodePlan tampered = good;
+  tampered.num_splits += 1;
+  DecodePlan small_ws = good;
+  small_ws.workspace_bytes = 64;
+  small_ws.fingerprint = 0;  // edited: the fingerprint catches it first
+  struct Bad {
+    const char* what;
+    DecodePlan plan;
+    const char* says;
+  };
+  const std::vector<Bad> bad = {
+      {"batch", make(c.B() + 1, c.hq, c.sq, c.page_size, Device::cuda), "batch"},
+      {"heads_q", make(c.B(), 2 * c.hq, c.sq, c.page_size, Device::cuda), "heads_q"},
+      {"seqlen_q", make(c.B(), c.hq, 1, c.page_size, Device::cuda), "seqlen_q"},
+      {"page_size", make(c.B(), c.hq, c.sq, 32, Device::cuda), "page_size"},
+      {"cpu plan", make(c.B(), c.hq, c.sq, c.page_size, Device::cpu), "device"},
+      {"edited plan", tampered, "fingerprint"},
+      {"edited workspace size", small_ws, "fingerprint"},
+  };
+  for (const Bad& b : bad) {
+    bl.o.poison();
+    bl.lse.poison();
+    try {
+      decode(bl.qv, bl.cache, bl.ov, bl.lv, bl.prm, b.plan, ws.ptr);
+      ADD_FAILURE() << b.what << ": accepted";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.argument(), "plan") << b.what << ": " << e.what();
+      EXPECT_NE(std::string(e.what()).find(b.says), std::string::npos) << b.what << ": " << e.what();
+    }
+    bl.download();
+    EXPECT_TRUE(all_nan(bl.outputs())) << b.what << ": outputs written";
+  }
+  // A host workspace, a null workspace.
+  std::vector<uint8_t> host(good.workspace_bytes + 64);
+  void* host_ptr = host.data() + (64 - reinterpret_cast<uintptr_t>(host.data()) % 64) % 64;
+  for (void* w : {host_ptr, static_cast<void*>(nullptr)}) {
+    try {
+      decode(bl.qv, bl.cache, bl.ov, bl.lv, bl.prm, good, w);
+      ADD_FAILURE() << "bad workspace accepted";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.argument(), "workspace") << e.what();
+    }
+  }
+}
+
+// The heuristic's documented examples (serving_decode.cu) on a 132-SM H200; bounds elsewhere.
+TEST(CudaDecodePlan, SplitHeuristic) {
+  SKIP_WITHOUT_GPU();
+  int sms = 0;
+  CUDA_OK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+  std::string why;
+  const int s = detail::cuda_decode_num_splits(1, 32, 8, 1, 4096, 0, &why);
+  EXPECT_NE(why.find(std::to_string(sms) + " SMs"), std::string::npos) << why;
+  EXPECT_GE(s, 1);
+  EXPECT_LE(s, 16);  // chunks >= 256 tokens
+  EXPECT_EQ(detail::cuda_decode_num_splits(4096, 32, 8, 1, 32768, 0, nullptr), 1);
+  EXPECT_EQ(detail::cuda_decode_num_splits(1, 1, 1, 1, 100, 0, nullptr), 1);
+  EXPECT_EQ(detail::cuda_decode_num_splits(0, 8, 8, 1, 0, 0, nullptr), 1);
+  if (sms == 132) {
+    EXPECT_EQ(s, 16);
+    EXPECT_EQ(detail::cuda_decode_num_splits(1, 32, 8, 1, 131072, 0, nullptr), 66);
+    EXPECT_EQ(detail::cuda_decode_num_splits(16, 32, 8, 1, 32768, 0, nullptr), 5);
+    EXPECT_EQ(detail::cuda_decode_num_splits(64, 32, 8, 1, 32768, 0, nullptr), 2);
+    EXPECT_EQ(detail::cuda_decode_num_splits(128, 32, 8, 1, 32768, 0, nullptr), 1);
+  }
+}
+
+// ---- append_kv -------------------------------------------------------------------------------
+
+// append_kv on the device, then decode == decode over the directly built cache: the same cache
+// bytes as the host quantiser (the unused slots keep their poison), the same outputs.
+TEST(CudaAppendKv, AppendThenDecodeEqualsDirectCache) {
+  SKIP_WITHOUT_GPU();
+  struct Combo {
+    DType q, cache, input;
+    int64_t page_size;
+    bool i64;
+  };
+  const Combo combos[] = {{DType::f32, DType::f32, DType::f32, 16, false},   {DType::bf16, DType::bf16, DType::bf16, 16, true},
+                          {DType::bf16, DType::bf16, DType::f32, 0, false},  {DType::f32, DType::f8e4m3, DType::f32, 16, false},
+                          {DType::bf16, DType::f8e4m3, DType::bf16, 1, true}, {DType::f32, DType::i8, DType::f32, 0, false},
+                          {DType::f16, DType::i8, DType::f16, 16, false},     {DType::f16, DType::f16, DType::f16, 64, false}};
+  for (const Combo& cb : combos) {
+    Spec c = on_cuda(mk("append", cb.q));
+    c.cache = cb.cache;
+    c.hq = 8;
+    c.hkv = 2;
+    c.sq = 2;
+    c.causal = true;
+    c.lens = {100, 0, 33, 2};
+    c.page_size = cb.page_size;
+    const std::string what = std::string(dtype_name(cb.input)) + "->" + dtype_name(cb.cache) + " page" +
+                             std::to_string(cb.page_size) + (cb.i64 ? " i64" : " i32");
+    const Values vals = make_values(c, 13);
+    Built direct(c, vals), appended(c, vals);
+    appended.clear_cache();
+    const NewTokens n = all_tokens(appended, 6, 5);
+    detail::Buffer kn(cb.input, static_cast<int64_t>(n.k.size()), Device::cuda),
+        vn(cb.input, static_cast<int64_t>(n.v.size()), Device::cuda);
+    for (size_t i = 0; i < n.k.size(); ++i) kn.set(static_cast<int64_t>(i), n.k[i]);
+    for (size_t i = 0; i < n.v.size(); ++i) vn.set(static_cast<int64_t>(i), n.v[i]);
+    kn.upload();
+    vn.upload();
+    detail::Buffer slots(cb.i64 ? DType::i64 : DType::i32, n.T, Device::cuda);
+    for (int64_t t = 0; t < n.T; ++t) {
+      if (cb.i64)
+        static_cast<int64_t*>(slots.host())[t] = n.slots[static_cast<size_t>(t)];
+      else
+        static_cast<int32_t*>(slots.host())[t] = n.slots[static_cast<size_t>(t)];
+    }
+    slots.upload();
+    const KernelChoice k =
+        append_kv(kn.view({n.T, c.hkv, c.d}), vn.view({n.T, c.hkv, c.DV()}), slots.view({n.T}), appended.cache);
+    EXPECT_NE(k.kernel.find("cuda/append_kv"), std::string::npos) << k.kernel;
+    appended.kc.download();
+    appended.vc.download();
+    EXPECT_TRUE(bytes_of(appended.kc) == bytes_of(direct.kc)) << what << ": k cache bytes differ";
+    EXPECT_TRUE(bytes_of(appended.vc) == bytes_of(direct.vc)) << what << ": v cache bytes differ";
+    direct.run(3);
+    appended.run(3);
+    EXPECT_TRUE(bitwise_equal(direct.outputs(), appended.outputs())) << what;
+    expect_matches_reference(appended, what);
+  }
+}
+
+// Negative slots (padding) and slots past the cache are skipped; the rest land bit for bit.
+TEST(CudaAppendKv, NegativeAndOutOfRangeSlotsAreSkipped) {
+  SKIP_WITHOUT_GPU();
+  Spec c = on_cuda(mk("skip", DType::bf16));
+  c.lens = {40};
+  c.page_size = 16;
+  Built bl(c, make_values(c, 1));
+  bl.clear_cache();
+  bl.kc.download();
+  bl.vc.download();
+  const auto k_before = bytes_of(bl.kc), v_before = bytes_of(bl.vc);
+  const int64_t T = 5;
+  detail::Buffer kn(DType::bf16, T * c.hkv * c.d, Device::cuda), vn(DType::bf16, T * c.hkv * c.DV(), Device::cuda);
+  std::mt19937_64 rng(3);
+  kn.fill_random(rng);
+  vn.fill_random(rng);
+  detail::Buffer slots(DType::i32, T, Device::cuda);
+  slots.fill_i32({-1, 5, -7, 2, static_cast<int32_t>(bl.pages * bl.ps)});
+  append_kv(kn.view({T, c.hkv, c.d}), vn.view({T, c.hkv, c.DV()}), slots.view({T}), bl.cache);
+  bl.kc.download();
+  bl.vc.download();
+  const auto k_after = bytes_of(bl.kc), v_after = bytes_of(bl.vc);
+  const int64_t row_k = c.hkv * c.d * 2, row_v = c.hkv * c.DV() * 2;  // bytes per slot
+  for (int64_t s = 0; s < bl.pages * bl.ps; ++s) {
+    const bool written = s == 5 || s == 2;
+    const bool k_same = std::equal(k_after.begin() + s * row_k, k_after.begin() + (s + 1) * row_k, k_before.begin() + s * row_k);
+    const bool v_same = std::equal(v_after.begin() + s * row_v, v_after.begin() + (s + 1) * row_v, v_before.begin() + s * row_v);
+    EXPECT_EQ(k_same, !written) << "slot " << s;
+    EXPECT_EQ(v_same, !written) << "slot " << s;
+  }
+  EXPECT_EQ(std::memcmp(static_cast<const uint8_t*>(bl.kc.host()) + 5 * row_k,
+                        static_cast<const uint8_t*>(kn.host()) + 1 * row_k, static_cast<size_t>(row_k)), 0);
+  EXPECT_EQ(std::memcmp(static_cast<const uint8_t*>(bl.vc.host()) + 2 * row_v,
+                        static_cast<const uint8_t*>(vn.host()) + 3 * row_v, static_cast<size_t>(row_v)), 0);
+}
+
+// Serving loop on the device: one plan for the capacity, a token appended and decoded per step.
+TEST(CudaAppendKv, AppendDecodeLoopUnderOnePlan) {
+  SKIP_WITHOUT_GPU();
+  Spec c = on_cuda(mk("loop", DType::bf16));
+  c.hq = 32;
+  c.hkv = 8;
+  c.d = 128;
+  c.lens = {30, 0, 64};
+  c.page_size = 16;
+  c.causal = true;
+  Spec full = c;
+  const int steps = 12;
+  for (int32_t& L : full.lens) L += steps;
+  Values vals = make_values(full, 77);
+  Built bl(full, vals);
+  DecodeOptions opt;
+  opt.num_splits = 3;
+  const DecodePlan plan =
+      plan_decode(c.B(), c.hq, c.hkv, c.d, c.DV(), c.sq, bl.capacity, c.page_size, Device::cuda, opt);
+  DeviceBytes ws(plan.workspace_bytes);
+  bl.clear_cache();
+  std::vector<int32_t> cur = c.lens;
+  auto append = [&](int64_t b, int64_t t0, int64_t t1) {
+    const int64_t T = t1 - t0;
+    if (T == 0) return;
+    detail::Buffer kn(DType::bf16, T * c.hkv * c.d, Device::cuda), vn(DType::bf16, T * c.hkv * c.DV(), Device::cuda);
+    std::vector<int32_t> slots;
+    for (int64_t t = t0; t < t1; ++t) {
+      for (int64_t x = 0; x < c.hkv * c.d; ++x)
+        kn.set((t - t0) * c.hkv * c.d + x, vals.k[static_cast<size_t>(b)][static_cast<size_t>(t * c.hkv * c.d + x)]);
+      for (int64_t x = 0; x < c.hkv * c.DV(); ++x)
+        vn.set((t - t0) * c.hkv * c.DV() + x, vals.v[static_cast<size_t>(b)][static_cast<size_t>(t * c.hkv * c.DV() + x)]);
+      slots.push_back(static_cast<int32_t>(bl.slot(b, t)));
+    }
+    kn.upload();
+    vn.upload();
+    detail::Buffer sl(DType::i32, T, Device::cuda);
+    sl.fill_i32(slots);
+    append_kv(kn.view({T, c.hkv, c.d}), vn.view({T, c.hkv, c.DV()}), sl.view({T}), bl.cache);
+  };
+  for (int64_t b = 0; b < c.B(); ++b) append(b, 0, cur[static_cast<size_t>(b)]);
+  for (int step = 0; step < steps; ++step) {
+    for (int64_t b = 0; b < c.B(); ++b) {
+      append(b, cur[static_cast<size_t>(b)], cur[static_cast<size_t>(b)] + 1);
+      ++cur[static_cast<size_t>(b)];
+    }
+    bl.lens.fill_i32(cur);
+    bl.o.poison();
+    bl.lse.poison();
+    decode(bl.qv, bl.cache, bl.ov, bl.lv, bl.prm, plan, ws.ptr);
+    bl.download();
+    Spec now = full;
+    now.lens = cur;
+    now.device = Device::cpu;
+    const Built ref_view(now, vals);
+    expect_matches_reference(ref_view, "step " + std::to_string(step), false, nullptr, nullptr, &bl);
+  }
+}
+
+// ---- merge_states ------------------------------------------------------------------------------
+
+// CUDA merge_states vs the CPU one on the same inputs, with rows empty on one side (NaN O there,
+// never read), on both sides (O = 0, LSE = -inf), a NaN LSE (NaN row), mixed dtypes and aliasing.
+TEST(CudaMergeStates, MatchesCpuIncludingEmptyAndNaNRows) {
+  SKIP_WITHOUT_GPU();
+  for (DType t : {DType::f32, DType::bf16, DType::f16}) {
+    const int64_t B = 2, S = 5, H = 3, D = 80;
+    std::mt19937_64 rng(17);
+    auto mk_buf = [&](DType dt, int64_t n, float range) {
+      detail::Buffer b(dt, n, Device::cuda);
+      b.fill_random(rng, range);
+      return b;
+    };
+    detail::Buffer oa = mk_buf(t, B * S * H * D, 1.0f), ob = mk_buf(DType::f32, B * S * H * D, 1.0f);
+    detail::Buffer la = mk_buf(DType::f32, B * H * S, 4.0f), lb = mk_buf(DType::f32, B * H * S, 4.0f);
+    auto empty = [&](detail::Buffer& o, detail::Buffer& l, int64_t b, int64_t s, int64_t h) {
+      l.set((b * H + h) * S + s, -kInf);
+      for (int64_t x = 0; x < D; ++x) o.set(((b * S + s) * H + h) * D + x, kNaN);
+    };
+    empty(ob, lb, 1, 2, 0);  // b side empty
+    empty(oa, la, 0, 4, 1);  // a side empty
+    empty(oa, la, 1, 3, 2);  // both
+    empty(ob, lb, 1, 3, 2);
+    la.set((0 * H + 2) * S + 1, kNaN);  // NaN LSE -> NaN row
+    for (detail::Buffer* b : {&oa, &ob, &la, &lb}) b->upload();
+    // CPU reference on host copies.
+    auto host_copy = [](const detail::Buffer& src) {
+      detail::Buffer h(src.dtype(), src.count());
+      std::memcpy(h.host(), src.host(), src.bytes());
+      return h;
+    };
+    detail::Buffer hoa = host_copy(oa), hob = host_copy(ob), hla = host_copy(la), hlb = host_copy(lb);
+    detail::Buffer ho(t, B * S * H * D), hl(DType::f32, B * H * S);
+    merge_states(hoa.view({B, S, H, D}), hla.view({B, H, S}), hob.view({B, S, H, D}), hlb.view({B, H, S}),
+                 ho.view({B, S, H, D}), hl.view({B, H, S}));
+    for (bool alias : {false, true}) {
+      detail::Buffer o(t, B * S * H * D, Device::cuda), l(DType::f32, B * H * S, Device::cuda);
+      o.poison();
+      l.poison();
+      detail::Buffer oa2 = host_copy(oa), la2 = host_copy(la);  // aliasing target (a copy of a)
+      detail::Buffer doa(t, B * S * H * D, Device::cuda), dla(DType::f32, B * H * S, Device::cuda);
+      std::memcpy(doa.host(), oa2.host(), oa2.bytes());
+      std::memcpy(dla.host(), la2.host(), la2.bytes());
+      doa.upload();
+      dla.upload();
+      detail::Buffer& out_o = alias ? doa : o;
+      detail::Buffer& out_l = alias ? dla : l;
+      const KernelChoice k = merge_states(doa.view({B, S, H, D}), dla.view({B, H, S}), ob.view({B, S, H, D}),
+                                          lb.view({B, H, S}), out_o.view({B, S, H, D}), out_l.view({B, H, S}));
+      EXPECT_NE(k.kernel.find("cuda/merge_states"), std::string::npos) << k.kernel;
+      out_o.download();
+      out_l.download();
+      const double tol = t == DType::f32 ? 1e-6 : t == DType::bf16 ? 8e-3 : 1e-3;
+      for (int64_t i = 0; i < ho.count(); ++i) {
+        const float g = out_o.get(i), w = ho.get(i);
+        if (std::isnan(w)) {
+          ASSERT_TRUE(std::isnan(g)) << dtype_name(t) << " alias " << alias << " o[" << i << "]";
+        } else {
+          ASSERT_LE(std::fabs(g - w), tol) << dtype_name(t) << " alias " << alias << " o[" << i << "] " << g << " vs " << w;
+        }
+      }
+      for (int64_t i = 0; i < hl.count(); ++i) {
+        const float g = out_l.get(i), w = hl.get(i);
+        if (std::isnan(w) || std::isinf(w)) {
+          ASSERT_EQ(std::memcmp(&g, &w, 4) == 0 || (std::isnan(g) && std::isnan(w)), true) << "lse[" << i << "]";
+        } else {
+          ASSERT_NEAR(g, w, 2e-6 * std::max(1.0f, std::fabs(w))) << "lse[" << i << "]";
+        }
+      }
+      // The one-sided rows are exactly the other side; the empty row exactly 0 / -inf.
+      for (int64_t x = 0; x < D; ++x) {
+        EXPECT_EQ(out_o.get(((1 * S + 3) * H + 2) * D + x), 0.0f);
+        EXPECT_EQ(out_o.get(((0 * S + 4) * H + 1) * D + x), static_cast<float>(detail::round_to(t, ob.get(((0 * S + 4) * H + 1) * D + x))));
+      }
+    }
+  }
+}
+
+// IOATTN_LOG-facing strings: kernel, splits and the reason (heuristic / requested / plan).
+TEST(CudaDecode, KernelChoiceNamesSplitsAndLayout) {
+  SKIP_WITHOUT_GPU();
+  Spec c = on_cuda(mk("choice", DType::bf16));
+  c.hq = 32;
+  c.hkv = 8;
+  c.d = 128;
+  c.lens = {64};
+  c.page_size = 16;
+  Built bl(c, make_values(c, 1));
+  KernelChoice k = bl.run(7);
+  EXPECT_NE(k.kernel.find("cuda/splitkv sm"), std::string::npos) << k.kernel;
+  EXPECT_NE(k.kernel.find("bf16 hdim128 gqa4 page16"), std::string::npos) << k.kernel;
+  EXPECT_NE(k.kernel.find("splits 7"), std::string::npos) << k.kernel;
+  EXPECT_NE(k.reason.find("requested"), std::string::npos) << k.reason;
+  EXPECT_NE(k.reason.find("4 query rows per CTA"), std::string::npos) << k.reason;
+  k = bl.run(0);
+  EXPECT_NE(k.reason.find("heuristic"), std::string::npos) << k.reason;
+  EXPECT_NE(k.reason.find("SMs"), std::string::npos) << k.reason;
+}
+
+// A head_dim past the CUDA kernel's 256 is refused with the reason (never a silent CPU run).
+TEST(CudaDecode, UnsupportedHeadDimFailsWithReason) {
+  SKIP_WITHOUT_GPU();
+  Spec c = on_cuda(mk("d320", DType::bf16));
+  c.d = 320;
+  c.lens = {10};
+  Built bl(c, make_values(c, 1));
+  try {
+    bl.run(1);
+    FAIL() << "accepted";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.argument(), "q") << e.what();
+    EXPECT_NE(std::string(e.what()).find("up to 256"), std::string::npos) << e.what();
+  }
+  bl.download();
+  EXPECT_TRUE(all_nan(bl.outputs()));
+}
+
+}  // namespace
+}  // namespace ioattn::test
