@@ -19,9 +19,10 @@
 // Per tile of BK = 4 * G keys (K and V tiles of 8 KiB per element byte, cp.async 16-byte copies
 // through the page table into a 2-4 stage ring):
 //   every group scores its 4 keys for the 4 rows: partial dots over its 16 elements, a butterfly
-//   over the TX lanes; softcap, ALiBi, mask (select -inf); online softmax per (group, row)
-//   (running max m, sum l, acc rescaled once per tile); acc += p * V (p == 0 skipped: a masked
-//   key's V may hold inf / NaN).
+//   over the TX lanes; softcap, ALiBi, mask (select -inf); online softmax per (group, row) in
+//   log2 units (Q pre-scaled by log2 e; one ex2.approx per score; running max m, sum l, acc
+//   rescaled only when the max grows); acc += p * V (p == 0 skipped: a masked key's V may hold
+//   inf / NaN).
 // At the end the G groups are merged exactly in shared memory (in group order: deterministic, so a
 // graph replay is bitwise the eager run), then the CTA writes O and LSE (one split) or its fp32
 // partial (O normalised, LSE) to the workspace, [b, h, i, split, dv] / [b, h, i, split].
@@ -72,6 +73,7 @@ struct DecodeParams {
   const int32_t* block_table;                   // null: contiguous (page = b, slot = t)
   int64_t bt_sb, bt_sp;
   int page_size;
+  int page_shift;  // log2(page_size) when it is a power of two, else -1 (a division per row)
   int64_t num_pages;
   const int32_t* seqlens;
   int64_t bound;  // largest accepted cache_seqlens entry
@@ -88,6 +90,11 @@ struct DecodeParams {
 };
 
 __device__ __forceinline__ float ninf() { return -INFINITY; }
+
+// Scores live in log2 units inside the kernel (Q pre-scaled by log2(e)), so every softmax
+// exponential is one ex2.approx (2^-inf = 0: masked keys vanish); LSE leaves in natural log.
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLn2 = 0.6931471805599453f;
 
 // problem.hpp's visible_keys, on the device.
 __device__ __forceinline__ void vis_keys(int64_t i, int64_t sq, int64_t sk, int64_t wl, int64_t wr, int64_t* lo,
@@ -172,7 +179,7 @@ __global__ void __launch_bounds__(kThreads) decode_kernel(const DecodeParams p) 
 
   // ---- rows: visible range within the split, pre-scaled Q --------------------------------
   const float k_scale = p.k_scale ? p.k_scale[hk] : 1.0f;
-  const float q_mul = p.scale * k_scale;
+  const float q_mul = p.scale * k_scale * kLog2e;
   float qr[kRows][kElems];
   int lo[kRows], hi[kRows];
   float slope[kRows], diag[kRows];
@@ -197,7 +204,7 @@ __global__ void __launch_bounds__(kThreads) decode_kernel(const DecodeParams p) 
     }
     lo[r] = static_cast<int>(a);
     hi[r] = static_cast<int>(z);
-    slope[r] = (valid && p.alibi) ? p.alibi[h] : 0.0f;
+    slope[r] = (valid && p.alibi) ? p.alibi[h] * kLog2e : 0.0f;
     diag[r] = static_cast<float>(i + len - sq);
     const int64_t qoff = b * p.q_sb + i * p.q_ss + h * p.q_sh;
 #pragma unroll
@@ -232,7 +239,7 @@ __global__ void __launch_bounds__(kThreads) decode_kernel(const DecodeParams p) 
         if (t < khi) {
           int64_t page, slot;
           if (p.block_table) {
-            const int pi = static_cast<int>(t) / p.page_size;
+            const int pi = p.page_shift >= 0 ? static_cast<int>(t) >> p.page_shift : static_cast<int>(t) / p.page_size;
             slot = t - static_cast<int64_t>(pi) * p.page_size;
             page = __ldg(p.block_table + b * p.bt_sb + pi * p.bt_sp);
             if (page < 0 || page >= p.num_pages) {
@@ -268,7 +275,8 @@ __global__ void __launch_bounds__(kThreads) decode_kernel(const DecodeParams p) 
 #pragma unroll
     for (int e = 0; e < kElems; ++e) acc[r][e] = 0.0f;
   }
-  const float cap = p.softcap, inv_cap = cap > 0.0f ? 1.0f / cap : 0.0f;
+  // Softcap in log2 units: (cap log2e) tanh(s' / (cap log2e)) = log2e * cap tanh(s / cap).
+  const float cap = p.softcap * kLog2e, inv_cap = p.softcap > 0.0f ? 1.0f / cap : 0.0f;
 
 #pragma unroll
   for (int s = 0; s < STAGES - 1; ++s) issue(s);
@@ -315,7 +323,7 @@ __global__ void __launch_bounds__(kThreads) decode_kernel(const DecodeParams p) 
       for (int u = 0; u < kKeysPerGroup; ++u) {
         const int t = t0 + u * G + gi;
         float x = s[r][u];
-        if (cap > 0.0f) x = cap * tanhf(x * inv_cap);
+        if (inv_cap > 0.0f) x = cap * tanhf(x * inv_cap);
         if (p.alibi) x = fmaf(-slope[r], fabsf(diag[r] - static_cast<float>(t)), x);
         const bool vis = t >= lo[r] && t < hi[r];
         x = vis ? x : ninf();
@@ -329,18 +337,21 @@ __global__ void __launch_bounds__(kThreads) decode_kernel(const DecodeParams p) 
         for (int u = 0; u < kKeysPerGroup; ++u) s[r][u] = 0.0f;
         continue;
       }
-      const float alpha = expf(m[r] - mn);  // m = -inf -> 0
       float sum = 0.0f;
 #pragma unroll
       for (int u = 0; u < kKeysPerGroup; ++u) {
-        const float e = s[r][u] > ninf() ? expf(s[r][u] - mn) : 0.0f;
+        const float e = ptx::exp2_approx(s[r][u] - mn);  // s = -inf -> 0
         s[r][u] = e;
         sum += e;
       }
-      l[r] = l[r] * alpha + sum;
-      m[r] = mn;
+      if (mn != m[r]) {  // the max grew: rescale (rare once the first keys are in)
+        const float alpha = ptx::exp2_approx(m[r] - mn);  // m = -inf -> 0
+        l[r] *= alpha;
 #pragma unroll
-      for (int e = 0; e < kElems; ++e) acc[r][e] *= alpha;
+        for (int e = 0; e < kElems; ++e) acc[r][e] *= alpha;
+        m[r] = mn;
+      }
+      l[r] += sum;
     }
 
     // acc += P V.
@@ -380,7 +391,7 @@ __global__ void __launch_bounds__(kThreads) decode_kernel(const DecodeParams p) 
     int B = 0;
     for (int g = 0; g < G; ++g) {
       const float mg = grp_m[g * kRows + r];
-      if (mg > ninf()) L += grp_l[g * kRows + r] * expf(mg - M);
+      if (mg > ninf()) L += grp_l[g * kRows + r] * ptx::exp2_approx(mg - M);
       B |= (grp_bad[g] >> r) & 1;
     }
     row_m[r] = M;
@@ -392,7 +403,7 @@ __global__ void __launch_bounds__(kThreads) decode_kernel(const DecodeParams p) 
   float* red = reinterpret_cast<float*>(smem);  // [G][kRows][Dp] fp32 = 32 KiB
 #pragma unroll
   for (int r = 0; r < kRows; ++r) {
-    const float f = m[r] > ninf() ? expf(m[r] - row_m[r]) : 0.0f;
+    const float f = m[r] > ninf() ? ptx::exp2_approx(m[r] - row_m[r]) : 0.0f;
 #pragma unroll
     for (int e = 0; e < kElems; ++e) {
       const int dim = ((tx + ((e / VEC) << txl)) * VEC) + e % VEC;
@@ -411,29 +422,23 @@ __global__ void __launch_bounds__(kThreads) decode_kernel(const DecodeParams p) 
     const int hh = rr / sq, i = rr % sq, h = hk * p.group + hh;
     float sum = 0.0f;
     for (int g = 0; g < G; ++g) sum += red[(g * kRows + r) * Dp + x];
-    const float M = row_m[r], L = row_l[r];
+    const float M = row_m[r], L = row_l[r];  // log2 units
     float out, lse;
     if (row_bad[r]) {
       out = lse = NAN;
-    } else if (direct) {
-      const float sink = p.sinks ? p.sinks[h] : ninf();
-      const float mx = fmaxf(M, sink);
-      if (mx == ninf()) {
-        out = 0.0f;
-        lse = ninf();
-      } else {
-        const float a = expf(M - mx);  // M = -inf (only the sink) -> 0
-        const float lsum = L * a + (p.sinks ? expf(sink - mx) : 0.0f);
-        const float mul = a * v_scale / lsum;
-        out = sum * mul;
-        lse = mx + logf(lsum);
-      }
-    } else if (L == 0.0f) {  // no visible key in this split
+    } else if (M == ninf()) {  // no visible key (in this split): O = 0, LSE = -inf or the sink
       out = 0.0f;
-      lse = ninf();
+      lse = (direct && p.sinks) ? p.sinks[h] : ninf();
+    } else if (direct) {
+      const float sink = p.sinks ? p.sinks[h] * kLog2e : ninf();
+      const float mx = fmaxf(M, sink);
+      const float a = ptx::exp2_approx(M - mx);
+      const float lsum = L * a + (p.sinks ? ptx::exp2_approx(sink - mx) : 0.0f);
+      out = sum * (a * v_scale / lsum);
+      lse = (mx + log2f(lsum)) * kLn2;
     } else {
       out = sum * (v_scale / L);
-      lse = M + logf(L);
+      lse = (M + log2f(L)) * kLn2;
     }
     if (direct) {
       store_elem(p.o, p.dtype, b * p.o_sb + i * p.o_ss + h * p.o_sh + x, out);
@@ -654,6 +659,9 @@ void cuda_decode(const DecodeProblem& p) {
   dp.block_table = p.block_table;
   dp.bt_sb = p.bt_stride_batch, dp.bt_sp = p.bt_stride_page;
   dp.page_size = p.paged() ? static_cast<int>(p.page_size) : 0;
+  dp.page_shift = -1;
+  for (int sh = 0; sh < 31 && p.paged(); ++sh)
+    if ((int64_t{1} << sh) == p.page_size) dp.page_shift = sh;
   dp.num_pages = p.num_pages;
   dp.seqlens = p.cache_seqlens;
   dp.bound = p.max_seqlen_k;
