@@ -42,6 +42,8 @@
 #include <atomic>
 #include <climits>
 #include <cmath>
+#include <cstdlib>
+#include <cstring>
 #include <string>
 
 #include "core/serving_problem.hpp"
@@ -449,6 +451,11 @@ __global__ void __launch_bounds__(kThreads) decode_kernel(const DecodeParams p) 
       if (x == 0) p.part_lse[at] = lse;
     }
   }
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  // Programmatic dependent launch: the merge grid may start launching once every CTA got here;
+  // it reads the partials only after cudaGridDependencySynchronize (this grid complete + flushed).
+  cudaTriggerProgrammaticLaunchCompletion();
+#endif
 }
 
 // ---- merge of the splits: one warp per query row ----------------------------------------------
@@ -469,6 +476,9 @@ constexpr int kMergeWarps = 4;
 constexpr int kMergeElems = kMaxDim / 32;
 
 __global__ void __launch_bounds__(kMergeWarps * 32) merge_splits_kernel(const MergeParams p) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  cudaGridDependencySynchronize();  // the decode grid's partials are complete and visible (no-op without PDL)
+#endif
   const int lane = threadIdx.x & 31;
   const int64_t row = static_cast<int64_t>(blockIdx.x) * kMergeWarps + (threadIdx.x >> 5);
   if (row >= p.rows) return;
@@ -555,6 +565,18 @@ int sm_count(int device) {
   int n = 0;
   IOATTN_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device));
   return n;
+}
+
+// Programmatic dependent launch for the merge kernel: sm90+, unless IOATTN_DECODE_PDL=0.
+bool use_pdl(int device) {
+  static const bool env_off = [] {
+    const char* e = std::getenv("IOATTN_DECODE_PDL");
+    return e && std::strcmp(e, "0") == 0;
+  }();
+  if (env_off) return false;
+  int major = 0;
+  IOATTN_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+  return major >= 9;
 }
 
 int64_t row_blocks_of(int64_t heads_q, int64_t heads_kv, int64_t seqlen_q) {
@@ -723,8 +745,20 @@ void cuda_decode(const DecodeProblem& p) {
     mp.dv = dp.dv;
     mp.sinks = p.sinks;
     const int64_t blocks = (mp.rows + kMergeWarps - 1) / kMergeWarps;
-    merge_splits_kernel<<<static_cast<unsigned>(blocks), kMergeWarps * 32, 0, stream>>>(mp);
-    IOATTN_CUDA_CHECK_LAUNCH("merge_splits_kernel");
+    if (blocks > INT_MAX) throw Error("q", "ioattn: CUDA decode merge grid exceeds 2^31 - 1 blocks");
+    // sm90+: programmatic dependent launch overlaps the merge grid's launch with the decode
+    // grid's tail (IOATTN_DECODE_PDL=0 turns it off).
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = dim3(static_cast<unsigned>(blocks));
+    cfg.blockDim = dim3(kMergeWarps * 32);
+    cfg.dynamicSmemBytes = 0;
+    cfg.stream = stream;
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[0].val.programmaticStreamSerializationAllowed = 1;
+    cfg.attrs = attr;
+    cfg.numAttrs = use_pdl(p.device_index) ? 1 : 0;
+    IOATTN_CUDA_CHECK(cudaLaunchKernelEx(&cfg, merge_splits_kernel, mp));
   }
   if (internal) IOATTN_CUDA_CHECK(cudaFreeAsync(internal, stream));
 }
