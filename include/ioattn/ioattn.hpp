@@ -18,7 +18,8 @@
 //    (gpt-oss style). LSE then includes the sink term.
 //  * GQA: query head h reads kv head h / (heads_q / heads_kv).
 //  * A row with no visible key: O = 0 and LSE = -inf (with a sink: O = 0, LSE = sink).
-//  * Accumulation is fp32 for every input dtype; O is written in the input dtype.
+//  * Accumulation is fp32 for every input dtype; O is written in the input dtype (f8e4m3 inputs:
+//    in o's dtype, bf16 or f16, see AttnParams' descales).
 //
 // Errors: every function throws ioattn::Error naming the argument, the expected and the actual
 // value; validation runs before anything is written, so outputs are untouched on error.
