@@ -22,6 +22,28 @@ SeqRange seq_range(const FwdProblem& p, int64_t b) {
           p.cu_seqlens_k_host[b], p.cu_seqlens_k_host[b + 1] - p.cu_seqlens_k_host[b]};
 }
 
+// x kept to 14 significant bits (round to nearest).
+float round_sig14(float x) {
+  if (x == 0.0f || !std::isfinite(x)) return x;
+  int e = 0;
+  const float m = std::frexp(x, &e);
+  return std::ldexp(std::nearbyint(std::ldexp(m, 14)), e - 14);
+}
+
+// q . k as an fp8 GEMM on Hopper tensor cores computes it, modelled: exact fp32 sums over each
+// 32-element k-step (wgmma k32), added into an accumulator that keeps about 14 significant bits
+// (DeepSeek-V3 report, sec. 3.3.2, measured that for Hopper's fp8 wgmma; a model, not the exact
+// rounding). Part of "naive attention in the same low precision" for f8e4m3 problems.
+float fp8_tensor_core_dot(const double* q, const double* k, int64_t d) {
+  float acc = 0.0f;
+  for (int64_t x0 = 0; x0 < d; x0 += 32) {
+    float part = 0.0f;
+    for (int64_t x = x0; x < std::min<int64_t>(d, x0 + 32); ++x) part += static_cast<float>(q[x]) * static_cast<float>(k[x]);
+    acc = round_sig14(acc + part);
+  }
+  return acc;
+}
+
 }  // namespace
 
 RefResult reference_forward(const FwdProblem& p, RefPrecision prec, int64_t total_q_rows) {
@@ -83,10 +105,12 @@ RefResult reference_forward(const FwdProblem& p, RefPrecision prec, int64_t tota
           }
           const double* kj = &K[j * d];
           double acc;
-          if (emu) {
+          if (emu && fp8) {
+            acc = static_cast<double>(fp8_tensor_core_dot(qi, kj, d) * p.scale);
+          } else if (emu) {
             float facc = 0.0f;  // fp32 accumulate, result rounded to the input dtype
             for (int64_t x = 0; x < d; ++x) facc += static_cast<float>(qi[x]) * static_cast<float>(kj[x]);
-            acc = fp8 ? static_cast<double>(facc * p.scale) : rnd(facc);
+            acc = rnd(facc);
           } else {
             double a4[4] = {0, 0, 0, 0};
             int64_t x = 0;

@@ -15,6 +15,9 @@ enum class RefPrecision {
   f64,       // everything in double: the oracle
   emulated,  // "naive attention in the input precision": S, P and O rounded to the input dtype
              // the way a framework's unfused path does (fp32 accumulate, low-precision tensors).
+             // f8e4m3: S from fp8 tensor cores (fp32 per 32-element k-step into a ~14-bit
+             // accumulator, as measured on Hopper), the unnormalised P = exp(S - max) in e4m3,
+             // O in the output dtype.
 };
 
 // Results in contiguous order: o as [batch, seqlen_q, heads_q, head_dim_v] (varlen: [total_q,
