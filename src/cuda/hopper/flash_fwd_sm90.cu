@@ -278,6 +278,25 @@ Policy policy_for(const FwdProblem& p) {
   return pol;
 }
 
+// The fp8 rows' policy: persistent dynamic grid + rescale skip for causal and not (there is no
+// v3 body for fp8; the softmax is the bottleneck once the GEMMs run at the fp8 rate, so the skip
+// is on by default; not yet measured against the alternatives). Knobs as in policy_for:
+// IOATTN_SM90_GRID, IOATTN_SM90_ONE_TILE_PER_CTA, IOATTN_SM90_RESCALE_SKIP.
+Policy fp8_policy() {
+  Policy pol;
+  pol.grid = Grid::kDynamic;
+  pol.rescale_skip = true;
+  if (const char* g = std::getenv("IOATTN_SM90_GRID")) {
+    const std::string v(g);
+    if (v == "tile") pol.grid = Grid::kTilePerCta;
+    if (v == "static") pol.grid = Grid::kStatic;
+    if (v == "dynamic") pol.grid = Grid::kDynamic;
+  }
+  if (env_flag("IOATTN_SM90_ONE_TILE_PER_CTA")) pol.grid = Grid::kTilePerCta;
+  if (const int v = env_bool("IOATTN_SM90_RESCALE_SKIP"); v >= 0) pol.rescale_skip = v == 1;
+  return pol;
+}
+
 const char* grid_str(Grid g) {
   return g == Grid::kTilePerCta ? " 1 CTA/tile longest-first" : g == Grid::kStatic ? " persistent" : " persistent dynamic";
 }
@@ -324,7 +343,7 @@ bool select_fp8(const FwdProblem& p, std::string* kernel, std::string* why) {
     return fail(why, "o is not 4-byte aligned with even strides (the kernel stores element pairs)");
   if (!mempools_supported(p.device_index))
     return fail(why, "fp8: the device has no stream-ordered allocator (memory pools) for the V^T workspace");
-  const Policy pol = policy_for(p);
+  const Policy pol = fp8_policy();
   const Fp8Row row = fp8_table_row(p);
   if (row.present == nullptr) return fail(why, "fp8: no table row");
   if (!row.present()) return fail(why, "this build has no sm_90a image of the fp8 wgmma kernel (CUDA archs lack 90a)");
@@ -576,11 +595,11 @@ void sm90_flash_forward(const FwdProblem& p) {
   using namespace cuda::sm90;
   std::string kernel, why;
   if (!select_impl(p, &kernel, &why)) throw Error("q", "ioattn: sm90 flash kernel cannot run this problem: " + why);
-  const Policy pol = policy_for(p);
   if (p.fp8()) {
-    fp8_forward(p, pol);
+    fp8_forward(p, fp8_policy());
     return;
   }
+  const Policy pol = policy_for(p);
   const Row row = table_row(p, pol.wg3, pol.v3_body);
   const int64_t m_blocks = (p.seqlen_q + row.block_m - 1) / row.block_m;
   const int64_t grid = m_blocks * p.heads_q * p.batch;
