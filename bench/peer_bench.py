@@ -15,6 +15,14 @@
 Grid (FlashAttention's): batch·seqlen = 16k tokens, hidden 2048 (heads = 2048 / hdim), hdim
 64/128/256, seqlen 512..16k, causal and not, bf16 (f16 for hdim 128). FLOPs = 4·b·h·s²·d, halved
 when causal.
+
+--bwd runs the forward+backward comparison instead of the forward grid: `ioattn_cuda_bench bwd`
+on --bwd-hdims (bf16; --deterministic for the atomic-free dQ), and PyTorch SDPA flash / cudnn
+forward+backward (torch.autograd.grad of the output with a fixed dO) on the same shapes in the
+same run; FLOPs = 3.5x the forward's (backward = 2.5x, FlashAttention's convention). The table
+also shows the backward alone.
+
+    python3 bench/peer_bench.py --bench build/ioattn_cuda_bench --bwd --out results/bwd.json
 """
 import argparse
 import json
@@ -93,6 +101,43 @@ def torch_sdpa_rows(torch, configs, repeats):
     return rows
 
 
+def torch_bwd_rows(torch, configs, repeats):
+    """Forward+backward (and backward alone) of SDPA flash / cudnn: torch.autograd.grad with a fixed
+    dO, so nothing accumulates into .grad between calls."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    import torch.nn.functional as F
+
+    backends = {"torch_flash": SDPBackend.FLASH_ATTENTION, "torch_cudnn": SDPBackend.CUDNN_ATTENTION}
+    rows = []
+    for (dtype, d, s, b, h) in configs:
+        dt = torch.bfloat16 if dtype == "bf16" else torch.float16
+        leaves = [(torch.rand(b, s, h, d, device="cuda", dtype=dt) * 2 - 1).requires_grad_() for _ in range(3)]
+        q, k, v = (x.transpose(1, 2) for x in leaves)  # [b, s, h, d] memory as [b, h, s, d]
+        dout = (torch.rand(b, s, h, d, device="cuda", dtype=dt) * 2 - 1).transpose(1, 2)
+        for causal in (False, True):
+            for name, be in backends.items():
+                row = dict(impl=name + "_fwdbwd", dtype=dtype, hdim=d, seqlen=s, batch=b, heads=h, causal=causal)
+                try:
+                    with sdpa_kernel([be]):
+                        def fwd_bwd():
+                            o = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+                            return torch.autograd.grad(o, leaves, dout)
+                        ms = time_ms(torch, fwd_bwd, repeats)
+                        o = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+                        ms_bwd = time_ms(torch, lambda: torch.autograd.grad(o, leaves, dout, retain_graph=True),
+                                         repeats)
+                        del o
+                    f = flops(b, h, s, d, causal)
+                    row.update(ms=ms, tflops=3.5 * f / (ms * 1e-3) / 1e12, bwd_ms=ms_bwd,
+                               bwd_tflops=2.5 * f / (ms_bwd * 1e-3) / 1e12)
+                except Exception as e:  # a backend that refuses a shape is a row, not a crash
+                    row.update(ms=None, tflops=None, error=str(e).splitlines()[0][:160])
+                rows.append(row)
+        del q, k, v, dout, leaves
+        torch.cuda.empty_cache()
+    return rows
+
+
 def torch_naive_rows(torch, seqlens, heads, d, repeats):
     """Unfused standard attention in PyTorch: S and P materialised (bf16), fp32 softmax inside."""
     rows = []
@@ -141,11 +186,21 @@ def main():
     ap.add_argument("--naive-seqlens", default="4096,8192,16384")
     ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--no-naive", action="store_true")
+    ap.add_argument("--bwd", action="store_true",
+                    help="forward+backward vs SDPA flash/cudnn instead of the forward grid")
+    ap.add_argument("--bwd-hdims", default="64,128")
+    ap.add_argument("--deterministic", action="store_true", help="ioattn backward in deterministic mode")
     args = ap.parse_args()
+    if args.bwd:
+        args.no_naive = True
 
-    ours = run_ioattn(args.bench, "grid", ["--hdims", args.hdims, "--seqlens", args.seqlens,
-                                           "--f16-hdims", args.f16_hdims, "--repeats", str(args.repeats)])
+    ours = [] if args.bwd else run_ioattn(
+        args.bench, "grid", ["--hdims", args.hdims, "--seqlens", args.seqlens, "--f16-hdims", args.f16_hdims,
+                             "--repeats", str(args.repeats)])
     naive = [] if args.no_naive else run_ioattn(args.bench, "naive", ["--seqlens", args.naive_seqlens])
+    ours_bwd = [] if not args.bwd else run_ioattn(
+        args.bench, "bwd", ["--hdims", args.bwd_hdims, "--seqlens", args.seqlens, "--repeats", str(args.repeats),
+                            "--deterministic", "1" if args.deterministic else "0"])
 
     import torch
 
@@ -156,14 +211,39 @@ def main():
     peers = torch_sdpa_rows(torch, configs, args.repeats)
     print(f"# torch sdpa: {len(peers)} rows in {time.time() - t0:.1f} s", flush=True)
     tnaive = [] if args.no_naive else torch_naive_rows(torch, [int(x) for x in args.naive_seqlens.split(",")], 16, 128, 3)
+    bwd_configs = sorted({(r["dtype"], r["hdim"], r["seqlen"], r["batch"], r["heads"]) for r in ours_bwd},
+                         key=lambda c: (c[1], c[0], c[2]))
+    t0 = time.time()
+    peers_bwd = torch_bwd_rows(torch, bwd_configs, args.repeats) if ours_bwd else []
+    if ours_bwd:
+        print(f"# torch sdpa fwd+bwd: {len(peers_bwd)} rows in {time.time() - t0:.1f} s", flush=True)
 
     out = dict(device=dev, torch=torch.__version__, date=time.strftime("%Y-%m-%d %H:%M:%S"),
-               ioattn=ours, ioattn_naive=naive, torch_sdpa=peers, torch_naive=tnaive)
+               ioattn=ours, ioattn_naive=naive, torch_sdpa=peers, torch_naive=tnaive,
+               ioattn_fwdbwd=ours_bwd, torch_sdpa_fwdbwd=peers_bwd)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(out, f, indent=1)
 
     peer = {(r["impl"], r["dtype"], r["hdim"], r["seqlen"], r["causal"]): r for r in peers}
+    if ours_bwd:
+        pb = {(r["impl"], r["dtype"], r["hdim"], r["seqlen"], r["causal"]): r for r in peers_bwd}
+        det = " (deterministic)" if args.deterministic else ""
+        print(f"\n## forward+backward TFLOP/s{det} on {dev} (FLOPs = 3.5x forward; ratio = ioattn / peer; "
+              "bwd = backward alone)")
+        print(f"{'dtype':5} {'hdim':>4} {'seqlen':>6} {'causal':>6} | {'ioattn':>6} {'flash':>6} {'cudnn':>6} | "
+              f"{'x flash':>7} {'x cudnn':>7} | {'bwd':>5} {'fl bwd':>6} {'cu bwd':>6}")
+        for r in sorted(ours_bwd, key=lambda r: (r["dtype"], r["hdim"], r["causal"], r["seqlen"])):
+            key = (r["dtype"], r["hdim"], r["seqlen"], r["causal"])
+            fl = pb.get(("torch_flash_fwdbwd",) + key, {})
+            cu = pb.get(("torch_cudnn_fwdbwd",) + key, {})
+            flt, cut = fl.get("tflops"), cu.get("tflops")
+            print(f"{r['dtype']:5} {r['hdim']:>4} {r['seqlen']:>6} {str(r['causal']):>6} | {r['tflops']:>6.0f} "
+                  f"{fmt(flt):>6} {fmt(cut):>6} | {fmt(flt and r['tflops'] / flt, '{:.2f}'):>7} "
+                  f"{fmt(cut and r['tflops'] / cut, '{:.2f}'):>7} | {r['bwd_tflops']:>5.0f} "
+                  f"{fmt(fl.get('bwd_tflops')):>6} {fmt(cu.get('bwd_tflops')):>6}")
+    if not ours:
+        return
     print(f"\n## forward TFLOP/s on {dev}, torch {torch.__version__} (ratio = ioattn / peer)")
     print(f"{'dtype':5} {'hdim':>4} {'seqlen':>6} {'causal':>6} | {'ioattn':>6} {'flash':>6} {'cudnn':>6} | "
           f"{'x flash':>7} {'x cudnn':>7}")

@@ -1,9 +1,15 @@
-// ioattn_cuda_bench — times the CUDA forward paths through the public API and prints JSON lines.
+// ioattn_cuda_bench — times the CUDA forward (and forward+backward) paths through the public API
+// and prints JSON lines.
 //
 //   ioattn_cuda_bench grid  [--hdims 64,128,256] [--seqlens 512,...,16384] [--tokens 16384]
 //                           [--hidden 2048] [--dtypes bf16,f16] [--f16-hdims 128] [--repeats 15]
 //       FlashAttention's benchmark grid: batch·seqlen = tokens, heads = hidden / hdim, causal and
 //       not; f16 only for --f16-hdims. One line per (config): ms, TFLOP/s, the selected kernel.
+//   ioattn_cuda_bench bwd   [--hdims 64,128] [--seqlens 512,...,16384] [--tokens 16384] [--hidden 2048]
+//                           [--dtypes bf16] [--repeats 10] [--deterministic 0|1]
+//       forward + backward through the public API on the same grid, causal and not: fwd+bwd ms and
+//       TFLOP/s (FLOPs = fwd + 2.5·fwd, FlashAttention's convention), the backward alone, and both
+//       kernels' names. dO uniform in [-1, 1); the forward's O and LSE feed the backward.
 //   ioattn_cuda_bench naive [--seqlens 4096,8192,16384] [--heads 16] [--hdim 128]
 //       standard attention (S, P in HBM) vs flash on one sequence: ms, workspace bytes, and the
 //       max |O_naive - O_flash| as a sanity check.
@@ -98,6 +104,73 @@ void run_grid(int argc, char** argv) {
       }
 }
 
+void run_bwd(int argc, char** argv) {
+  const auto hdims = cb::parse_list(arg(argc, argv, "--hdims", "64,128"));
+  const auto seqlens = cb::parse_list(arg(argc, argv, "--seqlens", "512,1024,2048,4096,8192,16384"));
+  const int64_t tokens = std::stoll(arg(argc, argv, "--tokens", "16384"));
+  const int64_t hidden = std::stoll(arg(argc, argv, "--hidden", "2048"));
+  const int repeats = std::stoi(arg(argc, argv, "--repeats", "10"));
+  const std::string dtypes = arg(argc, argv, "--dtypes", "bf16");
+  const bool deterministic = arg(argc, argv, "--deterministic", "0") == "1";
+  for (int64_t d : hdims)
+    for (int64_t s : seqlens)
+      for (const char* dts : {"bf16", "f16"}) {
+        if (dtypes.find(dts) == std::string::npos) continue;
+        const bool bf16 = std::strcmp(dts, "bf16") == 0;
+        const int64_t b = std::max<int64_t>(1, tokens / s), h = hidden / d;
+        const int64_t n = b * s * h * d;
+        Buffers buf;
+        void *dout = nullptr, *dq = nullptr, *dk = nullptr, *dv = nullptr;
+        IOATTN_CUDA_CHECK(cudaMalloc(&buf.q, n * 2));
+        IOATTN_CUDA_CHECK(cudaMalloc(&buf.k, n * 2));
+        IOATTN_CUDA_CHECK(cudaMalloc(&buf.v, n * 2));
+        IOATTN_CUDA_CHECK(cudaMalloc(&buf.o, n * 2));
+        IOATTN_CUDA_CHECK(cudaMalloc(&buf.lse, b * h * s * 4));
+        IOATTN_CUDA_CHECK(cudaMalloc(&dout, n * 2));
+        IOATTN_CUDA_CHECK(cudaMalloc(&dq, n * 2));
+        IOATTN_CUDA_CHECK(cudaMalloc(&dk, n * 2));
+        IOATTN_CUDA_CHECK(cudaMalloc(&dv, n * 2));
+        cb::fill_uniform(buf.q, bf16, n, 21);
+        cb::fill_uniform(buf.k, bf16, n, 22);
+        cb::fill_uniform(buf.v, bf16, n, 23);
+        cb::fill_uniform(dout, bf16, n, 24);
+        const DType dt = bf16 ? DType::bf16 : DType::f16;
+        auto view = [&](void* p) { return TensorView::contiguous(p, dt, {b, s, h, d}, Device::cuda); };
+        const auto q = view(buf.q), k = view(buf.k), v = view(buf.v), o = view(buf.o), dov = view(dout);
+        const auto lse = TensorView::contiguous(buf.lse, DType::f32, {b, h, s}, Device::cuda);
+        Gradients g;
+        g.dq = view(dq), g.dk = view(dk), g.dv = view(dv);
+        for (bool causal : {false, true}) {
+          AttnParams prm;
+          prm.causal = causal;
+          Context ctx;
+          ctx.backend = Backend::flash;
+          ctx.deterministic = deterministic;
+          const KernelChoice kf = forward(q, k, v, o, lse, prm, ctx);
+          const KernelChoice kb = backward(q, k, v, o, dov, lse, g, prm, ctx);
+          auto fwd_bwd = [&] {
+            forward(q, k, v, o, lse, prm, ctx);
+            backward(q, k, v, o, dov, lse, g, prm, ctx);
+          };
+          auto bwd = [&] { backward(q, k, v, o, dov, lse, g, prm, ctx); };
+          const double one = cb::time_ms(fwd_bwd, 1, 1, 1);
+          const double ms = cb::time_ms(fwd_bwd, 1, repeats, cb::inner_for(one));
+          const double ms_bwd = cb::time_ms(bwd, 1, repeats, cb::inner_for(one));
+          const double fwd_flops = cb::attn_flops(b, h, s, s, d, causal);
+          std::printf(
+              "{\"impl\": \"ioattn_flash_fwdbwd\", \"dtype\": \"%s\", \"hdim\": %lld, \"seqlen\": %lld, "
+              "\"batch\": %lld, \"heads\": %lld, \"causal\": %s, \"deterministic\": %s, \"ms\": %.5f, "
+              "\"tflops\": %.2f, \"bwd_ms\": %.5f, \"bwd_tflops\": %.2f, \"kernel\": \"%s\", "
+              "\"bwd_kernel\": \"%s\"}\n",
+              dts, (long long)d, (long long)s, (long long)b, (long long)h, causal ? "true" : "false",
+              deterministic ? "true" : "false", ms, 3.5 * fwd_flops / (ms * 1e-3) / 1e12, ms_bwd,
+              2.5 * fwd_flops / (ms_bwd * 1e-3) / 1e12, kf.kernel.c_str(), kb.kernel.c_str());
+          std::fflush(stdout);
+        }
+        for (void* p : {dout, dq, dk, dv}) cudaFree(p);
+      }
+}
+
 float max_abs_diff_bf16(const void* a, const void* b, int64_t n) {
   std::vector<uint16_t> ha(n), hb(n);
   IOATTN_CUDA_CHECK(cudaMemcpy(ha.data(), a, n * 2, cudaMemcpyDeviceToHost));
@@ -171,8 +244,10 @@ int main(int argc, char** argv) {
       run_grid(argc, argv);
     else if (mode == "naive")
       run_naive(argc, argv);
+    else if (mode == "bwd")
+      run_bwd(argc, argv);
     else {
-      std::fprintf(stderr, "usage: ioattn_cuda_bench grid|naive [options]\n");
+      std::fprintf(stderr, "usage: ioattn_cuda_bench grid|bwd|naive [options]\n");
       return 2;
     }
   } catch (const std::exception& e) {

@@ -35,6 +35,13 @@ __device__ __forceinline__ void cp_async_16(uint32_t dst_smem, const void* src, 
                "r"(src_bytes));
 }
 
+// cp.async.ca with 4 bytes: one 32-bit word from global to shared (through L1; .cg takes only 16
+// bytes). src_bytes is 4 or 0 (0 writes a zero word and reads nothing). The backward stages
+// per-row fp32 values (LSE, D) with it: their rows start at any 4-byte boundary.
+__device__ __forceinline__ void cp_async_4(uint32_t dst_smem, const void* src, int src_bytes) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst_smem), "l"(src), "r"(src_bytes));
+}
+
 // Closes the current group of cp.async copies issued by this thread.
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 

@@ -12,6 +12,10 @@ set(IOATTN_CUDA_SOURCES
   ${CMAKE_CURRENT_LIST_DIR}/flash_fwd_hdim128.cu
   ${CMAKE_CURRENT_LIST_DIR}/flash_fwd_hdim192.cu
   ${CMAKE_CURRENT_LIST_DIR}/flash_fwd_hdim256.cu
+  # Backward (mma.sync): one TU per head dim of the backward table + the selector/launcher.
+  ${CMAKE_CURRENT_LIST_DIR}/flash_bwd_dispatch.cu
+  ${CMAKE_CURRENT_LIST_DIR}/flash_bwd_hdim64.cu
+  ${CMAKE_CURRENT_LIST_DIR}/flash_bwd_hdim128.cu
   # Serving: split-KV decode (5 cache dtypes) + merge, append_kv, merge_states.
   ${CMAKE_CURRENT_LIST_DIR}/serving_decode.cu
   ${CMAKE_CURRENT_LIST_DIR}/serving_ops.cu
@@ -57,6 +61,11 @@ function(ioattn_cuda_extras)
       add_test(NAME cuda_kernels COMMAND test_cuda_kernels)
       # A GPU-less machine prints "skipped: no CUDA device"; ctest reports those as skipped.
       set_tests_properties(cuda_kernels PROPERTIES SKIP_REGULAR_EXPRESSION "skipped: no CUDA device")
+      add_executable(test_cuda_backward ${PROJECT_SOURCE_DIR}/tests/test_cuda_backward.cpp)
+      target_link_libraries(test_cuda_backward PRIVATE ioattn::ioattn GTest::gtest GTest::gtest_main)
+      target_include_directories(test_cuda_backward PRIVATE ${PROJECT_SOURCE_DIR}/src ${PROJECT_SOURCE_DIR}/tests)
+      add_test(NAME cuda_backward COMMAND test_cuda_backward)
+      set_tests_properties(cuda_backward PROPERTIES SKIP_REGULAR_EXPRESSION "skipped: no CUDA device")
       add_executable(test_cuda_serving ${PROJECT_SOURCE_DIR}/tests/test_cuda_serving.cpp)
       target_link_libraries(test_cuda_serving PRIVATE ioattn::ioattn GTest::gtest GTest::gtest_main CUDA::cudart_static)
       target_include_directories(test_cuda_serving PRIVATE ${PROJECT_SOURCE_DIR}/src ${PROJECT_SOURCE_DIR}/tests)

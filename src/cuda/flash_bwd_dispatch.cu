@@ -1,0 +1,256 @@
+// flash_bwd_dispatch.cu — the one selector for the CUDA flash backward (it answers both "is this
+// problem supported?" and "which kernels run?", so the two can never disagree) and the launch
+// sequence on the caller's stream.
+//
+// The table is BwdTraits<64, 128> x {bf16, f16} (flash_bwd_launch.cuh); head_dim <= 64 runs on
+// hdim64, <= 128 on hdim128, both with zero-filled columns. The selector string reads
+// "cuda/flash-backward sm90 mma.sync bf16 hdim128 causal tile 64x128 warps 8 dq atomic" and the
+// reason says why that tile and how dQ is accumulated.
+//
+// Workspace: one cudaMallocAsync on the call's stream (freed with cudaFreeAsync on the same
+// stream after the last kernel, so it is stream-ordered and costs no device synchronisation):
+//   ws_lse, ws_d   2 · heads_q · rows_q floats (rows_q = batch·seqlen_q, or total_q for varlen)
+//   ws_dsink       heads_q · ceil(rows_q / 64) floats (only with dsinks)
+//   ws_dq          heads_q · rows_q · kHeadDim floats (default mode only; zeroed with
+//                  cudaMemsetAsync) — O(n) in total, never seqlen_q x seqlen_k.
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <array>
+#include <climits>
+#include <string>
+
+#include "core/backends.hpp"
+#include "cuda/check.cuh"
+#include "cuda/flash_bwd_launch.cuh"
+
+namespace ioattn::cuda {
+namespace {
+
+const std::array<BwdKernelInfo, 2>& bwd_table() {
+  static const std::array<BwdKernelInfo, 2> table = {bwd_info_hdim64(), bwd_info_hdim128()};
+  return table;
+}
+
+constexpr int kVecElems = 8;  // cp.async / vector stores move 16 bytes = 8 f16/bf16 elements
+
+bool aligned16(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; }
+
+// Strides that matter (dims of size > 1) must be multiples of 8 elements.
+bool strides_ok(const detail::Strides3& s, const detail::FwdProblem& p, int64_t seqlen, int64_t heads) {
+  if (!p.varlen() && p.batch > 1 && s.batch % kVecElems != 0) return false;
+  if ((seqlen > 1 || p.varlen()) && s.seq % kVecElems != 0) return false;
+  if (heads > 1 && s.head % kVecElems != 0) return false;
+  return true;
+}
+
+int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+int64_t rows_q_of(const detail::FwdProblem& p) {
+  return p.varlen() ? p.cu_seqlens_q_host[p.batch] : p.batch * p.seqlen_q;
+}
+
+struct Pick {
+  const BwdKernelInfo* info = nullptr;
+  detail::CudaSelection sel;
+};
+
+Pick pick(const detail::BwdProblem& bp, int arch) {
+  const detail::FwdProblem& p = bp.f;
+  Pick r;
+  auto no = [&](std::string why) {
+    r.sel = {"", std::move(why)};
+    return r;
+  };
+  if (arch < 80)
+    return no("the mma.sync backward needs sm80+ (bf16 mma, cp.async, ldmatrix); device is sm" +
+              std::to_string(arch));
+  if (p.dtype != DType::f16 && p.dtype != DType::bf16)
+    return no(std::string("the tensor-core backward takes f16 or bf16 inputs, got ") + dtype_name(p.dtype) +
+              " (the CPU backward runs f32 on host tensors)");
+  if (p.head_dim != p.head_dim_v)
+    return no("head_dim_v (" + std::to_string(p.head_dim_v) + ") must equal head_dim (" +
+              std::to_string(p.head_dim) + ")");
+  const int max_d = bwd_table().back().head_dim;
+  if (p.head_dim % kVecElems != 0 || p.head_dim > max_d)
+    return no("the backward table covers head_dim multiples of 8 up to " + std::to_string(max_d) + ", got " +
+              std::to_string(p.head_dim) +
+              " (hdim > 128 needs dK/dV split over warps with P and dS through shared memory: not built yet)");
+  const void* ptrs[] = {p.q, p.k, p.v, p.o, bp.dout, bp.dq, bp.dk, bp.dv};
+  for (const void* ptr : ptrs)
+    if (!aligned16(ptr)) return no("q, k, v, o, dout, dq, dk and dv must be 16-byte aligned (16-byte vector loads/stores)");
+  if (!strides_ok(p.q_stride, p, p.seqlen_q, p.heads_q) || !strides_ok(p.k_stride, p, p.seqlen_k, p.heads_kv) ||
+      !strides_ok(p.v_stride, p, p.seqlen_k, p.heads_kv) || !strides_ok(p.o_stride, p, p.seqlen_q, p.heads_q) ||
+      !strides_ok(bp.dout_stride, p, p.seqlen_q, p.heads_q) || !strides_ok(bp.dq_stride, p, p.seqlen_q, p.heads_q) ||
+      !strides_ok(bp.dk_stride, p, p.seqlen_k, p.heads_kv) || !strides_ok(bp.dv_stride, p, p.seqlen_k, p.heads_kv))
+    return no("q/k/v/o/dout/dq/dk/dv strides must be multiples of 8 elements (16-byte vector loads/stores)");
+  if (p.seqlen_q + p.seqlen_k >= (int64_t{1} << 30))
+    return no("seqlen_q + seqlen_k must be below 2^30 (32-bit positions in the kernel)");
+  const BwdKernelInfo* info = nullptr;
+  for (const auto& k : bwd_table())
+    if (k.head_dim >= p.head_dim) {
+      info = &k;
+      break;
+    }
+  if (ceil_div(p.seqlen_k, info->block_n) * p.heads_kv * p.batch > INT_MAX ||
+      ceil_div(p.seqlen_q, info->dq_block_m) * p.heads_q * p.batch > INT_MAX)
+    return no("key blocks x kv heads x batch (or query blocks x heads x batch) exceeds the 2^31-1 grid limit");
+  if (rows_q_of(p) >= INT_MAX / 2)
+    return no("batch x seqlen_q (total_q for varlen) must stay below 2^30 (workspace rows, 32-bit grid)");
+
+  DeviceGuard guard(p.device_index);
+  const bool bf16 = p.dtype == DType::bf16;
+  cudaFuncAttributes attr{}, attr_dq{};
+  cudaError_t e = cudaFuncGetAttributes(&attr, bf16 ? info->dkdv_bf16 : info->dkdv_f16);
+  if (e == cudaSuccess) e = cudaFuncGetAttributes(&attr_dq, bf16 ? info->dq_bf16 : info->dq_f16);
+  if (e != cudaSuccess) {
+    cudaGetLastError();
+    return no(std::string("no backward kernel image for this device in this build (") + cudaGetErrorString(e) + ")");
+  }
+  int optin = 0;
+  IOATTN_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, p.device_index));
+  const size_t smem = bp.deterministic ? std::max(info->smem_bytes_det, info->dq_smem_bytes) : info->smem_bytes;
+  if (smem > static_cast<size_t>(optin))
+    return no("tile needs " + std::to_string(smem / 1024) + " KB of shared memory, the device allows " +
+              std::to_string(optin / 1024) + " KB");
+
+  r.info = info;
+  std::string name = "cuda/flash-backward sm" + std::to_string(arch) + " mma.sync " + dtype_name(p.dtype) + " hdim" +
+                     std::to_string(info->head_dim);
+  if (info->head_dim != p.head_dim) name += "(d" + std::to_string(p.head_dim) + " zero-padded)";
+  name += " " + detail::mask_name(p) + " tile " + std::to_string(info->block_m) + "x" + std::to_string(info->block_n) +
+          " warps " + std::to_string(info->warps) + (bp.deterministic ? " dq deterministic" : " dq atomic");
+  std::string reason = std::string(info->reason) + "; dK/dV kernel " + std::to_string(info->smem_bytes / 1024) +
+                       " KB smem, " + std::to_string(attr.numRegs) + " regs/thread";
+  if (bp.deterministic)
+    reason += "; deterministic: dQ by a separate pass over key blocks in a fixed order (" +
+              std::to_string(info->dq_block_m) + "x" + std::to_string(info->dq_block_n) + " tiles, " +
+              std::to_string(attr_dq.numRegs) + " regs/thread), no float atomics";
+  else
+    reason += "; dQ accumulated in fp32 with atomics (Context::deterministic selects the atomic-free pass)";
+  if (info->head_dim != p.head_dim)
+    reason += "; head_dim " + std::to_string(p.head_dim) + " runs on the hdim" + std::to_string(info->head_dim) +
+              " kernels with zero-filled columns";
+  r.sel = {name, reason};
+  return r;
+}
+
+// Windows that reach past both sequences are the same as unbounded; mapping them to -1 keeps
+// every position the kernels compute inside int32.
+int clamp_window(int64_t w, int64_t total_len) { return (w < 0 || w >= total_len) ? -1 : static_cast<int>(w); }
+
+// The workspace of one call: allocated and freed on the call's stream.
+class StreamBuffer {
+ public:
+  StreamBuffer(size_t bytes, cudaStream_t stream) : stream_(stream) {
+    if (bytes > 0) IOATTN_CUDA_CHECK(cudaMallocAsync(&ptr_, bytes, stream));
+  }
+  ~StreamBuffer() {
+    if (ptr_) cudaFreeAsync(ptr_, stream_);
+  }
+  StreamBuffer(const StreamBuffer&) = delete;
+  StreamBuffer& operator=(const StreamBuffer&) = delete;
+  unsigned char* get() const { return static_cast<unsigned char*>(ptr_); }
+
+ private:
+  void* ptr_ = nullptr;
+  cudaStream_t stream_;
+};
+
+size_t round_up(size_t x, size_t m) { return (x + m - 1) / m * m; }
+
+}  // namespace
+}  // namespace ioattn::cuda
+
+namespace ioattn::detail {
+
+CudaSelection cuda_backward_select(const BwdProblem& p, int arch) { return cuda::pick(p, arch).sel; }
+
+void cuda_flash_backward(const BwdProblem& bp) {
+  const FwdProblem& p = bp.f;
+  const int arch = cuda_device_arch(p.device_index);
+  const cuda::Pick pk = cuda::pick(bp, arch);
+  if (pk.info == nullptr) throw Error("q", "ioattn: no CUDA backward kernel: " + pk.sel.reason);
+  cuda::DeviceGuard guard(p.device_index);
+  const auto stream = static_cast<cudaStream_t>(p.stream);
+  const cuda::BwdKernelInfo& info = *pk.info;
+
+  cuda::BwdParams bw;
+  bw.q = p.q, bw.k = p.k, bw.v = p.v, bw.o = p.o, bw.dout = bp.dout, bw.lse = p.lse;
+  bw.dq = bp.dq, bw.dk = bp.dk, bw.dv = bp.dv;
+  bw.q_batch = p.q_stride.batch, bw.q_seq = p.q_stride.seq, bw.q_head = p.q_stride.head;
+  bw.k_batch = p.k_stride.batch, bw.k_seq = p.k_stride.seq, bw.k_head = p.k_stride.head;
+  bw.v_batch = p.v_stride.batch, bw.v_seq = p.v_stride.seq, bw.v_head = p.v_stride.head;
+  bw.o_batch = p.o_stride.batch, bw.o_seq = p.o_stride.seq, bw.o_head = p.o_stride.head;
+  bw.do_batch = bp.dout_stride.batch, bw.do_seq = bp.dout_stride.seq, bw.do_head = bp.dout_stride.head;
+  bw.dq_batch = bp.dq_stride.batch, bw.dq_seq = bp.dq_stride.seq, bw.dq_head = bp.dq_stride.head;
+  bw.dk_batch = bp.dk_stride.batch, bw.dk_seq = bp.dk_stride.seq, bw.dk_head = bp.dk_stride.head;
+  bw.dv_batch = bp.dv_stride.batch, bw.dv_seq = bp.dv_stride.seq, bw.dv_head = bp.dv_stride.head;
+  bw.lse_batch = p.lse_stride.batch, bw.lse_seq = p.lse_stride.seq, bw.lse_head = p.lse_stride.head;
+  bw.batch = static_cast<int>(p.batch);
+  bw.heads_q = static_cast<int>(p.heads_q);
+  bw.heads_kv = static_cast<int>(p.heads_kv);
+  bw.group = static_cast<int>(p.group());
+  bw.seqlen_q = static_cast<int>(p.seqlen_q);
+  bw.seqlen_k = static_cast<int>(p.seqlen_k);
+  bw.head_dim = static_cast<int>(p.head_dim);
+  bw.num_n_blocks = static_cast<int>(cuda::ceil_div(p.seqlen_k, info.block_n));
+  bw.num_m_blocks = static_cast<int>(cuda::ceil_div(p.seqlen_q, info.dq_block_m));
+  bw.rows_q = cuda::rows_q_of(p);
+  bw.cu_seqlens_q = p.cu_seqlens_q;
+  bw.cu_seqlens_k = p.cu_seqlens_k;
+  bw.scale = p.scale;
+  bw.scale_log2 = p.scale * cuda::kLog2e;
+  bw.softcap = p.softcap;
+  bw.softcap_inv = p.softcap > 0 ? 1.f / p.softcap : 0.f;
+  const int64_t total_len = p.seqlen_q + p.seqlen_k;
+  bw.window_left = cuda::clamp_window(p.window_left, total_len);
+  bw.window_right = cuda::clamp_window(p.window_right, total_len);
+  bw.alibi_slopes = p.alibi_slopes;
+  bw.sinks = p.sinks;
+  bw.dsinks = bp.dsinks;
+  bw.ws_dq_pitch = info.head_dim;
+  bw.num_pre_blocks = static_cast<int>(cuda::ceil_div(bw.rows_q, cuda::kPreRows));
+  if (p.heads_q == 0) return;
+
+  // Workspace regions, 256-byte aligned.
+  const int64_t hr = p.heads_q * bw.rows_q;
+  const size_t lse_bytes = cuda::round_up(static_cast<size_t>(hr) * 4, 256);
+  const size_t sink_bytes = bp.dsinks ? cuda::round_up(static_cast<size_t>(p.heads_q) * bw.num_pre_blocks * 4, 256) : 0;
+  const size_t dq_bytes = bp.deterministic ? 0 : static_cast<size_t>(hr) * info.head_dim * 4;
+  cuda::StreamBuffer ws(2 * lse_bytes + sink_bytes + dq_bytes, stream);
+  unsigned char* base = ws.get();
+  bw.ws_lse = reinterpret_cast<float*>(base);
+  bw.ws_d = reinterpret_cast<float*>(base + lse_bytes);
+  bw.ws_dsink = bp.dsinks ? reinterpret_cast<float*>(base + 2 * lse_bytes) : nullptr;
+  bw.ws_dq = dq_bytes > 0 ? reinterpret_cast<float*>(base + 2 * lse_bytes + sink_bytes) : nullptr;
+
+  const bool bf16 = p.dtype == DType::bf16;
+  if (dq_bytes > 0) IOATTN_CUDA_CHECK(cudaMemsetAsync(bw.ws_dq, 0, dq_bytes, stream));
+  if (hr > 0) {
+    const dim3 grid(static_cast<unsigned>(bw.num_pre_blocks), static_cast<unsigned>(p.heads_q));
+    if (bf16)
+      cuda::flash_bwd_preprocess_kernel<__nv_bfloat16><<<grid, cuda::kPreWarps * 32, 0, stream>>>(bw);
+    else
+      cuda::flash_bwd_preprocess_kernel<__half><<<grid, cuda::kPreWarps * 32, 0, stream>>>(bw);
+    IOATTN_CUDA_CHECK_LAUNCH("flash_bwd_preprocess_kernel");
+  }
+  if (bp.dsinks) {  // also with no query rows at all: dsinks = 0
+    cuda::flash_bwd_dsink_kernel<float><<<static_cast<unsigned>(p.heads_q), 32, 0, stream>>>(bw);
+    IOATTN_CUDA_CHECK_LAUNCH("flash_bwd_dsink_kernel");
+  }
+  info.launch(bw, bf16, stream);  // dK/dV (+ atomic dQ), or dK/dV then the deterministic dQ pass
+  if (dq_bytes > 0) {
+    const int64_t chunks = hr * (p.head_dim / 8);
+    const unsigned blocks = static_cast<unsigned>(std::min<int64_t>(cuda::ceil_div(chunks, 256), 132 * 16));
+    if (blocks > 0) {
+      if (bf16)
+        cuda::flash_bwd_dq_convert_kernel<__nv_bfloat16><<<blocks, 256, 0, stream>>>(bw);
+      else
+        cuda::flash_bwd_dq_convert_kernel<__half><<<blocks, 256, 0, stream>>>(bw);
+      IOATTN_CUDA_CHECK_LAUNCH("flash_bwd_dq_convert_kernel");
+    }
+  }
+}
+
+}  // namespace ioattn::detail

@@ -1,0 +1,98 @@
+// flash_bwd_launch.cuh — the dispatch table of the mma.sync flash backward: one traits struct per
+// head dim, each with the reason for its tile written next to it, and the launch of one row's
+// kernels. Only these are instantiated (x2 dtypes); a head_dim that is a multiple of 8 runs on
+// the next size up with zero-filled columns, and anything above the largest row is refused by
+// cuda_backward_select with the reason.
+//
+// Register budget: the dK/dV kernel keeps dK and dV of 16 keys x kHeadDim in fp32 registers per
+// warp (kHeadDim regs/thread) next to S^T and dP^T (kBlockM regs/thread); at 255 regs/thread that
+// caps kHeadDim + kBlockM near 192, which is why hdim256 is not in the table (it needs dK/dV split
+// over warps with P^T and dS^T through shared memory, FlashAttention-2's layout).
+#pragma once
+
+#include "cuda/check.cuh"
+#include "cuda/flash_bwd.cuh"
+
+namespace ioattn::cuda {
+
+template <int kHeadDim>
+struct BwdTraits;
+
+// BwdTile<head_dim, query rows per step, warps (x16 keys), CTAs/SM, dQ-kernel keys per step,
+//         dQ-kernel warps (x16 rows), dQ-kernel CTAs/SM>
+template <>
+struct BwdTraits<64> : BwdTile<64, 64, 8, 1, 64, 4, 2> {
+  static constexpr const char* kReason =
+      "hdim64: 8 warps x 16 keys = 128 keys per CTA (dK+dV 64 regs, S^T+dP^T 64 regs per thread at 64 "
+      "query rows per step), 128 keys per fp32 dQ atomic pass; first choice, not yet tuned on a GPU";
+};
+
+template <>
+struct BwdTraits<128> : BwdTile<128, 64, 8, 1, 64, 4, 2> {
+  static constexpr const char* kReason =
+      "hdim128: 8 warps x 16 keys = 128 keys per CTA (dK+dV 128 regs, S^T+dP^T 64 regs per thread at 64 "
+      "query rows per step; FlashAttention-2's 64x128 block), 155 KB smem fits sm_80's 163 KB; first "
+      "choice, not yet tuned on a GPU";
+};
+
+template <class Tr, typename T>
+void launch_flash_bwd_typed(const BwdParams& p, cudaStream_t stream) {
+  const bool deterministic = p.ws_dq == nullptr;
+  const int64_t grid_kv = static_cast<int64_t>(p.num_n_blocks) * p.heads_kv * p.batch;
+  if (grid_kv > 0) {
+    auto* kernel = &flash_bwd_dkdv_kernel<Tr, T>;
+    // The attribute is the larger size, so one setting serves both modes.
+    IOATTN_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                           static_cast<int>(Tr::kSmemBytes)));
+    const size_t smem = deterministic ? Tr::kSmemNoDs : Tr::kSmemBytes;
+    kernel<<<static_cast<unsigned>(grid_kv), Tr::kThreads, smem, stream>>>(p);
+    IOATTN_CUDA_CHECK_LAUNCH("flash_bwd_dkdv_kernel");
+  }
+  if (deterministic) {
+    const int64_t grid_q = static_cast<int64_t>(p.num_m_blocks) * p.heads_q * p.batch;
+    if (grid_q > 0) {
+      auto* kernel = &flash_bwd_dq_kernel<Tr, T>;
+      if (Tr::kDqSmemBytes > 48 * 1024)
+        IOATTN_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                               static_cast<int>(Tr::kDqSmemBytes)));
+      kernel<<<static_cast<unsigned>(grid_q), Tr::kDqThreads, Tr::kDqSmemBytes, stream>>>(p);
+      IOATTN_CUDA_CHECK_LAUNCH("flash_bwd_dq_kernel");
+    }
+  }
+}
+
+template <class Tr>
+void launch_flash_bwd_any(const BwdParams& p, bool is_bf16, cudaStream_t stream) {
+  if (is_bf16)
+    launch_flash_bwd_typed<Tr, __nv_bfloat16>(p, stream);
+  else
+    launch_flash_bwd_typed<Tr, __half>(p, stream);
+}
+
+template <class Tr>
+BwdKernelInfo make_bwd_info() {
+  BwdKernelInfo info{};
+  info.head_dim = Tr::kHeadDim;
+  info.block_m = Tr::kBlockM;
+  info.block_n = Tr::kBlockN;
+  info.warps = Tr::kWarps;
+  info.dq_block_m = Tr::kDqBlockM;
+  info.dq_block_n = Tr::kDqBlockN;
+  info.dq_warps = Tr::kDqWarps;
+  info.reason = Tr::kReason;
+  info.smem_bytes = Tr::kSmemBytes;
+  info.smem_bytes_det = Tr::kSmemNoDs;
+  info.dq_smem_bytes = Tr::kDqSmemBytes;
+  info.dkdv_bf16 = reinterpret_cast<const void*>(&flash_bwd_dkdv_kernel<Tr, __nv_bfloat16>);
+  info.dkdv_f16 = reinterpret_cast<const void*>(&flash_bwd_dkdv_kernel<Tr, __half>);
+  info.dq_bf16 = reinterpret_cast<const void*>(&flash_bwd_dq_kernel<Tr, __nv_bfloat16>);
+  info.dq_f16 = reinterpret_cast<const void*>(&flash_bwd_dq_kernel<Tr, __half>);
+  info.launch = &launch_flash_bwd_any<Tr>;
+  return info;
+}
+
+// One per head dim, defined in flash_bwd_hdim<D>.cu.
+BwdKernelInfo bwd_info_hdim64();
+BwdKernelInfo bwd_info_hdim128();
+
+}  // namespace ioattn::cuda

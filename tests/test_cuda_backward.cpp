@@ -1,0 +1,498 @@
+// CUDA flash backward (mma.sync) against the float64 reference gradients.
+//
+// Every case: fresh random inputs on the host; o and lse from the float64 CPU forward (so the
+// backward sees consistent inputs), uploaded; dq, dk, dv, dsinks poisoned with NaN; the backward
+// runs on Device::cuda views in both modes (fp32 atomic dQ, then deterministic). For each
+// gradient, against src/cpu/backward_ref.cpp:
+//   max|g - g_ref| <= 3 · max|g_emulated - g_ref| + atol        (atol 1e-4 for f16/bf16)
+// where g_emulated is the unfused backward in the input precision (tests/test_backward.cpp's rule).
+// Inputs carry NaN between heads (8 padding elements per row) and, for varlen, in 3 tokens past
+// the last sequence: a kernel that reads outside the tensors shows up as NaN; outputs there must
+// still hold the poison afterwards. Without a GPU every test prints "skipped: no CUDA device".
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "check.hpp"
+#include "core/backends.hpp"
+#include "core/harness.hpp"
+#include "core/validate.hpp"
+#include "cpu/backward_ref.hpp"
+
+namespace ioattn::test {
+namespace {
+
+#define SKIP_WITHOUT_GPU()                                        \
+  do {                                                            \
+    if (!cuda_available()) GTEST_SKIP() << "skipped: no CUDA device"; \
+  } while (0)
+
+Case mk(std::string name, int64_t sq, int64_t sk, int64_t d, DType t = DType::bf16) {
+  Case c;
+  c.name = std::move(name);
+  c.seqlen_q = sq;
+  c.seqlen_k = sk;
+  c.head_dim = d;
+  c.dtype = t;
+  c.pad_head = 8;  // NaN elements between heads: reads/writes outside the views show up
+  return c;
+}
+
+constexpr int64_t kTailTokens = 3;  // varlen: NaN tokens past the last sequence
+
+// One backward problem with host and device copies of everything.
+struct BwdRun {
+  Case c;
+  bool varlen;
+  int64_t B, Hq, Hk, D, Dv, hs_qk, hs_v, rows_q, rows_k, seq_q, seq_k;
+  std::vector<int32_t> cuq, cuk;
+  detail::Buffer q, k, v, o, dout, lse, dq, dk, dv, alibi, sinks, dsinks, cu_q, cu_k;
+  AttnParams prm_h, prm_d;  // host / device views of alibi and sinks
+  Varlen vl_h, vl_d;
+
+  BwdRun(const Case& cs, uint64_t seed)
+      : c(cs), varlen(!cs.varlen_q.empty()), B(cs.batch), Hq(cs.heads_q), Hk(cs.heads_kv), D(cs.head_dim),
+        Dv(cs.dv()) {
+    std::mt19937_64 rng(seed);
+    const DType t = c.dtype;
+    hs_qk = D + c.pad_head;
+    hs_v = Dv + c.pad_head;
+    cuq = varlen ? prefix(c.varlen_q) : std::vector<int32_t>{};
+    cuk = varlen ? prefix(c.varlen_k) : std::vector<int32_t>{};
+    rows_q = varlen ? cuq.back() + kTailTokens : B * c.seqlen_q;
+    rows_k = varlen ? cuk.back() + kTailTokens : B * c.seqlen_k;
+    seq_q = varlen ? rows_q : c.seqlen_q;
+    seq_k = varlen ? rows_k : c.seqlen_k;
+    const Device cu = Device::cuda;
+    q = detail::Buffer(t, rows_q * Hq * hs_qk, cu);
+    k = detail::Buffer(t, rows_k * Hk * hs_qk, cu);
+    v = detail::Buffer(t, rows_k * Hk * hs_v, cu);
+    o = detail::Buffer(t, rows_q * Hq * hs_v, cu);
+    dout = detail::Buffer(t, rows_q * Hq * hs_v, cu);
+    dq = detail::Buffer(t, rows_q * Hq * hs_qk, cu);
+    dk = detail::Buffer(t, rows_k * Hk * hs_qk, cu);
+    dv = detail::Buffer(t, rows_k * Hk * hs_v, cu);
+    lse = detail::Buffer(DType::f32, rows_q * Hq, cu);
+    alibi = detail::Buffer(DType::f32, Hq, cu);
+    sinks = detail::Buffer(DType::f32, Hq, cu);
+    dsinks = detail::Buffer(DType::f32, Hq, cu);
+    fill(q, rng, Hq, D, hs_qk, rows_q, c.input_range, varlen ? cuq.back() : rows_q);
+    fill(k, rng, Hk, D, hs_qk, rows_k, c.input_range, varlen ? cuk.back() : rows_k);
+    fill(v, rng, Hk, Dv, hs_v, rows_k, 1.0f, varlen ? cuk.back() : rows_k);
+    fill(dout, rng, Hq, Dv, hs_v, rows_q, 1.0f, varlen ? cuq.back() : rows_q);
+    o.poison();
+    lse.poison();
+    poison_grads();
+
+    for (AttnParams* prm : {&prm_h, &prm_d}) {
+      prm->causal = c.causal;
+      prm->window_left = c.window_left;
+      prm->window_right = c.window_right;
+      prm->softcap = c.softcap;
+      prm->scale = c.scale;
+    }
+    if (c.alibi) {
+      for (int64_t h = 0; h < Hq; ++h) alibi.set(h, 0.5f / static_cast<float>(h + 1));
+      alibi.upload();
+      prm_h.alibi_slopes = host_view(alibi, {Hq});
+      prm_d.alibi_slopes = alibi.view({Hq});
+    }
+    if (c.sinks) {
+      for (int64_t h = 0; h < Hq; ++h) sinks.set(h, static_cast<float>(h % 3) - 1.0f);
+      sinks.upload();
+      prm_h.sinks = host_view(sinks, {Hq});
+      prm_d.sinks = sinks.view({Hq});
+    }
+    if (varlen) {
+      cu_q = detail::Buffer(DType::i32, B + 1, cu);
+      cu_k = detail::Buffer(DType::i32, B + 1, cu);
+      cu_q.fill_i32(cuq);
+      cu_k.fill_i32(cuk);
+      vl_h.cu_seqlens_q = host_view(cu_q, {B + 1});
+      vl_h.cu_seqlens_k = host_view(cu_k, {B + 1});
+      vl_d.cu_seqlens_q = cu_q.view({B + 1});
+      vl_d.cu_seqlens_k = cu_k.view({B + 1});
+    }
+    forward_host();
+  }
+
+  static TensorView host_view(detail::Buffer& b, std::initializer_list<int64_t> shape) {
+    return TensorView::contiguous(b.host(), b.dtype(), shape, Device::cpu);
+  }
+
+  // Every element NaN, then uniform values in the rows of real tokens and the first `dim`
+  // columns of each head; padding stays NaN. Uploads.
+  void fill(detail::Buffer& buf, std::mt19937_64& rng, int64_t heads, int64_t dim, int64_t hs, int64_t rows,
+            float range, int64_t real_rows) {
+    buf.poison();
+    std::uniform_real_distribution<float> u(-range, range);
+    for (int64_t r = 0; r < std::min(rows, real_rows); ++r)
+      for (int64_t h = 0; h < heads; ++h)
+        for (int64_t x = 0; x < dim; ++x) buf.set((r * heads + h) * hs + x, u(rng));
+    buf.upload();
+  }
+
+  void poison_grads() {
+    dq.poison();
+    dk.poison();
+    dv.poison();
+    dsinks.poison();
+  }
+
+  // [b, s, h, d] with head stride hs (bhsd: [b, h, s, d] memory); varlen [total, h, d].
+  TensorView view(detail::Buffer& buf, bool host, int64_t s, int64_t h, int64_t d, int64_t hs) {
+    void* ptr = host ? buf.host() : buf.data();
+    const Device dev = host ? Device::cpu : Device::cuda;
+    if (varlen) return TensorView::strided(ptr, buf.dtype(), {s, h, d}, {h * hs, hs, 1}, dev);
+    if (c.bhsd) return TensorView::strided(ptr, buf.dtype(), {B, s, h, d}, {h * s * hs, hs, s * hs, 1}, dev);
+    return TensorView::strided(ptr, buf.dtype(), {B, s, h, d}, {s * h * hs, h * hs, hs, 1}, dev);
+  }
+  TensorView lse_view(bool host) {
+    void* ptr = host ? lse.host() : lse.data();
+    const Device dev = host ? Device::cpu : Device::cuda;
+    return varlen ? TensorView::contiguous(ptr, DType::f32, {Hq, rows_q}, dev)
+                  : TensorView::contiguous(ptr, DType::f32, {B, Hq, c.seqlen_q}, dev);
+  }
+  Gradients grads(bool host) {
+    Gradients g;
+    g.dq = view(dq, host, seq_q, Hq, D, hs_qk);
+    g.dk = view(dk, host, seq_k, Hk, D, hs_qk);
+    g.dv = view(dv, host, seq_k, Hk, Dv, hs_v);
+    if (c.sinks)
+      g.dsinks = host ? host_view(dsinks, {Hq}) : dsinks.view({Hq});
+    return g;
+  }
+
+  // o and lse from the float64 naive forward on the host, then uploaded.
+  void forward_host() {
+    Context ctx;
+    ctx.backend = Backend::naive;
+    const TensorView qv = view(q, true, seq_q, Hq, D, hs_qk), kv = view(k, true, seq_k, Hk, D, hs_qk);
+    const TensorView vv = view(v, true, seq_k, Hk, Dv, hs_v), ov = view(o, true, seq_q, Hq, Dv, hs_v);
+    if (varlen)
+      forward_varlen(qv, kv, vv, ov, lse_view(true), vl_h, prm_h, ctx);
+    else
+      forward(qv, kv, vv, ov, lse_view(true), prm_h, ctx);
+    o.upload();
+    lse.upload();
+  }
+
+  // The backward on the device; downloads the gradients.
+  KernelChoice backward_device(bool deterministic) {
+    Context ctx;
+    ctx.backend = Backend::flash;
+    ctx.deterministic = deterministic;
+    const TensorView qv = view(q, false, seq_q, Hq, D, hs_qk), kv = view(k, false, seq_k, Hk, D, hs_qk);
+    const TensorView vv = view(v, false, seq_k, Hk, Dv, hs_v), ov = view(o, false, seq_q, Hq, Dv, hs_v);
+    const TensorView dov = view(dout, false, seq_q, Hq, Dv, hs_v);
+    KernelChoice kc = varlen ? backward_varlen(qv, kv, vv, ov, dov, lse_view(false), grads(false), vl_d, prm_d, ctx)
+                             : ioattn::backward(qv, kv, vv, ov, dov, lse_view(false), grads(false), prm_d, ctx);
+    detail::cuda_synchronize();
+    dq.download();
+    dk.download();
+    dv.download();
+    dsinks.download();
+    return kc;
+  }
+
+  // The validated problem on host memory (what the reference reads); p.f filled as run_backward does.
+  detail::ValidatedBwd host_problem() {
+    const TensorView qv = view(q, true, seq_q, Hq, D, hs_qk), kv = view(k, true, seq_k, Hk, D, hs_qk);
+    const TensorView vv = view(v, true, seq_k, Hk, Dv, hs_v), ov = view(o, true, seq_q, Hq, Dv, hs_v);
+    const TensorView dov = view(dout, true, seq_q, Hq, Dv, hs_v);
+    auto val = detail::validate_backward(qv, kv, vv, ov, dov, lse_view(true), grads(true), varlen ? &vl_h : nullptr,
+                                         prm_h, Context{});
+    val.p.f = val.fwd.p;
+    return val;
+  }
+  int64_t ref_rows_q() const { return varlen ? cuq.back() : rows_q; }
+  int64_t ref_rows_k() const { return varlen ? cuk.back() : rows_k; }
+};
+
+struct GradErrors {
+  detail::ErrorStats dq, dk, dv, dsinks;
+};
+
+// Errors of the gradients the backend wrote (host copies, strided as in bp) against a reference
+// (the same walk as tests/test_backward.cpp).
+GradErrors grad_errors(const detail::BwdProblem& bp, const detail::RefGrads& ref) {
+  const detail::FwdProblem& p = bp.f;
+  GradErrors e;
+  const int64_t hq = p.heads_q, hkv = p.heads_kv, d = p.head_dim, dv = p.head_dim_v;
+  for (int64_t b = 0; b < p.batch; ++b) {
+    const int64_t q0 = p.varlen() ? p.cu_seqlens_q_host[b] : 0, k0 = p.varlen() ? p.cu_seqlens_k_host[b] : 0;
+    const int64_t sq = p.varlen() ? p.cu_seqlens_q_host[b + 1] - q0 : p.seqlen_q;
+    const int64_t sk = p.varlen() ? p.cu_seqlens_k_host[b + 1] - k0 : p.seqlen_k;
+    const int64_t qrow0 = p.varlen() ? q0 : b * sq, krow0 = p.varlen() ? k0 : b * sk;
+    for (int64_t i = 0; i < sq; ++i)
+      for (int64_t h = 0; h < hq; ++h) {
+        const int64_t off = b * bp.dq_stride.batch + (q0 + i) * bp.dq_stride.seq + h * bp.dq_stride.head;
+        for (int64_t x = 0; x < d; ++x)
+          detail::accumulate_error(e.dq, detail::load_float(bp.dq, p.dtype, off + x),
+                                   ref.dq[((qrow0 + i) * hq + h) * d + x], off + x);
+      }
+    for (int64_t j = 0; j < sk; ++j)
+      for (int64_t h = 0; h < hkv; ++h) {
+        const int64_t ko = b * bp.dk_stride.batch + (k0 + j) * bp.dk_stride.seq + h * bp.dk_stride.head;
+        const int64_t vo = b * bp.dv_stride.batch + (k0 + j) * bp.dv_stride.seq + h * bp.dv_stride.head;
+        for (int64_t x = 0; x < d; ++x)
+          detail::accumulate_error(e.dk, detail::load_float(bp.dk, p.dtype, ko + x),
+                                   ref.dk[((krow0 + j) * hkv + h) * d + x], ko + x);
+        for (int64_t x = 0; x < dv; ++x)
+          detail::accumulate_error(e.dv, detail::load_float(bp.dv, p.dtype, vo + x),
+                                   ref.dv[((krow0 + j) * hkv + h) * dv + x], vo + x);
+      }
+  }
+  if (bp.dsinks)
+    for (int64_t h = 0; h < hq; ++h) detail::accumulate_error(e.dsinks, bp.dsinks[h], ref.dsinks[h], h);
+  return e;
+}
+
+void ref_vs_ref(const std::vector<double>& a, const std::vector<double>& b, detail::ErrorStats* e) {
+  for (size_t i = 0; i < a.size(); ++i) detail::accumulate_error(*e, a[i], b[i], static_cast<int64_t>(i));
+}
+
+double max_abs(const std::vector<double>& a) {
+  double m = 0;
+  for (double x : a) m = std::max(m, std::fabs(x));
+  return m;
+}
+
+// Elements of a gradient buffer outside its view (head padding, varlen tail tokens) that are no
+// longer NaN: the kernel wrote where it must not.
+int64_t written_outside(const detail::Buffer& buf, int64_t heads, int64_t dim, int64_t hs, int64_t real_rows) {
+  int64_t n = 0;
+  const int64_t rows = buf.count() / (heads * hs);
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t h = 0; h < heads; ++h)
+      for (int64_t x = 0; x < hs; ++x)
+        if ((r >= real_rows || x >= dim) && !std::isnan(buf.get((r * heads + h) * hs + x))) ++n;
+  return n;
+}
+
+// The reference gradients of one setup (float64 and emulated input precision).
+struct Refs {
+  detail::RefGrads ref, emu;
+  GradErrors base;  // |emu - ref|
+};
+
+Refs references(BwdRun& s) {
+  auto val = s.host_problem();
+  Refs r;
+  r.ref = detail::reference_backward(val.p, detail::RefPrecision::f64, s.ref_rows_q(), s.ref_rows_k());
+  r.emu = detail::reference_backward(val.p, detail::RefPrecision::emulated, s.ref_rows_q(), s.ref_rows_k());
+  ref_vs_ref(r.emu.dq, r.ref.dq, &r.base.dq);
+  ref_vs_ref(r.emu.dk, r.ref.dk, &r.base.dk);
+  ref_vs_ref(r.emu.dv, r.ref.dv, &r.base.dv);
+  ref_vs_ref(r.emu.dsinks, r.ref.dsinks, &r.base.dsinks);
+  return r;
+}
+
+// Checks the gradients now in s (host copies) against the references with the 3x rule.
+void check_grads(BwdRun& s, const Refs& r, const std::string& what) {
+  auto val = s.host_problem();
+  const GradErrors err = grad_errors(val.p, r.ref);
+  const double atol = atol_for(s.c.dtype);
+  const char* ts = dtype_name(s.c.dtype);
+  auto check = [&](const char* name, const detail::ErrorStats& got, const detail::ErrorStats& base, double mag) {
+    EXPECT_LT(got.bad_index, 0) << what << ": non-finite or unwritten " << name << " at element " << got.bad_index;
+    EXPECT_LE(got.max_abs, 3 * base.max_abs + atol)
+        << what << ": " << name << " error vs float64 reference (emulated " << ts << " error " << base.max_abs
+        << ", max|" << name << "| " << mag << ")";
+  };
+  check("dq", err.dq, r.base.dq, max_abs(r.ref.dq));
+  check("dk", err.dk, r.base.dk, max_abs(r.ref.dk));
+  check("dv", err.dv, r.base.dv, max_abs(r.ref.dv));
+  if (s.c.sinks) check("dsinks", err.dsinks, r.base.dsinks, max_abs(r.ref.dsinks));
+  EXPECT_EQ(written_outside(s.dq, s.Hq, s.D, s.hs_qk, s.ref_rows_q()), 0) << what << ": dq written outside its view";
+  EXPECT_EQ(written_outside(s.dk, s.Hk, s.D, s.hs_qk, s.ref_rows_k()), 0) << what << ": dk written outside its view";
+  EXPECT_EQ(written_outside(s.dv, s.Hk, s.Dv, s.hs_v, s.ref_rows_k()), 0) << what << ": dv written outside its view";
+}
+
+// Runs case c in both dQ modes and checks both.
+void run_case(const Case& c, uint64_t seed) {
+  SKIP_WITHOUT_GPU();
+  BwdRun s(c, seed);
+  const Refs r = references(s);
+  for (bool det : {false, true}) {
+    s.poison_grads();
+    const KernelChoice kc = s.backward_device(det);
+    EXPECT_NE(kc.kernel.find("cuda/flash-backward"), std::string::npos) << kc.kernel;
+    EXPECT_NE(kc.kernel.find(det ? "dq deterministic" : "dq atomic"), std::string::npos) << kc.kernel;
+    check_grads(s, r, c.name + (det ? " (deterministic)" : " (atomic dq)"));
+  }
+}
+
+// Odd shapes, every mask and feature, GQA 4:1 and MQA, varlen with empty sequences, head dims
+// 64/128 and zero-padded 40/96, [b, h, s, d] strides, f16 and bf16.
+std::vector<Case> cases() {
+  std::vector<Case> v;
+  for (DType t : {DType::bf16, DType::f16}) {
+    const std::string ts = dtype_name(t);
+    v.push_back(mk("len1_" + ts, 1, 1, 64, t));
+    v.push_back(mk("len17_" + ts, 17, 17, 128, t));
+    { Case c = mk("q113_k203_causal_" + ts, 113, 203, 128, t); c.causal = true; v.push_back(c); }
+    { Case c = mk("q203_k113_causal_" + ts, 203, 113, 64, t); c.causal = true; v.push_back(c); }  // rows with no key
+    { Case c = mk("q1023_k1024_causal_" + ts, 1023, 1024, 128, t); c.causal = true; c.heads_q = c.heads_kv = 1;
+      v.push_back(c); }
+    { Case c = mk("q1024_k1023_" + ts, 1024, 1023, 64, t); c.heads_q = c.heads_kv = 1; v.push_back(c); }
+    { Case c = mk("window257_" + ts, 257, 257, 64, t); c.window_left = 30; c.window_right = 10; v.push_back(c); }
+    { Case c = mk("window_q100_k300_" + ts, 100, 300, 128, t); c.window_left = 20; c.window_right = 5; v.push_back(c); }
+    { Case c = mk("gqa4_causal_" + ts, 130, 197, 128, t); c.heads_q = 8; c.heads_kv = 2; c.causal = true; v.push_back(c); }
+    { Case c = mk("mqa8_" + ts, 40, 177, 64, t); c.heads_q = 8; c.heads_kv = 1; v.push_back(c); }
+    { Case c = mk("softcap_" + ts, 70, 190, 64, t); c.softcap = 5.0f; c.input_range = 3.0f; v.push_back(c); }
+    { Case c = mk("alibi_causal_" + ts, 160, 180, 128, t); c.alibi = true; c.causal = true; v.push_back(c); }
+    { Case c = mk("sinks_causal_" + ts, 33, 150, 64, t); c.sinks = true; c.causal = true; v.push_back(c); }
+    { Case c = mk("sinks_norows_" + ts, 190, 40, 128, t); c.sinks = true; c.causal = true; c.batch = 2; v.push_back(c); }
+    { Case c = mk("varlen_empty_" + ts, 0, 0, 64, t); c.batch = 5; c.varlen_q = {5, 0, 137, 1, 0};
+      c.varlen_k = {9, 3, 137, 0, 0}; c.causal = true; v.push_back(c); }
+    { Case c = mk("varlen_gqa_sinks_" + ts, 0, 0, 128, t); c.batch = 3; c.heads_q = 4; c.heads_kv = 1;
+      c.varlen_q = {17, 170, 2}; c.varlen_k = {17, 100, 230}; c.sinks = true; v.push_back(c); }
+    { Case c = mk("hdim40_padded_" + ts, 77, 130, 40, t); c.causal = true; v.push_back(c); }
+    { Case c = mk("hdim96_padded_" + ts, 90, 150, 96, t); v.push_back(c); }
+    { Case c = mk("bhsd_" + ts, 65, 161, 64, t); c.bhsd = true; c.batch = 2; v.push_back(c); }
+    { Case c = mk("scale_negative_" + ts, 50, 70, 64, t); c.scale = -0.2f; v.push_back(c); }
+  }
+  { Case c = mk("all_features_bf16", 150, 270, 96, DType::bf16); c.heads_q = 6; c.heads_kv = 2; c.causal = true;
+    c.window_left = 50; c.softcap = 10.0f; c.alibi = true; c.sinks = true; c.bhsd = true; c.batch = 2; v.push_back(c); }
+  return v;
+}
+
+class CudaBackward : public ::testing::TestWithParam<Case> {};
+
+TEST_P(CudaBackward, MatchesFloat64Reference) { run_case(GetParam(), 7 + GetParam().name.size()); }
+
+INSTANTIATE_TEST_SUITE_P(Cases, CudaBackward, ::testing::ValuesIn(cases()),
+                         [](const auto& info) { return info.param.name; });
+
+bool same_bytes(const detail::Buffer& a, const std::vector<uint8_t>& b) {
+  return a.bytes() == b.size() && std::memcmp(a.host(), b.data(), b.size()) == 0;
+}
+
+std::vector<uint8_t> bytes_of(const detail::Buffer& a) {
+  const auto* p = static_cast<const uint8_t*>(a.host());
+  return std::vector<uint8_t>(p, p + a.bytes());
+}
+
+// Deterministic mode: 100 runs give bitwise-equal dq, dk, dv, dsinks (GQA, causal, sinks,
+// several key blocks per query block and several query blocks per key block).
+TEST(CudaBackwardDeterministic, BitwiseEqualOver100Runs) {
+  SKIP_WITHOUT_GPU();
+  for (int64_t d : {64, 128}) {
+    Case c = mk("det_hdim" + std::to_string(d), 300, 457, d, DType::bf16);
+    c.causal = true;
+    c.heads_q = 8;
+    c.heads_kv = 2;
+    c.sinks = true;
+    c.batch = 2;
+    BwdRun s(c, 3);
+    s.backward_device(true);
+    const auto dq0 = bytes_of(s.dq), dk0 = bytes_of(s.dk), dv0 = bytes_of(s.dv), ds0 = bytes_of(s.dsinks);
+    for (int run = 1; run < 100; ++run) {
+      s.poison_grads();
+      s.backward_device(true);
+      ASSERT_TRUE(same_bytes(s.dq, dq0)) << c.name << ": dq differs in run " << run;
+      ASSERT_TRUE(same_bytes(s.dk, dk0)) << c.name << ": dk differs in run " << run;
+      ASSERT_TRUE(same_bytes(s.dv, dv0)) << c.name << ": dv differs in run " << run;
+      ASSERT_TRUE(same_bytes(s.dsinks, ds0)) << c.name << ": dsinks differs in run " << run;
+    }
+    // dK, dV and dsinks never use atomics: the default mode gives the same bits for them.
+    s.poison_grads();
+    s.backward_device(false);
+    EXPECT_TRUE(same_bytes(s.dk, dk0)) << c.name << ": dk of the atomic-dq mode differs";
+    EXPECT_TRUE(same_bytes(s.dv, dv0)) << c.name << ": dv of the atomic-dq mode differs";
+    EXPECT_TRUE(same_bytes(s.dsinks, ds0)) << c.name << ": dsinks of the atomic-dq mode differs";
+  }
+}
+
+// Large logits (inputs x3) with seqlen 1 and short rows: P is ~1 on one key, exp(s - LSE) with
+// s slightly above the stored LSE, dP - D cancels; gradients stay finite and accurate.
+TEST(CudaBackwardNumerics, LargeLogitsAreNaNFree) {
+  SKIP_WITHOUT_GPU();
+  for (DType t : {DType::f16, DType::bf16})
+    for (auto [sq, sk] : {std::pair<int64_t, int64_t>{1, 1}, {1, 2}, {1, 300}, {2, 1}, {64, 64}, {129, 257}}) {
+      Case c = mk(std::string("large_logits_") + dtype_name(t) + "_" + std::to_string(sq) + "x" + std::to_string(sk), sq,
+                  sk, 128, t);
+      c.input_range = 3.0f;
+      c.causal = sq >= 64;
+      run_case(c, 17);
+    }
+}
+
+// A query row with no visible key (causal, seqlen_q > seqlen_k) gets dq = 0 exactly, and keys no
+// query sees (a window) get dk = dv = 0 exactly, in both modes.
+TEST(CudaBackwardNumerics, UnreachedRowsGetZeroGradients) {
+  SKIP_WITHOUT_GPU();
+  for (DType t : {DType::f16, DType::bf16})
+    for (bool det : {false, true}) {
+      Case c = mk("norows", 100, 30, 64, t);
+      c.causal = true;
+      BwdRun s(c, 5);
+      s.backward_device(det);
+      for (int64_t i = 0; i < 70; ++i)
+        for (int64_t h = 0; h < s.Hq; ++h)
+          for (int64_t x = 0; x < s.D; ++x)
+            ASSERT_EQ(s.dq.get((i * s.Hq + h) * s.hs_qk + x), 0.0f) << "row " << i << (det ? " det" : "");
+      Case w = mk("unseen_keys", 10, 200, 128, t);  // off = 190, window (5, 0): keys < 185 unseen
+      w.window_left = 5;
+      w.window_right = 0;
+      BwdRun s2(w, 6);
+      s2.backward_device(det);
+      for (int64_t j = 0; j < 185; ++j)
+        for (int64_t h = 0; h < s2.Hk; ++h)
+          for (int64_t x = 0; x < s2.D; ++x) {
+            ASSERT_EQ(s2.dk.get((j * s2.Hk + h) * s2.hs_qk + x), 0.0f) << "key " << j;
+            ASSERT_EQ(s2.dv.get((j * s2.Hk + h) * s2.hs_v + x), 0.0f) << "key " << j;
+          }
+    }
+}
+
+// The selector refuses what the kernels do not do, with a reason, instead of a slow path.
+TEST(CudaBackwardSelect, RefusesWithAReason) {
+  SKIP_WITHOUT_GPU();
+  const int arch = detail::cuda_device_arch(0);
+  detail::BwdProblem bp;
+  detail::FwdProblem& p = bp.f;
+  p.dtype = DType::f32, p.device = Device::cuda, p.batch = 1, p.heads_q = p.heads_kv = 1;
+  p.seqlen_q = p.seqlen_k = 16, p.head_dim = p.head_dim_v = 64;
+  auto sel = detail::cuda_backward_select(bp, arch);
+  EXPECT_TRUE(sel.kernel.empty());
+  EXPECT_NE(sel.reason.find("f16 or bf16"), std::string::npos) << sel.reason;
+  p.dtype = DType::bf16, p.head_dim = p.head_dim_v = 256;
+  sel = detail::cuda_backward_select(bp, arch);
+  EXPECT_TRUE(sel.kernel.empty());
+  EXPECT_NE(sel.reason.find("head_dim"), std::string::npos) << sel.reason;
+  p.head_dim = p.head_dim_v = 60;
+  EXPECT_TRUE(detail::cuda_backward_select(bp, arch).kernel.empty());
+  p.head_dim = 64, p.head_dim_v = 32;
+  EXPECT_TRUE(detail::cuda_backward_select(bp, arch).kernel.empty());
+  EXPECT_FALSE(detail::cuda_backward_select(bp, 75).reason.empty());
+  // A supported problem is accepted and named.
+  p.head_dim = p.head_dim_v = 128;
+  sel = detail::cuda_backward_select(bp, arch);
+  EXPECT_NE(sel.kernel.find("hdim128"), std::string::npos) << sel.reason;
+  bp.deterministic = true;
+  sel = detail::cuda_backward_select(bp, arch);
+  EXPECT_NE(sel.kernel.find("dq deterministic"), std::string::npos) << sel.kernel;
+
+  // Through the public API: hdim 256 fails loudly (ioattn::Error naming q) and writes nothing.
+  Case c = mk("hdim256_refused", 16, 16, 256);
+  BwdRun s(c, 9);
+  try {
+    s.backward_device(false);
+    ADD_FAILURE() << "hdim 256 backward was accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("head_dim"), std::string::npos) << e.what();
+  }
+  s.dq.download();
+  EXPECT_EQ(written_outside(s.dq, s.Hq, 0, s.hs_qk, 0), 0) << "dq written by a refused call";
+}
+
+}  // namespace
+}  // namespace ioattn::test
