@@ -62,6 +62,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <type_traits>
 
 #include "cuda/flash_fwd.cuh"  // ptx wrappers, kLog2e/kNegInf, flash_detail::load_tile
@@ -234,6 +235,8 @@ __device__ __forceinline__ bool visible(int i, int j, int sq, int sk, int off, i
 }
 
 // 8 elements of dO and O (16 bytes each) -> their fp32 dot product, summed in a fixed order.
+// Words are unpacked with memcpy (type-punning a register array through __nv_bfloat162 is
+// undefined behaviour that an optimiser may exploit; memcpy compiles to nothing).
 template <typename T>
 __device__ __forceinline__ float dot8(const uint4& a, const uint4& b) {
   const uint32_t av[4] = {a.x, a.y, a.z, a.w}, bv[4] = {b.x, b.y, b.z, b.w};
@@ -242,11 +245,17 @@ __device__ __forceinline__ float dot8(const uint4& a, const uint4& b) {
   for (int i = 0; i < 4; ++i) {
     float2 x, y;
     if constexpr (std::is_same_v<T, __nv_bfloat16>) {
-      x = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&av[i]));
-      y = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&bv[i]));
+      __nv_bfloat162 xa, yb;
+      memcpy(&xa, &av[i], 4);
+      memcpy(&yb, &bv[i], 4);
+      x = __bfloat1622float2(xa);
+      y = __bfloat1622float2(yb);
     } else {
-      x = __half22float2(*reinterpret_cast<const __half2*>(&av[i]));
-      y = __half22float2(*reinterpret_cast<const __half2*>(&bv[i]));
+      __half2 xa, yb;
+      memcpy(&xa, &av[i], 4);
+      memcpy(&yb, &bv[i], 4);
+      x = __half22float2(xa);
+      y = __half22float2(yb);
     }
     acc = fmaf(x.x, y.x, acc);
     acc = fmaf(x.y, y.y, acc);
