@@ -42,6 +42,25 @@ bool all_nan(const std::vector<float>& v) {
   return std::all_of(v.begin(), v.end(), [](float x) { return std::isnan(x); });
 }
 
+// Sets IOATTN_DECODE_KERNEL for a scope ("" = unset: the dispatcher's choice).
+struct KernelEnv {
+  explicit KernelEnv(const std::string& k) {
+    if (k.empty())
+      unsetenv("IOATTN_DECODE_KERNEL");
+    else
+      setenv("IOATTN_DECODE_KERNEL", k.c_str(), 1);
+  }
+  ~KernelEnv() { unsetenv("IOATTN_DECODE_KERNEL"); }
+};
+
+// The kernel the dispatcher picks by default: mma for bf16/f16 with the same cache dtype,
+// head_dim == head_dim_v in {64, 128, 256} and one visible range per CTA; fma otherwise.
+bool mma_shape(const Spec& c) {
+  const bool masked = c.causal || c.wl >= 0 || c.wr >= 0;
+  return (c.dtype == DType::bf16 || c.dtype == DType::f16) && c.cache == c.dtype && c.DV() == c.d &&
+         (c.d == 64 || c.d == 128 || c.d == 256) && (c.sq == 1 || !masked);
+}
+
 // Device buffer of raw bytes (workspace), freed on scope exit.
 struct DeviceBytes {
   void* ptr = nullptr;
@@ -61,12 +80,18 @@ std::vector<Spec> cuda_cases() {
   { Spec c = mk("hdim64_bf16_page1", DType::bf16); c.hq = 16; c.hkv = 4; c.lens = {129, 1, 64}; c.page_size = 1; v.push_back(c); }
   { Spec c = mk("hdim256_bf16_f8", DType::bf16); c.d = 256; c.cache = DType::f8e4m3; c.lens = {500, 2}; c.page_size = 16; v.push_back(c); }
   { Spec c = mk("hdim32_i8_f16", DType::f16); c.d = 32; c.cache = DType::i8; c.lens = {257, 31}; c.page_size = 16; v.push_back(c); }
+  // The mma kernel: 16 rows of 4 tokens x 4 heads without a mask, ALiBi with one token, f16 hdim 256.
+  { Spec c = mk("sq4_nomask_f16", DType::f16); c.hq = 8; c.hkv = 2; c.sq = 4; c.d = 128; c.lens = {600, 4, 0}; c.page_size = 16; v.push_back(c); }
+  { Spec c = mk("alibi_sq1_softcap_bf16", DType::bf16); c.alibi = true; c.softcap = 5.0f; c.q_range = 3.0f; c.hq = 16; c.hkv = 4; c.lens = {333, 70}; c.page_size = 16; v.push_back(c); }
+  { Spec c = mk("hdim256_f16_sinks", DType::f16); c.d = 256; c.sinks = true; c.lens = {1000, 1, 0}; c.page_size = 16; v.push_back(c); }
   for (Spec& c : v) c = on_cuda(c);
   return v;
 }
 
 class CudaDecodeReference : public ::testing::TestWithParam<Spec> {};
 
+// Every case on the kernel the dispatcher picks and, where that is the mma kernel, on the FMA
+// kernel too (IOATTN_DECODE_KERNEL=fma), each with the heuristic / the case's split count, 1 and 5.
 TEST_P(CudaDecodeReference, MatchesFloat64ReferenceAndTheCpu) {
   SKIP_WITHOUT_GPU();
   const Spec& c = GetParam();
@@ -75,13 +100,21 @@ TEST_P(CudaDecodeReference, MatchesFloat64ReferenceAndTheCpu) {
   Spec cc = c;
   cc.device = Device::cpu;
   Built cpu(cc, vals);
-  for (int splits : {c.splits, 1, 5}) {
-    const KernelChoice k = gpu.run(splits);
-    EXPECT_NE(k.kernel.find("cuda/splitkv"), std::string::npos) << k.kernel;
-    if (splits > 0) EXPECT_NE(k.kernel.find("splits " + std::to_string(splits)), std::string::npos) << k.kernel;
-    expect_matches_reference(gpu, c.name + " splits " + std::to_string(splits));
-    cpu.run(splits);
-    EXPECT_LE(max_diff(gpu.outputs(), cpu.outputs()), backend_tol(c.dtype)) << c.name << " splits " << splits;
+  std::vector<std::string> modes = {""};
+  if (mma_shape(c)) modes.push_back("fma");
+  for (const std::string& mode : modes) {
+    KernelEnv env(mode);
+    const std::string want = mode.empty() ? (mma_shape(c) ? " mma" : " fma") : " " + mode;
+    for (int splits : {c.splits, 1, 5}) {
+      const std::string what = c.name + " kernel" + want + " splits " + std::to_string(splits);
+      const KernelChoice k = gpu.run(splits);
+      EXPECT_NE(k.kernel.find("cuda/splitkv"), std::string::npos) << k.kernel;
+      EXPECT_NE(k.kernel.find(want), std::string::npos) << what << ": " << k.kernel;
+      if (splits > 0) EXPECT_NE(k.kernel.find("splits " + std::to_string(splits)), std::string::npos) << k.kernel;
+      expect_matches_reference(gpu, what);
+      cpu.run(splits);
+      EXPECT_LE(max_diff(gpu.outputs(), cpu.outputs()), backend_tol(c.dtype)) << what;
+    }
   }
 }
 
@@ -92,12 +125,13 @@ INSTANTIATE_TEST_SUITE_P(Cases, CudaDecodeReference, ::testing::ValuesIn(cuda_ca
 
 TEST(CudaDecode, SplitMatchesUnsplitWithinFp32Rounding) {
   SKIP_WITHOUT_GPU();
-  for (DType t : {DType::f32, DType::bf16}) {
+  for (int variant = 0; variant < 3; ++variant) {  // fma f32 sq4, fma bf16 sq4, mma bf16 sq1
+    const DType t = variant == 0 ? DType::f32 : DType::bf16;
     Spec c = on_cuda(mk("splits", t));
     c.hq = 32;
     c.hkv = 8;
     c.d = 128;
-    c.sq = 4;
+    c.sq = variant == 2 ? 1 : 4;
     c.causal = true;
     c.lens = {0, 4, 17, 2000, 777};
     c.page_size = 16;
@@ -107,20 +141,23 @@ TEST(CudaDecode, SplitMatchesUnsplitWithinFp32Rounding) {
     const auto one = bl.outputs();
     for (int s : {7, 3, 64, 0}) {
       bl.run(s);
-      EXPECT_LE(max_diff(one, bl.outputs()), t == DType::f32 ? 4e-6 : 8e-3) << dtype_name(t) << " splits " << s;
+      EXPECT_LE(max_diff(one, bl.outputs()), t == DType::f32 ? 4e-6 : 8e-3) << dtype_name(t) << " splits " << s
+                                                                              << " variant " << variant;
     }
-    expect_matches_reference(bl, std::string("heuristic splits ") + dtype_name(t));
+    expect_matches_reference(bl, std::string("heuristic splits ") + dtype_name(t) + " variant " +
+                                     std::to_string(variant));
   }
 }
 
 // The kernel's arithmetic does not depend on where a token lives: bitwise equal.
 TEST(CudaDecode, PagedEqualsContiguousBitwise) {
   SKIP_WITHOUT_GPU();
-  for (DType t : {DType::f32, DType::bf16}) {
+  for (int variant = 0; variant < 3; ++variant) {  // fma f32, fma bf16 (sq 2, causal), mma bf16 (sq 1)
+    const DType t = variant == 0 ? DType::f32 : DType::bf16;
     Spec c = on_cuda(mk("paged", t));
     c.hq = 8;
     c.hkv = 2;
-    c.sq = 2;
+    c.sq = variant == 2 ? 1 : 2;
     c.causal = true;
     c.lens = {513, 2, 0, 64, 257};
     const Values vals = make_values(c, 11);
@@ -144,30 +181,32 @@ TEST(CudaDecode, PagedEqualsContiguousBitwise) {
 
 TEST(CudaDecode, BatchEqualsSingleSequenceBitwise) {
   SKIP_WITHOUT_GPU();
-  Spec c = on_cuda(mk("batch", DType::bf16));
-  c.hq = 8;
-  c.hkv = 4;
-  c.sq = 3;
-  c.causal = true;
-  c.lens = {1000, 3, 0, 47};
-  c.page_size = 16;
-  const Values vals = make_values(c, 5);
-  Built all(c, vals);
-  all.run(4);
-  for (int64_t b = 0; b < c.B(); ++b) {
-    Spec one = c;
-    one.lens = {c.lens[static_cast<size_t>(b)]};
-    Built single(one, slice(c, vals, b), 99 + static_cast<uint64_t>(b));
-    single.run(4);
-    for (int64_t i = 0; i < c.sq; ++i)
-      for (int64_t h = 0; h < c.hq; ++h) {
-        for (int64_t x = 0; x < c.DV(); ++x) {
-          const float a = all.o_at(b, i, h, x), s = single.o_at(0, i, h, x);
-          ASSERT_EQ(std::memcmp(&a, &s, 4), 0) << "b" << b << " i" << i << " h" << h << " x" << x << ": " << a << " vs " << s;
+  for (int64_t sq : {3, 1}) {  // fma, mma
+    Spec c = on_cuda(mk("batch", DType::bf16));
+    c.hq = 8;
+    c.hkv = 4;
+    c.sq = sq;
+    c.causal = true;
+    c.lens = {1000, 3, 0, 47};
+    c.page_size = 16;
+    const Values vals = make_values(c, 5);
+    Built all(c, vals);
+    all.run(4);
+    for (int64_t b = 0; b < c.B(); ++b) {
+      Spec one = c;
+      one.lens = {c.lens[static_cast<size_t>(b)]};
+      Built single(one, slice(c, vals, b), 99 + static_cast<uint64_t>(b));
+      single.run(4);
+      for (int64_t i = 0; i < c.sq; ++i)
+        for (int64_t h = 0; h < c.hq; ++h) {
+          for (int64_t x = 0; x < c.DV(); ++x) {
+            const float a = all.o_at(b, i, h, x), s = single.o_at(0, i, h, x);
+            ASSERT_EQ(std::memcmp(&a, &s, 4), 0) << "b" << b << " i" << i << " h" << h << " x" << x << ": " << a << " vs " << s;
+          }
+          const float a = all.lse_at(b, h, i), s = single.lse_at(0, h, i);
+          ASSERT_EQ(std::memcmp(&a, &s, 4), 0) << "lse b" << b << " h" << h << " i" << i;
         }
-        const float a = all.lse_at(b, h, i), s = single.lse_at(0, h, i);
-        ASSERT_EQ(std::memcmp(&a, &s, 4), 0) << "lse b" << b << " h" << h << " i" << i;
-      }
+    }
   }
 }
 
@@ -370,8 +409,7 @@ TEST(CudaDecodePlan, ReuseGivesIdenticalResultsAndMatchesUnplanned) {
 
 // Capture decode under a plan into a CUDA graph; replays give bitwise the eager result, and a
 // replay after the lengths (device memory) change decodes the new lengths.
-void graph_replay(cudaStreamCaptureMode mode) {
-  const Spec c = plan_spec();
+void graph_replay(cudaStreamCaptureMode mode, const Spec& c) {
   Built bl(c, make_values(c, 9));
   const std::vector<int32_t> full = c.lens;
   std::vector<int32_t> shorter = full;
@@ -431,12 +469,15 @@ void graph_replay(cudaStreamCaptureMode mode) {
 // refuses "potentially unsafe" ones, so it also checks that decode under a plan makes none.
 TEST(CudaDecodePlan, GraphReplayEqualsEagerBitwiseRelaxedCapture) {
   SKIP_WITHOUT_GPU();
-  graph_replay(cudaStreamCaptureModeRelaxed);
+  graph_replay(cudaStreamCaptureModeRelaxed, plan_spec());
 }
 
 TEST(CudaDecodePlan, GraphReplayEqualsEagerBitwiseGlobalCapture) {
   SKIP_WITHOUT_GPU();
-  graph_replay(cudaStreamCaptureModeGlobal);
+  Spec mma = plan_spec();  // sq 1: the mma kernel
+  mma.sq = 1;
+  graph_replay(cudaStreamCaptureModeGlobal, plan_spec());
+  graph_replay(cudaStreamCaptureModeGlobal, mma);
 }
 
 TEST(CudaDecodePlan, MismatchedPlanIsRejectedNamingPlan) {
@@ -761,10 +802,33 @@ TEST(CudaDecode, KernelChoiceNamesSplitsAndLayout) {
   Built bl(c, make_values(c, 1));
   KernelChoice k = bl.run(7);
   EXPECT_NE(k.kernel.find("cuda/splitkv sm"), std::string::npos) << k.kernel;
-  EXPECT_NE(k.kernel.find("bf16 hdim128 gqa4 page16"), std::string::npos) << k.kernel;
+  EXPECT_NE(k.kernel.find(" mma bf16 hdim128 gqa4 page16"), std::string::npos) << k.kernel;
   EXPECT_NE(k.kernel.find("splits 7"), std::string::npos) << k.kernel;
   EXPECT_NE(k.reason.find("requested"), std::string::npos) << k.reason;
-  EXPECT_NE(k.reason.find("4 query rows per CTA"), std::string::npos) << k.reason;
+  EXPECT_NE(k.reason.find("16 query rows per CTA (4 rows per kv head: 1 block)"), std::string::npos) << k.reason;
+  {
+    KernelEnv env("fma");
+    k = bl.run(7);
+    EXPECT_NE(k.kernel.find(" fma bf16 hdim128"), std::string::npos) << k.kernel;
+    EXPECT_NE(k.reason.find("IOATTN_DECODE_KERNEL=fma"), std::string::npos) << k.reason;
+    EXPECT_NE(k.reason.find("4 query rows per CTA"), std::string::npos) << k.reason;
+  }
+  {
+    KernelEnv env("bogus");
+    EXPECT_THROW(bl.run(7), Error);
+  }
+  {
+    Spec f = c;  // an f32 problem cannot be forced onto the mma kernel
+    f.dtype = f.cache = DType::f32;
+    Built b32(f, make_values(f, 1));
+    KernelEnv env("mma");
+    try {
+      b32.run(1);
+      ADD_FAILURE() << "IOATTN_DECODE_KERNEL=mma accepted an f32 problem";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("IOATTN_DECODE_KERNEL=mma"), std::string::npos) << e.what();
+    }
+  }
   k = bl.run(0);
   EXPECT_NE(k.reason.find("heuristic"), std::string::npos) << k.reason;
   EXPECT_NE(k.reason.find("SMs"), std::string::npos) << k.reason;

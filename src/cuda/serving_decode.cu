@@ -2,6 +2,12 @@
 // cache (bf16 / f16 / f32 or 8-bit f8e4m3 / i8 with per-kv-head scales), the exact merge of the
 // splits, the CUDA split heuristic and the dispatcher's row for decode.
 //
+// Two kernels share the grid, the loader and the epilogue (serving_decode.cuh): the fp32 FMA
+// kernel below takes every shape; the tensor-core kernel (serving_decode_mma.cu) takes the
+// serving case (bf16/f16, head_dim == head_dim_v in {64, 128, 256}, every row of a CTA seeing the
+// same keys: seqlen_q 1 or no causal/window mask) and is chosen there; IOATTN_DECODE_KERNEL=fma|mma
+// forces one (the log line says which and why).
+//
 // Semantics: exactly those of the CPU backend (src/cpu/serving_cpu.cpp, whose file comment is the
 // specification): the same key range per split (decode_split_range), masks, softcap before ALiBi,
 // sinks added once (at the merge, or in the CTA when there is one split), NaN / +inf visible scores
@@ -50,79 +56,15 @@
 #include "cuda/check.cuh"
 #include "cuda/ptx.cuh"
 #include "cuda/serving.cuh"
+#include "cuda/serving_decode.cuh"
 
 namespace ioattn::cuda::serving {
 namespace {
 
-constexpr int kThreads = 128;     // 4 warps
 constexpr int kRows = 4;          // query rows per CTA
 constexpr int kElems = 16;        // head-dim elements per lane
 constexpr int kKeysPerGroup = 4;  // keys a lane group scores per tile
-constexpr int kMaxDim = 256;      // head_dim, head_dim_v
 constexpr int kMaxGroups = kThreads;  // TX = 1
-
-struct DecodeParams {
-  const void* q;
-  void* o;
-  float* lse;
-  int64_t q_sb, q_ss, q_sh, o_sb, o_ss, o_sh, l_sb, l_ss, l_sh;  // elements
-  DType dtype;
-
-  const uint8_t* k;
-  const uint8_t* v;
-  int64_t k_sp, k_ss, k_sh, v_sp, v_ss, v_sh;  // bytes (page, slot, head)
-  int k_row_bytes, v_row_bytes;                 // d * esize, dv * esize
-  const int32_t* block_table;                   // null: contiguous (page = b, slot = t)
-  int64_t bt_sb, bt_sp;
-  int page_size;
-  int page_shift;  // log2(page_size) when it is a power of two, else -1 (a division per row)
-  int64_t num_pages;
-  const int32_t* seqlens;
-  int64_t bound;  // largest accepted cache_seqlens entry
-  const float* k_scale;
-  const float* v_scale;
-
-  int heads_q, heads_kv, seqlen_q, group, rows, row_blocks, splits, d, dv, tx_log2;
-  float scale, softcap;
-  int64_t wl, wr;
-  const float* alibi;
-  const float* sinks;
-  float* part_o;  // splits > 1
-  float* part_lse;
-};
-
-__device__ __forceinline__ float ninf() { return -INFINITY; }
-
-// Scores live in log2 units inside the kernel (Q pre-scaled by log2(e)), so every softmax
-// exponential is one ex2.approx (2^-inf = 0: masked keys vanish); LSE leaves in natural log.
-constexpr float kLog2e = 1.4426950408889634f;
-constexpr float kLn2 = 0.6931471805599453f;
-
-// problem.hpp's visible_keys, on the device.
-__device__ __forceinline__ void vis_keys(int64_t i, int64_t sq, int64_t sk, int64_t wl, int64_t wr, int64_t* lo,
-                                         int64_t* hi) {
-  const int64_t diag = i + (sk - sq);
-  const int64_t l = wl >= 0 ? diag - wl : 0;
-  const int64_t h = wr >= 0 ? diag + wr + 1 : sk;
-  *lo = l < 0 ? 0 : l;
-  *hi = h > sk ? sk : h;
-}
-
-// detail::decode_split_range, on the device.
-__device__ __forceinline__ void split_range(int64_t len, int64_t sq, int64_t wl, int64_t wr, int splits, int split,
-                                            int64_t* k0, int64_t* k1) {
-  *k0 = *k1 = 0;
-  if (len <= 0) return;
-  int64_t lo_first, hi_first, lo_last, hi_last;
-  vis_keys(0, sq, len, wl, wr, &lo_first, &hi_first);
-  vis_keys(sq - 1, sq, len, wl, wr, &lo_last, &hi_last);
-  const int64_t span = hi_last - lo_first;
-  if (span <= 0) return;
-  int64_t chunk = (span + splits - 1) / splits;
-  chunk = (chunk + detail::kSplitAlignTokens - 1) / detail::kSplitAlignTokens * detail::kSplitAlignTokens;
-  *k0 = lo_first + split * chunk;
-  *k1 = min(hi_last, *k0 + chunk);
-}
 
 // The lane's 16 elements of cache row `row` (shared memory) in fp32: chunk v of the lane is
 // logical chunk tx + v * TX, stored at that ^ sw.
@@ -163,21 +105,10 @@ __global__ void __launch_bounds__(kThreads) decode_kernel(const DecodeParams p) 
   const int BK = G * kKeysPerGroup;          // keys per tile
   const int swz_mask = (TX < 8 && CPR >= 8) ? (8 >> txl) - 1 : 0;
 
-  // ---- work item --------------------------------------------------------------------------
-  int64_t id = blockIdx.x;
-  const int rb = static_cast<int>(id % p.row_blocks);
-  id /= p.row_blocks;
-  const int split = static_cast<int>(id % p.splits);
-  id /= p.splits;
-  const int hk = static_cast<int>(id % p.heads_kv);
-  const int64_t b = id / p.heads_kv;
-
-  const int64_t len_raw = p.seqlens[b];
-  const bool seq_bad = len_raw < 0 || len_raw > p.bound;
-  const int64_t len = seq_bad ? 0 : len_raw;
+  const WorkItem w = work_item(p);
+  const int rb = w.rb, hk = w.hk;
+  const int64_t b = w.b, len = w.len, k0 = w.k0, k1 = w.k1;
   const int sq = p.seqlen_q;
-  int64_t k0, k1;
-  split_range(len, sq, p.wl, p.wr, p.splits, split, &k0, &k1);
 
   // ---- rows: visible range within the split, pre-scaled Q --------------------------------
   const float k_scale = p.k_scale ? p.k_scale[hk] : 1.0f;
@@ -228,42 +159,8 @@ __global__ void __launch_bounds__(kThreads) decode_kernel(const DecodeParams p) 
   auto issue = [&](int tile) {
     if (tile < ntiles) {
       uint8_t* ks = smem + (tile % STAGES) * 2 * kTileBytes;
-      uint8_t* vs = ks + kTileBytes;
-      const int64_t t0 = klo + static_cast<int64_t>(tile) * BK;
-#pragma unroll
-      for (int it = 0; it < kLoadIters; ++it) {
-        const int j = j_ld0 + it * j_step;
-        const int64_t t = t0 + j;
-        const int off = j * row_stride + ((c_ld ^ ((j & swz_mask) << txl)) << 4);
-        const uint8_t* ksrc = p.k;
-        const uint8_t* vsrc = p.v;
-        int kb = 0, vb = 0;
-        if (t < khi) {
-          int64_t page, slot;
-          if (p.block_table) {
-            const int pi = p.page_shift >= 0 ? static_cast<int>(t) >> p.page_shift : static_cast<int>(t) / p.page_size;
-            slot = t - static_cast<int64_t>(pi) * p.page_size;
-            page = __ldg(p.block_table + b * p.bt_sb + pi * p.bt_sp);
-            if (page < 0 || page >= p.num_pages) {
-              pg_bad = 1;
-              page = -1;
-            }
-          } else {
-            page = b;
-            slot = t;
-          }
-          if (page >= 0) {
-            ksrc = p.k + page * p.k_sp + slot * p.k_ss + hk * p.k_sh + c_ld * 16;
-            vsrc = p.v + page * p.v_sp + slot * p.v_ss + hk * p.v_sh + c_ld * 16;
-            kb = k_valid;
-            vb = v_valid;
-            if (kb == 0) ksrc = p.k;
-            if (vb == 0) vsrc = p.v;
-          }
-        }
-        ptx::cp_async_16(ptx::smem_u32(ks + off), ksrc, kb);
-        ptx::cp_async_16(ptx::smem_u32(vs + off), vsrc, vb);
-      }
+      issue_tile<kLoadIters>(p, w, ks, ks + kTileBytes, klo + static_cast<int64_t>(tile) * BK, khi, c_ld, j_ld0,
+                             j_step, row_stride, swz_mask, txl, k_valid, v_valid, pg_bad);
     }
     ptx::cp_async_commit();  // always: the wait counts groups
   };
@@ -385,21 +282,7 @@ __global__ void __launch_bounds__(kThreads) decode_kernel(const DecodeParams p) 
     grp_bad[gi] = bad;
   }
   __syncthreads();
-  if (tid < kRows) {
-    const int r = tid;
-    float M = ninf();
-    for (int g = 0; g < G; ++g) M = fmaxf(M, grp_m[g * kRows + r]);
-    float L = 0.0f;
-    int B = 0;
-    for (int g = 0; g < G; ++g) {
-      const float mg = grp_m[g * kRows + r];
-      if (mg > ninf()) L += grp_l[g * kRows + r] * ptx::exp2_approx(mg - M);
-      B |= (grp_bad[g] >> r) & 1;
-    }
-    row_m[r] = M;
-    row_l[r] = L;
-    row_bad[r] = B | any_pg_bad | (seq_bad ? 1 : 0);
-  }
+  rows_from_groups<kRows>(G, grp_m, grp_l, grp_bad, any_pg_bad | (w.seq_bad ? 1 : 0), row_m, row_l, row_bad);
   __syncthreads();
   const int Dp = kElems << txl;
   float* red = reinterpret_cast<float*>(smem);  // [G][kRows][Dp] fp32 = 32 KiB
@@ -414,48 +297,7 @@ __global__ void __launch_bounds__(kThreads) decode_kernel(const DecodeParams p) 
   }
   __syncthreads();
 
-  // ---- finish: O and LSE (one split) or this split's partial -------------------------------
-  const float v_scale = p.v_scale ? p.v_scale[hk] : 1.0f;
-  const bool direct = p.splits == 1;
-  for (int o = tid; o < kRows * Dp; o += kThreads) {
-    const int r = o / Dp, x = o % Dp;
-    const int rr = rb * kRows + r;
-    if (rr >= p.rows || x >= p.dv) continue;
-    const int hh = rr / sq, i = rr % sq, h = hk * p.group + hh;
-    float sum = 0.0f;
-    for (int g = 0; g < G; ++g) sum += red[(g * kRows + r) * Dp + x];
-    const float M = row_m[r], L = row_l[r];  // log2 units
-    float out, lse;
-    if (row_bad[r]) {
-      out = lse = NAN;
-    } else if (M == ninf()) {  // no visible key (in this split): O = 0, LSE = -inf or the sink
-      out = 0.0f;
-      lse = (direct && p.sinks) ? p.sinks[h] : ninf();
-    } else if (direct) {
-      const float sink = p.sinks ? p.sinks[h] * kLog2e : ninf();
-      const float mx = fmaxf(M, sink);
-      const float a = ptx::exp2_approx(M - mx);
-      const float lsum = L * a + (p.sinks ? ptx::exp2_approx(sink - mx) : 0.0f);
-      out = sum * (a * v_scale / lsum);
-      lse = (mx + log2f(lsum)) * kLn2;
-    } else {
-      out = sum * (v_scale / L);
-      lse = (M + log2f(L)) * kLn2;
-    }
-    if (direct) {
-      store_elem(p.o, p.dtype, b * p.o_sb + i * p.o_ss + h * p.o_sh + x, out);
-      if (x == 0 && p.lse) p.lse[b * p.l_sb + h * p.l_sh + i * p.l_ss] = lse;
-    } else {
-      const int64_t at = ((b * p.heads_q + h) * sq + i) * p.splits + split;
-      p.part_o[at * p.dv + x] = out;
-      if (x == 0) p.part_lse[at] = lse;
-    }
-  }
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  // Programmatic dependent launch: the merge grid may start launching once every CTA got here;
-  // it reads the partials only after cudaGridDependencySynchronize (this grid complete + flushed).
-  cudaTriggerProgrammaticLaunchCompletion();
-#endif
+  write_outputs<kRows>(p, w, G, Dp, red, row_m, row_l, row_bad);
 }
 
 // ---- merge of the splits: one warp per query row ----------------------------------------------
@@ -579,8 +421,20 @@ bool use_pdl(int device) {
   return major >= 9;
 }
 
-int64_t row_blocks_of(int64_t heads_q, int64_t heads_kv, int64_t seqlen_q) {
-  return (heads_q / heads_kv * seqlen_q + kRows - 1) / kRows;
+int64_t row_blocks_of(int64_t heads_q, int64_t heads_kv, int64_t seqlen_q, int rows_per_cta = kRows) {
+  return (heads_q / heads_kv * seqlen_q + rows_per_cta - 1) / rows_per_cta;
+}
+
+// IOATTN_DECODE_KERNEL=fma | mma forces a kernel (tests, comparisons); unset: mma where it applies.
+std::string forced_kernel() {
+  const char* e = std::getenv("IOATTN_DECODE_KERNEL");
+  return e ? std::string(e) : std::string();
+}
+
+bool masked(const detail::DecodeProblem& p) { return p.causal || p.window_left >= 0 || p.window_right >= 0; }
+
+bool mma_applies(const detail::DecodeProblem& p) {
+  return mma_decode_supported(p.dtype, p.cache_dtype, p.head_dim, p.head_dim_v, p.seqlen_q, masked(p));
 }
 
 }  // namespace
@@ -606,16 +460,36 @@ CudaSelection cuda_decode_select(const DecodeProblem& p, int arch) {
               "aligned and their page, slot and head strides multiples of 16 bytes (" +
               std::to_string(16 / es) + " " + dtype_name(p.cache_dtype) + " elements)");
   if (p.paged() && p.page_size > INT_MAX) return no("page_size must be below 2^31 on CUDA");
+  const std::string force = forced_kernel();
+  if (!force.empty() && force != "fma" && force != "mma")
+    return no("IOATTN_DECODE_KERNEL must be fma or mma (or unset), got '" + force + "'");
+  const bool mma = force == "mma" || (force.empty() && mma_applies(p));
+  if (mma && !mma_applies(p))
+    return no("IOATTN_DECODE_KERNEL=mma: the mma.sync decode kernel takes bf16/f16 q and cache of the same dtype, "
+              "head_dim == head_dim_v in {64, 128, 256}, and seqlen_q 1 or no causal/window mask");
+  if (mma) {
+    const int64_t rbm = row_blocks_of(p.heads_q, p.heads_kv, p.seqlen_q, kMmaRows);
+    const int stages = p.head_dim == 64 ? 4 : p.head_dim == 128 ? 3 : 2;
+    return {"cuda/splitkv sm" + std::to_string(arch) + " mma",
+            std::string(force.empty() ? "" : "IOATTN_DECODE_KERNEL=mma; ") +
+                "mma.sync m16n8k16 (P = P_hi + P_lo), 4 warps x 16 keys of 64-key tiles, " +
+                std::to_string(kMmaRows) + " query rows per CTA (" + std::to_string(p.rows_per_group()) +
+                " rows per kv head: " + std::to_string(rbm) + (rbm == 1 ? " block" : " blocks") + "), " +
+                std::to_string(stages) + "-stage cp.async ring"};
+  }
   const int txl = tx_log2_for(std::max(p.head_dim, p.head_dim_v));
   const int TX = 1 << txl;
   const int64_t rb = row_blocks_of(p.heads_q, p.heads_kv, p.seqlen_q);
   const int stages = p.cache_dtype == DType::f32 ? 2 : dtype_size(p.cache_dtype) == 2 ? 3 : 4;
-  std::string why = "fp32 FMA, 4 warps, " + std::to_string(kRows) + " query rows per CTA (" +
+  std::string why = std::string(force.empty() ? "" : "IOATTN_DECODE_KERNEL=fma; ") +
+                    (mma_applies(p) ? "" : "not the mma kernel's shape (bf16/f16, head_dim == head_dim_v in {64, 128, "
+                                           "256}, one visible range per CTA); ") +
+                    "fp32 FMA, 4 warps, " + std::to_string(kRows) + " query rows per CTA (" +
                     std::to_string(p.rows_per_group()) + " rows per kv head: " + std::to_string(rb) +
                     (rb == 1 ? " block" : " blocks") + "), " + std::to_string(TX) + " lanes x " +
                     std::to_string(kElems) + " dims per key, " + std::to_string(4 * (kThreads / TX)) +
                     "-key tiles, " + std::to_string(stages) + "-stage cp.async ring";
-  return {"cuda/splitkv sm" + std::to_string(arch), why};
+  return {"cuda/splitkv sm" + std::to_string(arch) + " fma", why};
 }
 
 // Split heuristic (CUDA). A CTA is (sequence, kv head, split, row block); beyond batch * heads_kv
@@ -656,7 +530,9 @@ void cuda_decode(const DecodeProblem& p) {
   cuda::DeviceGuard guard(p.device_index);
   auto stream = static_cast<cudaStream_t>(p.stream);
   const int S = std::max(p.num_splits, 1);
-  const int64_t rb = row_blocks_of(p.heads_q, p.heads_kv, p.seqlen_q);
+  const std::string force = forced_kernel();
+  const bool mma = force == "mma" || (force.empty() && mma_applies(p));  // as cuda_decode_select
+  const int64_t rb = row_blocks_of(p.heads_q, p.heads_kv, p.seqlen_q, mma ? kMmaRows : kRows);
   const int64_t grid = p.batch * p.heads_kv * S * rb;
   if (grid == 0) return;
   if (grid > INT_MAX)
@@ -720,13 +596,17 @@ void cuda_decode(const DecodeProblem& p) {
     dp.part_lse = reinterpret_cast<float*>(static_cast<uint8_t*>(ws) + align_up(rows * p.head_dim_v * 4));
   }
 
-  switch (p.cache_dtype) {
-    case DType::bf16: launch_decode<__nv_bfloat16>(dp, grid, stream); break;
-    case DType::f16: launch_decode<__half>(dp, grid, stream); break;
-    case DType::f32: launch_decode<float>(dp, grid, stream); break;
-    case DType::f8e4m3: launch_decode<E4m3>(dp, grid, stream); break;
-    case DType::i8: launch_decode<int8_t>(dp, grid, stream); break;
-    default: throw Error("cache.k_cache.dtype", "ioattn: no CUDA decode kernel for this cache dtype");
+  if (mma) {
+    launch_decode_mma(dp, grid, stream);
+  } else {
+    switch (p.cache_dtype) {
+      case DType::bf16: launch_decode<__nv_bfloat16>(dp, grid, stream); break;
+      case DType::f16: launch_decode<__half>(dp, grid, stream); break;
+      case DType::f32: launch_decode<float>(dp, grid, stream); break;
+      case DType::f8e4m3: launch_decode<E4m3>(dp, grid, stream); break;
+      case DType::i8: launch_decode<int8_t>(dp, grid, stream); break;
+      default: throw Error("cache.k_cache.dtype", "ioattn: no CUDA decode kernel for this cache dtype");
+    }
   }
 
   if (S > 1) {

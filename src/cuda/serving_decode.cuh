@@ -1,0 +1,234 @@
+// serving_decode.cuh — what the two CUDA decode kernels share (serving_decode.cu: fp32 FMA, any
+// dtype; serving_decode_mma.cu: mma.sync, bf16/f16): the launch parameters, the work item of a CTA
+// and its key range (decode_split_range on the device), the cp.async tile loader through the page
+// table, and the end of a CTA: merging its key groups exactly and writing O / LSE or the split's
+// partial. The file comment of serving_decode.cu describes the algorithm.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "core/serving_problem.hpp"
+#include "cuda/ptx.cuh"
+#include "cuda/serving.cuh"
+
+namespace ioattn::cuda::serving {
+
+constexpr int kThreads = 128;  // 4 warps, both kernels
+constexpr int kMaxDim = 256;   // head_dim, head_dim_v
+
+struct DecodeParams {
+  const void* q;
+  void* o;
+  float* lse;
+  int64_t q_sb, q_ss, q_sh, o_sb, o_ss, o_sh, l_sb, l_ss, l_sh;  // elements
+  DType dtype;
+
+  const uint8_t* k;
+  const uint8_t* v;
+  int64_t k_sp, k_ss, k_sh, v_sp, v_ss, v_sh;  // bytes (page, slot, head)
+  int k_row_bytes, v_row_bytes;                 // d * esize, dv * esize
+  const int32_t* block_table;                   // null: contiguous (page = b, slot = t)
+  int64_t bt_sb, bt_sp;
+  int page_size;
+  int page_shift;  // log2(page_size) when it is a power of two, else -1 (a division per row)
+  int64_t num_pages;
+  const int32_t* seqlens;
+  int64_t bound;  // largest accepted cache_seqlens entry
+  const float* k_scale;
+  const float* v_scale;
+
+  int heads_q, heads_kv, seqlen_q, group, rows, row_blocks, splits, d, dv, tx_log2;
+  float scale, softcap;
+  int64_t wl, wr;
+  const float* alibi;
+  const float* sinks;
+  float* part_o;  // splits > 1
+  float* part_lse;
+};
+
+__device__ __forceinline__ float ninf() { return -INFINITY; }
+
+// Scores live in log2 units inside the kernels (scaled by log2(e)), so every softmax exponential
+// is one ex2.approx (2^-inf = 0: masked keys vanish); LSE leaves in natural log.
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLn2 = 0.6931471805599453f;
+
+// problem.hpp's visible_keys, on the device.
+__device__ __forceinline__ void vis_keys(int64_t i, int64_t sq, int64_t sk, int64_t wl, int64_t wr, int64_t* lo,
+                                         int64_t* hi) {
+  const int64_t diag = i + (sk - sq);
+  const int64_t l = wl >= 0 ? diag - wl : 0;
+  const int64_t h = wr >= 0 ? diag + wr + 1 : sk;
+  *lo = l < 0 ? 0 : l;
+  *hi = h > sk ? sk : h;
+}
+
+// detail::decode_split_range, on the device.
+__device__ __forceinline__ void split_range(int64_t len, int64_t sq, int64_t wl, int64_t wr, int splits, int split,
+                                            int64_t* k0, int64_t* k1) {
+  *k0 = *k1 = 0;
+  if (len <= 0) return;
+  int64_t lo_first, hi_first, lo_last, hi_last;
+  vis_keys(0, sq, len, wl, wr, &lo_first, &hi_first);
+  vis_keys(sq - 1, sq, len, wl, wr, &lo_last, &hi_last);
+  const int64_t span = hi_last - lo_first;
+  if (span <= 0) return;
+  int64_t chunk = (span + splits - 1) / splits;
+  chunk = (chunk + detail::kSplitAlignTokens - 1) / detail::kSplitAlignTokens * detail::kSplitAlignTokens;
+  *k0 = lo_first + split * chunk;
+  *k1 = min(hi_last, *k0 + chunk);
+}
+
+// A CTA's work: blockIdx.x = ((b * heads_kv + hk) * splits + split) * row_blocks + rb (row blocks
+// fastest: the CTAs that read one chunk run together and share it in L2), the sequence's length
+// (an entry outside [0, bound] is "bad": length 0 and NaN outputs) and the split's key range.
+struct WorkItem {
+  int rb, split, hk;
+  int64_t b, len, k0, k1;
+  bool seq_bad;
+};
+
+__device__ __forceinline__ WorkItem work_item(const DecodeParams& p) {
+  WorkItem w;
+  int64_t id = blockIdx.x;
+  w.rb = static_cast<int>(id % p.row_blocks);
+  id /= p.row_blocks;
+  w.split = static_cast<int>(id % p.splits);
+  id /= p.splits;
+  w.hk = static_cast<int>(id % p.heads_kv);
+  w.b = id / p.heads_kv;
+  const int64_t len = p.seqlens[w.b];
+  w.seq_bad = len < 0 || len > p.bound;
+  w.len = w.seq_bad ? 0 : len;
+  split_range(w.len, p.seqlen_q, p.wl, p.wr, p.splits, w.split, &w.k0, &w.k1);
+  return w;
+}
+
+// Issues the cp.async copies of one K tile and one V tile: keys [t0, t0 + kLoadIters * j_step),
+// this thread's 16-byte chunk c of rows j = j0 + it * j_step, stored at
+//   j * row_stride + ((c ^ ((j & swz_mask) << swz_shift)) << 4).
+// Keys at or past khi, and bytes past the row (k_valid / v_valid), are zero-filled; nothing is
+// read for them. A block-table entry outside [0, num_pages) sets pg_bad and zero-fills the key.
+template <int kLoadIters>
+__device__ __forceinline__ void issue_tile(const DecodeParams& p, const WorkItem& w, uint8_t* ks, uint8_t* vs,
+                                           int64_t t0, int64_t khi, int c, int j0, int j_step, int row_stride,
+                                           int swz_mask, int swz_shift, int k_valid, int v_valid, int& pg_bad) {
+#pragma unroll
+  for (int it = 0; it < kLoadIters; ++it) {
+    const int j = j0 + it * j_step;
+    const int64_t t = t0 + j;
+    const int off = j * row_stride + ((c ^ ((j & swz_mask) << swz_shift)) << 4);
+    const uint8_t* ksrc = p.k;
+    const uint8_t* vsrc = p.v;
+    int kb = 0, vb = 0;
+    if (t < khi) {
+      int64_t page, slot;
+      if (p.block_table) {
+        const int pi = p.page_shift >= 0 ? static_cast<int>(t) >> p.page_shift : static_cast<int>(t) / p.page_size;
+        slot = t - static_cast<int64_t>(pi) * p.page_size;
+        page = __ldg(p.block_table + w.b * p.bt_sb + pi * p.bt_sp);
+        if (page < 0 || page >= p.num_pages) {
+          pg_bad = 1;
+          page = -1;
+        }
+      } else {
+        page = w.b;
+        slot = t;
+      }
+      if (page >= 0) {
+        if (k_valid > 0) {
+          ksrc = p.k + page * p.k_sp + slot * p.k_ss + w.hk * p.k_sh + c * 16;
+          kb = k_valid;
+        }
+        if (v_valid > 0) {
+          vsrc = p.v + page * p.v_sp + slot * p.v_ss + w.hk * p.v_sh + c * 16;
+          vb = v_valid;
+        }
+      }
+    }
+    ptx::cp_async_16(ptx::smem_u32(ks + off), ksrc, kb);
+    ptx::cp_async_16(ptx::smem_u32(vs + off), vsrc, vb);
+  }
+}
+
+// Threads r < ROWS: the CTA's row r from its G key groups (each with max m_g and sum l_g in log2
+// units, and a bad-row bit mask): M = max m_g, L = sum l_g 2^(m_g - M), bad = any | extra_bad.
+template <int ROWS>
+__device__ __forceinline__ void rows_from_groups(int G, const float* grp_m, const float* grp_l, const int* grp_bad,
+                                                 int extra_bad, float* row_m, float* row_l, int* row_bad) {
+  const int r = threadIdx.x;
+  if (r >= ROWS) return;
+  float M = ninf();
+  for (int g = 0; g < G; ++g) M = fmaxf(M, grp_m[g * ROWS + r]);
+  float L = 0.0f;
+  int B = 0;
+  for (int g = 0; g < G; ++g) {
+    const float mg = grp_m[g * ROWS + r];
+    if (mg > ninf()) L += grp_l[g * ROWS + r] * ptx::exp2_approx(mg - M);
+    B |= (grp_bad[g] >> r) & 1;
+  }
+  row_m[r] = M;
+  row_l[r] = L;
+  row_bad[r] = B | extra_bad;
+}
+
+// The CTA's outputs. red = [G][ROWS][Dp] fp32: each group's O accumulator, already multiplied by
+// 2^(m_g - M). Rows rb * ROWS + r < p.rows, columns x < dv: with one split, O and LSE (sinks
+// joined here); with more, the split's partial (O normalised, LSE) in the workspace.
+template <int ROWS>
+__device__ __forceinline__ void write_outputs(const DecodeParams& p, const WorkItem& w, int G, int Dp,
+                                              const float* red, const float* row_m, const float* row_l,
+                                              const int* row_bad) {
+  const float v_scale = p.v_scale ? p.v_scale[w.hk] : 1.0f;
+  const bool direct = p.splits == 1;
+  const int sq = p.seqlen_q;
+  for (int o = threadIdx.x; o < ROWS * Dp; o += blockDim.x) {
+    const int r = o / Dp, x = o % Dp;
+    const int rr = w.rb * ROWS + r;
+    if (rr >= p.rows || x >= p.dv) continue;
+    const int hh = rr / sq, i = rr % sq, h = w.hk * p.group + hh;
+    float sum = 0.0f;
+    for (int g = 0; g < G; ++g) sum += red[(g * ROWS + r) * Dp + x];
+    const float M = row_m[r], L = row_l[r];  // log2 units
+    float out, lse;
+    if (row_bad[r]) {
+      out = lse = NAN;
+    } else if (M == ninf()) {  // no visible key (in this split): O = 0, LSE = -inf or the sink
+      out = 0.0f;
+      lse = (direct && p.sinks) ? p.sinks[h] : ninf();
+    } else if (direct) {
+      const float sink = p.sinks ? p.sinks[h] * kLog2e : ninf();
+      const float mx = fmaxf(M, sink);
+      const float a = ptx::exp2_approx(M - mx);
+      const float lsum = L * a + (p.sinks ? ptx::exp2_approx(sink - mx) : 0.0f);
+      out = sum * (a * v_scale / lsum);
+      lse = (mx + log2f(lsum)) * kLn2;
+    } else {
+      out = sum * (v_scale / L);
+      lse = (M + log2f(L)) * kLn2;
+    }
+    if (direct) {
+      store_elem(p.o, p.dtype, w.b * p.o_sb + i * p.o_ss + h * p.o_sh + x, out);
+      if (x == 0 && p.lse) p.lse[w.b * p.l_sb + h * p.l_sh + i * p.l_ss] = lse;
+    } else {
+      const int64_t at = ((w.b * p.heads_q + h) * sq + i) * p.splits + w.split;
+      p.part_o[at * p.dv + x] = out;
+      if (x == 0) p.part_lse[at] = lse;
+    }
+  }
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  // Programmatic dependent launch: the merge grid may start launching once every CTA got here;
+  // it reads the partials only after cudaGridDependencySynchronize (this grid complete + flushed).
+  cudaTriggerProgrammaticLaunchCompletion();
+#endif
+}
+
+// The mma.sync kernel (serving_decode_mma.cu): bf16/f16 q and cache, head_dim == head_dim_v in
+// {64, 128, 256}, every row of a CTA seeing the same keys (seqlen_q 1 or no causal/window mask).
+bool mma_decode_supported(DType dtype, DType cache, int64_t d, int64_t dv, int64_t seqlen_q, bool masked);
+void launch_decode_mma(const DecodeParams& p, int64_t grid, cudaStream_t stream);
+constexpr int kMmaRows = 16;  // query rows per CTA of the mma kernel
+
+}  // namespace ioattn::cuda::serving

@@ -1,0 +1,325 @@
+// serving_decode_mma.cu — the tensor-core split-KV decode kernel (mma.sync m16n8k16, sm_80+) for
+// bf16 / f16 queries and caches with head_dim == head_dim_v in {64, 128, 256}, when every query
+// row of a CTA sees the same keys (seqlen_q 1, or no causal / window mask): the serving case.
+//
+// Same grid, key ranges, loader, merge and outputs as the fp32 FMA kernel (serving_decode.cu,
+// whose file comment is the full description); what differs is the arithmetic per tile. The CTA
+// holds 16 query rows (GQA rows of one kv head: 16 heads x 1 token, 4 heads x 4 tokens, ...;
+// unused rows are zero and masked) as the mma A operand in registers; each of the 4 warps takes 16
+// keys of a 64-key tile (FlashAttention-2's layout, transposed: warps split keys, not rows):
+//   S (16 x 16)  = Q K^T     D/16 ldmatrix.x4 of K + D/8 mma, fp32 accumulate (exact products)
+//   scale, softcap, ALiBi, mask on the C fragment (rows g, g+8; keys 2t, 2t+1 of each 8-key tile),
+//   online softmax per (warp, row) in log2 units: max over the 4 lanes of a quad, one ex2.approx
+//   per score, O rescaled only when the max grows
+//   O (16 x D)  += P V       P as the A operand straight from the C layout, split in two: P =
+//                            P_hi + P_lo (each rounded to the input type; P_lo carries the
+//                            residual), so the weights keep ~16 significant bits instead of 8
+//                            (bf16) and O matches the fp32 kernel; 2 x D/8 mma, V by ldmatrix.trans.
+// Per key this is ~8 warp instructions instead of ~55 for the FMA kernel, so the loop is bound by
+// the cache bytes, not the issue rate.
+//
+// Why "every row sees the same keys": a masked key inside the loaded range would still be
+// multiplied by P = 0 on the tensor core, and 0 * inf = NaN would reach rows that must not see its
+// V. With one visible range per CTA, every key inside [klo, khi) is visible to every real row and
+// keys outside are zero-filled, so the CPU semantics hold exactly. Other shapes use the FMA kernel.
+//
+// Shared memory: K and V tiles of 64 rows with a pitch of D * 2 + 16 bytes (an odd number of
+// 16-byte units, so every 8-row ldmatrix phase hits 8 bank groups); 4 / 3 / 2 stages for D = 64 /
+// 128 / 256 (72 / 102 / 132 KiB). The warps' accumulators are merged through the same memory.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <atomic>
+#include <string>
+#include <type_traits>
+
+#include "cuda/check.cuh"
+#include "cuda/ptx.cuh"
+#include "cuda/serving.cuh"
+#include "cuda/serving_decode.cuh"
+
+namespace ioattn::cuda::serving {
+namespace {
+
+constexpr int kBK = 64;  // keys per tile: 16 per warp
+
+template <int D>
+struct MmaTraits {
+  static constexpr int kCPR = D * 2 / 16;              // 16-byte chunks per cache row
+  static constexpr int kPitch = (kCPR + 1) * 16;       // smem row pitch, bytes
+  static constexpr int kTileBytes = kBK * kPitch;      // one K (or V) tile
+  static constexpr int kStages = D == 64 ? 4 : D == 128 ? 3 : 2;
+  static constexpr int kSmem = kStages * 2 * kTileBytes;
+  static constexpr int kLoadIters = kBK * kCPR / kThreads;  // chunks per thread per tile
+  static_assert(kThreads % kCPR == 0 && kLoadIters * (kThreads / kCPR) == kBK, "loader covers the tile");
+  static_assert(kSmem >= 4 * kMmaRows * D * 4, "the warp merge reuses [4][16][D] fp32 of the ring");
+};
+
+// The two halves of a packed bf16x2 / f16x2 register as fp32 (low half first).
+template <typename T>
+__device__ __forceinline__ float2 unpack2(uint32_t w) {
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    return make_float2(__uint_as_float(w << 16), __uint_as_float(w & 0xffff0000u));
+  } else {
+    __half2_raw r;
+    r.x = static_cast<unsigned short>(w & 0xffffu);
+    r.y = static_cast<unsigned short>(w >> 16);
+    return __half22float2(__half2(r));
+  }
+}
+
+// P = hi + lo, each a packed pair of the input type.
+template <typename T>
+__device__ __forceinline__ void split2(float a, float b, uint32_t& hi, uint32_t& lo) {
+  hi = ptx::pack2<T>(a, b);
+  const float2 h = unpack2<T>(hi);
+  lo = ptx::pack2<T>(a - h.x, b - h.y);
+}
+
+template <typename T, int D>
+__global__ void __launch_bounds__(kThreads) decode_mma_kernel(const DecodeParams p) {
+  using Tr = MmaTraits<D>;
+  constexpr int STAGES = Tr::kStages, kKD = D / 16, kDT = D / 8;
+  extern __shared__ __align__(16) uint8_t smem[];
+  __shared__ float grp_m[4 * kMmaRows], grp_l[4 * kMmaRows];
+  __shared__ int grp_bad[4];
+  __shared__ float row_m[kMmaRows], row_l[kMmaRows];
+  __shared__ int row_bad[kMmaRows];
+
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int g = lane >> 2, t4 = lane & 3;
+  const WorkItem w = work_item(p);
+  const int sq = p.seqlen_q;
+
+  // The CTA's keys: one range for every row (the dispatch guarantees it), clipped to the split.
+  int64_t klo = 0, khi = 0;
+  if (w.len > 0) {
+    vis_keys(0, sq, w.len, p.wl, p.wr, &klo, &khi);
+    klo = max(klo, w.k0);
+    khi = min(khi, w.k1);
+    if (khi < klo) khi = klo;
+  }
+
+  // Rows g and g + 8 of this lane: validity, head, ALiBi; Q fragments (raw input bits).
+  bool valid[2];
+  float slope[2], diag[2];
+  uint32_t qa[kKD][4];
+  const auto* q16 = static_cast<const uint16_t*>(p.q);
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int rr = w.rb * kMmaRows + g + 8 * half;
+    valid[half] = rr < p.rows;
+    const int hh = valid[half] ? rr / sq : 0, i = valid[half] ? rr % sq : 0;
+    const int h = w.hk * p.group + hh;
+    slope[half] = (valid[half] && p.alibi) ? p.alibi[h] * kLog2e : 0.0f;
+    diag[half] = static_cast<float>(i + w.len - sq);
+    const int64_t qoff = w.b * p.q_sb + i * p.q_ss + h * p.q_sh;
+#pragma unroll
+    for (int kk = 0; kk < kKD; ++kk)
+#pragma unroll
+      for (int c8 = 0; c8 < 2; ++c8) {  // a0/a1: columns 2t, 2t+1; a2/a3: +8
+        const int col = kk * 16 + c8 * 8 + 2 * t4;
+        uint32_t bits = 0;
+        if (valid[half]) bits = static_cast<uint32_t>(q16[qoff + col]) | static_cast<uint32_t>(q16[qoff + col + 1]) << 16;
+        qa[kk][half + 2 * c8] = bits;
+      }
+  }
+
+  // Loader: chunk c_ld of rows j_ld0 + it * j_step, rows at the padded pitch.
+  const int64_t nkeys = khi - klo;
+  const int ntiles = static_cast<int>((nkeys + kBK - 1) / kBK);
+  const int c_ld = tid % Tr::kCPR, j_ld0 = tid / Tr::kCPR, j_step = kThreads / Tr::kCPR;
+  const int k_valid = min(max(p.k_row_bytes - c_ld * 16, 0), 16);
+  const int v_valid = min(max(p.v_row_bytes - c_ld * 16, 0), 16);
+  int pg_bad = 0;
+  auto issue = [&](int tile) {
+    if (tile < ntiles) {
+      uint8_t* ks = smem + (tile % STAGES) * 2 * Tr::kTileBytes;
+      issue_tile<Tr::kLoadIters>(p, w, ks, ks + Tr::kTileBytes, klo + static_cast<int64_t>(tile) * kBK, khi, c_ld,
+                                 j_ld0, j_step, Tr::kPitch, 0, 0, k_valid, v_valid, pg_bad);
+    }
+    ptx::cp_async_commit();
+  };
+
+  // ldmatrix lane offsets within a stage (see ptx.cuh): K as the B operand of S (keys 0-7 | 8-15,
+  // dim chunks kk*2 | +1), V as the B operand of O via .trans (keys 0-7 | 8-15, dim chunks).
+  const int k_lane = (warp * 16 + (lane & 7) + (lane >> 4) * 8) * Tr::kPitch + ((lane >> 3) & 1) * 16;
+  const int v_lane = (warp * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * Tr::kPitch + (lane >> 4) * 16;
+
+  float o[kDT][4];
+#pragma unroll
+  for (int nd = 0; nd < kDT; ++nd)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) o[nd][e] = 0.0f;
+  float m[2] = {ninf(), ninf()}, l[2] = {0.0f, 0.0f};
+  int bad = 0;  // bit r: row r of the block saw a NaN or +inf score
+  const float smul = p.scale * kLog2e;
+  const float cap = p.softcap * kLog2e, inv_cap = p.softcap > 0.0f ? 1.0f / cap : 0.0f;
+
+#pragma unroll
+  for (int s = 0; s < STAGES - 1; ++s) issue(s);
+
+  for (int tile = 0; tile < ntiles; ++tile) {
+    ptx::cp_async_wait<STAGES - 2>();
+    __syncthreads();
+    issue(tile + STAGES - 1);
+    const uint8_t* ks = smem + (tile % STAGES) * 2 * Tr::kTileBytes;
+    const uint32_t k_addr = ptx::smem_u32(ks) + k_lane;
+    const uint32_t v_addr = ptx::smem_u32(ks + Tr::kTileBytes) + v_lane;
+    const int key0 = static_cast<int>(klo) + tile * kBK + warp * 16;  // this warp's first key
+
+    // S = Q K^T for the warp's 16 keys.
+    float sc[2][4];
+#pragma unroll
+    for (int n = 0; n < 2; ++n)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) sc[n][e] = 0.0f;
+#pragma unroll
+    for (int kk = 0; kk < kKD; ++kk) {
+      uint32_t bk[4];
+      ptx::ldmatrix_x4(bk, k_addr + kk * 32);
+      ptx::mma_m16n8k16<T>(sc[0], qa[kk], bk[0], bk[1]);
+      ptx::mma_m16n8k16<T>(sc[1], qa[kk], bk[2], bk[3]);
+    }
+
+    // Score modifiers and mask; row maxima over the quad.
+    float mx[2] = {ninf(), ninf()};
+#pragma unroll
+    for (int n = 0; n < 2; ++n)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int half = e >> 1;
+        const int key = key0 + n * 8 + 2 * t4 + (e & 1);
+        float x = sc[n][e] * smul;
+        if (inv_cap > 0.0f) x = cap * tanhf(x * inv_cap);
+        if (p.alibi) x = fmaf(-slope[half], fabsf(diag[half] - static_cast<float>(key)), x);
+        const bool vis = valid[half] && key < khi;
+        x = vis ? x : ninf();
+        if (vis && !(x < INFINITY)) bad |= 1 << (g + 8 * half);
+        sc[n][e] = x;
+        mx[half] = fmaxf(mx[half], x);
+      }
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      mx[half] = fmaxf(mx[half], ptx::shfl_xor(mx[half], 1));
+      mx[half] = fmaxf(mx[half], ptx::shfl_xor(mx[half], 2));
+    }
+
+    // Online softmax (sc becomes P) and the O rescale.
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const float mn = fmaxf(m[half], mx[half]);
+      if (mn == ninf()) {  // nothing visible yet for this row
+#pragma unroll
+        for (int n = 0; n < 2; ++n) sc[n][2 * half] = sc[n][2 * half + 1] = 0.0f;
+        continue;
+      }
+      float sum = 0.0f;
+#pragma unroll
+      for (int n = 0; n < 2; ++n)
+#pragma unroll
+        for (int e = 2 * half; e < 2 * half + 2; ++e) {
+          sc[n][e] = ptx::exp2_approx(sc[n][e] - mn);  // -inf -> 0
+          sum += sc[n][e];
+        }
+      if (mn != m[half]) {
+        const float alpha = ptx::exp2_approx(m[half] - mn);  // m = -inf -> 0
+        l[half] *= alpha;
+#pragma unroll
+        for (int nd = 0; nd < kDT; ++nd) {
+          o[nd][2 * half] *= alpha;
+          o[nd][2 * half + 1] *= alpha;
+        }
+        m[half] = mn;
+      }
+      l[half] += sum;
+    }
+
+    // O += P V with P = P_hi + P_lo (the C layout of S is the A layout of P).
+    uint32_t ph[4], pl[4];
+    split2<T>(sc[0][0], sc[0][1], ph[0], pl[0]);  // row g,   keys 2t, 2t+1
+    split2<T>(sc[0][2], sc[0][3], ph[1], pl[1]);  // row g+8, keys 2t, 2t+1
+    split2<T>(sc[1][0], sc[1][1], ph[2], pl[2]);  // row g,   keys 8+2t, 8+2t+1
+    split2<T>(sc[1][2], sc[1][3], ph[3], pl[3]);  // row g+8, keys 8+2t, 8+2t+1
+#pragma unroll
+    for (int dp = 0; dp < kDT / 2; ++dp) {
+      uint32_t bv[4];
+      ptx::ldmatrix_x4_trans(bv, v_addr + dp * 32);
+      ptx::mma_m16n8k16<T>(o[2 * dp], ph, bv[0], bv[1]);
+      ptx::mma_m16n8k16<T>(o[2 * dp + 1], ph, bv[2], bv[3]);
+      ptx::mma_m16n8k16<T>(o[2 * dp], pl, bv[0], bv[1]);
+      ptx::mma_m16n8k16<T>(o[2 * dp + 1], pl, bv[2], bv[3]);
+    }
+  }
+
+  // ---- merge the 4 warps (shared memory, in warp order) --------------------------------------
+  ptx::cp_async_wait<0>();
+  const int any_pg_bad = __syncthreads_or(pg_bad);
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    l[half] += ptx::shfl_xor(l[half], 1);
+    l[half] += ptx::shfl_xor(l[half], 2);
+  }
+  for (int off = 1; off < 32; off <<= 1) bad |= __shfl_xor_sync(0xffffffffu, bad, off);
+  if (t4 == 0) {
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      grp_m[warp * kMmaRows + g + 8 * half] = m[half];
+      grp_l[warp * kMmaRows + g + 8 * half] = l[half];
+    }
+  }
+  if (lane == 0) grp_bad[warp] = bad;
+  __syncthreads();
+  rows_from_groups<kMmaRows>(4, grp_m, grp_l, grp_bad, any_pg_bad | (w.seq_bad ? 1 : 0), row_m, row_l, row_bad);
+  __syncthreads();
+  float* red = reinterpret_cast<float*>(smem);  // [4][16][D] fp32
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int r = g + 8 * half;
+    const float f = m[half] > ninf() ? ptx::exp2_approx(m[half] - row_m[r]) : 0.0f;
+#pragma unroll
+    for (int nd = 0; nd < kDT; ++nd) {
+      float* dst = red + (warp * kMmaRows + r) * D + nd * 8 + 2 * t4;
+      dst[0] = o[nd][2 * half] * f;
+      dst[1] = o[nd][2 * half + 1] * f;
+    }
+  }
+  __syncthreads();
+  write_outputs<kMmaRows>(p, w, 4, D, red, row_m, row_l, row_bad);
+}
+
+template <typename T, int D>
+void launch(const DecodeParams& p, int64_t grid, cudaStream_t stream) {
+  auto* kernel = &decode_mma_kernel<T, D>;
+  constexpr int smem = MmaTraits<D>::kSmem;
+  static std::atomic<uint64_t> done{0};  // cudaFuncSetAttribute once per device (not under capture)
+  int dev = 0;
+  IOATTN_CUDA_CHECK(cudaGetDevice(&dev));
+  const uint64_t bit = dev < 64 ? uint64_t{1} << dev : 0;
+  if (!bit || !(done.load() & bit)) {
+    IOATTN_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+    done.fetch_or(bit);
+  }
+  kernel<<<static_cast<unsigned>(grid), kThreads, smem, stream>>>(p);
+  IOATTN_CUDA_CHECK_LAUNCH("decode_mma_kernel");
+}
+
+}  // namespace
+
+bool mma_decode_supported(DType dtype, DType cache, int64_t d, int64_t dv, int64_t seqlen_q, bool masked) {
+  return (dtype == DType::bf16 || dtype == DType::f16) && cache == dtype && d == dv &&
+         (d == 64 || d == 128 || d == 256) && (seqlen_q == 1 || !masked);
+}
+
+void launch_decode_mma(const DecodeParams& p, int64_t grid, cudaStream_t stream) {
+  const bool bf = p.dtype == DType::bf16;
+  switch (p.d) {
+    case 64: bf ? launch<__nv_bfloat16, 64>(p, grid, stream) : launch<__half, 64>(p, grid, stream); break;
+    case 128: bf ? launch<__nv_bfloat16, 128>(p, grid, stream) : launch<__half, 128>(p, grid, stream); break;
+    case 256: bf ? launch<__nv_bfloat16, 256>(p, grid, stream) : launch<__half, 256>(p, grid, stream); break;
+    default: throw Error("q", "ioattn: the mma decode kernel has no head_dim " + std::to_string(p.d));
+  }
+}
+
+}  // namespace ioattn::cuda::serving
