@@ -33,6 +33,8 @@ def run_ioattn(bench, args):
            "--caches", args.caches, "--repeats", str(args.repeats), "--mem-gb", str(args.mem_gb)]
     if args.splits:
         cmd += ["--splits", str(args.splits)]
+    if args.kernels:
+        cmd += ["--kernels", args.kernels]
     t0 = time.time()
     res = subprocess.run(cmd, capture_output=True, text=True)
     sys.stderr.write(res.stderr)
@@ -187,6 +189,7 @@ def main():
     ap.add_argument("--heads-kv", type=int, default=8)
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--splits", type=int, default=0)
+    ap.add_argument("--kernels", default="auto,fma", help="ioattn kernels: auto (dispatcher), fma, mma")
     ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--mem-gb", type=float, default=100)
     ap.add_argument("--eager", type=int, default=1)
@@ -206,9 +209,9 @@ def main():
     if copy:
         print(f"memcpy D2D: {copy['tbps']:.2f} TB/s (read + write)")
     print(f"GQA {args.heads_q}/{args.heads_kv}, hdim {args.head_dim}, q len 1; TB/s = K+V bytes / s (graph replay)")
-    hdr = ("batch", "kv", "ioattn", "page16", "page64", "fp8", "cudnn", "flash", "x cudnn", "x flash", "p16/c",
+    hdr = ("batch", "kv", "ioattn", "fma", "page16", "page64", "fp8", "cudnn", "flash", "x cudnn", "x flash", "p16/c",
            "p64/c", "fp8 speedup")
-    print("{:>5} {:>7} {:>7} {:>7} {:>7} {:>7} {:>7} {:>7} {:>8} {:>8} {:>6} {:>6} {:>11}".format(*hdr))
+    print("{:>5} {:>7} {:>7} {:>7} {:>7} {:>7} {:>7} {:>7} {:>7} {:>8} {:>8} {:>6} {:>6} {:>11}".format(*hdr))
     summary = []
     for kv in [int(x) for x in args.kv.split(",")]:
         for b in [int(x) for x in args.batch.split(",")]:
@@ -216,22 +219,24 @@ def main():
             p16 = find(rows, "ioattn", b, kv, 16, "bf16")
             p64 = find(rows, "ioattn", b, kv, 64, "bf16")
             f8 = find(rows, "ioattn", b, kv, 0, "f8e4m3")
+            fm = find(rows, "ioattn_fma", b, kv, 0, "bf16")
             cu = best_torch(rows, "torch_cudnn", b, kv)
             fl = best_torch(rows, "torch_flash", b, kv)
             if not c:
                 continue
             t = lambda r: r["tbps"] if r else None
             ratio = lambda a, z: (z["ms"] / a["ms"]) if (a and z) else None  # > 1: a is faster
-            line = dict(batch=b, kv_len=kv, ioattn_tbps=t(c), page16_tbps=t(p16), page64_tbps=t(p64),
+            line = dict(batch=b, kv_len=kv, ioattn_tbps=t(c), fma_tbps=t(fm), page16_tbps=t(p16), page64_tbps=t(p64),
                         fp8_tbps=t(f8), cudnn_tbps=t(cu), flash_tbps=t(fl), x_cudnn=ratio(c, cu),
                         x_flash=ratio(c, fl), paged16_vs_contig=ratio(p16, c) and 1 / ratio(p16, c),
                         paged64_vs_contig=ratio(p64, c) and 1 / ratio(p64, c), fp8_speedup=ratio(f8, c))
             summary.append(line)
-            print("{:>5} {:>7} {} {} {} {} {} {} {:>8} {:>8} {:>6} {:>6} {:>11}".format(
-                b, kv, fmt(t(c), "{:7.2f}"), fmt(t(p16), "{:7.2f}"), fmt(t(p64), "{:7.2f}"), fmt(t(f8), "{:7.2f}"),
+            print("{:>5} {:>7} {} {} {} {} {} {} {} {:>8} {:>8} {:>6} {:>6} {:>11}".format(
+                b, kv, fmt(t(c), "{:7.2f}"), fmt(t(fm), "{:7.2f}"), fmt(t(p16), "{:7.2f}"), fmt(t(p64), "{:7.2f}"), fmt(t(f8), "{:7.2f}"),
                 fmt(t(cu), "{:7.2f}"), fmt(t(fl), "{:7.2f}"), fmt(line["x_cudnn"], "{:8.2f}"),
                 fmt(line["x_flash"], "{:8.2f}"), fmt(line["paged16_vs_contig"], "{:6.2f}"),
                 fmt(line["paged64_vs_contig"], "{:6.2f}"), fmt(line["fp8_speedup"], "{:11.2f}")))
+    print("ioattn: the dispatcher's kernel (mma for these shapes); fma: IOATTN_DECODE_KERNEL=fma, contiguous bf16")
     print("x cudnn / x flash: their time / ioattn's (> 1 = ioattn faster); pN/c: paged time / contiguous "
           "time (<= 1.05 is the target); fp8 speedup: bf16 time / fp8 time (fp8 reads half the bytes)")
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)

@@ -3,12 +3,16 @@
 //   ioattn_cuda_decode_bench [--batch 1,16,64] [--kv 4096,32768,131072] [--heads-q 32]
 //       [--heads-kv 8] [--head-dim 128] [--pages 0,16,64] [--caches bf16,f8e4m3] [--q-dtype bf16]
 //       [--seqlen-q 1] [--splits 0] [--repeats 15] [--eager 1] [--copy 1] [--mem-gb 100]
+//       [--kernels auto,fma]
 //
 // Every cache holds kv_len tokens per sequence; paged caches (page size > 0) get a shuffled block
 // table (pages of a sequence scattered over the pool, as a serving engine leaves them). Per cell:
 //   impl "ioattn":       decode under a plan (caller workspace), `inner` calls captured in one CUDA
 //                        graph and replayed: GPU time only, as a serving engine runs it;
 //   impl "ioattn_eager": the same calls issued from the host (validation + launch each time).
+// --kernels: "auto" (the dispatcher's choice: impl "ioattn") and/or "fma" / "mma" (forced through
+// IOATTN_DECODE_KERNEL: impl "ioattn_fma" / "ioattn_mma"; contiguous 16-bit caches only); "kernel"
+// names what ran.
 // ms is the median per call; tbps = K+V bytes read / s / 1e12 (batch * kv_len * heads_kv *
 // (head_dim + head_dim_v) * element bytes; the query, output and partials are not counted).
 // Caches smaller than 256 MiB are replicated (up to 8 copies) and the captured calls rotate over
@@ -23,6 +27,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <functional>
 #include <memory>
@@ -119,7 +124,12 @@ void print_line(const Cell& c, const char* impl, int splits, double ms, double b
   std::fflush(stdout);
 }
 
-void run_cell(const Cell& c, int repeats, bool eager, double mem_limit) {
+void run_cell(const Cell& c, int repeats, bool eager, double mem_limit, const std::string& kernel_mode) {
+  if (kernel_mode == "auto")
+    unsetenv("IOATTN_DECODE_KERNEL");
+  else
+    setenv("IOATTN_DECODE_KERNEL", kernel_mode.c_str(), 1);
+  const std::string impl = kernel_mode == "auto" ? "ioattn" : "ioattn_" + kernel_mode;
   const int64_t es = dtype_size(c.cache), qs = dtype_size(c.qt);
   const bool paged = c.page > 0;
   const int64_t ps = paged ? c.page : c.kv;
@@ -217,7 +227,7 @@ void run_cell(const Cell& c, int repeats, bool eager, double mem_limit) {
   for (int r = 0; r < repeats; ++r)
     ms.push_back(time_once([&] { IOATTN_CUDA_CHECK(cudaGraphLaunch(exec, stream)); }) / inner);
   std::sort(ms.begin(), ms.end());
-  print_line(c, "ioattn", plan.num_splits, ms[ms.size() / 2], kv_bytes, choice.kernel);
+  print_line(c, impl.c_str(), plan.num_splits, ms[ms.size() / 2], kv_bytes, choice.kernel);
   IOATTN_CUDA_CHECK(cudaGraphExecDestroy(exec));
   IOATTN_CUDA_CHECK(cudaGraphDestroy(graph));
 
@@ -229,7 +239,7 @@ void run_cell(const Cell& c, int repeats, bool eager, double mem_limit) {
                    }) /
                    inner);
     std::sort(me.begin(), me.end());
-    print_line(c, "ioattn_eager", plan.num_splits, me[me.size() / 2], kv_bytes, choice.kernel);
+    print_line(c, (impl + "_eager").c_str(), plan.num_splits, me[me.size() / 2], kv_bytes, choice.kernel);
   }
   IOATTN_CUDA_CHECK(cudaEventDestroy(e0));
   IOATTN_CUDA_CHECK(cudaEventDestroy(e1));
@@ -270,6 +280,7 @@ int main(int argc, char** argv) {
     const int repeats = std::stoi(arg(argc, argv, "--repeats", "15"));
     const bool eager = arg(argc, argv, "--eager", "1") == "1";
     const double mem_limit = std::stod(arg(argc, argv, "--mem-gb", "100")) * 1e9;
+    const auto kernels = parse_names(arg(argc, argv, "--kernels", "auto"));
     if (arg(argc, argv, "--copy", "1") == "1") run_copy(repeats);
     for (const std::string& cs : caches)
       for (int64_t kv : kvs)
@@ -281,7 +292,20 @@ int main(int argc, char** argv) {
             c.batch = b;
             c.kv = kv;
             c.page = pg;
-            run_cell(c, repeats, eager, mem_limit);
+            for (const std::string& km : kernels) {
+              // A forced kernel is a comparison row: contiguous 16-bit caches only (8-bit caches
+              // always run the FMA kernel).
+              if (km != "auto" && (pg != 0 || dtype_size(c.cache) != 2)) continue;
+              try {
+                run_cell(c, repeats, eager, mem_limit, km);
+              } catch (const Error& e) {  // e.g. --kernels mma on an fp8 cache: a line, not the end
+                std::printf("{\"batch\": %lld, \"kv_len\": %lld, \"page_size\": %lld, \"cache\": \"%s\", "
+                            "\"impl\": \"ioattn_%s\", \"error\": \"%s\"}\n",
+                            static_cast<long long>(b), static_cast<long long>(kv), static_cast<long long>(pg),
+                            cs.c_str(), km.c_str(), e.argument().c_str());
+                std::fflush(stdout);
+              }
+            }
           }
   } catch (const std::exception& e) {
     std::fprintf(stderr, "ioattn_cuda_decode_bench: %s\n", e.what());
