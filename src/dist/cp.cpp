@@ -99,10 +99,10 @@ AttnParams block_params(const AttnParams& params, Pair pair) {
 
 // The travelling K/V shard: [K | V] contiguous, each [B, L, Hk, D|Dv].
 struct KvRing {
-  KvRing(const Shapes& s, DType dt, Device dev)
+  KvRing(const Shapes& s, DType dt, Device dev, void* stream)
       : k_bytes(static_cast<size_t>(s.B * s.L * s.Hk * s.D * dtype_size(dt))),
         v_bytes(static_cast<size_t>(s.B * s.L * s.Hk * s.Dv * dtype_size(dt))),
-        a(dev, k_bytes + v_bytes), b(dev, k_bytes + v_bytes), shapes(s), dtype(dt), device(dev) {}
+        a(dev, k_bytes + v_bytes, stream), b(dev, k_bytes + v_bytes, stream), shapes(s), dtype(dt), device(dev) {}
   size_t k_bytes, v_bytes;
   Scratch a, b;
   Shapes shapes;
@@ -130,13 +130,14 @@ KernelChoice cp_forward(Communicator& comm, const TensorView& q, const TensorVie
   // Validate the local problem once through the ordinary forward path (no work: select only).
   select_forward(q, k, v, o, lse, params, ctx);
 
-  KvRing ring(s, q.dtype, dev);
+  KvRing ring(s, q.dtype, dev, ctx.stream);
   detail::dist::copy(ring.k(ring.a.get()), k, ctx.stream);
   detail::dist::copy(ring.v(ring.a.get()), v, ctx.stream);
   // fp32 running state and one block's partial result (input dtype, as the forward writes it).
-  Scratch o_acc_m(dev, static_cast<size_t>(s.B * s.L * s.Hq * s.Dv * 4)), lse_acc_m(dev, static_cast<size_t>(s.B * s.Hq * s.L * 4));
-  Scratch o_part_m(dev, static_cast<size_t>(s.B * s.L * s.Hq * s.Dv * dtype_size(q.dtype)));
-  Scratch lse_part_m(dev, static_cast<size_t>(s.B * s.Hq * s.L * 4));
+  void* st = ctx.stream;
+  Scratch o_acc_m(dev, static_cast<size_t>(s.B * s.L * s.Hq * s.Dv * 4), st), lse_acc_m(dev, static_cast<size_t>(s.B * s.Hq * s.L * 4), st);
+  Scratch o_part_m(dev, static_cast<size_t>(s.B * s.L * s.Hq * s.Dv * dtype_size(q.dtype)), st);
+  Scratch lse_part_m(dev, static_cast<size_t>(s.B * s.Hq * s.L * 4), st);
   const TensorView o_acc = contiguous(o_acc_m.get(), DType::f32, {s.B, s.L, s.Hq, s.Dv}, dev);
   const TensorView lse_acc = contiguous(lse_acc_m.get(), DType::f32, {s.B, s.Hq, s.L}, dev);
   detail::dist::fill_f32(o_acc, 0.0f, ctx.stream);
@@ -192,16 +193,17 @@ KernelChoice cp_backward(Communicator& comm, const TensorView& q, const TensorVi
              std::to_string(t->shape[i]));
   }
 
-  KvRing ring(s, q.dtype, dev);
+  KvRing ring(s, q.dtype, dev, ctx.stream);
   detail::dist::copy(ring.k(ring.a.get()), k, ctx.stream);
   detail::dist::copy(ring.v(ring.a.get()), v, ctx.stream);
   // Travelling fp32 [dK | dV] accumulators, the local fp32 dQ, and one block's gradients.
   const size_t dk_bytes = static_cast<size_t>(s.B * s.L * s.Hk * s.D * 4), dv_bytes = static_cast<size_t>(s.B * s.L * s.Hk * s.Dv * 4);
-  Scratch dkv_a(dev, dk_bytes + dv_bytes), dkv_b(dev, dk_bytes + dv_bytes);
-  Scratch dq_acc_m(dev, static_cast<size_t>(s.B * s.L * s.Hq * s.D * 4));
+  void* st = ctx.stream;
+  Scratch dkv_a(dev, dk_bytes + dv_bytes, st), dkv_b(dev, dk_bytes + dv_bytes, st);
+  Scratch dq_acc_m(dev, static_cast<size_t>(s.B * s.L * s.Hq * s.D * 4), st);
   const int64_t es = dtype_size(q.dtype);
-  Scratch dq_part_m(dev, static_cast<size_t>(s.B * s.L * s.Hq * s.D * es));
-  Scratch dk_part_m(dev, static_cast<size_t>(s.B * s.L * s.Hk * s.D * es)), dv_part_m(dev, static_cast<size_t>(s.B * s.L * s.Hk * s.Dv * es));
+  Scratch dq_part_m(dev, static_cast<size_t>(s.B * s.L * s.Hq * s.D * es), st);
+  Scratch dk_part_m(dev, static_cast<size_t>(s.B * s.L * s.Hk * s.D * es), st), dv_part_m(dev, static_cast<size_t>(s.B * s.L * s.Hk * s.Dv * es), st);
   auto dk_view = [&](void* base) { return contiguous(base, DType::f32, {s.B, s.L, s.Hk, s.D}, dev); };
   auto dv_view = [&](void* base) {
     return contiguous(static_cast<char*>(base) + dk_bytes, DType::f32, {s.B, s.L, s.Hk, s.Dv}, dev);

@@ -28,15 +28,15 @@ int64_t row_len(const TensorView& t) { return t.ndim ? t.shape[t.ndim - 1] : 1; 
 
 }  // namespace
 
-Scratch::Scratch(Device dev, size_t bytes) : dev_(dev) {
+Scratch::Scratch(Device dev, size_t bytes, void* stream) : dev_(dev), stream_(stream) {
   if (bytes == 0) return;
-  ptr_ = dev == Device::cuda ? cuda_malloc(bytes) : ::operator new(bytes);
+  ptr_ = dev == Device::cuda ? cuda_alloc_async(bytes, stream) : ::operator new(bytes);
 }
 
 Scratch::~Scratch() {
   if (!ptr_) return;
   if (dev_ == Device::cuda)
-    cuda_free(ptr_);
+    cuda_free_async(ptr_, stream_);
   else
     ::operator delete(ptr_);
 }
@@ -96,6 +96,8 @@ void cuda_accumulate(const TensorView&, const TensorView&, void*) { no_cuda(); }
 void cuda_convert(const TensorView&, const TensorView&, void*) { no_cuda(); }
 void cuda_stream_synchronize(void*) { no_cuda(); }
 void cuda_copy_bytes(void*, const void*, size_t, void*) { no_cuda(); }
+void* cuda_alloc_async(size_t, void*) { no_cuda(); }
+void cuda_free_async(void*, void*) {}
 #endif
 
 }  // namespace ioattn::detail::dist

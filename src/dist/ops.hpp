@@ -6,10 +6,12 @@
 
 namespace ioattn::detail::dist {
 
-// Device memory owned by the ring algorithm (K/V ring buffers, fp32 accumulators).
+// Memory owned by the ring algorithm (K/V ring buffers, fp32 accumulators). On CUDA it is
+// stream-ordered (cudaMallocAsync / cudaFreeAsync on `stream`): no device-wide synchronisation per
+// call, and the pool reuses the blocks of the previous call.
 class Scratch {
  public:
-  Scratch(Device dev, size_t bytes);
+  Scratch(Device dev, size_t bytes, void* stream = nullptr);
   ~Scratch();
   Scratch(const Scratch&) = delete;
   Scratch& operator=(const Scratch&) = delete;
@@ -17,6 +19,7 @@ class Scratch {
 
  private:
   Device dev_;
+  void* stream_ = nullptr;
   void* ptr_ = nullptr;
 };
 
@@ -34,5 +37,7 @@ void cuda_accumulate(const TensorView& acc_f32, const TensorView& src, void* str
 void cuda_convert(const TensorView& dst, const TensorView& src_f32, void* stream);
 void cuda_stream_synchronize(void* stream);
 void cuda_copy_bytes(void* dst, const void* src, size_t bytes, void* stream);
+void* cuda_alloc_async(size_t bytes, void* stream);
+void cuda_free_async(void* ptr, void* stream);
 
 }  // namespace ioattn::detail::dist

@@ -96,6 +96,21 @@ void cuda_copy_bytes(void* dst, const void* src, size_t bytes, void* stream) {
   if (e != cudaSuccess) throw Error("cuda", std::string("ioattn: cudaMemcpyAsync failed: ") + cudaGetErrorString(e));
 }
 
+void* cuda_alloc_async(size_t bytes, void* stream) {
+  void* p = nullptr;
+  const cudaError_t e = cudaMallocAsync(&p, bytes, static_cast<cudaStream_t>(stream));
+  if (e != cudaSuccess) {
+    cudaGetLastError();
+    throw Error("cuda", "ioattn: cudaMallocAsync(" + std::to_string(bytes) + " bytes) failed: " + cudaGetErrorString(e));
+  }
+  return p;
+}
+
+// Destructor path: never throws (a failure here leaves the block to the pool).
+void cuda_free_async(void* ptr, void* stream) {
+  if (cudaFreeAsync(ptr, static_cast<cudaStream_t>(stream)) != cudaSuccess) cudaGetLastError();
+}
+
 void cuda_stream_synchronize(void* stream) {
   const cudaError_t e = cudaStreamSynchronize(static_cast<cudaStream_t>(stream));
   if (e != cudaSuccess) throw Error("cuda", std::string("ioattn: cudaStreamSynchronize failed: ") + cudaGetErrorString(e));
