@@ -208,19 +208,20 @@ __device__ __forceinline__ float tanh_abs_accurate(float x) {
 // `raw` is q.k (fp32 from the mma); i, j are positions in the sequence (row, key). kPlain (no
 // softcap, no ALiBi) is a compile-time split so the per-element code has no branches.
 struct ScoreFn {
-  float scale, scale_log2, softcap, softcap_inv, slope_log2;
+  const BwdParams& p;  // scale, softcap: read from the kernel's parameter (constant) bank
+  float slope_log2;
   int off;  // seqlen_k - seqlen_q (bottom-right alignment)
 
   template <bool kPlain>
   __device__ __forceinline__ float apply(float raw, int i, int j, float* chain) const {
     if constexpr (kPlain) {
-      return raw * scale_log2;
+      return raw * p.scale_log2;
     } else {
-      float x = raw * scale;
+      float x = raw * p.scale;
       // softcap 0 (off): th = 0 would zero the score, so select the capped value only when on.
-      const float th = tanh_abs_accurate(x * softcap_inv);
-      if (softcap > 0.f) {
-        x = softcap * th;
+      const float th = tanh_abs_accurate(x * p.softcap_inv);
+      if (p.softcap > 0.f) {
+        x = p.softcap * th;
         *chain = 1.f - th * th;
       }
       return x * kLog2e - slope_log2 * fabsf(static_cast<float>(i + off - j));  // slope 0 without ALiBi
@@ -411,11 +412,8 @@ __global__ void __launch_bounds__(Tr::kThreads, Tr::kMinBlocksPerSm) flash_bwd_d
   const uint32_t b_lane = (lane % 8 + (lane / 16) * 8) * kRowBytes + ((lane / 8) % 2) * 16;  // Q/dO rows as B
   const uint32_t bt_lane = (lane % 8 + ((lane / 8) % 2) * 8) * kRowBytes + (lane / 16) * 16;  // ... as B^T
 
-  bwd_detail::ScoreFn score;
+  bwd_detail::ScoreFn score{p, 0.f, off};
   const bool plain = p.softcap == 0.f && p.alibi_slopes == nullptr;
-  score.scale = p.scale, score.scale_log2 = p.scale_log2;
-  score.softcap = p.softcap, score.softcap_inv = p.softcap_inv;
-  score.off = off;
   const int key_row0 = n0 + warp * 16 + g;  // key of the warp's fragment row g
 
   float acc_dk[kDT][4], acc_dv[kDT][4];  // (16 keys, head_dim) per warp, fp32
@@ -710,12 +708,8 @@ __global__ void __launch_bounds__(Tr::kDqThreads, Tr::kDqMinBlocksPerSm) flash_b
     d_r[rh] = r < sq ? p.ws_d[w] : 0.f;
   }
 
-  bwd_detail::ScoreFn score;
+  const bwd_detail::ScoreFn score{p, p.alibi_slopes != nullptr ? p.alibi_slopes[h] * kLog2e : 0.f, off};
   const bool plain = p.softcap == 0.f && p.alibi_slopes == nullptr;
-  score.scale = p.scale, score.scale_log2 = p.scale_log2;
-  score.softcap = p.softcap, score.softcap_inv = p.softcap_inv;
-  score.slope_log2 = p.alibi_slopes != nullptr ? p.alibi_slopes[h] * kLog2e : 0.f;
-  score.off = off;
 
   const uint32_t q_lane = (warp * 16 + lane % 16) * kRowBytes + (lane / 16) * 16;            // Q/dO rows as A
   const uint32_t k_lane = (lane % 8 + (lane / 16) * 8) * kRowBytes + ((lane / 8) % 2) * 16;  // K/V rows as B

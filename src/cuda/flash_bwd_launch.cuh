@@ -27,6 +27,11 @@ struct BwdTraits<64> : BwdTile<64, 64, 8, 1, 64, 4, 2> {
       "query rows per step), 128 keys per fp32 dQ atomic pass; first choice, not yet tuned on a GPU";
 };
 
+// ptxas (nvcc 13): the hdim128 dK/dV kernel takes all 255 registers and spills 24 B (sm_90a) / 48 B
+// (sm_80) of loop-invariant addresses, reloaded a few times per query block outside the mma loops.
+// Computing each step as two 32-query halves removes the spill but reloads the K/V fragments
+// (+16 ldmatrix.x4 per warp per step, ~+9% shared-memory traffic), which costs more than ~6 L1
+// hits per thread per step. TODO(GPU): measure both.
 template <>
 struct BwdTraits<128> : BwdTile<128, 64, 8, 1, 64, 4, 2> {
   static constexpr const char* kReason =
