@@ -31,7 +31,7 @@
 //                     end (no atomics on dK/dV; GQA sums stay on chip). Default mode then also
 //                     accumulates dQ: dS^T goes to shared memory (16-bit), and the warps, now tiled
 //                     32 query rows x kDqCols columns, compute dQ_partial = dS K and add it to the
-//                     fp32 accumulator [heads_q, rows_q, kHeadDim] with atomicAdd (red.global.add).
+//                     fp32 accumulator [heads_q, rows_q, kHeadDim] with red.global.add (.v2 on sm_90).
 //   4a. dQ convert    (default) dQ = scale · accumulator -> the input dtype, 16-byte stores.
 //   4b. dQ pass       (deterministic mode) no float atomics at all: one CTA per (query block,
 //                     head, batch) walks the key blocks that its rows see in ascending order,
@@ -577,10 +577,8 @@ __global__ void __launch_bounds__(Tr::kThreads, Tr::kMinBlocksPerSm) flash_bwd_d
         for (int rh = 0; rh < 2; ++rh) {
           if (m0 + r_lane + mt * 16 + rh * 8 < sq) {
 #pragma unroll
-            for (int ct = 0; ct < kCT; ++ct) {
-              atomicAdd(gdq + (mt * 16 + rh * 8) * kD + ct * 8, acc_dq[mt][ct][2 * rh]);
-              atomicAdd(gdq + (mt * 16 + rh * 8) * kD + ct * 8 + 1, acc_dq[mt][ct][2 * rh + 1]);
-            }
+            for (int ct = 0; ct < kCT; ++ct)
+              red_add_v2_f32(gdq + (mt * 16 + rh * 8) * kD + ct * 8, acc_dq[mt][ct][2 * rh], acc_dq[mt][ct][2 * rh + 1]);
           }
         }
     }

@@ -128,6 +128,20 @@ __device__ __forceinline__ uint32_t pack2(float lo, float hi) {
     return pack_f16x2(lo, hi);
 }
 
+// ---- global reductions ------------------------------------------------------------------------
+
+// red.global.add.v2.f32 (sm_90+): adds (a, b) to the two adjacent fp32 values at p (8-byte
+// aligned) atomically, without a return value: one instruction per C-fragment pair (c0, c1).
+// sm_8x has no vector float red: two scalar atomicAdds (red.global.add.f32) there.
+__device__ __forceinline__ void red_add_v2_f32(float* p, float a, float b) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("red.global.add.v2.f32 [%0], {%1, %2};\n" ::"l"(p), "f"(a), "f"(b) : "memory");
+#else
+  atomicAdd(p, a);
+  atomicAdd(p + 1, b);
+#endif
+}
+
 // ---- special functions (the MUFU unit) ----------------------------------------------------
 
 // ex2.approx.ftz: 2^x with ~2 ulp error; 2^-inf = +0, which is how masked scores vanish.
