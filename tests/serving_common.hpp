@@ -313,7 +313,12 @@ inline detail::RefResult reference(const Built& bl, int64_t b, const std::vector
   const TensorView vv = TensorView::contiguous(v[static_cast<size_t>(b)].data(), DType::f32, {1, L, c.hkv, c.DV()});
   const TensorView ov = TensorView::contiguous(ob.data(), DType::f32, {1, c.sq, c.hq, c.DV()});
   const TensorView lv = TensorView::contiguous(lb.data(), DType::f32, {1, c.hq, c.sq});
-  detail::Validated val = detail::validate(qv, kv, vv, ov, lv, nullptr, bl.prm, Context{});
+  // bl.prm's ALiBi slopes / sinks live on the spec's device; the reference runs on the host.
+  AttnParams prm = bl.prm;
+  std::vector<float> alibi = bl.val.alibi, sinks = bl.val.sinks;
+  if (prm.alibi_slopes.defined()) prm.alibi_slopes = TensorView::contiguous(alibi.data(), DType::f32, {c.hq});
+  if (prm.sinks.defined()) prm.sinks = TensorView::contiguous(sinks.data(), DType::f32, {c.hq});
+  detail::Validated val = detail::validate(qv, kv, vv, ov, lv, nullptr, prm, Context{});
   return detail::reference_forward(val.p, detail::RefPrecision::f64);
 }
 

@@ -545,15 +545,15 @@ TEST(CudaDecodePlan, SplitHeuristic) {
   const int s = detail::cuda_decode_num_splits(1, 32, 8, 1, 4096, 0, &why);
   EXPECT_NE(why.find(std::to_string(sms) + " SMs"), std::string::npos) << why;
   EXPECT_GE(s, 1);
-  EXPECT_LE(s, 16);  // chunks >= 256 tokens
+  EXPECT_LE(s, 32);  // chunks >= 128 tokens
   EXPECT_EQ(detail::cuda_decode_num_splits(4096, 32, 8, 1, 32768, 0, nullptr), 1);
   EXPECT_EQ(detail::cuda_decode_num_splits(1, 1, 1, 1, 100, 0, nullptr), 1);
   EXPECT_EQ(detail::cuda_decode_num_splits(0, 8, 8, 1, 0, 0, nullptr), 1);
   if (sms == 132) {
-    EXPECT_EQ(s, 16);
-    EXPECT_EQ(detail::cuda_decode_num_splits(1, 32, 8, 1, 131072, 0, nullptr), 66);
-    EXPECT_EQ(detail::cuda_decode_num_splits(16, 32, 8, 1, 32768, 0, nullptr), 5);
-    EXPECT_EQ(detail::cuda_decode_num_splits(64, 32, 8, 1, 32768, 0, nullptr), 2);
+    EXPECT_EQ(s, 32);
+    EXPECT_EQ(detail::cuda_decode_num_splits(1, 32, 8, 1, 131072, 0, nullptr), 32);
+    EXPECT_EQ(detail::cuda_decode_num_splits(16, 32, 8, 1, 32768, 0, nullptr), 2);
+    EXPECT_EQ(detail::cuda_decode_num_splits(64, 32, 8, 1, 32768, 0, nullptr), 1);
     EXPECT_EQ(detail::cuda_decode_num_splits(128, 32, 8, 1, 32768, 0, nullptr), 1);
   }
 }

@@ -11,6 +11,19 @@
 // token decode); query row i of sequence b sits at position cache_seqlens[b] - seqlen_q + i, so
 // causal masking is bottom-right aligned as in the forward. o like q (head_dim_v), lse f32
 // [batch, heads_q, seqlen_q].
+//
+// Checks of the cache's values. CPU tensors: decode() reads cache_seqlens and the block-table
+// entries a sequence uses on the host and throws ioattn::Error naming the entry (a length outside
+// 0..capacity, a nonzero length below seqlen_q, a page outside 0..pages-1). CUDA tensors are not
+// read on the host (no device -> host copy: the call stays CUDA-graph capturable), so the kernels
+// check them instead and poison rather than throw: a sequence whose cache_seqlens entry is outside
+// 0..bound (bound = the capacity, block_table.shape[1] * page_size or max_seqlen, and under a plan
+// at most plan.max_seqlen_k), or whose block table names a page outside 0..pages-1 among the
+// pages its length covers, gets O = NaN and LSE = NaN for all its rows; other sequences are
+// unaffected and nothing outside the cache is read. A CUDA length below seqlen_q is not rejected;
+// its rows are computed by the position formula above (rows before position 0 see no key under a
+// causal mask: O = 0, LSE = -inf). append_kv on CUDA skips a slot outside 0..num_slots-1, as it
+// skips a negative one.
 #pragma once
 
 #include "ioattn/ioattn.hpp"

@@ -42,6 +42,13 @@
 // [0, bound] (bound = the capacity, or the plan's max_seqlen_k if smaller) or a block_table entry
 // outside [0, pages) makes the whole sequence's output NaN (LSE NaN); nothing out of range is read.
 // A length below seqlen_q (rejected on the CPU) is computed as the position formula says.
+//
+// Measured (H200, GQA 32/8, hdim 128, bf16, q len 1, graph replay; bench/peer_decode.py): the mma
+// kernel streams ~3.4-3.5 TB/s at batch >= 16 (cuDNN 4.1-4.6), i.e. ~2.4 us per 64-key tile per
+// CTA at 2 CTAs/SM; small cells carry ~15-30 us of fixed cost per call (b1 x 4k: 33 us, cuDNN
+// 12 us). ncu (b1 x 4k, 32 splits): decode 20 us at 18% of DRAM peak, 12% achieved occupancy.
+// A merge variant loading 8 splits' partial rows per batch was slower in graph replay (39 vs
+// 33 us at b1 x 4k) and was not kept. Paged (page 16) runs 1.2-1.36x the contiguous time.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -116,7 +123,10 @@ __global__ void __launch_bounds__(kThreads) decode_kernel(const DecodeParams p) 
   float qr[kRows][kElems];
   int lo[kRows], hi[kRows];
   float slope[kRows], diag[kRows];
-  int64_t klo = k1, khi = k0;
+  // Union of the rows' visible ranges within the split; empty (nkeys 0) when no row sees a key.
+  // (Not seeded with [k1, k0): for an empty split k0 > k1, and that seed would be read as a
+  // non-empty range past the sequence's pages.)
+  int64_t klo = INT64_MAX, khi = INT64_MIN;
 #pragma unroll
   for (int r = 0; r < kRows; ++r) {
     const int rr = rb * kRows + r;
@@ -148,7 +158,7 @@ __global__ void __launch_bounds__(kThreads) decode_kernel(const DecodeParams p) 
   }
 
   // ---- the cp.async loader: this thread copies chunk c_ld of rows j_ld0 + it * j_step --------
-  const int64_t nkeys = khi > klo ? khi - klo : 0;
+  const int64_t nkeys = khi > klo ? khi - klo : 0;  // klo is only used when nkeys > 0
   const int ntiles = static_cast<int>((nkeys + BK - 1) / BK);
   const int c_ld = tid & (CPR - 1);
   const int j_ld0 = tid / CPR, j_step = kThreads / CPR;  // kLoadIters * j_step == BK
@@ -316,10 +326,15 @@ struct MergeParams {
 
 constexpr int kMergeWarps = 4;
 constexpr int kMergeElems = kMaxDim / 32;
+constexpr int kMergeSplitRegs = detail::kMaxSplits / 32;
+static_assert(detail::kMaxSplits % 32 == 0, "merge: splits in whole warps");
 
 __global__ void __launch_bounds__(kMergeWarps * 32) merge_splits_kernel(const MergeParams p) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   cudaGridDependencySynchronize();  // the decode grid's partials are complete and visible (no-op without PDL)
+  // The next decode call (launched with PDL) may start its CTAs now; they wait in their own
+  // cudaGridDependencySynchronize until this grid has completed.
+  cudaTriggerProgrammaticLaunchCompletion();
 #endif
   const int lane = threadIdx.x & 31;
   const int64_t row = static_cast<int64_t>(blockIdx.x) * kMergeWarps + (threadIdx.x >> 5);
@@ -328,17 +343,25 @@ __global__ void __launch_bounds__(kMergeWarps * 32) merge_splits_kernel(const Me
   const int64_t bh = row / p.seqlen_q;
   const int h = static_cast<int>(bh % p.heads_q);
   const int64_t b = bh / p.heads_q;
-  const int S = p.splits;
+  const int S = p.splits;  // <= kMaxSplits = 32 * kMergeSplitRegs
   const float* pl = p.part_lse + row * S;
   const float* po = p.part_o + row * S * p.dv;
   const float sink = p.sinks ? p.sinks[h] : ninf();
+  // Split s's LSE lives in lane s % 32, register s / 32: all of them are loaded at once (no
+  // dependent chain of S loads), then max / NaN / sum are warp reductions in a fixed order.
+  float lv[kMergeSplitRegs];
   float M = sink;
   bool nan = false;
-  for (int s = 0; s < S; ++s) {
-    const float x = pl[s];
-    nan |= isnan(x);
-    M = fmaxf(M, x);
+#pragma unroll
+  for (int j = 0; j < kMergeSplitRegs; ++j) {
+    const int s = lane + 32 * j;
+    lv[j] = s < S ? pl[s] : ninf();
+    nan |= isnan(lv[j]);
+    M = fmaxf(M, lv[j]);
   }
+  nan = __any_sync(0xffffffffu, nan);
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) M = fmaxf(M, __shfl_xor_sync(0xffffffffu, M, off));
   const int64_t ooff = b * p.o_sb + i * p.o_ss + h * p.o_sh;
   float lse;
   if (nan || M == ninf()) {
@@ -346,18 +369,34 @@ __global__ void __launch_bounds__(kMergeWarps * 32) merge_splits_kernel(const Me
     for (int x = lane; x < p.dv; x += 32) store_elem(p.o, p.dtype, ooff + x, fill);
     lse = nan ? NAN : ninf();
   } else {
-    float total = p.sinks ? expf(sink - M) : 0.0f;
+    float part = 0.0f;
+#pragma unroll
+    for (int j = 0; j < kMergeSplitRegs; ++j) {
+      lv[j] = expf(lv[j] - M);  // an empty split (-inf) -> 0
+      part += lv[j];
+    }
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) part += __shfl_xor_sync(0xffffffffu, part, off);
+    const float total = part + (p.sinks ? expf(sink - M) : 0.0f);
     float acc[kMergeElems];
 #pragma unroll
     for (int k = 0; k < kMergeElems; ++k) acc[k] = 0.0f;
-    for (int s = 0; s < S; ++s) {
-      const float w = expf(pl[s] - M);  // an empty split (-inf) -> 0
-      total += w;
-      if (w == 0.0f) continue;
 #pragma unroll
-      for (int k = 0; k < kMergeElems; ++k) {
-        const int x = lane + 32 * k;
-        if (x < p.dv) acc[k] = fmaf(w, po[s * p.dv + x], acc[k]);
+    for (int j = 0; j < kMergeSplitRegs; ++j) {
+      if (32 * j >= S) break;
+      const int n = min(32, S - 32 * j);
+#pragma unroll 4
+      for (int sl = 0; sl < n; ++sl) {
+        const float w = __shfl_sync(0xffffffffu, lv[j], sl);
+        const float* src = po + static_cast<int64_t>(32 * j + sl) * p.dv;
+#pragma unroll
+        for (int k = 0; k < kMergeElems; ++k) {
+          const int x = lane + 32 * k;
+          if (x < p.dv) {
+            const float v = src[x];
+            if (w != 0.0f) acc[k] = fmaf(w, v, acc[k]);  // a zero weight never multiplies an inf / NaN
+          }
+        }
       }
     }
     const float inv = 1.0f / total;
@@ -384,7 +423,7 @@ size_t align_up(size_t n) {
 }
 
 template <typename CT>
-void launch_decode(const DecodeParams& dp, int64_t grid, cudaStream_t stream) {
+void launch_decode(const DecodeParams& dp, int64_t grid, cudaStream_t stream, bool pdl) {
   constexpr size_t smem = static_cast<size_t>(CacheTraits<CT>::kStages) * 2 * 8192 * CacheTraits<CT>::kBytes;
   static_assert(smem >= 32768, "the group merge reuses 32 KiB ([G][kRows][Dp] fp32) of the ring");
   auto* kernel = &decode_kernel<CT>;
@@ -399,8 +438,7 @@ void launch_decode(const DecodeParams& dp, int64_t grid, cudaStream_t stream) {
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
     done.fetch_or(bit);
   }
-  kernel<<<static_cast<unsigned>(grid), kThreads, smem, stream>>>(dp);
-  IOATTN_CUDA_CHECK_LAUNCH("decode_kernel");
+  launch_decode_grid(kernel, dp, grid, static_cast<int>(smem), stream, pdl);
 }
 
 int sm_count(int device) {
@@ -493,30 +531,44 @@ CudaSelection cuda_decode_select(const DecodeProblem& p, int arch) {
 }
 
 // Split heuristic (CUDA). A CTA is (sequence, kv head, split, row block); beyond batch * heads_kv
-// * row_blocks CTAs, parallelism comes only from splitting the KV range. Aim at two waves of
-// kCtasPerSm resident CTAs per SM, but keep every chunk at least kMinChunkTokens long (a split
-// costs a partial of rows x dv fp32 written and read back by the merge, and a pipeline ramp):
-//   work   = batch * heads_kv * row_blocks
-//   splits = 1 if work >= want = 2 * kCtasPerSm * SMs, else ceil(want / work),
-//   capped by ceil(max_seqlen_k / kMinChunkTokens) and kMaxSplits; at least 1.
-// H200 (132 SMs), GQA 32/8: batch 1 x 4k -> 16 splits (128 CTAs of 256 tokens); batch 1 x 128k
-// -> 66; batch 16 x 32k -> 5; batch 64 -> 2 (1024 CTAs); batch 128 -> 1.
+// * row_blocks CTAs, parallelism comes only from splitting the KV range. Both kernels keep
+// kCtasPerSm = 2 CTAs resident per SM (shared memory: the cp.async ring), so a launch runs in
+// waves of slots = 2 * SMs CTAs, and every CTA of a wave streams a chunk of the same length.
+// The cost of s splits, in key tokens per CTA slot:
+//   cost(s) = waves(s) * (chunk(s) + kCtaOverheadTokens) + (s > 1 ? kMergeOverheadTokens : 0)
+//   waves(s) = ceil(work * s / slots), chunk(s) = ceil(max_seqlen_k / s) rounded up to 16,
+//   work = batch * heads_kv * row_blocks,
+// (the pipeline ramp and epilogue of a CTA, and the merge launch, as the tokens a CTA streams in
+// that time), minimised over 1 <= s <= min(kMaxSplits, ceil(max_seqlen_k / kMinChunkTokens)),
+// the fewest splits within 3% of the minimum. H200 (132 SMs, 264 slots), GQA 32/8, one token:
+// batch 1 x 4k / 32k / 128k -> 32 splits (256 CTAs; at 4k chunks of 128 tokens, every tile in
+// flight at once), 16 x 4k..128k -> 2 (256 CTAs), 64 and 128 x 32k -> 1 (512 / 1024 CTAs).
 int cuda_decode_num_splits(int64_t batch, int64_t heads_q, int64_t heads_kv, int64_t seqlen_q, int64_t max_seqlen_k,
                            int device_index, std::string* why) {
-  constexpr int64_t kCtasPerSm = 2, kMinChunkTokens = 256;
+  constexpr int64_t kCtasPerSm = 2, kMinChunkTokens = 128, kCtaOverheadTokens = 64, kMergeOverheadTokens = 64;
   const int sms = sm_count(device_index);
   const int64_t rb = heads_kv > 0 ? row_blocks_of(heads_q, heads_kv, seqlen_q) : 1;
   const int64_t work = std::max<int64_t>(1, batch * heads_kv * rb);
-  const int64_t want = 2 * kCtasPerSm * sms;
-  int64_t splits = work >= want ? 1 : (want + work - 1) / work;
-  const int64_t by_len = std::max<int64_t>(1, (max_seqlen_k + kMinChunkTokens - 1) / kMinChunkTokens);
-  splits = std::clamp<int64_t>(std::min(splits, by_len), 1, kMaxSplits);
+  const int64_t slots = kCtasPerSm * sms;
+  const int64_t L = std::max<int64_t>(max_seqlen_k, 1);
+  const int64_t by_len = std::max<int64_t>(1, (L + kMinChunkTokens - 1) / kMinChunkTokens);
+  const int64_t max_s = std::clamp<int64_t>(by_len, 1, kMaxSplits);
+  auto cost = [&](int64_t s) {
+    int64_t chunk = (L + s - 1) / s;
+    chunk = (chunk + detail::kSplitAlignTokens - 1) / detail::kSplitAlignTokens * detail::kSplitAlignTokens;
+    const int64_t waves = (work * s + slots - 1) / slots;
+    return static_cast<double>(waves * (chunk + kCtaOverheadTokens) + (s > 1 ? kMergeOverheadTokens : 0));
+  };
+  double best_cost = cost(1);
+  for (int64_t s = 2; s <= max_s; ++s) best_cost = std::min(best_cost, cost(s));
+  int64_t best = 1;  // the fewest splits within 3% of the best cost (a near tie is not worth the merge)
+  while (best < max_s && cost(best) > 1.03 * best_cost) ++best;
   if (why)
-    *why = "batch*heads_kv*row_blocks " + std::to_string(work) + " CTAs for " + std::to_string(sms) +
-           " SMs (want " + std::to_string(want) + " = 2 waves of " + std::to_string(kCtasPerSm) +
-           " per SM), max_seqlen_k " + std::to_string(max_seqlen_k) + " allows " + std::to_string(by_len) +
-           " chunks of >= " + std::to_string(kMinChunkTokens) + " tokens";
-  return static_cast<int>(splits);
+    *why = "batch*heads_kv*row_blocks " + std::to_string(work) + " CTAs per split on " + std::to_string(sms) +
+           " SMs (" + std::to_string(slots) + " slots of " + std::to_string(kCtasPerSm) +
+           " per SM), max_seqlen_k " + std::to_string(max_seqlen_k) + ": fewest waves x (chunk + ramp) over 1.." +
+           std::to_string(max_s) + " splits (chunks >= " + std::to_string(kMinChunkTokens) + " tokens)";
+  return static_cast<int>(best);
 }
 
 size_t cuda_decode_workspace_bytes(int64_t batch, int64_t heads_q, int64_t seqlen_q, int64_t head_dim_v,
@@ -596,15 +648,16 @@ void cuda_decode(const DecodeProblem& p) {
     dp.part_lse = reinterpret_cast<float*>(static_cast<uint8_t*>(ws) + align_up(rows * p.head_dim_v * 4));
   }
 
+  const bool pdl = use_pdl(p.device_index);
   if (mma) {
-    launch_decode_mma(dp, grid, stream);
+    launch_decode_mma(dp, grid, stream, pdl);
   } else {
     switch (p.cache_dtype) {
-      case DType::bf16: launch_decode<__nv_bfloat16>(dp, grid, stream); break;
-      case DType::f16: launch_decode<__half>(dp, grid, stream); break;
-      case DType::f32: launch_decode<float>(dp, grid, stream); break;
-      case DType::f8e4m3: launch_decode<E4m3>(dp, grid, stream); break;
-      case DType::i8: launch_decode<int8_t>(dp, grid, stream); break;
+      case DType::bf16: launch_decode<__nv_bfloat16>(dp, grid, stream, pdl); break;
+      case DType::f16: launch_decode<__half>(dp, grid, stream, pdl); break;
+      case DType::f32: launch_decode<float>(dp, grid, stream, pdl); break;
+      case DType::f8e4m3: launch_decode<E4m3>(dp, grid, stream, pdl); break;
+      case DType::i8: launch_decode<int8_t>(dp, grid, stream, pdl); break;
       default: throw Error("cache.k_cache.dtype", "ioattn: no CUDA decode kernel for this cache dtype");
     }
   }
@@ -637,7 +690,7 @@ void cuda_decode(const DecodeProblem& p) {
     attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
     attr[0].val.programmaticStreamSerializationAllowed = 1;
     cfg.attrs = attr;
-    cfg.numAttrs = use_pdl(p.device_index) ? 1 : 0;
+    cfg.numAttrs = pdl ? 1 : 0;
     IOATTN_CUDA_CHECK(cudaLaunchKernelEx(&cfg, merge_splits_kernel, mp));
   }
   if (internal) IOATTN_CUDA_CHECK(cudaFreeAsync(internal, stream));

@@ -10,6 +10,7 @@
 #include <cstdint>
 
 #include "core/serving_problem.hpp"
+#include "cuda/check.cuh"
 #include "cuda/ptx.cuh"
 #include "cuda/serving.cuh"
 
@@ -91,6 +92,13 @@ struct WorkItem {
 };
 
 __device__ __forceinline__ WorkItem work_item(const DecodeParams& p) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  // Launched with programmatic dependent launch (sm90+), the CTA may start while the previous
+  // kernel of the stream (the last call's merge, an append_kv, the caller's own kernel) is still
+  // running: wait here, before the first read of any input, until it has completed and its
+  // writes are visible (a no-op when launched without PDL).
+  cudaGridDependencySynchronize();
+#endif
   WorkItem w;
   int64_t id = blockIdx.x;
   w.rb = static_cast<int>(id % p.row_blocks);
@@ -225,10 +233,28 @@ __device__ __forceinline__ void write_outputs(const DecodeParams& p, const WorkI
 #endif
 }
 
+// Launches a decode kernel (grid x kThreads, `smem` dynamic bytes), with programmatic stream
+// serialization when `pdl` (sm90+: the CTAs may be scheduled before the previous kernel ends;
+// work_item() waits for it before reading anything).
+inline void launch_decode_grid(void (*kernel)(DecodeParams), const DecodeParams& p, int64_t grid, int smem,
+                               cudaStream_t stream, bool pdl) {
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(static_cast<unsigned>(grid));
+  cfg.blockDim = dim3(kThreads);
+  cfg.dynamicSmemBytes = static_cast<size_t>(smem);
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = pdl ? 1 : 0;
+  IOATTN_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, p));
+}
+
 // The mma.sync kernel (serving_decode_mma.cu): bf16/f16 q and cache, head_dim == head_dim_v in
 // {64, 128, 256}, every row of a CTA seeing the same keys (seqlen_q 1 or no causal/window mask).
 bool mma_decode_supported(DType dtype, DType cache, int64_t d, int64_t dv, int64_t seqlen_q, bool masked);
-void launch_decode_mma(const DecodeParams& p, int64_t grid, cudaStream_t stream);
+void launch_decode_mma(const DecodeParams& p, int64_t grid, cudaStream_t stream, bool pdl);
 constexpr int kMmaRows = 16;  // query rows per CTA of the mma kernel
 
 }  // namespace ioattn::cuda::serving

@@ -290,7 +290,7 @@ __global__ void __launch_bounds__(kThreads) decode_mma_kernel(const DecodeParams
 }
 
 template <typename T, int D>
-void launch(const DecodeParams& p, int64_t grid, cudaStream_t stream) {
+void launch(const DecodeParams& p, int64_t grid, cudaStream_t stream, bool pdl) {
   auto* kernel = &decode_mma_kernel<T, D>;
   constexpr int smem = MmaTraits<D>::kSmem;
   static std::atomic<uint64_t> done{0};  // cudaFuncSetAttribute once per device (not under capture)
@@ -301,8 +301,7 @@ void launch(const DecodeParams& p, int64_t grid, cudaStream_t stream) {
     IOATTN_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
     done.fetch_or(bit);
   }
-  kernel<<<static_cast<unsigned>(grid), kThreads, smem, stream>>>(p);
-  IOATTN_CUDA_CHECK_LAUNCH("decode_mma_kernel");
+  launch_decode_grid(kernel, p, grid, smem, stream, pdl);
 }
 
 }  // namespace
@@ -312,12 +311,12 @@ bool mma_decode_supported(DType dtype, DType cache, int64_t d, int64_t dv, int64
          (d == 64 || d == 128 || d == 256) && (seqlen_q == 1 || !masked);
 }
 
-void launch_decode_mma(const DecodeParams& p, int64_t grid, cudaStream_t stream) {
+void launch_decode_mma(const DecodeParams& p, int64_t grid, cudaStream_t stream, bool pdl) {
   const bool bf = p.dtype == DType::bf16;
   switch (p.d) {
-    case 64: bf ? launch<__nv_bfloat16, 64>(p, grid, stream) : launch<__half, 64>(p, grid, stream); break;
-    case 128: bf ? launch<__nv_bfloat16, 128>(p, grid, stream) : launch<__half, 128>(p, grid, stream); break;
-    case 256: bf ? launch<__nv_bfloat16, 256>(p, grid, stream) : launch<__half, 256>(p, grid, stream); break;
+    case 64: bf ? launch<__nv_bfloat16, 64>(p, grid, stream, pdl) : launch<__half, 64>(p, grid, stream, pdl); break;
+    case 128: bf ? launch<__nv_bfloat16, 128>(p, grid, stream, pdl) : launch<__half, 128>(p, grid, stream, pdl); break;
+    case 256: bf ? launch<__nv_bfloat16, 256>(p, grid, stream, pdl) : launch<__half, 256>(p, grid, stream, pdl); break;
     default: throw Error("q", "ioattn: the mma decode kernel has no head_dim " + std::to_string(p.d));
   }
 }
