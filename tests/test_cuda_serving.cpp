@@ -91,7 +91,8 @@ std::vector<Spec> cuda_cases() {
 class CudaDecodeReference : public ::testing::TestWithParam<Spec> {};
 
 // Every case on the kernel the dispatcher picks and, where that is the mma kernel, on the FMA
-// kernel too (IOATTN_DECODE_KERNEL=fma), each with the heuristic / the case's split count, 1 and 5.
+// kernel and the opt-in mma2 kernel too (IOATTN_DECODE_KERNEL=fma / mma2), each with the
+// heuristic / the case's split count, 1 and 5.
 TEST_P(CudaDecodeReference, MatchesFloat64ReferenceAndTheCpu) {
   SKIP_WITHOUT_GPU();
   const Spec& c = GetParam();
@@ -101,7 +102,10 @@ TEST_P(CudaDecodeReference, MatchesFloat64ReferenceAndTheCpu) {
   cc.device = Device::cpu;
   Built cpu(cc, vals);
   std::vector<std::string> modes = {""};
-  if (mma_shape(c)) modes.push_back("fma");
+  if (mma_shape(c)) {
+    modes.push_back("fma");
+    modes.push_back("mma2");
+  }
   for (const std::string& mode : modes) {
     KernelEnv env(mode);
     const std::string want = mode.empty() ? (mma_shape(c) ? " mma" : " fma") : " " + mode;
@@ -480,6 +484,17 @@ TEST(CudaDecodePlan, GraphReplayEqualsEagerBitwiseGlobalCapture) {
   graph_replay(cudaStreamCaptureModeGlobal, mma);
 }
 
+// mma2 (opt-in): the fused merge's arrival counters are zeroed by a memset node and reset by the
+// merging CTA, so a replayed graph gives the eager result bitwise, with 1 and 5 splits.
+TEST(CudaDecodePlan, GraphReplayEqualsEagerBitwiseMma2) {
+  SKIP_WITHOUT_GPU();
+  Spec mma = plan_spec();
+  mma.sq = 1;
+  KernelEnv env("mma2");
+  graph_replay(cudaStreamCaptureModeGlobal, mma);
+  graph_replay(cudaStreamCaptureModeRelaxed, mma);
+}
+
 TEST(CudaDecodePlan, MismatchedPlanIsRejectedNamingPlan) {
   SKIP_WITHOUT_GPU();
   const Spec c = plan_spec();
@@ -812,6 +827,13 @@ TEST(CudaDecode, KernelChoiceNamesSplitsAndLayout) {
     EXPECT_NE(k.kernel.find(" fma bf16 hdim128"), std::string::npos) << k.kernel;
     EXPECT_NE(k.reason.find("IOATTN_DECODE_KERNEL=fma"), std::string::npos) << k.reason;
     EXPECT_NE(k.reason.find("4 query rows per CTA"), std::string::npos) << k.reason;
+  }
+  {
+    KernelEnv env("mma2");
+    k = bl.run(7);
+    EXPECT_NE(k.kernel.find(" mma2 bf16 hdim128 gqa4 page16"), std::string::npos) << k.kernel;
+    EXPECT_NE(k.reason.find("IOATTN_DECODE_KERNEL=mma2"), std::string::npos) << k.reason;
+    EXPECT_NE(k.reason.find("split merge fused"), std::string::npos) << k.reason;
   }
   {
     KernelEnv env("bogus");

@@ -6,7 +6,12 @@
 // kernel below takes every shape; the tensor-core kernel (serving_decode_mma.cu) takes the
 // serving case (bf16/f16, head_dim == head_dim_v in {64, 128, 256}, every row of a CTA seeing the
 // same keys: seqlen_q 1 or no causal/window mask) and is chosen there; IOATTN_DECODE_KERNEL=fma|mma
-// forces one (the log line says which and why).
+// forces one (the log line says which and why). IOATTN_DECODE_KERNEL=mma2 (opt-in, the mma
+// kernel's shapes) runs the tensor-core kernel's second version: block-table entries prefetched by
+// cp.async into shared memory (no dependent global load in the loader), and the split merge fused
+// into the decode kernel (the last CTA of each (sequence, kv head, row block) merges, found with
+// an arrival counter in the workspace that a cudaMemsetAsync zeroes before the launch): one kernel
+// launch per call instead of two.
 //
 // Semantics: exactly those of the CPU backend (src/cpu/serving_cpu.cpp, whose file comment is the
 // specification): the same key range per split (decode_split_range), masks, softcap before ALiBi,
@@ -463,7 +468,7 @@ int64_t row_blocks_of(int64_t heads_q, int64_t heads_kv, int64_t seqlen_q, int r
   return (heads_q / heads_kv * seqlen_q + rows_per_cta - 1) / rows_per_cta;
 }
 
-// IOATTN_DECODE_KERNEL=fma | mma forces a kernel (tests, comparisons); unset: mma where it applies.
+// IOATTN_DECODE_KERNEL=fma | mma | mma2 forces a kernel (tests, comparisons); unset: mma where it applies.
 std::string forced_kernel() {
   const char* e = std::getenv("IOATTN_DECODE_KERNEL");
   return e ? std::string(e) : std::string();
@@ -499,21 +504,26 @@ CudaSelection cuda_decode_select(const DecodeProblem& p, int arch) {
               std::to_string(16 / es) + " " + dtype_name(p.cache_dtype) + " elements)");
   if (p.paged() && p.page_size > INT_MAX) return no("page_size must be below 2^31 on CUDA");
   const std::string force = forced_kernel();
-  if (!force.empty() && force != "fma" && force != "mma")
-    return no("IOATTN_DECODE_KERNEL must be fma or mma (or unset), got '" + force + "'");
-  const bool mma = force == "mma" || (force.empty() && mma_applies(p));
+  if (!force.empty() && force != "fma" && force != "mma" && force != "mma2")
+    return no("IOATTN_DECODE_KERNEL must be fma, mma or mma2 (or unset), got '" + force + "'");
+  const bool v2 = force == "mma2";
+  const bool mma = v2 || force == "mma" || (force.empty() && mma_applies(p));
   if (mma && !mma_applies(p))
-    return no("IOATTN_DECODE_KERNEL=mma: the mma.sync decode kernel takes bf16/f16 q and cache of the same dtype, "
+    return no("IOATTN_DECODE_KERNEL=" + force +
+              ": the mma.sync decode kernel takes bf16/f16 q and cache of the same dtype, "
               "head_dim == head_dim_v in {64, 128, 256}, and seqlen_q 1 or no causal/window mask");
   if (mma) {
     const int64_t rbm = row_blocks_of(p.heads_q, p.heads_kv, p.seqlen_q, kMmaRows);
     const int stages = p.head_dim == 64 ? 4 : p.head_dim == 128 ? 3 : 2;
-    return {"cuda/splitkv sm" + std::to_string(arch) + " mma",
-            std::string(force.empty() ? "" : "IOATTN_DECODE_KERNEL=mma; ") +
+    return {"cuda/splitkv sm" + std::to_string(arch) + (v2 ? " mma2" : " mma"),
+            std::string(force.empty() ? "" : "IOATTN_DECODE_KERNEL=" + force + "; ") +
                 "mma.sync m16n8k16 (P = P_hi + P_lo), 4 warps x 16 keys of 64-key tiles, " +
                 std::to_string(kMmaRows) + " query rows per CTA (" + std::to_string(p.rows_per_group()) +
                 " rows per kv head: " + std::to_string(rbm) + (rbm == 1 ? " block" : " blocks") + "), " +
-                std::to_string(stages) + "-stage cp.async ring"};
+                std::to_string(stages) + "-stage cp.async ring" +
+                (v2 ? "; v2: block-table entries prefetched into shared memory by cp.async, split merge fused "
+                      "(last CTA per group, workspace counters zeroed by a memset before the launch)"
+                    : "")};
   }
   const int txl = tx_log2_for(std::max(p.head_dim, p.head_dim_v));
   const int TX = 1 << txl;
@@ -575,7 +585,10 @@ size_t cuda_decode_workspace_bytes(int64_t batch, int64_t heads_q, int64_t seqle
                                    int num_splits) {
   if (num_splits <= 1) return 0;
   const size_t rows = static_cast<size_t>(batch * heads_q * seqlen_q) * static_cast<size_t>(num_splits);
-  return align_up(rows * static_cast<size_t>(head_dim_v) * 4) + align_up(rows * 4);
+  // partial O, partial LSE, and (mma2's fused merge) one int counter per (sequence, kv head, row
+  // block): at most batch * heads_q * seqlen_q of them.
+  return align_up(rows * static_cast<size_t>(head_dim_v) * 4) + align_up(rows * 4) +
+         align_up(static_cast<size_t>(batch * heads_q * seqlen_q) * 4);
 }
 
 void cuda_decode(const DecodeProblem& p) {
@@ -583,7 +596,8 @@ void cuda_decode(const DecodeProblem& p) {
   auto stream = static_cast<cudaStream_t>(p.stream);
   const int S = std::max(p.num_splits, 1);
   const std::string force = forced_kernel();
-  const bool mma = force == "mma" || (force.empty() && mma_applies(p));  // as cuda_decode_select
+  const bool v2 = force == "mma2";
+  const bool mma = v2 || force == "mma" || (force.empty() && mma_applies(p));  // as cuda_decode_select
   const int64_t rb = row_blocks_of(p.heads_q, p.heads_kv, p.seqlen_q, mma ? kMmaRows : kRows);
   const int64_t grid = p.batch * p.heads_kv * S * rb;
   if (grid == 0) return;
@@ -646,11 +660,19 @@ void cuda_decode(const DecodeProblem& p) {
     const size_t rows = static_cast<size_t>(p.batch * p.heads_q * p.seqlen_q) * static_cast<size_t>(S);
     dp.part_o = static_cast<float*>(ws);
     dp.part_lse = reinterpret_cast<float*>(static_cast<uint8_t*>(ws) + align_up(rows * p.head_dim_v * 4));
+    dp.counters = reinterpret_cast<int*>(static_cast<uint8_t*>(ws) + align_up(rows * p.head_dim_v * 4) +
+                                         align_up(rows * 4));
   }
 
-  const bool pdl = use_pdl(p.device_index);
+  bool pdl = use_pdl(p.device_index);
+  if (v2 && S > 1) {
+    // mma2: the arrival counters start at zero (the merging CTA also resets its own, but a caller's
+    // workspace holds anything on the first call). A memset node, not a kernel: no PDL edge after it.
+    IOATTN_CUDA_CHECK(cudaMemsetAsync(dp.counters, 0, static_cast<size_t>(grid / S) * sizeof(int), stream));
+    pdl = false;
+  }
   if (mma) {
-    launch_decode_mma(dp, grid, stream, pdl);
+    launch_decode_mma(dp, grid, stream, pdl, v2);
   } else {
     switch (p.cache_dtype) {
       case DType::bf16: launch_decode<__nv_bfloat16>(dp, grid, stream, pdl); break;
@@ -662,7 +684,7 @@ void cuda_decode(const DecodeProblem& p) {
     }
   }
 
-  if (S > 1) {
+  if (S > 1 && !v2) {
     MergeParams mp{};
     mp.part_o = dp.part_o;
     mp.part_lse = dp.part_lse;

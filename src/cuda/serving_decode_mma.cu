@@ -77,7 +77,86 @@ __device__ __forceinline__ void split2(float a, float b, uint32_t& hi, uint32_t&
   lo = ptx::pack2<T>(a - h.x, b - h.y);
 }
 
-template <typename T, int D>
+// mma2 (V2): the last CTA of a (sequence, kv head, row block) to finish merges the S partials of
+// its rows, exactly as merge_splits_kernel in serving_decode.cu (same order, same expf / logf), one
+// warp per row; the partials written by other CTAs are read through L2 (__ldcg).
+template <int ROWS>
+__device__ __forceinline__ void fused_merge(const DecodeParams& p, const WorkItem& w) {
+  constexpr int kRegs = detail::kMaxSplits / 32, kElems = kMaxDim / 32;
+  static_assert(detail::kMaxSplits % 32 == 0, "merge: splits in whole warps");
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int S = p.splits, sq = p.seqlen_q;
+  for (int r = warp; r < ROWS; r += kThreads / 32) {
+    const int rr = w.rb * ROWS + r;
+    if (rr >= p.rows) break;  // warp-uniform
+    const int hh = rr / sq, i = rr % sq, h = w.hk * p.group + hh;
+    const int64_t row = (w.b * p.heads_q + h) * sq + i;
+    const float* pl = p.part_lse + row * S;
+    const float* po = p.part_o + row * S * p.dv;
+    const float sink = p.sinks ? p.sinks[h] : ninf();
+    float lv[kRegs];
+    float M = sink;
+    bool nan = false;
+#pragma unroll
+    for (int j = 0; j < kRegs; ++j) {
+      const int s = lane + 32 * j;
+      lv[j] = s < S ? __ldcg(pl + s) : ninf();
+      nan |= isnan(lv[j]);
+      M = fmaxf(M, lv[j]);
+    }
+    nan = __any_sync(0xffffffffu, nan);
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) M = fmaxf(M, __shfl_xor_sync(0xffffffffu, M, off));
+    const int64_t ooff = w.b * p.o_sb + i * p.o_ss + h * p.o_sh;
+    float lse;
+    if (nan || M == ninf()) {
+      const float fill = nan ? NAN : 0.0f;
+      for (int x = lane; x < p.dv; x += 32) store_elem(p.o, p.dtype, ooff + x, fill);
+      lse = nan ? NAN : ninf();
+    } else {
+      float part = 0.0f;
+#pragma unroll
+      for (int j = 0; j < kRegs; ++j) {
+        lv[j] = expf(lv[j] - M);  // an empty split (-inf) -> 0
+        part += lv[j];
+      }
+#pragma unroll
+      for (int off = 16; off > 0; off >>= 1) part += __shfl_xor_sync(0xffffffffu, part, off);
+      const float total = part + (p.sinks ? expf(sink - M) : 0.0f);
+      float acc[kElems];
+#pragma unroll
+      for (int k = 0; k < kElems; ++k) acc[k] = 0.0f;
+#pragma unroll
+      for (int j = 0; j < kRegs; ++j) {
+        if (32 * j >= S) break;
+        const int n = min(32, S - 32 * j);
+#pragma unroll 4
+        for (int sl = 0; sl < n; ++sl) {
+          const float wt = __shfl_sync(0xffffffffu, lv[j], sl);
+          const float* src = po + static_cast<int64_t>(32 * j + sl) * p.dv;
+#pragma unroll
+          for (int k = 0; k < kElems; ++k) {
+            const int x = lane + 32 * k;
+            if (x < p.dv) {
+              const float v = __ldcg(src + x);
+              if (wt != 0.0f) acc[k] = fmaf(wt, v, acc[k]);  // a zero weight never multiplies an inf / NaN
+            }
+          }
+        }
+      }
+      const float inv = 1.0f / total;
+#pragma unroll
+      for (int k = 0; k < kElems; ++k) {
+        const int x = lane + 32 * k;
+        if (x < p.dv) store_elem(p.o, p.dtype, ooff + x, acc[k] * inv);
+      }
+      lse = M + logf(total);
+    }
+    if (lane == 0 && p.lse) p.lse[w.b * p.l_sb + h * p.l_sh + i * p.l_ss] = lse;
+  }
+}
+
+template <typename T, int D, bool V2>
 __global__ void __launch_bounds__(kThreads) decode_mma_kernel(const DecodeParams p) {
   using Tr = MmaTraits<D>;
   constexpr int STAGES = Tr::kStages, kKD = D / 16, kDT = D / 8;
@@ -86,6 +165,10 @@ __global__ void __launch_bounds__(kThreads) decode_mma_kernel(const DecodeParams
   __shared__ int grp_bad[4];
   __shared__ float row_m[kMmaRows], row_l[kMmaRows];
   __shared__ int row_bad[kMmaRows];
+  // mma2, paged: the block-table entry of every key of the tiles in flight, slot tile % STAGES,
+  // copied by cp.async (threads < kBK) in the group of the tile STAGES - 1 earlier.
+  __shared__ int pg_ring[V2 && D != 256 ? STAGES : 1][V2 && D != 256 ? kBK : 1];
+  __shared__ int s_last;
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, t4 = lane & 3;
@@ -133,7 +216,73 @@ __global__ void __launch_bounds__(kThreads) decode_mma_kernel(const DecodeParams
   const int k_valid = min(max(p.k_row_bytes - c_ld * 16, 0), 16);
   const int v_valid = min(max(p.v_row_bytes - c_ld * 16, 0), 16);
   int pg_bad = 0;
+  const bool paged = p.block_table != nullptr;
+  // mma2: this thread's 16-byte chunk of head hk (and of sequence b when contiguous).
+  const uint8_t* kbase = p.k + w.hk * p.k_sh + c_ld * 16 + (paged ? 0 : w.b * p.k_sp);
+  const uint8_t* vbase = p.v + w.hk * p.v_sh + c_ld * 16 + (paged ? 0 : w.b * p.v_sp);
+  auto issue_pages = [&](int tile) {  // mma2: block-table entries of the tile's keys -> pg_ring
+    if (paged && tid < kBK && tile < ntiles) {
+      const int64_t t = klo + static_cast<int64_t>(tile) * kBK + tid;
+      const int32_t* src = p.block_table;
+      int nb = 0;
+      if (t < khi) {
+        const int pi = p.page_shift >= 0 ? static_cast<int>(t) >> p.page_shift : static_cast<int>(t) / p.page_size;
+        src = p.block_table + w.b * p.bt_sb + static_cast<int64_t>(pi) * p.bt_sp;
+        nb = 4;
+      }
+      ptx::cp_async_4(ptx::smem_u32(&pg_ring[V2 && D != 256 ? tile % STAGES : 0][V2 && D != 256 ? tid : 0]), src, nb);
+    }
+  };
+  auto issue_v2 = [&](int tile) {  // mma2: the tile's K / V rows, pages from pg_ring (no global load)
+    if (tile < ntiles) {
+      const uint32_t ks = ptx::smem_u32(smem + (tile % STAGES) * 2 * Tr::kTileBytes) + j_ld0 * Tr::kPitch + c_ld * 16;
+      const int64_t t0 = klo + static_cast<int64_t>(tile) * kBK + j_ld0;
+      const int* pgs = pg_ring[V2 && D != 256 ? tile % STAGES : 0] + j_ld0;
+#pragma unroll
+      for (int it = 0; it < Tr::kLoadIters; ++it) {
+        const int64_t t = t0 + it * j_step;
+        const uint8_t* ksrc = p.k;
+        const uint8_t* vsrc = p.v;
+        int kb = 0, vb = 0;
+        if (t < khi) {
+          int64_t koff, voff;
+          bool ok = true;
+          if (paged) {
+            const int64_t page = pgs[it * j_step];
+            const int64_t slot = p.page_shift >= 0 ? (t & (p.page_size - 1)) : t % p.page_size;
+            ok = page >= 0 && page < p.num_pages;
+            if (!ok) pg_bad = 1;
+            koff = page * p.k_sp + slot * p.k_ss;
+            voff = page * p.v_sp + slot * p.v_ss;
+          } else {
+            koff = t * p.k_ss;
+            voff = t * p.v_ss;
+          }
+          if (ok && k_valid > 0) {
+            ksrc = kbase + koff;
+            kb = k_valid;
+          }
+          if (ok && v_valid > 0) {
+            vsrc = vbase + voff;
+            vb = v_valid;
+          }
+        }
+        const uint32_t dst = ks + it * j_step * Tr::kPitch;
+        ptx::cp_async_16(dst, ksrc, kb);
+        ptx::cp_async_16(dst + Tr::kTileBytes, vsrc, vb);
+      }
+    }
+  };
+  // mma2's loader for hdim 64 / 128; hdim 256 (255 registers already) keeps the mma loader, whose
+  // extra live state would spill on sm_80, and only gets the fused merge.
+  constexpr bool kV2Loader = V2 && D != 256;
   auto issue = [&](int tile) {
+    if constexpr (kV2Loader) {
+      issue_pages(tile + STAGES - 1);  // entries for the tile issued STAGES - 1 iterations later
+      issue_v2(tile);
+      ptx::cp_async_commit();
+      return;
+    }
     if (tile < ntiles) {
       uint8_t* ks = smem + (tile % STAGES) * 2 * Tr::kTileBytes;
       issue_tile<Tr::kLoadIters>(p, w, ks, ks + Tr::kTileBytes, klo + static_cast<int64_t>(tile) * kBK, khi, c_ld,
@@ -157,8 +306,22 @@ __global__ void __launch_bounds__(kThreads) decode_mma_kernel(const DecodeParams
   const float smul = p.scale * kLog2e;
   const float cap = p.softcap * kLog2e, inv_cap = p.softcap > 0.0f ? 1.0f / cap : 0.0f;
 
+  if constexpr (kV2Loader) {
+    if (paged) {  // the entries of the first STAGES - 1 tiles, before their rows are issued
 #pragma unroll
-  for (int s = 0; s < STAGES - 1; ++s) issue(s);
+      for (int s = 0; s < STAGES - 1; ++s) issue_pages(s);
+      ptx::cp_async_commit();
+      ptx::cp_async_wait<0>();
+      __syncthreads();
+    }
+  }
+#pragma unroll
+  for (int s = 0; s < STAGES - 1; ++s) {
+    // mma2: issue(s) writes the entries of tile s + STAGES - 1 into the slot of tile s - 1, whose
+    // entries issue(s - 1) read in other threads: a barrier between (the loop has one per tile).
+    if (kV2Loader && paged && s > 0) __syncthreads();
+    issue(s);
+  }
 
   for (int tile = 0; tile < ntiles; ++tile) {
     ptx::cp_async_wait<STAGES - 2>();
@@ -287,11 +450,31 @@ __global__ void __launch_bounds__(kThreads) decode_mma_kernel(const DecodeParams
   }
   __syncthreads();
   write_outputs<kMmaRows>(p, w, 4, D, red, row_m, row_l, row_bad);
+
+  if constexpr (V2) {
+    // Fused merge: every CTA of the group has written its partial; the one that counts last
+    // merges (threadFenceReduction pattern) and resets the count for the next call / replay.
+    if (p.splits > 1 && p.counters) {
+      __threadfence();
+      __syncthreads();
+      if (tid == 0) {
+        int* ctr = p.counters + (w.b * p.heads_kv + w.hk) * p.row_blocks + w.rb;
+        const int last = atomicAdd(ctr, 1) == p.splits - 1;
+        if (last) atomicExch(ctr, 0);
+        s_last = last;
+      }
+      __syncthreads();
+      if (s_last) {
+        __threadfence();
+        fused_merge<kMmaRows>(p, w);
+      }
+    }
+  }
 }
 
-template <typename T, int D>
+template <typename T, int D, bool V2>
 void launch(const DecodeParams& p, int64_t grid, cudaStream_t stream, bool pdl) {
-  auto* kernel = &decode_mma_kernel<T, D>;
+  auto* kernel = &decode_mma_kernel<T, D, V2>;
   constexpr int smem = MmaTraits<D>::kSmem;
   static std::atomic<uint64_t> done{0};  // cudaFuncSetAttribute once per device (not under capture)
   int dev = 0;
@@ -304,6 +487,17 @@ void launch(const DecodeParams& p, int64_t grid, cudaStream_t stream, bool pdl) 
   launch_decode_grid(kernel, p, grid, smem, stream, pdl);
 }
 
+template <bool V2>
+void launch_dim(const DecodeParams& p, int64_t grid, cudaStream_t stream, bool pdl) {
+  const bool bf = p.dtype == DType::bf16;
+  switch (p.d) {
+    case 64: bf ? launch<__nv_bfloat16, 64, V2>(p, grid, stream, pdl) : launch<__half, 64, V2>(p, grid, stream, pdl); break;
+    case 128: bf ? launch<__nv_bfloat16, 128, V2>(p, grid, stream, pdl) : launch<__half, 128, V2>(p, grid, stream, pdl); break;
+    case 256: bf ? launch<__nv_bfloat16, 256, V2>(p, grid, stream, pdl) : launch<__half, 256, V2>(p, grid, stream, pdl); break;
+    default: throw Error("q", "ioattn: the mma decode kernel has no head_dim " + std::to_string(p.d));
+  }
+}
+
 }  // namespace
 
 bool mma_decode_supported(DType dtype, DType cache, int64_t d, int64_t dv, int64_t seqlen_q, bool masked) {
@@ -311,14 +505,11 @@ bool mma_decode_supported(DType dtype, DType cache, int64_t d, int64_t dv, int64
          (d == 64 || d == 128 || d == 256) && (seqlen_q == 1 || !masked);
 }
 
-void launch_decode_mma(const DecodeParams& p, int64_t grid, cudaStream_t stream, bool pdl) {
-  const bool bf = p.dtype == DType::bf16;
-  switch (p.d) {
-    case 64: bf ? launch<__nv_bfloat16, 64>(p, grid, stream, pdl) : launch<__half, 64>(p, grid, stream, pdl); break;
-    case 128: bf ? launch<__nv_bfloat16, 128>(p, grid, stream, pdl) : launch<__half, 128>(p, grid, stream, pdl); break;
-    case 256: bf ? launch<__nv_bfloat16, 256>(p, grid, stream, pdl) : launch<__half, 256>(p, grid, stream, pdl); break;
-    default: throw Error("q", "ioattn: the mma decode kernel has no head_dim " + std::to_string(p.d));
-  }
+void launch_decode_mma(const DecodeParams& p, int64_t grid, cudaStream_t stream, bool pdl, bool v2) {
+  if (v2)
+    launch_dim<true>(p, grid, stream, pdl);
+  else
+    launch_dim<false>(p, grid, stream, pdl);
 }
 
 }  // namespace ioattn::cuda::serving
