@@ -330,7 +330,7 @@ void run_case(const Case& c, uint64_t seed) {
 }
 
 // Odd shapes, every mask and feature, GQA 4:1 and MQA, varlen with empty sequences, head dims
-// 64/128 and zero-padded 40/96, [b, h, s, d] strides, f16 and bf16.
+// 64/128/256 and zero-padded 40/96/200, [b, h, s, d] strides, f16 and bf16.
 std::vector<Case> cases() {
   std::vector<Case> v;
   for (DType t : {DType::bf16, DType::f16}) {
@@ -358,9 +358,16 @@ std::vector<Case> cases() {
     { Case c = mk("hdim96_padded_" + ts, 90, 150, 96, t); v.push_back(c); }
     { Case c = mk("bhsd_" + ts, 65, 161, 64, t); c.bhsd = true; c.batch = 2; v.push_back(c); }
     { Case c = mk("scale_negative_" + ts, 50, 70, 64, t); c.scale = -0.2f; v.push_back(c); }
+    { Case c = mk("hdim256_causal_" + ts, 150, 263, 256, t); c.causal = true; v.push_back(c); }
+    { Case c = mk("hdim256_gqa_sinks_" + ts, 70, 100, 256, t); c.heads_q = 4; c.heads_kv = 2; c.sinks = true;
+      v.push_back(c); }
+    { Case c = mk("hdim200_padded_varlen_window_" + ts, 0, 0, 200, t); c.batch = 3; c.varlen_q = {5, 0, 70};
+      c.varlen_k = {9, 3, 100}; c.window_left = 20; c.window_right = 3; v.push_back(c); }
   }
   { Case c = mk("all_features_bf16", 150, 270, 96, DType::bf16); c.heads_q = 6; c.heads_kv = 2; c.causal = true;
     c.window_left = 50; c.softcap = 10.0f; c.alibi = true; c.sinks = true; c.bhsd = true; c.batch = 2; v.push_back(c); }
+  { Case c = mk("all_features_hdim256_f16", 100, 170, 256, DType::f16); c.heads_q = 4; c.heads_kv = 1; c.causal = true;
+    c.window_left = 40; c.softcap = 10.0f; c.alibi = true; c.sinks = true; c.bhsd = true; c.batch = 2; v.push_back(c); }
   return v;
 }
 
@@ -384,7 +391,7 @@ std::vector<uint8_t> bytes_of(const detail::Buffer& a) {
 // several key blocks per query block and several query blocks per key block).
 TEST(CudaBackwardDeterministic, BitwiseEqualOver100Runs) {
   SKIP_WITHOUT_GPU();
-  for (int64_t d : {64, 128}) {
+  for (int64_t d : {64, 128, 256}) {
     Case c = mk("det_hdim" + std::to_string(d), 300, 457, d, DType::bf16);
     c.causal = true;
     c.heads_q = 8;
@@ -464,16 +471,18 @@ TEST(CudaBackwardSelect, RefusesWithAReason) {
   auto sel = detail::cuda_backward_select(bp, arch);
   EXPECT_TRUE(sel.kernel.empty());
   EXPECT_NE(sel.reason.find("f16 or bf16"), std::string::npos) << sel.reason;
-  p.dtype = DType::bf16, p.head_dim = p.head_dim_v = 256;
+  p.dtype = DType::bf16, p.head_dim = p.head_dim_v = 60;
   sel = detail::cuda_backward_select(bp, arch);
   EXPECT_TRUE(sel.kernel.empty());
   EXPECT_NE(sel.reason.find("head_dim"), std::string::npos) << sel.reason;
-  p.head_dim = p.head_dim_v = 60;
-  EXPECT_TRUE(detail::cuda_backward_select(bp, arch).kernel.empty());
   p.head_dim = 64, p.head_dim_v = 32;
   EXPECT_TRUE(detail::cuda_backward_select(bp, arch).kernel.empty());
   EXPECT_FALSE(detail::cuda_backward_select(bp, 75).reason.empty());
-  // A supported problem is accepted and named.
+  // Supported problems are accepted and named (hdim256 splits its columns over 2 CTAs).
+  p.head_dim = p.head_dim_v = 256;
+  sel = detail::cuda_backward_select(bp, arch);
+  EXPECT_NE(sel.kernel.find("hdim256"), std::string::npos) << sel.reason;
+  EXPECT_NE(sel.kernel.find("column splits"), std::string::npos) << sel.kernel;
   p.head_dim = p.head_dim_v = 128;
   sel = detail::cuda_backward_select(bp, arch);
   EXPECT_NE(sel.kernel.find("hdim128"), std::string::npos) << sel.reason;
@@ -481,12 +490,13 @@ TEST(CudaBackwardSelect, RefusesWithAReason) {
   sel = detail::cuda_backward_select(bp, arch);
   EXPECT_NE(sel.kernel.find("dq deterministic"), std::string::npos) << sel.kernel;
 
-  // Through the public API: hdim 256 fails loudly (ioattn::Error naming q) and writes nothing.
-  Case c = mk("hdim256_refused", 16, 16, 256);
+  // Through the public API: head_dim 60 (not a multiple of 8) fails loudly (ioattn::Error naming
+  // q, the reason naming head_dim) and writes nothing.
+  Case c = mk("hdim60_refused", 16, 16, 60);
   BwdRun s(c, 9);
   try {
     s.backward_device(false);
-    ADD_FAILURE() << "hdim 256 backward was accepted";
+    ADD_FAILURE() << "head_dim 60 backward was accepted";
   } catch (const Error& e) {
     EXPECT_NE(std::string(e.what()).find("head_dim"), std::string::npos) << e.what();
   }

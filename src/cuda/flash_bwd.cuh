@@ -43,7 +43,7 @@
 // mode, the fp32 dQ accumulator (heads_q·rows_q·kHeadDim floats): O(n), never n x n.
 //
 // Assumptions (checked by cuda_backward_select): f16/bf16; head_dim == head_dim_v, a multiple of
-// 8, <= kHeadDim (padded columns are zero-filled in shared memory, so they contribute nothing);
+// 8, <= kHeadDim <= 256 (padded columns are zero-filled in shared memory: they contribute nothing);
 // 16-byte aligned base pointers and strides that are multiples of 8 elements (q, k, v, o, dout,
 // dq, dk, dv); seqlen_q + seqlen_k < 2^30 (32-bit positions); int64 offsets throughout.
 // Keys and query rows past the end of a sequence are zero-filled and masked, so nothing from
@@ -54,6 +54,11 @@
 //   1. FA2-order dK/dV kernel with key-owning warps (P^T, dS^T stay in registers for dV, dK),
 //      atomic fp32 dQ from a second warp tiling of dS K, and a separate recomputing dQ kernel for
 //      the deterministic mode. One traits row per head dim (64, 128), bf16 and f16.
+//   2. hdim256: column splits (2 CTAs per key block, 128 accumulator columns each, S and dP
+//      recomputed by both), 32-row steps; dQ partials with red.global.add.v2.f32 on sm_90.
+// Verified before any GPU run by executing this source on the host (one std::thread per CUDA
+// thread, ldmatrix/mma/shfl as warp collectives, cp.async applied at wait_group, smem poisoned
+// with NaN) against the float64 reference: every mask/feature, both dQ modes, hdim 40..256.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -121,8 +126,12 @@ struct BwdParams {
 // Tile shape of one backward instantiation. "Should not affect results, only speed."
 //   dK/dV kernel: kWarps warps, each owning 16 keys (kBlockN = 16·kWarps keys per CTA), walking
 //   query blocks of kBlockM rows; dQ partials tiled 32 rows x kDqCols columns per warp.
+//   kColSplits > 1 (hdim256): kColSplits CTAs share a key block, each accumulating dK, dV and
+//   the dQ partial of kAccCols = kHeadDim / kColSplits columns (S^T and dP^T, which reduce over
+//   all of head_dim, are recomputed by each), so the accumulators fit in registers.
 //   dQ kernel (deterministic mode): kDqWarps warps x 16 query rows, key blocks of kDqBlockN.
-template <int kHeadDim_, int kBlockM_, int kWarps_, int kMinBlocks_, int kDqBlockN_, int kDqWarps_, int kDqMinBlocks_>
+template <int kHeadDim_, int kBlockM_, int kWarps_, int kMinBlocks_, int kDqBlockN_, int kDqWarps_, int kDqMinBlocks_,
+          int kColSplits_ = 1>
 struct BwdTile {
   static constexpr int kHeadDim = kHeadDim_;  // padded head dim the kernels are built for
   static constexpr int kBlockM = kBlockM_;    // query rows per step of the dK/dV kernel
@@ -134,7 +143,9 @@ struct BwdTile {
   static constexpr int kPitchS = kBlockM + 8;  // dS^T row pitch in elements (same reason)
   static constexpr int kDqWarpsM = kBlockM / 32;        // dQ partial: warps along query rows
   static constexpr int kDqWarpsD = kWarps / kDqWarpsM;  // ... and along head_dim
-  static constexpr int kDqCols = kHeadDim / kDqWarpsD;  // head_dim columns per warp
+  static constexpr int kColSplits = kColSplits_;
+  static constexpr int kAccCols = kHeadDim / kColSplits;  // dK/dV/dQ columns of one CTA
+  static constexpr int kDqCols = kAccCols / kDqWarpsD;    // dQ partial columns per warp
   // (K, V) + 2 stages of (Q, dO) + 2 stages of (LSE, D) floats + dS^T (default mode only).
   static constexpr size_t kSmemNoDs = (static_cast<size_t>(2 * kBlockN) + 4 * kBlockM) * kPitch * 2 + 4 * kBlockM * 4;
   static constexpr size_t kSmemBytes = kSmemNoDs + static_cast<size_t>(kBlockN) * kPitchS * 2;
@@ -148,6 +159,7 @@ struct BwdTile {
   static constexpr size_t kDqSmemBytes = (static_cast<size_t>(2 * kDqBlockM) + 4 * kDqBlockN) * kPitch * 2;
 
   static_assert(kHeadDim % 16 == 0 && kBlockM % 32 == 0, "k16 steps over head_dim; 32-row dQ slabs");
+  static_assert(kHeadDim % (16 * kColSplits) == 0, "column splits of whole 16-column pairs");
   static_assert(kWarps % kDqWarpsM == 0 && kDqCols % 16 == 0, "dQ partial tiles: whole ldmatrix.x4 column pairs");
   static_assert(2 * kBlockM <= kThreads, "one thread per staged LSE / D value");
   static_assert(kDqBlockN % 16 == 0, "k16 steps over keys in the dQ kernel");
@@ -335,7 +347,7 @@ __global__ void __launch_bounds__(Tr::kThreads, Tr::kMinBlocksPerSm) flash_bwd_d
   constexpr int kQT = kM / 8;             // 8-query tiles of a warp's S^T
   constexpr int kKD = kD / 16;            // k16 steps of K Q^T, V dO^T
   constexpr int kKM = kM / 16;            // k16 steps of P^T dO, dS^T Q
-  constexpr int kDT = kD / 8;             // 8-column tiles of dK, dV
+  constexpr int kDT = Tr::kAccCols / 8;   // 8-column tiles of this CTA's dK, dV columns
   constexpr int kKN = kN / 16;            // k16 steps of dS K
   constexpr int kCT = Tr::kDqCols / 8;    // 8-column tiles of a warp's dQ partial
 
@@ -353,8 +365,10 @@ __global__ void __launch_bounds__(Tr::kThreads, Tr::kMinBlocksPerSm) flash_bwd_d
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const int g = lane / 4, t = lane % 4;  // fragment row group / column pair
-  const int n_block = static_cast<int>(blockIdx.x % p.num_n_blocks);
-  const int bh = static_cast<int>(blockIdx.x / p.num_n_blocks);
+  const int tile = static_cast<int>(blockIdx.x / Tr::kColSplits);
+  const int col0 = static_cast<int>(blockIdx.x % Tr::kColSplits) * Tr::kAccCols;  // this CTA's columns
+  const int n_block = tile % p.num_n_blocks;
+  const int bh = tile / p.num_n_blocks;
   const int hk = bh % p.heads_kv, b = bh / p.heads_kv;
   const bwd_detail::SeqInfo si = bwd_detail::seq_info(p, b);
   const int sq = si.sq, sk = si.sk, off = sk - sq;
@@ -416,7 +430,7 @@ __global__ void __launch_bounds__(Tr::kThreads, Tr::kMinBlocksPerSm) flash_bwd_d
   const bool plain = p.softcap == 0.f && p.alibi_slopes == nullptr;
   const int key_row0 = n0 + warp * 16 + g;  // key of the warp's fragment row g
 
-  float acc_dk[kDT][4], acc_dv[kDT][4];  // (16 keys, head_dim) per warp, fp32
+  float acc_dk[kDT][4], acc_dv[kDT][4];  // (16 keys, kAccCols columns from col0) per warp, fp32
 #pragma unroll
   for (int dt = 0; dt < kDT; ++dt)
 #pragma unroll
@@ -507,16 +521,17 @@ __global__ void __launch_bounds__(Tr::kThreads, Tr::kMinBlocksPerSm) flash_bwd_d
       dsf[kk][3] = pack2<T>(dp[2 * kk + 1][2], dp[2 * kk + 1][3]);
     }
 
-    // ---- dV += P^T dO, dK += dS^T Q: (16 keys, kD) per warp ----
+    // ---- dV += P^T dO, dK += dS^T Q: (16 keys, kAccCols) per warp ----
+    const uint32_t col_bytes = col0 * 2;
 #pragma unroll
     for (int kk = 0; kk < kKM; ++kk)
 #pragma unroll
       for (int dp2 = 0; dp2 < kDT / 2; ++dp2) {
         uint32_t bo[4], bq[4];  // b0,b1 of column tiles 2dp2 and 2dp2+1
-        ldmatrix_x4_trans(bo, do_st + bt_lane + kk * 16 * kRowBytes + dp2 * 32);
+        ldmatrix_x4_trans(bo, do_st + bt_lane + col_bytes + kk * 16 * kRowBytes + dp2 * 32);
         mma_m16n8k16<T>(acc_dv[2 * dp2], pf[kk], bo[0], bo[1]);
         mma_m16n8k16<T>(acc_dv[2 * dp2 + 1], pf[kk], bo[2], bo[3]);
-        ldmatrix_x4_trans(bq, q_st + bt_lane + kk * 16 * kRowBytes + dp2 * 32);
+        ldmatrix_x4_trans(bq, q_st + bt_lane + col_bytes + kk * 16 * kRowBytes + dp2 * 32);
         mma_m16n8k16<T>(acc_dk[2 * dp2], dsf[kk], bq[0], bq[1]);
         mma_m16n8k16<T>(acc_dk[2 * dp2 + 1], dsf[kk], bq[2], bq[3]);
       }
@@ -547,7 +562,7 @@ __global__ void __launch_bounds__(Tr::kThreads, Tr::kMinBlocksPerSm) flash_bwd_d
         for (int ct = 0; ct < kCT; ++ct)
 #pragma unroll
           for (int e = 0; e < 4; ++e) acc_dq[mt][ct][e] = 0.f;
-      const uint32_t k_col = (dq_wd * Tr::kDqCols) * 2;
+      const uint32_t k_col = (col0 + dq_wd * Tr::kDqCols) * 2;
 #pragma unroll
       for (int kk = 0; kk < kKN; ++kk) {
         uint32_t a[2][4];
@@ -570,7 +585,7 @@ __global__ void __launch_bounds__(Tr::kThreads, Tr::kMinBlocksPerSm) flash_bwd_d
       // registers that the accumulators need.
       const int r_lane = dq_wm * 32 + ln / 4;  // row of (mt, rh) = r_lane + 16mt + 8rh
       float* gdq = p.ws_dq + ptx::opaque((static_cast<int64_t>(h) * p.rows_q + si.ws_row0 + m0 + r_lane) * kD +
-                                         dq_wd * Tr::kDqCols + 2 * (ln % 4));
+                                         col0 + dq_wd * Tr::kDqCols + 2 * (ln % 4));
 #pragma unroll
       for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
@@ -586,7 +601,8 @@ __global__ void __launch_bounds__(Tr::kThreads, Tr::kMinBlocksPerSm) flash_bwd_d
   }
   cp_async_wait<0>();
 
-  // ---- epilogue: dK = scale·acc, dV = acc, in the input dtype; every key of the block is written ----
+  // ---- epilogue: dK = scale·acc, dV = acc, in the input dtype; every key of the block is written
+  // (columns [col0, col0 + kAccCols) by this CTA) ----
   const int64_t bo = ptx::opaque(static_cast<int64_t>(b)), k0 = ptx::opaque(static_cast<int64_t>(si.k_start));
   T* gdk = static_cast<T*>(p.dk) + bo * p.dk_batch + k0 * p.dk_seq + static_cast<int64_t>(hk) * p.dk_head;
   T* gdv = static_cast<T*>(p.dv) + bo * p.dv_batch + k0 * p.dv_seq + static_cast<int64_t>(hk) * p.dv_head;
@@ -594,11 +610,11 @@ __global__ void __launch_bounds__(Tr::kThreads, Tr::kMinBlocksPerSm) flash_bwd_d
   for (int rh = 0; rh < 2; ++rh) {
     const int key = key_row0 + rh * 8;
     if (key < sk) {
-      T* k_row = gdk + static_cast<int64_t>(key) * p.dk_seq + 2 * t;
-      T* v_row = gdv + static_cast<int64_t>(key) * p.dv_seq + 2 * t;
+      T* k_row = gdk + static_cast<int64_t>(key) * p.dk_seq + col0 + 2 * t;
+      T* v_row = gdv + static_cast<int64_t>(key) * p.dv_seq + col0 + 2 * t;
 #pragma unroll
       for (int dt = 0; dt < kDT; ++dt)
-        if (dt * 8 < p.head_dim) {
+        if (col0 + dt * 8 < p.head_dim) {
           *reinterpret_cast<uint32_t*>(k_row + dt * 8) =
               pack2<T>(acc_dk[dt][2 * rh] * p.scale, acc_dk[dt][2 * rh + 1] * p.scale);
           *reinterpret_cast<uint32_t*>(v_row + dt * 8) = pack2<T>(acc_dv[dt][2 * rh], acc_dv[dt][2 * rh + 1]);
@@ -818,6 +834,7 @@ __global__ void __launch_bounds__(Tr::kDqThreads, Tr::kDqMinBlocksPerSm) flash_b
 // What a head-dim translation unit exports to the backward dispatcher.
 struct BwdKernelInfo {
   int head_dim, block_m, block_n, warps, dq_block_m, dq_block_n, dq_warps;
+  int col_splits;            // CTAs per key block, each with head_dim / col_splits columns
   const char* reason;        // why this tile, written next to the traits
   size_t smem_bytes;         // dK/dV kernel, default mode (with the dS^T buffer)
   size_t smem_bytes_det;     // dK/dV kernel, deterministic mode (no dS^T buffer)

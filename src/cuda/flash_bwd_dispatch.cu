@@ -2,8 +2,8 @@
 // problem supported?" and "which kernels run?", so the two can never disagree) and the launch
 // sequence on the caller's stream.
 //
-// The table is BwdTraits<64, 128> x {bf16, f16} (flash_bwd_launch.cuh); head_dim <= 64 runs on
-// hdim64, <= 128 on hdim128, both with zero-filled columns. The selector string reads
+// The table is BwdTraits<64, 128, 256> x {bf16, f16} (flash_bwd_launch.cuh); a head_dim that is a
+// multiple of 8 runs on the next size up with zero-filled columns. The selector string reads
 // "cuda/flash-backward sm90 mma.sync bf16 hdim128 causal tile 64x128 warps 8 dq atomic" and the
 // reason says why that tile and how dQ is accumulated.
 //
@@ -27,8 +27,8 @@
 namespace ioattn::cuda {
 namespace {
 
-const std::array<BwdKernelInfo, 2>& bwd_table() {
-  static const std::array<BwdKernelInfo, 2> table = {bwd_info_hdim64(), bwd_info_hdim128()};
+const std::array<BwdKernelInfo, 3>& bwd_table() {
+  static const std::array<BwdKernelInfo, 3> table = {bwd_info_hdim64(), bwd_info_hdim128(), bwd_info_hdim256()};
   return table;
 }
 
@@ -74,8 +74,7 @@ Pick pick(const detail::BwdProblem& bp, int arch) {
   const int max_d = bwd_table().back().head_dim;
   if (p.head_dim % kVecElems != 0 || p.head_dim > max_d)
     return no("the backward table covers head_dim multiples of 8 up to " + std::to_string(max_d) + ", got " +
-              std::to_string(p.head_dim) +
-              " (hdim > 128 needs dK/dV split over warps with P and dS through shared memory: not built yet)");
+              std::to_string(p.head_dim));
   const void* ptrs[] = {p.q, p.k, p.v, p.o, bp.dout, bp.dq, bp.dk, bp.dv};
   for (const void* ptr : ptrs)
     if (!aligned16(ptr)) return no("q, k, v, o, dout, dq, dk and dv must be 16-byte aligned (16-byte vector loads/stores)");
@@ -92,7 +91,7 @@ Pick pick(const detail::BwdProblem& bp, int arch) {
       info = &k;
       break;
     }
-  if (ceil_div(p.seqlen_k, info->block_n) * p.heads_kv * p.batch > INT_MAX ||
+  if (ceil_div(p.seqlen_k, info->block_n) * p.heads_kv * p.batch * info->col_splits > INT_MAX ||
       ceil_div(p.seqlen_q, info->dq_block_m) * p.heads_q * p.batch > INT_MAX)
     return no("key blocks x kv heads x batch (or query blocks x heads x batch) exceeds the 2^31-1 grid limit");
   if (rows_q_of(p) >= INT_MAX / 2)
@@ -119,7 +118,8 @@ Pick pick(const detail::BwdProblem& bp, int arch) {
                      std::to_string(info->head_dim);
   if (info->head_dim != p.head_dim) name += "(d" + std::to_string(p.head_dim) + " zero-padded)";
   name += " " + detail::mask_name(p) + " tile " + std::to_string(info->block_m) + "x" + std::to_string(info->block_n) +
-          " warps " + std::to_string(info->warps) + (bp.deterministic ? " dq deterministic" : " dq atomic");
+          " warps " + std::to_string(info->warps) + (info->col_splits > 1 ? " x" + std::to_string(info->col_splits) + " column splits" : "") +
+          (bp.deterministic ? " dq deterministic" : " dq atomic");
   std::string reason = std::string(info->reason) + "; dK/dV kernel " + std::to_string(info->smem_bytes / 1024) +
                        " KB smem, " + std::to_string(attr.numRegs) + " regs/thread";
   if (bp.deterministic)

@@ -4,10 +4,9 @@
 // the next size up with zero-filled columns, and anything above the largest row is refused by
 // cuda_backward_select with the reason.
 //
-// Register budget: the dK/dV kernel keeps dK and dV of 16 keys x kHeadDim in fp32 registers per
-// warp (kHeadDim regs/thread) next to S^T and dP^T (kBlockM regs/thread); at 255 regs/thread that
-// caps kHeadDim + kBlockM near 192, which is why hdim256 is not in the table (it needs dK/dV split
-// over warps with P^T and dS^T through shared memory, FlashAttention-2's layout).
+// Register budget: the dK/dV kernel keeps dK and dV of 16 keys x kAccCols in fp32 registers per
+// warp (kAccCols regs/thread) next to S^T and dP^T (kBlockM regs/thread); at 255 regs/thread that
+// caps kAccCols + kBlockM near 192, which is why hdim256 splits its columns over 2 CTAs.
 #pragma once
 
 #include "cuda/check.cuh"
@@ -40,10 +39,19 @@ struct BwdTraits<128> : BwdTile<128, 64, 8, 1, 64, 4, 2> {
       "choice, not yet tuned on a GPU";
 };
 
+template <>
+struct BwdTraits<256> : BwdTile<256, 32, 4, 1, 32, 4, 1, 2> {
+  static constexpr const char* kReason =
+      "hdim256: dK+dV of 16 keys x 256 columns would need 256 regs/thread, so 2 CTAs share each block of "
+      "64 keys (4 warps x 16), each accumulating dK, dV, dQ for 128 columns and recomputing S and dP "
+      "(7 GEMMs instead of 5); 32 query rows (dQ pass: 32 keys) per step keep S and dP at 32 regs and "
+      "the smem at 141 KB (fits sm_80); first choice, not tuned on a GPU";
+};
+
 template <class Tr, typename T>
 void launch_flash_bwd_typed(const BwdParams& p, cudaStream_t stream) {
   const bool deterministic = p.ws_dq == nullptr;
-  const int64_t grid_kv = static_cast<int64_t>(p.num_n_blocks) * p.heads_kv * p.batch;
+  const int64_t grid_kv = static_cast<int64_t>(p.num_n_blocks) * p.heads_kv * p.batch * Tr::kColSplits;
   if (grid_kv > 0) {
     auto* kernel = &flash_bwd_dkdv_kernel<Tr, T>;
     // The attribute is the larger size, so one setting serves both modes.
@@ -84,6 +92,7 @@ BwdKernelInfo make_bwd_info() {
   info.dq_block_m = Tr::kDqBlockM;
   info.dq_block_n = Tr::kDqBlockN;
   info.dq_warps = Tr::kDqWarps;
+  info.col_splits = Tr::kColSplits;
   info.reason = Tr::kReason;
   info.smem_bytes = Tr::kSmemBytes;
   info.smem_bytes_det = Tr::kSmemNoDs;
@@ -99,5 +108,6 @@ BwdKernelInfo make_bwd_info() {
 // One per head dim, defined in flash_bwd_hdim<D>.cu.
 BwdKernelInfo bwd_info_hdim64();
 BwdKernelInfo bwd_info_hdim128();
+BwdKernelInfo bwd_info_hdim256();
 
 }  // namespace ioattn::cuda

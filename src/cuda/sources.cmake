@@ -16,6 +16,7 @@ set(IOATTN_CUDA_SOURCES
   ${CMAKE_CURRENT_LIST_DIR}/flash_bwd_dispatch.cu
   ${CMAKE_CURRENT_LIST_DIR}/flash_bwd_hdim64.cu
   ${CMAKE_CURRENT_LIST_DIR}/flash_bwd_hdim128.cu
+  ${CMAKE_CURRENT_LIST_DIR}/flash_bwd_hdim256.cu
   # Serving: split-KV decode (FMA: 5 cache dtypes; mma: bf16/f16 x hdim 64/128/256) + merge, append_kv,
   # merge_states.
   ${CMAKE_CURRENT_LIST_DIR}/serving_decode.cu
