@@ -188,7 +188,7 @@ def main():
     ap.add_argument("--no-naive", action="store_true")
     ap.add_argument("--bwd", action="store_true",
                     help="forward+backward vs SDPA flash/cudnn instead of the forward grid")
-    ap.add_argument("--bwd-hdims", default="64,128")
+    ap.add_argument("--bwd-hdims", default="64,128,256")
     ap.add_argument("--deterministic", action="store_true", help="ioattn backward in deterministic mode")
     args = ap.parse_args()
     if args.bwd:

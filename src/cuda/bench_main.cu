@@ -5,7 +5,7 @@
 //                           [--hidden 2048] [--dtypes bf16,f16] [--f16-hdims 128] [--repeats 15]
 //       FlashAttention's benchmark grid: batch·seqlen = tokens, heads = hidden / hdim, causal and
 //       not; f16 only for --f16-hdims. One line per (config): ms, TFLOP/s, the selected kernel.
-//   ioattn_cuda_bench bwd   [--hdims 64,128] [--seqlens 512,...,16384] [--tokens 16384] [--hidden 2048]
+//   ioattn_cuda_bench bwd   [--hdims 64,128,256] [--seqlens 512,...,16384] [--tokens 16384] [--hidden 2048]
 //                           [--dtypes bf16] [--repeats 10] [--deterministic 0|1]
 //       forward + backward through the public API on the same grid, causal and not: fwd+bwd ms and
 //       TFLOP/s (FLOPs = fwd + 2.5·fwd, FlashAttention's convention), the backward alone, and both
@@ -105,7 +105,7 @@ void run_grid(int argc, char** argv) {
 }
 
 void run_bwd(int argc, char** argv) {
-  const auto hdims = cb::parse_list(arg(argc, argv, "--hdims", "64,128"));
+  const auto hdims = cb::parse_list(arg(argc, argv, "--hdims", "64,128,256"));
   const auto seqlens = cb::parse_list(arg(argc, argv, "--seqlens", "512,1024,2048,4096,8192,16384"));
   const int64_t tokens = std::stoll(arg(argc, argv, "--tokens", "16384"));
   const int64_t hidden = std::stoll(arg(argc, argv, "--hidden", "2048"));
