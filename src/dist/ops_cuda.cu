@@ -4,6 +4,8 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <map>
+#include <mutex>
 #include <string>
 
 #include "dist/ops.hpp"
@@ -73,6 +75,46 @@ __global__ void rows_kernel(Op op, Rows r, void* dst, DType dt, const void* src,
   }
 }
 
+// Row copy in W-byte words (W = 16, 8, 4, 2 or 1: the largest that divides the row's bytes and
+// every row start of both views), one block per row, grid-stride over rows.
+template <class W>
+__global__ void copy_rows_kernel(Rows r, char* dst, const char* src, int64_t es) {
+  const int64_t words = r.n * es / static_cast<int64_t>(sizeof(W));
+  for (int64_t row = blockIdx.x; row < r.count(); row += gridDim.x) {
+    int64_t oa, ob;
+    row_offsets(r, row, &oa, &ob);
+    W* d = reinterpret_cast<W*>(dst + oa * es);
+    const W* s = reinterpret_cast<const W*>(src + ob * es);
+    for (int64_t x = threadIdx.x; x < words; x += blockDim.x) d[x] = s[x];
+  }
+}
+
+bool rows_aligned(const Rows& r, const void* a, const void* b, int64_t es, int64_t w) {
+  if ((r.n * es) % w != 0 || reinterpret_cast<uintptr_t>(a) % w != 0 || reinterpret_cast<uintptr_t>(b) % w != 0)
+    return false;
+  for (int i = 0; i < 3; ++i)
+    if (r.shape[i] > 1 && ((r.sa[i] * es) % w != 0 || (r.sb[i] * es) % w != 0)) return false;
+  return true;
+}
+
+void launch_copy(const TensorView& dst, const TensorView& src, void* stream) {
+  const Rows r = rows_of(dst, src);
+  if (r.count() == 0 || r.n == 0) return;
+  const int64_t es = dtype_size(dst.dtype);
+  const int64_t blocks = r.count() < 65535 * 8 ? r.count() : 65535 * 8;
+  const auto g = static_cast<unsigned>(blocks);
+  auto st = static_cast<cudaStream_t>(stream);
+  char* d = static_cast<char*>(dst.data);
+  const char* s = static_cast<const char*>(src.data);
+  if (rows_aligned(r, d, s, es, 16)) copy_rows_kernel<uint4><<<g, 128, 0, st>>>(r, d, s, es);
+  else if (rows_aligned(r, d, s, es, 8)) copy_rows_kernel<uint2><<<g, 128, 0, st>>>(r, d, s, es);
+  else if (rows_aligned(r, d, s, es, 4)) copy_rows_kernel<uint32_t><<<g, 128, 0, st>>>(r, d, s, es);
+  else if (rows_aligned(r, d, s, es, 2)) copy_rows_kernel<uint16_t><<<g, 128, 0, st>>>(r, d, s, es);
+  else copy_rows_kernel<char><<<g, 128, 0, st>>>(r, d, s, es);
+  const cudaError_t e = cudaGetLastError();
+  if (e != cudaSuccess) throw Error("cuda", std::string("ioattn: ring-attention copy kernel failed: ") + cudaGetErrorString(e));
+}
+
 void launch(Op op, const TensorView& dst, const TensorView& src, float value, void* stream) {
   const Rows r = rows_of(dst, src);
   if (r.count() == 0 || r.n == 0) return;
@@ -86,7 +128,7 @@ void launch(Op op, const TensorView& dst, const TensorView& src, float value, vo
 }  // namespace
 
 void cuda_fill_f32(const TensorView& dst, float value, void* stream) { launch(Op::fill, dst, dst, value, stream); }
-void cuda_copy(const TensorView& dst, const TensorView& src, void* stream) { launch(Op::copy, dst, src, 0, stream); }
+void cuda_copy(const TensorView& dst, const TensorView& src, void* stream) { launch_copy(dst, src, stream); }
 void cuda_accumulate(const TensorView& acc, const TensorView& src, void* stream) {
   launch(Op::accumulate, acc, src, 0, stream);
 }
@@ -96,12 +138,40 @@ void cuda_copy_bytes(void* dst, const void* src, size_t bytes, void* stream) {
   if (e != cudaSuccess) throw Error("cuda", std::string("ioattn: cudaMemcpyAsync failed: ") + cudaGetErrorString(e));
 }
 
+namespace {
+// Ring scratch comes from one memory pool per device that keeps its blocks after a call (release
+// threshold: unlimited), so a training loop's next call reuses them instead of mapping ~1 GB of
+// fresh pages each time (measured on the H200: P = 1 ring forward 10.2 ms vs 6.2 ms for the plain
+// forward at 32k tokens before). The pool holds at most the peak ring scratch of the process.
+cudaMemPool_t ring_pool() {
+  static std::mutex mu;
+  static std::map<int, cudaMemPool_t> pools;
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess) throw Error("cuda", "ioattn: cudaGetDevice failed");
+  std::lock_guard<std::mutex> lk(mu);
+  auto it = pools.find(dev);
+  if (it != pools.end()) return it->second;
+  cudaMemPoolProps props{};
+  props.allocType = cudaMemAllocationTypePinned;
+  props.location.type = cudaMemLocationTypeDevice;
+  props.location.id = dev;
+  cudaMemPool_t pool = nullptr;
+  cudaError_t e = cudaMemPoolCreate(&pool, &props);
+  if (e != cudaSuccess) throw Error("cuda", std::string("ioattn: cudaMemPoolCreate failed: ") + cudaGetErrorString(e));
+  uint64_t keep = ~uint64_t{0};
+  cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &keep);
+  pools[dev] = pool;
+  return pool;
+}
+
+}  // namespace
+
 void* cuda_alloc_async(size_t bytes, void* stream) {
   void* p = nullptr;
-  const cudaError_t e = cudaMallocAsync(&p, bytes, static_cast<cudaStream_t>(stream));
+  const cudaError_t e = cudaMallocFromPoolAsync(&p, bytes, ring_pool(), static_cast<cudaStream_t>(stream));
   if (e != cudaSuccess) {
     cudaGetLastError();
-    throw Error("cuda", "ioattn: cudaMallocAsync(" + std::to_string(bytes) + " bytes) failed: " + cudaGetErrorString(e));
+    throw Error("cuda", "ioattn: cudaMallocFromPoolAsync(" + std::to_string(bytes) + " bytes) failed: " + cudaGetErrorString(e));
   }
   return p;
 }
