@@ -7,14 +7,16 @@
 #   3. test_cuda_kernels verbose (per-case errors vs the float64 reference)
 #   4. compute-sanitizer memcheck (+ racecheck) on small flash and naive cases
 #   5. the peer benchmark: bench/peer_bench.py (ioattn vs PyTorch SDPA flash/cudnn, same run)
-#   6. optional tile sweep (GPU_CHECK_TUNE=1): ioattn_cuda_tune
+#   6. sm90 (Hopper kernel vs cuDNN/FA2), backward (fwd+bwd vs SDPA), decode (vs SDPA cudnn/flash),
+#      cp (ring attention per-rank time vs ideal), python (pip install + pytest with torch)
+#   7. optional tile sweep (GPU_CHECK_TUNE=1): ioattn_cuda_tune
 #   report (not in the default stages; ~4-5 min): tools/report/report.sh — ioattn bench sweeps (CPU
 #      and CUDA), Nsight Compute DRAM traffic vs the model, ceilings, charts; packed into report.tgz.
 #      Run it with the stages that write its peer inputs: GPU_CHECK_STAGES="build bench sm90 report"
 # Each stage logs to its own file in RESULTS_DIR; a short summary table is printed last.
 #
-# Environment: GPU_CHECK_ARCHS (default 90a), GPU_CHECK_STAGES (default "build ctest tests
-# sanitizer bench"), GPU_CHECK_TUNE=1, GPU_CHECK_BENCH_ARGS (extra peer_bench.py args),
+# Environment: GPU_CHECK_ARCHS (default 90a), GPU_CHECK_STAGES (default "build ctest tests sanitizer
+# bench sm90 backward decode cp python"), GPU_CHECK_TUNE=1, GPU_CHECK_BENCH_ARGS (extra peer_bench.py args),
 # GPU_CHECK_JOBS (build parallelism, default nproc), GPU_CHECK_REPORT_INPUTS (folder holding
 # peer.json / sm90.csv / peer_sm90.csv / peer_decode.json for the report's charts; default RESULTS_DIR).
 set -uo pipefail
@@ -25,7 +27,7 @@ cd "$(dirname "$0")/.."
 ROOT=$PWD
 BUILD=${GPU_CHECK_BUILD:-$ROOT/build-gpu}
 ARCHS=${GPU_CHECK_ARCHS:-90a}
-STAGES=${GPU_CHECK_STAGES:-build ctest tests sanitizer bench sm90 python}
+STAGES=${GPU_CHECK_STAGES:-build ctest tests sanitizer bench sm90 backward decode cp python}
 JOBS=${GPU_CHECK_JOBS:-$(nproc)}
 export PATH=/usr/local/cuda/bin:$PATH
 SUMMARY=$OUT/summary.txt
@@ -85,8 +87,21 @@ if want sanitizer; then
     compute-sanitizer --tool racecheck --error-exitcode 9 "$BUILD/test_cuda_kernels" \
       --gtest_filter='*113x203*:*varlen_empty_seq:*hdim192_bf16*'
     echo "racecheck rc=$?"
+    if [[ -x $BUILD/test_cuda_backward ]]; then
+      compute-sanitizer --tool memcheck --error-exitcode 9 "$BUILD/test_cuda_backward" \
+        --gtest_filter='*len17*:*varlen_empty*:*hdim40*:*hdim256_gqa*:*sinks_norows*'
+      echo "memcheck (backward) rc=$?"
+      compute-sanitizer --tool racecheck --error-exitcode 9 "$BUILD/test_cuda_backward" \
+        --gtest_filter='*q113_k203_causal_bf16*'
+      echo "racecheck (backward) rc=$?"
+    fi
+    if [[ -x $BUILD/test_cuda_serving ]]; then
+      compute-sanitizer --tool memcheck --error-exitcode 9 "$BUILD/test_cuda_serving" \
+        --gtest_filter='CudaDecode.EmptyAndSingleTokenSequences:CudaDecode.PagedEqualsContiguousBitwise:CudaAppendKv.*:CudaMergeStates.*'
+      echo "memcheck (serving) rc=$?"
+    fi
   } >"$OUT/sanitizer.log" 2>&1
-  note "sanitizer  $(( $(stamp) - t0 )) s  $(grep -E '^(memcheck|racecheck) rc=|ERROR SUMMARY' "$OUT/sanitizer.log" | tr '\n' ' ')"
+  note "sanitizer  $(( $(stamp) - t0 )) s  $(grep -E '^(memcheck|racecheck).* rc=|ERROR SUMMARY' "$OUT/sanitizer.log" | tr '\n' ' ')"
 fi
 
 # ---- 5. peer benchmark --------------------------------------------------------------------------
@@ -106,6 +121,30 @@ if want sm90 && [[ -x $BUILD/ioattn_sm90_check ]]; then
       PYTHONUNBUFFERED=1 python3 "$ROOT/src/cuda/hopper/peer_sdpa.py" --ours sm90="$OUT/sm90.csv" --csv "$OUT/peer_sm90.csv"
   } >"$OUT/sm90.log" 2>&1
   note "sm90 bench rc=$?  $(( $(stamp) - t0 )) s  (sm90.log, peer_sm90.csv)"
+fi
+
+# ---- forward+backward vs PyTorch SDPA flash / cudnn (same run) -----------------------------------
+if want backward; then
+  t0=$(stamp)
+  PYTHONUNBUFFERED=1 python3 "$ROOT/bench/peer_bench.py" --bench "$BUILD/ioattn_cuda_bench" --bwd \
+    --seqlens ${GPU_CHECK_BWD_SEQLENS:-1024,4096,16384} --out "$OUT/bwd.json" >"$OUT/backward.log" 2>&1
+  note "backward   rc=$?  $(( $(stamp) - t0 )) s  (backward.log, bwd.json)"
+fi
+
+# ---- decode vs PyTorch SDPA cudnn / flash (enable_gqa), same run ----------------------------------
+if want decode; then
+  t0=$(stamp)
+  PYTHONUNBUFFERED=1 python3 "$ROOT/bench/peer_decode.py" --bench "$BUILD/ioattn_cuda_decode_bench" \
+    ${GPU_CHECK_DECODE_ARGS:-} --out "$OUT/peer_decode.json" >"$OUT/decode.log" 2>&1
+  note "decode     rc=$?  $(( $(stamp) - t0 )) s  (decode.log, peer_decode.json)"
+fi
+
+# ---- ring attention: time per rank vs single device / P, NVLink hop model -------------------------
+if want cp; then
+  t0=$(stamp)
+  NCCL_NVLS_ENABLE=0 "$BUILD/bench/ioattn_bench_cp" --seqlen 32768 --heads 16 --head-dim 128 --ranks 1,2,4,8 \
+    >"$OUT/cp.log" 2>&1
+  note "cp bench   rc=$?  $(( $(stamp) - t0 )) s  (cp.log)"
 fi
 
 # ---- 7. Python package: pip install with CUDA, pytest with torch (CUDA, autograd, compile) -------
@@ -149,6 +188,9 @@ cat "$SUMMARY"
 [[ -f $OUT/cuda_tests.log ]] && grep -E '^\[  FAILED|Failure|error' "$OUT/cuda_tests.log" | head -20
 [[ -f $OUT/bench.log ]] && sed -n '/^## forward/,$p' "$OUT/bench.log"
 [[ -f $OUT/sm90.log ]] && tail -40 "$OUT/sm90.log"
+[[ -f $OUT/backward.log ]] && sed -n '/^## forward+backward/,$p' "$OUT/backward.log"
+[[ -f $OUT/decode.log ]] && sed -n '/^GQA/,$p' "$OUT/decode.log"
+[[ -f $OUT/cp.log ]] && sed -n '/^## ring/,$p' "$OUT/cp.log"
 [[ -f $OUT/report.log ]] && sed -n '/^==== report/,$p' "$OUT/report.log"
 # At most 8 files come back from the device machine: keep the summary and the JSON/CSV results,
 # pack every log into one archive.
