@@ -640,7 +640,7 @@ int run_fp8_bench(FILE* csv, int reps) {
       std::printf("%-6lld %-7s %10.3f %9.1f %10.3f %9.1f %7.2f %12.4f  %s\n", (long long)s, causal ? "yes" : "no", t16,
                   tf16, t8, tf8, tf8 / tf16, tt, k8name.c_str());
       if (csv) {
-        std::fprintf(csv, "ioattn_sm90,%lld,%lld,%d,%lld,%lld,%.4f,%.2f\n", (long long)d, (long long)s, causal ? 1 : 0,
+        std::fprintf(csv, "ioattn_sm90_bf16_vs_fp8,%lld,%lld,%d,%lld,%lld,%.4f,%.2f\n", (long long)d, (long long)s, causal ? 1 : 0,
                      (long long)b, (long long)h, t16, tf16);
         std::fprintf(csv, "ioattn_sm90_fp8,%lld,%lld,%d,%lld,%lld,%.4f,%.2f\n", (long long)d, (long long)s,
                      causal ? 1 : 0, (long long)b, (long long)h, t8, tf8);
