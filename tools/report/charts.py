@@ -171,11 +171,15 @@ def chart_decode(args, stamp, made):
             kv = int(num(r["kv_len"]))
             g[kv] = max(g.get(kv, 0.0), num(r["tbps"]))
         variants = sorted({label.split(" ", 1)[1] if " " in label else "" for label in groups})
+        ours = sorted(l for l in groups if "ioattn" in l.split(" ", 1)[0].lower())
+        blues = plt.get_cmap("Blues")
         for label, pts in sorted(groups.items()):
             xs = sorted(pts)
             impl, _, variant = label.partition(" ")
             family = next((f for f in ("ioattn", "cudnn", "fa2", "flash") if f in impl.lower()), None)
             color = COLORS.get("fa2" if family == "flash" else family, "0.4")
+            if family == "ioattn" and len(ours) > 1:  # one shade per ioattn variant, dark to light
+                color = blues(0.95 - 0.6 * ours.index(label) / (len(ours) - 1))
             ls = ("-", "--", ":", "-.")[variants.index(variant) % 4]
             ax.plot(xs, [pts[x] for x in xs], "o", ls=ls, ms=3, label=label, color=color)
         if copy:
