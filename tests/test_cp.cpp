@@ -73,16 +73,7 @@ struct Full {
   TensorView vv() { return v.view({B, S, Hk, D}); }
 };
 
-double max_diff(const detail::Buffer& a, const detail::Buffer& b) {
-  double m = 0;
-  for (int64_t i = 0; i < a.count(); ++i) {
-    const double x = a.get(i), y = b.get(i);
-    if (std::isinf(x) && std::isinf(y) && (x < 0) == (y < 0)) continue;
-    const double d = std::fabs(x - y);
-    m = std::isnan(d) ? INFINITY : std::max(m, d);
-  }
-  return m;
-}
+double max_diff(const detail::Buffer& a, const detail::Buffer& b) { return detail::max_abs_diff(a, b); }
 
 class ContextParallel : public ::testing::TestWithParam<CpCase> {};
 

@@ -111,6 +111,18 @@ inline void accumulate_error(ErrorStats& e, double got, double want, int64_t idx
   e.max_abs = std::max(e.max_abs, d);
 }
 
+// Max |a - b| over the host copies of two buffers of one shape (equal infinities count as 0; a NaN
+// anywhere gives +inf): the ring-attention tests compare P ranks with one device this way.
+inline double max_abs_diff(const Buffer& a, const Buffer& b) {
+  ErrorStats e;
+  for (int64_t i = 0; i < a.count(); ++i) {
+    const double x = a.get(i), y = b.get(i);
+    if (std::isinf(x) && std::isinf(y) && (x < 0) == (y < 0)) continue;
+    accumulate_error(e, x, y, i);
+  }
+  return e.max_abs;
+}
+
 // Errors of the O and LSE written by a backend (host copies, strides from p) vs a RefResult.
 inline void output_errors(const FwdProblem& p, const void* o_host, const float* lse_host, const RefResult& ref,
                           ErrorStats* o_err, ErrorStats* lse_err) {

@@ -78,10 +78,7 @@ DType dtype_of(const std::string& s) {
 __global__ void fill_codes_kernel(uint8_t* x, int64_t n, uint64_t seed, bool e4m3) {
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    uint64_t z = seed + static_cast<uint64_t>(i) * 0x9e3779b97f4a7c15ull;
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-    z ^= z >> 31;
+    const uint64_t z = cb::splitmix64(seed, i);
     x[i] = e4m3 ? static_cast<uint8_t>(((z >> 8) % 0x7e) | ((z >> 16) & 0x80)) : static_cast<uint8_t>(z >> 8);
   }
 }

@@ -27,15 +27,20 @@ inline std::vector<int64_t> parse_list(const std::string& s) {
   return v;
 }
 
+// Element i's 64-bit counter hash (splitmix64) for seed: the benchmarks' random inputs.
+__device__ __forceinline__ uint64_t splitmix64(uint64_t seed, int64_t i) {
+  uint64_t z = seed + static_cast<uint64_t>(i) * 0x9e3779b97f4a7c15ull;
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+  return z ^ (z >> 31);
+}
+
 // Uniform values in [-amp, amp) from a counter hash (splitmix64): fresh, non-zero inputs.
 template <typename T>
 __global__ void fill_uniform_kernel(T* x, int64_t n, uint64_t seed, float amp) {
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    uint64_t z = seed + static_cast<uint64_t>(i) * 0x9e3779b97f4a7c15ull;
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-    z ^= z >> 31;
+    const uint64_t z = splitmix64(seed, i);
     const float u = static_cast<float>(z >> 40) * (1.0f / 16777216.0f);  // [0, 1)
     const float v = (2.f * u - 1.f) * amp;
     if constexpr (std::is_same_v<T, float>)
