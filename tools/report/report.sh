@@ -12,7 +12,7 @@
 # Each step logs to OUTDIR/report.log and one status line to OUTDIR/steps.txt; a failed step does
 # not stop the later ones. Exit status: 0 when every step that ran succeeded.
 #
-# Environment: REPORT_SEQLENS (default 1024,2048,4096,8192,16384), REPORT_HDIMS (64,128),
+# Environment: REPORT_SEQLENS (default 1024,2048,4096,8192,16384), REPORT_HDIMS (64,128), IOATTN_COMMIT,
 # REPORT_CPU_SEQLENS (1024,2048,4096), PYTHON (python3), NCU (ncu on PATH or /usr/local/cuda/bin).
 set -uo pipefail
 OUT=${1:?usage: tools/report/report.sh OUTDIR BUILD_DIR [INPUTS_DIR]}
@@ -51,7 +51,8 @@ step() {
 GPUS=$("$CLI" info --json | "$PY" -c 'import json,sys; print(json.load(sys.stdin)["cuda_devices"])' 2>/dev/null || echo 0)
 GPU_NAME=$("$CLI" info --json | "$PY" -c 'import json,sys; d=json.load(sys.stdin)["cuda_device_names"]; print(d[0] if d else "")' 2>/dev/null)
 [[ -n $GPU_NAME ]] || GPU_NAME="no GPU ($(uname -n), $(nproc) CPU cores)"
-COMMIT=$(git -C "$ROOT" rev-parse --short HEAD 2>/dev/null || echo unknown)
+# IOATTN_COMMIT names the tree when git cannot (e.g. a worktree copied to another machine).
+COMMIT=${IOATTN_COMMIT:-$(git -C "$ROOT" rev-parse --short HEAD 2>/dev/null || echo unknown)}
 "$PY" - "$OUT/meta.json" "$GPU_NAME" "tools/report/report.sh OUTDIR BUILD_DIR (ioattn $COMMIT)" <<'EOF'
 import json, sys, time
 json.dump(dict(date=time.strftime("%Y-%m-%d %H:%M %Z"), gpu=sys.argv[2], command=sys.argv[3]), open(sys.argv[1], "w"))
