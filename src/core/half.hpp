@@ -103,4 +103,17 @@ inline float round_to(DType t, float x) {
   }
 }
 
+// The fp8 tensor-core accumulator model of the "naive attention in the same low precision"
+// baselines (the CPU reference's emulation and src/cuda/hopper/sm90_check.cu): x kept to 14
+// significant bits, truncated toward zero. The SageAttention2 paper reports the FP8 mma
+// accumulator to be FP22 (13 explicit mantissa bits); truncation rather than round-to-nearest is
+// our assumption: on the H200 the kernel's LSE error was 2-5x a round-to-nearest model's (run of
+// 2026-11-29), as a biased (truncating) accumulator predicts, while its O error matched the model.
+inline float round_fp8_accumulator(float x) {
+  if (x == 0.0f || !std::isfinite(x)) return x;
+  int e = 0;
+  const float m = std::frexp(x, &e);  // x = m * 2^e, 0.5 <= |m| < 1
+  return std::ldexp(std::trunc(std::ldexp(m, 14)), e - 14);
+}
+
 }  // namespace ioattn::detail

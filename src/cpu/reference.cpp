@@ -22,19 +22,8 @@ SeqRange seq_range(const FwdProblem& p, int64_t b) {
           p.cu_seqlens_k_host[b], p.cu_seqlens_k_host[b + 1] - p.cu_seqlens_k_host[b]};
 }
 
-// x kept to 14 significant bits, truncated toward zero (the same model as
-// src/cuda/hopper/sm90_check.cu: the FP8 mma accumulator is FP22 per the SageAttention2 paper;
-// truncation is our assumption, which the H200 LSE errors supported: 2-5x a round-to-nearest
-// model's, within 2x of this one's on the sm90 check's 22 cases).
-float round_sig14(float x) {
-  if (x == 0.0f || !std::isfinite(x)) return x;
-  int e = 0;
-  const float m = std::frexp(x, &e);
-  return std::ldexp(std::trunc(std::ldexp(m, 14)), e - 14);
-}
-
 // q . k as an fp8 GEMM on Hopper tensor cores computes it, modelled: exact fp32 sums over each
-// 32-element k-step (wgmma k32), added into an accumulator truncated to 14 significant bits
+// 32-element k-step (wgmma k32), added into an accumulator truncated to 14 significant bits (round_fp8_accumulator)
 // (DeepSeek-V3 report, sec. 3.3.2, measured that for Hopper's fp8 wgmma; a model, not the exact
 // rounding). Part of "naive attention in the same low precision" for f8e4m3 problems.
 float fp8_tensor_core_dot(const double* q, const double* k, int64_t d) {
@@ -42,7 +31,7 @@ float fp8_tensor_core_dot(const double* q, const double* k, int64_t d) {
   for (int64_t x0 = 0; x0 < d; x0 += 32) {
     float part = 0.0f;
     for (int64_t x = x0; x < std::min<int64_t>(d, x0 + 32); ++x) part += static_cast<float>(q[x]) * static_cast<float>(k[x]);
-    acc = round_sig14(acc + part);
+    acc = round_fp8_accumulator(acc + part);
   }
   return acc;
 }

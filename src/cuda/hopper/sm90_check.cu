@@ -320,18 +320,6 @@ std::string fp8_case_name(const Fp8Case& c) {
   return buf;
 }
 
-// x kept to 14 significant bits, truncated toward zero: the fp8 tensor-core accumulator model.
-// The SageAttention2 paper reports the FP8 mma accumulator to be FP22 (13 explicit mantissa
-// bits); truncation rather than round-to-nearest is our assumption: on the H200 the kernel's LSE
-// error was 2-5x a round-to-nearest model's (run of 2026-11-29), as a biased (truncating)
-// accumulator predicts, while its O error matched the model.
-float round_sig14(float x) {
-  if (x == 0.0f || !std::isfinite(x)) return x;
-  int e = 0;
-  const float m = std::frexp(x, &e);  // x = m * 2^e, 0.5 <= |m| < 1
-  return std::ldexp(std::trunc(std::ldexp(m, 14)), e - 14);
-}
-
 bool run_fp8_case(const Fp8Case& c, std::mt19937_64& rng, bool verbose) {
   using namespace ioattn::detail;
   constexpr int64_t d = 128;
@@ -454,7 +442,7 @@ bool run_fp8_case(const Fp8Case& c, std::mt19937_64& rng, bool verbose) {
           acc += (static_cast<double>(qv) * dsq) * (static_cast<double>(kv) * dsk);
           part += qv * kv;  // a product of two e4m3 values is exact in fp32
         }
-        facc = round_sig14(facc + part);
+        facc = round_fp8_accumulator(facc + part);
       }
       s[j] = acc * scale;
       se[j] = static_cast<double>(facc * (p.scale * (dsq * dsk)));
