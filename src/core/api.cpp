@@ -382,12 +382,7 @@ KernelChoice run(const Validated& val, const Context& ctx) {
   Selection s = select(val.p, ctx.backend);
   if (log_enabled())
     std::fprintf(stderr, "ioattn: forward: %s (%s)\n", s.choice.kernel.c_str(), s.choice.reason.c_str());
-  if (val.p.device == Device::cuda) {
-    CudaDeviceGuard on(val.p.device_index);
-    s.run(val.p);
-  } else {
-    s.run(val.p);
-  }
+  s.run(val.p);  // CUDA runners make the tensors' device current themselves (DeviceGuard)
   return s.choice;
 }
 
@@ -417,12 +412,7 @@ KernelChoice run_backward(ValidatedBwd& val, const Context& ctx) {
   }
   if (log_enabled())
     std::fprintf(stderr, "ioattn: backward: %s (%s)\n", choice.kernel.c_str(), choice.reason.c_str());
-  if (p.f.device == Device::cuda) {
-    CudaDeviceGuard on(p.f.device_index);
-    runner(p);
-  } else {
-    runner(p);
-  }
+  runner(p);
   return choice;
 }
 

@@ -10,6 +10,7 @@
 
 #include <string>
 
+#include "core/backends.hpp"
 #include "ioattn/ioattn.hpp"
 
 namespace ioattn::cuda {
@@ -58,23 +59,8 @@ constexpr const char* short_file(const char* f) {
 
 namespace ioattn::cuda {
 
-// Makes `device` current for the scope of a call and restores the caller's device after.
-class DeviceGuard {
- public:
-  explicit DeviceGuard(int device) {
-    IOATTN_CUDA_CHECK(cudaGetDevice(&prev_));
-    if (prev_ != device) IOATTN_CUDA_CHECK(cudaSetDevice(device));
-    changed_ = prev_ != device;
-  }
-  ~DeviceGuard() {
-    if (changed_) cudaSetDevice(prev_);
-  }
-  DeviceGuard(const DeviceGuard&) = delete;
-  DeviceGuard& operator=(const DeviceGuard&) = delete;
-
- private:
-  int prev_ = 0;
-  bool changed_ = false;
-};
+// Makes `device` current for the scope of a call and restores the caller's device after (the one
+// guard of the library: host code without CUDA headers uses it as detail::CudaDeviceGuard).
+using DeviceGuard = ::ioattn::detail::CudaDeviceGuard;
 
 }  // namespace ioattn::cuda
