@@ -73,7 +73,7 @@ struct Full {
   TensorView vv() { return v.view({B, S, Hk, D}); }
 };
 
-double max_diff(const detail::Buffer& a, const detail::Buffer& b) { return detail::max_abs_diff(a, b); }
+using detail::max_abs_diff;
 
 class ContextParallel : public ::testing::TestWithParam<CpCase> {};
 
@@ -133,20 +133,20 @@ TEST_P(ContextParallel, MatchesSingleDevice) {
 
   for (detail::Buffer* b : {&o_cp, &dq_cp, &dk_cp, &dv_cp}) b->download();
   if (P == 1) {  // the same block computations in the same order: bitwise
-    EXPECT_EQ(max_diff(o_cp, f.o), 0.0);
-    EXPECT_EQ(max_diff(lse_cp, f.lse), 0.0);
-    EXPECT_EQ(max_diff(dq_cp, f.dq), 0.0);
-    EXPECT_EQ(max_diff(dk_cp, f.dk), 0.0);
-    EXPECT_EQ(max_diff(dv_cp, f.dv), 0.0);
+    EXPECT_EQ(max_abs_diff(o_cp, f.o), 0.0);
+    EXPECT_EQ(max_abs_diff(lse_cp, f.lse), 0.0);
+    EXPECT_EQ(max_abs_diff(dq_cp, f.dq), 0.0);
+    EXPECT_EQ(max_abs_diff(dk_cp, f.dk), 0.0);
+    EXPECT_EQ(max_abs_diff(dv_cp, f.dv), 0.0);
     return;
   }
   // Partial results are rounded to the input dtype before the fp32 merge: allow a few roundings.
   const double tol = c.dtype == DType::f32 ? 2e-5 : 4e-2;
-  EXPECT_LE(max_diff(o_cp, f.o), tol);
-  EXPECT_LE(max_diff(lse_cp, f.lse), c.dtype == DType::f32 ? 2e-5 : 1e-2);
-  EXPECT_LE(max_diff(dq_cp, f.dq), 2 * tol);
-  EXPECT_LE(max_diff(dk_cp, f.dk), 2 * tol);
-  EXPECT_LE(max_diff(dv_cp, f.dv), 2 * tol);
+  EXPECT_LE(max_abs_diff(o_cp, f.o), tol);
+  EXPECT_LE(max_abs_diff(lse_cp, f.lse), c.dtype == DType::f32 ? 2e-5 : 1e-2);
+  EXPECT_LE(max_abs_diff(dq_cp, f.dq), 2 * tol);
+  EXPECT_LE(max_abs_diff(dk_cp, f.dk), 2 * tol);
+  EXPECT_LE(max_abs_diff(dv_cp, f.dv), 2 * tol);
 }
 
 std::vector<CpCase> cp_cases() {

@@ -49,7 +49,7 @@ TensorView device_view(detail::Buffer& b, std::initializer_list<int64_t> shape, 
   return t;
 }
 
-double max_diff(const detail::Buffer& a, const detail::Buffer& b) { return detail::max_abs_diff(a, b); }
+using detail::max_abs_diff;
 
 class ContextParallelNccl : public ::testing::TestWithParam<NcclCase> {};
 
@@ -154,11 +154,11 @@ TEST_P(ContextParallelNccl, MatchesSingleGpu) {
   for (auto& e : errors)
     if (e) std::rethrow_exception(e);
 
-  EXPECT_LE(max_diff(o_cp, o1), 4e-2);
-  EXPECT_LE(max_diff(lse_cp, lse1), 1e-2);
-  EXPECT_LE(max_diff(dq_cp, dq1), 8e-2);
-  EXPECT_LE(max_diff(dk_cp, dk1), 8e-2);
-  EXPECT_LE(max_diff(dv_cp, dv1), 8e-2);
+  EXPECT_LE(max_abs_diff(o_cp, o1), 4e-2);
+  EXPECT_LE(max_abs_diff(lse_cp, lse1), 1e-2);
+  EXPECT_LE(max_abs_diff(dq_cp, dq1), 8e-2);
+  EXPECT_LE(max_abs_diff(dk_cp, dk1), 8e-2);
+  EXPECT_LE(max_abs_diff(dv_cp, dv1), 8e-2);
 }
 
 std::vector<NcclCase> cases() {

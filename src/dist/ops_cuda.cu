@@ -55,19 +55,15 @@ __device__ inline void row_offsets(const Rows& r, int64_t row, int64_t* oa, int6
   *ob = i * r.sb[0] + j * r.sb[1] + k * r.sb[2];
 }
 
-enum class Op { fill, copy, accumulate, convert };
+enum class Op { fill, accumulate, convert };  // copies: copy_rows_kernel
 
-__global__ void rows_kernel(Op op, Rows r, void* dst, DType dt, const void* src, DType st, float value, int64_t es) {
+__global__ void rows_kernel(Op op, Rows r, void* dst, DType dt, const void* src, DType st, float value) {
   for (int64_t row = blockIdx.x; row < r.count(); row += gridDim.x) {
     int64_t oa, ob;
     row_offsets(r, row, &oa, &ob);
     for (int64_t x = threadIdx.x; x < r.n; x += blockDim.x) {
       switch (op) {
         case Op::fill: static_cast<float*>(dst)[oa + x] = value; break;
-        case Op::copy:
-          for (int64_t b = 0; b < es; ++b)
-            static_cast<char*>(dst)[(oa + x) * es + b] = static_cast<const char*>(src)[(ob + x) * es + b];
-          break;
         case Op::accumulate: static_cast<float*>(dst)[oa + x] += load(src, st, ob + x); break;
         case Op::convert: store(dst, dt, oa + x, static_cast<const float*>(src)[ob + x]); break;
       }
@@ -120,7 +116,7 @@ void launch(Op op, const TensorView& dst, const TensorView& src, float value, vo
   if (r.count() == 0 || r.n == 0) return;
   const int64_t blocks = r.count() < 65535 * 8 ? r.count() : 65535 * 8;
   rows_kernel<<<static_cast<unsigned>(blocks), 128, 0, static_cast<cudaStream_t>(stream)>>>(
-      op, r, dst.data, dst.dtype, src.data, src.dtype, value, dtype_size(dst.dtype));
+      op, r, dst.data, dst.dtype, src.data, src.dtype, value);
   const cudaError_t e = cudaGetLastError();
   if (e != cudaSuccess) throw Error("cuda", std::string("ioattn: ring-attention memory kernel failed: ") + cudaGetErrorString(e));
 }
