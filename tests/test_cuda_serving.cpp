@@ -91,7 +91,7 @@ std::vector<Spec> cuda_cases() {
 class CudaDecodeReference : public ::testing::TestWithParam<Spec> {};
 
 // Every case on the kernel the dispatcher picks and, where that is the mma kernel, on the FMA
-// kernel and the opt-in mma2 kernel too (IOATTN_DECODE_KERNEL=fma / mma2), each with the
+// kernel and the mma2 / mma3 kernels too (IOATTN_DECODE_KERNEL=fma / mma2 / mma3), each with the
 // heuristic / the case's split count, 1 and 5.
 TEST_P(CudaDecodeReference, MatchesFloat64ReferenceAndTheCpu) {
   SKIP_WITHOUT_GPU();
@@ -105,6 +105,7 @@ TEST_P(CudaDecodeReference, MatchesFloat64ReferenceAndTheCpu) {
   if (mma_shape(c)) {
     modes.push_back("fma");
     modes.push_back("mma2");
+    modes.push_back("mma3");
   }
   for (const std::string& mode : modes) {
     KernelEnv env(mode);

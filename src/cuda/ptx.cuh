@@ -35,6 +35,15 @@ __device__ __forceinline__ void cp_async_16(uint32_t dst_smem, const void* src, 
                "r"(src_bytes));
 }
 
+// cp.async.cg with the ignore-src predicate (PTX 7.5+): a full 16-byte copy when `valid`, else
+// nothing is read and 16 zero bytes are written. One instruction, no src-size arithmetic.
+__device__ __forceinline__ void cp_async_16_zfill(uint32_t dst_smem, const void* src, bool valid) {
+  asm volatile(
+      "{\n .reg .pred ig;\n setp.eq.u32 ig, %2, 0;\n cp.async.cg.shared.global [%0], [%1], 16, ig;\n}\n" ::"r"(
+          dst_smem),
+      "l"(src), "r"(static_cast<uint32_t>(valid)));
+}
+
 // cp.async.ca with 4 bytes: one 32-bit word from global to shared (through L1; .cg takes only 16
 // bytes). src_bytes is 4 or 0 (0 writes a zero word and reads nothing). The backward stages
 // per-row fp32 values (LSE, D) with it: their rows start at any 4-byte boundary.
@@ -69,6 +78,16 @@ __device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], uint32_t add
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
                : "r"(addr));
+}
+
+// movmatrix.trans (sm_75+): transposes an 8x8 matrix of 16-bit values held in the fragment layout
+// (lane holds row lane / 4, elements 2 (lane % 4), +1) across the warp, in registers: the lane then
+// holds column lane / 4, rows 2 (lane % 4), +1. Turns an mma C tile packed to 16 bits (rows =
+// the M dimension) into the B fragment of the next mma (rows = the K dimension).
+__device__ __forceinline__ uint32_t movmatrix_trans(uint32_t x) {
+  uint32_t y;
+  asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;\n" : "=r"(y) : "r"(x));
+  return y;
 }
 
 // ---- tensor-core matrix multiply-accumulate ------------------------------------------------

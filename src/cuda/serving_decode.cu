@@ -513,8 +513,22 @@ CudaSelection cuda_decode_select(const DecodeProblem& p, int arch) {
               std::to_string(16 / es) + " " + dtype_name(p.cache_dtype) + " elements)");
   if (p.paged() && p.page_size > INT_MAX) return no("page_size must be below 2^31 on CUDA");
   const std::string force = forced_kernel();
-  if (!force.empty() && force != "fma" && force != "mma" && force != "mma2")
-    return no("IOATTN_DECODE_KERNEL must be fma, mma or mma2 (or unset), got '" + force + "'");
+  if (!force.empty() && force != "fma" && force != "mma" && force != "mma2" && force != "mma3")
+    return no("IOATTN_DECODE_KERNEL must be fma, mma, mma2 or mma3 (or unset), got '" + force + "'");
+  if (force == "mma3") {
+    if (!mma_applies(p))
+      return no("IOATTN_DECODE_KERNEL=mma3: the tensor-core decode kernels take bf16/f16 q and cache of the same "
+                "dtype, head_dim == head_dim_v in {64, 128, 256}, and seqlen_q 1 or no causal/window mask");
+    const int rows = mma3_rows_per_cta(p.rows_per_group(), p.head_dim);
+    const int64_t rb3 = row_blocks_of(p.heads_q, p.heads_kv, p.seqlen_q, rows);
+    const int stages = p.head_dim == 64 ? 4 : p.head_dim == 128 ? 3 : 2;
+    return {"cuda/splitkv sm" + std::to_string(arch) + " mma3",
+            "IOATTN_DECODE_KERNEL=mma3; mma.sync with keys as M (S^T = K Q^T, O^T += V^T P^T, P^T by movmatrix), "
+            "4 warps x 16 keys of 64-key tiles, " + std::to_string(rows) + " query rows per CTA (" +
+                std::to_string(p.rows_per_group()) + " rows per kv head: " + std::to_string(rb3) +
+                (rb3 == 1 ? " block" : " blocks") + "), " + std::to_string(stages) +
+                "-stage cp.async ring, block-table entries prefetched into shared memory"};
+  }
   const bool v2 = use_mma2(p, force);
   const bool mma = v2 || force == "mma" || (force.empty() && mma_applies(p));
   if (mma && !mma_applies(p))
@@ -608,9 +622,12 @@ void cuda_decode(const DecodeProblem& p) {
   auto stream = static_cast<cudaStream_t>(p.stream);
   const int S = std::max(p.num_splits, 1);
   const std::string force = forced_kernel();
-  const bool v2 = use_mma2(p, force);
-  const bool mma = v2 || force == "mma" || (force.empty() && mma_applies(p));  // as cuda_decode_select
-  const int64_t rb = row_blocks_of(p.heads_q, p.heads_kv, p.seqlen_q, mma ? kMmaRows : kRows);
+  const bool mma3 = force == "mma3";
+  const bool v2 = !mma3 && use_mma2(p, force);
+  const bool mma = !mma3 && (v2 || force == "mma" || (force.empty() && mma_applies(p)));  // as cuda_decode_select
+  const int rows_per_cta =
+      mma3 ? mma3_rows_per_cta(p.rows_per_group(), p.head_dim) : mma ? kMmaRows : kRows;
+  const int64_t rb = row_blocks_of(p.heads_q, p.heads_kv, p.seqlen_q, rows_per_cta);
   const int64_t grid = p.batch * p.heads_kv * S * rb;
   if (grid == 0) return;
   if (grid > INT_MAX)
@@ -683,7 +700,9 @@ void cuda_decode(const DecodeProblem& p) {
     IOATTN_CUDA_CHECK(cudaMemsetAsync(dp.counters, 0, static_cast<size_t>(grid / S) * sizeof(int), stream));
     pdl = false;
   }
-  if (mma) {
+  if (mma3) {
+    launch_decode_mma3(dp, grid, stream, pdl);
+  } else if (mma) {
     launch_decode_mma(dp, grid, stream, pdl, v2);
   } else {
     switch (p.cache_dtype) {

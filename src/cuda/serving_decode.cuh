@@ -261,5 +261,9 @@ bool mma_decode_supported(DType dtype, DType cache, int64_t d, int64_t dv, int64
 // split merge fused into the kernel (p.counters; no merge launch).
 void launch_decode_mma(const DecodeParams& p, int64_t grid, cudaStream_t stream, bool pdl, bool v2 = false);
 constexpr int kMmaRows = 16;  // query rows per CTA of the mma kernel
+// mma3 (keys as the mma M dimension, serving_decode_mma.cu): the mma kernel's shapes, 8 query rows
+// per CTA (16 when a kv head has more than 8 rows and head_dim <= 128).
+int mma3_rows_per_cta(int64_t rows_per_group, int64_t head_dim);
+void launch_decode_mma3(const DecodeParams& p, int64_t grid, cudaStream_t stream, bool pdl);
 
 }  // namespace ioattn::cuda::serving

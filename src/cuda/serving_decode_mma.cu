@@ -472,6 +472,334 @@ __global__ void __launch_bounds__(kThreads) decode_mma_kernel(const DecodeParams
   }
 }
 
+// ---- mma3: keys as the M dimension ----------------------------------------------------------
+//
+// The mma / mma2 kernels hold the query rows as the mma M dimension (16 rows), but a decode CTA
+// has few rows (GQA 32/8, one token: 4), so 3/4 of their tensor-core work, softmax and P
+// splitting is spent on padding, and their loader (a dependent block-table load and 64-bit
+// address arithmetic per row, ~1100 warp instructions per 16 keys in all) made the loop issue-
+// bound: ncu at b1 x 128k, 2 warps per scheduler, 4.2 cycles between a warp's instructions, 65%
+// of DRAM peak. mma3 swaps the operands (FlashInfer / FA3's "swap AB" for decode):
+//   S^T (16 keys x 8 rows) = K Q^T     A = 16 keys of K by ldmatrix (row-major: dims contiguous),
+//                                      B = Q^T from registers (lane holds query row g): D/16 mma
+//   P^T -> B fragment                  the C tile packed to 16 bits is (key g; rows 2t, 2t+1);
+//                                      movmatrix.trans makes it (keys 2t, 2t+1; row g): the B layout
+//   O^T (D x 8 rows) += V^T P^T        A = V^T by ldmatrix.trans (16 dims x 16 keys per x4),
+//                                      2 x D/16 mma (P = P_hi + P_lo, as the mma kernel)
+// so per 16 keys a warp issues half the mma, a quarter of the exponentials, and the loader reads
+// pages from a shared-memory ring filled by cp.async STAGES - 1 tiles ahead (mma2's scheme), with
+// 32-bit slot arithmetic. NT n-tiles of 8 query rows (16 rows when the group needs them and D <=
+// 128). Every row of the CTA sees the same keys, as for the mma kernel. Per lane: rows 2t, 2t+1
+// of each n-tile (their max is reduced over the 8 lanes of a column, xor 4, 8, 16); l is a
+// per-lane partial sum, reduced once at the end.
+template <typename T, int D, int NT>
+__global__ void __launch_bounds__(kThreads) decode_mma3_kernel(const DecodeParams p) {
+  using Tr = MmaTraits<D>;
+  constexpr int STAGES = Tr::kStages, kKD = D / 16, ROWS = 8 * NT;
+  extern __shared__ __align__(16) uint8_t smem[];
+  __shared__ float grp_m[4 * ROWS], grp_l[4 * ROWS];
+  __shared__ int grp_bad[4];
+  __shared__ float row_m[ROWS], row_l[ROWS];
+  __shared__ int row_bad[ROWS];
+  __shared__ int2 pg_ring[STAGES][kBK];  // paged: (page, slot) of each key of the tiles in flight
+
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int g = lane >> 2, t4 = lane & 3;
+  const WorkItem w = work_item(p);
+  const int sq = p.seqlen_q;
+
+  int64_t klo = 0, khi = 0;
+  if (w.len > 0) {
+    vis_keys(0, sq, w.len, p.wl, p.wr, &klo, &khi);
+    klo = max(klo, w.k0);
+    khi = min(khi, w.k1);
+    if (khi < klo) khi = klo;
+  }
+
+  // Q^T as the B operand: the lane holds query row g of each n-tile, dims 2t, 2t+1 (and +8).
+  uint32_t qb[NT][kKD][2];
+  const auto* q16 = static_cast<const uint16_t*>(p.q);
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt) {
+    const int rr = w.rb * ROWS + nt * 8 + g;
+    const bool ok = rr < p.rows;
+    const int hh = ok ? rr / sq : 0, i = ok ? rr % sq : 0, h = w.hk * p.group + hh;
+    const int64_t qoff = w.b * p.q_sb + i * p.q_ss + h * p.q_sh;
+#pragma unroll
+    for (int kk = 0; kk < kKD; ++kk)
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int col = kk * 16 + half * 8 + 2 * t4;
+        uint32_t bits = 0;
+        if (ok) bits = static_cast<uint32_t>(q16[qoff + col]) | static_cast<uint32_t>(q16[qoff + col + 1]) << 16;
+        qb[nt][kk][half] = bits;
+      }
+  }
+  // The rows this lane holds in the C layouts of S^T and O^T: 2t + e of each n-tile.
+  bool valid[NT][2];
+  float slope[NT][2], diag[NT][2];
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const int rr = w.rb * ROWS + nt * 8 + 2 * t4 + e;
+      valid[nt][e] = rr < p.rows;
+      const int hh = valid[nt][e] ? rr / sq : 0, i = valid[nt][e] ? rr % sq : 0;
+      slope[nt][e] = (valid[nt][e] && p.alibi) ? p.alibi[w.hk * p.group + hh] * kLog2e : 0.0f;
+      diag[nt][e] = static_cast<float>(i + w.len - sq);
+    }
+
+  // Loader: chunk c_ld of rows j_ld0 + it * j_step of each tile (K and V: d == dv == D, so every
+  // chunk of a row is real). Contiguous: row pointers advance by a constant. Paged: (page, slot)
+  // of every key of the tiles in flight sit in pg_ring, written STAGES - 1 tiles ahead by threads
+  // < kBK (the page by cp.async from the block table, the slot by a plain store), so the loader
+  // does no global load and no division.
+  const int64_t nkeys = khi - klo;
+  const int ntiles = static_cast<int>((nkeys + kBK - 1) / kBK);
+  const int c_ld = tid % Tr::kCPR, j_ld0 = tid / Tr::kCPR, j_step = kThreads / Tr::kCPR;
+  const bool paged = p.block_table != nullptr;
+  int pg_bad = 0;
+  const uint8_t* kbase = p.k + w.hk * p.k_sh + c_ld * 16 + (paged ? 0 : w.b * p.k_sp);
+  const uint8_t* vbase = p.v + w.hk * p.v_sh + c_ld * 16 + (paged ? 0 : w.b * p.v_sp);
+  const int64_t k_it = j_step * p.k_ss, v_it = j_step * p.v_ss;  // bytes between a thread's rows
+  const uint32_t ring = ptx::smem_u32(smem) + j_ld0 * Tr::kPitch + c_ld * 16;
+  const int khi32 = static_cast<int>(khi);  // keys < 2^31 (checked on the host)
+  auto issue_pages = [&](int tile) {
+    if (paged && tid < kBK && tile < ntiles) {
+      const int t = static_cast<int>(klo) + tile * kBK + tid;
+      int2* dst = &pg_ring[tile % STAGES][tid];
+      if (t < khi32) {
+        const int pi = p.page_shift >= 0 ? t >> p.page_shift : t / p.page_size;
+        dst->y = t - pi * p.page_size;
+        ptx::cp_async_4(ptx::smem_u32(&dst->x), p.block_table + w.b * p.bt_sb + static_cast<int64_t>(pi) * p.bt_sp, 4);
+      }
+    }
+  };
+  auto issue_rows = [&](int tile) {  // the tile's K / V rows
+    if (tile >= ntiles) return;
+    const uint32_t dst0 = ring + (tile % STAGES) * 2 * Tr::kTileBytes;
+    const int t0 = static_cast<int>(klo) + tile * kBK + j_ld0;
+    if (!paged) {
+      const uint8_t* kr = kbase + static_cast<int64_t>(t0) * p.k_ss;
+      const uint8_t* vr = vbase + static_cast<int64_t>(t0) * p.v_ss;
+#pragma unroll
+      for (int it = 0; it < Tr::kLoadIters; ++it) {
+        const bool ok = t0 + it * j_step < khi32;
+        const uint32_t dst = dst0 + it * j_step * Tr::kPitch;
+        ptx::cp_async_16_zfill(dst, kr, ok);
+        ptx::cp_async_16_zfill(dst + Tr::kTileBytes, vr, ok);
+        kr += k_it;
+        vr += v_it;
+      }
+    } else {
+      const int2* pgs = pg_ring[tile % STAGES] + j_ld0;
+#pragma unroll
+      for (int it = 0; it < Tr::kLoadIters; ++it) {
+        const int2 ps = pgs[it * j_step];
+        const bool in = t0 + it * j_step < khi32;
+        const bool ok = in && ps.x >= 0 && ps.x < p.num_pages;
+        pg_bad |= (in && !ok) ? 1 : 0;
+        const uint64_t page = static_cast<uint32_t>(ok ? ps.x : 0), slot = static_cast<uint32_t>(ps.y);
+        const uint32_t dst = dst0 + it * j_step * Tr::kPitch;
+        ptx::cp_async_16_zfill(dst, kbase + (page * p.k_sp + slot * p.k_ss), ok);
+        ptx::cp_async_16_zfill(dst + Tr::kTileBytes, vbase + (page * p.v_sp + slot * p.v_ss), ok);
+      }
+    }
+  };
+  auto issue = [&](int tile) {
+    issue_pages(tile + STAGES - 1);  // entries for the tile issued STAGES - 1 iterations later
+    issue_rows(tile);
+    ptx::cp_async_commit();
+  };
+
+  // ldmatrix lane offsets within a stage: K as the A operand of S^T (keys 0-7 | 8-15, dims +0 |
+  // +8), V through .trans as the A operand of O^T (dims +0 | +8, keys 0-7 | 8-15).
+  const int k_lane = (warp * 16 + (lane & 15)) * Tr::kPitch + (lane >> 4) * 16;
+  const int v_lane = (warp * 16 + (lane & 7) + ((lane >> 4) << 3)) * Tr::kPitch + ((lane >> 3) & 1) * 16;
+
+  float o[NT][kKD][4];  // O^T: m-tile mt holds dims mt * 16 + g (c0, c1) and + 8 (c2, c3)
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+    for (int mt = 0; mt < kKD; ++mt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) o[nt][mt][e] = 0.0f;
+  float m[NT][2], l[NT][2];
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt) m[nt][0] = m[nt][1] = ninf(), l[nt][0] = l[nt][1] = 0.0f;
+  int bad = 0;  // bit r: row r of the block saw a NaN or +inf score
+  const float smul = p.scale * kLog2e;
+  const float cap = p.softcap * kLog2e, inv_cap = p.softcap > 0.0f ? 1.0f / cap : 0.0f;
+
+  if (paged) {  // the entries of the first STAGES - 1 tiles, before their rows are issued
+#pragma unroll
+    for (int s = 0; s < STAGES - 1; ++s) issue_pages(s);
+    ptx::cp_async_commit();
+    ptx::cp_async_wait<0>();
+    __syncthreads();
+  }
+#pragma unroll
+  for (int s = 0; s < STAGES - 1; ++s) {
+    // issue(s) writes the entries of tile s + STAGES - 1 into the slot of tile s - 1, which
+    // issue(s - 1) read in other threads: a barrier between (the loop has one per tile).
+    if (paged && s > 0) __syncthreads();
+    issue(s);
+  }
+
+  for (int tile = 0; tile < ntiles; ++tile) {
+    ptx::cp_async_wait<STAGES - 2>();
+    __syncthreads();
+    issue(tile + STAGES - 1);
+    const uint32_t kv = ptx::smem_u32(smem + (tile % STAGES) * 2 * Tr::kTileBytes);
+    const uint32_t k_addr = kv + k_lane, v_addr = kv + Tr::kTileBytes + v_lane;
+    const int key0 = static_cast<int>(klo) + tile * kBK + warp * 16 + g;  // keys of c0/c1; +8: c2/c3
+
+    // S^T = K Q^T for the warp's 16 keys.
+    float s[NT][4];
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) s[nt][e] = 0.0f;
+#pragma unroll
+    for (int kk = 0; kk < kKD; ++kk) {
+      uint32_t a[4];
+      ptx::ldmatrix_x4(a, k_addr + kk * 32);
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) ptx::mma_m16n8k16<T>(s[nt], a, qb[nt][kk][0], qb[nt][kk][1]);
+    }
+
+    // Score modifiers, mask, column maxima (over the 8 lanes sharing t), online softmax.
+    bool grow = false;
+    float alpha[NT][2];
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        float mx = ninf();
+#pragma unroll
+        for (int kh = 0; kh < 2; ++kh) {
+          float x = s[nt][2 * kh + e] * smul;
+          if (inv_cap > 0.0f) x = cap * tanhf(x * inv_cap);
+          if (p.alibi) x = fmaf(-slope[nt][e], fabsf(diag[nt][e] - static_cast<float>(key0 + 8 * kh)), x);
+          const bool vis = valid[nt][e] && key0 + 8 * kh < khi;
+          x = vis ? x : ninf();
+          if (vis && !(x < INFINITY)) bad |= 1 << (nt * 8 + 2 * t4 + e);
+          s[nt][2 * kh + e] = x;
+          mx = fmaxf(mx, x);
+        }
+        mx = fmaxf(mx, ptx::shfl_xor(mx, 4));
+        mx = fmaxf(mx, ptx::shfl_xor(mx, 8));
+        mx = fmaxf(mx, ptx::shfl_xor(mx, 16));
+        const float mn = fmaxf(m[nt][e], mx);
+        const bool up = mn > m[nt][e];
+        alpha[nt][e] = up ? ptx::exp2_approx(m[nt][e] - mn) : 1.0f;  // m = -inf -> 0
+        grow |= up;
+        m[nt][e] = mn;
+        float sum = 0.0f;
+#pragma unroll
+        for (int kh = 0; kh < 2; ++kh) {
+          const float pv = mn == ninf() ? 0.0f : ptx::exp2_approx(s[nt][2 * kh + e] - mn);  // -inf -> 0
+          s[nt][2 * kh + e] = pv;
+          sum += pv;
+        }
+        l[nt][e] = l[nt][e] * alpha[nt][e] + sum;
+      }
+    if (ptx::any_sync(grow)) {  // rare after the first tiles: rescale O^T only then
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+        for (int mt = 0; mt < kKD; ++mt) {
+          o[nt][mt][0] *= alpha[nt][0];
+          o[nt][mt][1] *= alpha[nt][1];
+          o[nt][mt][2] *= alpha[nt][0];
+          o[nt][mt][3] *= alpha[nt][1];
+        }
+    }
+
+    // P^T as the B operand: P = P_hi + P_lo packed (key g | g + 8; rows 2t, 2t+1), transposed.
+    uint32_t ph[NT][2], pl[NT][2];
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+      for (int kh = 0; kh < 2; ++kh) {
+        uint32_t hi, lo;
+        split2<T>(s[nt][2 * kh], s[nt][2 * kh + 1], hi, lo);
+        ph[nt][kh] = ptx::movmatrix_trans(hi);
+        pl[nt][kh] = ptx::movmatrix_trans(lo);
+      }
+
+    // O^T += V^T P^T.
+#pragma unroll
+    for (int mt = 0; mt < kKD; ++mt) {
+      uint32_t a[4];
+      ptx::ldmatrix_x4_trans(a, v_addr + mt * 32);
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) {
+        ptx::mma_m16n8k16<T>(o[nt][mt], a, ph[nt][0], ph[nt][1]);
+        ptx::mma_m16n8k16<T>(o[nt][mt], a, pl[nt][0], pl[nt][1]);
+      }
+    }
+  }
+
+  // ---- merge the 4 warps (shared memory, in warp order) --------------------------------------
+  ptx::cp_async_wait<0>();
+  const int any_pg_bad = __syncthreads_or(pg_bad);
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      l[nt][e] += ptx::shfl_xor(l[nt][e], 4);
+      l[nt][e] += ptx::shfl_xor(l[nt][e], 8);
+      l[nt][e] += ptx::shfl_xor(l[nt][e], 16);
+    }
+  for (int off = 1; off < 32; off <<= 1) bad |= __shfl_xor_sync(0xffffffffu, bad, off);
+  if (g == 0) {
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        grp_m[warp * ROWS + nt * 8 + 2 * t4 + e] = m[nt][e];
+        grp_l[warp * ROWS + nt * 8 + 2 * t4 + e] = l[nt][e];
+      }
+  }
+  if (lane == 0) grp_bad[warp] = bad;
+  __syncthreads();
+  rows_from_groups<ROWS>(4, grp_m, grp_l, grp_bad, any_pg_bad | (w.seq_bad ? 1 : 0), row_m, row_l, row_bad);
+  __syncthreads();
+  float* red = reinterpret_cast<float*>(smem);  // [4][ROWS][D] fp32
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const int r = nt * 8 + 2 * t4 + e;
+      const float f = m[nt][e] > ninf() ? ptx::exp2_approx(m[nt][e] - row_m[r]) : 0.0f;
+      float* dst = red + (warp * ROWS + r) * D + g;
+#pragma unroll
+      for (int mt = 0; mt < kKD; ++mt) {
+        dst[mt * 16] = o[nt][mt][e] * f;
+        dst[mt * 16 + 8] = o[nt][mt][2 + e] * f;
+      }
+    }
+  __syncthreads();
+  write_outputs<ROWS>(p, w, 4, D, red, row_m, row_l, row_bad);
+}
+
+template <typename T, int D, int NT>
+void launch3(const DecodeParams& p, int64_t grid, cudaStream_t stream, bool pdl) {
+  auto* kernel = &decode_mma3_kernel<T, D, NT>;
+  constexpr int smem = MmaTraits<D>::kSmem;
+  static_assert(smem >= 4 * 8 * NT * D * 4, "the warp merge reuses [4][ROWS][D] fp32 of the ring");
+  static std::atomic<uint64_t> done{0};  // cudaFuncSetAttribute once per device (not under capture)
+  int dev = 0;
+  IOATTN_CUDA_CHECK(cudaGetDevice(&dev));
+  const uint64_t bit = dev < 64 ? uint64_t{1} << dev : 0;
+  if (!bit || !(done.load() & bit)) {
+    IOATTN_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+    done.fetch_or(bit);
+  }
+  launch_decode_grid(kernel, p, grid, smem, stream, pdl);
+}
+
 template <typename T, int D, bool V2>
 void launch(const DecodeParams& p, int64_t grid, cudaStream_t stream, bool pdl) {
   auto* kernel = &decode_mma_kernel<T, D, V2>;
@@ -503,6 +831,33 @@ void launch_dim(const DecodeParams& p, int64_t grid, cudaStream_t stream, bool p
 bool mma_decode_supported(DType dtype, DType cache, int64_t d, int64_t dv, int64_t seqlen_q, bool masked) {
   return (dtype == DType::bf16 || dtype == DType::f16) && cache == dtype && d == dv &&
          (d == 64 || d == 128 || d == 256) && (seqlen_q == 1 || !masked);
+}
+
+int mma3_rows_per_cta(int64_t rows_per_group, int64_t head_dim) {
+  return rows_per_group > 8 && head_dim <= 128 ? 16 : 8;
+}
+
+void launch_decode_mma3(const DecodeParams& p, int64_t grid, cudaStream_t stream, bool pdl) {
+  const bool bf = p.dtype == DType::bf16;
+  const bool two = mma3_rows_per_cta(p.rows, p.d) == 16;
+  switch (p.d) {
+    case 64:
+      if (two)
+        bf ? launch3<__nv_bfloat16, 64, 2>(p, grid, stream, pdl) : launch3<__half, 64, 2>(p, grid, stream, pdl);
+      else
+        bf ? launch3<__nv_bfloat16, 64, 1>(p, grid, stream, pdl) : launch3<__half, 64, 1>(p, grid, stream, pdl);
+      break;
+    case 128:
+      if (two)
+        bf ? launch3<__nv_bfloat16, 128, 2>(p, grid, stream, pdl) : launch3<__half, 128, 2>(p, grid, stream, pdl);
+      else
+        bf ? launch3<__nv_bfloat16, 128, 1>(p, grid, stream, pdl) : launch3<__half, 128, 1>(p, grid, stream, pdl);
+      break;
+    case 256:
+      bf ? launch3<__nv_bfloat16, 256, 1>(p, grid, stream, pdl) : launch3<__half, 256, 1>(p, grid, stream, pdl);
+      break;
+    default: throw Error("q", "ioattn: the mma3 decode kernel has no head_dim " + std::to_string(p.d));
+  }
 }
 
 void launch_decode_mma(const DecodeParams& p, int64_t grid, cudaStream_t stream, bool pdl, bool v2) {
