@@ -10,6 +10,9 @@
 #   6. sm90 (Hopper kernel vs cuDNN/FA2), backward (fwd+bwd vs SDPA), decode (vs SDPA cudnn/flash),
 #      cp (ring attention per-rank time vs ideal), python (pip install + pytest with torch)
 #   7. optional tile sweep (GPU_CHECK_TUNE=1): ioattn_cuda_tune
+#   bwdtune (not in the default stages; ~1 min build of the target alone + <= GPU_CHECK_BWDTUNE_BUDGET
+#      s of runs): ioattn_cuda_bwd_tune, the backward tile sweep -> bwdtune.json (JSON lines) and a
+#      best-per-shape table in the summary. Alone: GPU_CHECK_STAGES=bwdtune tools/gpu-check.sh OUT
 #   report (not in the default stages; ~4-5 min): tools/report/report.sh — ioattn bench sweeps (CPU
 #      and CUDA), Nsight Compute DRAM traffic vs the model, ceilings, charts; packed into report.tgz.
 #      Run it with the stages that write its peer inputs: GPU_CHECK_STAGES="build bench sm90 report"
@@ -17,7 +20,8 @@
 #
 # Environment: GPU_CHECK_ARCHS (default 90a), GPU_CHECK_STAGES (default "build ctest tests sanitizer
 # bench sm90 backward decode cp python"), GPU_CHECK_TUNE=1, GPU_CHECK_BENCH_ARGS (extra peer_bench.py args),
-# GPU_CHECK_JOBS (build parallelism, default nproc), GPU_CHECK_REPORT_INPUTS (folder holding
+# GPU_CHECK_JOBS (build parallelism, default nproc), GPU_CHECK_BWDTUNE_BUDGET (seconds, default 100),
+# GPU_CHECK_BWDTUNE_ARGS (extra ioattn_cuda_bwd_tune args), GPU_CHECK_REPORT_INPUTS (folder holding
 # peer.json / sm90.csv / peer_sm90.csv / peer_decode.json for the report's charts; default RESULTS_DIR).
 set -uo pipefail
 OUT=${1:?usage: tools/gpu-check.sh RESULTS_DIR}
@@ -37,6 +41,14 @@ note() { echo "$*" | tee -a "$SUMMARY"; }
 want() { [[ " $STAGES " == *" $1 "* ]]; }
 stamp() { date +%s; }
 
+# The one cmake line (the build stage and bwdtune, which may run alone on a fresh machine).
+configure() {
+  local PREFIX=()
+  [[ -d $ROOT/.deps/usr ]] && PREFIX=(-DCMAKE_PREFIX_PATH="$ROOT/.deps/usr")
+  cmake -S "$ROOT" -B "$BUILD" -G Ninja -DIOATTN_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES="$ARCHS" \
+    -DIOATTN_BUILD_TESTS=ON -DIOATTN_BUILD_BENCH=ON -DIOATTN_PTXAS_VERBOSE=ON "${PREFIX[@]}"
+}
+
 # ---- 1. build ----------------------------------------------------------------------------
 if want build; then
   t0=$(stamp)
@@ -44,10 +56,7 @@ if want build; then
     echo "## $(date -u) $(uname -n)"
     nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm --format=csv || true
     nvcc --version | tail -1
-    PREFIX=()
-    [[ -d $ROOT/.deps/usr ]] && PREFIX=(-DCMAKE_PREFIX_PATH="$ROOT/.deps/usr")
-    cmake -S "$ROOT" -B "$BUILD" -G Ninja -DIOATTN_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES="$ARCHS" \
-      -DIOATTN_BUILD_TESTS=ON -DIOATTN_BUILD_BENCH=ON -DIOATTN_PTXAS_VERBOSE=ON "${PREFIX[@]}" &&
+    configure &&
       { ninja -C "$BUILD" -j "$JOBS" -k 0 ||
         { echo "## full build failed; building the CUDA targets alone";
           ninja -C "$BUILD" -j "$JOBS" ioattn test_cuda_kernels ioattn_cuda_bench; }; }
@@ -180,6 +189,24 @@ if [[ ${GPU_CHECK_TUNE:-0} == 1 && -x $BUILD/ioattn_cuda_tune ]]; then
   t0=$(stamp)
   "$BUILD/ioattn_cuda_tune" ${GPU_CHECK_TUNE_ARGS:-} >"$OUT/tune.log" 2>&1
   note "tune       rc=$?  $(( $(stamp) - t0 )) s  (tune.log)"
+fi
+
+# ---- backward tile sweep (stage bwdtune, not in the default list) ----------------------------------
+# Builds only ioattn_cuda_bwd_tune (and the library it links), so it also runs alone. The ptxas -v
+# lines of the candidates (registers, spills) are in bwdtune.log.
+if want bwdtune; then
+  t0=$(stamp)
+  {
+    { [[ -f $BUILD/build.ninja ]] || configure; } &&
+      ninja -C "$BUILD" -j "$JOBS" ioattn_cuda_bwd_tune &&
+      echo "## build done after $(( $(stamp) - t0 )) s" &&
+      "$BUILD/ioattn_cuda_bwd_tune" --budget-s "${GPU_CHECK_BWDTUNE_BUDGET:-100}" ${GPU_CHECK_BWDTUNE_ARGS:-}
+  } >"$OUT/bwdtune.log" 2>&1
+  rc=$?
+  grep '^{' "$OUT/bwdtune.log" >"$OUT/bwdtune.json"
+  note "bwdtune    rc=$rc  $(( $(stamp) - t0 )) s  (bwdtune.log, bwdtune.json)"
+  sed -n '/^## backward tile sweep/,$p' "$OUT/bwdtune.log" | tee -a "$SUMMARY"
+  [[ $rc == 0 ]] || tail -20 "$OUT/bwdtune.log" | tee -a "$SUMMARY"
 fi
 
 echo

@@ -1,6 +1,7 @@
 // flash_bwd_dispatch.cu — the one selector for the CUDA flash backward (it answers both "is this
 // problem supported?" and "which kernels run?", so the two can never disagree) and the launch
-// sequence on the caller's stream.
+// sequence on the caller's stream (run_flash_backward, which ioattn_cuda_bwd_tune also runs with
+// candidate tiles).
 //
 // The table is BwdTraits<64, 128, 256> x {bf16, f16} (flash_bwd_launch.cuh); a head_dim that is a
 // multiple of 8 runs on the next size up with zero-filled columns. The selector string reads
@@ -160,22 +161,13 @@ class StreamBuffer {
 size_t round_up(size_t x, size_t m) { return (x + m - 1) / m * m; }
 
 }  // namespace
-}  // namespace ioattn::cuda
 
-namespace ioattn::detail {
-
-CudaSelection cuda_backward_select(const BwdProblem& p, int arch) { return cuda::pick(p, arch).sel; }
-
-void cuda_flash_backward(const BwdProblem& bp) {
-  const FwdProblem& p = bp.f;
-  const int arch = cuda_device_arch(p.device_index);
-  const cuda::Pick pk = cuda::pick(bp, arch);
-  if (pk.info == nullptr) throw Error("q", "ioattn: no CUDA backward kernel: " + pk.sel.reason);
-  cuda::DeviceGuard guard(p.device_index);
+void run_flash_backward(const detail::BwdProblem& bp, const BwdKernelInfo& info) {
+  const detail::FwdProblem& p = bp.f;
+  DeviceGuard guard(p.device_index);
   const auto stream = static_cast<cudaStream_t>(p.stream);
-  const cuda::BwdKernelInfo& info = *pk.info;
 
-  cuda::BwdParams bw;
+  BwdParams bw;
   bw.q = p.q, bw.k = p.k, bw.v = p.v, bw.o = p.o, bw.dout = bp.dout, bw.lse = p.lse;
   bw.dq = bp.dq, bw.dk = bp.dk, bw.dv = bp.dv;
   bw.q_batch = p.q_stride.batch, bw.q_seq = p.q_stride.seq, bw.q_head = p.q_stride.head;
@@ -194,31 +186,31 @@ void cuda_flash_backward(const BwdProblem& bp) {
   bw.seqlen_q = static_cast<int>(p.seqlen_q);
   bw.seqlen_k = static_cast<int>(p.seqlen_k);
   bw.head_dim = static_cast<int>(p.head_dim);
-  bw.num_n_blocks = static_cast<int>(cuda::ceil_div(p.seqlen_k, info.block_n));
-  bw.num_m_blocks = static_cast<int>(cuda::ceil_div(p.seqlen_q, info.dq_block_m));
-  bw.rows_q = cuda::rows_q_of(p);
+  bw.num_n_blocks = static_cast<int>(ceil_div(p.seqlen_k, info.block_n));
+  bw.num_m_blocks = static_cast<int>(ceil_div(p.seqlen_q, info.dq_block_m));
+  bw.rows_q = rows_q_of(p);
   bw.cu_seqlens_q = p.cu_seqlens_q;
   bw.cu_seqlens_k = p.cu_seqlens_k;
   bw.scale = p.scale;
-  bw.scale_log2 = p.scale * cuda::kLog2e;
+  bw.scale_log2 = p.scale * kLog2e;
   bw.softcap = p.softcap;
   bw.softcap_inv = p.softcap > 0 ? 1.f / p.softcap : 0.f;
   const int64_t total_len = p.seqlen_q + p.seqlen_k;
-  bw.window_left = cuda::clamp_window(p.window_left, total_len);
-  bw.window_right = cuda::clamp_window(p.window_right, total_len);
+  bw.window_left = clamp_window(p.window_left, total_len);
+  bw.window_right = clamp_window(p.window_right, total_len);
   bw.alibi_slopes = p.alibi_slopes;
   bw.sinks = p.sinks;
   bw.dsinks = bp.dsinks;
   bw.ws_dq_pitch = info.head_dim;
-  bw.num_pre_blocks = static_cast<int>(cuda::ceil_div(bw.rows_q, cuda::kPreRows));
+  bw.num_pre_blocks = static_cast<int>(ceil_div(bw.rows_q, kPreRows));
   if (p.heads_q == 0) return;
 
   // Workspace regions, 256-byte aligned.
   const int64_t hr = p.heads_q * bw.rows_q;
-  const size_t lse_bytes = cuda::round_up(static_cast<size_t>(hr) * 4, 256);
-  const size_t sink_bytes = bp.dsinks ? cuda::round_up(static_cast<size_t>(p.heads_q) * bw.num_pre_blocks * 4, 256) : 0;
+  const size_t lse_bytes = round_up(static_cast<size_t>(hr) * 4, 256);
+  const size_t sink_bytes = bp.dsinks ? round_up(static_cast<size_t>(p.heads_q) * bw.num_pre_blocks * 4, 256) : 0;
   const size_t dq_bytes = bp.deterministic ? 0 : static_cast<size_t>(hr) * info.head_dim * 4;
-  cuda::StreamBuffer ws(2 * lse_bytes + sink_bytes + dq_bytes, stream);
+  StreamBuffer ws(2 * lse_bytes + sink_bytes + dq_bytes, stream);
   unsigned char* base = ws.get();
   bw.ws_lse = reinterpret_cast<float*>(base);
   bw.ws_d = reinterpret_cast<float*>(base + lse_bytes);
@@ -230,27 +222,40 @@ void cuda_flash_backward(const BwdProblem& bp) {
   if (hr > 0) {
     const dim3 grid(static_cast<unsigned>(bw.num_pre_blocks), static_cast<unsigned>(p.heads_q));
     if (bf16)
-      cuda::flash_bwd_preprocess_kernel<__nv_bfloat16><<<grid, cuda::kPreWarps * 32, 0, stream>>>(bw);
+      flash_bwd_preprocess_kernel<__nv_bfloat16><<<grid, kPreWarps * 32, 0, stream>>>(bw);
     else
-      cuda::flash_bwd_preprocess_kernel<__half><<<grid, cuda::kPreWarps * 32, 0, stream>>>(bw);
+      flash_bwd_preprocess_kernel<__half><<<grid, kPreWarps * 32, 0, stream>>>(bw);
     IOATTN_CUDA_CHECK_LAUNCH("flash_bwd_preprocess_kernel");
   }
   if (bp.dsinks) {  // also with no query rows at all: dsinks = 0
-    cuda::flash_bwd_dsink_kernel<float><<<static_cast<unsigned>(p.heads_q), 32, 0, stream>>>(bw);
+    flash_bwd_dsink_kernel<float><<<static_cast<unsigned>(p.heads_q), 32, 0, stream>>>(bw);
     IOATTN_CUDA_CHECK_LAUNCH("flash_bwd_dsink_kernel");
   }
   info.launch(bw, bf16, stream);  // dK/dV (+ atomic dQ), or dK/dV then the deterministic dQ pass
   if (dq_bytes > 0) {
     const int64_t chunks = hr * (p.head_dim / 8);
-    const unsigned blocks = static_cast<unsigned>(std::min<int64_t>(cuda::ceil_div(chunks, 256), 132 * 16));
+    const unsigned blocks = static_cast<unsigned>(std::min<int64_t>(ceil_div(chunks, 256), 132 * 16));
     if (blocks > 0) {
       if (bf16)
-        cuda::flash_bwd_dq_convert_kernel<__nv_bfloat16><<<blocks, 256, 0, stream>>>(bw);
+        flash_bwd_dq_convert_kernel<__nv_bfloat16><<<blocks, 256, 0, stream>>>(bw);
       else
-        cuda::flash_bwd_dq_convert_kernel<__half><<<blocks, 256, 0, stream>>>(bw);
+        flash_bwd_dq_convert_kernel<__half><<<blocks, 256, 0, stream>>>(bw);
       IOATTN_CUDA_CHECK_LAUNCH("flash_bwd_dq_convert_kernel");
     }
   }
+}
+
+}  // namespace ioattn::cuda
+
+namespace ioattn::detail {
+
+CudaSelection cuda_backward_select(const BwdProblem& p, int arch) { return cuda::pick(p, arch).sel; }
+
+void cuda_flash_backward(const BwdProblem& bp) {
+  const int arch = cuda_device_arch(bp.f.device_index);
+  const cuda::Pick pk = cuda::pick(bp, arch);
+  if (pk.info == nullptr) throw Error("q", "ioattn: no CUDA backward kernel: " + pk.sel.reason);
+  cuda::run_flash_backward(bp, *pk.info);
 }
 
 }  // namespace ioattn::detail

@@ -12,6 +12,10 @@
 #include "cuda/check.cuh"
 #include "cuda/flash_bwd.cuh"
 
+namespace ioattn::detail {
+struct BwdProblem;
+}
+
 namespace ioattn::cuda {
 
 template <int kHeadDim>
@@ -48,8 +52,11 @@ struct BwdTraits<256> : BwdTile<256, 32, 4, 1, 32, 4, 1, 2> {
       "the smem at 141 KB (fits sm_80); first choice, not tuned on a GPU";
 };
 
+// The dK/dV kernel of one traits row (default mode: it also accumulates the fp32 dQ partials).
+// Split from launch_flash_bwd_typed so that ioattn_cuda_bwd_tune can launch a candidate tile
+// without instantiating its deterministic dQ kernel.
 template <class Tr, typename T>
-void launch_flash_bwd_typed(const BwdParams& p, cudaStream_t stream) {
+void launch_flash_bwd_dkdv(const BwdParams& p, cudaStream_t stream) {
   const bool deterministic = p.ws_dq == nullptr;
   const int64_t grid_kv = static_cast<int64_t>(p.num_n_blocks) * p.heads_kv * p.batch * Tr::kColSplits;
   if (grid_kv > 0) {
@@ -61,7 +68,12 @@ void launch_flash_bwd_typed(const BwdParams& p, cudaStream_t stream) {
     kernel<<<static_cast<unsigned>(grid_kv), Tr::kThreads, smem, stream>>>(p);
     IOATTN_CUDA_CHECK_LAUNCH("flash_bwd_dkdv_kernel");
   }
-  if (deterministic) {
+}
+
+template <class Tr, typename T>
+void launch_flash_bwd_typed(const BwdParams& p, cudaStream_t stream) {
+  launch_flash_bwd_dkdv<Tr, T>(p, stream);
+  if (p.ws_dq == nullptr) {  // deterministic mode: the atomic-free dQ pass
     const int64_t grid_q = static_cast<int64_t>(p.num_m_blocks) * p.heads_q * p.batch;
     if (grid_q > 0) {
       auto* kernel = &flash_bwd_dq_kernel<Tr, T>;
@@ -82,8 +94,10 @@ void launch_flash_bwd_any(const BwdParams& p, bool is_bf16, cudaStream_t stream)
     launch_flash_bwd_typed<Tr, __half>(p, stream);
 }
 
+// The tile fields of a table row (no kernel pointers): shared by make_bwd_info and the
+// candidates of ioattn_cuda_bwd_tune.
 template <class Tr>
-BwdKernelInfo make_bwd_info() {
+BwdKernelInfo bwd_info_shape() {
   BwdKernelInfo info{};
   info.head_dim = Tr::kHeadDim;
   info.block_m = Tr::kBlockM;
@@ -93,10 +107,16 @@ BwdKernelInfo make_bwd_info() {
   info.dq_block_n = Tr::kDqBlockN;
   info.dq_warps = Tr::kDqWarps;
   info.col_splits = Tr::kColSplits;
-  info.reason = Tr::kReason;
   info.smem_bytes = Tr::kSmemBytes;
   info.smem_bytes_det = Tr::kSmemNoDs;
   info.dq_smem_bytes = Tr::kDqSmemBytes;
+  return info;
+}
+
+template <class Tr>
+BwdKernelInfo make_bwd_info() {
+  BwdKernelInfo info = bwd_info_shape<Tr>();
+  info.reason = Tr::kReason;
   info.dkdv_bf16 = reinterpret_cast<const void*>(&flash_bwd_dkdv_kernel<Tr, __nv_bfloat16>);
   info.dkdv_f16 = reinterpret_cast<const void*>(&flash_bwd_dkdv_kernel<Tr, __half>);
   info.dq_bf16 = reinterpret_cast<const void*>(&flash_bwd_dq_kernel<Tr, __nv_bfloat16>);
@@ -109,5 +129,12 @@ BwdKernelInfo make_bwd_info() {
 BwdKernelInfo bwd_info_hdim64();
 BwdKernelInfo bwd_info_hdim128();
 BwdKernelInfo bwd_info_hdim256();
+
+// The backward's launch sequence on bp's stream with the kernels of `info` (flash_bwd_dispatch.cu):
+// BwdParams from the validated problem, the stream-ordered workspace, preprocess, dsinks,
+// info.launch (dK/dV, + the dQ pass in deterministic mode), dQ convert. cuda_flash_backward calls
+// it with the row that cuda_backward_select picked; ioattn_cuda_bwd_tune with candidate tiles
+// (which must fit the device's shared memory: no check here).
+void run_flash_backward(const detail::BwdProblem& bp, const BwdKernelInfo& info);
 
 }  // namespace ioattn::cuda

@@ -46,6 +46,14 @@ function(ioattn_cuda_extras)
       ${PROJECT_SOURCE_DIR}/src/cuda/flash_tune_d128.cu ${PROJECT_SOURCE_DIR}/src/cuda/flash_tune_d256.cu)
     target_link_libraries(ioattn_cuda_tune PRIVATE ioattn::ioattn CUDA::cudart_static)
     target_include_directories(ioattn_cuda_tune PRIVATE ${PROJECT_SOURCE_DIR}/src)
+    # Backward tile sweep (gpu-check stage bwdtune): not part of `all` either. ptxas -v is always
+    # on: registers and spills per candidate are half of what the sweep is for.
+    add_executable(ioattn_cuda_bwd_tune EXCLUDE_FROM_ALL
+      ${PROJECT_SOURCE_DIR}/src/cuda/flash_bwd_tune.cu ${PROJECT_SOURCE_DIR}/src/cuda/flash_bwd_tune_d64.cu
+      ${PROJECT_SOURCE_DIR}/src/cuda/flash_bwd_tune_d128.cu ${PROJECT_SOURCE_DIR}/src/cuda/flash_bwd_tune_d256.cu)
+    target_link_libraries(ioattn_cuda_bwd_tune PRIVATE ioattn::ioattn CUDA::cudart_static)
+    target_include_directories(ioattn_cuda_bwd_tune PRIVATE ${PROJECT_SOURCE_DIR}/src)
+    target_compile_options(ioattn_cuda_bwd_tune PRIVATE $<$<COMPILE_LANGUAGE:CUDA>:-Xptxas=-v>)
     # Decode benchmark (JSON lines; bench/peer_decode.py runs it next to torch SDPA).
     add_executable(ioattn_cuda_decode_bench ${PROJECT_SOURCE_DIR}/src/cuda/bench_decode_cuda.cu)
     target_link_libraries(ioattn_cuda_decode_bench PRIVATE ioattn::ioattn CUDA::cudart_static)
