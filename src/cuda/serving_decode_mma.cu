@@ -654,19 +654,28 @@ __global__ void __launch_bounds__(kThreads) decode_mma3_kernel(const DecodeParam
     const uint32_t k_addr = kv + k_lane, v_addr = kv + Tr::kTileBytes + v_lane;
     const int key0 = static_cast<int>(klo) + tile * kBK + warp * 16 + g;  // keys of c0/c1; +8: c2/c3
 
-    // S^T = K Q^T for the warp's 16 keys.
-    float s[NT][4];
+    // S^T = K Q^T for the warp's 16 keys, in two accumulation chains (even / odd k-steps) so
+    // that one warp per scheduler does not wait out D/16 dependent mma latencies.
+    float s[NT][4], s2[NT][4];
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) s[nt][e] = 0.0f;
+      for (int e = 0; e < 4; ++e) s[nt][e] = s2[nt][e] = 0.0f;
 #pragma unroll
-    for (int kk = 0; kk < kKD; ++kk) {
-      uint32_t a[4];
+    for (int kk = 0; kk < kKD; kk += 2) {
+      uint32_t a[4], b[4];
       ptx::ldmatrix_x4(a, k_addr + kk * 32);
+      ptx::ldmatrix_x4(b, k_addr + kk * 32 + 32);
 #pragma unroll
-      for (int nt = 0; nt < NT; ++nt) ptx::mma_m16n8k16<T>(s[nt], a, qb[nt][kk][0], qb[nt][kk][1]);
+      for (int nt = 0; nt < NT; ++nt) {
+        ptx::mma_m16n8k16<T>(s[nt], a, qb[nt][kk][0], qb[nt][kk][1]);
+        ptx::mma_m16n8k16<T>(s2[nt], b, qb[nt][kk + 1][0], qb[nt][kk + 1][1]);
+      }
     }
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) s[nt][e] += s2[nt][e];
 
     // Score modifiers, mask, column maxima (over the 8 lanes sharing t), online softmax.
     bool grow = false;
