@@ -28,8 +28,11 @@
 namespace ioattn::cuda {
 namespace {
 
-const std::array<BwdKernelInfo, 3>& bwd_table() {
-  static const std::array<BwdKernelInfo, 3> table = {bwd_info_hdim64(), bwd_info_hdim128(), bwd_info_hdim256()};
+// Ascending head dim; within a head dim, preferred row first (the selector takes the first row
+// whose shared memory fits the device).
+const std::array<BwdKernelInfo, 4>& bwd_table() {
+  static const std::array<BwdKernelInfo, 4> table = {bwd_info_hdim64(), bwd_info_hdim128(), bwd_info_hdim256_wide(),
+                                                     bwd_info_hdim256()};
   return table;
 }
 
@@ -86,19 +89,33 @@ Pick pick(const detail::BwdProblem& bp, int arch) {
     return no("q/k/v/o/dout/dq/dk/dv strides must be multiples of 8 elements (16-byte vector loads/stores)");
   if (p.seqlen_q + p.seqlen_k >= (int64_t{1} << 30))
     return no("seqlen_q + seqlen_k must be below 2^30 (32-bit positions in the kernel)");
+  DeviceGuard guard(p.device_index);
+  int optin = 0;
+  IOATTN_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, p.device_index));
+  auto smem_of = [&](const BwdKernelInfo& k) {
+    return bp.deterministic ? std::max(k.smem_bytes_det, k.dq_smem_bytes) : k.smem_bytes;
+  };
   const BwdKernelInfo* info = nullptr;
-  for (const auto& k : bwd_table())
-    if (k.head_dim >= p.head_dim) {
-      info = &k;
-      break;
+  std::string skipped;  // a preferred row of the head dim that did not fit
+  for (const auto& k : bwd_table()) {
+    if (k.head_dim < p.head_dim) continue;
+    if (info == nullptr || k.head_dim == info->head_dim) {
+      if (smem_of(k) <= static_cast<size_t>(optin)) {
+        info = &k;
+        break;
+      }
+      if (info == nullptr) info = &k;  // the smallest fitting head dim's first row, if none fits
+      skipped += std::string(skipped.empty() ? "" : "; ") + "the " + std::to_string(k.warps) + "-warp tile needs " +
+                 std::to_string(smem_of(k) / 1024) + " KB of shared memory, the device allows " +
+                 std::to_string(optin / 1024) + " KB";
     }
+  }
   if (ceil_div(p.seqlen_k, info->block_n) * p.heads_kv * p.batch * info->col_splits > INT_MAX ||
       ceil_div(p.seqlen_q, info->dq_block_m) * p.heads_q * p.batch > INT_MAX)
     return no("key blocks x kv heads x batch (or query blocks x heads x batch) exceeds the 2^31-1 grid limit");
   if (rows_q_of(p) >= INT_MAX / 2)
     return no("batch x seqlen_q (total_q for varlen) must stay below 2^30 (workspace rows, 32-bit grid)");
 
-  DeviceGuard guard(p.device_index);
   const bool bf16 = p.dtype == DType::bf16;
   cudaFuncAttributes attr{}, attr_dq{};
   cudaError_t e = cudaFuncGetAttributes(&attr, bf16 ? info->dkdv_bf16 : info->dkdv_f16);
@@ -107,12 +124,7 @@ Pick pick(const detail::BwdProblem& bp, int arch) {
     cudaGetLastError();
     return no(std::string("no backward kernel image for this device in this build (") + cudaGetErrorString(e) + ")");
   }
-  int optin = 0;
-  IOATTN_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, p.device_index));
-  const size_t smem = bp.deterministic ? std::max(info->smem_bytes_det, info->dq_smem_bytes) : info->smem_bytes;
-  if (smem > static_cast<size_t>(optin))
-    return no("tile needs " + std::to_string(smem / 1024) + " KB of shared memory, the device allows " +
-              std::to_string(optin / 1024) + " KB");
+  if (smem_of(*info) > static_cast<size_t>(optin)) return no(skipped);
 
   r.info = info;
   std::string name = "cuda/flash-backward sm" + std::to_string(arch) + " mma.sync " + dtype_name(p.dtype) + " hdim" +
@@ -132,6 +144,7 @@ Pick pick(const detail::BwdProblem& bp, int arch) {
   if (info->head_dim != p.head_dim)
     reason += "; head_dim " + std::to_string(p.head_dim) + " runs on the hdim" + std::to_string(info->head_dim) +
               " kernels with zero-filled columns";
+  if (!skipped.empty()) reason += "; not the preferred tile: " + skipped;
   r.sel = {name, reason};
   return r;
 }

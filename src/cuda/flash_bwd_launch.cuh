@@ -24,10 +24,11 @@ struct BwdTraits;
 // BwdTile<head_dim, query rows per step, warps (x16 keys), CTAs/SM, dQ-kernel keys per step,
 //         dQ-kernel warps (x16 rows), dQ-kernel CTAs/SM>
 template <>
-struct BwdTraits<64> : BwdTile<64, 64, 8, 1, 64, 4, 2> {
+struct BwdTraits<64> : BwdTile<64, 128, 8, 1, 64, 4, 2> {
   static constexpr const char* kReason =
-      "hdim64: 8 warps x 16 keys = 128 keys per CTA (dK+dV 64 regs, S^T+dP^T 64 regs per thread at 64 "
-      "query rows per step), 128 keys per fp32 dQ atomic pass; first choice, not yet tuned on a GPU";
+      "hdim64: FlashAttention-2's 128x128 block: 8 warps x 16 keys, 128 query rows per step (dK+dV 64 regs, "
+      "S^T+dP^T 128 regs per thread; ptxas spills ~52 B), 144 KB smem; H200 tile sweep (ioattn_cuda_bwd_tune, "
+      "2026-11-29): 1.03-1.06x the 64x128 tile on the FA grid";
 };
 
 // ptxas (nvcc 13): the hdim128 dK/dV kernel takes all 255 registers and spills 24 B (sm_90a) / 48 B
@@ -49,7 +50,18 @@ struct BwdTraits<256> : BwdTile<256, 32, 4, 1, 32, 4, 1, 2> {
       "hdim256: dK+dV of 16 keys x 256 columns would need 256 regs/thread, so 2 CTAs share each block of "
       "64 keys (4 warps x 16), each accumulating dK, dV, dQ for 128 columns and recomputing S and dP "
       "(7 GEMMs instead of 5); 32 query rows (dQ pass: 32 keys) per step keep S and dP at 32 regs and "
-      "the smem at 141 KB (fits sm_80); first choice, not tuned on a GPU";
+      "the smem at 141 KB (fits sm_80); the fallback where the 8-warp tile's 208 KB do not fit";
+};
+
+// hdim256 where the device lets a CTA have 208 KB of shared memory (sm_90): the same column split
+// with 8 warps x 16 = 128 keys per CTA, so an SM runs 8 warps instead of 4 and each Q/dO row
+// loaded serves twice the keys. H200 tile sweep (ioattn_cuda_bwd_tune, 2026-11-29): 1.12-1.28x the
+// 4-warp tile on the FA grid. Listed before BwdTraits<256>: the selector takes the first row of
+// the head dim whose shared memory fits.
+struct BwdTraits256Wide : BwdTile<256, 32, 8, 1, 32, 4, 1, 2> {
+  static constexpr const char* kReason =
+      "hdim256 wide: 2 CTAs (column halves) per block of 128 keys, 8 warps x 16 keys, 32 query rows per "
+      "step, 208 KB smem (sm_90); H200 sweep: 1.12-1.28x the 4-warp tile";
 };
 
 // The dK/dV kernel of one traits row (default mode: it also accumulates the fp32 dQ partials).
@@ -129,6 +141,7 @@ BwdKernelInfo make_bwd_info() {
 BwdKernelInfo bwd_info_hdim64();
 BwdKernelInfo bwd_info_hdim128();
 BwdKernelInfo bwd_info_hdim256();
+BwdKernelInfo bwd_info_hdim256_wide();
 
 // The backward's launch sequence on bp's stream with the kernels of `info` (flash_bwd_dispatch.cu):
 // BwdParams from the validated problem, the stream-ordered workspace, preprocess, dsinks,

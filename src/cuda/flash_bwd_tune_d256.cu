@@ -7,9 +7,9 @@
 namespace ioattn::cuda::bwd_tune {
 std::vector<Candidate> candidates_d256() {
   return {
-      // shipped: 64 keys x 32 rows, 4 warps, 137 KB: 1 CTA = 4 warps per SM
+      // BwdTraits<256> (the fallback below 208 KB of smem): 64 keys x 32 rows, 4 warps, 137 KB: 4 warps per SM
       make_candidate<BwdTile<256, 32, 4, 1, 32, 4, 1, 2>>(),
-      // 128 keys x 32 rows, 8 warps, 208 KB: 8 warps/SM and half the Q/dO reads per key
+      // BwdTraits256Wide (shipped on sm_90): 128 keys x 32 rows, 8 warps, 208 KB: 8 warps/SM, half the Q/dO reads per key
       make_candidate<BwdTile<256, 32, 8, 1, 32, 4, 1, 2>>(),
       // 64 keys x 64 rows, 4 warps, 208 KB: S^T+dP^T 64 regs next to the 128 of dK+dV
       make_candidate<BwdTile<256, 64, 4, 1, 32, 4, 1, 2>>(),

@@ -6,11 +6,11 @@
 namespace ioattn::cuda::bwd_tune {
 std::vector<Candidate> candidates_d64() {
   return {
-      // shipped: 128 keys x 64 rows, 91 KB; ptxas takes 253 regs, so 1 CTA (8 warps) per SM
+      // 128 keys x 64 rows, 91 KB (shipped before the 2026-11-29 sweep); 253 regs, so 1 CTA (8 warps) per SM
       make_candidate<BwdTile<64, 64, 8, 1, 64, 4, 2>>(),
       // same tile capped at 128 regs: 2 CTAs/SM (16 warps), 2 x 92 KB smem; ptxas spills ~600 B
       make_candidate<BwdTile<64, 64, 8, 2, 64, 4, 2>>(),
-      // FlashAttention-2's hdim64 backward block: 128 keys x 128 rows (S^T+dP^T 128 regs), 144 KB
+      // shipped: FlashAttention-2's hdim64 backward block: 128 keys x 128 rows (S^T+dP^T 128 regs), 144 KB
       make_candidate<BwdTile<64, 128, 8, 1, 64, 4, 2>>(),
       // 64 keys x 64 rows, 4 warps, 64 KB: 3 CTAs/SM (168-reg cap), 12 warps/SM
       make_candidate<BwdTile<64, 64, 4, 3, 64, 4, 2>>(),
