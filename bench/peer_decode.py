@@ -189,7 +189,7 @@ def main():
     ap.add_argument("--heads-kv", type=int, default=8)
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--splits", type=int, default=0)
-    ap.add_argument("--kernels", default="auto,fma", help="ioattn kernels: auto (dispatcher), fma, mma, mma2 (opt-in v2; also paged)")
+    ap.add_argument("--kernels", default="auto,fma", help="ioattn kernels: auto (dispatcher), fma, mma")
     ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--mem-gb", type=float, default=100)
     ap.add_argument("--eager", type=int, default=1)
@@ -237,35 +237,6 @@ def main():
                 fmt(line["x_flash"], "{:8.2f}"), fmt(line["paged16_vs_contig"], "{:6.2f}"),
                 fmt(line["paged64_vs_contig"], "{:6.2f}"), fmt(line["fp8_speedup"], "{:11.2f}")))
     print("ioattn: the dispatcher's kernel (mma for these shapes); fma: IOATTN_DECODE_KERNEL=fma, contiguous bf16")
-    m2_rows = [r for r in rows if r.get("impl") == "ioattn_mma2" and "tbps" in r]
-    if m2_rows:
-        print()
-        print("mma2 (IOATTN_DECODE_KERNEL=mma2, opt-in) vs the default and cuDNN, bf16")
-        hdr2 = ("batch", "kv", "ioattn", "mma2", "m2 p16", "m2 p64", "cudnn", "m2/ioattn", "m2 x cudnn", "m2 p16/c",
-                "m2 p64/c")
-        print("{:>5} {:>7} {:>7} {:>7} {:>7} {:>7} {:>7} {:>9} {:>10} {:>8} {:>8}".format(*hdr2))
-        for kv in [int(x) for x in args.kv.split(",")]:
-            for b in [int(x) for x in args.batch.split(",")]:
-                c = find(rows, "ioattn", b, kv, 0, "bf16")
-                m2 = find(rows, "ioattn_mma2", b, kv, 0, "bf16")
-                m16 = find(rows, "ioattn_mma2", b, kv, 16, "bf16")
-                m64 = find(rows, "ioattn_mma2", b, kv, 64, "bf16")
-                cu = best_torch(rows, "torch_cudnn", b, kv)
-                if not m2:
-                    continue
-                t = lambda r: r["tbps"] if r else None
-                ratio = lambda a, z: (z["ms"] / a["ms"]) if (a and z) else None
-                line = dict(batch=b, kv_len=kv, mma2_tbps=t(m2), mma2_page16_tbps=t(m16), mma2_page64_tbps=t(m64),
-                            mma2_vs_ioattn=ratio(m2, c), mma2_x_cudnn=ratio(m2, cu),
-                            mma2_paged16_vs_contig=ratio(m16, m2) and 1 / ratio(m16, m2),
-                            mma2_paged64_vs_contig=ratio(m64, m2) and 1 / ratio(m64, m2))
-                summary.append(line)
-                print("{:>5} {:>7} {} {} {} {} {} {:>9} {:>10} {:>8} {:>8}".format(
-                    b, kv, fmt(t(c), "{:7.2f}"), fmt(t(m2), "{:7.2f}"), fmt(t(m16), "{:7.2f}"),
-                    fmt(t(m64), "{:7.2f}"), fmt(t(cu), "{:7.2f}"), fmt(line["mma2_vs_ioattn"], "{:9.2f}"),
-                    fmt(line["mma2_x_cudnn"], "{:10.2f}"), fmt(line["mma2_paged16_vs_contig"], "{:8.2f}"),
-                    fmt(line["mma2_paged64_vs_contig"], "{:8.2f}")))
-        print("m2/ioattn: the default's time / mma2's (> 1 = mma2 faster); m2 pN/c: mma2 paged / mma2 contiguous time")
     print("x cudnn / x flash: their time / ioattn's (> 1 = ioattn faster); pN/c: paged time / contiguous "
           "time (<= 1.05 is the target); fp8 speedup: bf16 time / fp8 time (fp8 reads half the bytes)")
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)

@@ -91,7 +91,7 @@ std::vector<Spec> cuda_cases() {
 class CudaDecodeReference : public ::testing::TestWithParam<Spec> {};
 
 // Every case on the kernel the dispatcher picks and, where that is the mma kernel, on the FMA
-// kernel and the mma2 / mma3 kernels too (IOATTN_DECODE_KERNEL=fma / mma2 / mma3), each with the
+// kernel too (IOATTN_DECODE_KERNEL=fma), each with the
 // heuristic / the case's split count, 1 and 5.
 TEST_P(CudaDecodeReference, MatchesFloat64ReferenceAndTheCpu) {
   SKIP_WITHOUT_GPU();
@@ -104,8 +104,6 @@ TEST_P(CudaDecodeReference, MatchesFloat64ReferenceAndTheCpu) {
   std::vector<std::string> modes = {""};
   if (mma_shape(c)) {
     modes.push_back("fma");
-    modes.push_back("mma2");
-    modes.push_back("mma3");
   }
   for (const std::string& mode : modes) {
     KernelEnv env(mode);
@@ -485,17 +483,6 @@ TEST(CudaDecodePlan, GraphReplayEqualsEagerBitwiseGlobalCapture) {
   graph_replay(cudaStreamCaptureModeGlobal, mma);
 }
 
-// mma2 (opt-in): the fused merge's arrival counters are zeroed by a memset node and reset by the
-// merging CTA, so a replayed graph gives the eager result bitwise, with 1 and 5 splits.
-TEST(CudaDecodePlan, GraphReplayEqualsEagerBitwiseMma2) {
-  SKIP_WITHOUT_GPU();
-  Spec mma = plan_spec();
-  mma.sq = 1;
-  KernelEnv env("mma2");
-  graph_replay(cudaStreamCaptureModeGlobal, mma);
-  graph_replay(cudaStreamCaptureModeRelaxed, mma);
-}
-
 TEST(CudaDecodePlan, MismatchedPlanIsRejectedNamingPlan) {
   SKIP_WITHOUT_GPU();
   const Spec c = plan_spec();
@@ -821,7 +808,8 @@ TEST(CudaDecode, KernelChoiceNamesSplitsAndLayout) {
   EXPECT_NE(k.kernel.find(" mma bf16 hdim128 gqa4 page16"), std::string::npos) << k.kernel;
   EXPECT_NE(k.kernel.find("splits 7"), std::string::npos) << k.kernel;
   EXPECT_NE(k.reason.find("requested"), std::string::npos) << k.reason;
-  EXPECT_NE(k.reason.find("16 query rows per CTA (4 rows per kv head: 1 block)"), std::string::npos) << k.reason;
+  EXPECT_NE(k.reason.find("8 query rows per CTA (4 rows per kv head: 1 block)"), std::string::npos) << k.reason;
+  EXPECT_NE(k.reason.find("(page, slot) of each key prefetched"), std::string::npos) << k.reason;
   {
     KernelEnv env("fma");
     k = bl.run(7);
@@ -830,11 +818,14 @@ TEST(CudaDecode, KernelChoiceNamesSplitsAndLayout) {
     EXPECT_NE(k.reason.find("4 query rows per CTA"), std::string::npos) << k.reason;
   }
   {
-    KernelEnv env("mma2");
+    KernelEnv env("mma");
     k = bl.run(7);
-    EXPECT_NE(k.kernel.find(" mma2 bf16 hdim128 gqa4 page16"), std::string::npos) << k.kernel;
-    EXPECT_NE(k.reason.find("IOATTN_DECODE_KERNEL=mma2"), std::string::npos) << k.reason;
-    EXPECT_NE(k.reason.find("split merge fused"), std::string::npos) << k.reason;
+    EXPECT_NE(k.kernel.find(" mma bf16 hdim128 gqa4 page16"), std::string::npos) << k.kernel;
+    EXPECT_NE(k.reason.find("IOATTN_DECODE_KERNEL=mma"), std::string::npos) << k.reason;
+  }
+  {
+    KernelEnv env("mma2");  // the retired kernel names are refused, not ignored
+    EXPECT_THROW(bl.run(7), Error);
   }
   {
     KernelEnv env("bogus");

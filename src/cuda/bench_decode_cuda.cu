@@ -10,9 +10,9 @@
 //   impl "ioattn":       decode under a plan (caller workspace), `inner` calls captured in one CUDA
 //                        graph and replayed: GPU time only, as a serving engine runs it;
 //   impl "ioattn_eager": the same calls issued from the host (validation + launch each time).
-// --kernels: "auto" (the dispatcher's choice: impl "ioattn") and/or "fma" / "mma" / "mma2" / "mma3"
-// (forced through IOATTN_DECODE_KERNEL: impl "ioattn_fma" / ...; 16-bit caches only, contiguous
-// only except mma2 and mma3, which also run the paged cells); "kernel" names what ran.
+// --kernels: "auto" (the dispatcher's choice: impl "ioattn") and/or "fma" / "mma" (forced through
+// IOATTN_DECODE_KERNEL: impl "ioattn_fma" / "ioattn_mma"; 16-bit caches only; fma contiguous only,
+// mma also the paged cells); "kernel" names what ran.
 // ms is the median per call; tbps = K+V bytes read / s / 1e12 (batch * kv_len * heads_kv *
 // (head_dim + head_dim_v) * element bytes; the query, output and partials are not counted).
 // Caches smaller than 256 MiB are replicated (up to 8 copies) and the captured calls rotate over
@@ -291,8 +291,8 @@ int main(int argc, char** argv) {
             c.page = pg;
             for (const std::string& km : kernels) {
               // A forced kernel is a comparison row: contiguous 16-bit caches only (8-bit caches
-              // always run the FMA kernel); mma2, the candidate default, runs the paged cells too.
-              if (km != "auto" && ((pg != 0 && km != "mma2" && km != "mma3") || dtype_size(c.cache) != 2)) continue;
+              // always run the FMA kernel); mma runs the paged cells too.
+              if (km != "auto" && ((pg != 0 && km != "mma") || dtype_size(c.cache) != 2)) continue;
               try {
                 run_cell(c, repeats, eager, mem_limit, km);
               } catch (const Error& e) {  // e.g. --kernels mma on an fp8 cache: a line, not the end

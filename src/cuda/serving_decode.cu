@@ -2,17 +2,13 @@
 // cache (bf16 / f16 / f32 or 8-bit f8e4m3 / i8 with per-kv-head scales), the exact merge of the
 // splits, the CUDA split heuristic and the dispatcher's row for decode.
 //
-// Two kernels share the grid, the loader and the epilogue (serving_decode.cuh): the fp32 FMA
+// Two kernels share the grid, the key ranges and the epilogue (serving_decode.cuh): the fp32 FMA
 // kernel below takes every shape; the tensor-core kernel (serving_decode_mma.cu) takes the
 // serving case (bf16/f16, head_dim == head_dim_v in {64, 128, 256}, every row of a CTA seeing the
 // same keys: seqlen_q 1 or no causal/window mask) and is chosen there; IOATTN_DECODE_KERNEL=fma|mma
-// forces one (the log line says which and why). IOATTN_DECODE_KERNEL=mma2 (opt-in, the mma
-// kernel's shapes) runs the tensor-core kernel's second version: block-table entries prefetched by
-// cp.async into shared memory (no dependent global load in the loader), and the split merge fused
-// into the decode kernel (the last CTA of each (sequence, kv head, row block) merges, found with
-// an arrival counter in the workspace that a cudaMemsetAsync zeroes before the launch): one kernel
-// launch per call instead of two.
-//
+// forces one (the log line says which and why). With more than one split, a second kernel merges
+// the partials (merge_splits_kernel, launched with programmatic dependent launch on sm90).
+
 // Semantics: exactly those of the CPU backend (src/cpu/serving_cpu.cpp, whose file comment is the
 // specification): the same key range per split (decode_split_range), masks, softcap before ALiBi,
 // sinks added once (at the merge, or in the CTA when there is one split), NaN / +inf visible scores
@@ -48,12 +44,10 @@
 // outside [0, pages) makes the whole sequence's output NaN (LSE NaN); nothing out of range is read.
 // A length below seqlen_q (rejected on the CPU) is computed as the position formula says.
 //
-// Measured (H200, GQA 32/8, hdim 128, bf16, q len 1, graph replay; bench/peer_decode.py): the mma
-// kernel streams ~3.4-3.5 TB/s at batch >= 16 (cuDNN 4.1-4.6), i.e. ~2.4 us per 64-key tile per
-// CTA at 2 CTAs/SM; small cells carry ~15-30 us of fixed cost per call (b1 x 4k: 33 us, cuDNN
-// 12 us). ncu (b1 x 4k, 32 splits): decode 20 us at 18% of DRAM peak, 12% achieved occupancy.
-// A merge variant loading 8 splits' partial rows per batch was slower in graph replay (39 vs
-// 33 us at b1 x 4k) and was not kept. Paged (page 16) runs 1.2-1.36x the contiguous time.
+// Measured (H200, GQA 32/8, hdim 128, bf16, q len 1, graph replay; bench/peer_decode.py): see
+// serving_decode_mma.cu's history and docs/PERF.md. The merge was one warp per row walking the
+// splits one L2 round trip at a time (ncu, b1 x 4k: 12 / 35 / 70 us at 8 / 32 / 64 splits, more
+// than the decode kernel); one CTA per row with batched loads takes it to ~5 us at 32 splits.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -490,7 +484,7 @@ int64_t row_blocks_of(int64_t heads_q, int64_t heads_kv, int64_t seqlen_q, int r
   return (heads_q / heads_kv * seqlen_q + rows_per_cta - 1) / rows_per_cta;
 }
 
-// IOATTN_DECODE_KERNEL=fma | mma | mma2 forces a kernel (tests, comparisons); unset: mma where it applies.
+// IOATTN_DECODE_KERNEL=fma | mma forces a kernel (tests, comparisons); unset: mma where it applies.
 std::string forced_kernel() {
   const char* e = std::getenv("IOATTN_DECODE_KERNEL");
   return e ? std::string(e) : std::string();
@@ -500,15 +494,6 @@ bool masked(const detail::DecodeProblem& p) { return p.causal || p.window_left >
 
 bool mma_applies(const detail::DecodeProblem& p) {
   return mma_decode_supported(p.dtype, p.cache_dtype, p.head_dim, p.head_dim_v, p.seqlen_q, masked(p));
-}
-
-// mma2 (block-table prefetch + fused split merge) by default where the mma kernel applies and the
-// plan has at most 4 splits: measured on the H200 (GQA 32/8, hdim 128, bf16) 1.13-1.19x the mma
-// kernel at batch >= 16 (1-2 splits) but 0.74x at b1 x 4k (32 splits), where the counters' memset
-// and the serial last-CTA merge cost more than the separate merge launch.
-bool use_mma2(const detail::DecodeProblem& p, const std::string& force) {
-  if (force == "mma2") return true;
-  return force.empty() && mma_applies(p) && p.num_splits <= 4;
 }
 
 }  // namespace
@@ -535,43 +520,25 @@ CudaSelection cuda_decode_select(const DecodeProblem& p, int arch) {
               std::to_string(16 / es) + " " + dtype_name(p.cache_dtype) + " elements)");
   if (p.paged() && p.page_size > INT_MAX) return no("page_size must be below 2^31 on CUDA");
   const std::string force = forced_kernel();
-  if (!force.empty() && force != "fma" && force != "mma" && force != "mma2" && force != "mma3")
-    return no("IOATTN_DECODE_KERNEL must be fma, mma, mma2 or mma3 (or unset), got '" + force + "'");
-  if (force == "mma3") {
-    if (!mma_applies(p))
-      return no("IOATTN_DECODE_KERNEL=mma3: the tensor-core decode kernels take bf16/f16 q and cache of the same "
-                "dtype, head_dim == head_dim_v in {64, 128, 256}, and seqlen_q 1 or no causal/window mask");
-    const int rows = mma3_rows_per_cta(p.rows_per_group(), p.head_dim);
-    const int64_t rb3 = row_blocks_of(p.heads_q, p.heads_kv, p.seqlen_q, rows);
-    const int stages = p.head_dim == 64 ? 4 : p.head_dim == 128 ? 3 : 2;
-    return {"cuda/splitkv sm" + std::to_string(arch) + " mma3",
-            "IOATTN_DECODE_KERNEL=mma3; mma.sync with keys as M (S^T = K Q^T, O^T += V^T P^T, P^T by movmatrix), "
-            "4 warps x 16 keys of 64-key tiles, " + std::to_string(rows) + " query rows per CTA (" +
-                std::to_string(p.rows_per_group()) + " rows per kv head: " + std::to_string(rb3) +
-                (rb3 == 1 ? " block" : " blocks") + "), " + std::to_string(stages) +
-                "-stage cp.async ring, block-table entries prefetched into shared memory"};
-  }
-  const bool v2 = use_mma2(p, force);
-  const bool mma = v2 || force == "mma" || (force.empty() && mma_applies(p));
+  if (!force.empty() && force != "fma" && force != "mma")
+    return no("IOATTN_DECODE_KERNEL must be fma or mma (or unset), got '" + force + "'");
+  const bool mma = force == "mma" || (force.empty() && mma_applies(p));
   if (mma && !mma_applies(p))
     return no("IOATTN_DECODE_KERNEL=" + force +
               ": the mma.sync decode kernel takes bf16/f16 q and cache of the same dtype, "
               "head_dim == head_dim_v in {64, 128, 256}, and seqlen_q 1 or no causal/window mask");
   if (mma) {
-    const int64_t rbm = row_blocks_of(p.heads_q, p.heads_kv, p.seqlen_q, kMmaRows);
+    const int rows = mma_rows_per_cta(p.rows_per_group(), p.head_dim);
+    const int64_t rbm = row_blocks_of(p.heads_q, p.heads_kv, p.seqlen_q, rows);
     const int stages = p.head_dim == 64 ? 4 : p.head_dim == 128 ? 3 : 2;
-    return {"cuda/splitkv sm" + std::to_string(arch) + (v2 ? " mma2" : " mma"),
-            std::string(force.empty() ? (v2 ? "auto: mma2 at <= 4 splits (H200: 1.13-1.19x mma at batch >= 16; "
-                                              "its merge memset costs more than it saves at b1); "
-                                            : "")
-                                      : "IOATTN_DECODE_KERNEL=" + force + "; ") +
-                "mma.sync m16n8k16 (P = P_hi + P_lo), 4 warps x 16 keys of 64-key tiles, " +
-                std::to_string(kMmaRows) + " query rows per CTA (" + std::to_string(p.rows_per_group()) +
+    return {"cuda/splitkv sm" + std::to_string(arch) + " mma",
+            std::string(force.empty() ? "" : "IOATTN_DECODE_KERNEL=mma; ") +
+                "mma.sync m16n8k16 with keys as M (S^T = K Q^T, O^T += V^T P^T, P^T by movmatrix, P = P_hi + "
+                "P_lo), 4 warps x 16 keys of 64-key tiles, " +
+                std::to_string(rows) + " query rows per CTA (" + std::to_string(p.rows_per_group()) +
                 " rows per kv head: " + std::to_string(rbm) + (rbm == 1 ? " block" : " blocks") + "), " +
                 std::to_string(stages) + "-stage cp.async ring" +
-                (v2 ? "; v2: block-table entries prefetched into shared memory by cp.async, split merge fused "
-                      "(last CTA per group, workspace counters zeroed by a memset before the launch)"
-                    : "")};
+                (p.paged() ? ", (page, slot) of each key prefetched into shared memory" : "")};
   }
   const int txl = tx_log2_for(std::max(p.head_dim, p.head_dim_v));
   const int TX = 1 << txl;
@@ -633,10 +600,7 @@ size_t cuda_decode_workspace_bytes(int64_t batch, int64_t heads_q, int64_t seqle
                                    int num_splits) {
   if (num_splits <= 1) return 0;
   const size_t rows = static_cast<size_t>(batch * heads_q * seqlen_q) * static_cast<size_t>(num_splits);
-  // partial O, partial LSE, and (mma2's fused merge) one int counter per (sequence, kv head, row
-  // block): at most batch * heads_q * seqlen_q of them.
-  return align_up(rows * static_cast<size_t>(head_dim_v) * 4) + align_up(rows * 4) +
-         align_up(static_cast<size_t>(batch * heads_q * seqlen_q) * 4);
+  return align_up(rows * static_cast<size_t>(head_dim_v) * 4) + align_up(rows * 4);
 }
 
 void cuda_decode(const DecodeProblem& p) {
@@ -644,11 +608,8 @@ void cuda_decode(const DecodeProblem& p) {
   auto stream = static_cast<cudaStream_t>(p.stream);
   const int S = std::max(p.num_splits, 1);
   const std::string force = forced_kernel();
-  const bool mma3 = force == "mma3";
-  const bool v2 = !mma3 && use_mma2(p, force);
-  const bool mma = !mma3 && (v2 || force == "mma" || (force.empty() && mma_applies(p)));  // as cuda_decode_select
-  const int rows_per_cta =
-      mma3 ? mma3_rows_per_cta(p.rows_per_group(), p.head_dim) : mma ? kMmaRows : kRows;
+  const bool mma = force == "mma" || (force.empty() && mma_applies(p));  // as cuda_decode_select
+  const int rows_per_cta = mma ? mma_rows_per_cta(p.rows_per_group(), p.head_dim) : kRows;
   const int64_t rb = row_blocks_of(p.heads_q, p.heads_kv, p.seqlen_q, rows_per_cta);
   const int64_t grid = p.batch * p.heads_kv * S * rb;
   if (grid == 0) return;
@@ -711,21 +672,11 @@ void cuda_decode(const DecodeProblem& p) {
     const size_t rows = static_cast<size_t>(p.batch * p.heads_q * p.seqlen_q) * static_cast<size_t>(S);
     dp.part_o = static_cast<float*>(ws);
     dp.part_lse = reinterpret_cast<float*>(static_cast<uint8_t*>(ws) + align_up(rows * p.head_dim_v * 4));
-    dp.counters = reinterpret_cast<int*>(static_cast<uint8_t*>(ws) + align_up(rows * p.head_dim_v * 4) +
-                                         align_up(rows * 4));
   }
 
-  bool pdl = use_pdl(p.device_index);
-  if (v2 && S > 1) {
-    // mma2: the arrival counters start at zero (the merging CTA also resets its own, but a caller's
-    // workspace holds anything on the first call). A memset node, not a kernel: no PDL edge after it.
-    IOATTN_CUDA_CHECK(cudaMemsetAsync(dp.counters, 0, static_cast<size_t>(grid / S) * sizeof(int), stream));
-    pdl = false;
-  }
-  if (mma3) {
-    launch_decode_mma3(dp, grid, stream, pdl);
-  } else if (mma) {
-    launch_decode_mma(dp, grid, stream, pdl, v2);
+  const bool pdl = use_pdl(p.device_index);
+  if (mma) {
+    launch_decode_mma(dp, grid, stream, pdl);
   } else {
     switch (p.cache_dtype) {
       case DType::bf16: launch_decode<__nv_bfloat16>(dp, grid, stream, pdl); break;
@@ -737,7 +688,7 @@ void cuda_decode(const DecodeProblem& p) {
     }
   }
 
-  if (S > 1 && !v2) {
+  if (S > 1) {
     MergeParams mp{};
     mp.part_o = dp.part_o;
     mp.part_lse = dp.part_lse;

@@ -47,8 +47,6 @@ struct DecodeParams {
   const float* sinks;
   float* part_o;  // splits > 1
   float* part_lse;
-  int* counters;  // mma2 with splits > 1: [batch, heads_kv, row_blocks] arrival counts (zero before
-                  // the launch; the last CTA of each group merges the splits and resets its count)
 };
 
 __device__ __forceinline__ float ninf() { return -INFINITY; }
@@ -256,14 +254,9 @@ inline void launch_decode_grid(void (*kernel)(DecodeParams), const DecodeParams&
 // The mma.sync kernel (serving_decode_mma.cu): bf16/f16 q and cache, head_dim == head_dim_v in
 // {64, 128, 256}, every row of a CTA seeing the same keys (seqlen_q 1 or no causal/window mask).
 bool mma_decode_supported(DType dtype, DType cache, int64_t d, int64_t dv, int64_t seqlen_q, bool masked);
-// v2 (IOATTN_DECODE_KERNEL=mma2, opt-in): the same arithmetic with the block-table entries
-// prefetched into shared memory by cp.async, a loader without dependent global loads, and the
-// split merge fused into the kernel (p.counters; no merge launch).
-void launch_decode_mma(const DecodeParams& p, int64_t grid, cudaStream_t stream, bool pdl, bool v2 = false);
-constexpr int kMmaRows = 16;  // query rows per CTA of the mma kernel
-// mma3 (keys as the mma M dimension, serving_decode_mma.cu): the mma kernel's shapes, 8 query rows
-// per CTA (16 when a kv head has more than 8 rows and head_dim <= 128).
-int mma3_rows_per_cta(int64_t rows_per_group, int64_t head_dim);
-void launch_decode_mma3(const DecodeParams& p, int64_t grid, cudaStream_t stream, bool pdl);
+// Query rows per CTA of the mma kernel: 8, or 16 when a kv head has more than 8 rows and
+// head_dim <= 128 (the grid's row blocks follow it).
+int mma_rows_per_cta(int64_t rows_per_group, int64_t head_dim);
+void launch_decode_mma(const DecodeParams& p, int64_t grid, cudaStream_t stream, bool pdl);
 
 }  // namespace ioattn::cuda::serving

@@ -2,21 +2,38 @@
 // bf16 / f16 queries and caches with head_dim == head_dim_v in {64, 128, 256}, when every query
 // row of a CTA sees the same keys (seqlen_q 1, or no causal / window mask): the serving case.
 //
-// Same grid, key ranges, loader, merge and outputs as the fp32 FMA kernel (serving_decode.cu,
-// whose file comment is the full description); what differs is the arithmetic per tile. The CTA
-// holds 16 query rows (GQA rows of one kv head: 16 heads x 1 token, 4 heads x 4 tokens, ...;
-// unused rows are zero and masked) as the mma A operand in registers; each of the 4 warps takes 16
-// keys of a 64-key tile (FlashAttention-2's layout, transposed: warps split keys, not rows):
-//   S (16 x 16)  = Q K^T     D/16 ldmatrix.x4 of K + D/8 mma, fp32 accumulate (exact products)
-//   scale, softcap, ALiBi, mask on the C fragment (rows g, g+8; keys 2t, 2t+1 of each 8-key tile),
-//   online softmax per (warp, row) in log2 units: max over the 4 lanes of a quad, one ex2.approx
-//   per score, O rescaled only when the max grows
-//   O (16 x D)  += P V       P as the A operand straight from the C layout, split in two: P =
-//                            P_hi + P_lo (each rounded to the input type; P_lo carries the
-//                            residual), so the weights keep ~16 significant bits instead of 8
-//                            (bf16) and O matches the fp32 kernel; 2 x D/8 mma, V by ldmatrix.trans.
-// Per key this is ~8 warp instructions instead of ~55 for the FMA kernel, so the loop is bound by
-// the cache bytes, not the issue rate.
+// Same grid, key ranges, merge and outputs as the fp32 FMA kernel (serving_decode.cu, whose file
+// comment is the full description); what differs is the arithmetic per tile and the loader.
+//
+// Keys are the mma M dimension ("swap AB", as FlashInfer and FA3 do for decode): a decode CTA has
+// few query rows (GQA 32/8, one token: 4), so they are the N = 8 dimension (NT n-tiles: 8 rows, or
+// 16 when a kv head has more than 8 rows and D <= 128). Each of the 4 warps takes 16 keys of a
+// 64-key tile:
+//   S^T (16 keys x 8 rows) = K Q^T   A = K rows by ldmatrix (dims contiguous = row-major A),
+//                                    B = Q^T from registers (lane holds query row g, loaded once);
+//                                    D/16 mma in two accumulation chains (even / odd k-steps)
+//   scale, softcap, ALiBi, mask on the C tile (keys g, g+8; rows 2t, 2t+1); online softmax per
+//   (warp, row) in log2 units: column max over the 8 lanes sharing t (shfl xor 4, 8, 16), one
+//   ex2.approx per score, O^T rescaled only when some row's max grew (a warp vote); l is a
+//   per-lane partial sum, reduced once at the end
+//   P^T as B                         the C tile packed to 16 bits is (key g; rows 2t, 2t+1);
+//                                    movmatrix.trans makes it (keys 2t, 2t+1; row g), the B layout.
+//                                    P = P_hi + P_lo (each rounded to the input type; P_lo carries
+//                                    the residual), so the weights keep ~16 significant bits
+//                                    instead of 8 (bf16) and O matches the fp32 kernel
+//   O^T (D x 8 rows) += V^T P^T      A = V^T by ldmatrix.trans (16 dims x 16 keys per x4),
+//                                    2 x D/16 mma
+// Loader: cp.async 16-byte chunks into a STAGES-deep ring; contiguous caches advance a row pointer
+// by a constant; paged caches read (page, slot) of each key from a shared-memory ring that threads
+// < 64 fill STAGES - 1 tiles ahead (the page by cp.async from the block table, the slot by a
+// store), so no thread waits on a dependent global load and no division runs per row.
+//
+// History (H200, GQA 32/8, hdim 128, bf16, graph replay): the first tensor-core kernel held the
+// query rows as M (16 rows, 3/4 padding at GQA 4) and computed each row's page and 64-bit address
+// per chunk: ~1100 warp instructions per 16 keys, 2 warps per scheduler waiting 4.2 cycles between
+// instructions (ncu), 0.50 / 1.89 / 2.90 TB/s at b1 x 4k / 32k / 128k and paged 1.17-1.29x slower
+// than contiguous. This kernel (with the merge rewritten, serving_decode.cu): 1.25 / 3.17 / 3.86
+// TB/s, 4.1-4.2 TB/s at batch >= 16, paged within 3% of contiguous.
 //
 // Why "every row sees the same keys": a masked key inside the loaded range would still be
 // multiplied by P = 0 on the tensor core, and 0 * inf = NaN would reach rows that must not see its
@@ -53,7 +70,6 @@ struct MmaTraits {
   static constexpr int kSmem = kStages * 2 * kTileBytes;
   static constexpr int kLoadIters = kBK * kCPR / kThreads;  // chunks per thread per tile
   static_assert(kThreads % kCPR == 0 && kLoadIters * (kThreads / kCPR) == kBK, "loader covers the tile");
-  static_assert(kSmem >= 4 * kMmaRows * D * 4, "the warp merge reuses [4][16][D] fp32 of the ring");
 };
 
 // The two halves of a packed bf16x2 / f16x2 register as fp32 (low half first).
@@ -77,423 +93,9 @@ __device__ __forceinline__ void split2(float a, float b, uint32_t& hi, uint32_t&
   lo = ptx::pack2<T>(a - h.x, b - h.y);
 }
 
-// mma2 (V2): the last CTA of a (sequence, kv head, row block) to finish merges the S partials of
-// its rows, exactly as merge_splits_kernel in serving_decode.cu (same order, same expf / logf), one
-// warp per row; the partials written by other CTAs are read through L2 (__ldcg).
-template <int ROWS>
-__device__ __forceinline__ void fused_merge(const DecodeParams& p, const WorkItem& w) {
-  constexpr int kRegs = detail::kMaxSplits / 32, kElems = kMaxDim / 32;
-  static_assert(detail::kMaxSplits % 32 == 0, "merge: splits in whole warps");
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int S = p.splits, sq = p.seqlen_q;
-  for (int r = warp; r < ROWS; r += kThreads / 32) {
-    const int rr = w.rb * ROWS + r;
-    if (rr >= p.rows) break;  // warp-uniform
-    const int hh = rr / sq, i = rr % sq, h = w.hk * p.group + hh;
-    const int64_t row = (w.b * p.heads_q + h) * sq + i;
-    const float* pl = p.part_lse + row * S;
-    const float* po = p.part_o + row * S * p.dv;
-    const float sink = p.sinks ? p.sinks[h] : ninf();
-    float lv[kRegs];
-    float M = sink;
-    bool nan = false;
-#pragma unroll
-    for (int j = 0; j < kRegs; ++j) {
-      const int s = lane + 32 * j;
-      lv[j] = s < S ? __ldcg(pl + s) : ninf();
-      nan |= isnan(lv[j]);
-      M = fmaxf(M, lv[j]);
-    }
-    nan = __any_sync(0xffffffffu, nan);
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) M = fmaxf(M, __shfl_xor_sync(0xffffffffu, M, off));
-    const int64_t ooff = w.b * p.o_sb + i * p.o_ss + h * p.o_sh;
-    float lse;
-    if (nan || M == ninf()) {
-      const float fill = nan ? NAN : 0.0f;
-      for (int x = lane; x < p.dv; x += 32) store_elem(p.o, p.dtype, ooff + x, fill);
-      lse = nan ? NAN : ninf();
-    } else {
-      float part = 0.0f;
-#pragma unroll
-      for (int j = 0; j < kRegs; ++j) {
-        lv[j] = expf(lv[j] - M);  // an empty split (-inf) -> 0
-        part += lv[j];
-      }
-#pragma unroll
-      for (int off = 16; off > 0; off >>= 1) part += __shfl_xor_sync(0xffffffffu, part, off);
-      const float total = part + (p.sinks ? expf(sink - M) : 0.0f);
-      float acc[kElems];
-#pragma unroll
-      for (int k = 0; k < kElems; ++k) acc[k] = 0.0f;
-#pragma unroll
-      for (int j = 0; j < kRegs; ++j) {
-        if (32 * j >= S) break;
-        const int n = min(32, S - 32 * j);
-#pragma unroll 4
-        for (int sl = 0; sl < n; ++sl) {
-          const float wt = __shfl_sync(0xffffffffu, lv[j], sl);
-          const float* src = po + static_cast<int64_t>(32 * j + sl) * p.dv;
-#pragma unroll
-          for (int k = 0; k < kElems; ++k) {
-            const int x = lane + 32 * k;
-            if (x < p.dv) {
-              const float v = __ldcg(src + x);
-              if (wt != 0.0f) acc[k] = fmaf(wt, v, acc[k]);  // a zero weight never multiplies an inf / NaN
-            }
-          }
-        }
-      }
-      const float inv = 1.0f / total;
-#pragma unroll
-      for (int k = 0; k < kElems; ++k) {
-        const int x = lane + 32 * k;
-        if (x < p.dv) store_elem(p.o, p.dtype, ooff + x, acc[k] * inv);
-      }
-      lse = M + logf(total);
-    }
-    if (lane == 0 && p.lse) p.lse[w.b * p.l_sb + h * p.l_sh + i * p.l_ss] = lse;
-  }
-}
-
-template <typename T, int D, bool V2>
-__global__ void __launch_bounds__(kThreads) decode_mma_kernel(const DecodeParams p) {
-  using Tr = MmaTraits<D>;
-  constexpr int STAGES = Tr::kStages, kKD = D / 16, kDT = D / 8;
-  extern __shared__ __align__(16) uint8_t smem[];
-  __shared__ float grp_m[4 * kMmaRows], grp_l[4 * kMmaRows];
-  __shared__ int grp_bad[4];
-  __shared__ float row_m[kMmaRows], row_l[kMmaRows];
-  __shared__ int row_bad[kMmaRows];
-  // mma2, paged: the block-table entry of every key of the tiles in flight, slot tile % STAGES,
-  // copied by cp.async (threads < kBK) in the group of the tile STAGES - 1 earlier.
-  __shared__ int pg_ring[V2 && D != 256 ? STAGES : 1][V2 && D != 256 ? kBK : 1];
-  __shared__ int s_last;
-
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int g = lane >> 2, t4 = lane & 3;
-  const WorkItem w = work_item(p);
-  const int sq = p.seqlen_q;
-
-  // The CTA's keys: one range for every row (the dispatch guarantees it), clipped to the split.
-  int64_t klo = 0, khi = 0;
-  if (w.len > 0) {
-    vis_keys(0, sq, w.len, p.wl, p.wr, &klo, &khi);
-    klo = max(klo, w.k0);
-    khi = min(khi, w.k1);
-    if (khi < klo) khi = klo;
-  }
-
-  // Rows g and g + 8 of this lane: validity, head, ALiBi; Q fragments (raw input bits).
-  bool valid[2];
-  float slope[2], diag[2];
-  uint32_t qa[kKD][4];
-  const auto* q16 = static_cast<const uint16_t*>(p.q);
-#pragma unroll
-  for (int half = 0; half < 2; ++half) {
-    const int rr = w.rb * kMmaRows + g + 8 * half;
-    valid[half] = rr < p.rows;
-    const int hh = valid[half] ? rr / sq : 0, i = valid[half] ? rr % sq : 0;
-    const int h = w.hk * p.group + hh;
-    slope[half] = (valid[half] && p.alibi) ? p.alibi[h] * kLog2e : 0.0f;
-    diag[half] = static_cast<float>(i + w.len - sq);
-    const int64_t qoff = w.b * p.q_sb + i * p.q_ss + h * p.q_sh;
-#pragma unroll
-    for (int kk = 0; kk < kKD; ++kk)
-#pragma unroll
-      for (int c8 = 0; c8 < 2; ++c8) {  // a0/a1: columns 2t, 2t+1; a2/a3: +8
-        const int col = kk * 16 + c8 * 8 + 2 * t4;
-        uint32_t bits = 0;
-        if (valid[half]) bits = static_cast<uint32_t>(q16[qoff + col]) | static_cast<uint32_t>(q16[qoff + col + 1]) << 16;
-        qa[kk][half + 2 * c8] = bits;
-      }
-  }
-
-  // Loader: chunk c_ld of rows j_ld0 + it * j_step, rows at the padded pitch.
-  const int64_t nkeys = khi - klo;
-  const int ntiles = static_cast<int>((nkeys + kBK - 1) / kBK);
-  const int c_ld = tid % Tr::kCPR, j_ld0 = tid / Tr::kCPR, j_step = kThreads / Tr::kCPR;
-  const int k_valid = min(max(p.k_row_bytes - c_ld * 16, 0), 16);
-  const int v_valid = min(max(p.v_row_bytes - c_ld * 16, 0), 16);
-  int pg_bad = 0;
-  const bool paged = p.block_table != nullptr;
-  // mma2: this thread's 16-byte chunk of head hk (and of sequence b when contiguous).
-  const uint8_t* kbase = p.k + w.hk * p.k_sh + c_ld * 16 + (paged ? 0 : w.b * p.k_sp);
-  const uint8_t* vbase = p.v + w.hk * p.v_sh + c_ld * 16 + (paged ? 0 : w.b * p.v_sp);
-  auto issue_pages = [&](int tile) {  // mma2: block-table entries of the tile's keys -> pg_ring
-    if (paged && tid < kBK && tile < ntiles) {
-      const int64_t t = klo + static_cast<int64_t>(tile) * kBK + tid;
-      const int32_t* src = p.block_table;
-      int nb = 0;
-      if (t < khi) {
-        const int pi = p.page_shift >= 0 ? static_cast<int>(t) >> p.page_shift : static_cast<int>(t) / p.page_size;
-        src = p.block_table + w.b * p.bt_sb + static_cast<int64_t>(pi) * p.bt_sp;
-        nb = 4;
-      }
-      ptx::cp_async_4(ptx::smem_u32(&pg_ring[V2 && D != 256 ? tile % STAGES : 0][V2 && D != 256 ? tid : 0]), src, nb);
-    }
-  };
-  auto issue_v2 = [&](int tile) {  // mma2: the tile's K / V rows, pages from pg_ring (no global load)
-    if (tile < ntiles) {
-      const uint32_t ks = ptx::smem_u32(smem + (tile % STAGES) * 2 * Tr::kTileBytes) + j_ld0 * Tr::kPitch + c_ld * 16;
-      const int64_t t0 = klo + static_cast<int64_t>(tile) * kBK + j_ld0;
-      const int* pgs = pg_ring[V2 && D != 256 ? tile % STAGES : 0] + j_ld0;
-#pragma unroll
-      for (int it = 0; it < Tr::kLoadIters; ++it) {
-        const int64_t t = t0 + it * j_step;
-        const uint8_t* ksrc = p.k;
-        const uint8_t* vsrc = p.v;
-        int kb = 0, vb = 0;
-        if (t < khi) {
-          int64_t koff, voff;
-          bool ok = true;
-          if (paged) {
-            const int64_t page = pgs[it * j_step];
-            const int64_t slot = p.page_shift >= 0 ? (t & (p.page_size - 1)) : t % p.page_size;
-            ok = page >= 0 && page < p.num_pages;
-            if (!ok) pg_bad = 1;
-            koff = page * p.k_sp + slot * p.k_ss;
-            voff = page * p.v_sp + slot * p.v_ss;
-          } else {
-            koff = t * p.k_ss;
-            voff = t * p.v_ss;
-          }
-          if (ok && k_valid > 0) {
-            ksrc = kbase + koff;
-            kb = k_valid;
-          }
-          if (ok && v_valid > 0) {
-            vsrc = vbase + voff;
-            vb = v_valid;
-          }
-        }
-        const uint32_t dst = ks + it * j_step * Tr::kPitch;
-        ptx::cp_async_16(dst, ksrc, kb);
-        ptx::cp_async_16(dst + Tr::kTileBytes, vsrc, vb);
-      }
-    }
-  };
-  // mma2's loader for hdim 64 / 128; hdim 256 (255 registers already) keeps the mma loader, whose
-  // extra live state would spill on sm_80, and only gets the fused merge.
-  constexpr bool kV2Loader = V2 && D != 256;
-  auto issue = [&](int tile) {
-    if constexpr (kV2Loader) {
-      issue_pages(tile + STAGES - 1);  // entries for the tile issued STAGES - 1 iterations later
-      issue_v2(tile);
-      ptx::cp_async_commit();
-      return;
-    }
-    if (tile < ntiles) {
-      uint8_t* ks = smem + (tile % STAGES) * 2 * Tr::kTileBytes;
-      issue_tile<Tr::kLoadIters>(p, w, ks, ks + Tr::kTileBytes, klo + static_cast<int64_t>(tile) * kBK, khi, c_ld,
-                                 j_ld0, j_step, Tr::kPitch, 0, 0, k_valid, v_valid, pg_bad);
-    }
-    ptx::cp_async_commit();
-  };
-
-  // ldmatrix lane offsets within a stage (see ptx.cuh): K as the B operand of S (keys 0-7 | 8-15,
-  // dim chunks kk*2 | +1), V as the B operand of O via .trans (keys 0-7 | 8-15, dim chunks).
-  const int k_lane = (warp * 16 + (lane & 7) + (lane >> 4) * 8) * Tr::kPitch + ((lane >> 3) & 1) * 16;
-  const int v_lane = (warp * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * Tr::kPitch + (lane >> 4) * 16;
-
-  float o[kDT][4];
-#pragma unroll
-  for (int nd = 0; nd < kDT; ++nd)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) o[nd][e] = 0.0f;
-  float m[2] = {ninf(), ninf()}, l[2] = {0.0f, 0.0f};
-  int bad = 0;  // bit r: row r of the block saw a NaN or +inf score
-  const float smul = p.scale * kLog2e;
-  const float cap = p.softcap * kLog2e, inv_cap = p.softcap > 0.0f ? 1.0f / cap : 0.0f;
-
-  if constexpr (kV2Loader) {
-    if (paged) {  // the entries of the first STAGES - 1 tiles, before their rows are issued
-#pragma unroll
-      for (int s = 0; s < STAGES - 1; ++s) issue_pages(s);
-      ptx::cp_async_commit();
-      ptx::cp_async_wait<0>();
-      __syncthreads();
-    }
-  }
-#pragma unroll
-  for (int s = 0; s < STAGES - 1; ++s) {
-    // mma2: issue(s) writes the entries of tile s + STAGES - 1 into the slot of tile s - 1, whose
-    // entries issue(s - 1) read in other threads: a barrier between (the loop has one per tile).
-    if (kV2Loader && paged && s > 0) __syncthreads();
-    issue(s);
-  }
-
-  for (int tile = 0; tile < ntiles; ++tile) {
-    ptx::cp_async_wait<STAGES - 2>();
-    __syncthreads();
-    issue(tile + STAGES - 1);
-    const uint8_t* ks = smem + (tile % STAGES) * 2 * Tr::kTileBytes;
-    const uint32_t k_addr = ptx::smem_u32(ks) + k_lane;
-    const uint32_t v_addr = ptx::smem_u32(ks + Tr::kTileBytes) + v_lane;
-    const int key0 = static_cast<int>(klo) + tile * kBK + warp * 16;  // this warp's first key
-
-    // S = Q K^T for the warp's 16 keys.
-    float sc[2][4];
-#pragma unroll
-    for (int n = 0; n < 2; ++n)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) sc[n][e] = 0.0f;
-#pragma unroll
-    for (int kk = 0; kk < kKD; ++kk) {
-      uint32_t bk[4];
-      ptx::ldmatrix_x4(bk, k_addr + kk * 32);
-      ptx::mma_m16n8k16<T>(sc[0], qa[kk], bk[0], bk[1]);
-      ptx::mma_m16n8k16<T>(sc[1], qa[kk], bk[2], bk[3]);
-    }
-
-    // Score modifiers and mask; row maxima over the quad.
-    float mx[2] = {ninf(), ninf()};
-#pragma unroll
-    for (int n = 0; n < 2; ++n)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int half = e >> 1;
-        const int key = key0 + n * 8 + 2 * t4 + (e & 1);
-        float x = sc[n][e] * smul;
-        if (inv_cap > 0.0f) x = cap * tanhf(x * inv_cap);
-        if (p.alibi) x = fmaf(-slope[half], fabsf(diag[half] - static_cast<float>(key)), x);
-        const bool vis = valid[half] && key < khi;
-        x = vis ? x : ninf();
-        if (vis && !(x < INFINITY)) bad |= 1 << (g + 8 * half);
-        sc[n][e] = x;
-        mx[half] = fmaxf(mx[half], x);
-      }
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      mx[half] = fmaxf(mx[half], ptx::shfl_xor(mx[half], 1));
-      mx[half] = fmaxf(mx[half], ptx::shfl_xor(mx[half], 2));
-    }
-
-    // Online softmax (sc becomes P) and the O rescale.
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      const float mn = fmaxf(m[half], mx[half]);
-      if (mn == ninf()) {  // nothing visible yet for this row
-#pragma unroll
-        for (int n = 0; n < 2; ++n) sc[n][2 * half] = sc[n][2 * half + 1] = 0.0f;
-        continue;
-      }
-      float sum = 0.0f;
-#pragma unroll
-      for (int n = 0; n < 2; ++n)
-#pragma unroll
-        for (int e = 2 * half; e < 2 * half + 2; ++e) {
-          sc[n][e] = ptx::exp2_approx(sc[n][e] - mn);  // -inf -> 0
-          sum += sc[n][e];
-        }
-      if (mn != m[half]) {
-        const float alpha = ptx::exp2_approx(m[half] - mn);  // m = -inf -> 0
-        l[half] *= alpha;
-#pragma unroll
-        for (int nd = 0; nd < kDT; ++nd) {
-          o[nd][2 * half] *= alpha;
-          o[nd][2 * half + 1] *= alpha;
-        }
-        m[half] = mn;
-      }
-      l[half] += sum;
-    }
-
-    // O += P V with P = P_hi + P_lo (the C layout of S is the A layout of P).
-    uint32_t ph[4], pl[4];
-    split2<T>(sc[0][0], sc[0][1], ph[0], pl[0]);  // row g,   keys 2t, 2t+1
-    split2<T>(sc[0][2], sc[0][3], ph[1], pl[1]);  // row g+8, keys 2t, 2t+1
-    split2<T>(sc[1][0], sc[1][1], ph[2], pl[2]);  // row g,   keys 8+2t, 8+2t+1
-    split2<T>(sc[1][2], sc[1][3], ph[3], pl[3]);  // row g+8, keys 8+2t, 8+2t+1
-#pragma unroll
-    for (int dp = 0; dp < kDT / 2; ++dp) {
-      uint32_t bv[4];
-      ptx::ldmatrix_x4_trans(bv, v_addr + dp * 32);
-      ptx::mma_m16n8k16<T>(o[2 * dp], ph, bv[0], bv[1]);
-      ptx::mma_m16n8k16<T>(o[2 * dp + 1], ph, bv[2], bv[3]);
-      ptx::mma_m16n8k16<T>(o[2 * dp], pl, bv[0], bv[1]);
-      ptx::mma_m16n8k16<T>(o[2 * dp + 1], pl, bv[2], bv[3]);
-    }
-  }
-
-  // ---- merge the 4 warps (shared memory, in warp order) --------------------------------------
-  ptx::cp_async_wait<0>();
-  const int any_pg_bad = __syncthreads_or(pg_bad);
-#pragma unroll
-  for (int half = 0; half < 2; ++half) {
-    l[half] += ptx::shfl_xor(l[half], 1);
-    l[half] += ptx::shfl_xor(l[half], 2);
-  }
-  for (int off = 1; off < 32; off <<= 1) bad |= __shfl_xor_sync(0xffffffffu, bad, off);
-  if (t4 == 0) {
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      grp_m[warp * kMmaRows + g + 8 * half] = m[half];
-      grp_l[warp * kMmaRows + g + 8 * half] = l[half];
-    }
-  }
-  if (lane == 0) grp_bad[warp] = bad;
-  __syncthreads();
-  rows_from_groups<kMmaRows>(4, grp_m, grp_l, grp_bad, any_pg_bad | (w.seq_bad ? 1 : 0), row_m, row_l, row_bad);
-  __syncthreads();
-  float* red = reinterpret_cast<float*>(smem);  // [4][16][D] fp32
-#pragma unroll
-  for (int half = 0; half < 2; ++half) {
-    const int r = g + 8 * half;
-    const float f = m[half] > ninf() ? ptx::exp2_approx(m[half] - row_m[r]) : 0.0f;
-#pragma unroll
-    for (int nd = 0; nd < kDT; ++nd) {
-      float* dst = red + (warp * kMmaRows + r) * D + nd * 8 + 2 * t4;
-      dst[0] = o[nd][2 * half] * f;
-      dst[1] = o[nd][2 * half + 1] * f;
-    }
-  }
-  __syncthreads();
-  write_outputs<kMmaRows>(p, w, 4, D, red, row_m, row_l, row_bad);
-
-  if constexpr (V2) {
-    // Fused merge: every CTA of the group has written its partial; the one that counts last
-    // merges (threadFenceReduction pattern) and resets the count for the next call / replay.
-    if (p.splits > 1 && p.counters) {
-      __threadfence();
-      __syncthreads();
-      if (tid == 0) {
-        int* ctr = p.counters + (w.b * p.heads_kv + w.hk) * p.row_blocks + w.rb;
-        const int last = atomicAdd(ctr, 1) == p.splits - 1;
-        if (last) atomicExch(ctr, 0);
-        s_last = last;
-      }
-      __syncthreads();
-      if (s_last) {
-        __threadfence();
-        fused_merge<kMmaRows>(p, w);
-      }
-    }
-  }
-}
-
-// ---- mma3: keys as the M dimension ----------------------------------------------------------
-//
-// The mma / mma2 kernels hold the query rows as the mma M dimension (16 rows), but a decode CTA
-// has few rows (GQA 32/8, one token: 4), so 3/4 of their tensor-core work, softmax and P
-// splitting is spent on padding, and their loader (a dependent block-table load and 64-bit
-// address arithmetic per row, ~1100 warp instructions per 16 keys in all) made the loop issue-
-// bound: ncu at b1 x 128k, 2 warps per scheduler, 4.2 cycles between a warp's instructions, 65%
-// of DRAM peak. mma3 swaps the operands (FlashInfer / FA3's "swap AB" for decode):
-//   S^T (16 keys x 8 rows) = K Q^T     A = 16 keys of K by ldmatrix (row-major: dims contiguous),
-//                                      B = Q^T from registers (lane holds query row g): D/16 mma
-//   P^T -> B fragment                  the C tile packed to 16 bits is (key g; rows 2t, 2t+1);
-//                                      movmatrix.trans makes it (keys 2t, 2t+1; row g): the B layout
-//   O^T (D x 8 rows) += V^T P^T        A = V^T by ldmatrix.trans (16 dims x 16 keys per x4),
-//                                      2 x D/16 mma (P = P_hi + P_lo, as the mma kernel)
-// so per 16 keys a warp issues half the mma, a quarter of the exponentials, and the loader reads
-// pages from a shared-memory ring filled by cp.async STAGES - 1 tiles ahead (mma2's scheme), with
-// 32-bit slot arithmetic. NT n-tiles of 8 query rows (16 rows when the group needs them and D <=
-// 128). Every row of the CTA sees the same keys, as for the mma kernel. Per lane: rows 2t, 2t+1
-// of each n-tile (their max is reduced over the 8 lanes of a column, xor 4, 8, 16); l is a
-// per-lane partial sum, reduced once at the end.
+// One CTA: (sequence, kv head, split, block of 8 * NT query rows); see the file comment.
 template <typename T, int D, int NT>
-__global__ void __launch_bounds__(kThreads) decode_mma3_kernel(const DecodeParams p) {
+__global__ void __launch_bounds__(kThreads) decode_mma_kernel(const DecodeParams p) {
   using Tr = MmaTraits<D>;
   constexpr int STAGES = Tr::kStages, kKD = D / 16, ROWS = 8 * NT;
   extern __shared__ __align__(16) uint8_t smem[];
@@ -794,8 +396,8 @@ __global__ void __launch_bounds__(kThreads) decode_mma3_kernel(const DecodeParam
 }
 
 template <typename T, int D, int NT>
-void launch3(const DecodeParams& p, int64_t grid, cudaStream_t stream, bool pdl) {
-  auto* kernel = &decode_mma3_kernel<T, D, NT>;
+void launch(const DecodeParams& p, int64_t grid, cudaStream_t stream, bool pdl) {
+  auto* kernel = &decode_mma_kernel<T, D, NT>;
   constexpr int smem = MmaTraits<D>::kSmem;
   static_assert(smem >= 4 * 8 * NT * D * 4, "the warp merge reuses [4][ROWS][D] fp32 of the ring");
   static std::atomic<uint64_t> done{0};  // cudaFuncSetAttribute once per device (not under capture)
@@ -809,32 +411,6 @@ void launch3(const DecodeParams& p, int64_t grid, cudaStream_t stream, bool pdl)
   launch_decode_grid(kernel, p, grid, smem, stream, pdl);
 }
 
-template <typename T, int D, bool V2>
-void launch(const DecodeParams& p, int64_t grid, cudaStream_t stream, bool pdl) {
-  auto* kernel = &decode_mma_kernel<T, D, V2>;
-  constexpr int smem = MmaTraits<D>::kSmem;
-  static std::atomic<uint64_t> done{0};  // cudaFuncSetAttribute once per device (not under capture)
-  int dev = 0;
-  IOATTN_CUDA_CHECK(cudaGetDevice(&dev));
-  const uint64_t bit = dev < 64 ? uint64_t{1} << dev : 0;
-  if (!bit || !(done.load() & bit)) {
-    IOATTN_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-    done.fetch_or(bit);
-  }
-  launch_decode_grid(kernel, p, grid, smem, stream, pdl);
-}
-
-template <bool V2>
-void launch_dim(const DecodeParams& p, int64_t grid, cudaStream_t stream, bool pdl) {
-  const bool bf = p.dtype == DType::bf16;
-  switch (p.d) {
-    case 64: bf ? launch<__nv_bfloat16, 64, V2>(p, grid, stream, pdl) : launch<__half, 64, V2>(p, grid, stream, pdl); break;
-    case 128: bf ? launch<__nv_bfloat16, 128, V2>(p, grid, stream, pdl) : launch<__half, 128, V2>(p, grid, stream, pdl); break;
-    case 256: bf ? launch<__nv_bfloat16, 256, V2>(p, grid, stream, pdl) : launch<__half, 256, V2>(p, grid, stream, pdl); break;
-    default: throw Error("q", "ioattn: the mma decode kernel has no head_dim " + std::to_string(p.d));
-  }
-}
-
 }  // namespace
 
 bool mma_decode_supported(DType dtype, DType cache, int64_t d, int64_t dv, int64_t seqlen_q, bool masked) {
@@ -842,38 +418,30 @@ bool mma_decode_supported(DType dtype, DType cache, int64_t d, int64_t dv, int64
          (d == 64 || d == 128 || d == 256) && (seqlen_q == 1 || !masked);
 }
 
-int mma3_rows_per_cta(int64_t rows_per_group, int64_t head_dim) {
+int mma_rows_per_cta(int64_t rows_per_group, int64_t head_dim) {
   return rows_per_group > 8 && head_dim <= 128 ? 16 : 8;
 }
 
-void launch_decode_mma3(const DecodeParams& p, int64_t grid, cudaStream_t stream, bool pdl) {
+void launch_decode_mma(const DecodeParams& p, int64_t grid, cudaStream_t stream, bool pdl) {
   const bool bf = p.dtype == DType::bf16;
-  const bool two = mma3_rows_per_cta(p.rows, p.d) == 16;
+  const bool two = mma_rows_per_cta(p.rows, p.d) == 16;
   switch (p.d) {
     case 64:
       if (two)
-        bf ? launch3<__nv_bfloat16, 64, 2>(p, grid, stream, pdl) : launch3<__half, 64, 2>(p, grid, stream, pdl);
+        bf ? launch<__nv_bfloat16, 64, 2>(p, grid, stream, pdl) : launch<__half, 64, 2>(p, grid, stream, pdl);
       else
-        bf ? launch3<__nv_bfloat16, 64, 1>(p, grid, stream, pdl) : launch3<__half, 64, 1>(p, grid, stream, pdl);
+        bf ? launch<__nv_bfloat16, 64, 1>(p, grid, stream, pdl) : launch<__half, 64, 1>(p, grid, stream, pdl);
       break;
     case 128:
       if (two)
-        bf ? launch3<__nv_bfloat16, 128, 2>(p, grid, stream, pdl) : launch3<__half, 128, 2>(p, grid, stream, pdl);
+        bf ? launch<__nv_bfloat16, 128, 2>(p, grid, stream, pdl) : launch<__half, 128, 2>(p, grid, stream, pdl);
       else
-        bf ? launch3<__nv_bfloat16, 128, 1>(p, grid, stream, pdl) : launch3<__half, 128, 1>(p, grid, stream, pdl);
+        bf ? launch<__nv_bfloat16, 128, 1>(p, grid, stream, pdl) : launch<__half, 128, 1>(p, grid, stream, pdl);
       break;
     case 256:
-      bf ? launch3<__nv_bfloat16, 256, 1>(p, grid, stream, pdl) : launch3<__half, 256, 1>(p, grid, stream, pdl);
+      bf ? launch<__nv_bfloat16, 256, 1>(p, grid, stream, pdl) : launch<__half, 256, 1>(p, grid, stream, pdl);
       break;
-    default: throw Error("q", "ioattn: the mma3 decode kernel has no head_dim " + std::to_string(p.d));
+    default: throw Error("q", "ioattn: the mma decode kernel has no head_dim " + std::to_string(p.d));
   }
 }
-
-void launch_decode_mma(const DecodeParams& p, int64_t grid, cudaStream_t stream, bool pdl, bool v2) {
-  if (v2)
-    launch_dim<true>(p, grid, stream, pdl);
-  else
-    launch_dim<false>(p, grid, stream, pdl);
-}
-
 }  // namespace ioattn::cuda::serving
