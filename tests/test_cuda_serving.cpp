@@ -57,7 +57,8 @@ struct KernelEnv {
 // head_dim == head_dim_v in {64, 128, 256} and one visible range per CTA; fma otherwise.
 bool mma_shape(const Spec& c) {
   const bool masked = c.causal || c.wl >= 0 || c.wr >= 0;
-  return (c.dtype == DType::bf16 || c.dtype == DType::f16) && c.cache == c.dtype && c.DV() == c.d &&
+  const bool cache_ok = c.cache == c.dtype || c.cache == DType::f8e4m3 || c.cache == DType::i8;
+  return (c.dtype == DType::bf16 || c.dtype == DType::f16) && cache_ok && c.DV() == c.d &&
          (c.d == 64 || c.d == 128 || c.d == 256) && (c.sq == 1 || !masked);
 }
 
@@ -80,6 +81,13 @@ std::vector<Spec> cuda_cases() {
   { Spec c = mk("hdim64_bf16_page1", DType::bf16); c.hq = 16; c.hkv = 4; c.lens = {129, 1, 64}; c.page_size = 1; v.push_back(c); }
   { Spec c = mk("hdim256_bf16_f8", DType::bf16); c.d = 256; c.cache = DType::f8e4m3; c.lens = {500, 2}; c.page_size = 16; v.push_back(c); }
   { Spec c = mk("hdim32_i8_f16", DType::f16); c.d = 32; c.cache = DType::i8; c.lens = {257, 31}; c.page_size = 16; v.push_back(c); }
+  // The mma kernel on 8-bit caches (codes -> f16 in registers, permuted dims, bf16 q rescaled
+  // into the f16 range): the benchmark's GQA 32/8 shape, 16 rows (two n-tiles) of int8, 4 tokens
+  // x 4 heads with ALiBi, and bf16 queries far beyond the f16 range.
+  { Spec c = mk("f8_gqa32_8_bf16", DType::bf16); c.hq = 32; c.hkv = 8; c.d = 128; c.cache = DType::f8e4m3; c.lens = {1500, 9, 0}; c.page_size = 16; v.push_back(c); }
+  { Spec c = mk("i8_group16_f16", DType::f16); c.hq = 32; c.hkv = 2; c.d = 64; c.cache = DType::i8; c.lens = {700, 3}; v.push_back(c); }
+  { Spec c = mk("f8_sq4_alibi_f16", DType::f16); c.hq = 8; c.hkv = 2; c.sq = 4; c.d = 128; c.cache = DType::f8e4m3; c.alibi = true; c.lens = {600, 4}; c.page_size = 64; v.push_back(c); }
+  { Spec c = mk("f8_bigq_bf16", DType::bf16); c.hq = 8; c.hkv = 2; c.d = 128; c.cache = DType::f8e4m3; c.q_range = 40000.0f; c.scale = 0.1f / (40000.0f * 40000.0f); c.lens = {300, 17}; c.page_size = 16; v.push_back(c); }
   // The mma kernel: 16 rows of 4 tokens x 4 heads without a mask, ALiBi with one token, f16 hdim 256.
   { Spec c = mk("sq4_nomask_f16", DType::f16); c.hq = 8; c.hkv = 2; c.sq = 4; c.d = 128; c.lens = {600, 4, 0}; c.page_size = 16; v.push_back(c); }
   { Spec c = mk("alibi_sq1_softcap_bf16", DType::bf16); c.alibi = true; c.softcap = 5.0f; c.q_range = 3.0f; c.hq = 16; c.hkv = 4; c.lens = {333, 70}; c.page_size = 16; v.push_back(c); }

@@ -676,7 +676,7 @@ void cuda_decode(const DecodeProblem& p) {
 
   const bool pdl = use_pdl(p.device_index);
   if (mma) {
-    launch_decode_mma(dp, grid, stream, pdl);
+    launch_decode_mma(dp, p.cache_dtype, grid, stream, pdl);
   } else {
     switch (p.cache_dtype) {
       case DType::bf16: launch_decode<__nv_bfloat16>(dp, grid, stream, pdl); break;

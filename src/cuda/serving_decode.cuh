@@ -251,12 +251,13 @@ inline void launch_decode_grid(void (*kernel)(DecodeParams), const DecodeParams&
   IOATTN_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, p));
 }
 
-// The mma.sync kernel (serving_decode_mma.cu): bf16/f16 q and cache, head_dim == head_dim_v in
+// The mma.sync kernel (serving_decode_mma.cu): bf16/f16 q, a cache of the same dtype or 8-bit
+// (f8e4m3 / i8 codes, converted to f16 in registers), head_dim == head_dim_v in
 // {64, 128, 256}, every row of a CTA seeing the same keys (seqlen_q 1 or no causal/window mask).
 bool mma_decode_supported(DType dtype, DType cache, int64_t d, int64_t dv, int64_t seqlen_q, bool masked);
 // Query rows per CTA of the mma kernel: 8, or 16 when a kv head has more than 8 rows and
 // head_dim <= 128 (the grid's row blocks follow it).
 int mma_rows_per_cta(int64_t rows_per_group, int64_t head_dim);
-void launch_decode_mma(const DecodeParams& p, int64_t grid, cudaStream_t stream, bool pdl);
+void launch_decode_mma(const DecodeParams& p, DType cache, int64_t grid, cudaStream_t stream, bool pdl);
 
 }  // namespace ioattn::cuda::serving

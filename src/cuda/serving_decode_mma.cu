@@ -48,6 +48,7 @@
 #include <cuda_runtime.h>
 
 #include <atomic>
+#include <cstring>
 #include <string>
 #include <type_traits>
 
@@ -61,12 +62,13 @@ namespace {
 
 constexpr int kBK = 64;  // keys per tile: 16 per warp
 
-template <int D>
+// kBytes: cache element bytes (2: bf16/f16, 1: f8e4m3/i8).
+template <int D, int kBytes = 2>
 struct MmaTraits {
-  static constexpr int kCPR = D * 2 / 16;              // 16-byte chunks per cache row
+  static constexpr int kCPR = D * kBytes / 16;         // 16-byte chunks per cache row
   static constexpr int kPitch = (kCPR + 1) * 16;       // smem row pitch, bytes
   static constexpr int kTileBytes = kBK * kPitch;      // one K (or V) tile
-  static constexpr int kStages = D == 64 ? 4 : D == 128 ? 3 : 2;
+  static constexpr int kStages = kBytes == 1 ? (D == 256 ? 3 : 4) : D == 64 ? 4 : D == 128 ? 3 : 2;
   static constexpr int kSmem = kStages * 2 * kTileBytes;
   static constexpr int kLoadIters = kBK * kCPR / kThreads;  // chunks per thread per tile
   static_assert(kThreads % kCPR == 0 && kLoadIters * (kThreads / kCPR) == kBK, "loader covers the tile");
@@ -93,10 +95,32 @@ __device__ __forceinline__ void split2(float a, float b, uint32_t& hi, uint32_t&
   lo = ptx::pack2<T>(a - h.x, b - h.y);
 }
 
+// Two 8-bit cache codes (the low 16 bits of w, lower address first) -> packed f16x2, exactly
+// (e4m3 and int8 values are all f16 numbers; e4m3 NaN codes give NaN). The codes' scales are
+// applied outside (k_scale in the score scale, v_scale on O).
+template <typename CT>
+__device__ __forceinline__ uint32_t code2_to_f16x2(uint32_t w) {
+  if constexpr (std::is_same_v<CT, E4m3>) {
+    const __half2_raw r = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(w & 0xffffu), __NV_E4M3);
+    return static_cast<uint32_t>(r.x) | static_cast<uint32_t>(r.y) << 16;
+  } else {  // int8: 1024 + (b ^ 0x80) as an f16 (exact), minus 1152
+    const uint32_t u = ((w & 0xffu) | (w & 0xff00u) << 8) ^ 0x00800080u;
+    __half2 h;
+    uint32_t bits = u | 0x64006400u;
+    memcpy(&h, &bits, 4);
+    h = __hsub2(h, __half2(__float2half_rn(1152.0f), __float2half_rn(1152.0f)));
+    memcpy(&bits, &h, 4);
+    return bits;
+  }
+}
+
 // One CTA: (sequence, kv head, split, block of 8 * NT query rows); see the file comment.
-template <typename T, int D, int NT>
+template <typename T, typename CT, int D, int NT>
 __global__ void __launch_bounds__(kThreads) decode_mma_kernel(const DecodeParams p) {
-  using Tr = MmaTraits<D>;
+  // 8-bit caches: codes become f16 in registers (T = __half); q (bf16 or f16) is loaded as f16.
+  constexpr bool k8 = std::is_same_v<CT, E4m3> || std::is_same_v<CT, int8_t>;
+  static_assert(!k8 || std::is_same_v<T, __half>, "8-bit caches run the f16 mma");
+  using Tr = MmaTraits<D, k8 ? 1 : 2>;
   constexpr int STAGES = Tr::kStages, kKD = D / 16, ROWS = 8 * NT;
   extern __shared__ __align__(16) uint8_t smem[];
   __shared__ float grp_m[4 * ROWS], grp_l[4 * ROWS];
@@ -118,9 +142,12 @@ __global__ void __launch_bounds__(kThreads) decode_mma_kernel(const DecodeParams
     if (khi < klo) khi = klo;
   }
 
-  // Q^T as the B operand: the lane holds query row g of each n-tile, dims 2t, 2t+1 (and +8).
+  // Q^T as the B operand: the lane holds query row g of each n-tile, dims 2t, 2t+1 (and +8) of
+  // each k-step; with an 8-bit cache the k-step's dims are permuted as the K codes arrive (below):
+  // b0 = dims 4t, 4t+1 and b1 = dims 4t+2, 4t+3 of the step's 16.
   uint32_t qb[NT][kKD][2];
   const auto* q16 = static_cast<const uint16_t*>(p.q);
+  float qmax = 0.0f;  // 8-bit caches with bf16 q: max |q| of the CTA, for the f16 range
 #pragma unroll
   for (int nt = 0; nt < NT; ++nt) {
     const int rr = w.rb * ROWS + nt * 8 + g;
@@ -131,11 +158,33 @@ __global__ void __launch_bounds__(kThreads) decode_mma_kernel(const DecodeParams
     for (int kk = 0; kk < kKD; ++kk)
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
-        const int col = kk * 16 + half * 8 + 2 * t4;
+        const int col = k8 ? kk * 16 + 4 * t4 + 2 * half : kk * 16 + half * 8 + 2 * t4;
         uint32_t bits = 0;
         if (ok) bits = static_cast<uint32_t>(q16[qoff + col]) | static_cast<uint32_t>(q16[qoff + col + 1]) << 16;
         qb[nt][kk][half] = bits;
+        if (k8 && p.dtype == DType::bf16)
+          qmax = fmaxf(qmax, fmaxf(fabsf(__uint_as_float(bits << 16)), fabsf(__uint_as_float(bits & 0xffff0000u))));
       }
+  }
+  // bf16 q on the f16 mma: q * 2^-s with the CTA's max |q| below 2^14 (a power of two: exact;
+  // elements below 2^-24 of the range flush, far under bf16's own rounding), 2^s back in the scale.
+  float qscale = 1.0f;
+  if constexpr (k8) {
+    if (p.dtype == DType::bf16) {
+#pragma unroll
+      for (int off = 16; off > 0; off >>= 1) qmax = fmaxf(qmax, __shfl_xor_sync(0xffffffffu, qmax, off));
+      if (qmax > 16384.0f) qscale = exp2f(-ceilf(log2f(qmax * (1.0f / 16384.0f))));
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+        for (int kk = 0; kk < kKD; ++kk)
+#pragma unroll
+          for (int half = 0; half < 2; ++half) {
+            const uint32_t b = qb[nt][kk][half];
+            qb[nt][kk][half] = ptx::pack2<__half>(__uint_as_float(b << 16) * qscale,
+                                                  __uint_as_float(b & 0xffff0000u) * qscale);
+          }
+    }
   }
   // The rows this lane holds in the C layouts of S^T and O^T: 2t + e of each n-tile.
   bool valid[NT][2];
@@ -216,8 +265,9 @@ __global__ void __launch_bounds__(kThreads) decode_mma_kernel(const DecodeParams
 
   // ldmatrix lane offsets within a stage: K as the A operand of S^T (keys 0-7 | 8-15, dims +0 |
   // +8), V through .trans as the A operand of O^T (dims +0 | +8, keys 0-7 | 8-15).
+  // 8-bit: K and V both by plain ldmatrix (16 keys x two 16-byte chunks per x4, as K).
   const int k_lane = (warp * 16 + (lane & 15)) * Tr::kPitch + (lane >> 4) * 16;
-  const int v_lane = (warp * 16 + (lane & 7) + ((lane >> 4) << 3)) * Tr::kPitch + ((lane >> 3) & 1) * 16;
+  const int v_lane = k8 ? k_lane : (warp * 16 + (lane & 7) + ((lane >> 4) << 3)) * Tr::kPitch + ((lane >> 3) & 1) * 16;
 
   float o[NT][kKD][4];  // O^T: m-tile mt holds dims mt * 16 + g (c0, c1) and + 8 (c2, c3)
 #pragma unroll
@@ -230,7 +280,7 @@ __global__ void __launch_bounds__(kThreads) decode_mma_kernel(const DecodeParams
 #pragma unroll
   for (int nt = 0; nt < NT; ++nt) m[nt][0] = m[nt][1] = ninf(), l[nt][0] = l[nt][1] = 0.0f;
   int bad = 0;  // bit r: row r of the block saw a NaN or +inf score
-  const float smul = p.scale * kLog2e;
+  const float smul = p.scale * kLog2e * (k8 && p.k_scale ? p.k_scale[w.hk] : 1.0f) / qscale;
   const float cap = p.softcap * kLog2e, inv_cap = p.softcap > 0.0f ? 1.0f / cap : 0.0f;
 
   if (paged) {  // the entries of the first STAGES - 1 tiles, before their rows are issued
@@ -266,8 +316,19 @@ __global__ void __launch_bounds__(kThreads) decode_mma_kernel(const DecodeParams
 #pragma unroll
     for (int kk = 0; kk < kKD; kk += 2) {
       uint32_t a[4], b[4];
-      ptx::ldmatrix_x4(a, k_addr + kk * 32);
-      ptx::ldmatrix_x4(b, k_addr + kk * 32 + 32);
+      if constexpr (k8) {
+        // One x4: chunks kk, kk + 1 (16 dims each) of keys 0-7 / 8-15: the lane holds 4 codes
+        // (dims 4t..4t+3) per (key, chunk); lo / hi halves become a0 / a2 (a1 / a3 for key g+8).
+        uint32_t c[4];
+        ptx::ldmatrix_x4(c, k_addr + kk * 16);
+        a[0] = code2_to_f16x2<CT>(c[0]), a[2] = code2_to_f16x2<CT>(c[0] >> 16);
+        a[1] = code2_to_f16x2<CT>(c[1]), a[3] = code2_to_f16x2<CT>(c[1] >> 16);
+        b[0] = code2_to_f16x2<CT>(c[2]), b[2] = code2_to_f16x2<CT>(c[2] >> 16);
+        b[1] = code2_to_f16x2<CT>(c[3]), b[3] = code2_to_f16x2<CT>(c[3] >> 16);
+      } else {
+        ptx::ldmatrix_x4(a, k_addr + kk * 32);
+        ptx::ldmatrix_x4(b, k_addr + kk * 32 + 32);
+      }
 #pragma unroll
       for (int nt = 0; nt < NT; ++nt) {
         ptx::mma_m16n8k16<T>(s[nt], a, qb[nt][kk][0], qb[nt][kk][1]);
@@ -340,14 +401,38 @@ __global__ void __launch_bounds__(kThreads) decode_mma_kernel(const DecodeParams
       }
 
     // O^T += V^T P^T.
+    if constexpr (k8) {
+      // One x4: chunks mt, mt + 1 of keys 0-7 / 8-15, (key; 4 dims) per lane. Converted, each
+      // half is an 8x8 (keys x dim pairs) tile; movmatrix.trans gives (dim; keys 2t, 2t+1), the A
+      // layout, with the m-tile's rows in the order g -> 4 (g / 2) + g % 2 (+2 for rows g + 8).
 #pragma unroll
-    for (int mt = 0; mt < kKD; ++mt) {
-      uint32_t a[4];
-      ptx::ldmatrix_x4_trans(a, v_addr + mt * 32);
+      for (int mt = 0; mt < kKD; mt += 2) {
+        uint32_t c[4];
+        ptx::ldmatrix_x4(c, v_addr + mt * 16);
 #pragma unroll
-      for (int nt = 0; nt < NT; ++nt) {
-        ptx::mma_m16n8k16<T>(o[nt][mt], a, ph[nt][0], ph[nt][1]);
-        ptx::mma_m16n8k16<T>(o[nt][mt], a, pl[nt][0], pl[nt][1]);
+        for (int u = 0; u < 2; ++u) {
+          uint32_t a[4];
+          a[0] = ptx::movmatrix_trans(code2_to_f16x2<CT>(c[2 * u]));
+          a[1] = ptx::movmatrix_trans(code2_to_f16x2<CT>(c[2 * u] >> 16));
+          a[2] = ptx::movmatrix_trans(code2_to_f16x2<CT>(c[2 * u + 1]));
+          a[3] = ptx::movmatrix_trans(code2_to_f16x2<CT>(c[2 * u + 1] >> 16));
+#pragma unroll
+          for (int nt = 0; nt < NT; ++nt) {
+            ptx::mma_m16n8k16<T>(o[nt][mt + u], a, ph[nt][0], ph[nt][1]);
+            ptx::mma_m16n8k16<T>(o[nt][mt + u], a, pl[nt][0], pl[nt][1]);
+          }
+        }
+      }
+    } else {
+#pragma unroll
+      for (int mt = 0; mt < kKD; ++mt) {
+        uint32_t a[4];
+        ptx::ldmatrix_x4_trans(a, v_addr + mt * 32);
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) {
+          ptx::mma_m16n8k16<T>(o[nt][mt], a, ph[nt][0], ph[nt][1]);
+          ptx::mma_m16n8k16<T>(o[nt][mt], a, pl[nt][0], pl[nt][1]);
+        }
       }
     }
   }
@@ -384,21 +469,23 @@ __global__ void __launch_bounds__(kThreads) decode_mma_kernel(const DecodeParams
     for (int e = 0; e < 2; ++e) {
       const int r = nt * 8 + 2 * t4 + e;
       const float f = m[nt][e] > ninf() ? ptx::exp2_approx(m[nt][e] - row_m[r]) : 0.0f;
-      float* dst = red + (warp * ROWS + r) * D + g;
+      // O^T rows of m-tile mt: dims mt * 16 + g and + 8 (8-bit: + 4 (g / 2) + g % 2, and + 2).
+      const int d0 = k8 ? 4 * (g >> 1) + (g & 1) : g, d1 = k8 ? d0 + 2 : g + 8;
+      float* dst = red + (warp * ROWS + r) * D;
 #pragma unroll
       for (int mt = 0; mt < kKD; ++mt) {
-        dst[mt * 16] = o[nt][mt][e] * f;
-        dst[mt * 16 + 8] = o[nt][mt][2 + e] * f;
+        dst[mt * 16 + d0] = o[nt][mt][e] * f;
+        dst[mt * 16 + d1] = o[nt][mt][2 + e] * f;
       }
     }
   __syncthreads();
   write_outputs<ROWS>(p, w, 4, D, red, row_m, row_l, row_bad);
 }
 
-template <typename T, int D, int NT>
+template <typename T, typename CT, int D, int NT>
 void launch(const DecodeParams& p, int64_t grid, cudaStream_t stream, bool pdl) {
-  auto* kernel = &decode_mma_kernel<T, D, NT>;
-  constexpr int smem = MmaTraits<D>::kSmem;
+  auto* kernel = &decode_mma_kernel<T, CT, D, NT>;
+  constexpr int smem = MmaTraits<D, std::is_same_v<CT, T> ? 2 : 1>::kSmem;
   static_assert(smem >= 4 * 8 * NT * D * 4, "the warp merge reuses [4][ROWS][D] fp32 of the ring");
   static std::atomic<uint64_t> done{0};  // cudaFuncSetAttribute once per device (not under capture)
   int dev = 0;
@@ -414,34 +501,37 @@ void launch(const DecodeParams& p, int64_t grid, cudaStream_t stream, bool pdl) 
 }  // namespace
 
 bool mma_decode_supported(DType dtype, DType cache, int64_t d, int64_t dv, int64_t seqlen_q, bool masked) {
-  return (dtype == DType::bf16 || dtype == DType::f16) && cache == dtype && d == dv &&
-         (d == 64 || d == 128 || d == 256) && (seqlen_q == 1 || !masked);
+  const bool cache_ok = cache == dtype || cache == DType::f8e4m3 || cache == DType::i8;
+  return (dtype == DType::bf16 || dtype == DType::f16) && cache_ok && d == dv && (d == 64 || d == 128 || d == 256) &&
+         (seqlen_q == 1 || !masked);
 }
 
 int mma_rows_per_cta(int64_t rows_per_group, int64_t head_dim) {
   return rows_per_group > 8 && head_dim <= 128 ? 16 : 8;
 }
 
-void launch_decode_mma(const DecodeParams& p, int64_t grid, cudaStream_t stream, bool pdl) {
-  const bool bf = p.dtype == DType::bf16;
+namespace {
+// One (q / mma type, cache type): the head dim and n-tile switch.
+template <typename T, typename CT>
+void launch_dims(const DecodeParams& p, int64_t grid, cudaStream_t stream, bool pdl) {
   const bool two = mma_rows_per_cta(p.rows, p.d) == 16;
   switch (p.d) {
-    case 64:
-      if (two)
-        bf ? launch<__nv_bfloat16, 64, 2>(p, grid, stream, pdl) : launch<__half, 64, 2>(p, grid, stream, pdl);
-      else
-        bf ? launch<__nv_bfloat16, 64, 1>(p, grid, stream, pdl) : launch<__half, 64, 1>(p, grid, stream, pdl);
-      break;
-    case 128:
-      if (two)
-        bf ? launch<__nv_bfloat16, 128, 2>(p, grid, stream, pdl) : launch<__half, 128, 2>(p, grid, stream, pdl);
-      else
-        bf ? launch<__nv_bfloat16, 128, 1>(p, grid, stream, pdl) : launch<__half, 128, 1>(p, grid, stream, pdl);
-      break;
-    case 256:
-      bf ? launch<__nv_bfloat16, 256, 1>(p, grid, stream, pdl) : launch<__half, 256, 1>(p, grid, stream, pdl);
-      break;
+    case 64: two ? launch<T, CT, 64, 2>(p, grid, stream, pdl) : launch<T, CT, 64, 1>(p, grid, stream, pdl); break;
+    case 128: two ? launch<T, CT, 128, 2>(p, grid, stream, pdl) : launch<T, CT, 128, 1>(p, grid, stream, pdl); break;
+    case 256: launch<T, CT, 256, 1>(p, grid, stream, pdl); break;
     default: throw Error("q", "ioattn: the mma decode kernel has no head_dim " + std::to_string(p.d));
   }
 }
+}  // namespace
+
+void launch_decode_mma(const DecodeParams& p, DType cache, int64_t grid, cudaStream_t stream, bool pdl) {
+  switch (cache) {
+    case DType::bf16: launch_dims<__nv_bfloat16, __nv_bfloat16>(p, grid, stream, pdl); break;
+    case DType::f16: launch_dims<__half, __half>(p, grid, stream, pdl); break;
+    case DType::f8e4m3: launch_dims<__half, E4m3>(p, grid, stream, pdl); break;
+    case DType::i8: launch_dims<__half, int8_t>(p, grid, stream, pdl); break;
+    default: throw Error("cache.k_cache.dtype", "ioattn: the mma decode kernel takes bf16/f16/f8e4m3/i8 caches");
+  }
+}
+
 }  // namespace ioattn::cuda::serving
