@@ -63,16 +63,12 @@ IOATTN_SM90_V3_EXTERN(Hdim128Bf16, false)
 IOATTN_SM90_V3_EXTERN(Hdim128F16, false)
 IOATTN_SM90_V3_EXTERN(Hdim128Bf16Causal, true)
 IOATTN_SM90_V3_EXTERN(Hdim128F16Causal, true)
+using Fp8Hdim128Bf16 = Fp8Traits128<__nv_bfloat16>;
+using Fp8Hdim128F16 = Fp8Traits128<__half>;
 IOATTN_SM90_FP8_EXTERN(Fp8Hdim128Bf16, false)
 IOATTN_SM90_FP8_EXTERN(Fp8Hdim128Bf16, true)
 IOATTN_SM90_FP8_EXTERN(Fp8Hdim128F16, false)
 IOATTN_SM90_FP8_EXTERN(Fp8Hdim128F16, true)
-IOATTN_SM90_FP8_EXTERN(Fp8Hdim128Bf16Poly2, false)
-IOATTN_SM90_FP8_EXTERN(Fp8Hdim128Bf16Poly2, true)
-IOATTN_SM90_FP8_EXTERN(Fp8Hdim128Bf16Poly3, false)
-IOATTN_SM90_FP8_EXTERN(Fp8Hdim128Bf16Poly3, true)
-IOATTN_SM90_FP8_EXTERN(Fp8Hdim128Bf16Poly4, false)
-IOATTN_SM90_FP8_EXTERN(Fp8Hdim128Bf16Poly4, true)
 
 namespace {
 
@@ -144,20 +140,8 @@ Fp8Row make_fp8_row() {
 }
 Fp8Row fp8_table_row(const FwdProblem& p) {
   if (p.head_dim != 128) return Fp8Row{};
-  if (p.fp8_out == DType::bf16) {
-    // IOATTN_SM90_FP8_POLY=2|3|4: the FMA-pipe exp2 share candidates (every n-th group of 8).
-    static const int poly = [] {
-      const char* e = std::getenv("IOATTN_SM90_FP8_POLY");
-      return e ? std::atoi(e) : 0;
-    }();
-    switch (poly) {
-      case 2: return p.causal ? make_fp8_row<Fp8Hdim128Bf16Poly2, true>() : make_fp8_row<Fp8Hdim128Bf16Poly2, false>();
-      case 3: return p.causal ? make_fp8_row<Fp8Hdim128Bf16Poly3, true>() : make_fp8_row<Fp8Hdim128Bf16Poly3, false>();
-      case 4: return p.causal ? make_fp8_row<Fp8Hdim128Bf16Poly4, true>() : make_fp8_row<Fp8Hdim128Bf16Poly4, false>();
-      default: break;
-    }
+  if (p.fp8_out == DType::bf16)
     return p.causal ? make_fp8_row<Fp8Hdim128Bf16, true>() : make_fp8_row<Fp8Hdim128Bf16, false>();
-  }
   if (p.fp8_out == DType::f16)
     return p.causal ? make_fp8_row<Fp8Hdim128F16, true>() : make_fp8_row<Fp8Hdim128F16, false>();
   return Fp8Row{};

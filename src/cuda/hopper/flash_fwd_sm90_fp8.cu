@@ -41,16 +41,11 @@ void fp8_transpose_v_launch(const Fp8TransposeArgs& a, int64_t batch, cudaStream
   IOATTN_CUDA_CHECK_LAUNCH("fp8_transpose_v");
 }
 
+using Fp8Hdim128Bf16 = Fp8Traits128<__nv_bfloat16>;
+using Fp8Hdim128F16 = Fp8Traits128<__half>;
 IOATTN_SM90_FP8_INSTANTIATE(Fp8Hdim128Bf16, false)
 IOATTN_SM90_FP8_INSTANTIATE(Fp8Hdim128Bf16, true)
 IOATTN_SM90_FP8_INSTANTIATE(Fp8Hdim128F16, false)
 IOATTN_SM90_FP8_INSTANTIATE(Fp8Hdim128F16, true)
-// Candidates for the FMA-pipe exp2 share (IOATTN_SM90_FP8_POLY=2|3|4; bf16 O), pending an H200 A/B.
-IOATTN_SM90_FP8_INSTANTIATE(Fp8Hdim128Bf16Poly2, false)
-IOATTN_SM90_FP8_INSTANTIATE(Fp8Hdim128Bf16Poly2, true)
-IOATTN_SM90_FP8_INSTANTIATE(Fp8Hdim128Bf16Poly3, false)
-IOATTN_SM90_FP8_INSTANTIATE(Fp8Hdim128Bf16Poly3, true)
-IOATTN_SM90_FP8_INSTANTIATE(Fp8Hdim128Bf16Poly4, false)
-IOATTN_SM90_FP8_INSTANTIATE(Fp8Hdim128Bf16Poly4, true)
 
 }  // namespace ioattn::cuda::sm90

@@ -27,7 +27,6 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
-#include <type_traits>
 
 #include "cuda/check.cuh"
 #include "cuda/hopper/flash_fwd_sm90.cuh"
@@ -45,13 +44,10 @@ struct Fp8Params {
   int64_t qd_batch = 0, qd_head = 0, kd_batch = 0, kd_head = 0, vd_batch = 0, vd_head = 0;
 };
 
-// Tiling of the fp8 kernel. Out: the O dtype (__nv_bfloat16 or __half). kPolyEvery: every
-// kPolyEvery-th group of 8 scores per row takes its exp2 on the FMA pipe (exp2_poly3) on unmasked
-// blocks (0: none): at the fp8 GEMM rate the MUFU unit (16 ex2 / clk / SM) is the bottleneck.
-template <int kHeadDim_, int kBlockN_, int kStages_, typename Out_, int kPolyEvery_ = 0>
+// Tiling of the fp8 kernel. Out: the O dtype (__nv_bfloat16 or __half).
+template <int kHeadDim_, int kBlockN_, int kStages_, typename Out_>
 struct Fp8Traits {
   using Out = Out_;
-  static constexpr int kPolyEvery = kPolyEvery_;
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kConsumerWGs = 2;
   static constexpr int kBlockM = 128;
@@ -81,13 +77,8 @@ struct Fp8Tile128 {
       "fp8 hdim128: 128x128 (S 64 + P 16 + O 64 registers), 4 stages of K + V^T (144 KB smem); "
       "wgmma k32 e4m3, V^T from a transpose pre-pass";
 };
-template <typename Out, int kPolyEvery = 0>
-using Fp8Traits128 = Fp8Traits<128, Fp8Tile128::kBlockN, Fp8Tile128::kStages, Out, kPolyEvery>;
-using Fp8Hdim128Bf16 = Fp8Traits128<__nv_bfloat16>;
-using Fp8Hdim128F16 = Fp8Traits128<__half>;
-using Fp8Hdim128Bf16Poly2 = Fp8Traits128<__nv_bfloat16, 2>;
-using Fp8Hdim128Bf16Poly3 = Fp8Traits128<__nv_bfloat16, 3>;
-using Fp8Hdim128Bf16Poly4 = Fp8Traits128<__nv_bfloat16, 4>;
+template <typename Out>
+using Fp8Traits128 = Fp8Traits<128, Fp8Tile128::kBlockN, Fp8Tile128::kStages, Out>;
 
 template <class Tr, bool kCausal>
 __global__ void __launch_bounds__(Tr::kThreads, 1)
@@ -287,8 +278,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         auto needs_mask = [&](int n) {
           return (n + 1) * kBlockN > p.seqlen_k || (kCausal && (n + 1) * kBlockN - 1 > m0 + off);
         };
-        auto softmax = [&](auto poly_tag) {
-          constexpr bool kPoly = decltype(poly_tag)::value;  // no masked score in this block
+        auto softmax = [&]() {
           bool changed = false;
 #pragma unroll
           for (int r = 0; r < 2; ++r) {
@@ -307,11 +297,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
 #pragma unroll
               for (int e = 0; e < 2; ++e) {
                 float& x = s[4 * i + 2 * r + e];
-                const float arg = fmaf(x, scale_log2, -m_scaled);
-                if (kPoly && use_poly_exp2<Tr::kPolyEvery>(i))
-                  x = exp2_poly3(arg);
-                else
-                  x = exp2_approx(arg);
+                x = exp2_approx(fmaf(x, scale_log2, -m_scaled));
                 sum += x;
               }
             }
@@ -320,14 +306,8 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
           rescale = !p.rescale_skip || __any_sync(0xffffffffu, changed);
         };
         auto mask_and_softmax = [&](int n) {
-          if (needs_mask(n)) {
-            apply_mask(n);
-            softmax(std::false_type{});
-          } else if constexpr (Tr::kPolyEvery > 0) {
-            softmax(std::true_type{});
-          } else {
-            softmax(std::false_type{});
-          }
+          if (needs_mask(n)) apply_mask(n);
+          softmax();
         };
         auto rescale_o = [&]() {
           if (!rescale) return;
