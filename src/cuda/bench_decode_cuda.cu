@@ -168,12 +168,23 @@ void run_cell(const Cell& c, int repeats, bool eager, double mem_limit, const st
   IOATTN_CUDA_CHECK(cudaMemcpy(scales.p, sc.data(), sc.size() * 4, cudaMemcpyHostToDevice));
 
   const bool q8 = c.cache == DType::f8e4m3 || c.cache == DType::i8;
+  // IOATTN_BENCH_HEAD_MAJOR=1 (contiguous caches): the same [batch, capacity, kv heads, d] view over
+  // memory laid out [batch, kv heads, capacity, d], so each kv head's rows are one stream (a probe
+  // of the DRAM access pattern, not a layout the API prefers).
+  static const bool head_major = [] {
+    const char* e = std::getenv("IOATTN_BENCH_HEAD_MAJOR");
+    return e && std::strcmp(e, "1") == 0;
+  }();
+  auto view = [&](void* ptr) {
+    if (head_major && !paged)
+      return TensorView::strided(ptr, c.cache, {c.batch, ps, c.hkv, c.d}, {ps * c.hkv * c.d, c.d, ps * c.d, 1},
+                                 Device::cuda);
+    return TensorView::contiguous(ptr, c.cache, {paged ? pages : c.batch, ps, c.hkv, c.d}, Device::cuda);
+  };
   auto cache_of = [&](int i) {
     KVCache kv;
-    kv.k_cache = TensorView::contiguous(kc[static_cast<size_t>(i)]->p, c.cache,
-                                        {paged ? pages : c.batch, ps, c.hkv, c.d}, Device::cuda);
-    kv.v_cache = TensorView::contiguous(vc[static_cast<size_t>(i)]->p, c.cache,
-                                        {paged ? pages : c.batch, ps, c.hkv, c.d}, Device::cuda);
+    kv.k_cache = view(kc[static_cast<size_t>(i)]->p);
+    kv.v_cache = view(vc[static_cast<size_t>(i)]->p);
     if (paged) kv.block_table = TensorView::contiguous(bt.p, DType::i32, {c.batch, pages_per_seq}, Device::cuda);
     kv.cache_seqlens = TensorView::contiguous(lens.p, DType::i32, {c.batch}, Device::cuda);
     if (q8) {
