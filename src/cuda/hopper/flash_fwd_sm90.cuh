@@ -378,9 +378,14 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
 
     for (int round = 0;; ++round) {
       mbarrier_wait(&full_q, round & 1);  // this tile's index, and its Q when it has keys
-      // (Every lane reads the same value; the lane-0 broadcast states that for the compiler. With
-      // nvcc 13.0 the SASS is the same with or without it: the load is already seen as uniform.)
-      const int t = __shfl_sync(0xffffffffu, *reinterpret_cast<volatile int*>(&tile_slot), 0);
+      // Lane 0 alone reads the slot and broadcasts it: lane 0 is also the lane that arrives on
+      // empty_q, so the read is ordered before that arrival by program order even when the tile
+      // has no key block (no named barrier in between). With every lane reading, racecheck
+      // reported lanes 1-31's reads as racing the producer's next write (16 hazards, 3-WG hdim64
+      // causal), formally right: nothing ordered them before lane 0's release.
+      int slot = 0;
+      if (lane == 0) slot = *reinterpret_cast<volatile int*>(&tile_slot);
+      const int t = __shfl_sync(0xffffffffu, slot, 0);
       if (t >= p.num_tiles) break;
       const TileCoord tc = decode_tile<kCausal>(t, p);
       const int m0 = tc.m_block * kBlockM;
