@@ -83,10 +83,12 @@ std::vector<Spec> cuda_cases() {
   { Spec c = mk("hdim32_i8_f16", DType::f16); c.d = 32; c.cache = DType::i8; c.lens = {257, 31}; c.page_size = 16; v.push_back(c); }
   // The mma kernel on 8-bit caches (codes -> f16 in registers, permuted dims, bf16 q rescaled
   // into the f16 range): the benchmark's GQA 32/8 shape, 16 rows (two n-tiles) of int8, 4 tokens
-  // x 4 heads with ALiBi, and bf16 queries far beyond the f16 range.
+  // x 4 heads with ALiBi, and bf16 queries far beyond and far below the f16 range (each row is
+  // scaled by its own power of two).
   { Spec c = mk("f8_gqa32_8_bf16", DType::bf16); c.hq = 32; c.hkv = 8; c.d = 128; c.cache = DType::f8e4m3; c.lens = {1500, 9, 0}; c.page_size = 16; v.push_back(c); }
   { Spec c = mk("i8_group16_f16", DType::f16); c.hq = 32; c.hkv = 2; c.d = 64; c.cache = DType::i8; c.lens = {700, 3}; v.push_back(c); }
   { Spec c = mk("f8_sq4_alibi_f16", DType::f16); c.hq = 8; c.hkv = 2; c.sq = 4; c.d = 128; c.cache = DType::f8e4m3; c.alibi = true; c.lens = {600, 4}; c.page_size = 64; v.push_back(c); }
+  { Spec c = mk("f8_tinyq_bf16", DType::bf16); c.hq = 8; c.hkv = 2; c.d = 64; c.cache = DType::f8e4m3; c.q_range = 1e-6f; c.scale = 0.1f / (1e-6f * 1e-6f); c.lens = {300, 17}; v.push_back(c); }
   { Spec c = mk("f8_bigq_bf16", DType::bf16); c.hq = 8; c.hkv = 2; c.d = 128; c.cache = DType::f8e4m3; c.q_range = 40000.0f; c.scale = 0.1f / (40000.0f * 40000.0f); c.lens = {300, 17}; c.page_size = 16; v.push_back(c); }
   // The mma kernel: 16 rows of 4 tokens x 4 heads without a mask, ALiBi with one token, f16 hdim 256.
   { Spec c = mk("sq4_nomask_f16", DType::f16); c.hq = 8; c.hkv = 2; c.sq = 4; c.d = 128; c.lens = {600, 4, 0}; c.page_size = 16; v.push_back(c); }

@@ -147,9 +147,10 @@ __global__ void __launch_bounds__(kThreads) decode_mma_kernel(const DecodeParams
   // b0 = dims 4t, 4t+1 and b1 = dims 4t+2, 4t+3 of the step's 16.
   uint32_t qb[NT][kKD][2];
   const auto* q16 = static_cast<const uint16_t*>(p.q);
-  float qmax = 0.0f;  // 8-bit caches with bf16 q: max |q| of the CTA, for the f16 range
+  float qmax[NT];  // 8-bit caches with bf16 q: this lane's max finite |q| of row g, per n-tile
 #pragma unroll
   for (int nt = 0; nt < NT; ++nt) {
+    qmax[nt] = 0.0f;
     const int rr = w.rb * ROWS + nt * 8 + g;
     const bool ok = rr < p.rows;
     const int hh = ok ? rr / sq : 0, i = ok ? rr % sq : 0, h = w.hk * p.group + hh;
@@ -162,28 +163,41 @@ __global__ void __launch_bounds__(kThreads) decode_mma_kernel(const DecodeParams
         uint32_t bits = 0;
         if (ok) bits = static_cast<uint32_t>(q16[qoff + col]) | static_cast<uint32_t>(q16[qoff + col + 1]) << 16;
         qb[nt][kk][half] = bits;
-        if (k8 && p.dtype == DType::bf16)
-          qmax = fmaxf(qmax, fmaxf(fabsf(__uint_as_float(bits << 16)), fabsf(__uint_as_float(bits & 0xffff0000u))));
+        if (k8 && p.dtype == DType::bf16) {
+          const float lo = fabsf(__uint_as_float(bits << 16)), hi = fabsf(__uint_as_float(bits & 0xffff0000u));
+          qmax[nt] = fmaxf(qmax[nt], fmaxf(lo < INFINITY ? lo : 0.0f, hi < INFINITY ? hi : 0.0f));  // inf, NaN: 0
+        }
       }
   }
-  // bf16 q on the f16 mma: q * 2^-s with the CTA's max |q| below 2^14 (a power of two: exact;
-  // elements below 2^-24 of the range flush, far under bf16's own rounding), 2^s back in the scale.
-  float qscale = 1.0f;
+  // bf16 q on the f16 mma: each row times 2^-s, its max finite |q| then in [2^13, 2^14) (a power
+  // of two: exact; elements below 2^-24 of the row's largest flush, far under bf16's own rounding;
+  // inf and NaN stay what they are and poison their row as on the CPU), and 2^s back in that row's
+  // score scale: rscale[nt][e] for the rows 2t + e this lane holds in the C layout.
+  float rscale[NT][2];
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt) rscale[nt][0] = rscale[nt][1] = 1.0f;  // 16-bit caches, f16 q
   if constexpr (k8) {
     if (p.dtype == DType::bf16) {
 #pragma unroll
-      for (int off = 16; off > 0; off >>= 1) qmax = fmaxf(qmax, __shfl_xor_sync(0xffffffffu, qmax, off));
-      if (qmax > 16384.0f) qscale = exp2f(-ceilf(log2f(qmax * (1.0f / 16384.0f))));
-#pragma unroll
-      for (int nt = 0; nt < NT; ++nt)
+      for (int nt = 0; nt < NT; ++nt) {
+        float m = qmax[nt];  // over the 4 lanes that hold row g
+        m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
+        m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
+        // s = floor(log2 m) - 13 from the exponent bits, so 2^13 <= m * 2^-s < 2^14: large rows
+        // scaled into f16's range, small ones up out of its subnormals; clamped so 2^+-s stay
+        // normal (an all-zero or subnormal row: s = -100, harmless).
+        const int sh = min(114, max(-100, ((__float_as_int(m) >> 23) & 0xff) - 127 - 13));
+        const float qs = __int_as_float((127 - sh) << 23);
 #pragma unroll
         for (int kk = 0; kk < kKD; ++kk)
 #pragma unroll
           for (int half = 0; half < 2; ++half) {
             const uint32_t b = qb[nt][kk][half];
-            qb[nt][kk][half] = ptx::pack2<__half>(__uint_as_float(b << 16) * qscale,
-                                                  __uint_as_float(b & 0xffff0000u) * qscale);
+            qb[nt][kk][half] = ptx::pack2<__half>(__uint_as_float(b << 16) * qs, __uint_as_float(b & 0xffff0000u) * qs);
           }
+#pragma unroll
+        for (int e = 0; e < 2; ++e) rscale[nt][e] = __int_as_float((127 + __shfl_sync(0xffffffffu, sh, 4 * (2 * t4 + e))) << 23);
+      }
     }
   }
   // The rows this lane holds in the C layouts of S^T and O^T: 2t + e of each n-tile.
@@ -280,7 +294,13 @@ __global__ void __launch_bounds__(kThreads) decode_mma_kernel(const DecodeParams
 #pragma unroll
   for (int nt = 0; nt < NT; ++nt) m[nt][0] = m[nt][1] = ninf(), l[nt][0] = l[nt][1] = 0.0f;
   int bad = 0;  // bit r: row r of the block saw a NaN or +inf score
-  const float smul = p.scale * kLog2e * (k8 && p.k_scale ? p.k_scale[w.hk] : 1.0f) / qscale;
+  // Score scale per (n-tile, row 2t + e): scale, log2(e), k_scale (8-bit caches), 2^s (bf16 q).
+  float smul[NT][2];
+  {
+    const float base = p.scale * kLog2e * (k8 && p.k_scale ? p.k_scale[w.hk] : 1.0f);
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) smul[nt][0] = base * rscale[nt][0], smul[nt][1] = base * rscale[nt][1];
+  }
   const float cap = p.softcap * kLog2e, inv_cap = p.softcap > 0.0f ? 1.0f / cap : 0.0f;
 
   if (paged) {  // the entries of the first STAGES - 1 tiles, before their rows are issued
@@ -350,7 +370,7 @@ __global__ void __launch_bounds__(kThreads) decode_mma_kernel(const DecodeParams
         float mx = ninf();
 #pragma unroll
         for (int kh = 0; kh < 2; ++kh) {
-          float x = s[nt][2 * kh + e] * smul;
+          float x = s[nt][2 * kh + e] * smul[nt][e];
           if (inv_cap > 0.0f) x = cap * tanhf(x * inv_cap);
           if (p.alibi) x = fmaf(-slope[nt][e], fabsf(diag[nt][e] - static_cast<float>(key0 + 8 * kh)), x);
           const bool vis = valid[nt][e] && key0 + 8 * kh < khi;
