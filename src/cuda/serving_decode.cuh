@@ -1,8 +1,10 @@
 // serving_decode.cuh — what the two CUDA decode kernels share (serving_decode.cu: fp32 FMA, any
-// dtype; serving_decode_mma.cu: mma.sync, bf16/f16): the launch parameters, the work item of a CTA
-// and its key range (decode_split_range on the device), the cp.async tile loader through the page
-// table, and the end of a CTA: merging its key groups exactly and writing O / LSE or the split's
-// partial. The file comment of serving_decode.cu describes the algorithm.
+// dtype; serving_decode_mma.cu: mma.sync, bf16/f16 q over 16-bit or 8-bit caches): the launch
+// parameters, the work item of a CTA and its key range (decode_split_range on the device), and the
+// end of a CTA: merging its key groups exactly and writing O / LSE or the split's partial; plus the
+// FMA kernel's cp.async tile loader through the page table (the mma kernel has a leaner one of its
+// own: (page, slot) per key prefetched into shared memory). The file comment of serving_decode.cu
+// describes the algorithm.
 #pragma once
 
 #include <cuda_runtime.h>
