@@ -5,21 +5,31 @@
 // seqlen_q + i), attention over the cache's first cache_seqlens[b] tokens with ioattn's masks and
 // score modifiers (include/ioattn/ioattn.hpp), fp32 accumulation, O in q's dtype, LSE in fp32.
 //
-// Work partition. A task is (sequence b, kv head hk, split s). The g = heads_q / heads_kv query
-// heads of kv head hk times the seqlen_q rows form R = g * seqlen_q "query rows" r = hh *
-// seqlen_q + i that are processed together (GQA packing), so every K/V row is read from the cache
-// and dequantised once per task and reused by all R rows. The keys the sequence's rows can see
-// at all (a contiguous range: the union of the rows' mask windows) are cut into num_splits equal
-// chunks (decode_split_range); the tasks run in parallel (OpenMP, dynamic schedule).
+// Work partition. The g = heads_q / heads_kv query heads of a kv head times the seqlen_q rows
+// form R = g * seqlen_q "query rows" r = hh * seqlen_q + i that are processed together (GQA
+// packing), so every K/V row is read from the cache and dequantised once and reused by all R
+// rows. The keys the sequence's rows can see at all (a contiguous range: the union of the rows'
+// mask windows) are cut into num_splits equal chunks (decode_split_range). A task is (sequence b,
+// a range of kv heads [hk0, hk1), split s): all kv heads of the sequence where their rows fit
+// (kMaxTaskRows) and there are at least 2 tasks per thread, fewer heads per task otherwise. With
+// the usual cache layout [pages, page_size, kv_heads, d] a token's rows of all kv heads are
+// adjacent, so a task reads one contiguous stream (per page) instead of one 256-byte row per
+// 2 KiB. Which heads share a task changes no result: each (head, split) is computed the same way.
+// The tasks run in parallel (OpenMP, dynamic schedule).
 //
-// One task, per block of kBlockKeys keys:
-//   K_blk (Bc, dp)  = the block's K rows converted to fp32 (8-bit: raw codes; the per-head k_scale
-//                     is folded into the pre-scaled Q rows instead)
-//   S (R, Bc)       = Q (R, dp) . K_blk^T          four keys per pass share each Q vector load
+// One task, per block of kBlockKeys keys (no fp32 copy of K or V is ever stored: cache rows are
+// converted to fp32 in registers as they are loaded, LoadCvt; 8-bit: raw codes, the per-head
+// k_scale folded into the pre-scaled Q rows, v_scale into the final O):
+//   S (R, Bc)      = Q (R, dp) . K^T    4 keys at a time, token by token across the task's heads;
+//                                       tiles of up to 4 rows x 4 keys share each converted K
+//                                       vector and each Q load; one transpose-add tree per tile
 //   softcap, ALiBi, mask (select -inf, so a masked NaN key never reaches P), online softmax per
 //   row (running max m, sum l, rescale of the accumulator when the max grows)
-//   V_blk (Bc, dvp) = the block's V rows in fp32
-//   Acc (R, dvp)   += P (R, Bc) . V_blk             keys with P == 0 are skipped (0 * NaN safety)
+//   Acc (R, dvp)  += P (R, Bc) . V      8 keys at a time across the heads, tiles of up to 4 rows
+//                                       x 64 columns; keys with P == 0 are skipped per row (0 * NaN
+//                                       safety; one shared pass where every row of the tile has P != 0)
+// A steady software prefetch runs kPrefetchTokens tokens (all the task's heads) ahead of the
+// token being consumed, K in the score pass and V in the P.V pass, across block edges.
 // With one split the task finishes the rows itself (sinks, v_scale, 1/l) into O and LSE. With
 // more, it writes a partial (O_s normalised, LSE_s) in fp32 to the workspace and a second
 // parallel pass merges the splits of each row exactly: M = max(LSE_s, sink), O = sum_s
@@ -35,8 +45,13 @@
 // every row works on any target.
 //
 // History:
-//  1. This version: GQA-packed split-KV tasks, fp32 partials in the caller's workspace,
-//     f8e4m3 / i8 dequantised on load with the scale folded into Q / O.
+//  1. GQA-packed split-KV tasks (one kv head each), fp32 partials in the caller's workspace,
+//     f8e4m3 / i8 dequantised on load with the scale folded into Q / O; K and V blocks converted
+//     to fp32 scratch, burst prefetch of the next block (23-70% of stream_read at long KV).
+//  2. This version: tasks over all kv heads of a sequence (contiguous streams), K / V converted in
+//     registers inside the score and P.V loops (no fp32 scratch), 4 x 4 score tiles, steady
+//     prefetch; f8e4m3 through f16 (value * 2^-8, the 2^8 folded into the scales). 90-104% of
+//     stream_read for f32 / bf16 caches at long KV, 35-68% for 8-bit (docs/PERF.md).
 #ifndef IOATTN_CPU_SERVING_CPU_SHARED_
 #define IOATTN_CPU_SERVING_CPU_SHARED_
 
@@ -61,21 +76,28 @@
 namespace ioattn::detail::serving {
 
 // ---- tile constants: should not affect results beyond fp32 rounding, only speed ----------
-// 64 keys per block: the fp32 K and V blocks (64 x 128 x 4 B = 32 KiB each) stay in L1/L2 while
-// all R rows use them. Rows are padded to 16 floats (one AVX-512 vector, four SSE vectors), so
-// the SIMD loops have no tails; pads are written as zeros.
+// 64 keys per block (the online-softmax step; a key bit mask per row fits a uint64). Q and
+// accumulator rows are padded to 16 floats (one AVX-512 vector, four SSE vectors), so those
+// loops have no tails; pads are written as zeros. Cache rows are not padded: a row tail (head
+// dims not a multiple of the vector) is read element by element (LoadCvtN).
 constexpr int64_t kBlockKeys = 64;
 constexpr int64_t kPadFloats = 16;
+
+// A task covers up to this many query rows (kv heads x R): all kv heads of a sequence where
+// they fit, so a thread reads each token's K (V) rows of all heads as one contiguous stream.
+constexpr int64_t kMaxTaskRows = 64;
+inline int64_t max_heads_per_task(int64_t heads_kv, int64_t rows_per_group) {
+  return std::max<int64_t>(1, std::min<int64_t>(heads_kv, kMaxTaskRows / std::max<int64_t>(1, rows_per_group)));
+}
 
 inline int64_t pad_floats(int64_t n) { return (n + kPadFloats - 1) / kPadFloats * kPadFloats; }
 inline size_t align_bytes(size_t n) { return (n + kWorkspaceAlign - 1) / kWorkspaceAlign * kWorkspaceAlign; }
 
-// One thread's scratch inside the workspace (byte offsets from the slot start).
+// One thread's scratch inside the workspace (byte offsets from the slot start). R here: the
+// task's query rows (its kv heads x rows per kv head).
 struct ScratchLayout {
   size_t qf = 0;    // (R, dp)   Q rows in fp32, pre-multiplied by scale * k_scale
   size_t s = 0;     // (R, Bc)   scores, then P
-  size_t kb = 0;    // (Bc, dp)  K block in fp32
-  size_t vb = 0;    // (Bc, dvp) V block in fp32
   size_t acc = 0;   // (R, dvp)  O accumulators (unnormalised)
   size_t m = 0;     // (R)       running max
   size_t l = 0;     // (R)       running sum relative to m
@@ -83,6 +105,10 @@ struct ScratchLayout {
   size_t act = 0;   // (R)       non-zero: the row has P > 0 somewhere in the current block
   size_t lo = 0;    // (R) int64 first visible key of the row in this split
   size_t hi = 0;    // (R) int64 one past the last
+  size_t pnz = 0;   // (R) uint64 bit j: P != 0 at key j of the block
+  size_t tall = 0;  // (R) uint64 per row tile: bit j set when all its rows have P != 0 at key j
+  size_t tany = 0;  // (R) int32 per row tile: some row of the tile is active in the block
+  size_t tsee = 0;  // (R) int32 per row tile of a head: some row sees a key of the block
   size_t bytes = 0;
 };
 
@@ -98,8 +124,6 @@ inline ScratchLayout scratch_layout(int64_t rows, int64_t d, int64_t dv) {
   };
   L.qf = take(r * dp * 4);
   L.s = take(r * bc * 4);
-  L.kb = take(bc * dp * 4);
-  L.vb = take(bc * dvp * 4);
   L.acc = take(r * dvp * 4);
   L.m = take(r * 4);
   L.l = take(r * 4);
@@ -107,6 +131,10 @@ inline ScratchLayout scratch_layout(int64_t rows, int64_t d, int64_t dv) {
   L.act = take(r * 4);
   L.lo = take(r * 8);
   L.hi = take(r * 8);
+  L.pnz = take(r * 8);
+  L.tall = take(r * 8);
+  L.tany = take(r * 4);
+  L.tsee = take(r * 4);
   L.bytes = at;
   return L;
 }
@@ -134,11 +162,11 @@ inline void block_rows(const DecodeProblem& p, int64_t b, int64_t hk, int64_t t0
   }
 }
 
-// Software prefetch of one cache row into L2. Cache rows of one kv head are head_stride apart
-// (1-4 KiB), one row per 4 KiB page or so: the hardware streamers, which stop at page
-// boundaries, do not follow them, and without this the loop waits on DRAM latency per row.
+// Software prefetch of one cache row into L2. Without it the loops wait on DRAM latency per row
+// (one kv head's rows are 1-4 KiB apart; a task's rows of all heads are contiguous per token, but
+// the hardware streamers stop at 4 KiB page boundaries and run only ~20 lines ahead).
 inline void prefetch_row(const uint8_t* row, int64_t bytes) {
-  for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(row + off, 0, 2);  // prefetcht1: the next block (up to 64 KiB) outlives L1
+  for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(row + off, 0, 2);  // prefetcht1: 16 tokens x all heads ahead may not fit L1
 }
 
 inline float ninf() { return -std::numeric_limits<float>::infinity(); }
@@ -232,51 +260,256 @@ HWY_INLINE void ConvertRow(DType t, const void* src, size_t n, size_t npad, floa
   for (; x < npad; ++x) dst[x] = 0.0f;
 }
 
+// ---- cache rows converted in registers -----------------------------------------------------
+// LoadCvt<T>(row, x): elements [x, x + L) of a cache row (dtype T) in fp32, straight from the
+// cache into a register (no fp32 copy of the row is ever stored). f8e4m3 comes out as
+// value * 2^-8 (exact: a power of two, and the smallest e4m3 magnitude 2^-9 stays a normal fp32);
+// the 2^8 is folded into the Q and V scales (kE4m3Unit). On F16C targets the code goes through
+// f16: S.EEEE.MMM -> S.0EEEE.MMM0000000 is the f16 of value * 2^-8, e4m3 subnormals onto f16
+// subnormals, which VCVTPH2PS converts exactly; the NaN codes (S.1111.111) by one compare.
+// LoadCvtN: the first cnt < L elements, zeros after (row tails; never reads past the row).
+constexpr float kE4m3Unit = 256.0f;
+
+template <DType T>
+HWY_INLINE float ScalarCvt(const uint8_t* row, size_t x) {
+  if constexpr (T == DType::f32) {
+    float f;
+    std::memcpy(&f, row + 4 * x, 4);
+    return f;
+  } else if constexpr (T == DType::bf16) {
+    uint16_t u;
+    std::memcpy(&u, row + 2 * x, 2);
+    return bf16_to_float(u);
+  } else if constexpr (T == DType::f16) {
+    uint16_t u;
+    std::memcpy(&u, row + 2 * x, 2);
+    return f16_to_float(u);
+  } else if constexpr (T == DType::i8) {
+    return i8_to_float(static_cast<int8_t>(row[x]));
+  } else {
+    return e4m3_to_float(row[x]) * (1.0f / kE4m3Unit);
+  }
+}
+
+template <DType T>
+HWY_INLINE VF LoadCvtN(const uint8_t* HWY_RESTRICT row, size_t x, size_t cnt) {
+  const DF df;
+  HWY_ALIGN float buf[kPadFloats] = {};
+  for (size_t i = 0; i < cnt; ++i) buf[i] = ScalarCvt<T>(row, x + i);
+  return hn::Load(df, buf);
+}
+
+template <DType T>
+HWY_INLINE VF LoadCvt(const uint8_t* HWY_RESTRICT row, size_t x) {
+  const DF df;
+  if constexpr (T == DType::f32) {
+    return hn::LoadU(df, reinterpret_cast<const float*>(row) + x);
+  } else if constexpr (T == DType::bf16) {
+    const hn::Rebind<hwy::bfloat16_t, DF> db;
+    return hn::PromoteTo(df, hn::LoadU(db, reinterpret_cast<const hwy::bfloat16_t*>(row) + x));
+  } else if constexpr (T == DType::i8) {
+    const hn::Rebind<int8_t, DF> d8;
+    const DI di;
+    return hn::ConvertTo(df, hn::PromoteTo(di, hn::LoadU(d8, reinterpret_cast<const int8_t*>(row) + x)));
+  } else {
+#if HWY_TARGET <= HWY_AVX2  // F16C
+    const hn::Rebind<hwy::float16_t, DF> dh;
+    if constexpr (T == DType::f16) {
+      return hn::PromoteTo(df, hn::LoadU(dh, reinterpret_cast<const hwy::float16_t*>(row) + x));
+    } else {
+      const hn::Rebind<int8_t, DF> d8;
+      const hn::Rebind<int16_t, DF> d16;
+      const auto s = hn::PromoteTo(d16, hn::LoadU(d8, reinterpret_cast<const int8_t*>(row) + x));
+      // sign-extended S..S.EEEE.MMM << 7, keep bit 15 (sign) and 13..7 (magnitude)
+      auto t = hn::And(hn::ShiftLeft<7>(s), hn::Set(d16, static_cast<int16_t>(0xBF80)));
+      const auto is_nan = hn::Eq(hn::Or(t, hn::Set(d16, static_cast<int16_t>(0x8000))),
+                                 hn::Set(d16, static_cast<int16_t>(0xBF80)));
+      t = hn::IfThenElse(is_nan, hn::Set(d16, static_cast<int16_t>(0x7E00)), t);
+      return hn::PromoteTo(df, hn::BitCast(dh, t));
+    }
+#else
+    if constexpr (T == DType::f16) {
+      return LoadCvtN<T>(row, x, hn::Lanes(df));  // no F16C: the exact scalar conversion
+    } else {
+      return hn::Mul(LoadE4m3(row + x), hn::Set(df, 1.0f / kE4m3Unit));
+    }
+#endif
+  }
+}
+
 // ---- the block kernels -------------------------------------------------------------------
 
-// s[jj] = q . k_jj for keys [0, n4), n4 a multiple of 4; dp a multiple of the vector length.
-HWY_INLINE void ScoresRow(const float* HWY_RESTRICT q, const float* HWY_RESTRICT kb, size_t dp, size_t n4,
-                          float* HWY_RESTRICT s) {
+#if HWY_TARGET != HWY_SCALAR
+// Sum of the 128-bit blocks of v.
+template <class D>
+HWY_INLINE hn::Vec<hn::Full128<float>> SumBlocks(D d, hn::Vec<D> v) {
+  if constexpr (hn::MaxLanes(D()) > 4) {
+    const hn::Half<D> dh;
+    return SumBlocks(dh, hn::Add(hn::LowerHalf(dh, v), hn::UpperHalf(dh, v)));
+  } else {
+    (void)d;
+    return v;
+  }
+}
+#endif
+
+// out[k] = sum of the lanes of a_k, k < 4 (one transpose-and-add tree instead of four
+// horizontal sums).
+HWY_INLINE void Sum4(VF a0, VF a1, VF a2, VF a3, float* HWY_RESTRICT out) {
+#if HWY_TARGET == HWY_SCALAR
+  out[0] = hn::GetLane(a0);
+  out[1] = hn::GetLane(a1);
+  out[2] = hn::GetLane(a2);
+  out[3] = hn::GetLane(a3);
+#else
+  const DF df;
+  const hn::Repartition<uint64_t, DF> d64;
+  const VF u01 = hn::Add(hn::InterleaveLower(df, a0, a1), hn::InterleaveUpper(df, a0, a1));
+  const VF u23 = hn::Add(hn::InterleaveLower(df, a2, a3), hn::InterleaveUpper(df, a2, a3));
+  const auto w01 = hn::BitCast(d64, u01), w23 = hn::BitCast(d64, u23);
+  const VF w = hn::Add(hn::BitCast(df, hn::InterleaveLower(d64, w01, w23)),
+                       hn::BitCast(df, hn::InterleaveUpper(d64, w01, w23)));
+  hn::StoreU(SumBlocks(df, w), hn::Full128<float>(), out);
+#endif
+}
+
+// Row tiles: RT query rows share every converted K / V vector. 4 on AVX-512 (16 score
+// accumulators or 4 x 4 P.V accumulators of 32 registers), 2 on targets with 16 registers.
+#if HWY_TARGET <= HWY_AVX3
+constexpr int kMaxRowTile = 4;
+#else
+constexpr int kMaxRowTile = 2;
+#endif
+
+// s[r * bc + k] = q_r . K_k for the RT rows of the tile (q: stride dp, zero-padded) and the 4
+// keys' rows (dtype T, d elements each).
+template <DType T, int RT>
+HWY_INLINE void ScoresTile(const float* HWY_RESTRICT q, size_t dp, const uint8_t* const* rows, size_t d,
+                           float* HWY_RESTRICT s, size_t bc) {
   const DF df;
   const size_t L = hn::Lanes(df);
-  for (size_t jj = 0; jj < n4; jj += 4) {
-    const float* k0 = kb + jj * dp;
-    VF a0 = hn::Zero(df), a1 = hn::Zero(df), a2 = hn::Zero(df), a3 = hn::Zero(df);
-    for (size_t x = 0; x < dp; x += L) {
-      const VF qv = hn::LoadU(df, q + x);
-      a0 = hn::MulAdd(qv, hn::LoadU(df, k0 + x), a0);
-      a1 = hn::MulAdd(qv, hn::LoadU(df, k0 + dp + x), a1);
-      a2 = hn::MulAdd(qv, hn::LoadU(df, k0 + 2 * dp + x), a2);
-      a3 = hn::MulAdd(qv, hn::LoadU(df, k0 + 3 * dp + x), a3);
+  VF a[RT][4];
+  for (int r = 0; r < RT; ++r)
+    for (int k = 0; k < 4; ++k) a[r][k] = hn::Zero(df);
+  const uint8_t* const r0 = rows[0];
+  const uint8_t* const r1 = rows[1];
+  const uint8_t* const r2 = rows[2];
+  const uint8_t* const r3 = rows[3];
+  size_t x = 0;
+  for (; x + L <= d; x += L) {
+    const VF k0 = LoadCvt<T>(r0, x), k1 = LoadCvt<T>(r1, x), k2 = LoadCvt<T>(r2, x), k3 = LoadCvt<T>(r3, x);
+    for (int r = 0; r < RT; ++r) {
+      const VF qv = hn::LoadU(df, q + r * dp + x);
+      a[r][0] = hn::MulAdd(qv, k0, a[r][0]);
+      a[r][1] = hn::MulAdd(qv, k1, a[r][1]);
+      a[r][2] = hn::MulAdd(qv, k2, a[r][2]);
+      a[r][3] = hn::MulAdd(qv, k3, a[r][3]);
     }
-    s[jj] = hn::GetLane(hn::SumOfLanes(df, a0));
-    s[jj + 1] = hn::GetLane(hn::SumOfLanes(df, a1));
-    s[jj + 2] = hn::GetLane(hn::SumOfLanes(df, a2));
-    s[jj + 3] = hn::GetLane(hn::SumOfLanes(df, a3));
   }
+  if (x < d) {
+    const size_t c = d - x;
+    const VF k0 = LoadCvtN<T>(r0, x, c), k1 = LoadCvtN<T>(r1, x, c), k2 = LoadCvtN<T>(r2, x, c),
+             k3 = LoadCvtN<T>(r3, x, c);
+    for (int r = 0; r < RT; ++r) {
+      const VF qv = hn::LoadU(df, q + r * dp + x);
+      a[r][0] = hn::MulAdd(qv, k0, a[r][0]);
+      a[r][1] = hn::MulAdd(qv, k1, a[r][1]);
+      a[r][2] = hn::MulAdd(qv, k2, a[r][2]);
+      a[r][3] = hn::MulAdd(qv, k3, a[r][3]);
+    }
+  }
+  for (int r = 0; r < RT; ++r) Sum4(a[r][0], a[r][1], a[r][2], a[r][3], s + r * bc);
 }
 
-// acc[x0, x0 + NV*L) += sum_jj p[jj] * vb[jj][x0, ...), skipping p == 0 (masked keys: their V
-// may hold anything, and 0 * NaN would be NaN).
-template <int NV>
-HWY_INLINE void AccumulatePV(const float* HWY_RESTRICT p, const float* HWY_RESTRICT vb, size_t dvp, size_t n,
-                             size_t x0, float* HWY_RESTRICT acc) {
+// acc_r[x0, x0 + NV*L) += sum_jj p_r[jj] * V_jj[x0, ...) over keys jj in [0, n) for the RT rows of
+// the tile (p: stride bc; acc: stride dvp; V row jj at rows[jj] + off). Keys with P == 0 are
+// skipped per row (masked keys: their V may hold anything, and 0 * NaN would be NaN): bit jj of
+// `all` says every row of the tile is active and has P != 0 at jj (one shared FMA pass);
+// otherwise each row is checked. cnt < L: only the first cnt elements of the (single) vector.
+template <DType T, int RT, int NV>
+HWY_INLINE void PVTile(const float* HWY_RESTRICT p, size_t bc, const float* act, const uint8_t* const* rows,
+                       int64_t off, size_t n, uint64_t all, size_t x0, size_t cnt, float* HWY_RESTRICT acc,
+                       size_t dvp) {
   const DF df;
   const size_t L = hn::Lanes(df);
-  VF a[NV];
-  for (int u = 0; u < NV; ++u) a[u] = hn::LoadU(df, acc + x0 + u * L);
+  VF a[RT][NV];
+  for (int r = 0; r < RT; ++r)
+    for (int u = 0; u < NV; ++u) a[r][u] = hn::LoadU(df, acc + r * dvp + x0 + u * L);
   for (size_t jj = 0; jj < n; ++jj) {
-    if (p[jj] == 0.0f) continue;
-    const VF pv = hn::Set(df, p[jj]);
-    const float* v = vb + jj * dvp + x0;
-    for (int u = 0; u < NV; ++u) a[u] = hn::MulAdd(pv, hn::LoadU(df, v + u * L), a[u]);
+    const uint8_t* row = rows[jj] + off;
+    VF v[NV];
+    if (NV == 1 && cnt < L) {
+      v[0] = LoadCvtN<T>(row, x0, cnt);
+    } else {
+      for (int u = 0; u < NV; ++u) v[u] = LoadCvt<T>(row, x0 + u * L);
+    }
+    if ((all >> jj) & 1) {
+      for (int r = 0; r < RT; ++r) {
+        const VF pv = hn::Set(df, p[r * bc + jj]);
+        for (int u = 0; u < NV; ++u) a[r][u] = hn::MulAdd(pv, v[u], a[r][u]);
+      }
+    } else {
+      for (int r = 0; r < RT; ++r) {
+        const float pr = p[r * bc + jj];
+        if (act[r] == 0.0f || pr == 0.0f) continue;
+        const VF pv = hn::Set(df, pr);
+        for (int u = 0; u < NV; ++u) a[r][u] = hn::MulAdd(pv, v[u], a[r][u]);
+      }
+    }
   }
-  for (int u = 0; u < NV; ++u) hn::StoreU(a[u], df, acc + x0 + u * L);
+  for (int r = 0; r < RT; ++r)
+    for (int u = 0; u < NV; ++u) hn::StoreU(a[r][u], df, acc + r * dvp + x0 + u * L);
 }
 
-// ---- one task: (sequence b, kv head hk, split) ---------------------------------------------
+template <DType T, int RT>
+HWY_INLINE void PVRows(const float* p, size_t bc, const float* act, const uint8_t* const* rows, int64_t off,
+                       size_t n, uint64_t all, size_t dv, float* acc, size_t dvp) {
+  const size_t L = hn::Lanes(DF());
+  constexpr int NV = 4;
+  size_t x = 0;
+  for (; x + NV * L <= dv; x += NV * L) PVTile<T, RT, NV>(p, bc, act, rows, off, n, all, x, L, acc, dvp);
+  for (; x < dv; x += L) PVTile<T, RT, 1>(p, bc, act, rows, off, n, all, x, std::min(L, dv - x), acc, dvp);
+}
 
-void RunChunk(const DecodeProblem& p, int64_t b, int64_t hk, int split, uint8_t* scratch) {
+template <DType T>
+HWY_INLINE void ScoresDispatch(int64_t rt, const float* q, size_t dp, const uint8_t* const* rows4, size_t d,
+                               float* s, size_t bc) {
+  switch (rt) {
+    case 1: ScoresTile<T, 1>(q, dp, rows4, d, s, bc); break;
+    case 2: ScoresTile<T, 2>(q, dp, rows4, d, s, bc); break;
+#if HWY_TARGET <= HWY_AVX3
+    case 3: ScoresTile<T, 3>(q, dp, rows4, d, s, bc); break;
+    case 4: ScoresTile<T, 4>(q, dp, rows4, d, s, bc); break;
+#endif
+    default: break;
+  }
+}
+
+template <DType T>
+HWY_INLINE void PVDispatch(int64_t rt, const float* p, size_t bc, const float* act, const uint8_t* const* rows,
+                           int64_t off, size_t n, uint64_t all, size_t dv, float* acc, size_t dvp) {
+  switch (rt) {
+    case 1: PVRows<T, 1>(p, bc, act, rows, off, n, all, dv, acc, dvp); break;
+    case 2: PVRows<T, 2>(p, bc, act, rows, off, n, all, dv, acc, dvp); break;
+#if HWY_TARGET <= HWY_AVX3
+    case 3: PVRows<T, 3>(p, bc, act, rows, off, n, all, dv, acc, dvp); break;
+    case 4: PVRows<T, 4>(p, bc, act, rows, off, n, all, dv, acc, dvp); break;
+#endif
+    default: break;
+  }
+}
+
+// ---- one task: (sequence b, kv heads [hk0, hk1), split) ------------------------------------
+
+// Steady software prefetch distance, in tokens (all the task's kv heads of each), and the key
+// group that the score and P.V passes walk token by token across the heads.
+constexpr int64_t kPrefetchTokens = 16;
+constexpr int64_t kGroupKeys = 8;
+static_assert(kPrefetchTokens <= kBlockKeys, "the prefetch looks at most one block ahead");
+static_assert(kBlockKeys % kGroupKeys == 0 && kGroupKeys % 4 == 0, "groups tile the block, 4 keys per score tile");
+
+template <DType T>
+void RunChunkT(const DecodeProblem& p, int64_t b, int64_t hk0, int64_t hk1, int split, uint8_t* scratch) {
   const DF df;
   const DI di;
   const size_t L = hn::Lanes(df);
@@ -286,15 +519,13 @@ void RunChunk(const DecodeProblem& p, int64_t b, int64_t hk, int split, uint8_t*
   const bool direct = p.num_splits == 1;
   if (!direct && k1 <= k0) return;  // the merge skips empty splits
 
-  const int64_t g = p.group(), sq = p.seqlen_q, R = p.rows_per_group();
+  const int64_t g = p.group(), sq = p.seqlen_q, R = p.rows_per_group(), H = hk1 - hk0, RH = H * R;
   const size_t d = static_cast<size_t>(p.head_dim), dv = static_cast<size_t>(p.head_dim_v);
   const size_t dp = static_cast<size_t>(pad_floats(p.head_dim)), dvp = static_cast<size_t>(pad_floats(p.head_dim_v));
   const size_t bc = static_cast<size_t>(kBlockKeys);
-  const ScratchLayout sl = scratch_layout(R, p.head_dim, p.head_dim_v);
+  const ScratchLayout sl = scratch_layout(RH, p.head_dim, p.head_dim_v);
   float* const qf = reinterpret_cast<float*>(scratch + sl.qf);
   float* const sc = reinterpret_cast<float*>(scratch + sl.s);
-  float* const kb = reinterpret_cast<float*>(scratch + sl.kb);
-  float* const vb = reinterpret_cast<float*>(scratch + sl.vb);
   float* const acc = reinterpret_cast<float*>(scratch + sl.acc);
   float* const m = reinterpret_cast<float*>(scratch + sl.m);
   float* const l = reinterpret_cast<float*>(scratch + sl.l);
@@ -302,81 +533,120 @@ void RunChunk(const DecodeProblem& p, int64_t b, int64_t hk, int split, uint8_t*
   float* const act = reinterpret_cast<float*>(scratch + sl.act);
   int64_t* const lo = reinterpret_cast<int64_t*>(scratch + sl.lo);
   int64_t* const hi = reinterpret_cast<int64_t*>(scratch + sl.hi);
+  uint64_t* const pnz = reinterpret_cast<uint64_t*>(scratch + sl.pnz);
+  uint64_t* const tall = reinterpret_cast<uint64_t*>(scratch + sl.tall);
+  int32_t* const tany = reinterpret_cast<int32_t*>(scratch + sl.tany);
+  int32_t* const tsee = reinterpret_cast<int32_t*>(scratch + sl.tsee);
 
-  const float k_scale = p.k_scale ? p.k_scale[hk] : 1.0f;
-  const float v_scale = p.v_scale ? p.v_scale[hk] : 1.0f;
-  const float q_mul = p.scale * k_scale;
+  // f8e4m3 rows load as value * 2^-8 (LoadCvt): the 2^8 joins the scales (exact, a power of 2).
+  const float unit = T == DType::f8e4m3 ? kE4m3Unit : 1.0f;
   const int64_t q_esize = dtype_size(p.dtype), c_esize = dtype_size(p.cache_dtype);
 
-  // Rows: visible keys within this split, state, and the pre-scaled Q row.
+  // Rows rho = (hk - hk0) * R + r: visible keys within this split (the same for every head),
+  // state, and the pre-scaled Q row.
   int64_t klo = k1, khi = k0;
-  for (int64_t r = 0; r < R; ++r) {
-    const int64_t hh = r / sq, i = r % sq, h = hk * g + hh;
+  for (int64_t rho = 0; rho < RH; ++rho) {
+    const int64_t hk = hk0 + rho / R, r = rho % R, hh = r / sq, i = r % sq, h = hk * g + hh;
     int64_t a = 0, z = 0;
     if (len > 0) {
       visible_keys(i, sq, len, p.window_left, p.window_right, &a, &z);
       a = std::max(a, k0);
       z = std::min(z, k1);
     }
-    lo[r] = a;
-    hi[r] = z;
+    lo[rho] = a;
+    hi[rho] = z;
     if (a < z) {
       klo = std::min(klo, a);
       khi = std::max(khi, z);
     }
-    m[r] = ninf();
-    l[r] = 0.0f;
-    bad[r] = 0.0f;
-    std::memset(acc + r * dvp, 0, dvp * sizeof(float));
+    m[rho] = ninf();
+    l[rho] = 0.0f;
+    bad[rho] = 0.0f;
+    std::memset(acc + rho * dvp, 0, dvp * sizeof(float));
     const int64_t qoff = b * p.q_stride.batch + i * p.q_stride.seq + h * p.q_stride.head;
-    float* qr = qf + r * dp;
+    float* qr = qf + rho * dp;
     ConvertRow(p.dtype, static_cast<const uint8_t*>(p.q) + qoff * q_esize, d, dp, qr);
-    const VF vm = hn::Set(df, q_mul);
+    const VF vm = hn::Set(df, p.scale * (p.k_scale ? p.k_scale[hk] : 1.0f) * unit);
     for (size_t x = 0; x < dp; x += L) hn::StoreU(hn::Mul(hn::LoadU(df, qr + x), vm), df, qr + x);
   }
 
   const float cap = p.softcap, inv_cap = cap > 0 ? 1.0f / cap : 0.0f;
   const VF vninf = hn::Set(df, ninf()), vpinf = hn::Set(df, std::numeric_limits<float>::infinity());
-  // Row pointers of the current block and the next (prefetched while this one is computed).
-  const uint8_t* k_rows[2][kBlockKeys];
-  const uint8_t* v_rows[2][kBlockKeys];
+  const auto iota0 = hn::Iota(di, 0);  // hoisted: Iota is a stack round trip on some targets
+  // Row pointers (kv head hk0) of the current block [0, n) followed by the next block's [n, n +
+  // nn); head hk's row is hk - hk0 head strides further. The passes walk the block token by
+  // token across the heads (with the usual layout [pages, page_size, kv_heads, d], one
+  // contiguous stream), and a steady prefetch runs kPrefetchTokens ahead, across the block edge.
+  const uint8_t* k_rows[2 * kBlockKeys];
+  const uint8_t* v_rows[2 * kBlockKeys];
   const int64_t k_bytes = static_cast<int64_t>(d) * c_esize, v_bytes = static_cast<int64_t>(dv) * c_esize;
-  int cur = 0;
+  const int64_t k_head = p.k_stride.head * c_esize, v_head = p.v_stride.head * c_esize;
+  auto prefetch_k = [&](const uint8_t* row) {
+    for (int64_t hh = 0; hh < H; ++hh) prefetch_row(row + hh * k_head, k_bytes);
+  };
+  auto prefetch_v = [&](const uint8_t* row) {
+    for (int64_t hh = 0; hh < H; ++hh) prefetch_row(row + hh * v_head, v_bytes);
+  };
   if (klo < khi) {
     const int64_t n0 = std::min<int64_t>(kBlockKeys, khi - klo);
-    block_rows(p, b, hk, klo, n0, k_rows[0], v_rows[0]);
-    for (int64_t jj = 0; jj < n0; ++jj) {
-      prefetch_row(k_rows[0][jj], k_bytes);
-      prefetch_row(v_rows[0][jj], v_bytes);
+    block_rows(p, b, hk0, klo, n0, k_rows, v_rows);
+    for (int64_t jj = 0; jj < std::min(n0, kPrefetchTokens); ++jj) {
+      prefetch_k(k_rows[jj]);
+      prefetch_v(v_rows[jj]);
     }
   }
-  for (int64_t j0 = klo; j0 < khi; j0 += kBlockKeys, cur ^= 1) {
+  const int64_t ntiles = (R + kMaxRowTile - 1) / kMaxRowTile;  // row tiles per head
+  for (int64_t j0 = klo; j0 < khi; j0 += kBlockKeys) {
     const size_t n = static_cast<size_t>(std::min<int64_t>(kBlockKeys, khi - j0));
-    const size_t n4 = (n + 3) / 4 * 4, nv = (n + L - 1) / L * L;
+    const size_t nv = (n + L - 1) / L * L;
     const int64_t next = j0 + kBlockKeys;
     const size_t nn = next < khi ? static_cast<size_t>(std::min<int64_t>(kBlockKeys, khi - next)) : 0;
-    if (nn) block_rows(p, b, hk, next, static_cast<int64_t>(nn), k_rows[cur ^ 1], v_rows[cur ^ 1]);
-    for (size_t jj = 0; jj < n; ++jj) {
-      if (jj < nn) prefetch_row(k_rows[cur ^ 1][jj], k_bytes);
-      ConvertRow(p.cache_dtype, k_rows[cur][jj], d, dp, kb + jj * dp);
+    if (nn) block_rows(p, b, hk0, next, static_cast<int64_t>(nn), k_rows + n, v_rows + n);
+    const size_t pf_end = n + nn;  // prefetch targets jj + kPrefetchTokens < pf_end
+
+    // Which row tiles see a key of the block (the same for every head).
+    bool any_sees = false;
+    for (int64_t t = 0; t < ntiles; ++t) {
+      tsee[t] = 0;
+      for (int64_t r = t * kMaxRowTile; r < std::min<int64_t>(R, (t + 1) * kMaxRowTile); ++r)
+        if (lo[r] < j0 + static_cast<int64_t>(n) && hi[r] > j0) tsee[t] = 1;
+      any_sees |= tsee[t] != 0;
     }
-    for (size_t jj = n; jj < n4; ++jj) std::memset(kb + jj * dp, 0, dp * sizeof(float));
+
+    // S = Q K^T: 4 keys at a time, every head, RT rows per tile; the padding keys of the last
+    // group reuse row n - 1 (their scores are masked below: key >= khi).
+    if (any_sees) {
+      for (size_t jj = 0; jj < n; jj += 4) {
+        const size_t pf0 = jj + kPrefetchTokens, pf1 = std::min(pf0 + 4, pf_end);
+        const uint8_t* rows4[4];
+        for (size_t k = 0; k < 4; ++k) rows4[k] = k_rows[std::min(jj + k, n - 1)];
+        for (int64_t hh = 0; hh < H; ++hh) {
+          for (size_t k = pf0; k < pf1; ++k) prefetch_row(k_rows[k] + hh * k_head, k_bytes);  // spread over the heads
+          const uint8_t* hrows[4] = {rows4[0] + hh * k_head, rows4[1] + hh * k_head, rows4[2] + hh * k_head,
+                                     rows4[3] + hh * k_head};
+          for (int64_t t = 0; t < ntiles; ++t) {
+            if (!tsee[t]) continue;
+            const int64_t rho0 = hh * R + t * kMaxRowTile, rt = std::min<int64_t>(kMaxRowTile, R - t * kMaxRowTile);
+            ScoresDispatch<T>(rt, qf + rho0 * dp, dp, hrows, d, sc + rho0 * bc + jj, bc);
+          }
+        }
+      }
+    }
 
     bool any_p = false;
-    for (int64_t r = 0; r < R; ++r) {
-      float* s = sc + r * bc;
-      act[r] = 0.0f;
-      if (lo[r] >= j0 + static_cast<int64_t>(n) || hi[r] <= j0) continue;  // sees no key of the block
-      ScoresRow(qf + r * dp, kb, dp, n4, s);
-      const int64_t i = r % sq, h = hk * g + r / sq;
+    for (int64_t rho = 0; rho < RH; ++rho) {
+      float* s = sc + rho * bc;
+      act[rho] = 0.0f;
+      if (lo[rho] >= j0 + static_cast<int64_t>(n) || hi[rho] <= j0) continue;  // sees no key of the block
+      const int64_t r = rho % R, i = r % sq, h = (hk0 + rho / R) * g + r / sq;
       const float diag = static_cast<float>(i + len - sq);
       const VF vslope = hn::Set(df, p.alibi_slopes ? p.alibi_slopes[h] : 0.0f);
-      const auto vlo = hn::Set(di, static_cast<int32_t>(lo[r])), vhi = hn::Set(di, static_cast<int32_t>(hi[r]));
+      const auto vlo = hn::Set(di, static_cast<int32_t>(lo[rho])), vhi = hn::Set(di, static_cast<int32_t>(hi[rho]));
       VF mx = vninf;
       auto nonfinite = hn::Lt(vpinf, vpinf);  // all false
       for (size_t x = 0; x < nv; x += L) {
         VF v = hn::LoadU(df, s + x);
-        const auto key = hn::Iota(di, static_cast<int32_t>(j0 + static_cast<int64_t>(x)));
+        const auto key = hn::Add(iota0, hn::Set(di, static_cast<int32_t>(j0 + static_cast<int64_t>(x))));
         if (cap > 0) v = hn::Mul(hn::Set(df, cap), hn::Tanh(df, hn::Mul(v, hn::Set(df, inv_cap))));
         if (p.alibi_slopes)
           v = hn::NegMulAdd(vslope, hn::Abs(hn::Sub(hn::Set(df, diag), hn::ConvertTo(df, key))), v);
@@ -386,74 +656,104 @@ void RunChunk(const DecodeProblem& p, int64_t b, int64_t hk, int split, uint8_t*
         mx = hn::Max(mx, v);
         hn::StoreU(v, df, s + x);
       }
-      if (!hn::AllFalse(df, nonfinite)) bad[r] = 1.0f;
+      if (!hn::AllFalse(df, nonfinite)) bad[rho] = 1.0f;
       const float m_blk = hn::GetLane(hn::MaxOfLanes(df, mx));
-      const float m_new = std::max(m[r], m_blk);
+      const float m_new = std::max(m[rho], m_blk);
       if (m_new == ninf()) continue;  // nothing visible yet: P = 0 for the whole block
-      const float alpha = std::exp(m[r] - m_new);  // m = -inf -> 0
+      const float alpha = std::exp(m[rho] - m_new);  // m = -inf -> 0
       const VF vm = hn::Set(df, m_new);
       VF sum = hn::Zero(df);
+      uint64_t nz = 0;
       for (size_t x = 0; x < nv; x += L) {
         const VF v = hn::LoadU(df, s + x);
         const VF e = hn::IfThenElseZero(hn::Gt(v, vninf), hn::Exp(df, hn::Sub(v, vm)));
         sum = hn::Add(sum, e);
         hn::StoreU(e, df, s + x);
+        uint64_t bits = 0;
+        hn::StoreMaskBits(df, hn::Ne(e, hn::Zero(df)), reinterpret_cast<uint8_t*>(&bits));
+        nz |= (bits & ((uint64_t{1} << L) - 1)) << x;
       }
-      l[r] = l[r] * alpha + hn::GetLane(hn::SumOfLanes(df, sum));
-      m[r] = m_new;
+      pnz[rho] = nz;
+      l[rho] = l[rho] * alpha + hn::GetLane(hn::SumOfLanes(df, sum));
+      m[rho] = m_new;
       if (alpha != 1.0f) {
-        float* ar = acc + r * dvp;
+        float* ar = acc + rho * dvp;
         const VF va = hn::Set(df, alpha);
         for (size_t x = 0; x < dvp; x += L) hn::StoreU(hn::Mul(hn::LoadU(df, ar + x), va), df, ar + x);
       }
-      act[r] = 1.0f;
+      act[rho] = 1.0f;
       any_p = true;
     }
-    if (!any_p) continue;
 
-    for (size_t jj = 0; jj < n; ++jj) {
-      if (jj < nn) prefetch_row(v_rows[cur ^ 1][jj], v_bytes);
-      ConvertRow(p.cache_dtype, v_rows[cur][jj], dv, dvp, vb + jj * dvp);
+    if (any_p) {
+      // Per (head, row tile): bit jj set when every row of the tile has P != 0 at key jj.
+      const int64_t nt = H * ntiles;
+      for (int64_t ti = 0; ti < nt; ++ti) {
+        const int64_t hh = ti / ntiles, t = ti % ntiles, rho0 = hh * R + t * kMaxRowTile;
+        const int64_t rt = std::min<int64_t>(kMaxRowTile, R - t * kMaxRowTile);
+        uint64_t a = n == 64 ? ~uint64_t{0} : (uint64_t{1} << n) - 1;
+        bool any = false;
+        for (int64_t rho = rho0; rho < rho0 + rt; ++rho) {
+          if (act[rho] == 0.0f) {
+            a = 0;
+            continue;
+          }
+          any = true;
+          a &= pnz[rho];
+        }
+        tall[ti] = a;
+        tany[ti] = any;
+      }
+      // Acc += P V: kGroupKeys keys at a time, every head, RT rows per tile.
+      for (size_t j = 0; j < n; j += kGroupKeys) {
+        const size_t gn = std::min<size_t>(kGroupKeys, n - j);
+        const size_t pf0 = j + kPrefetchTokens, pf1 = std::min(pf0 + kGroupKeys, pf_end);
+        for (int64_t ti = 0; ti < nt; ++ti) {
+          const int64_t hh = ti / ntiles, t = ti % ntiles, rho0 = hh * R + t * kMaxRowTile;
+          if (t == 0)
+            for (size_t k = pf0; k < pf1; ++k) prefetch_row(v_rows[k] + hh * v_head, v_bytes);  // spread over the heads
+          if (!tany[ti]) continue;
+          const int64_t rt = std::min<int64_t>(kMaxRowTile, R - t * kMaxRowTile);
+          PVDispatch<T>(rt, sc + rho0 * bc + j, bc, act + rho0, v_rows + j, hh * v_head, gn, tall[ti] >> j, dv,
+                        acc + rho0 * dvp, dvp);
+        }
+      }
     }
-    for (int64_t r = 0; r < R; ++r) {
-      if (act[r] == 0.0f) continue;
-      const float* s = sc + r * bc;
-      float* ar = acc + r * dvp;
-      size_t x = 0;
-      for (; x + 4 * L <= dvp; x += 4 * L) AccumulatePV<4>(s, vb, dvp, n, x, ar);
-      for (; x < dvp; x += L) AccumulatePV<1>(s, vb, dvp, n, x, ar);
-    }
+    // The next block's rows move to the front.
+    std::copy(k_rows + n, k_rows + n + nn, k_rows);
+    std::copy(v_rows + n, v_rows + n + nn, v_rows);
   }
 
   // Finish: O and LSE directly (one split), or this split's partial.
   const float nan = std::numeric_limits<float>::quiet_NaN();
-  for (int64_t r = 0; r < R; ++r) {
-    const int64_t i = r % sq, h = hk * g + r / sq;
-    float* ar = acc + r * dvp;
+  for (int64_t rho = 0; rho < RH; ++rho) {
+    const int64_t hk = hk0 + rho / R, r = rho % R, i = r % sq, h = hk * g + r / sq;
+    const float v_scale = (p.v_scale ? p.v_scale[hk] : 1.0f) * unit;
+    float* ar = acc + rho * dvp;
     float lse_r;
-    if (bad[r] != 0.0f) {
+    if (bad[rho] != 0.0f) {
       std::fill(ar, ar + dv, nan);
       lse_r = nan;
     } else if (direct) {
       const float sink = p.sinks ? p.sinks[h] : ninf();
-      const float mx = std::max(m[r], sink);
+      const float mx = std::max(m[rho], sink);
       if (mx == ninf()) {
         std::fill(ar, ar + dv, 0.0f);
         lse_r = ninf();
       } else {
-        const float a = std::exp(m[r] - mx);  // m = -inf (only the sink) -> 0, and acc = 0
-        const float lsum = l[r] * a + (p.sinks ? std::exp(sink - mx) : 0.0f);
+        const float a = std::exp(m[rho] - mx);  // m = -inf (only the sink) -> 0, and acc = 0
+        const float lsum = l[rho] * a + (p.sinks ? std::exp(sink - mx) : 0.0f);
         const float mul = a * v_scale / lsum;
         for (size_t x = 0; x < dv; ++x) ar[x] *= mul;
         lse_r = mx + std::log(lsum);
       }
-    } else if (l[r] == 0.0f) {  // no visible key in this split
+    } else if (l[rho] == 0.0f) {  // no visible key in this split
       std::fill(ar, ar + dv, 0.0f);
       lse_r = ninf();
     } else {
-      const float mul = v_scale / l[r];
+      const float mul = v_scale / l[rho];
       for (size_t x = 0; x < dv; ++x) ar[x] *= mul;
-      lse_r = m[r] + std::log(l[r]);
+      lse_r = m[rho] + std::log(l[rho]);
     }
     if (direct) {
       const int64_t ooff = b * p.o_stride.batch + i * p.o_stride.seq + h * p.o_stride.head;
@@ -464,6 +764,17 @@ void RunChunk(const DecodeProblem& p, int64_t b, int64_t hk, int split, uint8_t*
       std::memcpy(p.partial_o + at * static_cast<int64_t>(dv), ar, dv * sizeof(float));
       p.partial_lse[at] = lse_r;
     }
+  }
+}
+
+void RunChunk(const DecodeProblem& p, int64_t b, int64_t hk0, int64_t hk1, int split, uint8_t* scratch) {
+  switch (p.cache_dtype) {
+    case DType::f32: return RunChunkT<DType::f32>(p, b, hk0, hk1, split, scratch);
+    case DType::bf16: return RunChunkT<DType::bf16>(p, b, hk0, hk1, split, scratch);
+    case DType::f16: return RunChunkT<DType::f16>(p, b, hk0, hk1, split, scratch);
+    case DType::i8: return RunChunkT<DType::i8>(p, b, hk0, hk1, split, scratch);
+    case DType::f8e4m3: return RunChunkT<DType::f8e4m3>(p, b, hk0, hk1, split, scratch);
+    default: return;  // validation admits no other dtype
   }
 }
 
@@ -585,7 +896,9 @@ DecodeLayout cpu_decode_layout(int64_t batch, int64_t heads_q, int64_t heads_kv,
   lay.o_offset = 0;
   lay.lse_offset = align_bytes(rows * S * static_cast<size_t>(head_dim_v) * 4);
   lay.scratch_offset = lay.lse_offset + align_bytes(rows * S * 4);
-  lay.scratch_bytes_per_thread = serving::scratch_layout(heads_q / heads_kv * seqlen_q, head_dim, head_dim_v).bytes;
+  const int64_t R = heads_q / heads_kv * seqlen_q;
+  lay.scratch_bytes_per_thread =
+      serving::scratch_layout(serving::max_heads_per_task(heads_kv, R) * R, head_dim, head_dim_v).bytes;
   lay.scratch_threads = threads;
   lay.total_bytes = lay.scratch_offset + static_cast<size_t>(std::max(threads, 0)) * lay.scratch_bytes_per_thread;
   return lay;
@@ -602,8 +915,7 @@ DecodeLayout cpu_decode_layout_for_bytes(int64_t batch, int64_t heads_q, int64_t
 
 void cpu_decode(const DecodeProblem& problem) {
   const int64_t S = problem.num_splits;
-  const int64_t ntasks = problem.batch * problem.heads_kv * S;
-  if (ntasks == 0) return;
+  if (problem.batch * problem.heads_kv * S == 0) return;
   const DecodeLayout lay =
       cpu_decode_layout_for_bytes(problem.batch, problem.heads_q, problem.heads_kv, problem.seqlen_q,
                                   problem.head_dim, problem.head_dim_v, problem.num_splits, problem.workspace_bytes);
@@ -618,11 +930,22 @@ void cpu_decode(const DecodeProblem& problem) {
   const int threads = std::max(1, std::min(p.num_threads, lay.scratch_threads));
   auto* const run_chunk = &HWY_DYNAMIC_DISPATCH(serving::RunChunk);
 
+  // Tasks: (sequence, group of kv heads, split). As many heads per task as the scratch holds,
+  // but at least 2 tasks per thread where the heads allow (the split count is the caller's).
+  // Which heads share a task changes no result: every (head, split) is computed the same way.
+  const int64_t hmax = serving::max_heads_per_task(p.heads_kv, p.rows_per_group());
+  const int64_t seq_splits = p.batch * S, want = 2 * static_cast<int64_t>(threads);
+  int64_t groups = std::max((p.heads_kv + hmax - 1) / hmax, (want + seq_splits - 1) / seq_splits);
+  groups = std::min(groups, p.heads_kv);
+  const int64_t hpt = (p.heads_kv + groups - 1) / groups;
+  groups = (p.heads_kv + hpt - 1) / hpt;
+  const int64_t ntasks = seq_splits * groups;
 #pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
   for (int64_t id = 0; id < ntasks; ++id) {
-    const int64_t b = id / (p.heads_kv * S), hk = (id / S) % p.heads_kv;
+    const int64_t b = id / (groups * S), hk0 = (id / S) % groups * hpt;
     const int split = static_cast<int>(id % S);
-    run_chunk(p, b, hk, split, scratch + static_cast<size_t>(omp_get_thread_num()) * slot_bytes);
+    run_chunk(p, b, hk0, std::min(p.heads_kv, hk0 + hpt), split,
+              scratch + static_cast<size_t>(omp_get_thread_num()) * slot_bytes);
   }
   if (S == 1) return;
   const int64_t rows = p.batch * p.heads_q * p.seqlen_q;
