@@ -447,19 +447,8 @@ template <typename CT>
 void launch_decode(const DecodeParams& dp, int64_t grid, cudaStream_t stream, bool pdl) {
   constexpr size_t smem = static_cast<size_t>(CacheTraits<CT>::kStages) * 2 * 8192 * CacheTraits<CT>::kBytes;
   static_assert(smem >= 32768, "the group merge reuses 32 KiB ([G][kRows][Dp] fp32) of the ring");
-  auto* kernel = &decode_kernel<CT>;
-  // Once per device (a bit per device index), so a call under CUDA-graph capture that follows an
-  // eager one makes no attribute call at all.
-  static std::atomic<uint64_t> done{0};
-  int dev = 0;
-  IOATTN_CUDA_CHECK(cudaGetDevice(&dev));
-  const uint64_t bit = dev < 64 ? uint64_t{1} << dev : 0;
-  if (!bit || !(done.load() & bit)) {
-    IOATTN_CUDA_CHECK(
-        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
-    done.fetch_or(bit);
-  }
-  launch_decode_grid(kernel, dp, grid, static_cast<int>(smem), stream, pdl);
+  static std::atomic<uint64_t> smem_set{0};
+  launch_decode_grid(&decode_kernel<CT>, smem_set, dp, grid, static_cast<int>(smem), stream, pdl);
 }
 
 int sm_count(int device) {
@@ -707,17 +696,7 @@ void cuda_decode(const DecodeProblem& p) {
     if (blocks > INT_MAX) throw Error("q", "ioattn: CUDA decode merge grid exceeds 2^31 - 1 blocks");
     // sm90+: programmatic dependent launch overlaps the merge grid's launch with the decode
     // grid's tail (IOATTN_DECODE_PDL=0 turns it off).
-    cudaLaunchConfig_t cfg = {};
-    cfg.gridDim = dim3(static_cast<unsigned>(blocks));
-    cfg.blockDim = dim3(kMergeWarps * 32);
-    cfg.dynamicSmemBytes = 0;
-    cfg.stream = stream;
-    cudaLaunchAttribute attr[1];
-    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attr[0].val.programmaticStreamSerializationAllowed = 1;
-    cfg.attrs = attr;
-    cfg.numAttrs = pdl ? 1 : 0;
-    IOATTN_CUDA_CHECK(cudaLaunchKernelEx(&cfg, merge_splits_kernel, mp));
+    launch_pdl(merge_splits_kernel, mp, blocks, kMergeWarps * 32, 0, stream, pdl);
   }
   if (internal) IOATTN_CUDA_CHECK(cudaFreeAsync(internal, stream));
 }

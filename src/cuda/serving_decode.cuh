@@ -9,6 +9,7 @@
 
 #include <cuda_runtime.h>
 
+#include <atomic>
 #include <cstdint>
 
 #include "core/serving_problem.hpp"
@@ -235,14 +236,14 @@ __device__ __forceinline__ void write_outputs(const DecodeParams& p, const WorkI
 #endif
 }
 
-// Launches a decode kernel (grid x kThreads, `smem` dynamic bytes), with programmatic stream
-// serialization when `pdl` (sm90+: the CTAs may be scheduled before the previous kernel ends;
-// work_item() waits for it before reading anything).
-inline void launch_decode_grid(void (*kernel)(DecodeParams), const DecodeParams& p, int64_t grid, int smem,
-                               cudaStream_t stream, bool pdl) {
+// Launches `kernel(p)` on `grid` CTAs of `threads`, with programmatic stream serialization when
+// `pdl` (sm90+: the CTAs may be scheduled before the previous kernel of the stream ends; the
+// serving kernels wait for it in cudaGridDependencySynchronize before reading anything).
+template <typename P>
+void launch_pdl(void (*kernel)(P), const P& p, int64_t grid, int threads, int smem, cudaStream_t stream, bool pdl) {
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = dim3(static_cast<unsigned>(grid));
-  cfg.blockDim = dim3(kThreads);
+  cfg.blockDim = dim3(static_cast<unsigned>(threads));
   cfg.dynamicSmemBytes = static_cast<size_t>(smem);
   cfg.stream = stream;
   cudaLaunchAttribute attr[1];
@@ -251,6 +252,22 @@ inline void launch_decode_grid(void (*kernel)(DecodeParams), const DecodeParams&
   cfg.attrs = attr;
   cfg.numAttrs = pdl ? 1 : 0;
   IOATTN_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, p));
+}
+
+// Launches a decode kernel (grid x kThreads, `smem` dynamic bytes, PDL as launch_pdl). The
+// kernel's dynamic shared-memory limit is raised once per device: `smem_set` (one per kernel) holds
+// a bit per device index, so a call under CUDA-graph capture that follows an eager one makes no
+// attribute call at all.
+inline void launch_decode_grid(void (*kernel)(DecodeParams), std::atomic<uint64_t>& smem_set, const DecodeParams& p,
+                               int64_t grid, int smem, cudaStream_t stream, bool pdl) {
+  int dev = 0;
+  IOATTN_CUDA_CHECK(cudaGetDevice(&dev));
+  const uint64_t bit = dev < 64 ? uint64_t{1} << dev : 0;
+  if (!bit || !(smem_set.load() & bit)) {
+    IOATTN_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+    smem_set.fetch_or(bit);
+  }
+  launch_pdl(kernel, p, grid, kThreads, smem, stream, pdl);
 }
 
 // The mma.sync kernel (serving_decode_mma.cu): bf16/f16 q, a cache of the same dtype or 8-bit

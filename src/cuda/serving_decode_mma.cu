@@ -504,18 +504,10 @@ __global__ void __launch_bounds__(kThreads) decode_mma_kernel(const DecodeParams
 
 template <typename T, typename CT, int D, int NT>
 void launch(const DecodeParams& p, int64_t grid, cudaStream_t stream, bool pdl) {
-  auto* kernel = &decode_mma_kernel<T, CT, D, NT>;
   constexpr int smem = MmaTraits<D, std::is_same_v<CT, T> ? 2 : 1>::kSmem;
   static_assert(smem >= 4 * 8 * NT * D * 4, "the warp merge reuses [4][ROWS][D] fp32 of the ring");
-  static std::atomic<uint64_t> done{0};  // cudaFuncSetAttribute once per device (not under capture)
-  int dev = 0;
-  IOATTN_CUDA_CHECK(cudaGetDevice(&dev));
-  const uint64_t bit = dev < 64 ? uint64_t{1} << dev : 0;
-  if (!bit || !(done.load() & bit)) {
-    IOATTN_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-    done.fetch_or(bit);
-  }
-  launch_decode_grid(kernel, p, grid, smem, stream, pdl);
+  static std::atomic<uint64_t> smem_set{0};
+  launch_decode_grid(&decode_mma_kernel<T, CT, D, NT>, smem_set, p, grid, smem, stream, pdl);
 }
 
 }  // namespace
