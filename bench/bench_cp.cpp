@@ -16,12 +16,23 @@
 // takes longer than the hop at the link's bandwidth (--link-gbps: the per-direction NCCL
 // send/recv rate over NVLink; ~360 GB/s measured by others on H100/H200 8-GPU hosts).
 // Output: one JSON line per (P, layout, pass), then a table.
+//
+// --nccl 1: real ranks instead of the stand-in. Rank r runs on GPU r (P <= visible GPUs), one
+// thread each, through make_nccl_group (NVLink multicast off: NCCL_NVLS_ENABLE=0). Every
+// (P, layout) runs twice: with overlap (the hop on the communicator's stream under the step's
+// block computation, the library's behaviour) and without (each hop waited for before the step's
+// compute starts). Times are per call, the slowest rank's, median over --repeats; the ideal is
+// the single-GPU call on the whole sequence (GPU 0) / P. The hop is measured alone too (K/V
+// shard around the ring, median), giving the link's achieved GB/s.
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <random>
+#include <condition_variable>
+#include <mutex>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "core/backends.hpp"
@@ -48,6 +59,46 @@ class SelfRing final : public Communicator {
 
  private:
   int rank_, size_;
+};
+
+// The same ring with every hop waited for at once: the step's compute cannot overlap it.
+class Serialized final : public Communicator {
+ public:
+  explicit Serialized(Communicator& inner) : inner_(inner) {}
+  int rank() const override { return inner_.rank(); }
+  int size() const override { return inner_.size(); }
+  const char* name() const override { return "serialized"; }
+  void ring_start(const void* send, void* recv, size_t bytes, Device device, void* stream) override {
+    inner_.ring_start(send, recv, bytes, device, stream);
+    inner_.ring_wait(stream);
+  }
+  void ring_wait(void*) override {}
+
+ private:
+  Communicator& inner_;
+};
+
+// Reusable barrier for the rank threads (C++17: no std::barrier).
+class Barrier {
+ public:
+  explicit Barrier(int n) : n_(n) {}
+  void wait() {
+    std::unique_lock<std::mutex> lk(m_);
+    const long gen = gen_;
+    if (++arrived_ == n_) {
+      arrived_ = 0;
+      ++gen_;
+      cv_.notify_all();
+    } else {
+      cv_.wait(lk, [&] { return gen_ != gen; });
+    }
+  }
+
+ private:
+  std::mutex m_;
+  std::condition_variable cv_;
+  int n_, arrived_ = 0;
+  long gen_ = 0;
 };
 
 std::vector<int64_t> parse_list(const std::string& s) {
@@ -81,6 +132,97 @@ double median_s(int repeats, Device dev, F f) {
   return t[t.size() / 2];
 }
 
+
+struct NcclResult {
+  double fwd_s = 0, fwd_bwd_s = 0, hop_s = 0;
+};
+
+// P real ranks, GPU r for rank r: the slowest rank's median fwd and fwd+bwd time, and one K/V
+// hop alone. Shards are cut on the host from the full tensors' host copies.
+NcclResult run_nccl(int P, CpLayout layout, bool overlap, bool have_bwd, int repeats, Buffer& q, Buffer& k, Buffer& v,
+                    Buffer& dout, int64_t B, int64_t S, int64_t Hq, int64_t Hk, int64_t D, DType dt,
+                    const AttnParams& prm) {
+  std::vector<int> devices(static_cast<size_t>(P));
+  for (int r = 0; r < P; ++r) devices[static_cast<size_t>(r)] = r;
+  auto group = make_nccl_group(devices);
+  const int64_t L = S / P;
+  Barrier barrier(P);
+  std::vector<std::vector<double>> tf(static_cast<size_t>(P)), tfb(static_cast<size_t>(P)), th(static_cast<size_t>(P));
+  auto host_view = [](Buffer& b, std::initializer_list<int64_t> shape) {
+    return TensorView::contiguous(b.host(), b.dtype(), shape, Device::cpu);
+  };
+  std::vector<std::thread> threads;
+  for (int r = 0; r < P; ++r)
+    threads.emplace_back([&, r] {
+      const auto ru = static_cast<size_t>(r);
+      try {
+        detail::cuda_set_device(r);
+        Communicator& nccl = *group[ru];
+        Serialized serial(nccl);
+        Communicator& comm = overlap ? nccl : static_cast<Communicator&>(serial);
+        auto local = [&](int64_t h) { return Buffer(dt, B * L * h * D, Device::cuda); };
+        Buffer lq = local(Hq), lk = local(Hk), lv = local(Hk), ldo = local(Hq), lo = local(Hq), ldq = local(Hq),
+               ldk = local(Hk), ldv = local(Hk), llse(DType::f32, B * Hq * L, Device::cuda);
+        for (auto [l, f, h] : {std::tuple{&lq, &q, Hq}, {&lk, &k, Hk}, {&lv, &v, Hk}, {&ldo, &dout, Hq}}) {
+          cp_shard(host_view(*f, {B, S, h, D}), host_view(*l, {B, L, h, D}), r, P, layout);
+          l->upload();
+        }
+        auto view = [&](Buffer& b, std::initializer_list<int64_t> shape) {
+          TensorView t = b.view(shape);
+          t.device_index = r;
+          return t;
+        };
+        const TensorView vq = view(lq, {B, L, Hq, D}), vk = view(lk, {B, L, Hk, D}), vv = view(lv, {B, L, Hk, D}),
+                         vo = view(lo, {B, L, Hq, D}), vdo = view(ldo, {B, L, Hq, D}), vlse = view(llse, {B, Hq, L});
+        const Gradients g{view(ldq, {B, L, Hq, D}), view(ldk, {B, L, Hk, D}), view(ldv, {B, L, Hk, D}), {}};
+        Context ctx;  // the device's default stream
+        auto fwd = [&] { cp_forward(comm, vq, vk, vv, vo, vlse, prm, layout, ctx); };
+        auto bwd = [&] { cp_backward(comm, vq, vk, vv, vo, vdo, vlse, g, prm, layout, ctx); };
+        const size_t hop_bytes = static_cast<size_t>(B * L * Hk * 2 * D * dtype_size(dt));
+        Buffer hop_a(DType::i8, static_cast<int64_t>(hop_bytes), Device::cuda),
+            hop_b(DType::i8, static_cast<int64_t>(hop_bytes), Device::cuda);
+        auto hop = [&] {
+          nccl.ring_start(hop_a.data(), hop_b.data(), hop_bytes, Device::cuda, nullptr);
+          nccl.ring_wait(nullptr);
+          detail::cuda_synchronize();
+        };
+        fwd();  // warm-up (NCCL connections, scratch pools)
+        if (have_bwd) bwd();
+        hop();
+        for (int i = 0; i < repeats; ++i) {
+          barrier.wait();
+          double t0 = now_s();
+          hop();
+          th[ru].push_back(now_s() - t0);
+          barrier.wait();
+          t0 = now_s();
+          fwd();
+          const double t1 = now_s();
+          if (have_bwd) bwd();
+          const double t2 = now_s();
+          tf[ru].push_back(t1 - t0);
+          tfb[ru].push_back(t2 - t0);
+        }
+        barrier.wait();
+      } catch (const std::exception& e) {
+        // The other ranks would wait forever at the next barrier or hop: end the process.
+        std::fprintf(stderr, "ioattn_bench_cp: rank %d: %s\n", r, e.what());
+        std::fflush(stderr);
+        std::abort();
+      }
+    });
+  for (auto& t : threads) t.join();
+  // Per repeat the slowest rank, then the median over repeats.
+  auto worst_median = [&](const std::vector<std::vector<double>>& t) {
+    std::vector<double> w(static_cast<size_t>(repeats), 0.0);
+    for (const auto& rank : t)
+      for (size_t i = 0; i < rank.size(); ++i) w[i] = std::max(w[i], rank[i]);
+    std::sort(w.begin(), w.end());
+    return w[w.size() / 2];
+  };
+  return {worst_median(tf), worst_median(tfb), worst_median(th)};
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -89,6 +231,7 @@ int main(int argc, char** argv) {
   bool causal = true;
   int repeats = 3;
   double link_gbps = 360;
+  bool nccl = false;
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string a = argv[i], v = argv[i + 1];
     if (a == "--device") device = v;
@@ -102,12 +245,18 @@ int main(int argc, char** argv) {
     else if (a == "--causal") causal = v != "0";
     else if (a == "--repeats") repeats = std::atoi(v.c_str());
     else if (a == "--link-gbps") link_gbps = std::atof(v.c_str());
+    else if (a == "--nccl") nccl = v != "0";
     else {
       std::fprintf(stderr, "ioattn_bench_cp: unknown option %s (see the comment at the top of bench_cp.cpp)\n", a.c_str());
       return 2;
     }
   }
   const Device dev = device == "cpu" ? Device::cpu : Device::cuda;
+  if (nccl && dev != Device::cuda) {
+    std::fprintf(stderr, "ioattn_bench_cp: --nccl 1 needs --device cuda\n");
+    return 2;
+  }
+  if (nccl) setenv("NCCL_NVLS_ENABLE", "0", 1);  // never NVLink multicast on a shared host
   const DType dt = dtype_s == "f32" ? DType::f32 : dtype_s == "f16" ? DType::f16 : DType::bf16;
   if (dev == Device::cuda && detail::cuda_device_count() == 0) {
     std::fprintf(stderr, "ioattn_bench_cp: no CUDA device (use --device cpu)\n");
@@ -143,6 +292,45 @@ int main(int argc, char** argv) {
                 device.c_str(), (long long)S, (long long)Hq, (long long)Hk, (long long)D, dtype_s.c_str(), causal,
                 t1_fwd * 1e3, have_bwd ? (t1_fwd + t1_bwd) * 1e3 : -1.0);
     std::fflush(stdout);
+
+    if (nccl) {
+      const int visible = detail::cuda_device_count();
+      std::printf("\n## ring attention over NCCL, %d GPUs visible, %s S=%lld heads %lld/%lld hdim %lld %s: GPU 0 alone fwd %.3f ms",
+                  visible, dtype_s.c_str(), (long long)S, (long long)Hq, (long long)Hk, (long long)D,
+                  causal ? "causal" : "non-causal", t1_fwd * 1e3);
+      if (have_bwd) std::printf(", fwd+bwd %.3f ms", (t1_fwd + t1_bwd) * 1e3);
+      std::printf("\n| P | layout | overlap | tokens/rank | fwd ms (slowest rank) | ideal ms | fwd eff | fwd+bwd ms | ideal ms | fwd+bwd eff | K/V hop ms | hop GB/s |\n");
+      std::printf("|---|---|---|---|---|---|---|---|---|---|---|---|\n");
+      for (int64_t P64 : parse_list(ranks_s)) {
+        const int P = static_cast<int>(P64);
+        if (P < 2 || P > visible) {
+          std::printf("| %d | skipped: needs %d GPUs, %d visible |\n", P, P, visible);
+          continue;
+        }
+        for (CpLayout layout : {CpLayout::contiguous, CpLayout::zigzag}) {
+          const char* lname = layout == CpLayout::zigzag ? "zigzag" : "contiguous";
+          if (S % (layout == CpLayout::zigzag ? 2 * P : P) != 0) continue;
+          for (bool overlap : {true, false}) {
+            const NcclResult r = run_nccl(P, layout, overlap, have_bwd, repeats, q, k, v, dout, B, S, Hq, Hk, D, dt, prm);
+            const double hop_bytes = static_cast<double>(B * (S / P) * Hk * 2 * D * es);
+            const double ideal_f = t1_fwd / P, ideal_fb = (t1_fwd + t1_bwd) / P;
+            std::printf("{\"bench\": \"cp_nccl\", \"P\": %d, \"layout\": \"%s\", \"overlap\": %d, \"seqlen\": %lld, "
+                        "\"tokens_per_rank\": %lld, \"causal\": %d, \"fwd_ms\": %.4f, \"fwd_ideal_ms\": %.4f, "
+                        "\"fwd_efficiency\": %.3f, \"fwd_bwd_ms\": %.4f, \"fwd_bwd_ideal_ms\": %.4f, "
+                        "\"fwd_bwd_efficiency\": %.3f, \"hop_bytes\": %.0f, \"hop_ms\": %.4f, \"hop_gbps\": %.1f}\n",
+                        P, lname, overlap, (long long)S, (long long)(S / P), causal, r.fwd_s * 1e3, ideal_f * 1e3,
+                        ideal_f / r.fwd_s, r.fwd_bwd_s * 1e3, ideal_fb * 1e3, have_bwd ? ideal_fb / r.fwd_bwd_s : 0.0,
+                        hop_bytes, r.hop_s * 1e3, hop_bytes / r.hop_s / 1e9);
+            std::printf("| %d | %s | %s | %lld | %.3f | %.3f | %.2f | %.3f | %.3f | %.2f | %.3f | %.0f |\n", P, lname,
+                        overlap ? "yes" : "no", (long long)(S / P), r.fwd_s * 1e3, ideal_f * 1e3, ideal_f / r.fwd_s,
+                        r.fwd_bwd_s * 1e3, ideal_fb * 1e3, have_bwd ? ideal_fb / r.fwd_bwd_s : 0.0, r.hop_s * 1e3,
+                        hop_bytes / r.hop_s / 1e9);
+            std::fflush(stdout);
+          }
+        }
+      }
+      return 0;
+    }
 
     struct Row {
       int P;

@@ -195,6 +195,16 @@ TEST(ContextParallelApi, RejectsWhatItCannotDo) {
                           q5.view({1, 5, 2, 8}), lse.view({1, 2, 5}), AttnParams{}, CpLayout::zigzag),
                Error);
   EXPECT_THROW(make_nccl_communicator(nullptr), Error);
+  // A group needs distinct visible devices; every refusal names the argument.
+  for (const std::vector<int>& devs : {std::vector<int>{}, std::vector<int>{-1}, std::vector<int>{0, 0},
+                                       std::vector<int>{1 << 20}}) {
+    try {
+      make_nccl_group(devs);
+      FAIL() << "make_nccl_group accepted " << devs.size() << " devices";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("devices"), std::string::npos) << e.what();
+    }
+  }
 }
 
 }  // namespace

@@ -31,12 +31,14 @@ struct NcclCase {
   bool causal;
   CpLayout layout;
   int64_t heads_q, heads_kv;
+  bool group = false;  // the communicators from make_nccl_group instead of the caller's ncclComm_t
 };
 
 std::string label(const ::testing::TestParamInfo<NcclCase>& i) {
   const NcclCase& c = i.param;
   return "P" + std::to_string(c.P) + (c.causal ? "_causal" : "_full") +
-         (c.layout == CpLayout::zigzag ? "_zigzag" : "_contiguous") + "_gqa" + std::to_string(c.heads_q / c.heads_kv);
+         (c.layout == CpLayout::zigzag ? "_zigzag" : "_contiguous") + "_gqa" + std::to_string(c.heads_q / c.heads_kv) +
+         (c.group ? "_group" : "");
 }
 
 TensorView host_view(detail::Buffer& b, std::initializer_list<int64_t> shape) {
@@ -91,10 +93,16 @@ TEST_P(ContextParallelNccl, MatchesSingleGpu) {
   }
 
   // P ranks through NCCL.
-  std::vector<ncclComm_t> comms(static_cast<size_t>(P));
+  std::vector<ncclComm_t> comms;
   std::vector<int> devs(static_cast<size_t>(P));
   for (int r = 0; r < P; ++r) devs[static_cast<size_t>(r)] = r;
-  NCCL_OK(ncclCommInitAll(comms.data(), static_cast<int>(P), devs.data()));
+  std::vector<std::unique_ptr<Communicator>> group;
+  if (c.group) {
+    group = make_nccl_group(devs);
+  } else {
+    comms.resize(static_cast<size_t>(P));
+    NCCL_OK(ncclCommInitAll(comms.data(), static_cast<int>(P), devs.data()));
+  }
   detail::Buffer o_cp(dt, nq), lse_cp(DType::f32, B * Hq * S), dq_cp(dt, nq), dk_cp(dt, nk), dv_cp(dt, nk);
   for (detail::Buffer* b : {&o_cp, &lse_cp, &dq_cp, &dk_cp, &dv_cp}) b->poison();
   std::vector<std::exception_ptr> errors(static_cast<size_t>(P));
@@ -103,7 +111,9 @@ TEST_P(ContextParallelNccl, MatchesSingleGpu) {
     threads.emplace_back([&, r] {
       try {
         if (cudaSetDevice(r) != cudaSuccess) throw std::runtime_error("cudaSetDevice");
-        auto comm = make_nccl_communicator(comms[static_cast<size_t>(r)]);
+        std::unique_ptr<Communicator> own;
+        if (!c.group) own = make_nccl_communicator(comms[static_cast<size_t>(r)]);
+        Communicator& comm = c.group ? *group[static_cast<size_t>(r)] : *own;
         cudaStream_t stream = nullptr;
         if (cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking) != cudaSuccess)
           throw std::runtime_error("cudaStreamCreate");
@@ -125,10 +135,10 @@ TEST_P(ContextParallelNccl, MatchesSingleGpu) {
         const TensorView lq = device_view(gq, {B, L, Hq, D}, r), lk = device_view(gk, {B, L, Hk, D}, r),
                          lv = device_view(gv, {B, L, Hk, D}, r), lo = device_view(go, {B, L, Hq, D}, r),
                          ldo = device_view(gdo, {B, L, Hq, D}, r), llse = device_view(glse, {B, Hq, L}, r);
-        cp_forward(*comm, lq, lk, lv, lo, llse, prm, c.layout, rc);
+        cp_forward(comm, lq, lk, lv, lo, llse, prm, c.layout, rc);
         Gradients gl{device_view(gdq, {B, L, Hq, D}, r), device_view(gdk, {B, L, Hk, D}, r),
                      device_view(gdv, {B, L, Hk, D}, r), {}};
-        cp_backward(*comm, lq, lk, lv, lo, ldo, llse, gl, prm, c.layout, rc);
+        cp_backward(comm, lq, lk, lv, lo, ldo, llse, gl, prm, c.layout, rc);
         cudaStreamSynchronize(stream);
         // Download and gather on the host.
         detail::Buffer ho = host_local(Hq), hdq = host_local(Hq), hdk = host_local(Hk), hdv = host_local(Hk);
@@ -167,6 +177,8 @@ std::vector<NcclCase> cases() {
     for (bool causal : {false, true})
       for (CpLayout l : {CpLayout::contiguous, CpLayout::zigzag}) v.push_back({P, causal, l, 8, 2});
   v.push_back({2, true, CpLayout::zigzag, 4, 4});
+  v.push_back({2, true, CpLayout::zigzag, 8, 1, true});
+  v.push_back({2, false, CpLayout::contiguous, 8, 8, true});
   return v;
 }
 

@@ -13,6 +13,9 @@
 #   bwdtune (not in the default stages; ~1 min build of the target alone + <= GPU_CHECK_BWDTUNE_BUDGET
 #      s of runs): ioattn_cuda_bwd_tune, the backward tile sweep -> bwdtune.json (JSON lines) and a
 #      best-per-shape table in the summary. Alone: GPU_CHECK_STAGES=bwdtune tools/gpu-check.sh OUT
+#   cpnccl (not in the default stages; needs >= 2 GPUs, ~2-3 min): test_cp_nccl (ring vs one GPU through
+#      NCCL), then ioattn_bench_cp --nccl 1 at GPU_CHECK_CP_TOKENS tokens per GPU (default 8192 16384
+#      32768), causal and not, with and without overlap -> cp_nccl.json and tables in the summary.
 #   report (not in the default stages; ~4-5 min): tools/report/report.sh — ioattn bench sweeps (CPU
 #      and CUDA), Nsight Compute DRAM traffic vs the model, ceilings, charts; packed into report.tgz.
 #      Run it with the stages that write its peer inputs: GPU_CHECK_STAGES="build bench sm90 report"
@@ -154,6 +157,29 @@ if want cp; then
   NCCL_NVLS_ENABLE=0 "$BUILD/bench/ioattn_bench_cp" --seqlen 32768 --heads 16 --head-dim 128 --ranks 1,2,4,8 \
     >"$OUT/cp.log" 2>&1
   note "cp bench   rc=$?  $(( $(stamp) - t0 )) s  (cp.log)"
+fi
+
+# ---- ring attention over NCCL on every visible GPU (stage cpnccl; multi-GPU machines) ------------
+if want cpnccl; then
+  t0=$(stamp)
+  export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+  ngpu=$(nvidia-smi -L 2>/dev/null | wc -l)
+  "$BUILD/tests/test_cp_nccl" >"$OUT/cp_nccl_test.log" 2>&1
+  note "cp_nccl    rc=$?  $(( $(stamp) - t0 )) s  $ngpu GPUs  $(grep -E '^\[  (PASSED|FAILED|SKIPPED) ' "$OUT/cp_nccl_test.log" | sort | uniq -c | tr -s ' ' | tr '\n' ';')"
+  ranks=$(seq -s, 2 "$ngpu" | sed 's/,$//')
+  : >"$OUT/cp_nccl.log"
+  for tok in ${GPU_CHECK_CP_TOKENS:-8192 16384 32768}; do
+    for causal in 1 0; do
+      t1=$(stamp)
+      for P in ${ranks//,/ }; do
+        "$BUILD/bench/ioattn_bench_cp" --nccl 1 --ranks "$P" --seqlen $((tok * P)) --heads 16 --head-dim 128 \
+          --causal $causal --repeats 5 >>"$OUT/cp_nccl.log" 2>&1
+        note "cp nccl    rc=$?  $(( $(stamp) - t1 )) s  P=$P tokens/GPU=$tok causal=$causal"
+      done
+    done
+  done
+  grep '^{' "$OUT/cp_nccl.log" >"$OUT/cp_nccl.json"
+  grep -E '^(## ring|\| )' "$OUT/cp_nccl.log" | tee -a "$SUMMARY" >/dev/null
 fi
 
 # ---- 7. Python package: pip install with CUDA, pytest with torch (CUDA, autograd, compile) -------

@@ -40,6 +40,10 @@ std::vector<std::unique_ptr<Communicator>> make_loopback_group(int size);
 // NCCL communicator over the caller's ncclComm_t (passed as void*). Throws ioattn::Error when this
 // build has no NCCL.
 std::unique_ptr<Communicator> make_nccl_communicator(void* nccl_comm);
+// One process driving several GPUs: ncclCommInitAll over `devices` (distinct, visible), one
+// communicator per rank (rank r on devices[r]) that owns and destroys its ncclComm_t. Run rank
+// r's calls on its own thread with devices[r] current. Throws ioattn::Error without NCCL.
+std::vector<std::unique_ptr<Communicator>> make_nccl_group(const std::vector<int>& devices);
 bool nccl_compiled();
 
 enum class CpLayout : uint8_t { contiguous, zigzag };

@@ -82,7 +82,7 @@ void cuda_check(cudaError_t e, const char* what) {
 // computation and the transfer overlap.
 class Nccl final : public Communicator {
  public:
-  explicit Nccl(ncclComm_t comm) : comm_(comm) {
+  Nccl(ncclComm_t comm, bool owns) : comm_(comm), owns_(owns) {
     nccl_check(ncclCommUserRank(comm_, &rank_), "ncclCommUserRank");
     nccl_check(ncclCommCount(comm_, &size_), "ncclCommCount");
     cuda_check(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "cudaStreamCreate");
@@ -94,6 +94,7 @@ class Nccl final : public Communicator {
     cudaEventDestroy(ready_);
     cudaEventDestroy(done_);
     cudaStreamDestroy(stream_);
+    if (owns_) ncclCommDestroy(comm_);
   }
   int rank() const override { return rank_; }
   int size() const override { return size_; }
@@ -115,6 +116,7 @@ class Nccl final : public Communicator {
 
  private:
   ncclComm_t comm_;
+  bool owns_;
   int rank_ = 0, size_ = 1;
   cudaStream_t stream_ = nullptr;
   cudaEvent_t ready_ = nullptr, done_ = nullptr;
@@ -142,10 +144,41 @@ bool nccl_compiled() {
 std::unique_ptr<Communicator> make_nccl_communicator(void* nccl_comm) {
 #ifdef IOATTN_WITH_NCCL
   if (!nccl_comm) throw Error("nccl_comm", "ioattn: argument 'nccl_comm': expected an ncclComm_t, got null");
-  return std::make_unique<Nccl>(static_cast<ncclComm_t>(nccl_comm));
+  return std::make_unique<Nccl>(static_cast<ncclComm_t>(nccl_comm), false);
 #else
   (void)nccl_comm;
   throw Error("nccl_comm", "ioattn: argument 'nccl_comm': expected a build with NCCL, got a build without it");
+#endif
+}
+
+std::vector<std::unique_ptr<Communicator>> make_nccl_group(const std::vector<int>& devices) {
+#ifdef IOATTN_WITH_NCCL
+  if (devices.empty()) throw Error("devices", "ioattn: argument 'devices': expected >= 1 CUDA device, got none");
+  int count = 0;
+  if (cudaGetDeviceCount(&count) != cudaSuccess) count = 0;  // no driver or no GPU: nothing is visible
+  for (size_t i = 0; i < devices.size(); ++i) {
+    if (devices[i] < 0 || devices[i] >= count)
+      throw Error("devices", "ioattn: argument 'devices[" + std::to_string(i) + "]': expected a CUDA device in [0, " +
+                                 std::to_string(count) + "), got " + std::to_string(devices[i]));
+    for (size_t j = 0; j < i; ++j)
+      if (devices[j] == devices[i])
+        throw Error("devices", "ioattn: argument 'devices': expected distinct devices, got " +
+                                   std::to_string(devices[i]) + " twice");
+  }
+  std::vector<ncclComm_t> comms(devices.size());
+  nccl_check(ncclCommInitAll(comms.data(), static_cast<int>(devices.size()), devices.data()), "ncclCommInitAll");
+  std::vector<std::unique_ptr<Communicator>> out;
+  int prev = 0;
+  cuda_check(cudaGetDevice(&prev), "cudaGetDevice");
+  for (size_t r = 0; r < devices.size(); ++r) {
+    cuda_check(cudaSetDevice(devices[r]), "cudaSetDevice");  // the communicator's stream lives there
+    out.push_back(std::make_unique<Nccl>(comms[r], true));
+  }
+  cuda_check(cudaSetDevice(prev), "cudaSetDevice");
+  return out;
+#else
+  (void)devices;
+  throw Error("devices", "ioattn: argument 'devices': expected a build with NCCL, got a build without it");
 #endif
 }
 
