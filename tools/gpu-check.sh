@@ -164,7 +164,8 @@ if want cpnccl; then
   t0=$(stamp)
   export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
   ngpu=$(nvidia-smi -L 2>/dev/null | wc -l)
-  "$BUILD/tests/test_cp_nccl" >"$OUT/cp_nccl_test.log" 2>&1
+  # A rank that faults leaves its partner waiting in NCCL: bound every run (rc 124 = hung).
+  NCCL_DEBUG=WARN timeout 240 "$BUILD/tests/test_cp_nccl" >"$OUT/cp_nccl_test.log" 2>&1
   note "cp_nccl    rc=$?  $(( $(stamp) - t0 )) s  $ngpu GPUs  $(grep -E '^\[  (PASSED|FAILED|SKIPPED) ' "$OUT/cp_nccl_test.log" | sort | uniq -c | tr -s ' ' | tr '\n' ';')"
   ranks=$(seq -s, 2 "$ngpu" | sed 's/,$//')
   : >"$OUT/cp_nccl.log"
@@ -172,7 +173,7 @@ if want cpnccl; then
     for causal in 1 0; do
       t1=$(stamp)
       for P in ${ranks//,/ }; do
-        "$BUILD/bench/ioattn_bench_cp" --nccl 1 --ranks "$P" --seqlen $((tok * P)) --heads 16 --head-dim 128 \
+        NCCL_DEBUG=WARN timeout 150 "$BUILD/bench/ioattn_bench_cp" --nccl 1 --ranks "$P" --seqlen $((tok * P)) --heads 16 --head-dim 128 \
           --causal $causal --repeats 5 >>"$OUT/cp_nccl.log" 2>&1
         note "cp nccl    rc=$?  $(( $(stamp) - t1 )) s  P=$P tokens/GPU=$tok causal=$causal"
       done

@@ -156,6 +156,23 @@ cudaMemPool_t ring_pool() {
   if (e != cudaSuccess) throw Error("cuda", std::string("ioattn: cudaMemPoolCreate failed: ") + cudaGetErrorString(e));
   uint64_t keep = ~uint64_t{0};
   cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &keep);
+  // Pool memory is private to its device unless access is granted, and NCCL's send/recv between
+  // GPUs of one process reads and writes user buffers directly over P2P (P2P/direct pointer):
+  // without this a peer's kernel faults on the ring buffers and its partner waits forever.
+  int count = 0;
+  if (cudaGetDeviceCount(&count) != cudaSuccess) count = 0;
+  for (int peer = 0; peer < count; ++peer) {
+    int can = 0;
+    if (peer == dev || cudaDeviceCanAccessPeer(&can, peer, dev) != cudaSuccess || !can) continue;
+    cudaMemAccessDesc access{};
+    access.location.type = cudaMemLocationTypeDevice;
+    access.location.id = peer;
+    access.flags = cudaMemAccessFlagsProtReadWrite;
+    e = cudaMemPoolSetAccess(pool, &access, 1);
+    if (e != cudaSuccess)
+      throw Error("cuda", "ioattn: cudaMemPoolSetAccess(device " + std::to_string(peer) + ") failed: " +
+                              cudaGetErrorString(e));
+  }
   pools[dev] = pool;
   return pool;
 }
