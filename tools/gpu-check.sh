@@ -166,10 +166,16 @@ if want cpnccl; then
   ngpu=$(nvidia-smi -L 2>/dev/null | wc -l)
   # A rank that faults leaves its partner waiting in NCCL: bound every run (rc 124 = hung).
   NCCL_DEBUG=WARN timeout 240 "$BUILD/tests/test_cp_nccl" >"$OUT/cp_nccl_test.log" 2>&1
-  note "cp_nccl    rc=$?  $(( $(stamp) - t0 )) s  $ngpu GPUs  $(grep -E '^\[  (PASSED|FAILED|SKIPPED) ' "$OUT/cp_nccl_test.log" | sort | uniq -c | tr -s ' ' | tr '\n' ';')"
+  rc=$?
+  note "cp_nccl    rc=$rc  $(( $(stamp) - t0 )) s  $ngpu GPUs  $(grep -E '^\[  (PASSED|FAILED|SKIPPED) ' "$OUT/cp_nccl_test.log" | sort | uniq -c | tr -s ' ' | tr '\n' ';')"
   ranks=$(seq -s, 2 "$ngpu" | sed 's/,$//')
+  if [[ $rc != 0 ]]; then
+    ranks=""
+    note "cp nccl bench skipped: the NCCL test failed"
+    tail -30 "$OUT/cp_nccl_test.log" | tee -a "$SUMMARY"
+  fi
   : >"$OUT/cp_nccl.log"
-  for tok in ${GPU_CHECK_CP_TOKENS:-8192 16384 32768}; do
+  for tok in ${ranks:+${GPU_CHECK_CP_TOKENS:-8192 16384 32768}}; do
     for causal in 1 0; do
       t1=$(stamp)
       for P in ${ranks//,/ }; do
