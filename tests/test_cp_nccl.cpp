@@ -9,6 +9,7 @@
 #include <nccl.h>
 
 #include <cmath>
+#include <cstdio>
 #include <cstdlib>
 #include <exception>
 #include <random>
@@ -92,7 +93,8 @@ TEST_P(ContextParallelNccl, MatchesSingleGpu) {
       detail::cuda_copy_to_host(h->host(), g->data(), h->bytes());
   }
 
-  // P ranks through NCCL.
+  // P ranks through NCCL. Progress goes to stderr: a hang in NCCL shows where it stopped.
+  std::fprintf(stderr, "[cp_nccl] single GPU done; NCCL init over %d GPUs\n", static_cast<int>(P));
   std::vector<ncclComm_t> comms;
   std::vector<int> devs(static_cast<size_t>(P));
   for (int r = 0; r < P; ++r) devs[static_cast<size_t>(r)] = r;
@@ -103,6 +105,7 @@ TEST_P(ContextParallelNccl, MatchesSingleGpu) {
     comms.resize(static_cast<size_t>(P));
     NCCL_OK(ncclCommInitAll(comms.data(), static_cast<int>(P), devs.data()));
   }
+  std::fprintf(stderr, "[cp_nccl] NCCL communicators ready\n");
   detail::Buffer o_cp(dt, nq), lse_cp(DType::f32, B * Hq * S), dq_cp(dt, nq), dk_cp(dt, nk), dv_cp(dt, nk);
   for (detail::Buffer* b : {&o_cp, &lse_cp, &dq_cp, &dk_cp, &dv_cp}) b->poison();
   std::vector<std::exception_ptr> errors(static_cast<size_t>(P));
@@ -135,11 +138,14 @@ TEST_P(ContextParallelNccl, MatchesSingleGpu) {
         const TensorView lq = device_view(gq, {B, L, Hq, D}, r), lk = device_view(gk, {B, L, Hk, D}, r),
                          lv = device_view(gv, {B, L, Hk, D}, r), lo = device_view(go, {B, L, Hq, D}, r),
                          ldo = device_view(gdo, {B, L, Hq, D}, r), llse = device_view(glse, {B, Hq, L}, r);
+        std::fprintf(stderr, "[cp_nccl] rank %d: forward\n", r);
         cp_forward(comm, lq, lk, lv, lo, llse, prm, c.layout, rc);
+        std::fprintf(stderr, "[cp_nccl] rank %d: backward\n", r);
         Gradients gl{device_view(gdq, {B, L, Hq, D}, r), device_view(gdk, {B, L, Hk, D}, r),
                      device_view(gdv, {B, L, Hk, D}, r), {}};
         cp_backward(comm, lq, lk, lv, lo, ldo, llse, gl, prm, c.layout, rc);
         cudaStreamSynchronize(stream);
+        std::fprintf(stderr, "[cp_nccl] rank %d: done\n", r);
         // Download and gather on the host.
         detail::Buffer ho = host_local(Hq), hdq = host_local(Hq), hdk = host_local(Hk), hdv = host_local(Hk);
         detail::Buffer hlse(DType::f32, B * Hq * L);
