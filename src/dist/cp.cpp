@@ -55,8 +55,12 @@ TensorView rows(const TensorView& t, int dim, int64_t off, int64_t len) {
   return r;
 }
 
-TensorView contiguous(void* data, DType dt, std::initializer_list<int64_t> shape, Device dev) {
-  return TensorView::contiguous(data, dt, shape, dev);
+// Scratch views carry the device ordinal of the call's tensors: the block forward/backward checks
+// that every tensor lives on the device its view names (rank r of an NCCL ring runs on GPU r).
+TensorView contiguous(void* data, DType dt, std::initializer_list<int64_t> shape, Device dev, int device_index) {
+  TensorView t = TensorView::contiguous(data, dt, shape, dev);
+  t.device_index = device_index;
+  return t;
 }
 
 struct Shapes {
@@ -99,20 +103,21 @@ AttnParams block_params(const AttnParams& params, Pair pair) {
 
 // The travelling K/V shard: [K | V] contiguous, each [B, L, Hk, D|Dv].
 struct KvRing {
-  KvRing(const Shapes& s, DType dt, Device dev, void* stream)
+  KvRing(const Shapes& s, DType dt, Device dev, int index, void* stream)
       : k_bytes(static_cast<size_t>(s.B * s.L * s.Hk * s.D * dtype_size(dt))),
         v_bytes(static_cast<size_t>(s.B * s.L * s.Hk * s.Dv * dtype_size(dt))),
-        a(dev, k_bytes + v_bytes, stream), b(dev, k_bytes + v_bytes, stream), shapes(s), dtype(dt), device(dev) {}
+        a(dev, k_bytes + v_bytes, stream), b(dev, k_bytes + v_bytes, stream), shapes(s), dtype(dt), device(dev), device_index(index) {}
   size_t k_bytes, v_bytes;
   Scratch a, b;
   Shapes shapes;
   DType dtype;
   Device device;
+  int device_index;
   TensorView k(void* base) const {
-    return contiguous(base, dtype, {shapes.B, shapes.L, shapes.Hk, shapes.D}, device);
+    return contiguous(base, dtype, {shapes.B, shapes.L, shapes.Hk, shapes.D}, device, device_index);
   }
   TensorView v(void* base) const {
-    return contiguous(static_cast<char*>(base) + k_bytes, dtype, {shapes.B, shapes.L, shapes.Hk, shapes.Dv}, device);
+    return contiguous(static_cast<char*>(base) + k_bytes, dtype, {shapes.B, shapes.L, shapes.Hk, shapes.Dv}, device, device_index);
   }
 };
 
@@ -130,7 +135,7 @@ KernelChoice cp_forward(Communicator& comm, const TensorView& q, const TensorVie
   // Validate the local problem once through the ordinary forward path (no work: select only).
   select_forward(q, k, v, o, lse, params, ctx);
 
-  KvRing ring(s, q.dtype, dev, ctx.stream);
+  KvRing ring(s, q.dtype, dev, q.device_index, ctx.stream);
   detail::dist::copy(ring.k(ring.a.get()), k, ctx.stream);
   detail::dist::copy(ring.v(ring.a.get()), v, ctx.stream);
   // fp32 running state and one block's partial result (input dtype, as the forward writes it).
@@ -138,8 +143,8 @@ KernelChoice cp_forward(Communicator& comm, const TensorView& q, const TensorVie
   Scratch o_acc_m(dev, static_cast<size_t>(s.B * s.L * s.Hq * s.Dv * 4), st), lse_acc_m(dev, static_cast<size_t>(s.B * s.Hq * s.L * 4), st);
   Scratch o_part_m(dev, static_cast<size_t>(s.B * s.L * s.Hq * s.Dv * dtype_size(q.dtype)), st);
   Scratch lse_part_m(dev, static_cast<size_t>(s.B * s.Hq * s.L * 4), st);
-  const TensorView o_acc = contiguous(o_acc_m.get(), DType::f32, {s.B, s.L, s.Hq, s.Dv}, dev);
-  const TensorView lse_acc = contiguous(lse_acc_m.get(), DType::f32, {s.B, s.Hq, s.L}, dev);
+  const TensorView o_acc = contiguous(o_acc_m.get(), DType::f32, {s.B, s.L, s.Hq, s.Dv}, dev, q.device_index);
+  const TensorView lse_acc = contiguous(lse_acc_m.get(), DType::f32, {s.B, s.Hq, s.L}, dev, q.device_index);
   detail::dist::fill_f32(o_acc, 0.0f, ctx.stream);
   detail::dist::fill_f32(lse_acc, -std::numeric_limits<float>::infinity(), ctx.stream);
 
@@ -155,8 +160,8 @@ KernelChoice cp_forward(Communicator& comm, const TensorView& q, const TensorVie
       for (const Chunk& kch : chunks_of(src, P, s.L, layout)) {
         const Pair pair = classify(qc, kch, params.causal);
         if (pair == Pair::skip) continue;
-        const TensorView o_part = contiguous(o_part_m.get(), q.dtype, {s.B, qc.len, s.Hq, s.Dv}, dev);
-        const TensorView lse_part = contiguous(lse_part_m.get(), DType::f32, {s.B, s.Hq, qc.len}, dev);
+        const TensorView o_part = contiguous(o_part_m.get(), q.dtype, {s.B, qc.len, s.Hq, s.Dv}, dev, q.device_index);
+        const TensorView lse_part = contiguous(lse_part_m.get(), DType::f32, {s.B, s.Hq, qc.len}, dev, q.device_index);
         last = forward(rows(q, 1, qc.offset, qc.len), rows(kc, 1, kch.offset, kch.len), rows(vc, 1, kch.offset, kch.len),
                        o_part, lse_part, block_params(params, pair), ctx);
         const TensorView oa = rows(o_acc, 1, qc.offset, qc.len), la = rows(lse_acc, 2, qc.offset, qc.len);
@@ -193,7 +198,7 @@ KernelChoice cp_backward(Communicator& comm, const TensorView& q, const TensorVi
              std::to_string(t->shape[i]));
   }
 
-  KvRing ring(s, q.dtype, dev, ctx.stream);
+  KvRing ring(s, q.dtype, dev, q.device_index, ctx.stream);
   detail::dist::copy(ring.k(ring.a.get()), k, ctx.stream);
   detail::dist::copy(ring.v(ring.a.get()), v, ctx.stream);
   // Travelling fp32 [dK | dV] accumulators, the local fp32 dQ, and one block's gradients.
@@ -204,11 +209,11 @@ KernelChoice cp_backward(Communicator& comm, const TensorView& q, const TensorVi
   const int64_t es = dtype_size(q.dtype);
   Scratch dq_part_m(dev, static_cast<size_t>(s.B * s.L * s.Hq * s.D * es), st);
   Scratch dk_part_m(dev, static_cast<size_t>(s.B * s.L * s.Hk * s.D * es), st), dv_part_m(dev, static_cast<size_t>(s.B * s.L * s.Hk * s.Dv * es), st);
-  auto dk_view = [&](void* base) { return contiguous(base, DType::f32, {s.B, s.L, s.Hk, s.D}, dev); };
+  auto dk_view = [&](void* base) { return contiguous(base, DType::f32, {s.B, s.L, s.Hk, s.D}, dev, q.device_index); };
   auto dv_view = [&](void* base) {
-    return contiguous(static_cast<char*>(base) + dk_bytes, DType::f32, {s.B, s.L, s.Hk, s.Dv}, dev);
+    return contiguous(static_cast<char*>(base) + dk_bytes, DType::f32, {s.B, s.L, s.Hk, s.Dv}, dev, q.device_index);
   };
-  const TensorView dq_acc = contiguous(dq_acc_m.get(), DType::f32, {s.B, s.L, s.Hq, s.D}, dev);
+  const TensorView dq_acc = contiguous(dq_acc_m.get(), DType::f32, {s.B, s.L, s.Hq, s.D}, dev, q.device_index);
   detail::dist::fill_f32(dq_acc, 0.0f, ctx.stream);
   detail::dist::fill_f32(dk_view(dkv_a.get()), 0.0f, ctx.stream);
   detail::dist::fill_f32(dv_view(dkv_a.get()), 0.0f, ctx.stream);
@@ -228,9 +233,9 @@ KernelChoice cp_backward(Communicator& comm, const TensorView& q, const TensorVi
         const Pair pair = classify(qc, kch, params.causal);
         if (pair == Pair::skip) continue;
         Gradients g;
-        g.dq = contiguous(dq_part_m.get(), q.dtype, {s.B, qc.len, s.Hq, s.D}, dev);
-        g.dk = contiguous(dk_part_m.get(), q.dtype, {s.B, kch.len, s.Hk, s.D}, dev);
-        g.dv = contiguous(dv_part_m.get(), q.dtype, {s.B, kch.len, s.Hk, s.Dv}, dev);
+        g.dq = contiguous(dq_part_m.get(), q.dtype, {s.B, qc.len, s.Hq, s.D}, dev, q.device_index);
+        g.dk = contiguous(dk_part_m.get(), q.dtype, {s.B, kch.len, s.Hk, s.D}, dev, q.device_index);
+        g.dv = contiguous(dv_part_m.get(), q.dtype, {s.B, kch.len, s.Hk, s.Dv}, dev, q.device_index);
         last = backward(rows(q, 1, qc.offset, qc.len), rows(kc, 1, kch.offset, kch.len),
                         rows(vc, 1, kch.offset, kch.len), rows(o, 1, qc.offset, qc.len),
                         rows(dout, 1, qc.offset, qc.len), rows(lse, 2, qc.offset, qc.len), g,
