@@ -157,8 +157,9 @@ cudaMemPool_t ring_pool() {
   uint64_t keep = ~uint64_t{0};
   cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &keep);
   // Pool memory is private to its device unless access is granted, and NCCL's send/recv between
-  // GPUs of one process reads and writes user buffers directly over P2P (P2P/direct pointer):
-  // without this a peer's kernel faults on the ring buffers and its partner waits forever.
+  // GPUs of one process may read and write user buffers directly over P2P (P2P/direct pointer,
+  // see NCCL_P2P_DIRECT_DISABLE): grant every peer that can reach this device access to the ring
+  // buffers.
   int count = 0;
   if (cudaGetDeviceCount(&count) != cudaSuccess) count = 0;
   for (int peer = 0; peer < count; ++peer) {
