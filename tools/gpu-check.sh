@@ -16,6 +16,9 @@
 #   cpnccl (not in the default stages; needs >= 2 GPUs, ~2-3 min): test_cp_nccl (ring vs one GPU through
 #      NCCL), then ioattn_bench_cp --nccl 1 at GPU_CHECK_CP_TOKENS tokens per GPU (default 8192 16384
 #      32768), causal and not, with and without overlap -> cp_nccl.json and tables in the summary.
+#   readbw (not in the default stages; ~30 s incl. its build): ioattn_cuda_readbw, the HBM read ceiling
+#      by load mechanism (LDG, cp.async with/without L2 prefetch hints, 1-D bulk copy) and access
+#      pattern (contiguous, the decode cache's rows) -> readbw.json and a table in the summary.
 #   report (not in the default stages; ~4-5 min): tools/report/report.sh — ioattn bench sweeps (CPU
 #      and CUDA), Nsight Compute DRAM traffic vs the model, ceilings, charts; packed into report.tgz.
 #      Run it with the stages that write its peer inputs: GPU_CHECK_STAGES="build bench sm90 report"
@@ -187,6 +190,16 @@ if want cpnccl; then
   done
   grep '^{' "$OUT/cp_nccl.log" >"$OUT/cp_nccl.json"
   grep -E '^(## ring|\| )' "$OUT/cp_nccl.log" | tee -a "$SUMMARY" >/dev/null
+fi
+
+# ---- HBM read ceiling by load mechanism (stage readbw) ------------------------------------------
+if want readbw; then
+  t0=$(stamp)
+  cmake --build "$BUILD" --target ioattn_cuda_readbw -j "$JOBS" >"$OUT/readbw.log" 2>&1 &&
+    "$BUILD/ioattn_cuda_readbw" --gib 2 --ctas-per-sm 1,2,3,4 >>"$OUT/readbw.log" 2>&1
+  note "readbw     rc=$?  $(( $(stamp) - t0 )) s  (readbw.log, readbw.json)"
+  grep '^{' "$OUT/readbw.log" >"$OUT/readbw.json"
+  sed -n '/^## read bandwidth/,$p' "$OUT/readbw.log" | tee -a "$SUMMARY" >/dev/null
 fi
 
 # ---- 7. Python package: pip install with CUDA, pytest with torch (CUDA, autograd, compile) -------

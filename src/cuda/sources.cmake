@@ -54,6 +54,12 @@ function(ioattn_cuda_extras)
     target_link_libraries(ioattn_cuda_bwd_tune PRIVATE ioattn::ioattn CUDA::cudart_static)
     target_include_directories(ioattn_cuda_bwd_tune PRIVATE ${PROJECT_SOURCE_DIR}/src)
     target_compile_options(ioattn_cuda_bwd_tune PRIVATE $<$<COMPILE_LANGUAGE:CUDA>:-Xptxas=-v>)
+    # Read-bandwidth ceiling by load mechanism (ldg, cp.async +- L2 prefetch hints, 1-D bulk copy)
+    # for the decode loader; Hopper only (gpu-check stage readbw; not part of `all`).
+    add_executable(ioattn_cuda_readbw EXCLUDE_FROM_ALL ${PROJECT_SOURCE_DIR}/src/cuda/bench_readbw.cu)
+    set_target_properties(ioattn_cuda_readbw PROPERTIES CUDA_ARCHITECTURES 90a)
+    target_link_libraries(ioattn_cuda_readbw PRIVATE CUDA::cudart_static)
+    target_include_directories(ioattn_cuda_readbw PRIVATE ${PROJECT_SOURCE_DIR}/src ${PROJECT_SOURCE_DIR}/include)
     # Decode benchmark (JSON lines; bench/peer_decode.py runs it next to torch SDPA).
     add_executable(ioattn_cuda_decode_bench ${PROJECT_SOURCE_DIR}/src/cuda/bench_decode_cuda.cu)
     target_link_libraries(ioattn_cuda_decode_bench PRIVATE ioattn::ioattn CUDA::cudart_static)

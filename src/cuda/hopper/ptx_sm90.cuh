@@ -123,6 +123,18 @@ __device__ __forceinline__ void tma_load_4d(void* dst, const CUtensorMap* map, u
       : "memory");
 }
 
+// cp.async.bulk (non-tensor TMA): `bytes` contiguous bytes global -> shared, completing on `bar`
+// (the caller arms it with mbarrier_arrive_expect_tx first). No tensor map: any address, but
+// src, dst and bytes must be multiples of 16. One instruction moves up to the whole stage, where
+// cp.async needs one 16-byte instruction per thread per piece.
+__device__ __forceinline__ void bulk_load_1d(void* dst, const void* src, uint32_t bytes, uint64_t* bar) {
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(
+          smem_u32(dst)),
+      "l"(src), "r"(bytes), "r"(smem_u32(bar))
+      : "memory");
+}
+
 // fence.proxy.async.shared::cta: makes this thread's ordinary shared-memory writes visible to
 // the async proxy (wgmma operand reads, TMA stores) that a later barrier hands them to.
 __device__ __forceinline__ void fence_proxy_async() {

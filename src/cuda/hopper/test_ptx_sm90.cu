@@ -182,6 +182,61 @@ void test_mbarrier() {
   CHECK_CUDA(cudaFree(d));
 }
 
+// ---------------------------------------------------------------- bulk copy (1-D)
+// Two bulk copies of different sizes (a 16 KiB stage, then 256 + 48 bytes at odd 16-byte
+// offsets) complete one barrier phase each; the shared copy is written back and compared.
+__global__ void k_bulk(const uint8_t* src, uint8_t* out) {
+#if IOATTN_SM90A_ENABLED
+  __shared__ __align__(128) uint8_t s[16384];
+  __shared__ uint64_t bar;
+  if (threadIdx.x == 0) {
+    mbarrier_init(&bar, 1);
+    fence_mbarrier_init();
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    mbarrier_arrive_expect_tx(&bar, 16384);
+    bulk_load_1d(s, src, 16384, &bar);
+  }
+  mbarrier_wait(&bar, 0);
+  for (int i = threadIdx.x; i < 16384; i += blockDim.x) out[i] = s[i];
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    mbarrier_arrive_expect_tx(&bar, 256 + 48);
+    bulk_load_1d(s + 16, src + 16384 + 32, 256, &bar);
+    bulk_load_1d(s + 512, src + 16384 + 1008, 48, &bar);
+  }
+  mbarrier_wait(&bar, 1);
+  for (int i = threadIdx.x; i < 256; i += blockDim.x) out[16384 + i] = s[16 + i];
+  for (int i = threadIdx.x; i < 48; i += blockDim.x) out[16384 + 256 + i] = s[512 + i];
+#endif
+}
+
+void test_bulk() {
+  const int n_src = 16384 + 2048, n_out = 16384 + 256 + 48;
+  std::vector<uint8_t> h(n_src);
+  for (int i = 0; i < n_src; ++i) h[i] = static_cast<uint8_t>(i * 37 + (i >> 8));
+  uint8_t *src, *out;
+  CHECK_CUDA(cudaMalloc(&src, n_src));
+  CHECK_CUDA(cudaMalloc(&out, n_out));
+  CHECK_CUDA(cudaMemcpy(src, h.data(), n_src, cudaMemcpyHostToDevice));
+  CHECK_CUDA(cudaMemset(out, 0, n_out));
+  k_bulk<<<1, 128>>>(src, out);
+  CHECK_CUDA(cudaGetLastError());
+  CHECK_CUDA(cudaDeviceSynchronize());
+  std::vector<uint8_t> o(n_out);
+  CHECK_CUDA(cudaMemcpy(o.data(), out, n_out, cudaMemcpyDeviceToHost));
+  int bad = 0;
+  for (int i = 0; i < 16384; ++i) bad += o[i] != h[i];
+  for (int i = 0; i < 256; ++i) bad += o[16384 + i] != h[16384 + 32 + i];
+  for (int i = 0; i < 48; ++i) bad += o[16384 + 256 + i] != h[16384 + 1008 + i];
+  char buf[96];
+  std::snprintf(buf, sizeof buf, "%d of %d bytes differ", bad, n_out);
+  report("bulk_load_1d", bad == 0, buf);
+  CHECK_CUDA(cudaFree(src));
+  CHECK_CUDA(cudaFree(out));
+}
+
 // ---------------------------------------------------------------- TMA
 // Copies a box into shared memory with TMA and writes it back un-swizzled, row-major
 // (rows x 64 columns per column block, cblocks blocks).
@@ -999,6 +1054,7 @@ int main() {
     return 0;
   }
   test_mbarrier();
+  test_bulk();
   test_tma();
   test_wgmma_ss<128, 128>("wgmma_ss m64n128 K=128");
   test_wgmma_ss<80, 256>("wgmma_ss m64n80 K=256");
