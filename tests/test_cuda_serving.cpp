@@ -323,6 +323,81 @@ TEST(CudaDecode, OutOfRangeLengthsAndPagesGiveNaNForThatSequenceOnly) {
   }
 }
 
+// IOATTN_DECODE_LOADER=bulk (sm_90, bf16/f16, head_dim 128): one 1-D bulk copy per K / V row
+// instead of cp.async. Same arithmetic on the same bytes, so bitwise equal to the default loader:
+// 8 and 16 rows per CTA, contiguous and paged (page 1 / 16 / 64), partial last tiles, empty
+// sequences, splits, and a block-table entry outside the cache (NaN for that sequence only).
+TEST(CudaDecode, BulkLoaderEqualsCpAsyncBitwise) {
+  SKIP_WITHOUT_GPU();
+  if (detail::cuda_device_arch(0) < 90) GTEST_SKIP() << "skipped: the bulk loader needs sm_90";
+  struct LoaderEnv {
+    explicit LoaderEnv(const char* v) { v ? setenv("IOATTN_DECODE_LOADER", v, 1) : unsetenv("IOATTN_DECODE_LOADER"); }
+    ~LoaderEnv() { unsetenv("IOATTN_DECODE_LOADER"); }
+  };
+  for (DType t : {DType::bf16, DType::f16})
+    for (int64_t hq : {32, 64})  // 4 and 8 rows per kv head: 8-row CTAs; 64/4 = 16 rows: two n-tiles
+      for (int64_t ps : {0, 1, 16, 64}) {
+        Spec c = on_cuda(mk("bulk", t));
+        c.hq = hq;
+        c.hkv = hq == 32 ? 8 : 4;
+        c.d = 128;
+        c.lens = {1500, 0, 63, 64, 65, 1};
+        c.page_size = ps;
+        const Values vals = make_values(c, 21);
+        for (int splits : {1, 3}) {
+          for (int bad_page = 0; bad_page < (ps ? 2 : 1); ++bad_page) {
+            Built base(c, vals), bulk(c, vals);
+            if (bad_page) {
+              for (Built* bl : {&base, &bulk}) {
+                bl->table[static_cast<size_t>(0 * bl->width + 1)] = static_cast<int32_t>(bl->pages + 3);
+                bl->bt.fill_i32(bl->table);
+              }
+            }
+            {
+              LoaderEnv env(nullptr);
+              const KernelChoice k = base.run(splits);
+              EXPECT_EQ(k.kernel.find(" bulk"), std::string::npos) << k.kernel;
+            }
+            {
+              LoaderEnv env("bulk");
+              const KernelChoice k = bulk.run(splits);
+              EXPECT_NE(k.kernel.find(" mma bulk"), std::string::npos) << k.kernel;
+              EXPECT_NE(k.reason.find("IOATTN_DECODE_LOADER=bulk"), std::string::npos) << k.reason;
+            }
+            const std::string what = std::string(dtype_name(t)) + " hq " + std::to_string(hq) + " page " +
+                                     std::to_string(ps) + " splits " + std::to_string(splits) +
+                                     (bad_page ? " bad page" : "");
+            EXPECT_TRUE(bitwise_equal(bulk.outputs(), base.outputs()))
+                << what << ": max diff " << max_diff(bulk.outputs(), base.outputs());
+            if (!bad_page) expect_matches_reference(bulk, what);
+          }
+        }
+      }
+  // Where it does not apply (head_dim 64) the choice says so and runs the cp.async loader.
+  {
+    LoaderEnv env("bulk");
+    Spec c = on_cuda(mk("bulk64", DType::bf16));
+    c.lens = {100};
+    Built bl(c, make_values(c, 3));
+    const KernelChoice k = bl.run(1);
+    EXPECT_EQ(k.kernel.find(" bulk"), std::string::npos) << k.kernel;
+    EXPECT_NE(k.reason.find("IOATTN_DECODE_LOADER=bulk does not apply"), std::string::npos) << k.reason;
+    expect_matches_reference(bl, "bulk requested at head_dim 64");
+  }
+  {
+    LoaderEnv env("tma");
+    Spec c = on_cuda(mk("bulkbad", DType::bf16));
+    c.lens = {10};
+    Built bl(c, make_values(c, 3));
+    try {
+      bl.run(1);
+      ADD_FAILURE() << "IOATTN_DECODE_LOADER=tma accepted";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("IOATTN_DECODE_LOADER"), std::string::npos) << e.what();
+    }
+  }
+}
+
 // ---- 8-bit KV --------------------------------------------------------------------------------
 
 // As DecodeQuant.EightBitWithinQuantisationBound (test_serving.cpp): at fp32 level against the

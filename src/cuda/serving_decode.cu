@@ -479,6 +479,16 @@ std::string forced_kernel() {
   return e ? std::string(e) : std::string();
 }
 
+// IOATTN_DECODE_LOADER=bulk | cp.async: the mma kernel's loader (an experiment; unset: cp.async).
+std::string forced_loader() {
+  const char* e = std::getenv("IOATTN_DECODE_LOADER");
+  return e ? std::string(e) : std::string();
+}
+
+bool use_bulk_loader(const detail::DecodeProblem& p, int arch) {
+  return forced_loader() == "bulk" && mma_bulk_supported(p.dtype, p.cache_dtype, p.head_dim, arch);
+}
+
 bool masked(const detail::DecodeProblem& p) { return p.causal || p.window_left >= 0 || p.window_right >= 0; }
 
 bool mma_applies(const detail::DecodeProblem& p) {
@@ -516,17 +526,27 @@ CudaSelection cuda_decode_select(const DecodeProblem& p, int arch) {
     return no("IOATTN_DECODE_KERNEL=" + force +
               ": the mma.sync decode kernel takes bf16/f16 q and cache of the same dtype, "
               "head_dim == head_dim_v in {64, 128, 256}, and seqlen_q 1 or no causal/window mask");
+  const std::string loader = forced_loader();
+  if (!loader.empty() && loader != "bulk" && loader != "cp.async")
+    return no("IOATTN_DECODE_LOADER must be bulk or cp.async (or unset), got '" + loader + "'");
   if (mma) {
     const int rows = mma_rows_per_cta(p.rows_per_group(), p.head_dim);
+    const bool bulk = use_bulk_loader(p, arch);
+    const std::string loader_why =
+        bulk ? "IOATTN_DECODE_LOADER=bulk: one 1-D bulk copy (TMA) per K / V row, stages completing on mbarriers"
+             : std::string(loader == "bulk" ? "IOATTN_DECODE_LOADER=bulk does not apply (needs sm90, bf16/f16 q and "
+                                              "cache of the same dtype, head_dim 128): "
+                                            : "") +
+                   "cp.async ring";
     const int64_t rbm = row_blocks_of(p.heads_q, p.heads_kv, p.seqlen_q, rows);
     const int stages = p.head_dim == 64 ? 4 : p.head_dim == 128 ? 3 : 2;
-    return {"cuda/splitkv sm" + std::to_string(arch) + " mma",
+    return {"cuda/splitkv sm" + std::to_string(arch) + " mma" + (bulk ? " bulk" : ""),
             std::string(force.empty() ? "" : "IOATTN_DECODE_KERNEL=mma; ") +
                 "mma.sync m16n8k16 with keys as M (S^T = K Q^T, O^T += V^T P^T, P^T by movmatrix, P = P_hi + "
                 "P_lo), 4 warps x 16 keys of 64-key tiles, " +
                 std::to_string(rows) + " query rows per CTA (" + std::to_string(p.rows_per_group()) +
                 " rows per kv head: " + std::to_string(rbm) + (rbm == 1 ? " block" : " blocks") + "), " +
-                std::to_string(stages) + "-stage cp.async ring" +
+                std::to_string(stages) + "-stage " + loader_why +
                 (p.paged() ? ", (page, slot) of each key prefetched into shared memory" : "")};
   }
   const int txl = tx_log2_for(std::max(p.head_dim, p.head_dim_v));
@@ -665,7 +685,8 @@ void cuda_decode(const DecodeProblem& p) {
 
   const bool pdl = use_pdl(p.device_index);
   if (mma) {
-    launch_decode_mma(dp, p.cache_dtype, grid, stream, pdl);
+    const bool bulk = forced_loader() == "bulk" && use_bulk_loader(p, detail::cuda_device_arch(p.device_index));
+    launch_decode_mma(dp, p.cache_dtype, grid, stream, pdl, bulk);
   } else {
     switch (p.cache_dtype) {
       case DType::bf16: launch_decode<__nv_bfloat16>(dp, grid, stream, pdl); break;

@@ -277,6 +277,9 @@ bool mma_decode_supported(DType dtype, DType cache, int64_t d, int64_t dv, int64
 // Query rows per CTA of the mma kernel: 8, or 16 when a kv head has more than 8 rows and
 // head_dim <= 128 (the grid's row blocks follow it).
 int mma_rows_per_cta(int64_t rows_per_group, int64_t head_dim);
-void launch_decode_mma(const DecodeParams& p, DType cache, int64_t grid, cudaStream_t stream, bool pdl);
+void launch_decode_mma(const DecodeParams& p, DType cache, int64_t grid, cudaStream_t stream, bool pdl,
+                       bool bulk = false);
+// The mma kernel's bulk-copy loader (IOATTN_DECODE_LOADER=bulk): sm_90, bf16/f16 q and cache, head_dim 128.
+bool mma_bulk_supported(DType dtype, DType cache, int64_t d, int arch);
 
 }  // namespace ioattn::cuda::serving

@@ -53,6 +53,7 @@
 #include <type_traits>
 
 #include "cuda/check.cuh"
+#include "cuda/hopper/ptx_sm90.cuh"
 #include "cuda/ptx.cuh"
 #include "cuda/serving.cuh"
 #include "cuda/serving_decode.cuh"
@@ -114,8 +115,19 @@ __device__ __forceinline__ uint32_t code2_to_f16x2(uint32_t w) {
   }
 }
 
+// Bulk-copy loader (kBulk, IOATTN_DECODE_LOADER=bulk; sm_90, 16-bit caches, head_dim 128): an
+// experiment against the cp.async loader. Each K / V row of a tile is one 1-D bulk copy (TMA,
+// cp.async.bulk) issued by its own lane (warp w: keys 16w..16w+15, lanes 0-15 the K rows, 16-31
+// the V rows), completing on the stage's mbarrier (4 arrivals: one per warp, with the warp's byte
+// count); rows outside [klo, khi) or with a bad page entry are zeroed by plain stores instead.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#define IOATTN_DECODE_BULK_ENABLED 1
+#else
+#define IOATTN_DECODE_BULK_ENABLED 0
+#endif
+
 // One CTA: (sequence, kv head, split, block of 8 * NT query rows); see the file comment.
-template <typename T, typename CT, int D, int NT>
+template <typename T, typename CT, int D, int NT, bool kBulk = false>
 __global__ void __launch_bounds__(kThreads) decode_mma_kernel(const DecodeParams p) {
   // 8-bit caches: codes become f16 in registers (T = __half); q (bf16 or f16) is loaded as f16.
   constexpr bool k8 = std::is_same_v<CT, E4m3> || std::is_same_v<CT, int8_t>;
@@ -128,6 +140,14 @@ __global__ void __launch_bounds__(kThreads) decode_mma_kernel(const DecodeParams
   __shared__ float row_m[ROWS], row_l[ROWS];
   __shared__ int row_bad[ROWS];
   __shared__ int2 pg_ring[STAGES][kBK];  // paged: (page, slot) of each key of the tiles in flight
+  static_assert(!kBulk || (!k8 && D == 128), "the bulk loader is built for 16-bit caches, head_dim 128");
+#if !IOATTN_DECODE_BULK_ENABLED
+  if constexpr (kBulk) {  // never launched below sm_90 (the host checks)
+    __trap();
+    return;
+  }
+#endif
+  __shared__ __align__(8) uint64_t full_bar[kBulk ? STAGES : 1];
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, t4 = lane & 3;
@@ -242,6 +262,37 @@ __global__ void __launch_bounds__(kThreads) decode_mma_kernel(const DecodeParams
   };
   auto issue_rows = [&](int tile) {  // the tile's K / V rows
     if (tile >= ntiles) return;
+#if IOATTN_DECODE_BULK_ENABLED
+    if constexpr (kBulk) {
+      const int slot = tile % STAGES, j = warp * 16 + (lane & 15);
+      const bool is_v = lane >= 16;
+      const int t = static_cast<int>(klo) + tile * kBK + j;
+      const bool in = t < khi32;
+      bool ok = in;
+      const uint8_t* src;
+      if (!paged) {
+        src = is_v ? p.v + w.hk * p.v_sh + w.b * p.v_sp + static_cast<int64_t>(t) * p.v_ss
+                   : p.k + w.hk * p.k_sh + w.b * p.k_sp + static_cast<int64_t>(t) * p.k_ss;
+      } else {
+        const int2 ps = pg_ring[slot][j];
+        ok = in && ps.x >= 0 && ps.x < p.num_pages;
+        pg_bad |= (in && !ok) ? 1 : 0;
+        const uint64_t page = static_cast<uint32_t>(ok ? ps.x : 0), sl = static_cast<uint32_t>(ps.y);
+        src = is_v ? p.v + w.hk * p.v_sh + (page * p.v_sp + sl * p.v_ss) : p.k + w.hk * p.k_sh + (page * p.k_sp + sl * p.k_ss);
+      }
+      uint8_t* dst = smem + slot * 2 * Tr::kTileBytes + (is_v ? Tr::kTileBytes : 0) + j * Tr::kPitch;
+      if (!ok) {
+#pragma unroll
+        for (int c = 0; c < Tr::kCPR; ++c) reinterpret_cast<uint4*>(dst)[c] = make_uint4(0, 0, 0, 0);
+      }
+      const uint32_t bytes = static_cast<uint32_t>(__popc(__ballot_sync(0xffffffffu, ok))) * (D * 2);
+      __syncwarp();  // the zeroed rows before the arrival that publishes the stage
+      if (lane == 0) sm90::mbarrier_arrive_expect_tx(&full_bar[slot], bytes);
+      __syncwarp();
+      if (ok) sm90::bulk_load_1d(dst, src, D * 2, &full_bar[slot]);
+      return;
+    }
+#endif
     const uint32_t dst0 = ring + (tile % STAGES) * 2 * Tr::kTileBytes;
     const int t0 = static_cast<int>(klo) + tile * kBK + j_ld0;
     if (!paged) {
@@ -303,6 +354,16 @@ __global__ void __launch_bounds__(kThreads) decode_mma_kernel(const DecodeParams
   }
   const float cap = p.softcap * kLog2e, inv_cap = p.softcap > 0.0f ? 1.0f / cap : 0.0f;
 
+#if IOATTN_DECODE_BULK_ENABLED
+  if constexpr (kBulk) {
+    if (tid == 0) {
+#pragma unroll
+      for (int s = 0; s < STAGES; ++s) sm90::mbarrier_init(&full_bar[s], 4);  // one arrival per warp
+      sm90::fence_mbarrier_init();
+    }
+    __syncthreads();
+  }
+#endif
   if (paged) {  // the entries of the first STAGES - 1 tiles, before their rows are issued
 #pragma unroll
     for (int s = 0; s < STAGES - 1; ++s) issue_pages(s);
@@ -322,6 +383,9 @@ __global__ void __launch_bounds__(kThreads) decode_mma_kernel(const DecodeParams
     ptx::cp_async_wait<STAGES - 2>();
     __syncthreads();
     issue(tile + STAGES - 1);
+#if IOATTN_DECODE_BULK_ENABLED
+    if constexpr (kBulk) sm90::mbarrier_wait(&full_bar[tile % STAGES], static_cast<uint32_t>((tile / STAGES) & 1));
+#endif
     const uint32_t kv = ptx::smem_u32(smem + (tile % STAGES) * 2 * Tr::kTileBytes);
     const uint32_t k_addr = kv + k_lane, v_addr = kv + Tr::kTileBytes + v_lane;
     const int key0 = static_cast<int>(klo) + tile * kBK + warp * 16 + g;  // keys of c0/c1; +8: c2/c3
@@ -502,12 +566,12 @@ __global__ void __launch_bounds__(kThreads) decode_mma_kernel(const DecodeParams
   write_outputs<ROWS>(p, w, 4, D, red, row_m, row_l, row_bad);
 }
 
-template <typename T, typename CT, int D, int NT>
+template <typename T, typename CT, int D, int NT, bool kBulk = false>
 void launch(const DecodeParams& p, int64_t grid, cudaStream_t stream, bool pdl) {
   constexpr int smem = MmaTraits<D, std::is_same_v<CT, T> ? 2 : 1>::kSmem;
   static_assert(smem >= 4 * 8 * NT * D * 4, "the warp merge reuses [4][ROWS][D] fp32 of the ring");
   static std::atomic<uint64_t> smem_set{0};
-  launch_decode_grid(&decode_mma_kernel<T, CT, D, NT>, smem_set, p, grid, smem, stream, pdl);
+  launch_decode_grid(&decode_mma_kernel<T, CT, D, NT, kBulk>, smem_set, p, grid, smem, stream, pdl);
 }
 
 }  // namespace
@@ -518,6 +582,10 @@ bool mma_decode_supported(DType dtype, DType cache, int64_t d, int64_t dv, int64
          (seqlen_q == 1 || !masked);
 }
 
+bool mma_bulk_supported(DType dtype, DType cache, int64_t d, int arch) {
+  return arch >= 90 && cache == dtype && (dtype == DType::bf16 || dtype == DType::f16) && d == 128;
+}
+
 int mma_rows_per_cta(int64_t rows_per_group, int64_t head_dim) {
   return rows_per_group > 8 && head_dim <= 128 ? 16 : 8;
 }
@@ -525,8 +593,14 @@ int mma_rows_per_cta(int64_t rows_per_group, int64_t head_dim) {
 namespace {
 // One (q / mma type, cache type): the head dim and n-tile switch.
 template <typename T, typename CT>
-void launch_dims(const DecodeParams& p, int64_t grid, cudaStream_t stream, bool pdl) {
+void launch_dims(const DecodeParams& p, int64_t grid, cudaStream_t stream, bool pdl, bool bulk) {
   const bool two = mma_rows_per_cta(p.rows, p.d) == 16;
+  if constexpr (std::is_same_v<T, CT>) {
+    if (bulk) {  // the caller checked mma_bulk_supported: head_dim 128, sm_90
+      two ? launch<T, CT, 128, 2, true>(p, grid, stream, pdl) : launch<T, CT, 128, 1, true>(p, grid, stream, pdl);
+      return;
+    }
+  }
   switch (p.d) {
     case 64: two ? launch<T, CT, 64, 2>(p, grid, stream, pdl) : launch<T, CT, 64, 1>(p, grid, stream, pdl); break;
     case 128: two ? launch<T, CT, 128, 2>(p, grid, stream, pdl) : launch<T, CT, 128, 1>(p, grid, stream, pdl); break;
@@ -536,12 +610,12 @@ void launch_dims(const DecodeParams& p, int64_t grid, cudaStream_t stream, bool 
 }
 }  // namespace
 
-void launch_decode_mma(const DecodeParams& p, DType cache, int64_t grid, cudaStream_t stream, bool pdl) {
+void launch_decode_mma(const DecodeParams& p, DType cache, int64_t grid, cudaStream_t stream, bool pdl, bool bulk) {
   switch (cache) {
-    case DType::bf16: launch_dims<__nv_bfloat16, __nv_bfloat16>(p, grid, stream, pdl); break;
-    case DType::f16: launch_dims<__half, __half>(p, grid, stream, pdl); break;
-    case DType::f8e4m3: launch_dims<__half, E4m3>(p, grid, stream, pdl); break;
-    case DType::i8: launch_dims<__half, int8_t>(p, grid, stream, pdl); break;
+    case DType::bf16: launch_dims<__nv_bfloat16, __nv_bfloat16>(p, grid, stream, pdl, bulk); break;
+    case DType::f16: launch_dims<__half, __half>(p, grid, stream, pdl, bulk); break;
+    case DType::f8e4m3: launch_dims<__half, E4m3>(p, grid, stream, pdl, false); break;
+    case DType::i8: launch_dims<__half, int8_t>(p, grid, stream, pdl, false); break;
     default: throw Error("cache.k_cache.dtype", "ioattn: the mma decode kernel takes bf16/f16/f8e4m3/i8 caches");
   }
 }
