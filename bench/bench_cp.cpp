@@ -256,6 +256,14 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "ioattn_bench_cp: --nccl 1 needs --device cuda\n");
     return 2;
   }
+  if (nccl && !nccl_compiled()) {
+    std::fprintf(stderr, "ioattn_bench_cp: --nccl 1 needs a build with NCCL (this one has none)\n");
+    return 2;
+  }
+  if (repeats < 1) {
+    std::fprintf(stderr, "ioattn_bench_cp: --repeats must be >= 1, got %d\n", repeats);
+    return 2;
+  }
   if (nccl) setenv("NCCL_NVLS_ENABLE", "0", 1);  // never NVLink multicast on a shared host
   const DType dt = dtype_s == "f32" ? DType::f32 : dtype_s == "f16" ? DType::f16 : DType::bf16;
   if (dev == Device::cuda && detail::cuda_device_count() == 0) {

@@ -152,6 +152,21 @@ if want decode; then
   PYTHONUNBUFFERED=1 python3 "$ROOT/bench/peer_decode.py" --bench "$BUILD/ioattn_cuda_decode_bench" \
     ${GPU_CHECK_DECODE_ARGS:-} --out "$OUT/peer_decode.json" >"$OUT/decode.log" 2>&1
   note "decode     rc=$?  $(( $(stamp) - t0 )) s  (decode.log, peer_decode.json)"
+  # The experimental bulk-copy loader (IOATTN_DECODE_LOADER=bulk): its bitwise test first (bounded:
+  # a wrong mbarrier count would spin for ever), then ioattn alone on the same grid -> decode_bulk.json.
+  if [[ ${GPU_CHECK_DECODE_BULK:-1} == 1 && -x $BUILD/test_cuda_serving ]]; then
+    t0=$(stamp)
+    timeout 180 "$BUILD/test_cuda_serving" --gtest_filter='CudaDecode.BulkLoader*' >"$OUT/decode_bulk.log" 2>&1
+    rc=$?
+    note "bulk test  rc=$rc  $(( $(stamp) - t0 )) s  (decode_bulk.log)"
+    if [[ $rc == 0 ]]; then
+      t0=$(stamp)
+      IOATTN_DECODE_LOADER=bulk timeout 300 "$BUILD/ioattn_cuda_decode_bench" --pages 0,16 --caches bf16 \
+        ${GPU_CHECK_DECODE_ARGS:-} >>"$OUT/decode_bulk.log" 2>&1
+      note "bulk bench rc=$?  $(( $(stamp) - t0 )) s  (decode_bulk.log, decode_bulk.json)"
+      grep '^{' "$OUT/decode_bulk.log" >"$OUT/decode_bulk.json"
+    fi
+  fi
 fi
 
 # ---- ring attention: time per rank vs single device / P, NVLink hop model -------------------------
@@ -196,7 +211,7 @@ fi
 if want readbw; then
   t0=$(stamp)
   cmake --build "$BUILD" --target ioattn_cuda_readbw -j "$JOBS" >"$OUT/readbw.log" 2>&1 &&
-    "$BUILD/ioattn_cuda_readbw" --gib 2 --ctas-per-sm 1,2,3,4 >>"$OUT/readbw.log" 2>&1
+    timeout 120 "$BUILD/ioattn_cuda_readbw" --gib 2 --ctas-per-sm 1,2,3,4 >>"$OUT/readbw.log" 2>&1
   note "readbw     rc=$?  $(( $(stamp) - t0 )) s  (readbw.log, readbw.json)"
   grep '^{' "$OUT/readbw.log" >"$OUT/readbw.json"
   sed -n '/^## read bandwidth/,$p' "$OUT/readbw.log" | tee -a "$SUMMARY" >/dev/null

@@ -534,8 +534,8 @@ CudaSelection cuda_decode_select(const DecodeProblem& p, int arch) {
     const bool bulk = use_bulk_loader(p, arch);
     const std::string loader_why =
         bulk ? "IOATTN_DECODE_LOADER=bulk: one 1-D bulk copy (TMA) per K / V row, stages completing on mbarriers"
-             : std::string(loader == "bulk" ? "IOATTN_DECODE_LOADER=bulk does not apply (needs sm90, bf16/f16 q and "
-                                              "cache of the same dtype, head_dim 128): "
+             : std::string(loader == "bulk" ? "IOATTN_DECODE_LOADER=bulk does not apply (needs sm90 and a build with "
+                                              "sm_90 code, bf16/f16 q and cache of the same dtype, head_dim 128): "
                                             : "") +
                    "cp.async ring";
     const int64_t rbm = row_blocks_of(p.heads_q, p.heads_kv, p.seqlen_q, rows);

@@ -583,7 +583,15 @@ bool mma_decode_supported(DType dtype, DType cache, int64_t d, int64_t dv, int64
 }
 
 bool mma_bulk_supported(DType dtype, DType cache, int64_t d, int arch) {
-  return arch >= 90 && cache == dtype && (dtype == DType::bf16 || dtype == DType::f16) && d == 128;
+  if (!(arch >= 90 && cache == dtype && (dtype == DType::bf16 || dtype == DType::f16) && d == 128)) return false;
+  // The device must run an image built for sm_90+ (a build for sm_80 only runs its PTX through
+  // the JIT on an H200, where the bulk kernel body is a trap): ask the loaded image.
+  cudaFuncAttributes a{};
+  if (cudaFuncGetAttributes(&a, decode_mma_kernel<__nv_bfloat16, __nv_bfloat16, 128, 1, true>) != cudaSuccess) {
+    cudaGetLastError();
+    return false;
+  }
+  return a.ptxVersion >= 90;
 }
 
 int mma_rows_per_cta(int64_t rows_per_group, int64_t head_dim) {

@@ -5,6 +5,7 @@
 #include <string>
 #include <vector>
 
+#include "core/backends.hpp"
 #include "dist/ops.hpp"
 #include "ioattn/context_parallel.hpp"
 
@@ -82,18 +83,23 @@ void cuda_check(cudaError_t e, const char* what) {
 // computation and the transfer overlap.
 class Nccl final : public Communicator {
  public:
-  Nccl(ncclComm_t comm, bool owns) : comm_(comm), owns_(owns) {
-    nccl_check(ncclCommUserRank(comm_, &rank_), "ncclCommUserRank");
-    nccl_check(ncclCommCount(comm_, &size_), "ncclCommCount");
-    cuda_check(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "cudaStreamCreate");
-    cuda_check(cudaEventCreateWithFlags(&ready_, cudaEventDisableTiming), "cudaEventCreate");
-    cuda_check(cudaEventCreateWithFlags(&done_, cudaEventDisableTiming), "cudaEventCreate");
+  // On a throw the constructor releases what it made (the destructor does not run then); an
+  // owned comm stays the caller's to destroy.
+  Nccl(ncclComm_t comm, bool owns) : comm_(comm), owns_(false) {
+    try {
+      nccl_check(ncclCommUserRank(comm_, &rank_), "ncclCommUserRank");
+      nccl_check(ncclCommCount(comm_, &size_), "ncclCommCount");
+      cuda_check(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "cudaStreamCreate");
+      cuda_check(cudaEventCreateWithFlags(&ready_, cudaEventDisableTiming), "cudaEventCreate");
+      cuda_check(cudaEventCreateWithFlags(&done_, cudaEventDisableTiming), "cudaEventCreate");
+    } catch (...) {
+      release();
+      throw;
+    }
+    owns_ = owns;
   }
   ~Nccl() override {
-    cudaStreamSynchronize(stream_);
-    cudaEventDestroy(ready_);
-    cudaEventDestroy(done_);
-    cudaStreamDestroy(stream_);
+    release();
     if (owns_) ncclCommDestroy(comm_);
   }
   int rank() const override { return rank_; }
@@ -115,6 +121,14 @@ class Nccl final : public Communicator {
   }
 
  private:
+  void release() {
+    if (stream_) cudaStreamSynchronize(stream_);
+    if (ready_) cudaEventDestroy(ready_);
+    if (done_) cudaEventDestroy(done_);
+    if (stream_) cudaStreamDestroy(stream_);
+    stream_ = nullptr, ready_ = nullptr, done_ = nullptr;
+  }
+
   ncclComm_t comm_;
   bool owns_;
   int rank_ = 0, size_ = 1;
@@ -168,13 +182,17 @@ std::vector<std::unique_ptr<Communicator>> make_nccl_group(const std::vector<int
   std::vector<ncclComm_t> comms(devices.size());
   nccl_check(ncclCommInitAll(comms.data(), static_cast<int>(devices.size()), devices.data()), "ncclCommInitAll");
   std::vector<std::unique_ptr<Communicator>> out;
-  int prev = 0;
-  cuda_check(cudaGetDevice(&prev), "cudaGetDevice");
-  for (size_t r = 0; r < devices.size(); ++r) {
-    cuda_check(cudaSetDevice(devices[r]), "cudaSetDevice");  // the communicator's stream lives there
-    out.push_back(std::make_unique<Nccl>(comms[r], true));
+  size_t made = 0;  // comms[0, made) are owned by a communicator in `out`
+  try {
+    for (; made < devices.size(); ++made) {
+      detail::CudaDeviceGuard on(devices[made]);  // the communicator's stream and events live there
+      out.push_back(std::make_unique<Nccl>(comms[made], true));
+    }
+  } catch (...) {
+    out.clear();
+    for (size_t r = made; r < comms.size(); ++r) ncclCommDestroy(comms[r]);
+    throw;
   }
-  cuda_check(cudaSetDevice(prev), "cudaSetDevice");
   return out;
 #else
   (void)devices;

@@ -121,6 +121,22 @@ struct KvRing {
   }
 };
 
+// A hop started and not yet waited for: if a block throws in between, the destructor orders the
+// compute stream after the transfer, so the ring buffers (freed on that stream by the scratch
+// destructors that run after this one) are not returned to the pool while NCCL still writes them.
+struct HopInFlight {
+  Communicator& comm;
+  void* stream;
+  bool pending = false;
+  ~HopInFlight() {
+    if (!pending) return;
+    try {
+      comm.ring_wait(stream);
+    } catch (...) {  // already unwinding: nothing better to do
+    }
+  }
+};
+
 }  // namespace
 
 KernelChoice cp_forward(Communicator& comm, const TensorView& q, const TensorView& k, const TensorView& v,
@@ -152,9 +168,13 @@ KernelChoice cp_forward(Communicator& comm, const TensorView& q, const TensorVie
   void* cur = ring.a.get();
   void* nxt = ring.b.get();
   KernelChoice last{"cp/ring " + std::string(comm.name()) + " P=" + std::to_string(P) + " (no block ran)", ""};
+  HopInFlight hop{comm, ctx.stream};
   for (int step = 0; step < P; ++step) {
     const int src = (r - step + P) % P;
-    if (step + 1 < P) comm.ring_start(cur, nxt, ring.k_bytes + ring.v_bytes, dev, ctx.stream);
+    if (step + 1 < P) {
+      comm.ring_start(cur, nxt, ring.k_bytes + ring.v_bytes, dev, ctx.stream);
+      hop.pending = true;
+    }
     const TensorView kc = ring.k(cur), vc = ring.v(cur);
     for (const Chunk& qc : q_chunks)
       for (const Chunk& kch : chunks_of(src, P, s.L, layout)) {
@@ -168,6 +188,7 @@ KernelChoice cp_forward(Communicator& comm, const TensorView& q, const TensorVie
         merge_states(oa, la, o_part, lse_part, oa, la, ctx);
       }
     if (step + 1 < P) {
+      hop.pending = false;
       comm.ring_wait(ctx.stream);
       std::swap(cur, nxt);
     }
@@ -224,9 +245,13 @@ KernelChoice cp_backward(Communicator& comm, const TensorView& q, const TensorVi
   void* dcur = dkv_a.get();
   void* dnxt = dkv_b.get();
   KernelChoice last{"(no block ran)", ""};
+  HopInFlight hop{comm, ctx.stream};
   for (int step = 0; step < P; ++step) {
     const int src = (r - step + P) % P;
-    if (step + 1 < P) comm.ring_start(cur, nxt, ring.k_bytes + ring.v_bytes, dev, ctx.stream);
+    if (step + 1 < P) {
+      comm.ring_start(cur, nxt, ring.k_bytes + ring.v_bytes, dev, ctx.stream);
+      hop.pending = true;
+    }
     const TensorView kc = ring.k(cur), vc = ring.v(cur), dkc = dk_view(dcur), dvc = dv_view(dcur);
     for (const Chunk& qc : q_chunks)
       for (const Chunk& kch : chunks_of(src, P, s.L, layout)) {
@@ -244,7 +269,10 @@ KernelChoice cp_backward(Communicator& comm, const TensorView& q, const TensorVi
         detail::dist::accumulate(rows(dkc, 1, kch.offset, kch.len), g.dk, ctx.stream);
         detail::dist::accumulate(rows(dvc, 1, kch.offset, kch.len), g.dv, ctx.stream);
       }
-    if (step + 1 < P) comm.ring_wait(ctx.stream);
+    if (step + 1 < P) {
+      hop.pending = false;
+      comm.ring_wait(ctx.stream);
+    }
     // The accumulator follows its K/V shard; after the last step this hop brings it home.
     comm.ring_start(dcur, dnxt, dk_bytes + dv_bytes, dev, ctx.stream);
     comm.ring_wait(ctx.stream);

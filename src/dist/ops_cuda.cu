@@ -164,15 +164,23 @@ cudaMemPool_t ring_pool() {
   if (cudaGetDeviceCount(&count) != cudaSuccess) count = 0;
   for (int peer = 0; peer < count; ++peer) {
     int can = 0;
-    if (peer == dev || cudaDeviceCanAccessPeer(&can, peer, dev) != cudaSuccess || !can) continue;
+    if (peer == dev) continue;
+    if (cudaDeviceCanAccessPeer(&can, peer, dev) != cudaSuccess) {
+      cudaGetLastError();  // not this call's failure to report: leave no sticky error behind
+      continue;
+    }
+    if (!can) continue;
     cudaMemAccessDesc access{};
     access.location.type = cudaMemLocationTypeDevice;
     access.location.id = peer;
     access.flags = cudaMemAccessFlagsProtReadWrite;
     e = cudaMemPoolSetAccess(pool, &access, 1);
-    if (e != cudaSuccess)
+    if (e != cudaSuccess) {
+      cudaGetLastError();
+      cudaMemPoolDestroy(pool);
       throw Error("cuda", "ioattn: cudaMemPoolSetAccess(device " + std::to_string(peer) + ") failed: " +
                               cudaGetErrorString(e));
+    }
   }
   pools[dev] = pool;
   return pool;
