@@ -26,7 +26,8 @@
 #
 # Environment: GPU_CHECK_ARCHS (default 90a), GPU_CHECK_STAGES (default "build ctest tests sanitizer
 # bench sm90 backward decode cp python"), GPU_CHECK_TUNE=1, GPU_CHECK_BENCH_ARGS (extra peer_bench.py args),
-# GPU_CHECK_JOBS (build parallelism, default nproc), GPU_CHECK_BWDTUNE_BUDGET (seconds, default 100),
+# GPU_CHECK_JOBS (build parallelism, default nproc), GPU_CHECK_DECODE_BULK (0: skip the bulk-loader
+# test and A/B in the decode stage), GPU_CHECK_DECODE_SPLITS (split counts to sweep, e.g. "1 2 4 8"), GPU_CHECK_BWDTUNE_BUDGET (seconds, default 100),
 # GPU_CHECK_BWDTUNE_ARGS (extra ioattn_cuda_bwd_tune args), GPU_CHECK_REPORT_INPUTS (folder holding
 # peer.json / sm90.csv / peer_sm90.csv / peer_decode.json for the report's charts; default RESULTS_DIR).
 set -uo pipefail
@@ -167,6 +168,15 @@ if want decode; then
       grep '^{' "$OUT/decode_bulk.log" >"$OUT/decode_bulk.json"
     fi
   fi
+  # Split-count sweep (GPU_CHECK_DECODE_SPLITS="1 2 4 8"): does the heuristic leave speed at large
+  # batch (wave quantisation at 2 CTAs per SM)? Appended to decode_bulk.json, impl "ioattn" rows.
+  for sp in ${GPU_CHECK_DECODE_SPLITS:-}; do
+    t0=$(stamp)
+    timeout 200 "$BUILD/ioattn_cuda_decode_bench" --batch 16,64 --kv 32768,131072 --pages 0 --caches bf16 --eager 0 \
+      --copy 0 --splits "$sp" >>"$OUT/decode_splits.log" 2>&1
+    note "splits=$sp   rc=$?  $(( $(stamp) - t0 )) s  (decode_splits.log)"
+  done
+  [[ -f $OUT/decode_splits.log ]] && grep '^{' "$OUT/decode_splits.log" >>"$OUT/decode_bulk.json"
 fi
 
 # ---- ring attention: time per rank vs single device / P, NVLink hop model -------------------------
