@@ -250,7 +250,9 @@ __device__ __forceinline__ uint64_t make_desc_sw128(uint32_t smem_addr, uint32_t
 
 // Wgmma<N, T>::ss: D(64 x N) (+)= A(64 x 16) B(16 x N), A and B in shared memory (descriptors).
 // Wgmma<N, T>::rs: the same with A in registers (4 x b32 in the fragment above).
-// accumulate = 0 overwrites D (scale-d = 0); kTransB = 1 reads B as MN-major (N contiguous).
+// accumulate = 0 overwrites D (scale-d = 0); kTransB = 1 reads B as MN-major (N contiguous);
+// ss only: kTransA = 1 reads A as MN-major (M contiguous: A^T stored K-rows x 64 M-values, the
+// layout the backward needs for dQ = dS K with dS^T in shared memory).
 // T is __nv_bfloat16 or __half; accumulation is fp32 either way.
 template <int N, typename T>
 struct Wgmma;
@@ -258,13 +260,13 @@ struct Wgmma;
 #define IOATTN_SM90_WGMMA(N, T, PTYPE, K, I0, I1, I2, I3, I4, I5, I6)                                     \
   template <>                                                                                            \
   struct Wgmma<N, T> {                                                                                   \
-    template <int kTransB>                                                                               \
+    template <int kTransB, int kTransA = 0>                                                              \
     __device__ __forceinline__ static void ss(float (&d)[K], uint64_t a_desc, uint64_t b_desc, int accumulate) { \
       asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %" #I3 ", 0;\n"                                     \
                    "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." PTYPE "." PTYPE " " IOATTN_SM90_DREGS_##K \
-                   ", %" #I0 ", %" #I1 ", p, 1, 1, 0, %" #I2 ";\n}\n"                                    \
+                   ", %" #I0 ", %" #I1 ", p, 1, 1, %" #I4 ", %" #I2 ";\n}\n"                              \
                    : IOATTN_SM90_DOPS_##K                                                                \
-                   : "l"(a_desc), "l"(b_desc), "n"(kTransB), "r"(accumulate));                           \
+                   : "l"(a_desc), "l"(b_desc), "n"(kTransB), "r"(accumulate), "n"(kTransA));            \
     }                                                                                                    \
     template <int kTransB>                                                                               \
     __device__ __forceinline__ static void rs(float (&d)[K], const uint32_t (&a)[4], uint64_t b_desc,    \

@@ -445,6 +445,69 @@ void test_wgmma_ss(const char* name) {
   CHECK_CUDA(cudaFree(out));
 }
 
+// Transposed A (kTransA = 1): D (64 x N) = A (64 x K) B^T with A stored MN-major, i.e. A^T as K
+// rows of 64 M-values (128 bytes, 128-byte swizzle), 8-row groups 1024 bytes apart, k-steps of
+// 16 rows = 2048 bytes (the layout of dS^T for dQ = dS K in a backward); B as in k_wgmma_ss.
+template <int N, int K>
+__global__ void k_wgmma_ss_ta(const uint16_t* a, const uint16_t* b, float* out) {
+#if IOATTN_SM90A_ENABLED
+  extern __shared__ uint8_t raw[];
+  uint8_t* sa = align1024(raw);  // [K rows x 128B]
+  uint8_t* sb = sa + K * 128;    // K/64 blocks of [N x 128B]
+  for (int i = threadIdx.x; i < 64 * K; i += blockDim.x) {
+    const int m = i / K, k = i % K;
+    *reinterpret_cast<uint16_t*>(sa + swz(k, m)) = a[i];
+  }
+  for (int i = threadIdx.x; i < N * K; i += blockDim.x) {
+    const int n = i / K, k = i % K;
+    *reinterpret_cast<uint16_t*>(sb + (k / 64) * N * 128 + swz(n, k % 64)) = b[i];
+  }
+  fence_proxy_async();
+  __syncthreads();
+  float d[N / 2];
+  wgmma_fence();
+#pragma unroll
+  for (int kk = 0; kk < K / 16; ++kk) {
+    const uint64_t da = make_desc_sw128(smem_u32(sa) + kk * 2048, 64 * 128, 1024);
+    const uint64_t db = make_desc_sw128(smem_u32(sb) + (kk / 4) * N * 128 + (kk % 4) * 32, 16, 1024);
+    Wgmma<N, __nv_bfloat16>::template ss<0, 1>(d, da, db, kk > 0);
+  }
+  wgmma_commit();
+  wgmma_wait<0>();
+#pragma unroll
+  for (int i = 0; i < N / 2; ++i) reg_fence(d[i]);
+  store_d<N>(d, out);
+#endif
+}
+
+template <int N, int K>
+void test_wgmma_ss_ta(const char* name) {
+  auto a = random_bf16(64 * K, 1.0f, 30 + N), b = random_bf16(N * K, 1.0f, 40 + K);
+  auto* da = to_device(a);
+  auto* db = to_device(b);
+  float* out;
+  CHECK_CUDA(cudaMalloc(&out, 64 * N * 4));
+  const int smem = (64 + N) * K * 2 + 1024;
+  CHECK_CUDA(cudaFuncSetAttribute(k_wgmma_ss_ta<N, K>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  k_wgmma_ss_ta<N, K><<<1, 128, smem>>>(da, db, out);
+  CHECK_CUDA(cudaGetLastError());
+  CHECK_CUDA(cudaDeviceSynchronize());
+  auto got = to_host(out, 64 * N);
+  double max_err = 0;
+  for (int r = 0; r < 64; ++r)
+    for (int n = 0; n < N; ++n) {
+      double ref = 0;
+      for (int k = 0; k < K; ++k) ref += double(bf(a[r * K + k])) * bf(b[n * K + k]);
+      max_err = std::max(max_err, std::fabs(ref - got[r * N + n]));
+    }
+  char buf[64];
+  std::snprintf(buf, sizeof buf, "max |err| %.2e", max_err);
+  report(name, max_err < 1e-3, buf);
+  CHECK_CUDA(cudaFree(da));
+  CHECK_CUDA(cudaFree(db));
+  CHECK_CUDA(cudaFree(out));
+}
+
 // The flash data path: S = Q K^T (Q 64x128, K 128x128, ss), P = bf16(S) as register pairs,
 // O = P V (V [128 keys][128 dims] by TMA, MN-major, rs).
 __global__ void k_wgmma_chain(const __grid_constant__ CUtensorMap map_q, const __grid_constant__ CUtensorMap map_k,
@@ -1059,6 +1122,8 @@ int main() {
   test_wgmma_ss<128, 128>("wgmma_ss m64n128 K=128");
   test_wgmma_ss<80, 256>("wgmma_ss m64n80 K=256");
   test_wgmma_ss<64, 64>("wgmma_ss m64n64 K=64");
+  test_wgmma_ss_ta<128, 128>("wgmma_ss transposed A m64n128 K=128");
+  test_wgmma_ss_ta<64, 64>("wgmma_ss transposed A m64n64 K=64");
   test_wgmma_chain();
   test_wgmma_rs();
   test_pack4();
