@@ -566,6 +566,180 @@ __global__ void k_wgmma_chain(const __grid_constant__ CUtensorMap map_q, const _
 #endif
 }
 
+// The data path of a Hopper backward for one (64 keys x 64 query rows) block, one warpgroup,
+// hdim 128, keys as the M dimension (FA3's order): S^T = K Q^T and dP^T = V dO^T (ss), P^T =
+// exp2(S^T * scale * log2 e - LSE * log2 e) and dS^T = P^T (dP^T - D) in registers, dV = P^T dO and
+// dK = dS^T Q (rs: A from the accumulators, B = dO / Q MN-major), dS^T stored to shared memory
+// and dQ = dS K (ss with both operands MN-major: A = dS^T transposed, B = K). Every operand
+// layout a wgmma backward needs, checked against a float64 reference that rounds P and dS to
+// bf16 where the kernel does. Operands are stored by the threads with the 128-byte swizzle.
+__global__ void k_wgmma_bwd_chain(const uint16_t* q, const uint16_t* k, const uint16_t* v, const uint16_t* dout,
+                                  const float* lse, const float* dsum, float scale, float* out_dv, float* out_dk,
+                                  float* out_dq) {
+#if IOATTN_SM90A_ENABLED
+  constexpr int kD = 128, kM = 64, kN = 64;  // head dim, keys (M), query rows (N)
+  extern __shared__ uint8_t raw[];
+  uint8_t* sq = align1024(raw);     // [64 rows] x 2 column blocks of 128 B
+  uint8_t* sk = sq + kN * kD * 2;   // [64 keys] x 2 blocks
+  uint8_t* sv = sk + kM * kD * 2;   // [64 keys] x 2 blocks
+  uint8_t* sdo = sv + kM * kD * 2;  // [64 rows] x 2 blocks
+  uint8_t* sds = sdo + kN * kD * 2; // dS^T: [64 keys (K-rows of dQ = dS K)] x 64 rows (M-values), 128 B
+  __shared__ float s_lse[kN], s_d[kN];
+  auto put = [](uint8_t* base, int rows, const uint16_t* src) {
+    for (int i = threadIdx.x; i < rows * kD; i += blockDim.x) {
+      const int r = i / kD, c = i % kD;
+      *reinterpret_cast<uint16_t*>(base + (c / 64) * rows * 128 + swz(r, c % 64)) = src[i];
+    }
+  };
+  put(sq, kN, q);
+  put(sk, kM, k);
+  put(sv, kM, v);
+  put(sdo, kN, dout);
+  if (threadIdx.x < kN) s_lse[threadIdx.x] = lse[threadIdx.x] * 1.4426950408889634f, s_d[threadIdx.x] = dsum[threadIdx.x];
+  fence_proxy_async();
+  __syncthreads();
+  const int w = threadIdx.x / 32, l = threadIdx.x % 32, g = l / 4, t = l % 4;
+
+  // S^T = K Q^T and dP^T = V dO^T: both operands K-major (head dim contiguous).
+  float st[kN / 2], dpt[kN / 2];
+  wgmma_fence();
+#pragma unroll
+  for (int kk = 0; kk < kD / 16; ++kk) {
+    const uint32_t col = kk / 4, byte = (kk % 4) * 32;
+    Wgmma<kN, __nv_bfloat16>::ss<0>(st, make_desc_sw128(smem_u32(sk) + col * kM * 128 + byte, 16, 1024),
+                                    make_desc_sw128(smem_u32(sq) + col * kN * 128 + byte, 16, 1024), kk > 0);
+    Wgmma<kN, __nv_bfloat16>::ss<0>(dpt, make_desc_sw128(smem_u32(sv) + col * kM * 128 + byte, 16, 1024),
+                                    make_desc_sw128(smem_u32(sdo) + col * kN * 128 + byte, 16, 1024), kk > 0);
+  }
+  wgmma_commit();
+  wgmma_wait<0>();
+#pragma unroll
+  for (int i = 0; i < kN / 2; ++i) reg_fence(st[i]), reg_fence(dpt[i]);
+
+  // Fragment element e of st: key 16w + g (+8 for e % 4 >= 2), query row 8 (e / 4) + 2t + (e % 2).
+  uint32_t pa[kN / 4], dsa[kN / 4];
+  const float sl2 = scale * 1.4426950408889634f;
+#pragma unroll
+  for (int j = 0; j < kN / 4; ++j) {
+    float pv[2], dsv[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int e = 2 * j + h, row = 8 * (e / 4) + 2 * t + (e % 2);
+      pv[h] = exp2f(st[e] * sl2 - s_lse[row]);
+      dsv[h] = pv[h] * (dpt[e] - s_d[row]);
+    }
+    pa[j] = pack2<__nv_bfloat16>(pv[0], pv[1]);
+    dsa[j] = pack2<__nv_bfloat16>(dsv[0], dsv[1]);
+    // dS^T to shared memory as the MN-major A of dQ = dS K: (key, row) at swz(key, row).
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int e = 2 * j + h, row = 8 * (e / 4) + 2 * t + (e % 2), key = 16 * w + g + ((e % 4) >= 2 ? 8 : 0);
+      *reinterpret_cast<uint16_t*>(sds + swz(key, row)) = static_cast<uint16_t>(h ? dsa[j] >> 16 : dsa[j] & 0xffffu);
+    }
+  }
+  fence_proxy_async();
+  __syncthreads();
+
+  // dV = P^T dO, dK = dS^T Q: A from registers (k-step kk = query rows 16kk..), B MN-major.
+  float dv[kD / 2], dk[kD / 2], dq[kD / 2];
+  wgmma_fence();
+#pragma unroll
+  for (int kk = 0; kk < kN / 16; ++kk) {
+    const uint32_t ap[4] = {pa[4 * kk], pa[4 * kk + 1], pa[4 * kk + 2], pa[4 * kk + 3]};
+    const uint32_t ad[4] = {dsa[4 * kk], dsa[4 * kk + 1], dsa[4 * kk + 2], dsa[4 * kk + 3]};
+    Wgmma<kD, __nv_bfloat16>::rs<1>(dv, ap, make_desc_sw128(smem_u32(sdo) + kk * 2048, kN * 128, 1024), kk > 0);
+    Wgmma<kD, __nv_bfloat16>::rs<1>(dk, ad, make_desc_sw128(smem_u32(sq) + kk * 2048, kN * 128, 1024), kk > 0);
+  }
+  // dQ = dS K: A = dS^T read transposed (k-step = keys 16kk..), B = K MN-major.
+#pragma unroll
+  for (int kk = 0; kk < kM / 16; ++kk)
+    Wgmma<kD, __nv_bfloat16>::ss<1, 1>(dq, make_desc_sw128(smem_u32(sds) + kk * 2048, kN * 128, 1024),
+                                       make_desc_sw128(smem_u32(sk) + kk * 2048, kM * 128, 1024), kk > 0);
+  wgmma_commit();
+  wgmma_wait<0>();
+#pragma unroll
+  for (int i = 0; i < kD / 2; ++i) reg_fence(dv[i]), reg_fence(dk[i]), reg_fence(dq[i]);
+#pragma unroll
+  for (int i = 0; i < kD / 2; ++i) dk[i] *= scale, dq[i] *= scale;
+  store_d<kD>(dv, out_dv);
+  store_d<kD>(dk, out_dk);
+  store_d<kD>(dq, out_dq);
+  (void)w;
+#endif
+}
+
+void test_wgmma_bwd_chain() {
+  constexpr int kD = 128, kM = 64, kN = 64;
+  const float scale = 1.0f / std::sqrt(static_cast<float>(kD));
+  auto q = random_bf16(kN * kD, 1.0f, 51), k = random_bf16(kM * kD, 1.0f, 52), v = random_bf16(kM * kD, 1.0f, 53),
+       dout = random_bf16(kN * kD, 1.0f, 54);
+  // Reference forward in float64: S, LSE, P, O; D = rowsum(dO o O).
+  std::vector<double> S(kN * kM), P(kN * kM), O(kN * kD, 0.0);
+  std::vector<float> lse(kN), dsum(kN);
+  for (int i = 0; i < kN; ++i) {
+    double mx = -1e300;
+    for (int j = 0; j < kM; ++j) {
+      double x = 0;
+      for (int c = 0; c < kD; ++c) x += double(bf(q[i * kD + c])) * bf(k[j * kD + c]);
+      S[i * kM + j] = x * scale;
+      mx = std::max(mx, S[i * kM + j]);
+    }
+    double sum = 0;
+    for (int j = 0; j < kM; ++j) sum += std::exp(S[i * kM + j] - mx);
+    lse[i] = static_cast<float>(mx + std::log(sum));
+    for (int j = 0; j < kM; ++j) P[i * kM + j] = std::exp(S[i * kM + j] - lse[i]);
+    for (int j = 0; j < kM; ++j)
+      for (int c = 0; c < kD; ++c) O[i * kD + c] += P[i * kM + j] * bf(v[j * kD + c]);
+    double d = 0;
+    for (int c = 0; c < kD; ++c) d += double(bf(dout[i * kD + c])) * O[i * kD + c];
+    dsum[i] = static_cast<float>(d);
+  }
+  // Gradients with P and dS rounded to bf16 (what the kernel feeds the tensor cores).
+  std::vector<double> dV(kM * kD, 0.0), dK(kM * kD, 0.0), dQ(kN * kD, 0.0);
+  for (int i = 0; i < kN; ++i)
+    for (int j = 0; j < kM; ++j) {
+      double dp = 0;
+      for (int c = 0; c < kD; ++c) dp += double(bf(dout[i * kD + c])) * bf(v[j * kD + c]);
+      const double p = P[i * kM + j];
+      const double pb = bf(to_bf(static_cast<float>(p))), dsb = bf(to_bf(static_cast<float>(p * (dp - dsum[i]))));
+      for (int c = 0; c < kD; ++c) {
+        dV[j * kD + c] += pb * bf(dout[i * kD + c]);
+        dK[j * kD + c] += dsb * bf(q[i * kD + c]) * scale;
+        dQ[i * kD + c] += dsb * bf(k[j * kD + c]) * scale;
+      }
+    }
+  auto *gq = to_device(q), *gk = to_device(k), *gv = to_device(v), *gdo = to_device(dout);
+  auto *glse = to_device(lse), *gd = to_device(dsum);
+  float *odv, *odk, *odq;
+  CHECK_CUDA(cudaMalloc(&odv, kM * kD * 4));
+  CHECK_CUDA(cudaMalloc(&odk, kM * kD * 4));
+  CHECK_CUDA(cudaMalloc(&odq, kN * kD * 4));
+  const int smem = (2 * kN + 2 * kM) * kD * 2 + kM * kN * 2 + 1024;
+  CHECK_CUDA(cudaFuncSetAttribute(k_wgmma_bwd_chain, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  k_wgmma_bwd_chain<<<1, 128, smem>>>(gq, gk, gv, gdo, glse, gd, scale, odv, odk, odq);
+  CHECK_CUDA(cudaGetLastError());
+  CHECK_CUDA(cudaDeviceSynchronize());
+  auto hv = to_host(odv, kM * kD), hk = to_host(odk, kM * kD), hq = to_host(odq, kN * kD);
+  // Relative to each gradient's largest magnitude: a layout error is O(1), bf16 rounding of P / dS
+  // at a rounding boundary (fp32 in the kernel vs float64 here) ~1e-3.
+  auto rel = [](const std::vector<float>& got, const std::vector<double>& want) {
+    double err = 0, mag = 1e-30;
+    for (size_t i = 0; i < want.size(); ++i) {
+      err = std::max(err, std::fabs(got[i] - want[i]));
+      mag = std::max(mag, std::fabs(want[i]));
+    }
+    return err / mag;
+  };
+  const double ev = rel(hv, dV), ek = rel(hk, dK), eq = rel(hq, dQ);
+  char buf[128];
+  std::snprintf(buf, sizeof buf, "relative max |err| dV %.1e dK %.1e dQ %.1e", ev, ek, eq);
+  report("wgmma backward chain (S^T, dP^T, dV, dK, dQ)", ev < 1e-2 && ek < 1e-2 && eq < 1e-2, buf);
+  for (void* p : {static_cast<void*>(gq), static_cast<void*>(gk), static_cast<void*>(gv), static_cast<void*>(gdo),
+                  static_cast<void*>(glse), static_cast<void*>(gd), static_cast<void*>(odv), static_cast<void*>(odk),
+                  static_cast<void*>(odq)})
+    CHECK_CUDA(cudaFree(p));
+}
+
 void test_wgmma_chain() {
   constexpr int kD = 128, kN = 128;
   auto q = random_bf16(64 * kD, 0.5f, 31), k = random_bf16(kN * kD, 0.5f, 32), v = random_bf16(kN * kD, 1.0f, 33);
@@ -1125,6 +1299,7 @@ int main() {
   test_wgmma_ss_ta<128, 128>("wgmma_ss transposed A m64n128 K=128");
   test_wgmma_ss_ta<64, 64>("wgmma_ss transposed A m64n64 K=64");
   test_wgmma_chain();
+  test_wgmma_bwd_chain();
   test_wgmma_rs();
   test_pack4();
   test_fp8_p_key();
