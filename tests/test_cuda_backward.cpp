@@ -13,6 +13,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <random>
@@ -377,6 +378,79 @@ TEST_P(CudaBackward, MatchesFloat64Reference) { run_case(GetParam(), 7 + GetPara
 
 INSTANTIATE_TEST_SUITE_P(Cases, CudaBackward, ::testing::ValuesIn(cases()),
                          [](const auto& info) { return info.param.name; });
+
+// The experimental wgmma backward (IOATTN_BWD_KERNEL=sm90; hdim 128, causal or none, GQA, no
+// varlen / window / softcap / ALiBi / sinks, atomic dQ): the same reference checks, on an sm_90
+// device; where it does not apply the mma.sync row runs and its reason says why.
+struct BwdKernelEnv {
+  explicit BwdKernelEnv(const char* v) { v ? setenv("IOATTN_BWD_KERNEL", v, 1) : unsetenv("IOATTN_BWD_KERNEL"); }
+  ~BwdKernelEnv() { unsetenv("IOATTN_BWD_KERNEL"); }
+};
+
+std::vector<Case> sm90_cases() {
+  std::vector<Case> v;
+  for (DType t : {DType::bf16, DType::f16}) {
+    const std::string ts = dtype_name(t);
+    v.push_back(mk("len1_d128_" + ts, 1, 1, 128, t));
+    v.push_back(mk("len17_" + ts, 17, 17, 128, t));
+    { Case c = mk("q113_k203_causal_" + ts, 113, 203, 128, t); c.causal = true; v.push_back(c); }
+    { Case c = mk("q203_k113_causal_norows_" + ts, 203, 113, 128, t); c.causal = true; v.push_back(c); }
+    { Case c = mk("q1023_k1024_causal_" + ts, 1023, 1024, 128, t); c.causal = true; c.heads_q = c.heads_kv = 1;
+      v.push_back(c); }
+    { Case c = mk("q1024_k1023_" + ts, 1024, 1023, 128, t); c.heads_q = c.heads_kv = 1; v.push_back(c); }
+    { Case c = mk("gqa4_causal_" + ts, 130, 197, 128, t); c.heads_q = 8; c.heads_kv = 2; c.causal = true; v.push_back(c); }
+    { Case c = mk("mqa8_" + ts, 40, 177, 128, t); c.heads_q = 8; c.heads_kv = 1; v.push_back(c); }
+    { Case c = mk("bhsd_batch2_" + ts, 65, 300, 128, t); c.bhsd = true; c.batch = 2; v.push_back(c); }
+    { Case c = mk("scale_negative_" + ts, 50, 70, 128, t); c.scale = -0.2f; v.push_back(c); }
+  }
+  return v;
+}
+
+class CudaBackwardSm90 : public ::testing::TestWithParam<Case> {};
+
+TEST_P(CudaBackwardSm90, MatchesFloat64Reference) {
+  SKIP_WITHOUT_GPU();
+  if (detail::cuda_device_arch(0) != 90) GTEST_SKIP() << "skipped: the wgmma backward needs sm_90";
+  const Case& c = GetParam();
+  BwdRun s(c, 11 + c.name.size());
+  const Refs r = references(s);
+  BwdKernelEnv env("sm90");
+  s.poison_grads();
+  const KernelChoice kc = s.backward_device(false);
+  EXPECT_NE(kc.kernel.find("sm90 wgmma"), std::string::npos) << kc.kernel << ": " << kc.reason;
+  check_grads(s, r, c.name + " (sm90 wgmma)");
+}
+
+INSTANTIATE_TEST_SUITE_P(Cases, CudaBackwardSm90, ::testing::ValuesIn(sm90_cases()),
+                         [](const auto& info) { return info.param.name; });
+
+TEST(CudaBackwardSm90Select, SaysWhenItDoesNotApply) {
+  SKIP_WITHOUT_GPU();
+  if (detail::cuda_device_arch(0) != 90) GTEST_SKIP() << "skipped: the wgmma backward needs sm_90";
+  {
+    BwdKernelEnv env("sm90");
+    Case c = mk("window_d128", 100, 300, 128);
+    c.window_left = 20;
+    c.window_right = 5;
+    BwdRun s(c, 3);
+    const Refs r = references(s);
+    s.poison_grads();
+    const KernelChoice kc = s.backward_device(true);  // deterministic and a window: both refused
+    EXPECT_NE(kc.kernel.find("mma.sync"), std::string::npos) << kc.kernel;
+    EXPECT_NE(kc.reason.find("IOATTN_BWD_KERNEL=sm90 does not apply"), std::string::npos) << kc.reason;
+    check_grads(s, r, "window with IOATTN_BWD_KERNEL=sm90");
+  }
+  {
+    BwdKernelEnv env("wgmma");
+    BwdRun s(mk("bad_env", 10, 10, 128), 4);
+    try {
+      s.backward_device(false);
+      ADD_FAILURE() << "IOATTN_BWD_KERNEL=wgmma accepted";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("IOATTN_BWD_KERNEL"), std::string::npos) << e.what();
+    }
+  }
+}
 
 bool same_bytes(const detail::Buffer& a, const std::vector<uint8_t>& b) {
   return a.bytes() == b.size() && std::memcmp(a.host(), b.data(), b.size()) == 0;

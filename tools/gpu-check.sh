@@ -26,7 +26,8 @@
 #
 # Environment: GPU_CHECK_ARCHS (default 90a), GPU_CHECK_STAGES (default "build ctest tests sanitizer
 # bench sm90 backward decode cp python"), GPU_CHECK_TUNE=1, GPU_CHECK_BENCH_ARGS (extra peer_bench.py args),
-# GPU_CHECK_JOBS (build parallelism, default nproc), GPU_CHECK_DECODE_BULK (0: skip the bulk-loader
+# GPU_CHECK_JOBS (build parallelism, default nproc), GPU_CHECK_BWD_SM90 (0: skip the wgmma-backward
+# test and bench in the backward stage), GPU_CHECK_DECODE_BULK (0: skip the bulk-loader
 # test and A/B in the decode stage), GPU_CHECK_DECODE_SPLITS (split counts to sweep, e.g. "1 2 4 8"), GPU_CHECK_BWDTUNE_BUDGET (seconds, default 100),
 # GPU_CHECK_BWDTUNE_ARGS (extra ioattn_cuda_bwd_tune args), GPU_CHECK_REPORT_INPUTS (folder holding
 # peer.json / sm90.csv / peer_sm90.csv / peer_decode.json for the report's charts; default RESULTS_DIR).
@@ -145,6 +146,21 @@ if want backward; then
   PYTHONUNBUFFERED=1 python3 "$ROOT/bench/peer_bench.py" --bench "$BUILD/ioattn_cuda_bench" --bwd \
     --seqlens ${GPU_CHECK_BWD_SEQLENS:-1024,4096,16384} --out "$OUT/bwd.json" >"$OUT/backward.log" 2>&1
   note "backward   rc=$?  $(( $(stamp) - t0 )) s  (backward.log, bwd.json)"
+  # The experimental wgmma backward (IOATTN_BWD_KERNEL=sm90, hdim 128): its reference test first
+  # (bounded), then ioattn alone on the same grid -> bwd_sm90.json, beside bwd.json's peers.
+  if [[ ${GPU_CHECK_BWD_SM90:-1} == 1 && -x $BUILD/test_cuda_backward ]]; then
+    t0=$(stamp)
+    timeout 300 "$BUILD/test_cuda_backward" --gtest_filter='*CudaBackwardSm90*' >"$OUT/bwd_sm90.log" 2>&1
+    rc=$?
+    note "bwd sm90 test rc=$rc  $(( $(stamp) - t0 )) s  (bwd_sm90.log)"
+    if [[ $rc == 0 ]]; then
+      t0=$(stamp)
+      IOATTN_BWD_KERNEL=sm90 timeout 300 "$BUILD/ioattn_cuda_bench" bwd --hdims 128 \
+        --seqlens ${GPU_CHECK_BWD_SEQLENS:-1024,4096,16384} >>"$OUT/bwd_sm90.log" 2>&1
+      note "bwd sm90 bench rc=$?  $(( $(stamp) - t0 )) s  (bwd_sm90.log, bwd_sm90.json)"
+      grep '^{' "$OUT/bwd_sm90.log" >"$OUT/bwd_sm90.json"
+    fi
+  fi
 fi
 
 # ---- decode vs PyTorch SDPA cudnn / flash (enable_gqa), same run ----------------------------------

@@ -19,6 +19,7 @@
 #include <algorithm>
 #include <array>
 #include <climits>
+#include <cstdlib>
 #include <string>
 
 #include "core/backends.hpp"
@@ -34,6 +35,11 @@ const std::array<BwdKernelInfo, 4>& bwd_table() {
   static const std::array<BwdKernelInfo, 4> table = {bwd_info_hdim64(), bwd_info_hdim128(), bwd_info_hdim256_wide(),
                                                      bwd_info_hdim256()};
   return table;
+}
+
+const BwdKernelInfo& sm90_bwd_info() {
+  static const BwdKernelInfo info = bwd_info_sm90_hdim128();
+  return info;
 }
 
 constexpr int kVecElems = 8;  // cp.async / vector stores move 16 bytes = 8 f16/bf16 elements
@@ -58,6 +64,34 @@ struct Pick {
   const BwdKernelInfo* info = nullptr;
   detail::CudaSelection sel;
 };
+
+// IOATTN_BWD_KERNEL=sm90 | mma: the experimental wgmma kernel (hopper/flash_bwd_sm90.cu) where it
+// applies; unset or mma: the mma.sync table.
+std::string forced_bwd_kernel() {
+  const char* e = std::getenv("IOATTN_BWD_KERNEL");
+  return e ? std::string(e) : std::string();
+}
+
+// Why the wgmma backward cannot run this problem ("" = it can).
+std::string sm90_bwd_refusal(const detail::BwdProblem& bp, int arch, int optin) {
+  const detail::FwdProblem& p = bp.f;
+  if (arch != 90) return "needs sm_90, device is sm" + std::to_string(arch);
+  if (p.head_dim != 128) return "head_dim 128 only, got " + std::to_string(p.head_dim);
+  if (p.varlen()) return "no varlen";
+  if (bp.deterministic) return "no deterministic mode (dQ by atomics)";
+  if (p.softcap > 0.f || p.alibi_slopes != nullptr || p.sinks != nullptr || bp.dsinks != nullptr)
+    return "no softcap, ALiBi or sinks";
+  if (p.window_left >= 0 || p.window_right > 0) return "no sliding window (causal or none)";
+  if (optin < static_cast<int>(sm90_bwd_info().smem_bytes)) return "needs " + std::to_string(sm90_bwd_info().smem_bytes / 1024) + " KB of shared memory";
+  cudaFuncAttributes a{};
+  if (cudaFuncGetAttributes(&a, p.dtype == DType::bf16 ? sm90_bwd_info().dkdv_bf16 : sm90_bwd_info().dkdv_f16) !=
+          cudaSuccess ||
+      a.ptxVersion < 90) {
+    cudaGetLastError();
+    return "this build has no sm_90a image of it";
+  }
+  return "";
+}
 
 Pick pick(const detail::BwdProblem& bp, int arch) {
   const detail::FwdProblem& p = bp.f;
@@ -92,6 +126,27 @@ Pick pick(const detail::BwdProblem& bp, int arch) {
   DeviceGuard guard(p.device_index);
   int optin = 0;
   IOATTN_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, p.device_index));
+  const std::string force = forced_bwd_kernel();
+  if (!force.empty() && force != "sm90" && force != "mma")
+    return no("IOATTN_BWD_KERNEL must be sm90 or mma (or unset), got '" + force + "'");
+  std::string sm90_note;  // why IOATTN_BWD_KERNEL=sm90 did not apply, for the mma.sync row's reason
+  if (force == "sm90") {
+    const std::string why = sm90_bwd_refusal(bp, arch, optin);
+    if (why.empty()) {
+      if (ceil_div(p.seqlen_k, 128) * p.heads_kv * p.batch > INT_MAX)
+        return no("key blocks x kv heads x batch exceeds the 2^31-1 grid limit");
+      if (rows_q_of(p) >= INT_MAX / 2) return no("batch x seqlen_q must stay below 2^30 (workspace rows)");
+      cudaFuncAttributes a{};
+      IOATTN_CUDA_CHECK(cudaFuncGetAttributes(&a, p.dtype == DType::bf16 ? sm90_bwd_info().dkdv_bf16 : sm90_bwd_info().dkdv_f16));
+      r.info = &sm90_bwd_info();
+      r.sel = {"cuda/flash-backward sm90 wgmma " + std::string(dtype_name(p.dtype)) + " hdim128 " + detail::mask_name(p) +
+                   " tile 64x128 warpgroups 2 dq atomic",
+               std::string(sm90_bwd_info().reason) + "; " + std::to_string(sm90_bwd_info().smem_bytes / 1024) +
+                   " KB smem, " + std::to_string(a.numRegs) + " regs/thread"};
+      return r;
+    }
+    sm90_note = "IOATTN_BWD_KERNEL=sm90 does not apply (" + why + "); ";
+  }
   auto smem_of = [&](const BwdKernelInfo& k) {
     return bp.deterministic ? std::max(k.smem_bytes_det, k.dq_smem_bytes) : k.smem_bytes;
   };
@@ -133,7 +188,7 @@ Pick pick(const detail::BwdProblem& bp, int arch) {
   name += " " + detail::mask_name(p) + " tile " + std::to_string(info->block_m) + "x" + std::to_string(info->block_n) +
           " warps " + std::to_string(info->warps) + (info->col_splits > 1 ? " x" + std::to_string(info->col_splits) + " column splits" : "") +
           (bp.deterministic ? " dq deterministic" : " dq atomic");
-  std::string reason = std::string(info->reason) + "; dK/dV kernel " + std::to_string(info->smem_bytes / 1024) +
+  std::string reason = sm90_note + std::string(info->reason) + "; dK/dV kernel " + std::to_string(info->smem_bytes / 1024) +
                        " KB smem, " + std::to_string(attr.numRegs) + " regs/thread";
   if (bp.deterministic)
     reason += "; deterministic: dQ by a separate pass over key blocks in a fixed order (" +

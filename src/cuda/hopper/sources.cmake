@@ -19,6 +19,7 @@ set(IOATTN_SM90_SOURCES
   ${IOATTN_SM90_DIR}/flash_fwd_sm90_hdim128.cu
   ${IOATTN_SM90_DIR}/flash_fwd_sm90_hdim256.cu
   ${IOATTN_SM90_DIR}/flash_fwd_sm90_fp8.cu
+  ${IOATTN_SM90_DIR}/flash_bwd_sm90.cu
 )
 
 function(ioattn_sm90_extras)

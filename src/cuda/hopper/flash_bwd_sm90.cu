@@ -1,0 +1,279 @@
+// flash_bwd_sm90.cu — an experimental Hopper (wgmma) dK/dV/dQ kernel for the backward, hdim 128,
+// bf16/f16, opt-in with IOATTN_BWD_KERNEL=sm90 (default: the mma.sync kernel of flash_bwd.cuh).
+// The preprocess (D, LSE·log2e), the fp32 dQ workspace and its conversion are run_flash_backward's,
+// unchanged; this kernel replaces flash_bwd_dkdv_kernel in the default (atomic dQ) mode.
+//
+// CTA = (batch, kv head, block of 128 keys), 2 consumer warpgroups (no producer: cp.async loads
+// issued by all 256 threads one (Q, dO) block ahead), warpgroup c owning keys 64c..64c+63. Keys
+// are the wgmma M dimension (FlashAttention-3's order; the operand layouts are the ones
+// test_ptx_sm90.cu's k_wgmma_bwd_chain checks):
+//   S^T  = K_c Q^T,   dP^T = V_c dO^T         ss, m64n64, both operands K-major
+//   P^T  = exp2(S^T·scale·log2e − LSE·log2e), dS^T = P^T ∘ (dP^T − D), masked to 0
+//   dV_c += P^T dO,   dK_c += dS^T Q          rs, m64n128, A from the accumulators, B MN-major
+//   dS^T (both warpgroups) -> shared memory;  dQ[:, 64c..] = dS K[:, 64c..]   ss, m64n64,
+//                                             A = dS^T read transposed, B = K MN-major,
+//                                             fp32 red.global.add into the dQ workspace
+// GQA: the CTA walks every query head of its kv head, so dK/dV are summed on chip.
+// Tiles live in shared memory with the 128-byte swizzle (ptx_sm90.cuh): K, V 2 x [128 x 128 B],
+// Q, dO 2 stages x 2 x [64 x 128 B], dS^T 2 x [128 x 128 B] (alternating per block so one
+// barrier per block suffices), LSE and D 2 stages x 64 floats: 160 KB + 1 KB alignment.
+// Not covered (the selector says so): varlen, window other than causal, softcap, ALiBi, sinks,
+// deterministic mode, head dims other than 128.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstdlib>
+#include <cstring>
+#include <string>
+
+#include "cuda/check.cuh"
+#include "cuda/flash_bwd_launch.cuh"
+#include "cuda/hopper/ptx_sm90.cuh"
+
+namespace ioattn::cuda {
+namespace sm90_bwd {
+
+constexpr int kD = 128;        // head dim
+constexpr int kBN = 128;       // keys per CTA (64 per consumer warpgroup)
+constexpr int kBM = 64;        // query rows per step
+constexpr int kThreads = 256;  // 2 warpgroups
+constexpr int kTileQ = kBM * kD * 2;    // 16 KB: Q or dO block (2 column blocks of [64 x 128 B])
+constexpr int kTileK = kBN * kD * 2;    // 32 KB: K or V (2 column blocks of [128 x 128 B])
+constexpr int kTileDs = kBN * kBM * 2;  // 16 KB: dS^T [128 keys x 64 rows]
+constexpr int kSmem = 2 * kTileK + 4 * kTileQ + 2 * kTileDs + 1024;
+
+// Byte offset of 16-byte chunk c (0..15) of row r in a [rows x 128 dims] tile: column block c / 8,
+// swizzled chunk position (c % 8) ^ (r % 8).
+__device__ __forceinline__ uint32_t chunk_off(int rows, int r, int c) {
+  return static_cast<uint32_t>((c >> 3) * rows * 128 + r * 128 + (((c & 7) ^ (r & 7)) << 4));
+}
+
+// rows x 128 dims of a [.., seq, .., dims] tensor into a swizzled tile; rows at or past `valid`
+// are zero-filled. Each of the 256 threads copies rows * 16 / 256 chunks.
+template <int kRows>
+__device__ __forceinline__ void load_rows(uint32_t dst, const uint8_t* src, int64_t row_stride_bytes, int valid) {
+#pragma unroll
+  for (int it = 0; it < kRows * 16 / kThreads; ++it) {
+    const int idx = it * kThreads + static_cast<int>(threadIdx.x), r = idx >> 4, c = idx & 15;
+    const bool ok = r < valid;
+    ptx::cp_async_16_zfill(dst + chunk_off(kRows, r, c), src + (ok ? r * row_stride_bytes + c * 16 : 0), ok);
+  }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kThreads, 1) flash_bwd_sm90_kernel(const BwdParams p) {
+#if IOATTN_SM90A_ENABLED
+  using namespace sm90;
+  extern __shared__ uint8_t raw[];
+  uint8_t* base = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(raw) + 1023) & ~uintptr_t{1023});
+  uint8_t* sk = base;
+  uint8_t* sv = sk + kTileK;
+  uint8_t* sq = sv + kTileK;       // [2 stages]
+  uint8_t* sdo = sq + 2 * kTileQ;  // [2 stages]
+  uint8_t* sds = sdo + 2 * kTileQ; // [2 parities]
+  __shared__ float s_lse[2][kBM], s_d[2][kBM];
+
+  const int tid = threadIdx.x, wg = tid >> 7, wtid = tid & 127, w = wtid >> 5, lane = tid & 31;
+  const int g = lane >> 2, t = lane & 3;
+  const int nb = blockIdx.x % p.num_n_blocks;
+  const int hk = (blockIdx.x / p.num_n_blocks) % p.heads_kv;
+  const int b = blockIdx.x / (p.num_n_blocks * p.heads_kv);
+  const int sq_len = p.seqlen_q, sk_len = p.seqlen_k, off = sk_len - sq_len;
+  const int n0 = nb * kBN;
+  constexpr int es = static_cast<int>(sizeof(T));
+
+  // K, V of the block, once.
+  {
+    const auto* kp = static_cast<const uint8_t*>(p.k) + (b * p.k_batch + static_cast<int64_t>(n0) * p.k_seq + hk * p.k_head) * es;
+    const auto* vp = static_cast<const uint8_t*>(p.v) + (b * p.v_batch + static_cast<int64_t>(n0) * p.v_seq + hk * p.v_head) * es;
+    load_rows<kBN>(smem_u32(sk), kp, p.k_seq * es, sk_len - n0);
+    load_rows<kBN>(smem_u32(sv), vp, p.v_seq * es, sk_len - n0);
+    ptx::cp_async_commit();
+  }
+
+  // Query blocks that can see a key of this block: causal (window_right 0) starts at the row
+  // whose diagonal reaches key n0; a left window would end early (not supported here).
+  const int m_first = p.window_right >= 0 ? max(0, n0 - off - p.window_right) / kBM : 0;
+  const int m_blocks = (sq_len + kBM - 1) / kBM;
+  const int per_head = max(0, m_blocks - m_first);
+  const int steps = per_head * p.group;
+
+  auto issue = [&](int step) {  // Q, dO, LSE, D of step into stage step & 1
+    if (step >= steps) return;
+    const int h = hk * p.group + step / per_head, m0 = (m_first + step % per_head) * kBM, st = step & 1;
+    const auto* qp = static_cast<const uint8_t*>(p.q) + (b * p.q_batch + static_cast<int64_t>(m0) * p.q_seq + h * p.q_head) * es;
+    const auto* dp = static_cast<const uint8_t*>(p.dout) + (b * p.do_batch + static_cast<int64_t>(m0) * p.do_seq + h * p.do_head) * es;
+    load_rows<kBM>(smem_u32(sq + st * kTileQ), qp, p.q_seq * es, sq_len - m0);
+    load_rows<kBM>(smem_u32(sdo + st * kTileQ), dp, p.do_seq * es, sq_len - m0);
+    if (tid < kBM) {
+      const int i = m0 + tid;
+      const int64_t wrow = static_cast<int64_t>(h) * p.rows_q + static_cast<int64_t>(b) * sq_len + i;
+      s_lse[st][tid] = i < sq_len ? p.ws_lse[wrow] : kPosInf;  // +inf: P = 0
+      s_d[st][tid] = i < sq_len ? p.ws_d[wrow] : 0.f;
+    }
+  };
+
+  float dv[kD / 2], dk[kD / 2];
+#pragma unroll
+  for (int i = 0; i < kD / 2; ++i) dv[i] = 0.f, dk[i] = 0.f;
+
+  issue(0);
+  ptx::cp_async_commit();
+  const uint32_t k_wg = smem_u32(sk) + wg * 64 * 128;  // rows 64c.. of column block 0 (1024-aligned)
+  const uint32_t v_wg = smem_u32(sv) + wg * 64 * 128;
+  for (int step = 0; step < steps; ++step) {
+    ptx::cp_async_wait<0>();
+    fence_proxy_async();  // this thread's cp.async writes, visible to the wgmma (async proxy) reads
+    __syncthreads();      // stage step & 1 landed for everyone; everyone is done with step - 1
+    issue(step + 1);
+    ptx::cp_async_commit();
+    const int st = step & 1, h = hk * p.group + step / per_head, m0 = (m_first + step % per_head) * kBM;
+    const uint32_t q_s = smem_u32(sq + st * kTileQ), do_s = smem_u32(sdo + st * kTileQ);
+
+    // S^T and dP^T (64 keys x 64 rows each).
+    float s[kBM / 2], dp[kBM / 2];
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < kD / 16; ++kk) {
+      const uint32_t col = kk / 4, byte = (kk % 4) * 32;
+      Wgmma<kBM, T>::template ss<0>(s, make_desc_sw128(k_wg + col * kBN * 128 + byte, 16, 1024),
+                                    make_desc_sw128(q_s + col * kBM * 128 + byte, 16, 1024), kk > 0);
+      Wgmma<kBM, T>::template ss<0>(dp, make_desc_sw128(v_wg + col * kBN * 128 + byte, 16, 1024),
+                                    make_desc_sw128(do_s + col * kBM * 128 + byte, 16, 1024), kk > 0);
+    }
+    wgmma_commit();
+    wgmma_wait<0>();
+#pragma unroll
+    for (int i = 0; i < kBM / 2; ++i) reg_fence(s[i]), reg_fence(dp[i]);
+
+    // P^T, dS^T; fragment element e: key 64wg + 16w + g (+8 when e % 4 >= 2), row 8(e/4) + 2t + e%2.
+    uint32_t pa[kBM / 4], da[kBM / 4];
+    uint8_t* ds_buf = sds + st * kTileDs;
+    const int key_l = 64 * wg + 16 * w + g;
+#pragma unroll
+    for (int j = 0; j < kBM / 4; ++j) {
+      float pv[2], dv2[2];
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh) {
+        const int e = 2 * j + hh, r = 8 * (e / 4) + 2 * t + (e % 2), kl = key_l + ((e % 4) >= 2 ? 8 : 0);
+        const int i = m0 + r, jj = n0 + kl;
+        const bool vis = bwd_detail::visible(i, jj, sq_len, sk_len, off, p.window_left, p.window_right);
+        const float x = ptx::exp2_approx(s[e] * p.scale_log2 - s_lse[st][r]);
+        pv[hh] = vis ? x : 0.f;
+        dv2[hh] = pv[hh] * (dp[e] - s_d[st][r]);
+      }
+      pa[j] = ptx::pack2<T>(pv[0], pv[1]);
+      da[j] = ptx::pack2<T>(dv2[0], dv2[1]);
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh) {
+        const int e = 2 * j + hh, r = 8 * (e / 4) + 2 * t + (e % 2), kl = key_l + ((e % 4) >= 2 ? 8 : 0);
+        // dS^T as the MN-major A of dQ = dS K: (key, row) at row `key`, 16-bit column `row`.
+        *reinterpret_cast<uint16_t*>(ds_buf + kl * 128 + ((((r * 2) >> 4) ^ (kl & 7)) << 4) + ((r * 2) & 15)) =
+            static_cast<uint16_t>(hh ? da[j] >> 16 : da[j] & 0xffffu);
+      }
+    }
+
+    // dV += P^T dO, dK += dS^T Q (k-steps of 16 query rows; B MN-major).
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < kBM / 16; ++kk) {
+      const uint32_t ap[4] = {pa[4 * kk], pa[4 * kk + 1], pa[4 * kk + 2], pa[4 * kk + 3]};
+      const uint32_t ad[4] = {da[4 * kk], da[4 * kk + 1], da[4 * kk + 2], da[4 * kk + 3]};
+      Wgmma<kD, T>::template rs<1>(dv, ap, make_desc_sw128(do_s + kk * 2048, kBM * 128, 1024), 1);
+      Wgmma<kD, T>::template rs<1>(dk, ad, make_desc_sw128(q_s + kk * 2048, kBM * 128, 1024), 1);
+    }
+    wgmma_commit();
+
+    // dS^T of both warpgroups visible to the async proxy, then dQ[:, 64wg..] = dS K[:, 64wg..].
+    fence_proxy_async();
+    __syncthreads();
+    float dq[kBM / 2];
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < kBN / 16; ++kk)
+      Wgmma<kBM, T>::template ss<1, 1>(dq, make_desc_sw128(smem_u32(ds_buf) + kk * 2048, kBN * 128, 1024),
+                                       make_desc_sw128(smem_u32(sk) + wg * kBN * 128 + kk * 2048, kBN * 128, 1024),
+                                       kk > 0);
+    wgmma_commit();
+    wgmma_wait<0>();  // dV, dK and dQ
+#pragma unroll
+    for (int i = 0; i < kD / 2; ++i) reg_fence(dv[i]), reg_fence(dk[i]);
+#pragma unroll
+    for (int i = 0; i < kBM / 2; ++i) reg_fence(dq[i]);
+
+    // dQ partial (rows 16w + g (+8), dims 64wg + 8i + 2t (+1)) into the fp32 workspace.
+    float* ws = p.ws_dq + (static_cast<int64_t>(h) * p.rows_q + static_cast<int64_t>(b) * sq_len + m0) * kD + 64 * wg;
+#pragma unroll
+    for (int i = 0; i < kBM / 8; ++i)
+#pragma unroll
+      for (int rh = 0; rh < 2; ++rh) {
+        const int r = 16 * w + g + 8 * rh;
+        if (m0 + r < sq_len) ptx::red_add_v2_f32(ws + r * kD + 8 * i + 2 * t, dq[4 * i + 2 * rh], dq[4 * i + 2 * rh + 1]);
+      }
+  }
+  ptx::cp_async_wait<0>();
+
+  // dK (scaled), dV: keys 64wg + 16w + g (+8), dims 8i + 2t (+1).
+  T* dkp = static_cast<T*>(p.dk) + b * p.dk_batch + hk * p.dk_head;
+  T* dvp = static_cast<T*>(p.dv) + b * p.dv_batch + hk * p.dv_head;
+#pragma unroll
+  for (int i = 0; i < kD / 8; ++i)
+#pragma unroll
+    for (int rh = 0; rh < 2; ++rh) {
+      const int j = n0 + 64 * wg + 16 * w + g + 8 * rh;
+      if (j >= sk_len) continue;
+      const int d = 8 * i + 2 * t;
+      *reinterpret_cast<uint32_t*>(dkp + static_cast<int64_t>(j) * p.dk_seq + d) =
+          ptx::pack2<T>(dk[4 * i + 2 * rh] * p.scale, dk[4 * i + 2 * rh + 1] * p.scale);
+      *reinterpret_cast<uint32_t*>(dvp + static_cast<int64_t>(j) * p.dv_seq + d) =
+          ptx::pack2<T>(dv[4 * i + 2 * rh], dv[4 * i + 2 * rh + 1]);
+    }
+#endif
+}
+
+template <typename T>
+void launch_typed(const BwdParams& p, cudaStream_t stream) {
+  const int64_t grid = static_cast<int64_t>(p.num_n_blocks) * p.heads_kv * p.batch;
+  if (grid == 0) return;
+  auto* kernel = &flash_bwd_sm90_kernel<T>;
+  IOATTN_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
+  kernel<<<static_cast<unsigned>(grid), kThreads, kSmem, stream>>>(p);
+  IOATTN_CUDA_CHECK_LAUNCH("flash_bwd_sm90_kernel");
+}
+
+void launch(const BwdParams& p, bool is_bf16, cudaStream_t stream) {
+  if (is_bf16)
+    launch_typed<__nv_bfloat16>(p, stream);
+  else
+    launch_typed<__half>(p, stream);
+}
+
+}  // namespace sm90_bwd
+
+BwdKernelInfo bwd_info_sm90_hdim128() {
+  BwdKernelInfo info{};
+  info.head_dim = sm90_bwd::kD;
+  info.block_m = sm90_bwd::kBM;
+  info.block_n = sm90_bwd::kBN;
+  info.warps = sm90_bwd::kThreads / 32;
+  info.dq_block_m = sm90_bwd::kBM;  // unused: no deterministic dQ pass
+  info.dq_block_n = sm90_bwd::kBN;
+  info.dq_warps = 0;
+  info.col_splits = 1;
+  info.reason =
+      "IOATTN_BWD_KERNEL=sm90 (experimental): wgmma, keys as M (S^T = K Q^T, dP^T = V dO^T, dV += P^T dO, "
+      "dK += dS^T Q, dQ = dS K from dS^T in shared memory), 2 warpgroups x 64 keys, 64-row steps, cp.async "
+      "one block ahead, fp32 atomic dQ";
+  info.smem_bytes = sm90_bwd::kSmem;
+  info.smem_bytes_det = sm90_bwd::kSmem;
+  info.dq_smem_bytes = 0;
+  info.dkdv_bf16 = reinterpret_cast<const void*>(&sm90_bwd::flash_bwd_sm90_kernel<__nv_bfloat16>);
+  info.dkdv_f16 = reinterpret_cast<const void*>(&sm90_bwd::flash_bwd_sm90_kernel<__half>);
+  info.dq_bf16 = info.dkdv_bf16;  // no separate dQ kernel
+  info.dq_f16 = info.dkdv_f16;
+  info.launch = &sm90_bwd::launch;
+  return info;
+}
+
+}  // namespace ioattn::cuda
