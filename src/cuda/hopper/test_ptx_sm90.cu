@@ -414,6 +414,22 @@ __global__ void k_wgmma_ss(const __grid_constant__ CUtensorMap map_a, const uint
 #endif
 }
 
+// got (64 x N) against A (64 x K) B^T in float64, A and B bf16, B given as [N][K].
+template <int N, int K>
+void check_ab_t(const char* name, const std::vector<uint16_t>& a, const std::vector<uint16_t>& b,
+                const std::vector<float>& got) {
+  double max_err = 0;
+  for (int r = 0; r < 64; ++r)
+    for (int n = 0; n < N; ++n) {
+      double ref = 0;
+      for (int k = 0; k < K; ++k) ref += double(bf(a[r * K + k])) * bf(b[n * K + k]);
+      max_err = std::max(max_err, std::fabs(ref - got[r * N + n]));
+    }
+  char buf[64];
+  std::snprintf(buf, sizeof buf, "max |err| %.2e", max_err);
+  report(name, max_err < 1e-3, buf);
+}
+
 template <int N, int K>
 void test_wgmma_ss(const char* name) {
   auto a = random_bf16(64 * K, 1.0f, 10 + N), b = random_bf16(N * K, 1.0f, 20 + K);
@@ -429,17 +445,7 @@ void test_wgmma_ss(const char* name) {
   k_wgmma_ss<N, K><<<1, 128, smem>>>(m, db, out);
   CHECK_CUDA(cudaGetLastError());
   CHECK_CUDA(cudaDeviceSynchronize());
-  auto got = to_host(out, 64 * N);
-  double max_err = 0;
-  for (int r = 0; r < 64; ++r)
-    for (int n = 0; n < N; ++n) {
-      double ref = 0;
-      for (int k = 0; k < K; ++k) ref += double(bf(a[r * K + k])) * bf(b[n * K + k]);
-      max_err = std::max(max_err, std::fabs(ref - got[r * N + n]));
-    }
-  char buf[64];
-  std::snprintf(buf, sizeof buf, "max |err| %.2e", max_err);
-  report(name, max_err < 1e-3, buf);
+  check_ab_t<N, K>(name, a, b, to_host(out, 64 * N));
   CHECK_CUDA(cudaFree(da));
   CHECK_CUDA(cudaFree(db));
   CHECK_CUDA(cudaFree(out));
@@ -492,17 +498,7 @@ void test_wgmma_ss_ta(const char* name) {
   k_wgmma_ss_ta<N, K><<<1, 128, smem>>>(da, db, out);
   CHECK_CUDA(cudaGetLastError());
   CHECK_CUDA(cudaDeviceSynchronize());
-  auto got = to_host(out, 64 * N);
-  double max_err = 0;
-  for (int r = 0; r < 64; ++r)
-    for (int n = 0; n < N; ++n) {
-      double ref = 0;
-      for (int k = 0; k < K; ++k) ref += double(bf(a[r * K + k])) * bf(b[n * K + k]);
-      max_err = std::max(max_err, std::fabs(ref - got[r * N + n]));
-    }
-  char buf[64];
-  std::snprintf(buf, sizeof buf, "max |err| %.2e", max_err);
-  report(name, max_err < 1e-3, buf);
+  check_ab_t<N, K>(name, a, b, to_host(out, 64 * N));
   CHECK_CUDA(cudaFree(da));
   CHECK_CUDA(cudaFree(db));
   CHECK_CUDA(cudaFree(out));
