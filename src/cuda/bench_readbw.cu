@@ -154,7 +154,7 @@ __global__ void __launch_bounds__(kThreads) read_bulk(const char* buf, int64_t s
   float acc = 0.f;
   for (int64_t s = 0; s < stages_per_cta; ++s) {
     const int slot = static_cast<int>(s % kStages);
-    mbarrier_wait(&full[slot], static_cast<uint32_t>((s / kStages) & 1));
+    mbarrier_wait_or_trap(&full[slot], static_cast<uint32_t>((s / kStages) & 1));
     const char* st = smem + slot * kStageBytes;
 #pragma unroll
     for (int i = 0; i < 8; ++i) acc += sum4(*reinterpret_cast<const uint4*>(st + (i * kThreads + threadIdx.x) * 16));

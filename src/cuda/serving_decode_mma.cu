@@ -384,7 +384,8 @@ __global__ void __launch_bounds__(kThreads) decode_mma_kernel(const DecodeParams
     __syncthreads();
     issue(tile + STAGES - 1);
 #if IOATTN_DECODE_BULK_ENABLED
-    if constexpr (kBulk) sm90::mbarrier_wait(&full_bar[tile % STAGES], static_cast<uint32_t>((tile / STAGES) & 1));
+    // Experimental path: a wrong byte count traps (a launch error) instead of hanging the GPU.
+    if constexpr (kBulk) sm90::mbarrier_wait_or_trap(&full_bar[tile % STAGES], static_cast<uint32_t>((tile / STAGES) & 1));
 #endif
     const uint32_t kv = ptx::smem_u32(smem + (tile % STAGES) * 2 * Tr::kTileBytes);
     const uint32_t k_addr = kv + k_lane, v_addr = kv + Tr::kTileBytes + v_lane;

@@ -86,6 +86,14 @@ __device__ __forceinline__ void mbarrier_wait(uint64_t* bar, uint32_t parity) {
   }
 }
 
+// mbarrier_wait for experimental paths and tests: traps (a launch error the host sees) after
+// max_spins failed polls instead of spinning for ever when a byte count is wrong. Each poll may
+// suspend for a while inside try_wait, so 2^22 polls is well beyond any real wait.
+__device__ __forceinline__ void mbarrier_wait_or_trap(uint64_t* bar, uint32_t parity, uint32_t max_spins = 1u << 22) {
+  for (uint32_t i = 0; !mbarrier_try_wait(bar, parity); ++i)
+    if (i == max_spins) __trap();
+}
+
 // ---- TMA: cp.async.bulk.tensor, global -> shared, completing on an mbarrier ----------------
 // The tensor map (built on the host with cuTensorMapEncodeTiled) is a __grid_constant__ kernel
 // parameter; its generic address is what the instruction takes. Coordinates are in elements,

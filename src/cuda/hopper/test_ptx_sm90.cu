@@ -198,7 +198,7 @@ __global__ void k_bulk(const uint8_t* src, uint8_t* out) {
     mbarrier_arrive_expect_tx(&bar, 16384);
     bulk_load_1d(s, src, 16384, &bar);
   }
-  mbarrier_wait(&bar, 0);
+  mbarrier_wait_or_trap(&bar, 0);
   for (int i = threadIdx.x; i < 16384; i += blockDim.x) out[i] = s[i];
   __syncthreads();
   if (threadIdx.x == 0) {
@@ -206,7 +206,7 @@ __global__ void k_bulk(const uint8_t* src, uint8_t* out) {
     bulk_load_1d(s + 16, src + 16384 + 32, 256, &bar);
     bulk_load_1d(s + 512, src + 16384 + 1008, 48, &bar);
   }
-  mbarrier_wait(&bar, 1);
+  mbarrier_wait_or_trap(&bar, 1);
   for (int i = threadIdx.x; i < 256; i += blockDim.x) out[16384 + i] = s[16 + i];
   for (int i = threadIdx.x; i < 48; i += blockDim.x) out[16384 + 256 + i] = s[512 + i];
 #endif
