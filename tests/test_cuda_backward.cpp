@@ -382,9 +382,19 @@ INSTANTIATE_TEST_SUITE_P(Cases, CudaBackward, ::testing::ValuesIn(cases()),
 // The experimental wgmma backward (IOATTN_BWD_KERNEL=sm90; hdim 128, causal or none, GQA, no
 // varlen / window / softcap / ALiBi / sinks, atomic dQ): the same reference checks, on an sm_90
 // device; where it does not apply the mma.sync row runs and its reason says why.
+// Sets IOATTN_BWD_KERNEL for a scope and restores what the caller had.
 struct BwdKernelEnv {
-  explicit BwdKernelEnv(const char* v) { v ? setenv("IOATTN_BWD_KERNEL", v, 1) : unsetenv("IOATTN_BWD_KERNEL"); }
-  ~BwdKernelEnv() { unsetenv("IOATTN_BWD_KERNEL"); }
+  explicit BwdKernelEnv(const char* v) {
+    const char* old = std::getenv("IOATTN_BWD_KERNEL");
+    had_ = old != nullptr;
+    if (had_) old_ = old;
+    v ? setenv("IOATTN_BWD_KERNEL", v, 1) : unsetenv("IOATTN_BWD_KERNEL");
+  }
+  ~BwdKernelEnv() { had_ ? setenv("IOATTN_BWD_KERNEL", old_.c_str(), 1) : unsetenv("IOATTN_BWD_KERNEL"); }
+
+ private:
+  bool had_ = false;
+  std::string old_;
 };
 
 std::vector<Case> sm90_cases() {
@@ -399,6 +409,9 @@ std::vector<Case> sm90_cases() {
       v.push_back(c); }
     { Case c = mk("q1024_k1023_" + ts, 1024, 1023, 128, t); c.heads_q = c.heads_kv = 1; v.push_back(c); }
     { Case c = mk("gqa4_causal_" + ts, 130, 197, 128, t); c.heads_q = 8; c.heads_kv = 2; c.causal = true; v.push_back(c); }
+    // GQA with key blocks whose first query block is not the first (causal m_first > 0).
+    { Case c = mk("gqa4_causal_long_" + ts, 333, 390, 128, t); c.heads_q = 4; c.heads_kv = 1; c.causal = true;
+      v.push_back(c); }
     { Case c = mk("mqa8_" + ts, 40, 177, 128, t); c.heads_q = 8; c.heads_kv = 1; v.push_back(c); }
     { Case c = mk("bhsd_batch2_" + ts, 65, 300, 128, t); c.bhsd = true; c.batch = 2; v.push_back(c); }
     { Case c = mk("scale_negative_" + ts, 50, 70, 128, t); c.scale = -0.2f; v.push_back(c); }
@@ -427,6 +440,12 @@ INSTANTIATE_TEST_SUITE_P(Cases, CudaBackwardSm90, ::testing::ValuesIn(sm90_cases
 TEST(CudaBackwardSm90Select, SaysWhenItDoesNotApply) {
   SKIP_WITHOUT_GPU();
   if (detail::cuda_device_arch(0) != 90) GTEST_SKIP() << "skipped: the wgmma backward needs sm_90";
+  {  // unset: the mma.sync table, as before
+    BwdKernelEnv env(nullptr);
+    BwdRun s(mk("default_d128", 40, 50, 128), 5);
+    const KernelChoice kc = s.backward_device(false);
+    EXPECT_NE(kc.kernel.find("mma.sync"), std::string::npos) << kc.kernel;
+  }
   {
     BwdKernelEnv env("sm90");
     Case c = mk("window_d128", 100, 300, 128);

@@ -106,11 +106,16 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_sm90_kernel(const BwdPa
     const auto* dp = static_cast<const uint8_t*>(p.dout) + (b * p.do_batch + static_cast<int64_t>(m0) * p.do_seq + h * p.do_head) * es;
     load_rows<kBM>(smem_u32(sq + st * kTileQ), qp, p.q_seq * es, sq_len - m0);
     load_rows<kBM>(smem_u32(sdo + st * kTileQ), dp, p.do_seq * es, sq_len - m0);
-    if (tid < kBM) {
+    if (tid < kBM) {  // in the same cp.async group as the tiles (no load latency in the step)
       const int i = m0 + tid;
       const int64_t wrow = static_cast<int64_t>(h) * p.rows_q + static_cast<int64_t>(b) * sq_len + i;
-      s_lse[st][tid] = i < sq_len ? p.ws_lse[wrow] : kPosInf;  // +inf: P = 0
-      s_d[st][tid] = i < sq_len ? p.ws_d[wrow] : 0.f;
+      if (i < sq_len) {
+        ptx::cp_async_4(ptx::smem_u32(&s_lse[st][tid]), p.ws_lse + wrow, 4);
+        ptx::cp_async_4(ptx::smem_u32(&s_d[st][tid]), p.ws_d + wrow, 4);
+      } else {
+        s_lse[st][tid] = kPosInf;  // rows past the end: P = 0
+        s_d[st][tid] = 0.f;
+      }
     }
   };
 
@@ -150,6 +155,7 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_sm90_kernel(const BwdPa
     // P^T, dS^T; fragment element e: key 64wg + 16w + g (+8 when e % 4 >= 2), row 8(e/4) + 2t + e%2.
     uint32_t pa[kBM / 4], da[kBM / 4];
     uint8_t* ds_buf = sds + st * kTileDs;
+    const uint32_t ds_s = smem_u32(ds_buf);
     const int key_l = 64 * wg + 16 * w + g;
 #pragma unroll
     for (int j = 0; j < kBM / 4; ++j) {
@@ -165,13 +171,11 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_sm90_kernel(const BwdPa
       }
       pa[j] = ptx::pack2<T>(pv[0], pv[1]);
       da[j] = ptx::pack2<T>(dv2[0], dv2[1]);
-#pragma unroll
-      for (int hh = 0; hh < 2; ++hh) {
-        const int e = 2 * j + hh, r = 8 * (e / 4) + 2 * t + (e % 2), kl = key_l + ((e % 4) >= 2 ? 8 : 0);
-        // dS^T as the MN-major A of dQ = dS K: (key, row) at row `key`, 16-bit column `row`.
-        *reinterpret_cast<uint16_t*>(ds_buf + kl * 128 + ((((r * 2) >> 4) ^ (kl & 7)) << 4) + ((r * 2) & 15)) =
-            static_cast<uint16_t>(hh ? da[j] >> 16 : da[j] & 0xffffu);
-      }
+      // dS^T as the MN-major A of dQ = dS K: (key, row) at row `key`, 16-bit column `row`; the
+      // pair (rows r, r + 1; r even) is one aligned 32-bit word of the swizzled row.
+      const int e = 2 * j, r = 8 * (e / 4) + 2 * t, kl = key_l + ((e % 4) >= 2 ? 8 : 0);
+      const uint32_t addr = ds_s + static_cast<uint32_t>(kl * 128 + ((((r * 2) >> 4) ^ (kl & 7)) << 4) + ((r * 2) & 15));
+      asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(addr), "r"(da[j]) : "memory");
     }
 
     // dV += P^T dO, dK += dS^T Q (k-steps of 16 query rows; B MN-major).
@@ -229,6 +233,8 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_sm90_kernel(const BwdPa
       *reinterpret_cast<uint32_t*>(dvp + static_cast<int64_t>(j) * p.dv_seq + d) =
           ptx::pack2<T>(dv[4 * i + 2 * rh], dv[4 * i + 2 * rh + 1]);
     }
+#elif defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  __trap();  // an sm_90 image without the "a" features (wgmma): never silently write nothing
 #endif
 }
 
