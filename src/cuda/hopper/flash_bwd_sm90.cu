@@ -26,6 +26,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <string>
+#include <type_traits>
 
 #include "cuda/check.cuh"
 #include "cuda/flash_bwd_launch.cuh"
@@ -153,30 +154,41 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_sm90_kernel(const BwdPa
     for (int i = 0; i < kBM / 2; ++i) reg_fence(s[i]), reg_fence(dp[i]);
 
     // P^T, dS^T; fragment element e: key 64wg + 16w + g (+8 when e % 4 >= 2), row 8(e/4) + 2t + e%2.
+    // Blocks inside both sequences and wholly below the causal diagonal skip the mask (as the
+    // mma.sync kernel's needs_mask); masked elements get P = 0 and so dS = 0.
     uint32_t pa[kBM / 4], da[kBM / 4];
     uint8_t* ds_buf = sds + st * kTileDs;
     const uint32_t ds_s = smem_u32(ds_buf);
     const int key_l = 64 * wg + 16 * w + g;
+    const bool needs_mask = n0 + kBN > sk_len || m0 + kBM > sq_len ||
+                            (p.window_right >= 0 && n0 + kBN - 1 - m0 - off > p.window_right);
+    auto grads = [&](auto mask_tag) {
+      constexpr bool kMask = decltype(mask_tag)::value;
 #pragma unroll
-    for (int j = 0; j < kBM / 4; ++j) {
-      float pv[2], dv2[2];
+      for (int j = 0; j < kBM / 4; ++j) {
+        float pv[2], dv2[2];
 #pragma unroll
-      for (int hh = 0; hh < 2; ++hh) {
-        const int e = 2 * j + hh, r = 8 * (e / 4) + 2 * t + (e % 2), kl = key_l + ((e % 4) >= 2 ? 8 : 0);
-        const int i = m0 + r, jj = n0 + kl;
-        const bool vis = bwd_detail::visible(i, jj, sq_len, sk_len, off, p.window_left, p.window_right);
-        const float x = ptx::exp2_approx(s[e] * p.scale_log2 - s_lse[st][r]);
-        pv[hh] = vis ? x : 0.f;
-        dv2[hh] = pv[hh] * (dp[e] - s_d[st][r]);
+        for (int hh = 0; hh < 2; ++hh) {
+          const int e = 2 * j + hh, r = 8 * (e / 4) + 2 * t + (e % 2), kl = key_l + ((e % 4) >= 2 ? 8 : 0);
+          pv[hh] = ptx::exp2_approx(s[e] * p.scale_log2 - s_lse[st][r]);
+          if (kMask && !bwd_detail::visible(m0 + r, n0 + kl, sq_len, sk_len, off, p.window_left, p.window_right))
+            pv[hh] = 0.f;
+          dv2[hh] = pv[hh] * (dp[e] - s_d[st][r]);
+        }
+        pa[j] = ptx::pack2<T>(pv[0], pv[1]);
+        da[j] = ptx::pack2<T>(dv2[0], dv2[1]);
+        // dS^T as the MN-major A of dQ = dS K: (key, row) at row `key`, 16-bit column `row`; the
+        // pair (rows r, r + 1; r even) is one aligned 32-bit word of the swizzled row.
+        const int e = 2 * j, r = 8 * (e / 4) + 2 * t, kl = key_l + ((e % 4) >= 2 ? 8 : 0);
+        const uint32_t addr =
+            ds_s + static_cast<uint32_t>(kl * 128 + ((((r * 2) >> 4) ^ (kl & 7)) << 4) + ((r * 2) & 15));
+        asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(addr), "r"(da[j]) : "memory");
       }
-      pa[j] = ptx::pack2<T>(pv[0], pv[1]);
-      da[j] = ptx::pack2<T>(dv2[0], dv2[1]);
-      // dS^T as the MN-major A of dQ = dS K: (key, row) at row `key`, 16-bit column `row`; the
-      // pair (rows r, r + 1; r even) is one aligned 32-bit word of the swizzled row.
-      const int e = 2 * j, r = 8 * (e / 4) + 2 * t, kl = key_l + ((e % 4) >= 2 ? 8 : 0);
-      const uint32_t addr = ds_s + static_cast<uint32_t>(kl * 128 + ((((r * 2) >> 4) ^ (kl & 7)) << 4) + ((r * 2) & 15));
-      asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(addr), "r"(da[j]) : "memory");
-    }
+    };
+    if (needs_mask)
+      grads(std::true_type{});
+    else
+      grads(std::false_type{});
 
     // dV += P^T dO, dK += dS^T Q (k-steps of 16 query rows; B MN-major).
     wgmma_fence();
