@@ -395,9 +395,8 @@ HWY_INLINE void ScoresTile(const float* HWY_RESTRICT q, size_t dp, const uint8_t
   const uint8_t* const r1 = rows[1];
   const uint8_t* const r2 = rows[2];
   const uint8_t* const r3 = rows[3];
-  size_t x = 0;
-  for (; x + L <= d; x += L) {
-    const VF k0 = LoadCvt<T>(r0, x), k1 = LoadCvt<T>(r1, x), k2 = LoadCvt<T>(r2, x), k3 = LoadCvt<T>(r3, x);
+  // The RT rows' q[x, x + L) times the 4 keys' elements (converted) at x.
+  auto fma_block = [&](size_t x, VF k0, VF k1, VF k2, VF k3) HWY_ATTR {
     for (int r = 0; r < RT; ++r) {
       const VF qv = hn::LoadU(df, q + r * dp + x);
       a[r][0] = hn::MulAdd(qv, k0, a[r][0]);
@@ -405,18 +404,13 @@ HWY_INLINE void ScoresTile(const float* HWY_RESTRICT q, size_t dp, const uint8_t
       a[r][2] = hn::MulAdd(qv, k2, a[r][2]);
       a[r][3] = hn::MulAdd(qv, k3, a[r][3]);
     }
-  }
+  };
+  size_t x = 0;
+  for (; x + L <= d; x += L)
+    fma_block(x, LoadCvt<T>(r0, x), LoadCvt<T>(r1, x), LoadCvt<T>(r2, x), LoadCvt<T>(r3, x));
   if (x < d) {
     const size_t c = d - x;
-    const VF k0 = LoadCvtN<T>(r0, x, c), k1 = LoadCvtN<T>(r1, x, c), k2 = LoadCvtN<T>(r2, x, c),
-             k3 = LoadCvtN<T>(r3, x, c);
-    for (int r = 0; r < RT; ++r) {
-      const VF qv = hn::LoadU(df, q + r * dp + x);
-      a[r][0] = hn::MulAdd(qv, k0, a[r][0]);
-      a[r][1] = hn::MulAdd(qv, k1, a[r][1]);
-      a[r][2] = hn::MulAdd(qv, k2, a[r][2]);
-      a[r][3] = hn::MulAdd(qv, k3, a[r][3]);
-    }
+    fma_block(x, LoadCvtN<T>(r0, x, c), LoadCvtN<T>(r1, x, c), LoadCvtN<T>(r2, x, c), LoadCvtN<T>(r3, x, c));
   }
   for (int r = 0; r < RT; ++r) Sum4(a[r][0], a[r][1], a[r][2], a[r][3], s + r * bc);
 }
