@@ -29,8 +29,6 @@
 #include <cstdio>
 #include <cstdlib>
 #include <random>
-#include <condition_variable>
-#include <mutex>
 #include <string>
 #include <thread>
 #include <vector>
@@ -78,29 +76,6 @@ class Serialized final : public Communicator {
   Communicator& inner_;
 };
 
-// Reusable barrier for the rank threads (C++17: no std::barrier).
-class Barrier {
- public:
-  explicit Barrier(int n) : n_(n) {}
-  void wait() {
-    std::unique_lock<std::mutex> lk(m_);
-    const long gen = gen_;
-    if (++arrived_ == n_) {
-      arrived_ = 0;
-      ++gen_;
-      cv_.notify_all();
-    } else {
-      cv_.wait(lk, [&] { return gen_ != gen; });
-    }
-  }
-
- private:
-  std::mutex m_;
-  std::condition_variable cv_;
-  int n_, arrived_ = 0;
-  long gen_ = 0;
-};
-
 std::vector<int64_t> parse_list(const std::string& s) {
   std::vector<int64_t> v;
   size_t i = 0;
@@ -146,7 +121,7 @@ NcclResult run_nccl(int P, CpLayout layout, bool overlap, bool have_bwd, int rep
   for (int r = 0; r < P; ++r) devices[static_cast<size_t>(r)] = r;
   auto group = make_nccl_group(devices);
   const int64_t L = S / P;
-  Barrier barrier(P);
+  detail::dist::Barrier barrier(P);
   std::vector<std::vector<double>> tf(static_cast<size_t>(P)), tfb(static_cast<size_t>(P)), th(static_cast<size_t>(P));
   auto host_view = [](Buffer& b, std::initializer_list<int64_t> shape) {
     return TensorView::contiguous(b.host(), b.dtype(), shape, Device::cpu);

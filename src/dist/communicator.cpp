@@ -1,7 +1,5 @@
 // Communicators for ring attention: the in-process loopback group (P virtual ranks, one thread
 // each) and, when built with NCCL, the NCCL ring over a caller's ncclComm_t.
-#include <condition_variable>
-#include <mutex>
 #include <string>
 #include <vector>
 
@@ -19,26 +17,14 @@ namespace {
 
 // Shared state of a loopback group: a mailbox per rank and a reusable barrier.
 struct LoopbackState {
-  explicit LoopbackState(int n) : size(n), send(static_cast<size_t>(n)), bytes(static_cast<size_t>(n)) {}
+  explicit LoopbackState(int n)
+      : size(n), send(static_cast<size_t>(n)), bytes(static_cast<size_t>(n)), barrier_(n) {}
   int size;
   std::vector<const void*> send;
   std::vector<size_t> bytes;
-  std::mutex m;
-  std::condition_variable cv;
-  int arrived = 0;
-  long generation = 0;
+  detail::dist::Barrier barrier_;
 
-  void barrier() {
-    std::unique_lock<std::mutex> lk(m);
-    const long gen = generation;
-    if (++arrived == size) {
-      arrived = 0;
-      ++generation;
-      cv.notify_all();
-    } else {
-      cv.wait(lk, [&] { return generation != gen; });
-    }
-  }
+  void barrier() { barrier_.wait(); }
 };
 
 class Loopback final : public Communicator {

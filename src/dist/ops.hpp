@@ -2,6 +2,9 @@
 // Views are up to 4-D with a unit last-dim stride (the API's TensorView).
 #pragma once
 
+#include <condition_variable>
+#include <mutex>
+
 #include "ioattn/ioattn.hpp"
 
 namespace ioattn::detail::dist {
@@ -21,6 +24,30 @@ class Scratch {
   Device dev_;
   void* stream_ = nullptr;
   void* ptr_ = nullptr;
+};
+
+// Reusable barrier for n threads (C++17 has no std::barrier): the loopback group's ranks, and the
+// rank threads of ioattn_bench_cp --nccl 1.
+class Barrier {
+ public:
+  explicit Barrier(int n) : n_(n) {}
+  void wait() {
+    std::unique_lock<std::mutex> lk(m_);
+    const long gen = gen_;
+    if (++arrived_ == n_) {
+      arrived_ = 0;
+      ++gen_;
+      cv_.notify_all();
+    } else {
+      cv_.wait(lk, [&] { return gen_ != gen; });
+    }
+  }
+
+ private:
+  std::mutex m_;
+  std::condition_variable cv_;
+  int n_, arrived_ = 0;
+  long gen_ = 0;
 };
 
 void fill_f32(const TensorView& dst, float value, void* stream);
