@@ -382,19 +382,9 @@ INSTANTIATE_TEST_SUITE_P(Cases, CudaBackward, ::testing::ValuesIn(cases()),
 // The experimental wgmma backward (IOATTN_BWD_KERNEL=sm90; hdim 128, causal or none, GQA, no
 // varlen / window / softcap / ALiBi / sinks, atomic dQ): the same reference checks, on an sm_90
 // device; where it does not apply the mma.sync row runs and its reason says why.
-// Sets IOATTN_BWD_KERNEL for a scope and restores what the caller had.
-struct BwdKernelEnv {
-  explicit BwdKernelEnv(const char* v) {
-    const char* old = std::getenv("IOATTN_BWD_KERNEL");
-    had_ = old != nullptr;
-    if (had_) old_ = old;
-    v ? setenv("IOATTN_BWD_KERNEL", v, 1) : unsetenv("IOATTN_BWD_KERNEL");
-  }
-  ~BwdKernelEnv() { had_ ? setenv("IOATTN_BWD_KERNEL", old_.c_str(), 1) : unsetenv("IOATTN_BWD_KERNEL"); }
-
- private:
-  bool had_ = false;
-  std::string old_;
+// IOATTN_BWD_KERNEL for a scope.
+struct BwdKernelEnv : ScopedEnv {
+  explicit BwdKernelEnv(const char* v) : ScopedEnv("IOATTN_BWD_KERNEL", v) {}
 };
 
 std::vector<Case> sm90_cases() {

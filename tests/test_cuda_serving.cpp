@@ -330,16 +330,8 @@ TEST(CudaDecode, OutOfRangeLengthsAndPagesGiveNaNForThatSequenceOnly) {
 TEST(CudaDecode, BulkLoaderEqualsCpAsyncBitwise) {
   SKIP_WITHOUT_GPU();
   if (detail::cuda_device_arch(0) < 90) GTEST_SKIP() << "skipped: the bulk loader needs sm_90";
-  struct LoaderEnv {  // sets IOATTN_DECODE_LOADER for a scope, restores the caller's value
-    explicit LoaderEnv(const char* v) {
-      const char* old = std::getenv("IOATTN_DECODE_LOADER");
-      had = old != nullptr;
-      if (had) prev = old;
-      v ? setenv("IOATTN_DECODE_LOADER", v, 1) : unsetenv("IOATTN_DECODE_LOADER");
-    }
-    ~LoaderEnv() { had ? setenv("IOATTN_DECODE_LOADER", prev.c_str(), 1) : unsetenv("IOATTN_DECODE_LOADER"); }
-    bool had = false;
-    std::string prev;
+  struct LoaderEnv : ScopedEnv {
+    explicit LoaderEnv(const char* v) : ScopedEnv("IOATTN_DECODE_LOADER", v) {}
   };
   for (DType t : {DType::bf16, DType::f16})
     for (int64_t hq : {32, 64})  // 4 and 8 rows per kv head: 8-row CTAs; 64/4 = 16 rows: two n-tiles
