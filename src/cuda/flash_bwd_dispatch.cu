@@ -72,8 +72,9 @@ std::string forced_bwd_kernel() {
   return e ? std::string(e) : std::string();
 }
 
-// Why the wgmma backward cannot run this problem ("" = it can).
-std::string sm90_bwd_refusal(const detail::BwdProblem& bp, int arch, int optin) {
+// Why the wgmma backward cannot run this problem ("" = it can; then *attr holds its kernel's
+// attributes).
+std::string sm90_bwd_refusal(const detail::BwdProblem& bp, int arch, int optin, cudaFuncAttributes* attr) {
   const detail::FwdProblem& p = bp.f;
   if (arch != 90) return "needs sm_90, device is sm" + std::to_string(arch);
   if (p.head_dim != 128) return "head_dim 128 only, got " + std::to_string(p.head_dim);
@@ -83,10 +84,9 @@ std::string sm90_bwd_refusal(const detail::BwdProblem& bp, int arch, int optin) 
     return "no softcap, ALiBi or sinks";
   if (p.window_left >= 0 || p.window_right > 0) return "no sliding window (causal or none)";
   if (optin < static_cast<int>(sm90_bwd_info().smem_bytes)) return "needs " + std::to_string(sm90_bwd_info().smem_bytes / 1024) + " KB of shared memory";
-  cudaFuncAttributes a{};
-  if (cudaFuncGetAttributes(&a, p.dtype == DType::bf16 ? sm90_bwd_info().dkdv_bf16 : sm90_bwd_info().dkdv_f16) !=
+  if (cudaFuncGetAttributes(attr, p.dtype == DType::bf16 ? sm90_bwd_info().dkdv_bf16 : sm90_bwd_info().dkdv_f16) !=
           cudaSuccess ||
-      a.ptxVersion < 90) {
+      attr->ptxVersion < 90) {
     cudaGetLastError();
     return "this build has no sm_90a image of it";
   }
@@ -130,14 +130,14 @@ Pick pick(const detail::BwdProblem& bp, int arch) {
   if (!force.empty() && force != "sm90" && force != "mma")
     return no("IOATTN_BWD_KERNEL must be sm90 or mma (or unset), got '" + force + "'");
   std::string sm90_note;  // why IOATTN_BWD_KERNEL=sm90 did not apply, for the mma.sync row's reason
+  if (rows_q_of(p) >= INT_MAX / 2)
+    return no("batch x seqlen_q (total_q for varlen) must stay below 2^30 (workspace rows, 32-bit grid)");
   if (force == "sm90") {
-    const std::string why = sm90_bwd_refusal(bp, arch, optin);
+    cudaFuncAttributes a{};
+    const std::string why = sm90_bwd_refusal(bp, arch, optin, &a);
     if (why.empty()) {
-      if (ceil_div(p.seqlen_k, 128) * p.heads_kv * p.batch > INT_MAX)
+      if (ceil_div(p.seqlen_k, sm90_bwd_info().block_n) * p.heads_kv * p.batch > INT_MAX)
         return no("key blocks x kv heads x batch exceeds the 2^31-1 grid limit");
-      if (rows_q_of(p) >= INT_MAX / 2) return no("batch x seqlen_q must stay below 2^30 (workspace rows)");
-      cudaFuncAttributes a{};
-      IOATTN_CUDA_CHECK(cudaFuncGetAttributes(&a, p.dtype == DType::bf16 ? sm90_bwd_info().dkdv_bf16 : sm90_bwd_info().dkdv_f16));
       r.info = &sm90_bwd_info();
       r.sel = {"cuda/flash-backward sm90 wgmma " + std::string(dtype_name(p.dtype)) + " hdim128 " + detail::mask_name(p) +
                    " tile 64x128 warpgroups 2 dq atomic",
@@ -168,8 +168,6 @@ Pick pick(const detail::BwdProblem& bp, int arch) {
   if (ceil_div(p.seqlen_k, info->block_n) * p.heads_kv * p.batch * info->col_splits > INT_MAX ||
       ceil_div(p.seqlen_q, info->dq_block_m) * p.heads_q * p.batch > INT_MAX)
     return no("key blocks x kv heads x batch (or query blocks x heads x batch) exceeds the 2^31-1 grid limit");
-  if (rows_q_of(p) >= INT_MAX / 2)
-    return no("batch x seqlen_q (total_q for varlen) must stay below 2^30 (workspace rows, 32-bit grid)");
 
   const bool bf16 = p.dtype == DType::bf16;
   cudaFuncAttributes attr{}, attr_dq{};
