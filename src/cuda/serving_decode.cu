@@ -485,8 +485,10 @@ std::string forced_loader() {
   return e ? std::string(e) : std::string();
 }
 
-bool use_bulk_loader(const detail::DecodeProblem& p, int arch) {
-  return forced_loader() == "bulk" && mma_bulk_supported(p.dtype, p.cache_dtype, p.head_dim, arch);
+// The device's arch is asked for only when the bulk loader was requested (arch_of: device -> arch).
+template <class ArchOf>
+bool use_bulk_loader(const detail::DecodeProblem& p, ArchOf arch_of) {
+  return forced_loader() == "bulk" && mma_bulk_supported(p.dtype, p.cache_dtype, p.head_dim, arch_of());
 }
 
 bool masked(const detail::DecodeProblem& p) { return p.causal || p.window_left >= 0 || p.window_right >= 0; }
@@ -531,7 +533,7 @@ CudaSelection cuda_decode_select(const DecodeProblem& p, int arch) {
     return no("IOATTN_DECODE_LOADER must be bulk or cp.async (or unset), got '" + loader + "'");
   if (mma) {
     const int rows = mma_rows_per_cta(p.rows_per_group(), p.head_dim);
-    const bool bulk = use_bulk_loader(p, arch);
+    const bool bulk = use_bulk_loader(p, [&] { return arch; });
     const std::string loader_why =
         bulk ? "IOATTN_DECODE_LOADER=bulk: one 1-D bulk copy (TMA) per K / V row, stages completing on mbarriers"
              : std::string(loader == "bulk" ? "IOATTN_DECODE_LOADER=bulk does not apply (needs sm90 and a build with "
@@ -685,7 +687,7 @@ void cuda_decode(const DecodeProblem& p) {
 
   const bool pdl = use_pdl(p.device_index);
   if (mma) {
-    const bool bulk = forced_loader() == "bulk" && use_bulk_loader(p, detail::cuda_device_arch(p.device_index));
+    const bool bulk = use_bulk_loader(p, [&] { return detail::cuda_device_arch(p.device_index); });
     launch_decode_mma(dp, p.cache_dtype, grid, stream, pdl, bulk);
   } else {
     switch (p.cache_dtype) {
