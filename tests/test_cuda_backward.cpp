@@ -317,16 +317,33 @@ void check_grads(BwdRun& s, const Refs& r, const std::string& what) {
 }
 
 // Runs case c in both dQ modes and checks both.
+// IOATTN_BWD_KERNEL for a scope.
+struct BwdKernelEnv : ScopedEnv {
+  explicit BwdKernelEnv(const char* v) : ScopedEnv("IOATTN_BWD_KERNEL", v) {}
+};
+
+// The dispatcher's choice, atomic and deterministic; where the default was the wgmma kernel (sm_90,
+// hdim 128) the mma.sync table runs the case too (IOATTN_BWD_KERNEL=mma), so both stay covered.
 void run_case(const Case& c, uint64_t seed) {
   SKIP_WITHOUT_GPU();
   BwdRun s(c, seed);
   const Refs r = references(s);
+  bool wgmma_ran = false;
   for (bool det : {false, true}) {
     s.poison_grads();
     const KernelChoice kc = s.backward_device(det);
     EXPECT_NE(kc.kernel.find("cuda/flash-backward"), std::string::npos) << kc.kernel;
     EXPECT_NE(kc.kernel.find(det ? "dq deterministic" : "dq atomic"), std::string::npos) << kc.kernel;
     check_grads(s, r, c.name + (det ? " (deterministic)" : " (atomic dq)"));
+    wgmma_ran = wgmma_ran || kc.kernel.find("sm90 wgmma") != std::string::npos;
+  }
+  if (wgmma_ran) {
+    BwdKernelEnv env("mma");
+    s.poison_grads();
+    const KernelChoice kc = s.backward_device(false);
+    EXPECT_NE(kc.kernel.find("mma.sync"), std::string::npos) << kc.kernel;
+    EXPECT_NE(kc.reason.find("IOATTN_BWD_KERNEL=mma"), std::string::npos) << kc.reason;
+    check_grads(s, r, c.name + " (IOATTN_BWD_KERNEL=mma, atomic dq)");
   }
 }
 
@@ -379,13 +396,9 @@ TEST_P(CudaBackward, MatchesFloat64Reference) { run_case(GetParam(), 7 + GetPara
 INSTANTIATE_TEST_SUITE_P(Cases, CudaBackward, ::testing::ValuesIn(cases()),
                          [](const auto& info) { return info.param.name; });
 
-// The experimental wgmma backward (IOATTN_BWD_KERNEL=sm90; hdim 128, causal or none, GQA, no
-// varlen / window / softcap / ALiBi / sinks, atomic dQ): the same reference checks, on an sm_90
-// device; where it does not apply the mma.sync row runs and its reason says why.
-// IOATTN_BWD_KERNEL for a scope.
-struct BwdKernelEnv : ScopedEnv {
-  explicit BwdKernelEnv(const char* v) : ScopedEnv("IOATTN_BWD_KERNEL", v) {}
-};
+// The wgmma backward (sm_90's default where it applies: hdim 128, causal or none, GQA, no varlen /
+// window / softcap / ALiBi / sinks, atomic dQ): the same reference checks, on an sm_90 device, for
+// each IOATTN_BWD_SM90_VARIANT; where it does not apply the mma.sync row runs and says why.
 
 std::vector<Case> sm90_cases() {
   std::vector<Case> v;
@@ -418,10 +431,13 @@ TEST_P(CudaBackwardSm90, MatchesFloat64Reference) {
   BwdRun s(c, 11 + c.name.size());
   const Refs r = references(s);
   BwdKernelEnv env("sm90");
-  s.poison_grads();
-  const KernelChoice kc = s.backward_device(false);
-  EXPECT_NE(kc.kernel.find("sm90 wgmma"), std::string::npos) << kc.kernel << ": " << kc.reason;
-  check_grads(s, r, c.name + " (sm90 wgmma)");
+  for (const char* variant : {"base", "late", "defer", "late+defer"}) {
+    ScopedEnv var("IOATTN_BWD_SM90_VARIANT", variant);
+    s.poison_grads();
+    const KernelChoice kc = s.backward_device(false);
+    EXPECT_NE(kc.kernel.find("sm90 wgmma"), std::string::npos) << kc.kernel << ": " << kc.reason;
+    check_grads(s, r, c.name + " (sm90 wgmma, variant " + variant + ")");
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(Cases, CudaBackwardSm90, ::testing::ValuesIn(sm90_cases()),
@@ -430,11 +446,30 @@ INSTANTIATE_TEST_SUITE_P(Cases, CudaBackwardSm90, ::testing::ValuesIn(sm90_cases
 TEST(CudaBackwardSm90Select, SaysWhenItDoesNotApply) {
   SKIP_WITHOUT_GPU();
   if (detail::cuda_device_arch(0) != 90) GTEST_SKIP() << "skipped: the wgmma backward needs sm_90";
-  {  // unset: the mma.sync table, as before
+  {  // unset: the wgmma kernel where it applies; deterministic mode is the mma.sync table's, saying why
     BwdKernelEnv env(nullptr);
     BwdRun s(mk("default_d128", 40, 50, 128), 5);
-    const KernelChoice kc = s.backward_device(false);
+    EXPECT_NE(s.backward_device(false).kernel.find("sm90 wgmma"), std::string::npos);
+    const KernelChoice kc = s.backward_device(true);
     EXPECT_NE(kc.kernel.find("mma.sync"), std::string::npos) << kc.kernel;
+    EXPECT_NE(kc.reason.find("the wgmma backward does not apply (no deterministic mode"), std::string::npos)
+        << kc.reason;
+  }
+  {
+    BwdKernelEnv env("mma");
+    BwdRun s(mk("mma_d128", 40, 50, 128), 5);
+    EXPECT_NE(s.backward_device(false).kernel.find("mma.sync"), std::string::npos);
+  }
+  {
+    BwdKernelEnv env(nullptr);
+    ScopedEnv var("IOATTN_BWD_SM90_VARIANT", "fast");
+    BwdRun s(mk("bad_variant", 10, 10, 128), 4);
+    try {
+      s.backward_device(false);
+      ADD_FAILURE() << "IOATTN_BWD_SM90_VARIANT=fast accepted";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("IOATTN_BWD_SM90_VARIANT"), std::string::npos) << e.what();
+    }
   }
   {
     BwdKernelEnv env("sm90");

@@ -19,6 +19,9 @@
 #   readbw (not in the default stages; ~30 s incl. its build): ioattn_cuda_readbw, the HBM read ceiling
 #      by load mechanism (LDG, cp.async with/without L2 prefetch hints, 1-D bulk copy) and access
 #      pattern (contiguous, the decode cache's rows) -> readbw.json and a table in the summary.
+#   ncubwd (not in the default stages; ~1 min): Nsight Compute sections (speed of light, warp
+#      states, scheduler, pipes, memory) of the wgmma backward kernel at hdim 128, 4k, per
+#      IOATTN_BWD_SM90_VARIANT in GPU_CHECK_NCU_VARIANTS (default "base late+defer") -> ncu_bwd.log.
 #   report (not in the default stages; ~4-5 min): tools/report/report.sh — ioattn bench sweeps (CPU
 #      and CUDA), Nsight Compute DRAM traffic vs the model, ceilings, charts; packed into report.tgz.
 #      Run it with the stages that write its peer inputs: GPU_CHECK_STAGES="build bench sm90 report"
@@ -28,7 +31,8 @@
 # bench sm90 backward decode cp python"), GPU_CHECK_TUNE=1, GPU_CHECK_BENCH_ARGS (extra peer_bench.py args),
 # GPU_CHECK_JOBS (build parallelism, default nproc), GPU_CHECK_BWD_SM90 (0: skip the wgmma-backward
 # test and bench in the backward stage), GPU_CHECK_DECODE_BULK (0: skip the bulk-loader
-# test and A/B in the decode stage), GPU_CHECK_DECODE_SPLITS (split counts to sweep, e.g. "1 2 4 8"), GPU_CHECK_BWDTUNE_BUDGET (seconds, default 100),
+# test and A/B in the decode stage), GPU_CHECK_DECODE_SPLITS (split counts to sweep, e.g. "1 2 4 8";
+# shapes from GPU_CHECK_DECODE_SPLIT_SHAPES, default "--batch 16,64 --kv 32768,131072"), GPU_CHECK_BWDTUNE_BUDGET (seconds, default 100),
 # GPU_CHECK_BWDTUNE_ARGS (extra ioattn_cuda_bwd_tune args), GPU_CHECK_REPORT_INPUTS (folder holding
 # peer.json / sm90.csv / peer_sm90.csv / peer_decode.json for the report's charts; default RESULTS_DIR).
 set -uo pipefail
@@ -147,21 +151,39 @@ if want backward; then
   PYTHONUNBUFFERED=1 python3 "$ROOT/bench/peer_bench.py" --bench "$BUILD/ioattn_cuda_bench" --bwd \
     --seqlens ${GPU_CHECK_BWD_SEQLENS:-1024,4096,16384} --out "$OUT/bwd.json" >"$OUT/backward.log" 2>&1
   note "backward   rc=$?  $(( $(stamp) - t0 )) s  (backward.log, bwd.json)"
-  # The experimental wgmma backward (IOATTN_BWD_KERNEL=sm90, hdim 128): its reference test first
-  # (bounded), then ioattn alone on the same grid -> bwd_sm90.json, beside bwd.json's peers.
+  # The wgmma backward (sm_90's default at hdim 128): its reference test over every variant first
+  # (bounded), then ioattn alone on the same grid per IOATTN_BWD_SM90_VARIANT -> bwd_sm90_<v>.json
+  # and with IOATTN_BWD_KERNEL=mma (the mma.sync table) -> bwd_mma.json, beside bwd.json's peers.
   if [[ ${GPU_CHECK_BWD_SM90:-1} == 1 && -x $BUILD/test_cuda_backward ]]; then
     t0=$(stamp)
     timeout 300 "$BUILD/test_cuda_backward" --gtest_filter='*CudaBackwardSm90*' >"$OUT/bwd_sm90.log" 2>&1
     rc=$?
     note "bwd sm90 test rc=$rc  $(( $(stamp) - t0 )) s  (bwd_sm90.log)"
     if [[ $rc == 0 ]]; then
-      t0=$(stamp)
-      IOATTN_BWD_KERNEL=sm90 timeout 300 "$BUILD/ioattn_cuda_bench" bwd --hdims 128 \
-        --seqlens ${GPU_CHECK_BWD_SEQLENS:-1024,4096,16384} >>"$OUT/bwd_sm90.log" 2>&1
-      note "bwd sm90 bench rc=$?  $(( $(stamp) - t0 )) s  (bwd_sm90.log, bwd_sm90.json)"
-      grep '^{' "$OUT/bwd_sm90.log" >"$OUT/bwd_sm90.json"
+      for v in base late defer late+defer mma; do
+        t0=$(stamp)
+        if [[ $v == mma ]]; then env=(IOATTN_BWD_KERNEL=mma); else env=(IOATTN_BWD_SM90_VARIANT=$v); fi
+        env "${env[@]}" timeout 300 "$BUILD/ioattn_cuda_bench" bwd --hdims 128 \
+          --seqlens ${GPU_CHECK_BWD_SEQLENS:-1024,4096,16384} >"$OUT/bwd_ab.log" 2>&1
+        note "bwd bench $v rc=$?  $(( $(stamp) - t0 )) s  (bwd_sm90_${v/+/_}.json)"
+        grep '^{' "$OUT/bwd_ab.log" >"$OUT/bwd_sm90_${v/+/_}.json"
+        cat "$OUT/bwd_ab.log" >>"$OUT/bwd_sm90.log"
+      done
+      rm -f "$OUT/bwd_ab.log"
     fi
   fi
+fi
+
+# ---- Nsight Compute sections of the backward's wgmma kernel (optional stage ncubwd) --------------
+if want ncubwd && command -v ncu >/dev/null; then
+  t0=$(stamp)
+  for v in ${GPU_CHECK_NCU_VARIANTS:-base late+defer}; do
+    IOATTN_BWD_SM90_VARIANT=$v timeout 240 ncu --clock-control none -k regex:flash_bwd_sm90 -c 1 \
+      --section SpeedOfLight --section WarpStateStats --section SchedulerStats --section ComputeWorkloadAnalysis \
+      --section MemoryWorkloadAnalysis --section Occupancy \
+      "$BUILD/ioattn_cuda_bench" bwd --hdims 128 --seqlens 4096 >>"$OUT/ncu_bwd.log" 2>&1
+  done
+  note "ncu bwd    rc=$?  $(( $(stamp) - t0 )) s  (ncu_bwd.log)"
 fi
 
 # ---- decode vs PyTorch SDPA cudnn / flash (enable_gqa), same run ----------------------------------
@@ -189,8 +211,8 @@ if want decode; then
   # batch (wave quantisation at 2 CTAs per SM)? Appended to decode_bulk.json, impl "ioattn" rows.
   for sp in ${GPU_CHECK_DECODE_SPLITS:-}; do
     t0=$(stamp)
-    timeout 200 "$BUILD/ioattn_cuda_decode_bench" --batch 16,64 --kv 32768,131072 --pages 0 --caches bf16 --eager 0 \
-      --copy 0 --splits "$sp" >>"$OUT/decode_splits.log" 2>&1
+    timeout 200 "$BUILD/ioattn_cuda_decode_bench" ${GPU_CHECK_DECODE_SPLIT_SHAPES:---batch 16,64 --kv 32768,131072} \
+      --pages 0 --caches bf16 --eager 0 --copy 0 --splits "$sp" >>"$OUT/decode_splits.log" 2>&1
     note "splits=$sp   rc=$?  $(( $(stamp) - t0 )) s  (decode_splits.log)"
   done
   [[ -f $OUT/decode_splits.log ]] && grep '^{' "$OUT/decode_splits.log" >>"$OUT/decode_bulk.json"

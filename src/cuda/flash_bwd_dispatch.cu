@@ -65,8 +65,9 @@ struct Pick {
   detail::CudaSelection sel;
 };
 
-// IOATTN_BWD_KERNEL=sm90 | mma: the experimental wgmma kernel (hopper/flash_bwd_sm90.cu) where it
-// applies; unset or mma: the mma.sync table.
+// IOATTN_BWD_KERNEL unset: on sm_90 the wgmma kernel (hopper/flash_bwd_sm90.cu) where it applies,
+// else the mma.sync table; sm90: the same, with the refusal named as the env's; mma: the mma.sync
+// table everywhere (for A/B runs and for testing that table on an H200).
 std::string forced_bwd_kernel() {
   const char* e = std::getenv("IOATTN_BWD_KERNEL");
   return e ? std::string(e) : std::string();
@@ -129,10 +130,13 @@ Pick pick(const detail::BwdProblem& bp, int arch) {
   const std::string force = forced_bwd_kernel();
   if (!force.empty() && force != "sm90" && force != "mma")
     return no("IOATTN_BWD_KERNEL must be sm90 or mma (or unset), got '" + force + "'");
-  std::string sm90_note;  // why IOATTN_BWD_KERNEL=sm90 did not apply, for the mma.sync row's reason
+  std::string sm90_note;  // why the wgmma kernel did not run, for the mma.sync row's reason
   if (rows_q_of(p) >= INT_MAX / 2)
     return no("batch x seqlen_q (total_q for varlen) must stay below 2^30 (workspace rows, 32-bit grid)");
-  if (force == "sm90") {
+  if (force == "mma") {
+    sm90_note = "IOATTN_BWD_KERNEL=mma: the mma.sync table; ";
+  } else if (arch == 90 || force == "sm90") {
+    // On sm_90 the wgmma kernel is the default wherever it applies; elsewhere the reason says why not.
     cudaFuncAttributes a{};
     const std::string why = sm90_bwd_refusal(bp, arch, optin, &a);
     if (why.empty()) {
@@ -145,7 +149,8 @@ Pick pick(const detail::BwdProblem& bp, int arch) {
                    " KB smem, " + std::to_string(a.numRegs) + " regs/thread"};
       return r;
     }
-    sm90_note = "IOATTN_BWD_KERNEL=sm90 does not apply (" + why + "); ";
+    sm90_note = (force == "sm90" ? "IOATTN_BWD_KERNEL=sm90 does not apply (" : "the wgmma backward does not apply (") +
+                why + "); ";
   }
   auto smem_of = [&](const BwdKernelInfo& k) {
     return bp.deterministic ? std::max(k.smem_bytes_det, k.dq_smem_bytes) : k.smem_bytes;

@@ -1,5 +1,6 @@
-// flash_bwd_sm90.cu — an experimental Hopper (wgmma) dK/dV/dQ kernel for the backward, hdim 128,
-// bf16/f16, opt-in with IOATTN_BWD_KERNEL=sm90 (default: the mma.sync kernel of flash_bwd.cuh).
+// flash_bwd_sm90.cu — the Hopper (wgmma) dK/dV/dQ kernel of the backward, hdim 128, bf16/f16: the
+// dispatcher's default on sm_90 wherever it applies (IOATTN_BWD_KERNEL=mma selects the mma.sync
+// kernel of flash_bwd.cuh instead; flash_bwd_dispatch.cu says why when it does not apply).
 // The preprocess (D, LSE·log2e), the fp32 dQ workspace and its conversion are run_flash_backward's,
 // unchanged; this kernel replaces flash_bwd_dkdv_kernel in the default (atomic dQ) mode.
 //
@@ -42,7 +43,16 @@ constexpr int kThreads = 256;  // 2 warpgroups
 constexpr int kTileQ = kBM * kD * 2;    // 16 KB: Q or dO block (2 column blocks of [64 x 128 B])
 constexpr int kTileK = kBN * kD * 2;    // 32 KB: K or V (2 column blocks of [128 x 128 B])
 constexpr int kTileDs = kBN * kBM * 2;  // 16 KB: dS^T [128 keys x 64 rows]
+constexpr int kTileDq = kThreads * (kBM / 2) * 4;  // 32 KB: each thread's dQ fragment (kDefer only)
 constexpr int kSmem = 2 * kTileK + 4 * kTileQ + 2 * kTileDs + 1024;
+constexpr int kSmemDefer = kSmem + kTileDq;
+
+// Variants (IOATTN_BWD_SM90_VARIANT, for A/B runs; see launch()):
+//   kLate:  the next step's Q/dO/LSE/D cp.async are issued after this step's S^T/dP^T wgmmas, so
+//           their issue overlaps the tensor cores instead of preceding them;
+//   kDefer: a step's dQ fragment goes to shared memory (each thread its own 128 bytes, 16-byte
+//           chunks interleaved across threads: conflict-free) and its red.global.add are issued in
+//           the next step while that step's S^T/dP^T wgmmas run; the last step's after the loop.
 
 // Byte offset of 16-byte chunk c (0..15) of row r in a [rows x 128 dims] tile: column block c / 8,
 // swizzled chunk position (c % 8) ^ (r % 8).
@@ -62,7 +72,7 @@ __device__ __forceinline__ void load_rows(uint32_t dst, const uint8_t* src, int6
   }
 }
 
-template <typename T>
+template <typename T, bool kLate, bool kDefer>
 __global__ void __launch_bounds__(kThreads, 1) flash_bwd_sm90_kernel(const BwdParams p) {
 #if IOATTN_SM90A_ENABLED
   using namespace sm90;
@@ -73,6 +83,7 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_sm90_kernel(const BwdPa
   uint8_t* sq = sv + kTileK;       // [2 stages]
   uint8_t* sdo = sq + 2 * kTileQ;  // [2 stages]
   uint8_t* sds = sdo + 2 * kTileQ; // [2 parities]
+  float4* sdq = reinterpret_cast<float4*>(sds + 2 * kTileDs);  // kDefer: [8 chunks][256 threads]
   __shared__ float s_lse[2][kBM], s_d[2][kBM];
 
   const int tid = threadIdx.x, wg = tid >> 7, wtid = tid & 127, w = wtid >> 5, lane = tid & 31;
@@ -124,6 +135,21 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_sm90_kernel(const BwdPa
 #pragma unroll
   for (int i = 0; i < kD / 2; ++i) dv[i] = 0.f, dk[i] = 0.f;
 
+  // kDefer: the previous step's dQ fragment (in sdq) into the workspace; rows past the end skipped.
+  float* prev_ws = nullptr;
+  int prev_valid = 0;
+  auto flush_dq = [&]() {
+    if (prev_ws == nullptr) return;
+#pragma unroll
+    for (int q = 0; q < kBM / 8; ++q) {  // chunk q = fragment floats 4q..4q+3 = (i = q, rh 0, 1)
+      const float4 c = sdq[q * kThreads + tid];
+      const int r0 = 16 * w + g;
+      if (r0 < prev_valid) ptx::red_add_v2_f32(prev_ws + r0 * kD + 8 * q + 2 * t, c.x, c.y);
+      if (r0 + 8 < prev_valid) ptx::red_add_v2_f32(prev_ws + (r0 + 8) * kD + 8 * q + 2 * t, c.z, c.w);
+    }
+    prev_ws = nullptr;
+  };
+
   issue(0);
   ptx::cp_async_commit();
   const uint32_t k_wg = smem_u32(sk) + wg * 64 * 128;  // rows 64c.. of column block 0 (1024-aligned)
@@ -132,8 +158,10 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_sm90_kernel(const BwdPa
     ptx::cp_async_wait<0>();
     fence_proxy_async();  // this thread's cp.async writes, visible to the wgmma (async proxy) reads
     __syncthreads();      // stage step & 1 landed for everyone; everyone is done with step - 1
-    issue(step + 1);
-    ptx::cp_async_commit();
+    if (!kLate) {
+      issue(step + 1);
+      ptx::cp_async_commit();
+    }
     const int st = step & 1, h = hk * p.group + step / per_head, m0 = (m_first + step % per_head) * kBM;
     const uint32_t q_s = smem_u32(sq + st * kTileQ), do_s = smem_u32(sdo + st * kTileQ);
 
@@ -149,6 +177,11 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_sm90_kernel(const BwdPa
                                     make_desc_sw128(do_s + col * kBM * 128 + byte, 16, 1024), kk > 0);
     }
     wgmma_commit();
+    if (kLate) {  // stage (step + 1) & 1 was last read by step - 1's wgmmas, all complete
+      issue(step + 1);
+      ptx::cp_async_commit();
+    }
+    if (kDefer) flush_dq();
     wgmma_wait<0>();
 #pragma unroll
     for (int i = 0; i < kBM / 2; ++i) reg_fence(s[i]), reg_fence(dp[i]);
@@ -220,14 +253,22 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_sm90_kernel(const BwdPa
 
     // dQ partial (rows 16w + g (+8), dims 64wg + 8i + 2t (+1)) into the fp32 workspace.
     float* ws = p.ws_dq + (static_cast<int64_t>(h) * p.rows_q + static_cast<int64_t>(b) * sq_len + m0) * kD + 64 * wg;
+    if (kDefer) {  // fragment floats 4q..4q+3 as chunk q of this thread (read back by flush_dq only)
 #pragma unroll
-    for (int i = 0; i < kBM / 8; ++i)
+      for (int q = 0; q < kBM / 8; ++q) sdq[q * kThreads + tid] = make_float4(dq[4 * q], dq[4 * q + 1], dq[4 * q + 2], dq[4 * q + 3]);
+      prev_ws = ws;
+      prev_valid = sq_len - m0;
+    } else {
 #pragma unroll
-      for (int rh = 0; rh < 2; ++rh) {
-        const int r = 16 * w + g + 8 * rh;
-        if (m0 + r < sq_len) ptx::red_add_v2_f32(ws + r * kD + 8 * i + 2 * t, dq[4 * i + 2 * rh], dq[4 * i + 2 * rh + 1]);
-      }
+      for (int i = 0; i < kBM / 8; ++i)
+#pragma unroll
+        for (int rh = 0; rh < 2; ++rh) {
+          const int r = 16 * w + g + 8 * rh;
+          if (m0 + r < sq_len) ptx::red_add_v2_f32(ws + r * kD + 8 * i + 2 * t, dq[4 * i + 2 * rh], dq[4 * i + 2 * rh + 1]);
+        }
+    }
   }
+  if (kDefer) flush_dq();
   ptx::cp_async_wait<0>();
 
   // dK (scaled), dV: keys 64wg + 16w + g (+8), dims 8i + 2t (+1).
@@ -250,14 +291,36 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_sm90_kernel(const BwdPa
 #endif
 }
 
+// IOATTN_BWD_SM90_VARIANT = base | late | defer | late+defer (default): see kLate / kDefer above.
+int variant_bits() {
+  const char* e = std::getenv("IOATTN_BWD_SM90_VARIANT");
+  if (e == nullptr || std::strcmp(e, "late+defer") == 0) return 3;
+  if (std::strcmp(e, "base") == 0) return 0;
+  if (std::strcmp(e, "late") == 0) return 1;
+  if (std::strcmp(e, "defer") == 0) return 2;
+  throw Error("IOATTN_BWD_SM90_VARIANT", std::string("must be base, late, defer or late+defer, got '") + e + "'");
+}
+
+template <typename T, bool kLate, bool kDefer>
+void launch_variant(const BwdParams& p, unsigned grid, cudaStream_t stream) {
+  auto* kernel = &flash_bwd_sm90_kernel<T, kLate, kDefer>;
+  const int smem = kDefer ? kSmemDefer : kSmem;
+  IOATTN_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  kernel<<<grid, kThreads, smem, stream>>>(p);
+  IOATTN_CUDA_CHECK_LAUNCH("flash_bwd_sm90_kernel");
+}
+
 template <typename T>
 void launch_typed(const BwdParams& p, cudaStream_t stream) {
   const int64_t grid = static_cast<int64_t>(p.num_n_blocks) * p.heads_kv * p.batch;
   if (grid == 0) return;
-  auto* kernel = &flash_bwd_sm90_kernel<T>;
-  IOATTN_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
-  kernel<<<static_cast<unsigned>(grid), kThreads, kSmem, stream>>>(p);
-  IOATTN_CUDA_CHECK_LAUNCH("flash_bwd_sm90_kernel");
+  const auto g = static_cast<unsigned>(grid);
+  switch (variant_bits()) {
+    case 0: launch_variant<T, false, false>(p, g, stream); break;
+    case 1: launch_variant<T, true, false>(p, g, stream); break;
+    case 2: launch_variant<T, false, true>(p, g, stream); break;
+    default: launch_variant<T, true, true>(p, g, stream); break;
+  }
 }
 
 void launch(const BwdParams& p, bool is_bf16, cudaStream_t stream) {
@@ -280,14 +343,14 @@ BwdKernelInfo bwd_info_sm90_hdim128() {
   info.dq_warps = 0;
   info.col_splits = 1;
   info.reason =
-      "IOATTN_BWD_KERNEL=sm90 (experimental): wgmma, keys as M (S^T = K Q^T, dP^T = V dO^T, dV += P^T dO, "
+      "wgmma, keys as M (S^T = K Q^T, dP^T = V dO^T, dV += P^T dO, "
       "dK += dS^T Q, dQ = dS K from dS^T in shared memory), 2 warpgroups x 64 keys, 64-row steps, cp.async "
-      "one block ahead, fp32 atomic dQ";
-  info.smem_bytes = sm90_bwd::kSmem;
-  info.smem_bytes_det = sm90_bwd::kSmem;
+      "one block ahead issued under the S^T/dP^T wgmmas, fp32 atomic dQ issued one step late from shared memory";
+  info.smem_bytes = sm90_bwd::kSmemDefer;  // the largest variant's
+  info.smem_bytes_det = sm90_bwd::kSmemDefer;
   info.dq_smem_bytes = 0;
-  info.dkdv_bf16 = reinterpret_cast<const void*>(&sm90_bwd::flash_bwd_sm90_kernel<__nv_bfloat16>);
-  info.dkdv_f16 = reinterpret_cast<const void*>(&sm90_bwd::flash_bwd_sm90_kernel<__half>);
+  info.dkdv_bf16 = reinterpret_cast<const void*>(&sm90_bwd::flash_bwd_sm90_kernel<__nv_bfloat16, true, true>);
+  info.dkdv_f16 = reinterpret_cast<const void*>(&sm90_bwd::flash_bwd_sm90_kernel<__half, true, true>);
   info.dq_bf16 = info.dkdv_bf16;  // no separate dQ kernel
   info.dq_f16 = info.dkdv_f16;
   info.launch = &sm90_bwd::launch;
