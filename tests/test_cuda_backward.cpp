@@ -431,7 +431,7 @@ TEST_P(CudaBackwardSm90, MatchesFloat64Reference) {
   BwdRun s(c, 11 + c.name.size());
   const Refs r = references(s);
   BwdKernelEnv env("sm90");
-  for (const char* variant : {"base", "late", "defer", "late+defer"}) {
+  for (const char* variant : {"base", "late", "late+defer", "split", "split+defer"}) {
     ScopedEnv var("IOATTN_BWD_SM90_VARIANT", variant);
     s.poison_grads();
     const KernelChoice kc = s.backward_device(false);

@@ -21,7 +21,7 @@
 #      pattern (contiguous, the decode cache's rows) -> readbw.json and a table in the summary.
 #   ncubwd (not in the default stages; ~1 min): Nsight Compute sections (speed of light, warp
 #      states, scheduler, pipes, memory) of the wgmma backward kernel at hdim 128, 4k, per
-#      IOATTN_BWD_SM90_VARIANT in GPU_CHECK_NCU_VARIANTS (default "base late+defer") -> ncu_bwd.log.
+#      IOATTN_BWD_SM90_VARIANT in GPU_CHECK_NCU_VARIANTS (default "base split") -> ncu_bwd.log.
 #   report (not in the default stages; ~4-5 min): tools/report/report.sh — ioattn bench sweeps (CPU
 #      and CUDA), Nsight Compute DRAM traffic vs the model, ceilings, charts; packed into report.tgz.
 #      Run it with the stages that write its peer inputs: GPU_CHECK_STAGES="build bench sm90 report"
@@ -160,7 +160,7 @@ if want backward; then
     rc=$?
     note "bwd sm90 test rc=$rc  $(( $(stamp) - t0 )) s  (bwd_sm90.log)"
     if [[ $rc == 0 ]]; then
-      for v in base late defer late+defer mma; do
+      for v in base late late+defer split split+defer mma; do
         t0=$(stamp)
         if [[ $v == mma ]]; then env=(IOATTN_BWD_KERNEL=mma); else env=(IOATTN_BWD_SM90_VARIANT=$v); fi
         env "${env[@]}" timeout 300 "$BUILD/ioattn_cuda_bench" bwd --hdims 128 \
@@ -177,7 +177,7 @@ fi
 # ---- Nsight Compute sections of the backward's wgmma kernel (optional stage ncubwd) --------------
 if want ncubwd && command -v ncu >/dev/null; then
   t0=$(stamp)
-  for v in ${GPU_CHECK_NCU_VARIANTS:-base late+defer}; do
+  for v in ${GPU_CHECK_NCU_VARIANTS:-base split}; do
     IOATTN_BWD_SM90_VARIANT=$v timeout 240 ncu --clock-control none -k regex:flash_bwd_sm90 -c 1 \
       --section SpeedOfLight --section WarpStateStats --section SchedulerStats --section ComputeWorkloadAnalysis \
       --section MemoryWorkloadAnalysis --section Occupancy \

@@ -52,7 +52,9 @@ constexpr int kSmemDefer = kSmem + kTileDq;
 //           their issue overlaps the tensor cores instead of preceding them;
 //   kDefer: a step's dQ fragment goes to shared memory (each thread its own 128 bytes, 16-byte
 //           chunks interleaved across threads: conflict-free) and its red.global.add are issued in
-//           the next step while that step's S^T/dP^T wgmmas run; the last step's after the loop.
+//           the next step while that step's S^T/dP^T wgmmas run; the last step's after the loop;
+//   kSplit: S^T and dP^T in two wgmma commit groups: P^T is computed and the dV wgmmas issued while
+//           dP^T is still on the tensor cores, dS^T while dV is (FlashAttention-3's order).
 
 // Byte offset of 16-byte chunk c (0..15) of row r in a [rows x 128 dims] tile: column block c / 8,
 // swizzled chunk position (c % 8) ^ (r % 8).
@@ -72,7 +74,7 @@ __device__ __forceinline__ void load_rows(uint32_t dst, const uint8_t* src, int6
   }
 }
 
-template <typename T, bool kLate, bool kDefer>
+template <typename T, bool kLate, bool kDefer, bool kSplit>
 __global__ void __launch_bounds__(kThreads, 1) flash_bwd_sm90_kernel(const BwdParams p) {
 #if IOATTN_SM90A_ENABLED
   using namespace sm90;
@@ -165,74 +167,102 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_sm90_kernel(const BwdPa
     const int st = step & 1, h = hk * p.group + step / per_head, m0 = (m_first + step % per_head) * kBM;
     const uint32_t q_s = smem_u32(sq + st * kTileQ), do_s = smem_u32(sdo + st * kTileQ);
 
-    // S^T and dP^T (64 keys x 64 rows each).
+    // S^T and dP^T (64 keys x 64 rows each); with kSplit in two commit groups, so P^T (and the dV
+    // wgmmas that need only P^T) start while dP^T is still on the tensor cores.
     float s[kBM / 2], dp[kBM / 2];
-    wgmma_fence();
+    auto gemm_sdp = [&](float(&acc)[kBM / 2], uint32_t a_base, uint32_t b_base) {
 #pragma unroll
-    for (int kk = 0; kk < kD / 16; ++kk) {
-      const uint32_t col = kk / 4, byte = (kk % 4) * 32;
-      Wgmma<kBM, T>::template ss<0>(s, make_desc_sw128(k_wg + col * kBN * 128 + byte, 16, 1024),
-                                    make_desc_sw128(q_s + col * kBM * 128 + byte, 16, 1024), kk > 0);
-      Wgmma<kBM, T>::template ss<0>(dp, make_desc_sw128(v_wg + col * kBN * 128 + byte, 16, 1024),
-                                    make_desc_sw128(do_s + col * kBM * 128 + byte, 16, 1024), kk > 0);
-    }
+      for (int kk = 0; kk < kD / 16; ++kk) {
+        const uint32_t col = kk / 4, byte = (kk % 4) * 32;
+        Wgmma<kBM, T>::template ss<0>(acc, make_desc_sw128(a_base + col * kBN * 128 + byte, 16, 1024),
+                                      make_desc_sw128(b_base + col * kBM * 128 + byte, 16, 1024), kk > 0);
+      }
+    };
+    wgmma_fence();
+    gemm_sdp(s, k_wg, q_s);
+    if (kSplit) wgmma_commit();
+    gemm_sdp(dp, v_wg, do_s);
     wgmma_commit();
     if (kLate) {  // stage (step + 1) & 1 was last read by step - 1's wgmmas, all complete
       issue(step + 1);
       ptx::cp_async_commit();
     }
     if (kDefer) flush_dq();
-    wgmma_wait<0>();
-#pragma unroll
-    for (int i = 0; i < kBM / 2; ++i) reg_fence(s[i]), reg_fence(dp[i]);
 
-    // P^T, dS^T; fragment element e: key 64wg + 16w + g (+8 when e % 4 >= 2), row 8(e/4) + 2t + e%2.
-    // Blocks inside both sequences and wholly below the causal diagonal skip the mask (as the
-    // mma.sync kernel's needs_mask); masked elements get P = 0 and so dS = 0.
+    // P^T (in place of S^T, fp32), dS^T; fragment element e: key 64wg + 16w + g (+8 when
+    // e % 4 >= 2), row 8(e/4) + 2t + e%2. Blocks inside both sequences and wholly below the causal
+    // diagonal skip the mask (as the mma.sync kernel's needs_mask); masked elements get P = 0 and
+    // so dS = 0.
     uint32_t pa[kBM / 4], da[kBM / 4];
     uint8_t* ds_buf = sds + st * kTileDs;
     const uint32_t ds_s = smem_u32(ds_buf);
     const int key_l = 64 * wg + 16 * w + g;
     const bool needs_mask = n0 + kBN > sk_len || m0 + kBM > sq_len ||
                             (p.window_right >= 0 && n0 + kBN - 1 - m0 - off > p.window_right);
-    auto grads = [&](auto mask_tag) {
+    auto p_part = [&](auto mask_tag) {
       constexpr bool kMask = decltype(mask_tag)::value;
 #pragma unroll
-      for (int j = 0; j < kBM / 4; ++j) {
-        float pv[2], dv2[2];
+      for (int e = 0; e < kBM / 2; ++e) {
+        const int r = 8 * (e / 4) + 2 * t + (e % 2), kl = key_l + ((e % 4) >= 2 ? 8 : 0);
+        s[e] = ptx::exp2_approx(s[e] * p.scale_log2 - s_lse[st][r]);
+        if (kMask && !bwd_detail::visible(m0 + r, n0 + kl, sq_len, sk_len, off, p.window_left, p.window_right))
+          s[e] = 0.f;
+      }
 #pragma unroll
-        for (int hh = 0; hh < 2; ++hh) {
-          const int e = 2 * j + hh, r = 8 * (e / 4) + 2 * t + (e % 2), kl = key_l + ((e % 4) >= 2 ? 8 : 0);
-          pv[hh] = ptx::exp2_approx(s[e] * p.scale_log2 - s_lse[st][r]);
-          if (kMask && !bwd_detail::visible(m0 + r, n0 + kl, sq_len, sk_len, off, p.window_left, p.window_right))
-            pv[hh] = 0.f;
-          dv2[hh] = pv[hh] * (dp[e] - s_d[st][r]);
-        }
-        pa[j] = ptx::pack2<T>(pv[0], pv[1]);
-        da[j] = ptx::pack2<T>(dv2[0], dv2[1]);
+      for (int j = 0; j < kBM / 4; ++j) pa[j] = ptx::pack2<T>(s[2 * j], s[2 * j + 1]);
+    };
+    auto ds_part = [&]() {
+#pragma unroll
+      for (int j = 0; j < kBM / 4; ++j) {
+        const int e = 2 * j, r = 8 * (e / 4) + 2 * t, kl = key_l + ((e % 4) >= 2 ? 8 : 0);
+        da[j] = ptx::pack2<T>(s[e] * (dp[e] - s_d[st][r]), s[e + 1] * (dp[e + 1] - s_d[st][r + 1]));
         // dS^T as the MN-major A of dQ = dS K: (key, row) at row `key`, 16-bit column `row`; the
         // pair (rows r, r + 1; r even) is one aligned 32-bit word of the swizzled row.
-        const int e = 2 * j, r = 8 * (e / 4) + 2 * t, kl = key_l + ((e % 4) >= 2 ? 8 : 0);
         const uint32_t addr =
             ds_s + static_cast<uint32_t>(kl * 128 + ((((r * 2) >> 4) ^ (kl & 7)) << 4) + ((r * 2) & 15));
         asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(addr), "r"(da[j]) : "memory");
       }
     };
-    if (needs_mask)
-      grads(std::true_type{});
-    else
-      grads(std::false_type{});
-
     // dV += P^T dO, dK += dS^T Q (k-steps of 16 query rows; B MN-major).
-    wgmma_fence();
+    auto gemm_dkv = [&](float(&acc)[kD / 2], const uint32_t(&a)[kBM / 4], uint32_t b_base) {
 #pragma unroll
-    for (int kk = 0; kk < kBM / 16; ++kk) {
-      const uint32_t ap[4] = {pa[4 * kk], pa[4 * kk + 1], pa[4 * kk + 2], pa[4 * kk + 3]};
-      const uint32_t ad[4] = {da[4 * kk], da[4 * kk + 1], da[4 * kk + 2], da[4 * kk + 3]};
-      Wgmma<kD, T>::template rs<1>(dv, ap, make_desc_sw128(do_s + kk * 2048, kBM * 128, 1024), 1);
-      Wgmma<kD, T>::template rs<1>(dk, ad, make_desc_sw128(q_s + kk * 2048, kBM * 128, 1024), 1);
+      for (int kk = 0; kk < kBM / 16; ++kk) {
+        const uint32_t af[4] = {a[4 * kk], a[4 * kk + 1], a[4 * kk + 2], a[4 * kk + 3]};
+        Wgmma<kD, T>::template rs<1>(acc, af, make_desc_sw128(b_base + kk * 2048, kBM * 128, 1024), 1);
+      }
+    };
+    if constexpr (kSplit) {
+      wgmma_wait<1>();  // S^T (dP^T may still run)
+#pragma unroll
+      for (int i = 0; i < kBM / 2; ++i) reg_fence(s[i]);
+      if (needs_mask)
+        p_part(std::true_type{});
+      else
+        p_part(std::false_type{});
+      wgmma_fence();
+      gemm_dkv(dv, pa, do_s);
+      wgmma_commit();
+      wgmma_wait<1>();  // dP^T (dV may still run)
+#pragma unroll
+      for (int i = 0; i < kBM / 2; ++i) reg_fence(dp[i]);
+      ds_part();
+      wgmma_fence();
+      gemm_dkv(dk, da, q_s);
+      wgmma_commit();
+    } else {
+      wgmma_wait<0>();
+#pragma unroll
+      for (int i = 0; i < kBM / 2; ++i) reg_fence(s[i]), reg_fence(dp[i]);
+      if (needs_mask)
+        p_part(std::true_type{});
+      else
+        p_part(std::false_type{});
+      ds_part();
+      wgmma_fence();
+      gemm_dkv(dv, pa, do_s);
+      gemm_dkv(dk, da, q_s);
+      wgmma_commit();
     }
-    wgmma_commit();
 
     // dS^T of both warpgroups visible to the async proxy, then dQ[:, 64wg..] = dS K[:, 64wg..].
     fence_proxy_async();
@@ -291,19 +321,22 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_sm90_kernel(const BwdPa
 #endif
 }
 
-// IOATTN_BWD_SM90_VARIANT = base | late | defer | late+defer (default): see kLate / kDefer above.
+// IOATTN_BWD_SM90_VARIANT = base | late | late+defer | split (default: late + kSplit) |
+// split+defer: see kLate / kDefer / kSplit above. Bits: 1 late, 2 defer, 4 split.
 int variant_bits() {
   const char* e = std::getenv("IOATTN_BWD_SM90_VARIANT");
-  if (e == nullptr || std::strcmp(e, "late+defer") == 0) return 3;
+  if (e == nullptr || std::strcmp(e, "split") == 0) return 5;
   if (std::strcmp(e, "base") == 0) return 0;
   if (std::strcmp(e, "late") == 0) return 1;
-  if (std::strcmp(e, "defer") == 0) return 2;
-  throw Error("IOATTN_BWD_SM90_VARIANT", std::string("must be base, late, defer or late+defer, got '") + e + "'");
+  if (std::strcmp(e, "late+defer") == 0) return 3;
+  if (std::strcmp(e, "split+defer") == 0) return 7;
+  throw Error("IOATTN_BWD_SM90_VARIANT", std::string("IOATTN_BWD_SM90_VARIANT must be base, late, late+defer, split or "
+                                                     "split+defer, got '") + e + "'");
 }
 
-template <typename T, bool kLate, bool kDefer>
+template <typename T, bool kLate, bool kDefer, bool kSplit>
 void launch_variant(const BwdParams& p, unsigned grid, cudaStream_t stream) {
-  auto* kernel = &flash_bwd_sm90_kernel<T, kLate, kDefer>;
+  auto* kernel = &flash_bwd_sm90_kernel<T, kLate, kDefer, kSplit>;
   const int smem = kDefer ? kSmemDefer : kSmem;
   IOATTN_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   kernel<<<grid, kThreads, smem, stream>>>(p);
@@ -316,10 +349,11 @@ void launch_typed(const BwdParams& p, cudaStream_t stream) {
   if (grid == 0) return;
   const auto g = static_cast<unsigned>(grid);
   switch (variant_bits()) {
-    case 0: launch_variant<T, false, false>(p, g, stream); break;
-    case 1: launch_variant<T, true, false>(p, g, stream); break;
-    case 2: launch_variant<T, false, true>(p, g, stream); break;
-    default: launch_variant<T, true, true>(p, g, stream); break;
+    case 0: launch_variant<T, false, false, false>(p, g, stream); break;
+    case 1: launch_variant<T, true, false, false>(p, g, stream); break;
+    case 3: launch_variant<T, true, true, false>(p, g, stream); break;
+    case 7: launch_variant<T, true, true, true>(p, g, stream); break;
+    default: launch_variant<T, true, false, true>(p, g, stream); break;
   }
 }
 
@@ -345,12 +379,12 @@ BwdKernelInfo bwd_info_sm90_hdim128() {
   info.reason =
       "wgmma, keys as M (S^T = K Q^T, dP^T = V dO^T, dV += P^T dO, "
       "dK += dS^T Q, dQ = dS K from dS^T in shared memory), 2 warpgroups x 64 keys, 64-row steps, cp.async "
-      "one block ahead issued under the S^T/dP^T wgmmas, fp32 atomic dQ issued one step late from shared memory";
+      "one block ahead issued under the S^T/dP^T wgmmas, P^T and dV overlapping dP^T, fp32 atomic dQ";
   info.smem_bytes = sm90_bwd::kSmemDefer;  // the largest variant's
   info.smem_bytes_det = sm90_bwd::kSmemDefer;
   info.dq_smem_bytes = 0;
-  info.dkdv_bf16 = reinterpret_cast<const void*>(&sm90_bwd::flash_bwd_sm90_kernel<__nv_bfloat16, true, true>);
-  info.dkdv_f16 = reinterpret_cast<const void*>(&sm90_bwd::flash_bwd_sm90_kernel<__half, true, true>);
+  info.dkdv_bf16 = reinterpret_cast<const void*>(&sm90_bwd::flash_bwd_sm90_kernel<__nv_bfloat16, true, false, true>);
+  info.dkdv_f16 = reinterpret_cast<const void*>(&sm90_bwd::flash_bwd_sm90_kernel<__half, true, false, true>);
   info.dq_bf16 = info.dkdv_bf16;  // no separate dQ kernel
   info.dq_f16 = info.dkdv_f16;
   info.launch = &sm90_bwd::launch;
