@@ -639,8 +639,7 @@ TEST(CudaDecodePlan, SplitHeuristic) {
   if (sms == 132) {
     EXPECT_EQ(s, 32);
     EXPECT_EQ(detail::cuda_decode_num_splits(1, 32, 8, 1, 131072, 0, nullptr), 32);
-    EXPECT_EQ(detail::cuda_decode_num_splits(16, 32, 8, 1, 32768, 0, nullptr), 1);  // 128 CTAs: unsplit
-    EXPECT_EQ(detail::cuda_decode_num_splits(8, 32, 8, 1, 32768, 0, nullptr), 4);   // 64 CTAs: 256 after splitting
+    EXPECT_EQ(detail::cuda_decode_num_splits(16, 32, 8, 1, 32768, 0, nullptr), 2);
     EXPECT_EQ(detail::cuda_decode_num_splits(64, 32, 8, 1, 32768, 0, nullptr), 1);
     EXPECT_EQ(detail::cuda_decode_num_splits(128, 32, 8, 1, 32768, 0, nullptr), 1);
   }

@@ -578,8 +578,7 @@ CudaSelection cuda_decode_select(const DecodeProblem& p, int arch) {
 // that time), minimised over 1 <= s <= min(kMaxSplits, ceil(max_seqlen_k / kMinChunkTokens)),
 // the fewest splits within 3% of the minimum. H200 (132 SMs, 264 slots), GQA 32/8, one token:
 // batch 1 x 4k / 32k / 128k -> 32 splits (256 CTAs; at 4k chunks of 128 tokens, every tile in
-// flight at once), 16 x 4k..128k -> 1 (128 CTAs: >= 90% of the SMs busy unsplit, see below),
-// 64 and 128 x 32k -> 1 (512 / 1024 CTAs).
+// flight at once), 16 x 4k..128k -> 2 (256 CTAs), 64 and 128 x 32k -> 1 (512 / 1024 CTAs).
 int cuda_decode_num_splits(int64_t batch, int64_t heads_q, int64_t heads_kv, int64_t seqlen_q, int64_t max_seqlen_k,
                            int device_index, std::string* why) {
   constexpr int64_t kCtasPerSm = 2, kMinChunkTokens = 128, kCtaOverheadTokens = 64, kMergeOverheadTokens = 64;
@@ -600,17 +599,11 @@ int cuda_decode_num_splits(int64_t batch, int64_t heads_q, int64_t heads_kv, int
   for (int64_t s = 2; s <= max_s; ++s) best_cost = std::min(best_cost, cost(s));
   int64_t best = 1;  // the fewest splits within 3% of the best cost (a near tie is not worth the merge)
   while (best < max_s && cost(best) > 1.03 * best_cost) ++best;
-  // With a CTA for (nearly) every SM unsplit, each streams at the SM's full rate and splitting
-  // only adds the merge: measured on the H200 (GQA 32/8, hdim 128), batch 16 (128 CTAs) 1 split
-  // vs the model's 2: 3.82 vs 3.56 TB/s at 4k, 4.17 vs 4.07 at 32k, 4.20 vs 4.15 at 128k.
-  const bool sm_full = 10 * work >= 9 * sms;
-  if (sm_full) best = 1;
   if (why)
     *why = "batch*heads_kv*row_blocks " + std::to_string(work) + " CTAs per split on " + std::to_string(sms) +
            " SMs (" + std::to_string(slots) + " slots of " + std::to_string(kCtasPerSm) +
            " per SM), max_seqlen_k " + std::to_string(max_seqlen_k) + ": fewest waves x (chunk + ramp) over 1.." +
-           std::to_string(max_s) + " splits (chunks >= " + std::to_string(kMinChunkTokens) + " tokens)" +
-           (sm_full ? "; unsplit: the CTAs already fill >= 90% of the SMs" : "");
+           std::to_string(max_s) + " splits (chunks >= " + std::to_string(kMinChunkTokens) + " tokens)";
   return static_cast<int>(best);
 }
 
