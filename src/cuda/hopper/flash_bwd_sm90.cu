@@ -86,7 +86,8 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_sm90_kernel(const BwdPa
   uint8_t* sdo = sq + 2 * kTileQ;  // [2 stages]
   uint8_t* sds = sdo + 2 * kTileQ; // [2 parities]
   float4* sdq = reinterpret_cast<float4*>(sds + 2 * kTileDs);  // kDefer: [8 chunks][256 threads]
-  __shared__ float s_lse[2][kBM], s_d[2][kBM];
+  __shared__ __align__(16) float s_lse[2][kBM];
+  __shared__ __align__(16) float s_d[2][kBM];
 
   const int tid = threadIdx.x, wg = tid >> 7, wtid = tid & 127, w = wtid >> 5, lane = tid & 31;
   const int g = lane >> 2, t = lane & 3;
@@ -113,9 +114,13 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_sm90_kernel(const BwdPa
   const int per_head = max(0, m_blocks - m_first);
   const int steps = per_head * p.group;
 
-  auto issue = [&](int step) {  // Q, dO, LSE, D of step into stage step & 1
+  // Steps walk (query head of the group, query block) in order; the issuing and the computing
+  // step keep their own counters (no integer division per step).
+  int iss_h = 0, iss_m = 0;
+  auto issue = [&](int step) {  // Q, dO, LSE, D of step into stage step & 1; called for 0, 1, 2, ...
     if (step >= steps) return;
-    const int h = hk * p.group + step / per_head, m0 = (m_first + step % per_head) * kBM, st = step & 1;
+    const int h = hk * p.group + iss_h, m0 = (m_first + iss_m) * kBM, st = step & 1;
+    if (++iss_m == per_head) iss_m = 0, ++iss_h;
     const auto* qp = static_cast<const uint8_t*>(p.q) + (b * p.q_batch + static_cast<int64_t>(m0) * p.q_seq + h * p.q_head) * es;
     const auto* dp = static_cast<const uint8_t*>(p.dout) + (b * p.do_batch + static_cast<int64_t>(m0) * p.do_seq + h * p.do_head) * es;
     load_rows<kBM>(smem_u32(sq + st * kTileQ), qp, p.q_seq * es, sq_len - m0);
@@ -145,9 +150,8 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_sm90_kernel(const BwdPa
 #pragma unroll
     for (int q = 0; q < kBM / 8; ++q) {  // chunk q = fragment floats 4q..4q+3 = (i = q, rh 0, 1)
       const float4 c = sdq[q * kThreads + tid];
-      const int r0 = 16 * w + g;
-      if (r0 < prev_valid) ptx::red_add_v2_f32(prev_ws + r0 * kD + 8 * q + 2 * t, c.x, c.y);
-      if (r0 + 8 < prev_valid) ptx::red_add_v2_f32(prev_ws + (r0 + 8) * kD + 8 * q + 2 * t, c.z, c.w);
+      red_add_v2_f32_if(prev_ws + 8 * q, c.x, c.y, prev_valid > 0);
+      red_add_v2_f32_if(prev_ws + 8 * kD + 8 * q, c.z, c.w, prev_valid > 8);
     }
     prev_ws = nullptr;
   };
@@ -156,6 +160,7 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_sm90_kernel(const BwdPa
   ptx::cp_async_commit();
   const uint32_t k_wg = smem_u32(sk) + wg * 64 * 128;  // rows 64c.. of column block 0 (1024-aligned)
   const uint32_t v_wg = smem_u32(sv) + wg * 64 * 128;
+  int cur_h = 0, cur_m = 0;
   for (int step = 0; step < steps; ++step) {
     ptx::cp_async_wait<0>();
     fence_proxy_async();  // this thread's cp.async writes, visible to the wgmma (async proxy) reads
@@ -164,7 +169,8 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_sm90_kernel(const BwdPa
       issue(step + 1);
       ptx::cp_async_commit();
     }
-    const int st = step & 1, h = hk * p.group + step / per_head, m0 = (m_first + step % per_head) * kBM;
+    const int st = step & 1, h = hk * p.group + cur_h, m0 = (m_first + cur_m) * kBM;
+    if (++cur_m == per_head) cur_m = 0, ++cur_h;
     const uint32_t q_s = smem_u32(sq + st * kTileQ), do_s = smem_u32(sdo + st * kTileQ);
 
     // S^T and dP^T (64 keys x 64 rows each); with kSplit in two commit groups, so P^T (and the dV
@@ -199,12 +205,20 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_sm90_kernel(const BwdPa
     const int key_l = 64 * wg + 16 * w + g;
     const bool needs_mask = n0 + kBN > sk_len || m0 + kBM > sq_len ||
                             (p.window_right >= 0 && n0 + kBN - 1 - m0 - off > p.window_right);
+    // LSE and D of this thread's 16 rows: rows 8k + 2t and 8k + 2t + 1 as one 8-byte load each,
+    // issued before the wait for the scores that use them.
+    float2 lse2[kBM / 8], d2[kBM / 8];
+    auto load_rows2 = [&](float2(&dst)[kBM / 8], const float* src) {
+#pragma unroll
+      for (int k = 0; k < kBM / 8; ++k) dst[k] = *reinterpret_cast<const float2*>(src + 8 * k + 2 * t);
+    };
+    auto pick = [](const float2(&v)[kBM / 8], int e) { return (e % 2) ? v[e / 4].y : v[e / 4].x; };
     auto p_part = [&](auto mask_tag) {
       constexpr bool kMask = decltype(mask_tag)::value;
 #pragma unroll
       for (int e = 0; e < kBM / 2; ++e) {
         const int r = 8 * (e / 4) + 2 * t + (e % 2), kl = key_l + ((e % 4) >= 2 ? 8 : 0);
-        s[e] = ptx::exp2_approx(s[e] * p.scale_log2 - s_lse[st][r]);
+        s[e] = ptx::exp2_approx(s[e] * p.scale_log2 - pick(lse2, e));
         if (kMask && !bwd_detail::visible(m0 + r, n0 + kl, sq_len, sk_len, off, p.window_left, p.window_right))
           s[e] = 0.f;
       }
@@ -215,7 +229,7 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_sm90_kernel(const BwdPa
 #pragma unroll
       for (int j = 0; j < kBM / 4; ++j) {
         const int e = 2 * j, r = 8 * (e / 4) + 2 * t, kl = key_l + ((e % 4) >= 2 ? 8 : 0);
-        da[j] = ptx::pack2<T>(s[e] * (dp[e] - s_d[st][r]), s[e + 1] * (dp[e + 1] - s_d[st][r + 1]));
+        da[j] = ptx::pack2<T>(s[e] * (dp[e] - pick(d2, e)), s[e + 1] * (dp[e + 1] - pick(d2, e + 1)));
         // dS^T as the MN-major A of dQ = dS K: (key, row) at row `key`, 16-bit column `row`; the
         // pair (rows r, r + 1; r even) is one aligned 32-bit word of the swizzled row.
         const uint32_t addr =
@@ -231,6 +245,7 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_sm90_kernel(const BwdPa
         Wgmma<kD, T>::template rs<1>(acc, af, make_desc_sw128(b_base + kk * 2048, kBM * 128, 1024), 1);
       }
     };
+    load_rows2(lse2, s_lse[st]);
     if constexpr (kSplit) {
       wgmma_wait<1>();  // S^T (dP^T may still run)
 #pragma unroll
@@ -242,6 +257,7 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_sm90_kernel(const BwdPa
       wgmma_fence();
       gemm_dkv(dv, pa, do_s);
       wgmma_commit();
+      load_rows2(d2, s_d[st]);
       wgmma_wait<1>();  // dP^T (dV may still run)
 #pragma unroll
       for (int i = 0; i < kBM / 2; ++i) reg_fence(dp[i]);
@@ -257,6 +273,7 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_sm90_kernel(const BwdPa
         p_part(std::true_type{});
       else
         p_part(std::false_type{});
+      load_rows2(d2, s_d[st]);
       ds_part();
       wgmma_fence();
       gemm_dkv(dv, pa, do_s);
@@ -282,20 +299,29 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_sm90_kernel(const BwdPa
     for (int i = 0; i < kBM / 2; ++i) reg_fence(dq[i]);
 
     // dQ partial (rows 16w + g (+8), dims 64wg + 8i + 2t (+1)) into the fp32 workspace.
-    float* ws = p.ws_dq + (static_cast<int64_t>(h) * p.rows_q + static_cast<int64_t>(b) * sq_len + m0) * kD + 64 * wg;
+    // This thread's first element (row 16w + g, dim 64wg + 2t), pinned so that every reduction is
+    // one predicated [R+imm] instruction; rows past the end are skipped.
+    float* ws = pin_ptr(p.ws_dq +
+                        (static_cast<int64_t>(h) * p.rows_q + static_cast<int64_t>(b) * sq_len + m0 + 16 * w + g) * kD +
+                        64 * wg + 2 * t);
+    const int valid = sq_len - m0 - 16 * w - g;  // rows r0 and r0 + 8 exist when > 0 and > 8
     if (kDefer) {  // fragment floats 4q..4q+3 as chunk q of this thread (read back by flush_dq only)
 #pragma unroll
       for (int q = 0; q < kBM / 8; ++q) sdq[q * kThreads + tid] = make_float4(dq[4 * q], dq[4 * q + 1], dq[4 * q + 2], dq[4 * q + 3]);
       prev_ws = ws;
-      prev_valid = sq_len - m0;
+      prev_valid = valid;
+    } else if (m0 + kBM <= sq_len) {  // whole block inside: no predicates (ptxas branches around each)
+#pragma unroll
+      for (int i = 0; i < kBM / 8; ++i) {
+        ptx::red_add_v2_f32(ws + 8 * i, dq[4 * i], dq[4 * i + 1]);
+        ptx::red_add_v2_f32(ws + 8 * kD + 8 * i, dq[4 * i + 2], dq[4 * i + 3]);
+      }
     } else {
 #pragma unroll
-      for (int i = 0; i < kBM / 8; ++i)
-#pragma unroll
-        for (int rh = 0; rh < 2; ++rh) {
-          const int r = 16 * w + g + 8 * rh;
-          if (m0 + r < sq_len) ptx::red_add_v2_f32(ws + r * kD + 8 * i + 2 * t, dq[4 * i + 2 * rh], dq[4 * i + 2 * rh + 1]);
-        }
+      for (int i = 0; i < kBM / 8; ++i) {
+        red_add_v2_f32_if(ws + 8 * i, dq[4 * i], dq[4 * i + 1], valid > 0);
+        red_add_v2_f32_if(ws + 8 * kD + 8 * i, dq[4 * i + 2], dq[4 * i + 3], valid > 8);
+      }
     }
   }
   if (kDefer) flush_dq();

@@ -171,6 +171,26 @@ __device__ __forceinline__ void named_barrier_arrive(int id, int threads) {
   asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
 
+// ---- global reductions -------------------------------------------------------------------------
+
+// red.global.add.v2.f32 [p], {a, b} under a predicate, as one predicated instruction (no branch
+// around it). Callers keep p in one register pair across a run of constant offsets from it
+// (pin_ptr), so each reduction is [R+imm] (the backward's dQ: ptxas otherwise rebuilt every 64-bit
+// address under register pressure, ~20 instructions per reduction).
+__device__ __forceinline__ void red_add_v2_f32_if(float* p, float a, float b, bool pred) {
+  asm volatile(
+      "{\n .reg .pred q;\n setp.ne.b32 q, %3, 0;\n @q red.global.add.v2.f32 [%0], {%1, %2};\n}\n" ::"l"(p), "f"(a),
+      "f"(b), "r"(static_cast<int>(pred))
+      : "memory");
+}
+
+// Makes p opaque to the optimiser (it cannot be rematerialised from its inputs afterwards).
+template <typename P>
+__device__ __forceinline__ P* pin_ptr(P* p) {
+  asm volatile("" : "+l"(p));
+  return p;
+}
+
 // ---- math ------------------------------------------------------------------------------------
 
 // ex2.approx.ftz: 2^x in one MUFU op (ex2(-inf) = +0); softmax folds scale*log2(e) into its

@@ -1262,6 +1262,40 @@ void test_exp2() {
   CHECK_CUDA(cudaFree(dy));
 }
 
+// red_add_v2_f32_if: every thread adds (tid, -tid) to pair tid % 8 only when its predicate
+// (tid % 3 != 0) holds; 4 rounds, so each pair sums exactly (small integers).
+__global__ void k_red_if(float* out) {
+#if IOATTN_SM90A_ENABLED
+  const int tid = threadIdx.x;
+  float* p = pin_ptr(out + 2 * (tid % 8));
+  for (int round = 0; round < 4; ++round) red_add_v2_f32_if(p, float(tid), float(-tid), tid % 3 != 0);
+#endif
+}
+
+void test_red_if() {
+  float* d;
+  CHECK_CUDA(cudaMalloc(&d, 16 * 4));
+  CHECK_CUDA(cudaMemset(d, 0, 16 * 4));
+  k_red_if<<<1, 128>>>(d);
+  CHECK_CUDA(cudaGetLastError());
+  CHECK_CUDA(cudaDeviceSynchronize());
+  const auto got = to_host(d, 16);
+  bool ok = true;
+  std::string detail;
+  for (int j = 0; j < 8; ++j) {
+    double want = 0;
+    for (int tid = j; tid < 128; tid += 8)
+      if (tid % 3 != 0) want += 4.0 * tid;
+    if (got[2 * j] != want || got[2 * j + 1] != -want) {
+      ok = false;
+      detail += "pair " + std::to_string(j) + ": " + std::to_string(got[2 * j]) + ", " + std::to_string(got[2 * j + 1]) +
+                " want " + std::to_string(want) + "; ";
+    }
+  }
+  report("red_add_v2_f32_if", ok, detail);
+  CHECK_CUDA(cudaFree(d));
+}
+
 }  // namespace
 
 int main() {
@@ -1295,6 +1329,7 @@ int main() {
   test_roundrobin();
   test_claim();
   test_exp2();
+  test_red_if();
   std::printf("\nptx_sm90: %d passed, %d failed\n", g_pass, g_fail);
   return g_fail == 0 ? 0 : 1;
 }
