@@ -418,6 +418,13 @@ std::vector<Case> sm90_cases() {
     { Case c = mk("mqa8_" + ts, 40, 177, 128, t); c.heads_q = 8; c.heads_kv = 1; v.push_back(c); }
     { Case c = mk("bhsd_batch2_" + ts, 65, 300, 128, t); c.bhsd = true; c.batch = 2; v.push_back(c); }
     { Case c = mk("scale_negative_" + ts, 50, 70, 128, t); c.scale = -0.2f; v.push_back(c); }
+    // hdim 64 (experimental, selected only by IOATTN_BWD_KERNEL=sm90 as here).
+    v.push_back(mk("d64_len17_" + ts, 17, 17, 64, t));
+    { Case c = mk("d64_q113_k203_causal_" + ts, 113, 203, 64, t); c.causal = true; v.push_back(c); }
+    { Case c = mk("d64_q1024_k1023_" + ts, 1024, 1023, 64, t); c.heads_q = c.heads_kv = 1; v.push_back(c); }
+    { Case c = mk("d64_gqa4_causal_long_" + ts, 333, 390, 64, t); c.heads_q = 4; c.heads_kv = 1; c.causal = true;
+      v.push_back(c); }
+    { Case c = mk("d64_bhsd_batch2_" + ts, 65, 300, 64, t); c.bhsd = true; c.batch = 2; v.push_back(c); }
   }
   return v;
 }
@@ -459,6 +466,13 @@ TEST(CudaBackwardSm90Select, SaysWhenItDoesNotApply) {
     BwdKernelEnv env("mma");
     BwdRun s(mk("mma_d128", 40, 50, 128), 5);
     EXPECT_NE(s.backward_device(false).kernel.find("mma.sync"), std::string::npos);
+  }
+  {  // hdim 64: the wgmma row is experimental, so unset keeps the mma.sync table and says why
+    BwdKernelEnv env(nullptr);
+    BwdRun s(mk("default_d64", 40, 50, 64), 5);
+    const KernelChoice kc = s.backward_device(false);
+    EXPECT_NE(kc.kernel.find("mma.sync"), std::string::npos) << kc.kernel;
+    EXPECT_NE(kc.reason.find("head_dim 64 is experimental"), std::string::npos) << kc.reason;
   }
   {
     BwdKernelEnv env(nullptr);

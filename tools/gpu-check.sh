@@ -153,17 +153,21 @@ if want backward; then
   note "backward   rc=$?  $(( $(stamp) - t0 )) s  (backward.log, bwd.json)"
   # The wgmma backward (sm_90's default at hdim 128): its reference test over every variant first
   # (bounded), then ioattn alone on the same grid per IOATTN_BWD_SM90_VARIANT -> bwd_sm90_<v>.json
-  # and with IOATTN_BWD_KERNEL=mma (the mma.sync table) -> bwd_mma.json, beside bwd.json's peers.
+  # and with IOATTN_BWD_KERNEL=mma (the mma.sync table) -> bwd_sm90_mma.json, and the experimental
+  # hdim-64 wgmma row (IOATTN_BWD_KERNEL=sm90 --hdims 64) -> bwd_sm90_d64.json, beside bwd.json's peers.
   if [[ ${GPU_CHECK_BWD_SM90:-1} == 1 && -x $BUILD/test_cuda_backward ]]; then
     t0=$(stamp)
     timeout 300 "$BUILD/test_cuda_backward" --gtest_filter='*CudaBackwardSm90*' >"$OUT/bwd_sm90.log" 2>&1
     rc=$?
     note "bwd sm90 test rc=$rc  $(( $(stamp) - t0 )) s  (bwd_sm90.log)"
     if [[ $rc == 0 ]]; then
-      for v in base late late+defer split split+defer mma; do
+      for v in base late late+defer split split+defer mma d64; do
         t0=$(stamp)
-        if [[ $v == mma ]]; then env=(IOATTN_BWD_KERNEL=mma); else env=(IOATTN_BWD_SM90_VARIANT=$v); fi
-        env "${env[@]}" timeout 300 "$BUILD/ioattn_cuda_bench" bwd --hdims 128 \
+        hd=128
+        if [[ $v == mma ]]; then env=(IOATTN_BWD_KERNEL=mma)
+        elif [[ $v == d64 ]]; then env=(IOATTN_BWD_KERNEL=sm90); hd=64  # the experimental hdim-64 row
+        else env=(IOATTN_BWD_SM90_VARIANT=$v); fi
+        env "${env[@]}" timeout 300 "$BUILD/ioattn_cuda_bench" bwd --hdims $hd \
           --seqlens ${GPU_CHECK_BWD_SEQLENS:-1024,4096,16384} >"$OUT/bwd_ab.log" 2>&1
         note "bwd bench $v rc=$?  $(( $(stamp) - t0 )) s  (bwd_sm90_${v/+/_}.json)"
         grep '^{' "$OUT/bwd_ab.log" >"$OUT/bwd_sm90_${v/+/_}.json"

@@ -37,9 +37,11 @@ const std::array<BwdKernelInfo, 4>& bwd_table() {
   return table;
 }
 
-const BwdKernelInfo& sm90_bwd_info() {
-  static const BwdKernelInfo info = bwd_info_sm90_hdim128();
-  return info;
+// The wgmma rows: hdim 128 (the default on sm_90) and hdim 64 (experimental, IOATTN_BWD_KERNEL=sm90).
+const BwdKernelInfo& sm90_bwd_info(int64_t head_dim) {
+  static const BwdKernelInfo d128 = bwd_info_sm90_hdim128();
+  static const BwdKernelInfo d64 = bwd_info_sm90_hdim64();
+  return head_dim == 64 ? d64 : d128;
 }
 
 constexpr int kVecElems = 8;  // cp.async / vector stores move 16 bytes = 8 f16/bf16 elements
@@ -75,17 +77,20 @@ std::string forced_bwd_kernel() {
 
 // Why the wgmma backward cannot run this problem ("" = it can; then *attr holds its kernel's
 // attributes).
-std::string sm90_bwd_refusal(const detail::BwdProblem& bp, int arch, int optin, cudaFuncAttributes* attr) {
+std::string sm90_bwd_refusal(const detail::BwdProblem& bp, int arch, int optin, bool forced, cudaFuncAttributes* attr) {
   const detail::FwdProblem& p = bp.f;
   if (arch != 90) return "needs sm_90, device is sm" + std::to_string(arch);
-  if (p.head_dim != 128) return "head_dim 128 only, got " + std::to_string(p.head_dim);
+  if (p.head_dim == 64 && !forced)
+    return "head_dim 64 is experimental (not yet run on a GPU): IOATTN_BWD_KERNEL=sm90 selects it";
+  if (p.head_dim != 128 && p.head_dim != 64) return "head_dim 128 (or 64, experimental) only, got " + std::to_string(p.head_dim);
+  const BwdKernelInfo& info = sm90_bwd_info(p.head_dim);
   if (p.varlen()) return "no varlen";
   if (bp.deterministic) return "no deterministic mode (dQ by atomics)";
   if (p.softcap > 0.f || p.alibi_slopes != nullptr || p.sinks != nullptr || bp.dsinks != nullptr)
     return "no softcap, ALiBi or sinks";
   if (p.window_left >= 0 || p.window_right > 0) return "no sliding window (causal or none)";
-  if (optin < static_cast<int>(sm90_bwd_info().smem_bytes)) return "needs " + std::to_string(sm90_bwd_info().smem_bytes / 1024) + " KB of shared memory";
-  if (cudaFuncGetAttributes(attr, p.dtype == DType::bf16 ? sm90_bwd_info().dkdv_bf16 : sm90_bwd_info().dkdv_f16) !=
+  if (optin < static_cast<int>(info.smem_bytes)) return "needs " + std::to_string(info.smem_bytes / 1024) + " KB of shared memory";
+  if (cudaFuncGetAttributes(attr, p.dtype == DType::bf16 ? info.dkdv_bf16 : info.dkdv_f16) !=
           cudaSuccess ||
       attr->ptxVersion < 90) {
     cudaGetLastError();
@@ -138,15 +143,16 @@ Pick pick(const detail::BwdProblem& bp, int arch) {
   } else if (arch == 90 || force == "sm90") {
     // On sm_90 the wgmma kernel is the default wherever it applies; elsewhere the reason says why not.
     cudaFuncAttributes a{};
-    const std::string why = sm90_bwd_refusal(bp, arch, optin, &a);
+    const std::string why = sm90_bwd_refusal(bp, arch, optin, force == "sm90", &a);
     if (why.empty()) {
-      if (ceil_div(p.seqlen_k, sm90_bwd_info().block_n) * p.heads_kv * p.batch > INT_MAX)
+      const BwdKernelInfo& info = sm90_bwd_info(p.head_dim);
+      if (ceil_div(p.seqlen_k, info.block_n) * p.heads_kv * p.batch > INT_MAX)
         return no("key blocks x kv heads x batch exceeds the 2^31-1 grid limit");
-      r.info = &sm90_bwd_info();
-      r.sel = {"cuda/flash-backward sm90 wgmma " + std::string(dtype_name(p.dtype)) + " hdim128 " + detail::mask_name(p) +
-                   " tile 64x128 warpgroups 2 dq atomic",
-               std::string(sm90_bwd_info().reason) + "; " + std::to_string(sm90_bwd_info().smem_bytes / 1024) +
-                   " KB smem, " + std::to_string(a.numRegs) + " regs/thread"};
+      r.info = &info;
+      r.sel = {"cuda/flash-backward sm90 wgmma " + std::string(dtype_name(p.dtype)) + " hdim" +
+                   std::to_string(info.head_dim) + " " + detail::mask_name(p) + " tile 64x128 warpgroups 2 dq atomic",
+               std::string(info.reason) + "; " + std::to_string(info.smem_bytes / 1024) + " KB smem, " +
+                   std::to_string(a.numRegs) + " regs/thread"};
       return r;
     }
     sm90_note = (force == "sm90" ? "IOATTN_BWD_KERNEL=sm90 does not apply (" : "the wgmma backward does not apply (") +

@@ -36,16 +36,25 @@
 namespace ioattn::cuda {
 namespace sm90_bwd {
 
-constexpr int kD = 128;        // head dim
 constexpr int kBN = 128;       // keys per CTA (64 per consumer warpgroup)
 constexpr int kBM = 64;        // query rows per step
 constexpr int kThreads = 256;  // 2 warpgroups
-constexpr int kTileQ = kBM * kD * 2;    // 16 KB: Q or dO block (2 column blocks of [64 x 128 B])
-constexpr int kTileK = kBN * kD * 2;    // 32 KB: K or V (2 column blocks of [128 x 128 B])
 constexpr int kTileDs = kBN * kBM * 2;  // 16 KB: dS^T [128 keys x 64 rows]
 constexpr int kTileDq = kThreads * (kBM / 2) * 4;  // 32 KB: each thread's dQ fragment (kDefer only)
-constexpr int kSmem = 2 * kTileK + 4 * kTileQ + 2 * kTileDs + 1024;
-constexpr int kSmemDefer = kSmem + kTileDq;
+
+// Head dim kD (128, or 64 — experimental, IOATTN_BWD_KERNEL=sm90 only, not yet run on a GPU).
+// Tiles are column blocks of 64 dims (128-byte swizzled rows): two at hdim 128, one at 64.
+//   hdim 128: dQ[:, 64wg..] = dS K[:, 64wg..] over all 128 keys (needs both warpgroups' dS^T:
+//             a CTA barrier), one reduction per element;
+//   hdim 64:  dQ_wg = dS[:, keys of wg] K[keys of wg, :] (own dS^T only: a warpgroup barrier),
+//             both warpgroups reduce into every element.
+template <int kD>
+struct Cfg {
+  static constexpr int kTileQ = kBM * kD * 2;  // Q or dO block
+  static constexpr int kTileK = kBN * kD * 2;  // K or V
+  static constexpr int kSmem = 2 * kTileK + 4 * kTileQ + 2 * kTileDs + 1024;
+  static constexpr int kSmemDefer = kSmem + kTileDq;
+};
 
 // Variants (IOATTN_BWD_SM90_VARIANT, for A/B runs; see launch()):
 //   kLate:  the next step's Q/dO/LSE/D cp.async are issued after this step's S^T/dP^T wgmmas, so
@@ -56,28 +65,32 @@ constexpr int kSmemDefer = kSmem + kTileDq;
 //   kSplit: S^T and dP^T in two wgmma commit groups: P^T is computed and the dV wgmmas issued while
 //           dP^T is still on the tensor cores, dS^T while dV is (FlashAttention-3's order).
 
-// Byte offset of 16-byte chunk c (0..15) of row r in a [rows x 128 dims] tile: column block c / 8,
-// swizzled chunk position (c % 8) ^ (r % 8).
+// Byte offset of 16-byte chunk c (0..kD/8-1) of row r in a [rows x kD dims] tile: column block
+// c / 8, swizzled chunk position (c % 8) ^ (r % 8).
 __device__ __forceinline__ uint32_t chunk_off(int rows, int r, int c) {
   return static_cast<uint32_t>((c >> 3) * rows * 128 + r * 128 + (((c & 7) ^ (r & 7)) << 4));
 }
 
-// rows x 128 dims of a [.., seq, .., dims] tensor into a swizzled tile; rows at or past `valid`
-// are zero-filled. Each of the 256 threads copies rows * 16 / 256 chunks.
-template <int kRows>
+// rows x kD dims of a [.., seq, .., dims] tensor into a swizzled tile; rows at or past `valid`
+// are zero-filled. Each of the 256 threads copies rows * kD / 8 / 256 chunks.
+template <int kRows, int kD>
 __device__ __forceinline__ void load_rows(uint32_t dst, const uint8_t* src, int64_t row_stride_bytes, int valid) {
+  constexpr int kChunks = kD / 8;  // 16-byte chunks per row
 #pragma unroll
-  for (int it = 0; it < kRows * 16 / kThreads; ++it) {
-    const int idx = it * kThreads + static_cast<int>(threadIdx.x), r = idx >> 4, c = idx & 15;
+  for (int it = 0; it < kRows * kChunks / kThreads; ++it) {
+    const unsigned idx = it * kThreads + threadIdx.x;  // unsigned: / and % by kChunks are shifts
+    const int r = static_cast<int>(idx / kChunks), c = static_cast<int>(idx % kChunks);
     const bool ok = r < valid;
     ptx::cp_async_16_zfill(dst + chunk_off(kRows, r, c), src + (ok ? r * row_stride_bytes + c * 16 : 0), ok);
   }
 }
 
-template <typename T, bool kLate, bool kDefer, bool kSplit>
+template <typename T, int kD, bool kLate, bool kDefer, bool kSplit>
 __global__ void __launch_bounds__(kThreads, 1) flash_bwd_sm90_kernel(const BwdParams p) {
 #if IOATTN_SM90A_ENABLED
   using namespace sm90;
+  static_assert(kD == 64 || kD == 128, "hdim 64 or 128");
+  constexpr int kTileQ = Cfg<kD>::kTileQ, kTileK = Cfg<kD>::kTileK;
   extern __shared__ uint8_t raw[];
   uint8_t* base = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(raw) + 1023) & ~uintptr_t{1023});
   uint8_t* sk = base;
@@ -102,8 +115,8 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_sm90_kernel(const BwdPa
   {
     const auto* kp = static_cast<const uint8_t*>(p.k) + (b * p.k_batch + static_cast<int64_t>(n0) * p.k_seq + hk * p.k_head) * es;
     const auto* vp = static_cast<const uint8_t*>(p.v) + (b * p.v_batch + static_cast<int64_t>(n0) * p.v_seq + hk * p.v_head) * es;
-    load_rows<kBN>(smem_u32(sk), kp, p.k_seq * es, sk_len - n0);
-    load_rows<kBN>(smem_u32(sv), vp, p.v_seq * es, sk_len - n0);
+    load_rows<kBN, kD>(smem_u32(sk), kp, p.k_seq * es, sk_len - n0);
+    load_rows<kBN, kD>(smem_u32(sv), vp, p.v_seq * es, sk_len - n0);
     ptx::cp_async_commit();
   }
 
@@ -123,8 +136,8 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_sm90_kernel(const BwdPa
     if (++iss_m == per_head) iss_m = 0, ++iss_h;
     const auto* qp = static_cast<const uint8_t*>(p.q) + (b * p.q_batch + static_cast<int64_t>(m0) * p.q_seq + h * p.q_head) * es;
     const auto* dp = static_cast<const uint8_t*>(p.dout) + (b * p.do_batch + static_cast<int64_t>(m0) * p.do_seq + h * p.do_head) * es;
-    load_rows<kBM>(smem_u32(sq + st * kTileQ), qp, p.q_seq * es, sq_len - m0);
-    load_rows<kBM>(smem_u32(sdo + st * kTileQ), dp, p.do_seq * es, sq_len - m0);
+    load_rows<kBM, kD>(smem_u32(sq + st * kTileQ), qp, p.q_seq * es, sq_len - m0);
+    load_rows<kBM, kD>(smem_u32(sdo + st * kTileQ), dp, p.do_seq * es, sq_len - m0);
     if (tid < kBM) {  // in the same cp.async group as the tiles (no load latency in the step)
       const int i = m0 + tid;
       const int64_t wrow = static_cast<int64_t>(h) * p.rows_q + static_cast<int64_t>(b) * sq_len + i;
@@ -281,16 +294,27 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_sm90_kernel(const BwdPa
       wgmma_commit();
     }
 
-    // dS^T of both warpgroups visible to the async proxy, then dQ[:, 64wg..] = dS K[:, 64wg..].
+    // dS^T visible to the async proxy, then the dQ wgmmas (see Cfg): hdim 128, dQ[:, 64wg..] =
+    // dS K[:, 64wg..] over both warpgroups' keys; hdim 64, dQ_wg = dS[:, own keys] K[own keys, :].
     fence_proxy_async();
-    __syncthreads();
     float dq[kBM / 2];
-    wgmma_fence();
+    if constexpr (kD == 128) {
+      __syncthreads();
+      wgmma_fence();
 #pragma unroll
-    for (int kk = 0; kk < kBN / 16; ++kk)
-      Wgmma<kBM, T>::template ss<1, 1>(dq, make_desc_sw128(smem_u32(ds_buf) + kk * 2048, kBN * 128, 1024),
-                                       make_desc_sw128(smem_u32(sk) + wg * kBN * 128 + kk * 2048, kBN * 128, 1024),
-                                       kk > 0);
+      for (int kk = 0; kk < kBN / 16; ++kk)
+        Wgmma<kBM, T>::template ss<1, 1>(dq, make_desc_sw128(smem_u32(ds_buf) + kk * 2048, kBN * 128, 1024),
+                                         make_desc_sw128(smem_u32(sk) + wg * kBN * 128 + kk * 2048, kBN * 128, 1024),
+                                         kk > 0);
+    } else {
+      named_barrier_sync(1 + wg, 128);  // this warpgroup's dS^T rows only
+      wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < kBN / 2 / 16; ++kk)
+        Wgmma<kBM, T>::template ss<1, 1>(dq, make_desc_sw128(smem_u32(ds_buf) + wg * 8192 + kk * 2048, kBN * 128, 1024),
+                                         make_desc_sw128(smem_u32(sk) + wg * 8192 + kk * 2048, kBN * 128, 1024),
+                                         kk > 0);
+    }
     wgmma_commit();
     wgmma_wait<0>();  // dV, dK and dQ
 #pragma unroll
@@ -298,12 +322,13 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_sm90_kernel(const BwdPa
 #pragma unroll
     for (int i = 0; i < kBM / 2; ++i) reg_fence(dq[i]);
 
-    // dQ partial (rows 16w + g (+8), dims 64wg + 8i + 2t (+1)) into the fp32 workspace.
-    // This thread's first element (row 16w + g, dim 64wg + 2t), pinned so that every reduction is
-    // one predicated [R+imm] instruction; rows past the end are skipped.
+    // dQ partial (rows 16w + g (+8), dims c0 + 8i + 2t (+1); c0 = 64wg at hdim 128, 0 at 64) into
+    // the fp32 workspace. This thread's first element, pinned so that every reduction is one
+    // [R+imm] instruction; rows past the end are skipped.
+    constexpr int kDqCols = kD == 128 ? 64 : 0;  // column offset per warpgroup
     float* ws = pin_ptr(p.ws_dq +
                         (static_cast<int64_t>(h) * p.rows_q + static_cast<int64_t>(b) * sq_len + m0 + 16 * w + g) * kD +
-                        64 * wg + 2 * t);
+                        kDqCols * wg + 2 * t);
     const int valid = sq_len - m0 - 16 * w - g;  // rows r0 and r0 + 8 exist when > 0 and > 8
     if (kDefer) {  // fragment floats 4q..4q+3 as chunk q of this thread (read back by flush_dq only)
 #pragma unroll
@@ -360,61 +385,74 @@ int variant_bits() {
                                                      "split+defer, got '") + e + "'");
 }
 
-template <typename T, bool kLate, bool kDefer, bool kSplit>
+template <typename T, int kD, bool kLate, bool kDefer, bool kSplit>
 void launch_variant(const BwdParams& p, unsigned grid, cudaStream_t stream) {
-  auto* kernel = &flash_bwd_sm90_kernel<T, kLate, kDefer, kSplit>;
-  const int smem = kDefer ? kSmemDefer : kSmem;
+  auto* kernel = &flash_bwd_sm90_kernel<T, kD, kLate, kDefer, kSplit>;
+  const int smem = kDefer ? Cfg<kD>::kSmemDefer : Cfg<kD>::kSmem;
   IOATTN_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   kernel<<<grid, kThreads, smem, stream>>>(p);
   IOATTN_CUDA_CHECK_LAUNCH("flash_bwd_sm90_kernel");
 }
 
-template <typename T>
+// hdim 128: every variant (A/B runs); hdim 64: the default (split) only, whatever the variant says.
+template <typename T, int kD>
 void launch_typed(const BwdParams& p, cudaStream_t stream) {
   const int64_t grid = static_cast<int64_t>(p.num_n_blocks) * p.heads_kv * p.batch;
+  const int bits = variant_bits();  // also rejects a bad value
   if (grid == 0) return;
   const auto g = static_cast<unsigned>(grid);
-  switch (variant_bits()) {
-    case 0: launch_variant<T, false, false, false>(p, g, stream); break;
-    case 1: launch_variant<T, true, false, false>(p, g, stream); break;
-    case 3: launch_variant<T, true, true, false>(p, g, stream); break;
-    case 7: launch_variant<T, true, true, true>(p, g, stream); break;
-    default: launch_variant<T, true, false, true>(p, g, stream); break;
+  if constexpr (kD == 64) {
+    launch_variant<T, 64, true, false, true>(p, g, stream);
+  } else {
+    switch (bits) {
+      case 0: launch_variant<T, kD, false, false, false>(p, g, stream); break;
+      case 1: launch_variant<T, kD, true, false, false>(p, g, stream); break;
+      case 3: launch_variant<T, kD, true, true, false>(p, g, stream); break;
+      case 7: launch_variant<T, kD, true, true, true>(p, g, stream); break;
+      default: launch_variant<T, kD, true, false, true>(p, g, stream); break;
+    }
   }
 }
 
+template <int kD>
 void launch(const BwdParams& p, bool is_bf16, cudaStream_t stream) {
   if (is_bf16)
-    launch_typed<__nv_bfloat16>(p, stream);
+    launch_typed<__nv_bfloat16, kD>(p, stream);
   else
-    launch_typed<__half>(p, stream);
+    launch_typed<__half, kD>(p, stream);
+}
+
+template <int kD>
+BwdKernelInfo info_for() {
+  BwdKernelInfo info{};
+  info.head_dim = kD;
+  info.block_m = kBM;
+  info.block_n = kBN;
+  info.warps = kThreads / 32;
+  info.dq_block_m = kBM;  // unused: no deterministic dQ pass
+  info.dq_block_n = kBN;
+  info.dq_warps = 0;
+  info.col_splits = 1;
+  info.reason = kD == 128
+                    ? "wgmma, keys as M (S^T = K Q^T, dP^T = V dO^T, dV += P^T dO, dK += dS^T Q, dQ = dS K from dS^T "
+                      "in shared memory), 2 warpgroups x 64 keys, 64-row steps, cp.async one block ahead issued under "
+                      "the S^T/dP^T wgmmas, P^T and dV overlapping dP^T, fp32 atomic dQ"
+                    : "wgmma (experimental at hdim 64, not yet run on a GPU), keys as M, 2 warpgroups x 64 keys, "
+                      "64-row steps, each warpgroup's dQ from its own keys (no CTA barrier mid-step), fp32 atomic dQ";
+  info.smem_bytes = kD == 128 ? Cfg<kD>::kSmemDefer : Cfg<kD>::kSmem;  // the largest variant's
+  info.smem_bytes_det = info.smem_bytes;
+  info.dq_smem_bytes = 0;
+  info.dkdv_bf16 = reinterpret_cast<const void*>(&flash_bwd_sm90_kernel<__nv_bfloat16, kD, true, false, true>);
+  info.dkdv_f16 = reinterpret_cast<const void*>(&flash_bwd_sm90_kernel<__half, kD, true, false, true>);
+  info.dq_bf16 = info.dkdv_bf16;  // no separate dQ kernel
+  info.dq_f16 = info.dkdv_f16;
+  info.launch = &launch<kD>;
+  return info;
 }
 
 }  // namespace sm90_bwd
 
-BwdKernelInfo bwd_info_sm90_hdim128() {
-  BwdKernelInfo info{};
-  info.head_dim = sm90_bwd::kD;
-  info.block_m = sm90_bwd::kBM;
-  info.block_n = sm90_bwd::kBN;
-  info.warps = sm90_bwd::kThreads / 32;
-  info.dq_block_m = sm90_bwd::kBM;  // unused: no deterministic dQ pass
-  info.dq_block_n = sm90_bwd::kBN;
-  info.dq_warps = 0;
-  info.col_splits = 1;
-  info.reason =
-      "wgmma, keys as M (S^T = K Q^T, dP^T = V dO^T, dV += P^T dO, "
-      "dK += dS^T Q, dQ = dS K from dS^T in shared memory), 2 warpgroups x 64 keys, 64-row steps, cp.async "
-      "one block ahead issued under the S^T/dP^T wgmmas, P^T and dV overlapping dP^T, fp32 atomic dQ";
-  info.smem_bytes = sm90_bwd::kSmemDefer;  // the largest variant's
-  info.smem_bytes_det = sm90_bwd::kSmemDefer;
-  info.dq_smem_bytes = 0;
-  info.dkdv_bf16 = reinterpret_cast<const void*>(&sm90_bwd::flash_bwd_sm90_kernel<__nv_bfloat16, true, false, true>);
-  info.dkdv_f16 = reinterpret_cast<const void*>(&sm90_bwd::flash_bwd_sm90_kernel<__half, true, false, true>);
-  info.dq_bf16 = info.dkdv_bf16;  // no separate dQ kernel
-  info.dq_f16 = info.dkdv_f16;
-  info.launch = &sm90_bwd::launch;
-  return info;
-}
+BwdKernelInfo bwd_info_sm90_hdim128() { return sm90_bwd::info_for<128>(); }
+BwdKernelInfo bwd_info_sm90_hdim64() { return sm90_bwd::info_for<64>(); }
 
 }  // namespace ioattn::cuda
