@@ -438,11 +438,17 @@ TEST_P(CudaBackwardSm90, MatchesFloat64Reference) {
   BwdRun s(c, 11 + c.name.size());
   const Refs r = references(s);
   BwdKernelEnv env("sm90");
-  for (const char* variant : {"base", "late", "late+defer", "split", "split+defer"}) {
+  const std::string hd = "hdim" + std::to_string(c.head_dim);
+  // hdim 64 runs the default variant whatever the variable says: once is enough.
+  const std::vector<const char*> variants =
+      c.head_dim == 128 ? std::vector<const char*>{"base", "late", "late+defer", "split", "split+defer"}
+                        : std::vector<const char*>{"split"};
+  for (const char* variant : variants) {
     ScopedEnv var("IOATTN_BWD_SM90_VARIANT", variant);
     s.poison_grads();
     const KernelChoice kc = s.backward_device(false);
     EXPECT_NE(kc.kernel.find("sm90 wgmma"), std::string::npos) << kc.kernel << ": " << kc.reason;
+    EXPECT_NE(kc.kernel.find(hd), std::string::npos) << kc.kernel;
     check_grads(s, r, c.name + " (sm90 wgmma, variant " + variant + ")");
   }
 }

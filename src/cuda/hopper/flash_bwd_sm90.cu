@@ -1,25 +1,27 @@
-// flash_bwd_sm90.cu — the Hopper (wgmma) dK/dV/dQ kernel of the backward, hdim 128, bf16/f16: the
-// dispatcher's default on sm_90 wherever it applies (IOATTN_BWD_KERNEL=mma selects the mma.sync
-// kernel of flash_bwd.cuh instead; flash_bwd_dispatch.cu says why when it does not apply).
+// flash_bwd_sm90.cu — the Hopper (wgmma) dK/dV/dQ kernel of the backward, bf16/f16: the
+// dispatcher's default on sm_90 at hdim 128 wherever it applies (IOATTN_BWD_KERNEL=mma selects the
+// mma.sync kernel of flash_bwd.cuh instead; flash_bwd_dispatch.cu says why when it does not
+// apply); hdim 64 is an experimental row, selected only by IOATTN_BWD_KERNEL=sm90 (see Cfg).
 // The preprocess (D, LSE·log2e), the fp32 dQ workspace and its conversion are run_flash_backward's,
 // unchanged; this kernel replaces flash_bwd_dkdv_kernel in the default (atomic dQ) mode.
 //
 // CTA = (batch, kv head, block of 128 keys), 2 consumer warpgroups (no producer: cp.async loads
 // issued by all 256 threads one (Q, dO) block ahead), warpgroup c owning keys 64c..64c+63. Keys
 // are the wgmma M dimension (FlashAttention-3's order; the operand layouts are the ones
-// test_ptx_sm90.cu's k_wgmma_bwd_chain checks):
+// test_ptx_sm90.cu's k_wgmma_bwd_chain checks); d = head dim:
 //   S^T  = K_c Q^T,   dP^T = V_c dO^T         ss, m64n64, both operands K-major
 //   P^T  = exp2(S^T·scale·log2e − LSE·log2e), dS^T = P^T ∘ (dP^T − D), masked to 0
-//   dV_c += P^T dO,   dK_c += dS^T Q          rs, m64n128, A from the accumulators, B MN-major
-//   dS^T (both warpgroups) -> shared memory;  dQ[:, 64c..] = dS K[:, 64c..]   ss, m64n64,
-//                                             A = dS^T read transposed, B = K MN-major,
-//                                             fp32 red.global.add into the dQ workspace
+//   dV_c += P^T dO,   dK_c += dS^T Q          rs, m64n(d), A from the accumulators, B MN-major
+//   dS^T -> shared memory; hdim 128: dQ[:, 64c..] = dS K[:, 64c..] over both warpgroups' keys;
+//   hdim 64: dQ_c = dS[:, keys of c] K[keys of c, :]   ss, m64n64, A = dS^T read transposed,
+//                                             B = K MN-major, fp32 red.global.add into the dQ workspace
 // GQA: the CTA walks every query head of its kv head, so dK/dV are summed on chip.
-// Tiles live in shared memory with the 128-byte swizzle (ptx_sm90.cuh): K, V 2 x [128 x 128 B],
-// Q, dO 2 stages x 2 x [64 x 128 B], dS^T 2 x [128 x 128 B] (alternating per block so one
-// barrier per block suffices), LSE and D 2 stages x 64 floats: 160 KB + 1 KB alignment.
+// Tiles live in shared memory with the 128-byte swizzle (ptx_sm90.cuh): K, V [128 x d], Q, dO
+// 2 stages x [64 x d] (column blocks of 64 dims = 128-byte rows), dS^T 2 x [128 x 128 B]
+// (alternating per block so one barrier per block suffices), LSE and D 2 stages x 64 floats:
+// 160 KB (hdim 128; + 32 KB for the defer variant) or 96 KB (hdim 64), + 1 KB alignment.
 // Not covered (the selector says so): varlen, window other than causal, softcap, ALiBi, sinks,
-// deterministic mode, head dims other than 128.
+// deterministic mode, head dims other than 128 (64 experimental).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
