@@ -67,6 +67,7 @@
 #include "core/backends.hpp"
 #include "core/half.hpp"
 #include "core/serving_problem.hpp"
+#include "cpu/serving_amx.hpp"
 #include "cpu/serving_quant.h"
 
 #ifndef HWY_DISABLED_TARGETS
@@ -109,6 +110,11 @@ struct ScratchLayout {
   size_t tall = 0;  // (R) uint64 per row tile: bit j set when all its rows have P != 0 at key j
   size_t tany = 0;  // (R) int32 per row tile: some row of the tile is active in the block
   size_t tsee = 0;  // (R) int32 per row tile of a head: some row sees a key of the block
+  // AMX path (i8 caches, serving_amx.hpp):
+  size_t amxq = 0;   // Q limbs in B-tile order, up to (R, dp) x 16 bytes (groups of 4 rows per head)
+  size_t amxm = 0;   // (R) float 2^-E per Q row
+  size_t amxp = 0;   // P limbs of one head's rows: ceil(R / 4) A tiles of 1 KiB
+  size_t amxs = 0;   // staging: 2 x 16 K rows or 64 V rows in VNNI order, max(32 dp, 64 dvp) bytes
   size_t bytes = 0;
 };
 
@@ -135,6 +141,10 @@ inline ScratchLayout scratch_layout(int64_t rows, int64_t d, int64_t dv) {
   L.tall = take(r * 8);
   L.tany = take(r * 4);
   L.tsee = take(r * 4);
+  L.amxq = take(r * dp * 16);
+  L.amxm = take(r * 4);
+  L.amxp = take((r + 3) / 4 * 1024);
+  L.amxs = take(std::max(32 * dp, 64 * dvp));
   L.bytes = at;
   return L;
 }
@@ -564,6 +574,27 @@ void RunChunkT(const DecodeProblem& p, int64_t b, int64_t hk0, int64_t hk1, int 
     for (size_t x = 0; x < dp; x += L) hn::StoreU(hn::Mul(hn::LoadU(df, qr + x), vm), df, qr + x);
   }
 
+  // i8 caches on CPUs with AMX-INT8: Q.K^T and P.V as int8 tile products (serving_amx.hpp).
+  // Per task: off when a Q row is not finite (the fp32 path propagates NaN / inf).
+#if defined(IOATTN_HAVE_AMX) && HWY_ARCH_X86 && HWY_TARGET <= HWY_AVX3
+  bool use_amx = false;
+  int8_t* const amxq = reinterpret_cast<int8_t*>(scratch + sl.amxq);
+  float* const amxm = reinterpret_cast<float*>(scratch + sl.amxm);
+  int8_t* const amxp = reinterpret_cast<int8_t*>(scratch + sl.amxp);
+  uint8_t* const amxs = scratch + sl.amxs;
+  const size_t amx_head = static_cast<size_t>((R + 3) / 4) * (d / 64) * 1024;  // Q limb bytes per head
+  if constexpr (T == DType::i8) {
+    if (d % 64 == 0 && dv % 64 == 0 && d <= 512 && amx_usable()) {
+      use_amx = true;
+      for (int64_t hh = 0; hh < H && use_amx; ++hh)
+        use_amx = amx_pack_q(qf + hh * R * dp, dp, d, R, amxq + hh * amx_head, amxm + hh * R);
+      if (use_amx) amx_begin();
+    }
+  }
+#else
+  [[maybe_unused]] constexpr bool use_amx = false;
+#endif
+
   const float cap = p.softcap, inv_cap = cap > 0 ? 1.0f / cap : 0.0f;
   const VF vninf = hn::Set(df, ninf()), vpinf = hn::Set(df, std::numeric_limits<float>::infinity());
   const auto iota0 = hn::Iota(di, 0);  // hoisted: Iota is a stack round trip on some targets
@@ -609,6 +640,28 @@ void RunChunkT(const DecodeProblem& p, int64_t b, int64_t hk0, int64_t hk1, int 
 
     // S = Q K^T: 4 keys at a time, every head, RT rows per tile; the padding keys of the last
     // group reuse row n - 1 (their scores are masked below: key >= khi).
+#if defined(IOATTN_HAVE_AMX) && HWY_ARCH_X86 && HWY_TARGET <= HWY_AVX3
+    if (any_sees && use_amx) {
+      // 16 keys per tile product, every head; the V rows are prefetched here too (the AMX P.V
+      // takes a head's whole block at once). Rows that see no key get scores nobody reads.
+      for (size_t jj = 0; jj < n; jj += 16) {
+        const size_t pf0 = jj + kPrefetchTokens, pf1 = std::min(pf0 + 16, pf_end);
+        const uint8_t* rows16[16];
+        for (size_t k = 0; k < 16; ++k) rows16[k] = k_rows[std::min(jj + k, n - 1)];
+        for (int64_t hh = 0; hh < H; hh += 2) {  // two heads per call: two independent tile chains
+          const bool two = hh + 1 < H;
+          for (int64_t h2 = hh; h2 < hh + (two ? 2 : 1); ++h2)
+            for (size_t k = pf0; k < pf1; ++k) {
+              prefetch_row(k_rows[k] + h2 * k_head, k_bytes);
+              prefetch_row(v_rows[k] + h2 * v_head, v_bytes);
+            }
+          const int64_t h1 = two ? hh + 1 : hh;
+          amx_scores16(rows16, hh * k_head, h1 * k_head, d, amxq + hh * amx_head, two ? amxq + h1 * amx_head : nullptr,
+                       R, amxm + hh * R, amxm + h1 * R, sc + hh * R * bc + jj, sc + h1 * R * bc + jj, bc, amxs);
+        }
+      }
+    } else
+#endif
     if (any_sees) {
       for (size_t jj = 0; jj < n; jj += 4) {
         const size_t pf0 = jj + kPrefetchTokens, pf1 = std::min(pf0 + 4, pf_end);
@@ -679,6 +732,13 @@ void RunChunkT(const DecodeProblem& p, int64_t b, int64_t hk0, int64_t hk1, int 
       any_p = true;
     }
 
+#if defined(IOATTN_HAVE_AMX) && HWY_ARCH_X86 && HWY_TARGET <= HWY_AVX3
+    if (any_p && use_amx) {
+      for (int64_t hh = 0; hh < H; ++hh)
+        amx_pv64(sc + hh * R * bc, bc, act + hh * R, R, v_rows, hh * v_head, n, dv, acc + hh * R * dvp, dvp, amxp,
+                 amxs);
+    } else
+#endif
     if (any_p) {
       // Per (head, row tile): bit jj set when every row of the tile has P != 0 at key jj.
       const int64_t nt = H * ntiles;
@@ -724,6 +784,9 @@ void RunChunkT(const DecodeProblem& p, int64_t b, int64_t hk0, int64_t hk1, int 
     const int64_t hk = hk0 + rho / R, r = rho % R, i = r % sq, h = hk * g + r / sq;
     const float v_scale = (p.v_scale ? p.v_scale[hk] : 1.0f) * unit;
     float* ar = acc + rho * dvp;
+#if defined(IOATTN_HAVE_AMX) && HWY_ARCH_X86 && HWY_TARGET <= HWY_AVX3
+    if (use_amx) amx_unpermute(ar, dv);
+#endif
     float lse_r;
     if (bad[rho] != 0.0f) {
       std::fill(ar, ar + dv, nan);
@@ -759,6 +822,9 @@ void RunChunkT(const DecodeProblem& p, int64_t b, int64_t hk0, int64_t hk1, int 
       p.partial_lse[at] = lse_r;
     }
   }
+#if defined(IOATTN_HAVE_AMX) && HWY_ARCH_X86 && HWY_TARGET <= HWY_AVX3
+  if (use_amx) amx_end();
+#endif
 }
 
 void RunChunk(const DecodeProblem& p, int64_t b, int64_t hk0, int64_t hk1, int split, uint8_t* scratch) {

@@ -1,0 +1,283 @@
+// AMX-INT8 kernels for the CPU decode with i8 caches: see serving_amx.hpp. Compiled without
+// Highway: every function that executes AMX or AVX-512 instructions carries its own target
+// attribute and is only called after amx_usable() said yes (which implies AVX-512 on every CPU
+// that has AMX).
+#include "cpu/serving_amx.hpp"
+
+#if IOATTN_HAVE_AMX
+
+// GCC 12: its AVX-512 headers trip -Wmaybe-uninitialized (_mm512_undefined_*).
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+
+#include <cpuid.h>
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+
+#define IOATTN_AMX_ATTR __attribute__((target("amx-tile,amx-int8,avx512f,avx512bw,avx512dq,avx512vl,avx512vbmi")))
+
+namespace ioattn::detail::serving {
+namespace {
+
+struct TileConfig {
+  uint8_t palette = 0, start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// 16 x 16 int32 transpose: r[c] becomes column c of the input rows.
+IOATTN_AMX_ATTR inline void Transpose16(__m512i r[16]) {
+  __m512i t[16];
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; ++i) {
+    r[4 * i + 0] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+    r[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+    r[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+    r[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+  }
+  // Lane L of r[4 i + k] now holds rows 4 i .. 4 i + 3 at column 4 L + k.
+  for (int k = 0; k < 4; ++k) {
+    t[k] = _mm512_shuffle_i32x4(r[k], r[4 + k], 0x88);       // L0, L2 of rows 0-3, 4-7
+    t[4 + k] = _mm512_shuffle_i32x4(r[k], r[4 + k], 0xdd);   // L1, L3
+    t[8 + k] = _mm512_shuffle_i32x4(r[8 + k], r[12 + k], 0x88);
+    t[12 + k] = _mm512_shuffle_i32x4(r[8 + k], r[12 + k], 0xdd);
+  }
+  for (int k = 0; k < 4; ++k) {
+    r[k] = _mm512_shuffle_i32x4(t[k], t[8 + k], 0x88);           // column k
+    r[8 + k] = _mm512_shuffle_i32x4(t[k], t[8 + k], 0xdd);       // column 8 + k
+    r[4 + k] = _mm512_shuffle_i32x4(t[4 + k], t[12 + k], 0x88);  // column 4 + k
+    r[12 + k] = _mm512_shuffle_i32x4(t[4 + k], t[12 + k], 0xdd); // column 12 + k
+  }
+}
+
+// ((c3 * 256 + c2) * 256 + c1) * 256 + c0 in fp32 (the limb sums are exact integers < 2^24).
+IOATTN_AMX_ATTR inline __m512 Horner4(__m512i c0, __m512i c1, __m512i c2, __m512i c3) {
+  const __m512 k256 = _mm512_set1_ps(256.0f);
+  __m512 t = _mm512_cvtepi32_ps(c3);
+  t = _mm512_fmadd_ps(t, k256, _mm512_cvtepi32_ps(c2));
+  t = _mm512_fmadd_ps(t, k256, _mm512_cvtepi32_ps(c1));
+  return _mm512_fmadd_ps(t, k256, _mm512_cvtepi32_ps(c0));
+}
+
+}  // namespace
+
+bool amx_usable() {
+  static const bool ok = [] {
+    const char* e = std::getenv("IOATTN_CPU_AMX");
+    if (e && e[0] == '0') return false;
+    unsigned a = 0, b = 0, c = 0, d = 0;
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
+    const bool tile = (d >> 24) & 1, int8 = (d >> 25) & 1, vbmi = (c >> 1) & 1;
+    if (!tile || !int8 || !vbmi) return false;
+    constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+    return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  return ok;
+}
+
+// A static object: GCC 12 treats _tile_loadconfig's operand as reading only its first bytes and
+// drops the stores of a local config's colsb / rows fields.
+alignas(64) const TileConfig kTileConfig = [] {
+  TileConfig c;
+  c.palette = 1;
+  for (int t = 0; t < 8; ++t) {
+    c.colsb[t] = 64;
+    c.rows[t] = 16;
+  }
+  return c;
+}();
+
+__attribute__((target("amx-tile"))) void amx_begin() { _tile_loadconfig(&kTileConfig); }
+
+__attribute__((target("amx-tile"))) void amx_end() { _tile_release(); }
+
+bool amx_pack_q(const float* qf, size_t dp, size_t d, int64_t R, int8_t* qb, float* qmul) {
+  const size_t chunks = d / 64;
+  const int64_t G = (R + 3) / 4;
+  std::memset(qb, 0, static_cast<size_t>(G) * chunks * 1024);
+  for (int64_t r = 0; r < R; ++r) {
+    const float* q = qf + r * dp;
+    float amax = 0.0f;
+    for (size_t x = 0; x < d; ++x) amax = std::max(amax, std::fabs(q[x]));
+    if (!std::isfinite(amax)) return false;  // NaN / inf: the fp32 path propagates them
+    if (amax == 0.0f) {
+      qmul[r] = 0.0f;
+      continue;
+    }
+    int e = 0;
+    std::frexp(amax, &e);  // amax = f * 2^e, f in [0.5, 1)
+    const int E = 29 - e;  // amax * 2^E in [2^28, 2^29)
+    if (E > 126 || E < -126) return false;
+    qmul[r] = std::ldexp(1.0f, -E);
+    const int64_t g = r / 4, rl = r % 4;
+    for (size_t x = 0; x < d; ++x) {
+      int32_t v = static_cast<int32_t>(std::nearbyint(std::ldexp(static_cast<double>(q[x]), E)));
+      const size_t c = x / 64, k = x % 64;
+      int8_t* dst = qb + ((static_cast<size_t>(g) * chunks + c) * 16 + k / 4) * 64 + k % 4;
+      for (int l = 0; l < 4; ++l) {
+        const int32_t lb = ((v + 128) & 255) - 128;  // balanced limb in [-128, 127]
+        v = (v - lb) / 256;                          // exact
+        dst[(4 * rl + l) * 4] = static_cast<int8_t>(lb);
+      }
+    }
+  }
+  return true;
+}
+
+// The 16 C rows (keys) of one unit -> scores of its rows (transpose, limbs combined, x 2^-E).
+IOATTN_AMX_ATTR inline void StoreScores(const int32_t* cb, int64_t rows, const float* qmul, float* s, size_t bc) {
+  __m512i v[16];
+  for (int k = 0; k < 16; ++k) v[k] = _mm512_load_si512(cb + 16 * k);
+  Transpose16(v);  // v[4 rl + l]: limb l of row rl, over the 16 keys
+  for (int64_t rl = 0; rl < rows; ++rl) {
+    const __m512 t = Horner4(v[4 * rl], v[4 * rl + 1], v[4 * rl + 2], v[4 * rl + 3]);
+    _mm512_storeu_ps(s + rl * static_cast<int64_t>(bc), _mm512_mul_ps(t, _mm512_set1_ps(qmul[rl])));
+  }
+}
+
+IOATTN_AMX_ATTR void amx_scores16(const uint8_t* const* rows, int64_t off0, int64_t off1, size_t d, const int8_t* qb0,
+                                  const int8_t* qb1, int64_t R, const float* qmul0, const float* qmul1, float* s0,
+                                  float* s1, size_t bc, uint8_t* stage) {
+  const size_t chunks = d / 64;
+  const bool two = qb1 != nullptr;
+  const uint8_t* base0 = rows[0] + off0;
+  const uint8_t* base1 = rows[0] + off1;
+  const int64_t stride = rows[1] - rows[0];
+  bool uniform = stride >= static_cast<int64_t>(d);
+  for (int k = 2; k < 16 && uniform; ++k) uniform = rows[k] == rows[0] + k * stride;
+  int64_t ld = stride;
+  if (!uniform) {  // page edges, padding keys: copy the 16 rows (of both heads) together
+    for (int k = 0; k < 16; ++k)
+      for (size_t x = 0; x < d; x += 64) {
+        _mm512_storeu_si512(stage + k * d + x, _mm512_loadu_si512(rows[k] + off0 + x));
+        if (two) _mm512_storeu_si512(stage + (16 + k) * d + x, _mm512_loadu_si512(rows[k] + off1 + x));
+      }
+    base0 = stage;
+    base1 = stage + 16 * d;
+    ld = static_cast<int64_t>(d);
+  }
+  alignas(64) int32_t cb[2][256];
+  const int64_t G = (R + 3) / 4;
+  for (int64_t g = 0; g < G; ++g) {  // rows 4 g .. 4 g + 3 of both heads: two independent tile chains
+    const size_t qg = static_cast<size_t>(g) * chunks * 1024;
+    _tile_zero(0);
+    if (two) _tile_zero(1);
+    for (size_t c = 0; c < chunks; ++c) {
+      _tile_loadd(2, base0 + 64 * c, ld);
+      _tile_loadd(4, qb0 + qg + c * 1024, 64);
+      _tile_dpbssd(0, 2, 4);
+      if (two) {
+        _tile_loadd(3, base1 + 64 * c, ld);
+        _tile_loadd(5, qb1 + qg + c * 1024, 64);
+        _tile_dpbssd(1, 3, 5);
+      }
+    }
+    _tile_stored(0, cb[0], 64);
+    if (two) _tile_stored(1, cb[1], 64);
+    const int64_t rows_g = std::min<int64_t>(4, R - 4 * g);
+    StoreScores(cb[0], rows_g, qmul0 + 4 * g, s0 + 4 * g * static_cast<int64_t>(bc), bc);
+    if (two) StoreScores(cb[1], rows_g, qmul1 + 4 * g, s1 + 4 * g * static_cast<int64_t>(bc), bc);
+  }
+}
+
+IOATTN_AMX_ATTR void amx_pv64(const float* p, size_t bc, const float* act, int64_t R, const uint8_t* const* rows,
+                              int64_t off, size_t n, size_t dv, float* acc, size_t dvp, int8_t* pl, uint8_t* stage) {
+  const int64_t G = (R + 3) / 4;
+  // P limbs: A[4 rl + l][j] = byte l of round(p_j * 2^30) (unsigned, little-endian bytes of the int32).
+  // vpermb gathers byte l of the 16 keys of a vector into lane l.
+  const __m512i bytes_by_limb = _mm512_set_epi8(
+      63, 59, 55, 51, 47, 43, 39, 35, 31, 27, 23, 19, 15, 11, 7, 3,  //
+      62, 58, 54, 50, 46, 42, 38, 34, 30, 26, 22, 18, 14, 10, 6, 2,  //
+      61, 57, 53, 49, 45, 41, 37, 33, 29, 25, 21, 17, 13, 9, 5, 1,   //
+      60, 56, 52, 48, 44, 40, 36, 32, 28, 24, 20, 16, 12, 8, 4, 0);
+  const __m512 k2p30 = _mm512_set1_ps(1073741824.0f);
+  for (int64_t r = 0; r < 4 * G; ++r) {
+    uint8_t* a = reinterpret_cast<uint8_t*>(pl) + (r / 4) * 1024 + (r % 4) * 4 * 64;  // rows 4 rl .. 4 rl + 3
+    if (r >= R || act[r] == 0.0f) {
+      std::memset(a, 0, 4 * 64);
+      continue;
+    }
+    const float* pr = p + r * static_cast<int64_t>(bc);
+    __m512i w[4];
+    for (int c = 0; c < 4; ++c) {
+      const __mmask16 live = static_cast<size_t>(16 * c) >= n ? 0 : n - 16 * c >= 16 ? 0xffff : (1u << (n - 16 * c)) - 1;
+      const __m512i q = _mm512_maskz_cvtps_epi32(live, _mm512_mul_ps(_mm512_maskz_loadu_ps(live, pr + 16 * c), k2p30));
+      w[c] = _mm512_permutexvar_epi8(bytes_by_limb, q);  // lane l: byte l of the 16 keys
+    }
+    // 4 x 4 transpose of 128-bit lanes: row l = lane l of w[0..3].
+    const __m512i t0 = _mm512_shuffle_i32x4(w[0], w[1], 0x44), t1 = _mm512_shuffle_i32x4(w[0], w[1], 0xee);
+    const __m512i t2 = _mm512_shuffle_i32x4(w[2], w[3], 0x44), t3 = _mm512_shuffle_i32x4(w[2], w[3], 0xee);
+    _mm512_storeu_si512(a + 0 * 64, _mm512_shuffle_i32x4(t0, t2, 0x88));
+    _mm512_storeu_si512(a + 1 * 64, _mm512_shuffle_i32x4(t0, t2, 0xdd));
+    _mm512_storeu_si512(a + 2 * 64, _mm512_shuffle_i32x4(t1, t3, 0x88));
+    _mm512_storeu_si512(a + 3 * 64, _mm512_shuffle_i32x4(t1, t3, 0xdd));
+  }
+  // V in VNNI order: stage[X][u][quad][64 B], X = 64-column chunk, u = interleave group.
+  const size_t nx = dv / 64;
+  for (size_t q = 0; q < 16; ++q) {
+    const uint8_t* r0 = rows[std::min(4 * q + 0, n - 1)] + off;
+    const uint8_t* r1 = rows[std::min(4 * q + 1, n - 1)] + off;
+    const uint8_t* r2 = rows[std::min(4 * q + 2, n - 1)] + off;
+    const uint8_t* r3 = rows[std::min(4 * q + 3, n - 1)] + off;
+    for (size_t X = 0; X < nx; ++X) {
+      const __m512i a = _mm512_loadu_si512(r0 + 64 * X), b = _mm512_loadu_si512(r1 + 64 * X);
+      const __m512i c = _mm512_loadu_si512(r2 + 64 * X), e = _mm512_loadu_si512(r3 + 64 * X);
+      const __m512i ab0 = _mm512_unpacklo_epi8(a, b), ab1 = _mm512_unpackhi_epi8(a, b);
+      const __m512i ce0 = _mm512_unpacklo_epi8(c, e), ce1 = _mm512_unpackhi_epi8(c, e);
+      uint8_t* dst = stage + X * 4096 + q * 64;
+      _mm512_storeu_si512(dst + 0 * 1024, _mm512_unpacklo_epi16(ab0, ce0));  // x = 16 L + 0..3
+      _mm512_storeu_si512(dst + 1 * 1024, _mm512_unpackhi_epi16(ab0, ce0));  // x = 16 L + 4..7
+      _mm512_storeu_si512(dst + 2 * 1024, _mm512_unpacklo_epi16(ab1, ce1));  // x = 16 L + 8..11
+      _mm512_storeu_si512(dst + 3 * 1024, _mm512_unpackhi_epi16(ab1, ce1));  // x = 16 L + 12..15
+    }
+  }
+  alignas(64) int32_t cb[2][256];
+  const __m512 k2m30 = _mm512_set1_ps(1.0f / 1073741824.0f);
+  auto combine = [&](const int32_t* c, int64_t g, size_t t) IOATTN_AMX_ATTR {
+    for (int64_t rl = 0; rl < 4 && 4 * g + rl < R; ++rl) {
+      const int64_t r = 4 * g + rl;
+      if (act[r] == 0.0f) continue;
+      const __m512 h = Horner4(_mm512_load_si512(c + 16 * (4 * rl)), _mm512_load_si512(c + 16 * (4 * rl + 1)),
+                               _mm512_load_si512(c + 16 * (4 * rl + 2)), _mm512_load_si512(c + 16 * (4 * rl + 3)));
+      float* ar = acc + r * static_cast<int64_t>(dvp) + 16 * t;
+      _mm512_storeu_ps(ar, _mm512_fmadd_ps(h, k2m30, _mm512_loadu_ps(ar)));
+    }
+  };
+  for (int64_t g = 0; g < G; ++g) {
+    _tile_loadd(1, pl + g * 1024, 64);
+    for (size_t t = 0; t < 4 * nx; t += 2) {  // 16 permuted columns at acc + 16 t, two tiles at a time
+      _tile_zero(0);
+      _tile_zero(3);
+      _tile_loadd(2, stage + t * 1024, 64);
+      _tile_loadd(4, stage + (t + 1) * 1024, 64);
+      _tile_dpbusd(0, 1, 2);
+      _tile_dpbusd(3, 1, 4);
+      _tile_stored(0, cb[0], 64);
+      _tile_stored(3, cb[1], 64);
+      combine(cb[0], g, t);
+      combine(cb[1], g, t + 1);
+    }
+  }
+}
+
+void amx_unpermute(float* row, size_t dv) {
+  for (size_t X = 0; X < dv; X += 64) {
+    float tmp[64];
+    for (size_t u = 0; u < 4; ++u)
+      for (size_t n = 0; n < 16; ++n) tmp[16 * (n / 4) + 4 * u + n % 4] = row[X + 16 * u + n];
+    std::memcpy(row + X, tmp, sizeof(tmp));
+  }
+}
+
+}  // namespace ioattn::detail::serving
+
+#endif  // IOATTN_HAVE_AMX
