@@ -46,8 +46,31 @@ void amx_scores16(const uint8_t* const* rows, int64_t off0, int64_t off1, size_t
 // act[r] != 0 (x' the permuted column of x); V_j at rows[j] + off, dv codes (dv % 64 == 0).
 void amx_pv64(const float* p, size_t bc, const float* act, int64_t R, const uint8_t* const* rows, int64_t off,
               size_t n, size_t dv, float* acc, size_t dvp, int8_t* pl, uint8_t* stage);
-// Row in permuted column order -> natural order (dv % 64 == 0).
-void amx_unpermute(float* row, size_t dv);
+// Row in permuted column order -> natural order (width 64: the i8 P.V, 32: the f8e4m3 P.V;
+// dv % width == 0).
+void amx_unpermute(float* row, size_t dv, size_t width);
+
+// f8e4m3 caches, AMX-BF16 (TDPBF16PS: bf16 pairs, products exact, fp32 sums): the codes are
+// converted to bf16 (exact, subnormals included) into a staging buffer; Q rows (scaled by 2^E
+// to [1, 2): no bf16 denormals under the instruction's DAZ) and P rows are split into 4 bf16
+// parts each (p = p0 + p1 + p2 + p3, each the bf16 of the remainder: 32 bits of mantissa), one C
+// column (scores) / A row (P.V) per part, summed in fp32 smallest first. NaN codes: a NaN score
+// for the key (K), the fp32 rule per row for the block (V: keys with P == 0 skipped). The 2^8 of
+// serving_cpu's value / 256 convention is folded into qmul and the P.V combine.
+// Not used by default: measured slower than the Highway fp32 path on the machine it was written on
+// (docs/PERF.md); IOATTN_CPU_AMX_E4M3=1 (and amx_bf16_usable()) turns it on.
+bool amx_bf16_usable();
+bool amx_e4m3_requested();
+// Q parts in B-tile order at qb ([group of 4 rows][d / 32][512 uint16]); qmul[r] = 2^-E / 256.
+bool amx_pack_q_bf16(const float* qf, size_t dp, size_t d, int64_t R, uint16_t* qb, float* qmul);
+// Scores of 16 keys for all H heads (head h: rows[k] + h * k_head, Q parts at qb + h * qb_head,
+// qmul + h * R, s + h * R * bc), as amx_scores16 (d % 32 == 0); stage: 64 rows of 2 d bytes.
+void amx_scores16_e4m3(const uint8_t* const* rows, int64_t H, int64_t k_head, size_t d, const uint16_t* qb,
+                       size_t qb_head, int64_t R, const float* qmul, float* s, size_t bc, uint8_t* stage);
+// As amx_pv64 (dv % 32 == 0; acc columns permuted with width 32); pl: ceil(R / 4) x 2 KiB;
+// stage: 128 dv bytes.
+void amx_pv64_e4m3(const float* p, size_t bc, const float* act, int64_t R, const uint8_t* const* rows, int64_t off,
+                   size_t n, size_t dv, float* acc, size_t dvp, uint16_t* pl, uint8_t* stage);
 #endif
 
 }  // namespace ioattn::detail::serving
