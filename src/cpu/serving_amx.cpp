@@ -151,7 +151,7 @@ IOATTN_AMX_ATTR inline void StoreScores(const int32_t* cb, int64_t rows, const f
 
 IOATTN_AMX_ATTR void amx_scores16(const uint8_t* const* rows, int64_t off0, int64_t off1, size_t d, const int8_t* qb0,
                                   const int8_t* qb1, int64_t R, const float* qmul0, const float* qmul1, float* s0,
-                                  float* s1, size_t bc, uint8_t* stage) {
+                                  float* s1, size_t bc, uint8_t* stage, const uint8_t* const* pf, size_t npf) {
   const size_t chunks = d / 64;
   const bool two = qb1 != nullptr;
   const uint8_t* base0 = rows[0] + off0;
@@ -188,6 +188,12 @@ IOATTN_AMX_ATTR void amx_scores16(const uint8_t* const* rows, int64_t off0, int6
     }
     _tile_stored(0, cb[0], 64);
     if (two) _tile_stored(1, cb[1], 64);
+    if (pf && g == 0)  // later keys' rows, behind this group's tile loads instead of in front of them
+      for (size_t k = 0; k < npf; ++k)
+        for (size_t x = 0; x < d; x += 64) {
+          _mm_prefetch(reinterpret_cast<const char*>(pf[k] + off0 + x), _MM_HINT_T1);
+          if (two) _mm_prefetch(reinterpret_cast<const char*>(pf[k] + off1 + x), _MM_HINT_T1);
+        }
     const int64_t rows_g = std::min<int64_t>(4, R - 4 * g);
     StoreScores(cb[0], rows_g, qmul0 + 4 * g, s0 + 4 * g * static_cast<int64_t>(bc), bc);
     if (two) StoreScores(cb[1], rows_g, qmul1 + 4 * g, s1 + 4 * g * static_cast<int64_t>(bc), bc);
@@ -195,7 +201,8 @@ IOATTN_AMX_ATTR void amx_scores16(const uint8_t* const* rows, int64_t off0, int6
 }
 
 IOATTN_AMX_ATTR void amx_pv64(const float* p, size_t bc, const float* act, int64_t R, const uint8_t* const* rows,
-                              int64_t off, size_t n, size_t dv, float* acc, size_t dvp, int8_t* pl, uint8_t* stage) {
+                              int64_t off, size_t n, size_t dv, float* acc, size_t dvp, int8_t* pl, uint8_t* stage,
+                              size_t npf) {
   const int64_t G = (R + 3) / 4;
   // P limbs: A[4 rl + l][j] = byte l of round(p_j * 2^30) (unsigned, little-endian bytes of the int32).
   // vpermb gathers byte l of the 16 keys of a vector into lane l.
@@ -229,6 +236,8 @@ IOATTN_AMX_ATTR void amx_pv64(const float* p, size_t bc, const float* act, int64
   // V in VNNI order: stage[X][u][quad][64 B], X = 64-column chunk, u = interleave group.
   const size_t nx = dv / 64;
   for (size_t q = 0; q < 16; ++q) {
+    for (size_t j = 4 * q; j < std::min(4 * q + 4, npf); ++j)  // the next block's rows, spread over the loop
+      for (size_t x = 0; x < dv; x += 64) _mm_prefetch(reinterpret_cast<const char*>(rows[n + j] + off + x), _MM_HINT_T1);
     const uint8_t* r0 = rows[std::min(4 * q + 0, n - 1)] + off;
     const uint8_t* r1 = rows[std::min(4 * q + 1, n - 1)] + off;
     const uint8_t* r2 = rows[std::min(4 * q + 2, n - 1)] + off;

@@ -38,14 +38,16 @@ void amx_end();
 bool amx_pack_q(const float* qf, size_t dp, size_t d, int64_t R, int8_t* qb, float* qmul);
 // Two heads at once (two independent tile chains; qb1 == nullptr: one head):
 // s_i[r * bc + k], k < 16, r < R: scores of the 16 keys at rows[k] + off_i (d codes each) with
-// head i's Q limbs qb_i and factors qmul_i. stage: room for 32 rows of d bytes.
+// head i's Q limbs qb_i and factors qmul_i. stage: room for 32 rows of d bytes. pf[k] + off_i,
+// k < npf: rows prefetched (into L2) after the tile loads.
 void amx_scores16(const uint8_t* const* rows, int64_t off0, int64_t off1, size_t d, const int8_t* qb0,
                   const int8_t* qb1, int64_t R, const float* qmul0, const float* qmul1, float* s0, float* s1,
-                  size_t bc, uint8_t* stage);
+                  size_t bc, uint8_t* stage, const uint8_t* const* pf = nullptr, size_t npf = 0);
 // acc[r * dvp + x'] += sum_j p[r * bc + j] * V_j[x] for keys j < n (<= 64), rows r < R with
-// act[r] != 0 (x' the permuted column of x); V_j at rows[j] + off, dv codes (dv % 64 == 0).
+// act[r] != 0 (x' the permuted column of x); V_j at rows[j] + off, dv codes (dv % 64 == 0);
+// rows[n + j] + off, j < npf (the next block) prefetched during the staging loop.
 void amx_pv64(const float* p, size_t bc, const float* act, int64_t R, const uint8_t* const* rows, int64_t off,
-              size_t n, size_t dv, float* acc, size_t dvp, int8_t* pl, uint8_t* stage);
+              size_t n, size_t dv, float* acc, size_t dvp, int8_t* pl, uint8_t* stage, size_t npf = 0);
 // Row in permuted column order -> natural order (width 64: the i8 P.V, 32: the f8e4m3 P.V;
 // dv % width == 0).
 void amx_unpermute(float* row, size_t dv, size_t width);

@@ -656,8 +656,10 @@ void RunChunkT(const DecodeProblem& p, int64_t b, int64_t hk0, int64_t hk1, int 
     bool amx_done = false;
 #if defined(IOATTN_HAVE_AMX) && HWY_ARCH_X86 && HWY_TARGET <= HWY_AVX3
     if (kAmx && any_sees && use_amx) {
-      // 16 keys per tile product, every head; the V rows are prefetched here too (the AMX P.V
-      // takes a head's whole block at once). Rows that see no key get scores nobody reads.
+      // 16 keys per tile product, every head. Rows that see no key get scores nobody reads.
+      // Prefetch, i8: K rows 16 tokens ahead inside amx_scores16 behind its tile loads, V rows of
+      // the next block inside amx_pv64's staging loop (in front of the tile loads, or all V rows
+      // here in one burst per head: 0.82-0.89x, docs/PERF.md). f8e4m3 (opt-in): both here.
       for (size_t jj = 0; jj < n; jj += 16) {
         const size_t pf0 = jj + kPrefetchTokens, pf1 = std::min(pf0 + 16, pf_end);
         const uint8_t* rows16[16];
@@ -665,15 +667,10 @@ void RunChunkT(const DecodeProblem& p, int64_t b, int64_t hk0, int64_t hk1, int 
         if constexpr (T == DType::i8) {
           for (int64_t hh = 0; hh < H; hh += 2) {  // two heads per call: two independent tile chains
             const bool two = hh + 1 < H;
-            for (int64_t h2 = hh; h2 < hh + (two ? 2 : 1); ++h2)
-              for (size_t k = pf0; k < pf1; ++k) {
-                prefetch_row(k_rows[k] + h2 * k_head, k_bytes);
-                prefetch_row(v_rows[k] + h2 * v_head, v_bytes);
-              }
             const int64_t h1 = two ? hh + 1 : hh;
             amx_scores16(rows16, hh * k_head, h1 * k_head, d, amxq + hh * amx_head,
                          two ? amxq + h1 * amx_head : nullptr, R, amxm + hh * R, amxm + h1 * R, sc + hh * R * bc + jj,
-                         sc + h1 * R * bc + jj, bc, amxs);
+                         sc + h1 * R * bc + jj, bc, amxs, k_rows + pf0, pf1 > pf0 ? pf1 - pf0 : 0);
           }
         } else {  // all heads per call (the conversion of the next pair runs ahead of the tiles)
           for (int64_t hh = 0; hh < H; ++hh)
@@ -764,7 +761,7 @@ void RunChunkT(const DecodeProblem& p, int64_t b, int64_t hk0, int64_t hk1, int 
       for (int64_t hh = 0; hh < H; ++hh) {
         if constexpr (T == DType::i8) {
           amx_pv64(sc + hh * R * bc, bc, act + hh * R, R, v_rows, hh * v_head, n, dv, acc + hh * R * dvp, dvp, amxp,
-                   amxs);
+                   amxs, nn);
         } else {
           amx_pv64_e4m3(sc + hh * R * bc, bc, act + hh * R, R, v_rows, hh * v_head, n, dv, acc + hh * R * dvp, dvp,
                         reinterpret_cast<uint16_t*>(amxp), amxs);
