@@ -180,6 +180,34 @@ TEST(DecodeEdge, MaskedNaNDoesNotLeak) {
   }
 }
 
+// The same with an f8e4m3 cache: NaN codes in the last token's K and V rows (the AMX-BF16 path
+// converts whole blocks of codes; masked rows must still not see them).
+TEST(DecodeEdge, MaskedNaNCodeDoesNotLeakE4m3) {
+  for (int splits : {1, 3}) {
+    Spec c = mk("nan8", DType::f32);
+    c.cache = DType::f8e4m3;
+    c.sq = 4;
+    c.causal = true;
+    c.lens = {100};
+    c.page_size = 16;
+    Built bl(c, make_values(c, 2));
+    for (int64_t h = 0; h < c.hkv; ++h) {
+      auto* kc = static_cast<uint8_t*>(bl.kc.host());
+      auto* vc = static_cast<uint8_t*>(bl.vc.host());
+      for (int64_t x = 0; x < c.d; ++x) kc[bl.elem(0, 99, h, c.d) + x] = x % 2 ? 0x7f : 0xff;  // the NaN codes
+      for (int64_t x = 0; x < c.DV(); ++x) vc[bl.elem(0, 99, h, c.DV()) + x] = 0x7f;
+    }
+    bl.run(splits);
+    for (int64_t i = 0; i < 4; ++i)
+      for (int64_t h = 0; h < c.hq; ++h) {
+        const bool sees = i == 3;
+        EXPECT_EQ(std::isnan(bl.lse_at(0, h, i)), sees) << "row " << i << " lse " << bl.lse_at(0, h, i);
+        for (int64_t x = 0; x < c.DV(); ++x)
+          ASSERT_EQ(std::isfinite(bl.o_at(0, i, h, x)), !sees) << "row " << i << " x " << x;
+      }
+  }
+}
+
 // ---- 8-bit KV ------------------------------------------------------------------------------
 
 // Against the reference on the *unquantised* values, the error is bounded by the quantisation

@@ -52,6 +52,10 @@
 //     registers inside the score and P.V loops (no fp32 scratch), 4 x 4 score tiles, steady
 //     prefetch; f8e4m3 through f16 (value * 2^-8, the 2^8 folded into the scales). 90-104% of
 //     stream_read for f32 / bf16 caches at long KV, 35-68% for 8-bit (docs/PERF.md).
+//  3. i8 caches on CPUs with AMX-INT8: Q.K^T and P.V as exact int8 tile products with Q / P in
+//     4-limb fixed point (serving_amx.hpp; RunChunkT<i8, true>); f8e4m3 via AMX-BF16 exists but
+//     is opt-in (IOATTN_CPU_AMX_E4M3=1: slower here). ~1.2x single thread, unchanged at 2 threads
+//     (memory-side bound, ~0.65-0.7 of stream_read; docs/PERF.md).
 #ifndef IOATTN_CPU_SERVING_CPU_SHARED_
 #define IOATTN_CPU_SERVING_CPU_SHARED_
 
@@ -67,6 +71,7 @@
 #include "core/backends.hpp"
 #include "core/half.hpp"
 #include "core/serving_problem.hpp"
+#include "cpu/serving_amx.hpp"
 #include "cpu/serving_quant.h"
 
 #ifndef HWY_DISABLED_TARGETS
@@ -109,6 +114,11 @@ struct ScratchLayout {
   size_t tall = 0;  // (R) uint64 per row tile: bit j set when all its rows have P != 0 at key j
   size_t tany = 0;  // (R) int32 per row tile: some row of the tile is active in the block
   size_t tsee = 0;  // (R) int32 per row tile of a head: some row sees a key of the block
+  // AMX path (i8 caches, serving_amx.hpp):
+  size_t amxq = 0;   // Q limbs / parts in B-tile order, up to (R, dp) x 32 bytes (groups of 4 rows per head)
+  size_t amxm = 0;   // (R) float 2^-E per Q row
+  size_t amxp = 0;   // P limbs / parts of one head's rows: ceil(R / 4) x 2 A tiles of 1 KiB
+  size_t amxs = 0;   // staging: 2 x 32 K rows or 64 V rows (bf16 for f8e4m3), max(128 dp, 128 dvp) bytes
   size_t bytes = 0;
 };
 
@@ -135,6 +145,10 @@ inline ScratchLayout scratch_layout(int64_t rows, int64_t d, int64_t dv) {
   L.tall = take(r * 8);
   L.tany = take(r * 4);
   L.tsee = take(r * 4);
+  L.amxq = take(r * dp * 32);
+  L.amxm = take(r * 4);
+  L.amxp = take((r + 3) / 4 * 2048);
+  L.amxs = take(std::max(128 * dp, 128 * dvp));
   L.bytes = at;
   return L;
 }
@@ -502,7 +516,9 @@ constexpr int64_t kGroupKeys = 8;
 static_assert(kPrefetchTokens <= kBlockKeys, "the prefetch looks at most one block ahead");
 static_assert(kBlockKeys % kGroupKeys == 0 && kGroupKeys % 4 == 0, "groups tile the block, 4 keys per score tile");
 
-template <DType T>
+// kAmx: the AMX variant (i8 always where the CPU has AMX-INT8; f8e4m3 only on request, see
+// RunChunk); the kAmx = false instantiations contain no AMX code at all.
+template <DType T, bool kAmx = false>
 void RunChunkT(const DecodeProblem& p, int64_t b, int64_t hk0, int64_t hk1, int split, uint8_t* scratch) {
   const DF df;
   const DI di;
@@ -564,6 +580,34 @@ void RunChunkT(const DecodeProblem& p, int64_t b, int64_t hk0, int64_t hk1, int 
     for (size_t x = 0; x < dp; x += L) hn::StoreU(hn::Mul(hn::LoadU(df, qr + x), vm), df, qr + x);
   }
 
+  // i8 caches on CPUs with AMX-INT8: Q.K^T and P.V as int8 tile products (serving_amx.hpp).
+  // Per task: off when a Q row is not finite (the fp32 path propagates NaN / inf).
+  [[maybe_unused]] bool use_amx = false;
+#if defined(IOATTN_HAVE_AMX) && HWY_ARCH_X86 && HWY_TARGET <= HWY_AVX3
+  int8_t* const amxq = reinterpret_cast<int8_t*>(scratch + sl.amxq);
+  float* const amxm = reinterpret_cast<float*>(scratch + sl.amxm);
+  int8_t* const amxp = reinterpret_cast<int8_t*>(scratch + sl.amxp);
+  uint8_t* const amxs = scratch + sl.amxs;
+  // Q limb / part bytes per head: groups of 4 rows x (d / 64) KiB (i8) or (d / 32) KiB (f8e4m3)
+  const size_t amx_head = static_cast<size_t>((R + 3) / 4) * (d / (T == DType::i8 ? 64 : 32)) * 1024;
+  if constexpr (kAmx && T == DType::i8) {
+    if (d % 64 == 0 && dv % 64 == 0 && d <= 512) {
+      use_amx = true;
+      for (int64_t hh = 0; hh < H && use_amx; ++hh)
+        use_amx = amx_pack_q(qf + hh * R * dp, dp, d, R, amxq + hh * amx_head, amxm + hh * R);
+      if (use_amx) amx_begin();
+    }
+  } else if constexpr (kAmx && T == DType::f8e4m3) {
+    if (d % 32 == 0 && dv % 32 == 0) {
+      use_amx = true;
+      for (int64_t hh = 0; hh < H && use_amx; ++hh)
+        use_amx = amx_pack_q_bf16(qf + hh * R * dp, dp, d, R, reinterpret_cast<uint16_t*>(amxq + hh * amx_head),
+                                  amxm + hh * R);
+      if (use_amx) amx_begin();
+    }
+  }
+#endif
+
   const float cap = p.softcap, inv_cap = cap > 0 ? 1.0f / cap : 0.0f;
   const VF vninf = hn::Set(df, ninf()), vpinf = hn::Set(df, std::numeric_limits<float>::infinity());
   const auto iota0 = hn::Iota(di, 0);  // hoisted: Iota is a stack round trip on some targets
@@ -609,7 +653,39 @@ void RunChunkT(const DecodeProblem& p, int64_t b, int64_t hk0, int64_t hk1, int 
 
     // S = Q K^T: 4 keys at a time, every head, RT rows per tile; the padding keys of the last
     // group reuse row n - 1 (their scores are masked below: key >= khi).
-    if (any_sees) {
+    bool amx_done = false;
+#if defined(IOATTN_HAVE_AMX) && HWY_ARCH_X86 && HWY_TARGET <= HWY_AVX3
+    if (kAmx && any_sees && use_amx) {
+      // 16 keys per tile product, every head. Rows that see no key get scores nobody reads.
+      // Prefetch, i8: K rows 16 tokens ahead inside amx_scores16 behind its tile loads, V rows of
+      // the next block inside amx_pv64's staging loop (in front of the tile loads, or all V rows
+      // here in one burst per head: 0.82-0.89x, docs/PERF.md). f8e4m3 (opt-in): both here.
+      for (size_t jj = 0; jj < n; jj += 16) {
+        const size_t pf0 = jj + kPrefetchTokens, pf1 = std::min(pf0 + 16, pf_end);
+        const uint8_t* rows16[16];
+        for (size_t k = 0; k < 16; ++k) rows16[k] = k_rows[std::min(jj + k, n - 1)];
+        if constexpr (T == DType::i8) {
+          for (int64_t hh = 0; hh < H; hh += 2) {  // two heads per call: two independent tile chains
+            const bool two = hh + 1 < H;
+            const int64_t h1 = two ? hh + 1 : hh;
+            amx_scores16(rows16, hh * k_head, h1 * k_head, d, amxq + hh * amx_head,
+                         two ? amxq + h1 * amx_head : nullptr, R, amxm + hh * R, amxm + h1 * R, sc + hh * R * bc + jj,
+                         sc + h1 * R * bc + jj, bc, amxs, k_rows + pf0, pf1 > pf0 ? pf1 - pf0 : 0);
+          }
+        } else {  // all heads per call (the conversion of the next pair runs ahead of the tiles)
+          for (int64_t hh = 0; hh < H; ++hh)
+            for (size_t k = pf0; k < pf1; ++k) {
+              prefetch_row(k_rows[k] + hh * k_head, k_bytes);
+              prefetch_row(v_rows[k] + hh * v_head, v_bytes);
+            }
+          amx_scores16_e4m3(rows16, H, k_head, d, reinterpret_cast<const uint16_t*>(amxq), amx_head / 2, R, amxm,
+                            sc + jj, bc, amxs);
+        }
+      }
+      amx_done = true;
+    }
+#endif
+    if (any_sees && !amx_done) {
       for (size_t jj = 0; jj < n; jj += 4) {
         const size_t pf0 = jj + kPrefetchTokens, pf1 = std::min(pf0 + 4, pf_end);
         const uint8_t* rows4[4];
@@ -679,7 +755,22 @@ void RunChunkT(const DecodeProblem& p, int64_t b, int64_t hk0, int64_t hk1, int 
       any_p = true;
     }
 
-    if (any_p) {
+    amx_done = false;
+#if defined(IOATTN_HAVE_AMX) && HWY_ARCH_X86 && HWY_TARGET <= HWY_AVX3
+    if (kAmx && any_p && use_amx) {
+      for (int64_t hh = 0; hh < H; ++hh) {
+        if constexpr (T == DType::i8) {
+          amx_pv64(sc + hh * R * bc, bc, act + hh * R, R, v_rows, hh * v_head, n, dv, acc + hh * R * dvp, dvp, amxp,
+                   amxs, nn);
+        } else {
+          amx_pv64_e4m3(sc + hh * R * bc, bc, act + hh * R, R, v_rows, hh * v_head, n, dv, acc + hh * R * dvp, dvp,
+                        reinterpret_cast<uint16_t*>(amxp), amxs);
+        }
+      }
+      amx_done = true;
+    }
+#endif
+    if (any_p && !amx_done) {
       // Per (head, row tile): bit jj set when every row of the tile has P != 0 at key jj.
       const int64_t nt = H * ntiles;
       for (int64_t ti = 0; ti < nt; ++ti) {
@@ -724,6 +815,9 @@ void RunChunkT(const DecodeProblem& p, int64_t b, int64_t hk0, int64_t hk1, int 
     const int64_t hk = hk0 + rho / R, r = rho % R, i = r % sq, h = hk * g + r / sq;
     const float v_scale = (p.v_scale ? p.v_scale[hk] : 1.0f) * unit;
     float* ar = acc + rho * dvp;
+#if defined(IOATTN_HAVE_AMX) && HWY_ARCH_X86 && HWY_TARGET <= HWY_AVX3
+    if (kAmx && use_amx) amx_unpermute(ar, dv, T == DType::i8 ? 64 : 32);
+#endif
     float lse_r;
     if (bad[rho] != 0.0f) {
       std::fill(ar, ar + dv, nan);
@@ -759,6 +853,9 @@ void RunChunkT(const DecodeProblem& p, int64_t b, int64_t hk0, int64_t hk1, int 
       p.partial_lse[at] = lse_r;
     }
   }
+#if defined(IOATTN_HAVE_AMX) && HWY_ARCH_X86 && HWY_TARGET <= HWY_AVX3
+  if (kAmx && use_amx) amx_end();
+#endif
 }
 
 void RunChunk(const DecodeProblem& p, int64_t b, int64_t hk0, int64_t hk1, int split, uint8_t* scratch) {
@@ -766,8 +863,17 @@ void RunChunk(const DecodeProblem& p, int64_t b, int64_t hk0, int64_t hk1, int s
     case DType::f32: return RunChunkT<DType::f32>(p, b, hk0, hk1, split, scratch);
     case DType::bf16: return RunChunkT<DType::bf16>(p, b, hk0, hk1, split, scratch);
     case DType::f16: return RunChunkT<DType::f16>(p, b, hk0, hk1, split, scratch);
+#if defined(IOATTN_HAVE_AMX) && HWY_ARCH_X86 && HWY_TARGET <= HWY_AVX3
+    case DType::i8:
+      return amx_usable() ? RunChunkT<DType::i8, true>(p, b, hk0, hk1, split, scratch)
+                          : RunChunkT<DType::i8>(p, b, hk0, hk1, split, scratch);
+    case DType::f8e4m3:
+      return amx_e4m3_requested() ? RunChunkT<DType::f8e4m3, true>(p, b, hk0, hk1, split, scratch)
+                                  : RunChunkT<DType::f8e4m3>(p, b, hk0, hk1, split, scratch);
+#else
     case DType::i8: return RunChunkT<DType::i8>(p, b, hk0, hk1, split, scratch);
     case DType::f8e4m3: return RunChunkT<DType::f8e4m3>(p, b, hk0, hk1, split, scratch);
+#endif
     default: return;  // validation admits no other dtype
   }
 }
