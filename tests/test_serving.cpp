@@ -155,6 +155,18 @@ TEST(DecodeEdge, EmptyAndSingleTokenSequences) {
       }
 }
 
+// Causal, 4 query rows over 100 tokens whose last token is bad (NaN / inf / NaN codes): only the
+// last row sees it (NaN LSE, non-finite O); the others stay finite.
+void expect_only_last_row_sees_bad_token(const Built& bl, const Spec& c) {
+  for (int64_t i = 0; i < 4; ++i)
+    for (int64_t h = 0; h < c.hq; ++h) {
+      const bool sees = i == 3;
+      EXPECT_EQ(std::isnan(bl.lse_at(0, h, i)), sees) << "row " << i << " lse " << bl.lse_at(0, h, i);
+      for (int64_t x = 0; x < c.DV(); ++x)
+        ASSERT_EQ(std::isfinite(bl.o_at(0, i, h, x)), !sees) << "row " << i << " x " << x;
+    }
+}
+
 // A NaN key and an inf value that the causal mask hides from rows 0..2 stay out of their output;
 // row 3 sees them and is NaN (as in the forward).
 TEST(DecodeEdge, MaskedNaNDoesNotLeak) {
@@ -170,13 +182,7 @@ TEST(DecodeEdge, MaskedNaNDoesNotLeak) {
       for (int64_t x = 0; x < c.DV(); ++x) bl.vc.set(bl.elem(0, 99, h, c.DV()) + x, kInf);
     }
     bl.run(splits);
-    for (int64_t i = 0; i < 4; ++i)
-      for (int64_t h = 0; h < c.hq; ++h) {
-        const bool sees = i == 3;
-        EXPECT_EQ(std::isnan(bl.lse_at(0, h, i)), sees) << "row " << i << " lse " << bl.lse_at(0, h, i);
-        for (int64_t x = 0; x < c.DV(); ++x)
-          ASSERT_EQ(std::isfinite(bl.o_at(0, i, h, x)), !sees) << "row " << i << " x " << x;
-      }
+    expect_only_last_row_sees_bad_token(bl, c);
   }
 }
 
@@ -198,13 +204,7 @@ TEST(DecodeEdge, MaskedNaNCodeDoesNotLeakE4m3) {
       for (int64_t x = 0; x < c.DV(); ++x) vc[bl.elem(0, 99, h, c.DV()) + x] = 0x7f;
     }
     bl.run(splits);
-    for (int64_t i = 0; i < 4; ++i)
-      for (int64_t h = 0; h < c.hq; ++h) {
-        const bool sees = i == 3;
-        EXPECT_EQ(std::isnan(bl.lse_at(0, h, i)), sees) << "row " << i << " lse " << bl.lse_at(0, h, i);
-        for (int64_t x = 0; x < c.DV(); ++x)
-          ASSERT_EQ(std::isfinite(bl.o_at(0, i, h, x)), !sees) << "row " << i << " x " << x;
-      }
+    expect_only_last_row_sees_bad_token(bl, c);
   }
 }
 
