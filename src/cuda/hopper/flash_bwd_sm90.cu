@@ -19,7 +19,7 @@
 // Tiles live in shared memory with the 128-byte swizzle (ptx_sm90.cuh): K, V [128 x d], Q, dO
 // 2 stages x [64 x d] (column blocks of 64 dims = 128-byte rows), dS^T 2 x [128 x 128 B]
 // (alternating per block so one barrier per block suffices), LSE and D 2 stages x 64 floats:
-// 160 KB (hdim 128; + 32 KB for the defer variant) or 96 KB (hdim 64), + 1 KB alignment.
+// 160 KB (hdim 128) or 96 KB (hdim 64), + 1 KB alignment.
 // Not covered (the selector says so): varlen, window other than causal, softcap, ALiBi, sinks,
 // deterministic mode, head dims other than 128 (64 experimental).
 #include <cuda_bf16.h>
@@ -42,7 +42,6 @@ constexpr int kBN = 128;       // keys per CTA (64 per consumer warpgroup)
 constexpr int kBM = 64;        // query rows per step
 constexpr int kThreads = 256;  // 2 warpgroups
 constexpr int kTileDs = kBN * kBM * 2;  // 16 KB: dS^T [128 keys x 64 rows]
-constexpr int kTileDq = kThreads * (kBM / 2) * 4;  // 32 KB: each thread's dQ fragment (kDefer only)
 
 // Head dim kD (128, or 64 — experimental, IOATTN_BWD_KERNEL=sm90 only, not yet run on a GPU).
 // Tiles are column blocks of 64 dims (128-byte swizzled rows): two at hdim 128, one at 64.
@@ -55,17 +54,15 @@ struct Cfg {
   static constexpr int kTileQ = kBM * kD * 2;  // Q or dO block
   static constexpr int kTileK = kBN * kD * 2;  // K or V
   static constexpr int kSmem = 2 * kTileK + 4 * kTileQ + 2 * kTileDs + 1024;
-  static constexpr int kSmemDefer = kSmem + kTileDq;
 };
 
 // Variants (IOATTN_BWD_SM90_VARIANT, for A/B runs; see launch()):
 //   kLate:  the next step's Q/dO/LSE/D cp.async are issued after this step's S^T/dP^T wgmmas, so
 //           their issue overlaps the tensor cores instead of preceding them;
-//   kDefer: a step's dQ fragment goes to shared memory (each thread its own 128 bytes, 16-byte
-//           chunks interleaved across threads: conflict-free) and its red.global.add are issued in
-//           the next step while that step's S^T/dP^T wgmmas run; the last step's after the loop;
 //   kSplit: S^T and dP^T in two wgmma commit groups: P^T is computed and the dV wgmmas issued while
 //           dP^T is still on the tensor cores, dS^T while dV is (FlashAttention-3's order).
+// (A "defer" variant — dQ reductions one step late, through shared memory — measured no gain in
+// either combination on the H200, docs/PERF.md, and was removed.)
 
 // Byte offset of 16-byte chunk c (0..kD/8-1) of row r in a [rows x kD dims] tile: column block
 // c / 8, swizzled chunk position (c % 8) ^ (r % 8).
@@ -87,7 +84,7 @@ __device__ __forceinline__ void load_rows(uint32_t dst, const uint8_t* src, int6
   }
 }
 
-template <typename T, int kD, bool kLate, bool kDefer, bool kSplit>
+template <typename T, int kD, bool kLate, bool kSplit>
 __global__ void __launch_bounds__(kThreads, 1) flash_bwd_sm90_kernel(const BwdParams p) {
 #if IOATTN_SM90A_ENABLED
   using namespace sm90;
@@ -100,7 +97,6 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_sm90_kernel(const BwdPa
   uint8_t* sq = sv + kTileK;       // [2 stages]
   uint8_t* sdo = sq + 2 * kTileQ;  // [2 stages]
   uint8_t* sds = sdo + 2 * kTileQ; // [2 parities]
-  float4* sdq = reinterpret_cast<float4*>(sds + 2 * kTileDs);  // kDefer: [8 chunks][256 threads]
   __shared__ __align__(16) float s_lse[2][kBM];
   __shared__ __align__(16) float s_d[2][kBM];
 
@@ -157,20 +153,6 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_sm90_kernel(const BwdPa
 #pragma unroll
   for (int i = 0; i < kD / 2; ++i) dv[i] = 0.f, dk[i] = 0.f;
 
-  // kDefer: the previous step's dQ fragment (in sdq) into the workspace; rows past the end skipped.
-  float* prev_ws = nullptr;
-  int prev_valid = 0;
-  auto flush_dq = [&]() {
-    if (prev_ws == nullptr) return;
-#pragma unroll
-    for (int q = 0; q < kBM / 8; ++q) {  // chunk q = fragment floats 4q..4q+3 = (i = q, rh 0, 1)
-      const float4 c = sdq[q * kThreads + tid];
-      red_add_v2_f32_if(prev_ws + 8 * q, c.x, c.y, prev_valid > 0);
-      red_add_v2_f32_if(prev_ws + 8 * kD + 8 * q, c.z, c.w, prev_valid > 8);
-    }
-    prev_ws = nullptr;
-  };
-
   issue(0);
   ptx::cp_async_commit();
   const uint32_t k_wg = smem_u32(sk) + wg * 64 * 128;  // rows 64c.. of column block 0 (1024-aligned)
@@ -208,7 +190,6 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_sm90_kernel(const BwdPa
       issue(step + 1);
       ptx::cp_async_commit();
     }
-    if (kDefer) flush_dq();
 
     // P^T (in place of S^T, fp32), dS^T; fragment element e: key 64wg + 16w + g (+8 when
     // e % 4 >= 2), row 8(e/4) + 2t + e%2. Blocks inside both sequences and wholly below the causal
@@ -332,12 +313,7 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_sm90_kernel(const BwdPa
                         (static_cast<int64_t>(h) * p.rows_q + static_cast<int64_t>(b) * sq_len + m0 + 16 * w + g) * kD +
                         kDqCols * wg + 2 * t);
     const int valid = sq_len - m0 - 16 * w - g;  // rows r0 and r0 + 8 exist when > 0 and > 8
-    if (kDefer) {  // fragment floats 4q..4q+3 as chunk q of this thread (read back by flush_dq only)
-#pragma unroll
-      for (int q = 0; q < kBM / 8; ++q) sdq[q * kThreads + tid] = make_float4(dq[4 * q], dq[4 * q + 1], dq[4 * q + 2], dq[4 * q + 3]);
-      prev_ws = ws;
-      prev_valid = valid;
-    } else if (m0 + kBM <= sq_len) {  // whole block inside: no predicates (ptxas branches around each)
+    if (m0 + kBM <= sq_len) {  // whole block inside: no predicates (ptxas branches around each)
 #pragma unroll
       for (int i = 0; i < kBM / 8; ++i) {
         ptx::red_add_v2_f32(ws + 8 * i, dq[4 * i], dq[4 * i + 1]);
@@ -351,7 +327,6 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_sm90_kernel(const BwdPa
       }
     }
   }
-  if (kDefer) flush_dq();
   ptx::cp_async_wait<0>();
 
   // dK (scaled), dV: keys 64wg + 16w + g (+8), dims 8i + 2t (+1).
@@ -374,23 +349,21 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_sm90_kernel(const BwdPa
 #endif
 }
 
-// IOATTN_BWD_SM90_VARIANT = base | late | late+defer | split (default: late + kSplit) |
-// split+defer: see kLate / kDefer / kSplit above. Bits: 1 late, 2 defer, 4 split.
+// IOATTN_BWD_SM90_VARIANT = base | late | split (default: late + kSplit): see kLate / kSplit
+// above. Bits: 1 late, 4 split.
 int variant_bits() {
   const char* e = std::getenv("IOATTN_BWD_SM90_VARIANT");
   if (e == nullptr || std::strcmp(e, "split") == 0) return 5;
   if (std::strcmp(e, "base") == 0) return 0;
   if (std::strcmp(e, "late") == 0) return 1;
-  if (std::strcmp(e, "late+defer") == 0) return 3;
-  if (std::strcmp(e, "split+defer") == 0) return 7;
-  throw Error("IOATTN_BWD_SM90_VARIANT", std::string("IOATTN_BWD_SM90_VARIANT must be base, late, late+defer, split or "
-                                                     "split+defer, got '") + e + "'");
+  throw Error("IOATTN_BWD_SM90_VARIANT",
+              std::string("IOATTN_BWD_SM90_VARIANT must be base, late or split, got '") + e + "'");
 }
 
-template <typename T, int kD, bool kLate, bool kDefer, bool kSplit>
+template <typename T, int kD, bool kLate, bool kSplit>
 void launch_variant(const BwdParams& p, unsigned grid, cudaStream_t stream) {
-  auto* kernel = &flash_bwd_sm90_kernel<T, kD, kLate, kDefer, kSplit>;
-  const int smem = kDefer ? Cfg<kD>::kSmemDefer : Cfg<kD>::kSmem;
+  auto* kernel = &flash_bwd_sm90_kernel<T, kD, kLate, kSplit>;
+  constexpr int smem = Cfg<kD>::kSmem;
   IOATTN_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   kernel<<<grid, kThreads, smem, stream>>>(p);
   IOATTN_CUDA_CHECK_LAUNCH("flash_bwd_sm90_kernel");
@@ -404,14 +377,12 @@ void launch_typed(const BwdParams& p, cudaStream_t stream) {
   if (grid == 0) return;
   const auto g = static_cast<unsigned>(grid);
   if constexpr (kD == 64) {
-    launch_variant<T, 64, true, false, true>(p, g, stream);
+    launch_variant<T, 64, true, true>(p, g, stream);
   } else {
     switch (bits) {
-      case 0: launch_variant<T, kD, false, false, false>(p, g, stream); break;
-      case 1: launch_variant<T, kD, true, false, false>(p, g, stream); break;
-      case 3: launch_variant<T, kD, true, true, false>(p, g, stream); break;
-      case 7: launch_variant<T, kD, true, true, true>(p, g, stream); break;
-      default: launch_variant<T, kD, true, false, true>(p, g, stream); break;
+      case 0: launch_variant<T, kD, false, false>(p, g, stream); break;
+      case 1: launch_variant<T, kD, true, false>(p, g, stream); break;
+      default: launch_variant<T, kD, true, true>(p, g, stream); break;
     }
   }
 }
@@ -441,11 +412,11 @@ BwdKernelInfo info_for() {
                       "the S^T/dP^T wgmmas, P^T and dV overlapping dP^T, fp32 atomic dQ"
                     : "wgmma (experimental at hdim 64, not yet run on a GPU), keys as M, 2 warpgroups x 64 keys, "
                       "64-row steps, each warpgroup's dQ from its own keys (no CTA barrier mid-step), fp32 atomic dQ";
-  info.smem_bytes = kD == 128 ? Cfg<kD>::kSmemDefer : Cfg<kD>::kSmem;  // the largest variant's
+  info.smem_bytes = Cfg<kD>::kSmem;
   info.smem_bytes_det = info.smem_bytes;
   info.dq_smem_bytes = 0;
-  info.dkdv_bf16 = reinterpret_cast<const void*>(&flash_bwd_sm90_kernel<__nv_bfloat16, kD, true, false, true>);
-  info.dkdv_f16 = reinterpret_cast<const void*>(&flash_bwd_sm90_kernel<__half, kD, true, false, true>);
+  info.dkdv_bf16 = reinterpret_cast<const void*>(&flash_bwd_sm90_kernel<__nv_bfloat16, kD, true, true>);
+  info.dkdv_f16 = reinterpret_cast<const void*>(&flash_bwd_sm90_kernel<__half, kD, true, true>);
   info.dq_bf16 = info.dkdv_bf16;  // no separate dQ kernel
   info.dq_f16 = info.dkdv_f16;
   info.launch = &launch<kD>;
