@@ -52,6 +52,16 @@ SUMMARY=$OUT/summary.txt
 note() { echo "$*" | tee -a "$SUMMARY"; }
 want() { [[ " $STAGES " == *" $1 "* ]]; }
 stamp() { date +%s; }
+# bounded_test LABEL SECONDS BINARY FILTER LOG: one gtest binary under a timeout (a hang in new
+# GPU code must not eat the session), its rc in the summary; returns that rc.
+bounded_test() {
+  local label=$1 secs=$2 bin=$3 filter=$4 log=$5 t0 rc
+  t0=$(stamp)
+  timeout "$secs" "$bin" --gtest_filter="$filter" >"$log" 2>&1
+  rc=$?
+  note "$label rc=$rc  $(( $(stamp) - t0 )) s  ($(basename "$log"))"
+  return $rc
+}
 
 # The one cmake line (the build stage and bwdtune, which may run alone on a fresh machine).
 configure() {
@@ -163,25 +173,19 @@ if want backward; then
     t0=$(stamp)
     env "$@" timeout 300 "$BUILD/ioattn_cuda_bench" bwd --hdims "$hd" \
       --seqlens ${GPU_CHECK_BWD_SEQLENS:-1024,4096,16384} >"$OUT/bwd_ab.log" 2>&1
-    note "bwd bench $name rc=$?  $(( $(stamp) - t0 )) s  (bwd_sm90_${name/+/_}.json)"
-    grep '^{' "$OUT/bwd_ab.log" >"$OUT/bwd_sm90_${name/+/_}.json"
+    note "bwd bench $name rc=$?  $(( $(stamp) - t0 )) s  (bwd_sm90_${name}.json)"
+    grep '^{' "$OUT/bwd_ab.log" >"$OUT/bwd_sm90_${name}.json"
     cat "$OUT/bwd_ab.log" >>"$OUT/bwd_sm90.log"
     rm -f "$OUT/bwd_ab.log"
   }
   if [[ ${GPU_CHECK_BWD_SM90:-1} == 1 && -x $BUILD/test_cuda_backward ]]; then
-    t0=$(stamp)
-    timeout 300 "$BUILD/test_cuda_backward" --gtest_filter='*CudaBackwardSm90*:-*d64_*' >"$OUT/bwd_sm90.log" 2>&1
-    rc=$?
-    note "bwd sm90 test (hdim 128) rc=$rc  $(( $(stamp) - t0 )) s  (bwd_sm90.log)"
-    if [[ $rc == 0 ]]; then
+    if bounded_test "bwd sm90 test (hdim 128)" 300 "$BUILD/test_cuda_backward" '*CudaBackwardSm90*:-*d64_*' \
+      "$OUT/bwd_sm90.log"; then
       for v in base late split; do bwd_ab "$v" 128 IOATTN_BWD_SM90_VARIANT="$v"; done
       bwd_ab mma 128 IOATTN_BWD_KERNEL=mma
     fi
-    t0=$(stamp)
-    timeout 200 "$BUILD/test_cuda_backward" --gtest_filter='*CudaBackwardSm90*d64_*' >"$OUT/bwd_sm90_d64.log" 2>&1
-    rc=$?
-    note "bwd sm90 test (hdim 64, experimental) rc=$rc  $(( $(stamp) - t0 )) s  (bwd_sm90_d64.log)"
-    [[ $rc == 0 ]] && bwd_ab d64 64 IOATTN_BWD_KERNEL=sm90
+    bounded_test "bwd sm90 test (hdim 64, experimental)" 200 "$BUILD/test_cuda_backward" '*CudaBackwardSm90*d64_*' \
+      "$OUT/bwd_sm90_d64.log" && bwd_ab d64 64 IOATTN_BWD_KERNEL=sm90
   fi
 fi
 
@@ -206,11 +210,7 @@ if want decode; then
   # The experimental bulk-copy loader (IOATTN_DECODE_LOADER=bulk): its bitwise test first (bounded:
   # a wrong mbarrier count would spin for ever), then ioattn alone on the same grid -> decode_bulk.json.
   if [[ ${GPU_CHECK_DECODE_BULK:-1} == 1 && -x $BUILD/test_cuda_serving ]]; then
-    t0=$(stamp)
-    timeout 180 "$BUILD/test_cuda_serving" --gtest_filter='CudaDecode.BulkLoader*' >"$OUT/decode_bulk.log" 2>&1
-    rc=$?
-    note "bulk test  rc=$rc  $(( $(stamp) - t0 )) s  (decode_bulk.log)"
-    if [[ $rc == 0 ]]; then
+    if bounded_test "bulk test " 180 "$BUILD/test_cuda_serving" 'CudaDecode.BulkLoader*' "$OUT/decode_bulk.log"; then
       t0=$(stamp)
       IOATTN_DECODE_LOADER=bulk timeout 300 "$BUILD/ioattn_cuda_decode_bench" --pages 0,16 --caches bf16 \
         ${GPU_CHECK_DECODE_ARGS:-} >>"$OUT/decode_bulk.log" 2>&1
