@@ -376,6 +376,37 @@ inline void expect_matches_reference(const Built& bl, const std::string& what, b
 }
 
 // Max |a - b| over two output vectors (NaN anywhere = inf).
+// The masked-bad-token cases (CPU and CUDA decode tests): 4 causal query rows over 100 tokens
+// (page size 16) whose last token is bad, so only the last row can see it.
+inline Spec masked_bad_token_spec(Spec c) {
+  c.sq = 4;
+  c.causal = true;
+  c.lens = {100};
+  c.page_size = 16;
+  return c;
+}
+
+// An f32 cache's last token: NaN in every K row, inf in every V row.
+inline void poison_last_token_f32(Built& bl) {
+  const Spec& c = bl.c;
+  for (int64_t h = 0; h < c.hkv; ++h) {
+    for (int64_t x = 0; x < c.d; ++x) bl.kc.set(bl.elem(0, 99, h, c.d) + x, kNaN);
+    for (int64_t x = 0; x < c.DV(); ++x) bl.vc.set(bl.elem(0, 99, h, c.DV()) + x, kInf);
+  }
+}
+
+// Only the last row sees the bad token (NaN LSE, non-finite O); the others stay finite.
+inline void expect_only_last_row_sees_bad_token(const Built& bl) {
+  const Spec& c = bl.c;
+  for (int64_t i = 0; i < 4; ++i)
+    for (int64_t h = 0; h < c.hq; ++h) {
+      const bool sees = i == 3;
+      EXPECT_EQ(std::isnan(bl.lse_at(0, h, i)), sees) << "row " << i << " lse " << bl.lse_at(0, h, i);
+      for (int64_t x = 0; x < c.DV(); ++x)
+        ASSERT_EQ(std::isfinite(bl.o_at(0, i, h, x)), !sees) << "row " << i << " x " << x;
+    }
+}
+
 inline double max_diff(const std::vector<float>& a, const std::vector<float>& b) {
   double m = 0;
   for (size_t i = 0; i < a.size(); ++i) {

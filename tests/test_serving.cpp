@@ -155,34 +155,15 @@ TEST(DecodeEdge, EmptyAndSingleTokenSequences) {
       }
 }
 
-// Causal, 4 query rows over 100 tokens whose last token is bad (NaN / inf / NaN codes): only the
-// last row sees it (NaN LSE, non-finite O); the others stay finite.
-void expect_only_last_row_sees_bad_token(const Built& bl, const Spec& c) {
-  for (int64_t i = 0; i < 4; ++i)
-    for (int64_t h = 0; h < c.hq; ++h) {
-      const bool sees = i == 3;
-      EXPECT_EQ(std::isnan(bl.lse_at(0, h, i)), sees) << "row " << i << " lse " << bl.lse_at(0, h, i);
-      for (int64_t x = 0; x < c.DV(); ++x)
-        ASSERT_EQ(std::isfinite(bl.o_at(0, i, h, x)), !sees) << "row " << i << " x " << x;
-    }
-}
-
 // A NaN key and an inf value that the causal mask hides from rows 0..2 stay out of their output;
 // row 3 sees them and is NaN (as in the forward).
 TEST(DecodeEdge, MaskedNaNDoesNotLeak) {
   for (int splits : {1, 3}) {
-    Spec c = mk("nan", DType::f32);
-    c.sq = 4;
-    c.causal = true;
-    c.lens = {100};
-    c.page_size = 16;
+    const Spec c = masked_bad_token_spec(mk("nan", DType::f32));
     Built bl(c, make_values(c, 2));
-    for (int64_t h = 0; h < c.hkv; ++h) {
-      for (int64_t x = 0; x < c.d; ++x) bl.kc.set(bl.elem(0, 99, h, c.d) + x, kNaN);
-      for (int64_t x = 0; x < c.DV(); ++x) bl.vc.set(bl.elem(0, 99, h, c.DV()) + x, kInf);
-    }
+    poison_last_token_f32(bl);
     bl.run(splits);
-    expect_only_last_row_sees_bad_token(bl, c);
+    expect_only_last_row_sees_bad_token(bl);
   }
 }
 
@@ -192,10 +173,7 @@ TEST(DecodeEdge, MaskedNaNCodeDoesNotLeakE4m3) {
   for (int splits : {1, 3}) {
     Spec c = mk("nan8", DType::f32);
     c.cache = DType::f8e4m3;
-    c.sq = 4;
-    c.causal = true;
-    c.lens = {100};
-    c.page_size = 16;
+    c = masked_bad_token_spec(c);
     Built bl(c, make_values(c, 2));
     for (int64_t h = 0; h < c.hkv; ++h) {
       auto* kc = static_cast<uint8_t*>(bl.kc.host());
@@ -204,7 +182,7 @@ TEST(DecodeEdge, MaskedNaNCodeDoesNotLeakE4m3) {
       for (int64_t x = 0; x < c.DV(); ++x) vc[bl.elem(0, 99, h, c.DV()) + x] = 0x7f;
     }
     bl.run(splits);
-    expect_only_last_row_sees_bad_token(bl, c);
+    expect_only_last_row_sees_bad_token(bl);
   }
 }
 
