@@ -54,8 +54,8 @@
 //     stream_read for f32 / bf16 caches at long KV, 35-68% for 8-bit (docs/PERF.md).
 //  3. i8 caches on CPUs with AMX-INT8: Q.K^T and P.V as exact int8 tile products with Q / P in
 //     4-limb fixed point (serving_amx.hpp; RunChunkT<i8, true>); f8e4m3 via AMX-BF16 exists but
-//     is opt-in (IOATTN_CPU_AMX_E4M3=1: slower here). ~1.2x single thread, unchanged at 2 threads
-//     (memory-side bound, ~0.65-0.7 of stream_read; docs/PERF.md).
+//     is opt-in (IOATTN_CPU_AMX_E4M3=1: slower here). ~1.2x single thread; at 2 threads, with
+//     the K / V prefetches behind the tile loads, 0.74-0.85 of stream_read (docs/PERF.md).
 #ifndef IOATTN_CPU_SERVING_CPU_SHARED_
 #define IOATTN_CPU_SERVING_CPU_SHARED_
 
@@ -198,6 +198,15 @@ inline float ninf() { return -std::numeric_limits<float>::infinity(); }
 HWY_BEFORE_NAMESPACE();
 namespace ioattn::detail::serving {
 namespace HWY_NAMESPACE {
+
+// Whether this Highway target can run the AMX path (serving_amx.hpp); foreach_target compiles this
+// section once per target, so it is decided again in each pass.
+#undef IOATTN_AMX_TARGET
+#if defined(IOATTN_HAVE_AMX) && HWY_ARCH_X86 && HWY_TARGET <= HWY_AVX3
+#define IOATTN_AMX_TARGET 1
+#else
+#define IOATTN_AMX_TARGET 0
+#endif
 namespace hn = hwy::HWY_NAMESPACE;
 
 using DF = hn::CappedTag<float, kPadFloats>;  // at most 16 lanes: rows are padded to 16 floats
@@ -583,7 +592,7 @@ void RunChunkT(const DecodeProblem& p, int64_t b, int64_t hk0, int64_t hk1, int 
   // i8 caches on CPUs with AMX-INT8: Q.K^T and P.V as int8 tile products (serving_amx.hpp).
   // Per task: off when a Q row is not finite (the fp32 path propagates NaN / inf).
   [[maybe_unused]] bool use_amx = false;
-#if defined(IOATTN_HAVE_AMX) && HWY_ARCH_X86 && HWY_TARGET <= HWY_AVX3
+#if IOATTN_AMX_TARGET
   int8_t* const amxq = reinterpret_cast<int8_t*>(scratch + sl.amxq);
   float* const amxm = reinterpret_cast<float*>(scratch + sl.amxm);
   int8_t* const amxp = reinterpret_cast<int8_t*>(scratch + sl.amxp);
@@ -654,7 +663,7 @@ void RunChunkT(const DecodeProblem& p, int64_t b, int64_t hk0, int64_t hk1, int 
     // S = Q K^T: 4 keys at a time, every head, RT rows per tile; the padding keys of the last
     // group reuse row n - 1 (their scores are masked below: key >= khi).
     bool amx_done = false;
-#if defined(IOATTN_HAVE_AMX) && HWY_ARCH_X86 && HWY_TARGET <= HWY_AVX3
+#if IOATTN_AMX_TARGET
     if (kAmx && any_sees && use_amx) {
       // 16 keys per tile product, every head. Rows that see no key get scores nobody reads.
       // Prefetch, i8: K rows 16 tokens ahead inside amx_scores16 behind its tile loads, V rows of
@@ -756,7 +765,7 @@ void RunChunkT(const DecodeProblem& p, int64_t b, int64_t hk0, int64_t hk1, int 
     }
 
     amx_done = false;
-#if defined(IOATTN_HAVE_AMX) && HWY_ARCH_X86 && HWY_TARGET <= HWY_AVX3
+#if IOATTN_AMX_TARGET
     if (kAmx && any_p && use_amx) {
       for (int64_t hh = 0; hh < H; ++hh) {
         if constexpr (T == DType::i8) {
@@ -815,7 +824,7 @@ void RunChunkT(const DecodeProblem& p, int64_t b, int64_t hk0, int64_t hk1, int 
     const int64_t hk = hk0 + rho / R, r = rho % R, i = r % sq, h = hk * g + r / sq;
     const float v_scale = (p.v_scale ? p.v_scale[hk] : 1.0f) * unit;
     float* ar = acc + rho * dvp;
-#if defined(IOATTN_HAVE_AMX) && HWY_ARCH_X86 && HWY_TARGET <= HWY_AVX3
+#if IOATTN_AMX_TARGET
     if (kAmx && use_amx) amx_unpermute(ar, dv, T == DType::i8 ? 64 : 32);
 #endif
     float lse_r;
@@ -853,7 +862,7 @@ void RunChunkT(const DecodeProblem& p, int64_t b, int64_t hk0, int64_t hk1, int 
       p.partial_lse[at] = lse_r;
     }
   }
-#if defined(IOATTN_HAVE_AMX) && HWY_ARCH_X86 && HWY_TARGET <= HWY_AVX3
+#if IOATTN_AMX_TARGET
   if (kAmx && use_amx) amx_end();
 #endif
 }
@@ -863,7 +872,7 @@ void RunChunk(const DecodeProblem& p, int64_t b, int64_t hk0, int64_t hk1, int s
     case DType::f32: return RunChunkT<DType::f32>(p, b, hk0, hk1, split, scratch);
     case DType::bf16: return RunChunkT<DType::bf16>(p, b, hk0, hk1, split, scratch);
     case DType::f16: return RunChunkT<DType::f16>(p, b, hk0, hk1, split, scratch);
-#if defined(IOATTN_HAVE_AMX) && HWY_ARCH_X86 && HWY_TARGET <= HWY_AVX3
+#if IOATTN_AMX_TARGET
     case DType::i8:
       return amx_usable() ? RunChunkT<DType::i8, true>(p, b, hk0, hk1, split, scratch)
                           : RunChunkT<DType::i8>(p, b, hk0, hk1, split, scratch);
