@@ -150,7 +150,8 @@ Pick pick(const detail::BwdProblem& bp, int arch) {
         return no("key blocks x kv heads x batch exceeds the 2^31-1 grid limit");
       r.info = &info;
       r.sel = {"cuda/flash-backward sm90 wgmma " + std::string(dtype_name(p.dtype)) + " hdim" +
-                   std::to_string(info.head_dim) + " " + detail::mask_name(p) + " tile 64x128 warpgroups 2 dq atomic",
+                   std::to_string(info.head_dim) + " " + detail::mask_name(p) + " tile " + std::to_string(info.block_m) +
+                   "x" + std::to_string(info.block_n) + " warpgroups " + std::to_string(info.warps / 4) + " dq atomic",
                std::string(info.reason) + "; " + std::to_string(info.smem_bytes / 1024) + " KB smem, " +
                    std::to_string(a.numRegs) + " regs/thread"};
       return r;
