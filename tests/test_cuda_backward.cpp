@@ -396,9 +396,11 @@ TEST_P(CudaBackward, MatchesFloat64Reference) { run_case(GetParam(), 7 + GetPara
 INSTANTIATE_TEST_SUITE_P(Cases, CudaBackward, ::testing::ValuesIn(cases()),
                          [](const auto& info) { return info.param.name; });
 
-// The wgmma backward (sm_90's default where it applies: hdim 128, causal or none, GQA, no varlen /
-// window / softcap / ALiBi / sinks, atomic dQ): the same reference checks, on an sm_90 device, for
-// each IOATTN_BWD_SM90_VARIANT; where it does not apply the mma.sync row runs and says why.
+// The wgmma backward (sm_90's default where it applies: hdim 64 and 128, causal or none, GQA, no
+// varlen / window / softcap / ALiBi / sinks, atomic dQ): the same reference checks, on an sm_90
+// device, for each IOATTN_BWD_SM90_VARIANT (lag, the default, and redlag: dQ one step late; split
+// and red: in its own step; by TMA reduce-add or red.global); where it does not apply the mma.sync
+// row runs and says why.
 
 std::vector<Case> sm90_cases() {
   std::vector<Case> v;
@@ -418,13 +420,19 @@ std::vector<Case> sm90_cases() {
     { Case c = mk("mqa8_" + ts, 40, 177, 128, t); c.heads_q = 8; c.heads_kv = 1; v.push_back(c); }
     { Case c = mk("bhsd_batch2_" + ts, 65, 300, 128, t); c.bhsd = true; c.batch = 2; v.push_back(c); }
     { Case c = mk("scale_negative_" + ts, 50, 70, 128, t); c.scale = -0.2f; v.push_back(c); }
-    // hdim 64 (experimental, selected only by IOATTN_BWD_KERNEL=sm90 as here).
+    // Several (head, batch) planes of the dQ workspace, each with a tail block (rows past
+    // seqlen_q must be clipped, not added into the next plane).
+    { Case c = mk("gqa2_batch3_" + ts, 100, 150, 128, t); c.heads_q = 4; c.heads_kv = 2; c.batch = 3; c.causal = true;
+      v.push_back(c); }
+    // hdim 64.
     v.push_back(mk("d64_len17_" + ts, 17, 17, 64, t));
     { Case c = mk("d64_q113_k203_causal_" + ts, 113, 203, 64, t); c.causal = true; v.push_back(c); }
     { Case c = mk("d64_q1024_k1023_" + ts, 1024, 1023, 64, t); c.heads_q = c.heads_kv = 1; v.push_back(c); }
     { Case c = mk("d64_gqa4_causal_long_" + ts, 333, 390, 64, t); c.heads_q = 4; c.heads_kv = 1; c.causal = true;
       v.push_back(c); }
     { Case c = mk("d64_bhsd_batch2_" + ts, 65, 300, 64, t); c.bhsd = true; c.batch = 2; v.push_back(c); }
+    { Case c = mk("d64_gqa2_batch3_" + ts, 100, 150, 64, t); c.heads_q = 4; c.heads_kv = 2; c.batch = 3;
+      v.push_back(c); }
   }
   return v;
 }
@@ -439,11 +447,7 @@ TEST_P(CudaBackwardSm90, MatchesFloat64Reference) {
   const Refs r = references(s);
   BwdKernelEnv env("sm90");
   const std::string hd = "hdim" + std::to_string(c.head_dim);
-  // hdim 64 runs the default variant whatever the variable says: once is enough.
-  const std::vector<const char*> variants =
-      c.head_dim == 128 ? std::vector<const char*>{"base", "late", "split"}
-                        : std::vector<const char*>{"split"};
-  for (const char* variant : variants) {
+  for (const char* variant : {"lag", "redlag", "split", "red"}) {
     ScopedEnv var("IOATTN_BWD_SM90_VARIANT", variant);
     s.poison_grads();
     const KernelChoice kc = s.backward_device(false);
@@ -473,12 +477,16 @@ TEST(CudaBackwardSm90Select, SaysWhenItDoesNotApply) {
     BwdRun s(mk("mma_d128", 40, 50, 128), 5);
     EXPECT_NE(s.backward_device(false).kernel.find("mma.sync"), std::string::npos);
   }
-  {  // hdim 64: the wgmma row is experimental, so unset keeps the mma.sync table and says why
+  {  // hdim 64: the wgmma row is the default too; hdim 96 is not a row, and the reason says so
     BwdKernelEnv env(nullptr);
     BwdRun s(mk("default_d64", 40, 50, 64), 5);
     const KernelChoice kc = s.backward_device(false);
-    EXPECT_NE(kc.kernel.find("mma.sync"), std::string::npos) << kc.kernel;
-    EXPECT_NE(kc.reason.find("head_dim 64 is experimental"), std::string::npos) << kc.reason;
+    EXPECT_NE(kc.kernel.find("sm90 wgmma"), std::string::npos) << kc.kernel;
+    EXPECT_NE(kc.kernel.find("hdim64"), std::string::npos) << kc.kernel;
+    BwdRun s96(mk("default_d96", 40, 50, 96), 5);
+    const KernelChoice k96 = s96.backward_device(false);
+    EXPECT_NE(k96.kernel.find("mma.sync"), std::string::npos) << k96.kernel;
+    EXPECT_NE(k96.reason.find("head_dim 64 or 128 only, got 96"), std::string::npos) << k96.reason;
   }
   {
     BwdKernelEnv env(nullptr);

@@ -21,7 +21,7 @@
 #      pattern (contiguous, the decode cache's rows) -> readbw.json and a table in the summary.
 #   ncubwd (not in the default stages; ~1 min): Nsight Compute sections (speed of light, warp
 #      states, scheduler, pipes, memory) of the wgmma backward kernel at hdim 128, 4k, per
-#      IOATTN_BWD_SM90_VARIANT in GPU_CHECK_NCU_VARIANTS (default "base split") -> ncu_bwd.log.
+#      IOATTN_BWD_SM90_VARIANT in GPU_CHECK_NCU_VARIANTS (default "lag split") -> ncu_bwd.log.
 #   report (not in the default stages; ~4-5 min): tools/report/report.sh — ioattn bench sweeps (CPU
 #      and CUDA), Nsight Compute DRAM traffic vs the model, ceilings, charts; packed into report.tgz.
 #      Run it with the stages that write its peer inputs: GPU_CHECK_STAGES="build bench sm90 report"
@@ -161,13 +161,13 @@ if want backward; then
   PYTHONUNBUFFERED=1 python3 "$ROOT/bench/peer_bench.py" --bench "$BUILD/ioattn_cuda_bench" --bwd \
     --seqlens ${GPU_CHECK_BWD_SEQLENS:-1024,4096,16384} --out "$OUT/bwd.json" >"$OUT/backward.log" 2>&1
   note "backward   rc=$?  $(( $(stamp) - t0 )) s  (backward.log, bwd.json)"
-  # The wgmma backward (sm_90's default at hdim 128): its reference test over every variant first
-  # (bounded), then ioattn alone on the same grid per IOATTN_BWD_SM90_VARIANT -> bwd_sm90_<v>.json
-  # and with IOATTN_BWD_KERNEL=mma (the mma.sync table) -> bwd_sm90_mma.json, and the experimental
-  # hdim-64 wgmma row (IOATTN_BWD_KERNEL=sm90 --hdims 64) -> bwd_sm90_d64.json, beside bwd.json's peers.
-  # The two head dims' tests run as separate processes: a fault or hang in the experimental
-  # hdim-64 row must not take the hdim-128 results (or their A/B) with it.
-  bwd_ab() {  # bwd_ab NAME HDIM ENV...: ioattn alone on the grid -> bwd_sm90_NAME.json
+  # The wgmma backward (sm_90's default at hdim 64 and 128): its reference test over every variant
+  # first (bounded), then ioattn alone on the same grid per IOATTN_BWD_SM90_VARIANT ->
+  # bwd_sm90_<v>.json (lag, the default: dQ one step late by TMA reduce-add; redlag; split; red)
+  # and with IOATTN_BWD_KERNEL=mma (the mma.sync table) -> bwd_sm90_mma.json, beside bwd.json's peers.
+  # The two head dims' tests run as separate processes: a fault or hang in one must not take the
+  # other's results (or their A/B) with it.
+  bwd_ab() {  # bwd_ab NAME HDIMS ENV...: ioattn alone on the grid -> bwd_sm90_NAME.json
     local name=$1 hd=$2 t0
     shift 2
     t0=$(stamp)
@@ -181,18 +181,18 @@ if want backward; then
   if [[ ${GPU_CHECK_BWD_SM90:-1} == 1 && -x $BUILD/test_cuda_backward ]]; then
     if bounded_test "bwd sm90 test (hdim 128)" 300 "$BUILD/test_cuda_backward" '*CudaBackwardSm90*:-*d64_*' \
       "$OUT/bwd_sm90.log"; then
-      for v in base late split; do bwd_ab "$v" 128 IOATTN_BWD_SM90_VARIANT="$v"; done
-      bwd_ab mma 128 IOATTN_BWD_KERNEL=mma
+      for v in lag redlag split red; do bwd_ab "$v" 128 IOATTN_BWD_SM90_VARIANT="$v"; done
+      bwd_ab mma 64,128 IOATTN_BWD_KERNEL=mma
     fi
-    bounded_test "bwd sm90 test (hdim 64, experimental)" 200 "$BUILD/test_cuda_backward" '*CudaBackwardSm90*d64_*' \
-      "$OUT/bwd_sm90_d64.log" && bwd_ab d64 64 IOATTN_BWD_KERNEL=sm90
+    bounded_test "bwd sm90 test (hdim 64)" 200 "$BUILD/test_cuda_backward" '*CudaBackwardSm90*d64_*' \
+      "$OUT/bwd_sm90_d64.log" && for v in lag redlag split; do bwd_ab "d64_$v" 64 IOATTN_BWD_SM90_VARIANT="$v"; done
   fi
 fi
 
 # ---- Nsight Compute sections of the backward's wgmma kernel (optional stage ncubwd) --------------
 if want ncubwd && command -v ncu >/dev/null; then
   t0=$(stamp)
-  for v in ${GPU_CHECK_NCU_VARIANTS:-base split}; do
+  for v in ${GPU_CHECK_NCU_VARIANTS:-lag split}; do
     IOATTN_BWD_SM90_VARIANT=$v timeout 240 ncu --clock-control none -k regex:flash_bwd_sm90 -c 1 \
       --section SpeedOfLight --section WarpStateStats --section SchedulerStats --section ComputeWorkloadAnalysis \
       --section MemoryWorkloadAnalysis --section Occupancy \

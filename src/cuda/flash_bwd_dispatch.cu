@@ -37,7 +37,7 @@ const std::array<BwdKernelInfo, 4>& bwd_table() {
   return table;
 }
 
-// The wgmma rows: hdim 128 (the default on sm_90) and hdim 64 (experimental, IOATTN_BWD_KERNEL=sm90).
+// The wgmma rows (sm_90's default where they apply): hdim 128 and hdim 64.
 const BwdKernelInfo& sm90_bwd_info(int64_t head_dim) {
   static const BwdKernelInfo d128 = bwd_info_sm90_hdim128();
   static const BwdKernelInfo d64 = bwd_info_sm90_hdim64();
@@ -77,12 +77,10 @@ std::string forced_bwd_kernel() {
 
 // Why the wgmma backward cannot run this problem ("" = it can; then *attr holds its kernel's
 // attributes).
-std::string sm90_bwd_refusal(const detail::BwdProblem& bp, int arch, int optin, bool forced, cudaFuncAttributes* attr) {
+std::string sm90_bwd_refusal(const detail::BwdProblem& bp, int arch, int optin, cudaFuncAttributes* attr) {
   const detail::FwdProblem& p = bp.f;
   if (arch != 90) return "needs sm_90, device is sm" + std::to_string(arch);
-  if (p.head_dim == 64 && !forced)
-    return "head_dim 64 is experimental (not yet run on a GPU): IOATTN_BWD_KERNEL=sm90 selects it";
-  if (p.head_dim != 128 && p.head_dim != 64) return "head_dim 128 (or 64, experimental) only, got " + std::to_string(p.head_dim);
+  if (p.head_dim != 128 && p.head_dim != 64) return "head_dim 64 or 128 only, got " + std::to_string(p.head_dim);
   const BwdKernelInfo& info = sm90_bwd_info(p.head_dim);
   if (p.varlen()) return "no varlen";
   if (bp.deterministic) return "no deterministic mode (dQ by atomics)";
@@ -143,7 +141,7 @@ Pick pick(const detail::BwdProblem& bp, int arch) {
   } else if (arch == 90 || force == "sm90") {
     // On sm_90 the wgmma kernel is the default wherever it applies; elsewhere the reason says why not.
     cudaFuncAttributes a{};
-    const std::string why = sm90_bwd_refusal(bp, arch, optin, force == "sm90", &a);
+    const std::string why = sm90_bwd_refusal(bp, arch, optin, &a);
     if (why.empty()) {
       const BwdKernelInfo& info = sm90_bwd_info(p.head_dim);
       if (ceil_div(p.seqlen_k, info.block_n) * p.heads_kv * p.batch > INT_MAX)

@@ -1,7 +1,7 @@
 // flash_bwd_sm90.cu — the Hopper (wgmma) dK/dV/dQ kernel of the backward, bf16/f16: the
-// dispatcher's default on sm_90 at hdim 128 wherever it applies (IOATTN_BWD_KERNEL=mma selects the
-// mma.sync kernel of flash_bwd.cuh instead; flash_bwd_dispatch.cu says why when it does not
-// apply); hdim 64 is an experimental row, selected only by IOATTN_BWD_KERNEL=sm90 (see Cfg).
+// dispatcher's default on sm_90 at hdim 64 and 128 wherever it applies (IOATTN_BWD_KERNEL=mma
+// selects the mma.sync kernel of flash_bwd.cuh instead; flash_bwd_dispatch.cu says why when it
+// does not apply).
 // The preprocess (D, LSE·log2e), the fp32 dQ workspace and its conversion are run_flash_backward's,
 // unchanged; this kernel replaces flash_bwd_dkdv_kernel in the default (atomic dQ) mode.
 //
@@ -14,14 +14,16 @@
 //   dV_c += P^T dO,   dK_c += dS^T Q          rs, m64n(d), A from the accumulators, B MN-major
 //   dS^T -> shared memory; hdim 128: dQ[:, 64c..] = dS K[:, 64c..] over both warpgroups' keys;
 //   hdim 64: dQ_c = dS[:, keys of c] K[keys of c, :]   ss, m64n64, A = dS^T read transposed,
-//                                             B = K MN-major, fp32 red.global.add into the dQ workspace
+//                                             B = K MN-major; each warpgroup's dQ piece through
+//                                             shared memory into the fp32 dQ workspace by TMA reduce-add
 // GQA: the CTA walks every query head of its kv head, so dK/dV are summed on chip.
 // Tiles live in shared memory with the 128-byte swizzle (ptx_sm90.cuh): K, V [128 x d], Q, dO
 // 2 stages x [64 x d] (column blocks of 64 dims = 128-byte rows), dS^T 2 x [128 x 128 B]
-// (alternating per block so one barrier per block suffices), LSE and D 2 stages x 64 floats:
-// 160 KB (hdim 128) or 96 KB (hdim 64), + 1 KB alignment.
+// (alternating per block so one barrier per block suffices), LSE and D 2 stages x 64 floats,
+// dQ pieces 2 x 2 warpgroups x [64 x 64] fp32: 224 KB (hdim 128) or 160 KB (hdim 64), + 1 KB
+// alignment.
 // Not covered (the selector says so): varlen, window other than causal, softcap, ALiBi, sinks,
-// deterministic mode, head dims other than 128 (64 experimental).
+// deterministic mode, head dims other than 64 and 128.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -43,7 +45,7 @@ constexpr int kBM = 64;        // query rows per step
 constexpr int kThreads = 256;  // 2 warpgroups
 constexpr int kTileDs = kBN * kBM * 2;  // 16 KB: dS^T [128 keys x 64 rows]
 
-// Head dim kD (128, or 64 — experimental, IOATTN_BWD_KERNEL=sm90 only, not yet run on a GPU).
+// Head dim kD (128 or 64).
 // Tiles are column blocks of 64 dims (128-byte swizzled rows): two at hdim 128, one at 64.
 //   hdim 128: dQ[:, 64wg..] = dS K[:, 64wg..] over all 128 keys (needs both warpgroups' dS^T:
 //             a CTA barrier), one reduction per element;
@@ -53,16 +55,38 @@ template <int kD>
 struct Cfg {
   static constexpr int kTileQ = kBM * kD * 2;  // Q or dO block
   static constexpr int kTileK = kBN * kD * 2;  // K or V
-  static constexpr int kSmem = 2 * kTileK + 4 * kTileQ + 2 * kTileDs + 1024;
+  static constexpr int kSmemRed = 2 * kTileK + 4 * kTileQ + 2 * kTileDs + 1024;
+  // kTmaDq: + 2 buffers x 2 warpgroups x [64 rows x 64 dims] fp32 dQ pieces (hdim 128: 226 KB in
+  // all with the static LSE/D arrays, of the 227 KB an sm_90 CTA may have).
+  static constexpr int kSmemTma = kSmemRed + 2 * 2 * kBM * 64 * 4;
+  static constexpr int smem(bool tma_dq) { return tma_dq ? kSmemTma : kSmemRed; }
 };
+constexpr int kDqPiece = kBM * 64 * 4;  // 16 KB: one warpgroup's dQ piece, two SW128 boxes of 32 dims
 
-// Variants (IOATTN_BWD_SM90_VARIANT, for A/B runs; see launch()):
-//   kLate:  the next step's Q/dO/LSE/D cp.async are issued after this step's S^T/dP^T wgmmas, so
-//           their issue overlaps the tensor cores instead of preceding them;
-//   kSplit: S^T and dP^T in two wgmma commit groups: P^T is computed and the dV wgmmas issued while
-//           dP^T is still on the tensor cores, dS^T while dV is (FlashAttention-3's order).
-// (A "defer" variant — dQ reductions one step late, through shared memory — measured no gain in
-// either combination on the H200, docs/PERF.md, and was removed.)
+// Byte offset of fp32 element (row r, column c < 64) of a dQ piece: two [64 rows x 32 floats]
+// boxes of the dQ tensor map, 128-byte rows, 16-byte chunk (c % 32) / 4 at position ^ (r % 8).
+__device__ __forceinline__ uint32_t dq_piece_off(int r, int c) {
+  return static_cast<uint32_t>((c >> 5) * (kBM * 128) + r * 128 + ((((c & 31) >> 2) ^ (r & 7)) << 4) + (c & 3) * 4);
+}
+
+// Order of a step (FlashAttention-3's): the next step's Q/dO/LSE/D cp.async are issued after this
+// step's S^T/dP^T wgmmas (their issue overlaps the tensor cores); S^T and dP^T are two wgmma
+// commit groups, so P^T is computed and the dV wgmmas issued while dP^T is still on the tensor
+// cores, and dS^T while dV is. (Session 5 measured these against the plain order: +3%, +2%.)
+// Template flags (IOATTN_BWD_SM90_VARIANT picks them for A/B runs; see variant_bits()):
+//   kLag:   the dQ wgmmas of step j are issued at the start of step j + 1, before its S^T and dP^T
+//           (dS^T_j stays in its buffer for a step; the step's first barrier publishes it), and
+//           the dQ output runs while S^T/dP^T are on the tensor cores. Without it the dQ output
+//           sat between the last wgmma wait of a step and the next step's first wgmma, with the
+//           tensor cores idle: session 6 measured +19-25% at hdim 128, +17-21% at hdim 64.
+//   kTmaDq: each warpgroup's dQ piece (64 rows x 64 dims) goes to shared memory (two buffers,
+//           alternating per step) and one thread adds it to the fp32 workspace with two TMA
+//           reduce-adds (cp.reduce.async.bulk.tensor through a [heads·batch, seqlen_q, d] fp32
+//           map; rows past seqlen_q are clipped by the map); otherwise 32 red.global.add.v2 per
+//           thread per step (session 5's kernel). Alone it measured no faster than red; with kLag
+//           it is (lag 414/474 TFLOP/s at 4k/16k vs redlag 362/410).
+// (Removed after their A/B, docs/PERF.md: "base" and "late" — the plain order — and "defer", dQ
+// reductions one step late through shared memory.)
 
 // Byte offset of 16-byte chunk c (0..kD/8-1) of row r in a [rows x kD dims] tile: column block
 // c / 8, swizzled chunk position (c % 8) ^ (r % 8).
@@ -84,8 +108,9 @@ __device__ __forceinline__ void load_rows(uint32_t dst, const uint8_t* src, int6
   }
 }
 
-template <typename T, int kD, bool kLate, bool kSplit>
-__global__ void __launch_bounds__(kThreads, 1) flash_bwd_sm90_kernel(const BwdParams p) {
+template <typename T, int kD, bool kTmaDq, bool kLag>
+__global__ void __launch_bounds__(kThreads, 1) flash_bwd_sm90_kernel(const BwdParams p,
+                                                                     const __grid_constant__ CUtensorMap dq_map) {
 #if IOATTN_SM90A_ENABLED
   using namespace sm90;
   static_assert(kD == 64 || kD == 128, "hdim 64 or 128");
@@ -97,6 +122,7 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_sm90_kernel(const BwdPa
   uint8_t* sq = sv + kTileK;       // [2 stages]
   uint8_t* sdo = sq + 2 * kTileQ;  // [2 stages]
   uint8_t* sds = sdo + 2 * kTileQ; // [2 parities]
+  uint8_t* sdq = sds + 2 * kTileDs; // kTmaDq: [2 parities][2 warpgroups] dQ pieces
   __shared__ __align__(16) float s_lse[2][kBM];
   __shared__ __align__(16) float s_d[2][kBM];
 
@@ -157,21 +183,89 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_sm90_kernel(const BwdPa
   ptx::cp_async_commit();
   const uint32_t k_wg = smem_u32(sk) + wg * 64 * 128;  // rows 64c.. of column block 0 (1024-aligned)
   const uint32_t v_wg = smem_u32(sv) + wg * 64 * 128;
-  int cur_h = 0, cur_m = 0;
+  // dQ wgmmas (see Cfg) of the step whose dS^T is in buffer `buf` (issue only): hdim 128,
+  // dQ[:, 64wg..] = dS K[:, 64wg..] over both warpgroups' keys; hdim 64, dQ_wg = dS[:, own keys]
+  // K[own keys, :].
+  auto gemm_dq = [&](float(&dq)[kBM / 2], int buf) {
+    const uint32_t ds_b = smem_u32(sds + buf * kTileDs);
+    wgmma_fence();
+    if constexpr (kD == 128) {
+#pragma unroll
+      for (int kk = 0; kk < kBN / 16; ++kk)
+        Wgmma<kBM, T>::template ss<1, 1>(dq, make_desc_sw128(ds_b + kk * 2048, kBN * 128, 1024),
+                                         make_desc_sw128(smem_u32(sk) + wg * kBN * 128 + kk * 2048, kBN * 128, 1024),
+                                         kk > 0);
+    } else {
+#pragma unroll
+      for (int kk = 0; kk < kBN / 2 / 16; ++kk)
+        Wgmma<kBM, T>::template ss<1, 1>(dq, make_desc_sw128(ds_b + wg * 8192 + kk * 2048, kBN * 128, 1024),
+                                         make_desc_sw128(smem_u32(sk) + wg * 8192 + kk * 2048, kBN * 128, 1024),
+                                         kk > 0);
+    }
+  };
+  // dQ partial of the step at (query head ph, rows pm0..) into the fp32 workspace; pbuf = its dS^T
+  // buffer parity (kTmaDq: also its piece buffer).
+  auto put_dq = [&](const float(&dq)[kBM / 2], int ph, int pm0, int pbuf) {
+    // dQ partial (rows 16w + g (+8), dims c0 + 8i + 2t (+1); c0 = 64wg at hdim 128, 0 at 64) into
+    // the fp32 workspace.
+    constexpr int kDqCols = kD == 128 ? 64 : 0;  // column offset per warpgroup
+    if constexpr (kTmaDq) {
+      // Into this step's piece (conflict-free: the 8 rows g of a store hit 8 different chunks),
+      // then one thread of the warpgroup adds it with two reduce-adds (32 dims each).
+      uint8_t* piece = sdq + (pbuf * 2 + wg) * kDqPiece;
+#pragma unroll
+      for (int i = 0; i < 8; ++i)
+#pragma unroll
+        for (int rh = 0; rh < 2; ++rh) {
+          const uint32_t addr = smem_u32(piece) + dq_piece_off(16 * w + g + 8 * rh, 8 * i + 2 * t);
+          asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(addr), "f"(dq[4 * i + 2 * rh]),
+                       "f"(dq[4 * i + 2 * rh + 1])
+                       : "memory");
+        }
+      fence_proxy_async();
+      named_barrier_sync(1 + wg, 128);
+      if (wtid == 0) {
+        const int plane = ph * p.batch + b;  // the workspace's [heads_q, batch, seqlen_q] rows
+        tma_reduce_add_3d(&dq_map, piece, kDqCols * wg, pm0, plane);
+        tma_reduce_add_3d(&dq_map, piece + kBM * 128, kDqCols * wg + 32, pm0, plane);
+        bulk_commit_group();
+      }
+    } else {
+      // red.global: this thread's first element, pinned so that every reduction is one [R+imm]
+      // instruction; rows past the end are skipped.
+      float* ws = pin_ptr(p.ws_dq +
+                          (static_cast<int64_t>(ph) * p.rows_q + static_cast<int64_t>(b) * sq_len + pm0 + 16 * w + g) * kD +
+                          kDqCols * wg + 2 * t);
+      const int valid = sq_len - pm0 - 16 * w - g;  // rows r0 and r0 + 8 exist when > 0 and > 8
+      if (pm0 + kBM <= sq_len) {  // whole block inside: no predicates (ptxas branches around each)
+#pragma unroll
+        for (int i = 0; i < kBM / 8; ++i) {
+          ptx::red_add_v2_f32(ws + 8 * i, dq[4 * i], dq[4 * i + 1]);
+          ptx::red_add_v2_f32(ws + 8 * kD + 8 * i, dq[4 * i + 2], dq[4 * i + 3]);
+        }
+      } else {
+#pragma unroll
+        for (int i = 0; i < kBM / 8; ++i) {
+          red_add_v2_f32_if(ws + 8 * i, dq[4 * i], dq[4 * i + 1], valid > 0);
+          red_add_v2_f32_if(ws + 8 * kD + 8 * i, dq[4 * i + 2], dq[4 * i + 3], valid > 8);
+        }
+      }
+    }
+  };
+  int cur_h = 0, cur_m = 0, prev_h = 0, prev_m0 = 0;
   for (int step = 0; step < steps; ++step) {
     ptx::cp_async_wait<0>();
     fence_proxy_async();  // this thread's cp.async writes, visible to the wgmma (async proxy) reads
+    // kLag + kTmaDq: the barrier also hands over the dQ piece buffer written in this step, free
+    // once the reduce-adds issued from it two steps ago have read it.
+    if (kLag && kTmaDq && wtid == 0) bulk_wait_group_read<1>();
     __syncthreads();      // stage step & 1 landed for everyone; everyone is done with step - 1
-    if (!kLate) {
-      issue(step + 1);
-      ptx::cp_async_commit();
-    }
     const int st = step & 1, h = hk * p.group + cur_h, m0 = (m_first + cur_m) * kBM;
     if (++cur_m == per_head) cur_m = 0, ++cur_h;
     const uint32_t q_s = smem_u32(sq + st * kTileQ), do_s = smem_u32(sdo + st * kTileQ);
 
-    // S^T and dP^T (64 keys x 64 rows each); with kSplit in two commit groups, so P^T (and the dV
-    // wgmmas that need only P^T) start while dP^T is still on the tensor cores.
+    // S^T and dP^T (64 keys x 64 rows each) in two commit groups, so P^T (and the dV wgmmas that
+    // need only P^T) start while dP^T is still on the tensor cores.
     float s[kBM / 2], dp[kBM / 2];
     auto gemm_sdp = [&](float(&acc)[kBM / 2], uint32_t a_base, uint32_t b_base) {
 #pragma unroll
@@ -181,14 +275,28 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_sm90_kernel(const BwdPa
                                       make_desc_sw128(b_base + col * kBM * 128 + byte, 16, 1024), kk > 0);
       }
     };
+    // kLag: first the previous step's dQ wgmmas (its dS^T is in the other buffer, published by the
+    // barrier above; step 0 computes a throw-away product of the unused buffer, so the commit
+    // groups and waits are the same every step), then S^T and dP^T; the dQ output below runs
+    // while those are on the tensor cores.
+    float dq[kBM / 2];
+    if constexpr (kLag) {
+      gemm_dq(dq, st ^ 1);
+      wgmma_commit();
+    }
     wgmma_fence();
     gemm_sdp(s, k_wg, q_s);
-    if (kSplit) wgmma_commit();
+    wgmma_commit();
     gemm_sdp(dp, v_wg, do_s);
     wgmma_commit();
-    if (kLate) {  // stage (step + 1) & 1 was last read by step - 1's wgmmas, all complete
-      issue(step + 1);
-      ptx::cp_async_commit();
+    issue(step + 1);  // stage (step + 1) & 1 was last read by step - 1's wgmmas, all complete
+    ptx::cp_async_commit();
+    if constexpr (kLag) {
+      wgmma_wait<2>();  // the dQ wgmmas (S^T and dP^T may still run)
+#pragma unroll
+      for (int i = 0; i < kBM / 2; ++i) reg_fence(dq[i]);
+      if (step > 0) put_dq(dq, prev_h, prev_m0, st ^ 1);
+      prev_h = h, prev_m0 = m0;
     }
 
     // P^T (in place of S^T, fp32), dS^T; fragment element e: key 64wg + 16w + g (+8 when
@@ -242,17 +350,17 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_sm90_kernel(const BwdPa
       }
     };
     load_rows2(lse2, s_lse[st]);
-    if constexpr (kSplit) {
-      wgmma_wait<1>();  // S^T (dP^T may still run)
+    wgmma_wait<1>();  // S^T (dP^T may still run)
 #pragma unroll
-      for (int i = 0; i < kBM / 2; ++i) reg_fence(s[i]);
-      if (needs_mask)
-        p_part(std::true_type{});
-      else
-        p_part(std::false_type{});
-      wgmma_fence();
-      gemm_dkv(dv, pa, do_s);
-      wgmma_commit();
+    for (int i = 0; i < kBM / 2; ++i) reg_fence(s[i]);
+    if (needs_mask)
+      p_part(std::true_type{});
+    else
+      p_part(std::false_type{});
+    wgmma_fence();
+    gemm_dkv(dv, pa, do_s);
+    wgmma_commit();
+    if constexpr (kLag) {
       load_rows2(d2, s_d[st]);
       wgmma_wait<1>();  // dP^T (dV may still run)
 #pragma unroll
@@ -261,73 +369,53 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_sm90_kernel(const BwdPa
       wgmma_fence();
       gemm_dkv(dk, da, q_s);
       wgmma_commit();
-    } else {
-      wgmma_wait<0>();
+      fence_proxy_async();  // dS^T for the next step's dQ wgmmas (after its first barrier)
+      wgmma_wait<0>();      // dV, dK: nothing stays in flight across iterations
 #pragma unroll
-      for (int i = 0; i < kBM / 2; ++i) reg_fence(s[i]), reg_fence(dp[i]);
-      if (needs_mask)
-        p_part(std::true_type{});
-      else
-        p_part(std::false_type{});
+      for (int i = 0; i < kD / 2; ++i) reg_fence(dv[i]), reg_fence(dk[i]);
+    } else {
       load_rows2(d2, s_d[st]);
+      wgmma_wait<1>();  // dP^T (dV may still run)
+#pragma unroll
+      for (int i = 0; i < kBM / 2; ++i) reg_fence(dp[i]);
       ds_part();
       wgmma_fence();
-      gemm_dkv(dv, pa, do_s);
       gemm_dkv(dk, da, q_s);
       wgmma_commit();
+      // dS^T visible to the async proxy, then the dQ wgmmas. kTmaDq: the barrier below also hands
+      // this step's dQ piece buffer over, free once the reduce-adds issued from it two steps ago
+      // have read it (this warpgroup's issuing thread waits here).
+      if (kTmaDq && wtid == 0) bulk_wait_group_read<1>();
+      fence_proxy_async();
+      if constexpr (kD == 128)
+        __syncthreads();
+      else
+        named_barrier_sync(1 + wg, 128);  // this warpgroup's dS^T rows only
+      gemm_dq(dq, st);
+      wgmma_commit();
+      wgmma_wait<0>();  // dV, dK and dQ
+#pragma unroll
+      for (int i = 0; i < kD / 2; ++i) reg_fence(dv[i]), reg_fence(dk[i]);
+#pragma unroll
+      for (int i = 0; i < kBM / 2; ++i) reg_fence(dq[i]);
+      put_dq(dq, h, m0, st);
     }
-
-    // dS^T visible to the async proxy, then the dQ wgmmas (see Cfg): hdim 128, dQ[:, 64wg..] =
-    // dS K[:, 64wg..] over both warpgroups' keys; hdim 64, dQ_wg = dS[:, own keys] K[own keys, :].
-    fence_proxy_async();
-    float dq[kBM / 2];
-    if constexpr (kD == 128) {
+  }
+  if constexpr (kLag) {  // the last step's dQ
+    if (steps > 0) {
+      if (kTmaDq && wtid == 0) bulk_wait_group_read<1>();
       __syncthreads();
-      wgmma_fence();
+      float dq[kBM / 2];
+      gemm_dq(dq, (steps - 1) & 1);
+      wgmma_commit();
+      wgmma_wait<0>();
 #pragma unroll
-      for (int kk = 0; kk < kBN / 16; ++kk)
-        Wgmma<kBM, T>::template ss<1, 1>(dq, make_desc_sw128(smem_u32(ds_buf) + kk * 2048, kBN * 128, 1024),
-                                         make_desc_sw128(smem_u32(sk) + wg * kBN * 128 + kk * 2048, kBN * 128, 1024),
-                                         kk > 0);
-    } else {
-      named_barrier_sync(1 + wg, 128);  // this warpgroup's dS^T rows only
-      wgmma_fence();
-#pragma unroll
-      for (int kk = 0; kk < kBN / 2 / 16; ++kk)
-        Wgmma<kBM, T>::template ss<1, 1>(dq, make_desc_sw128(smem_u32(ds_buf) + wg * 8192 + kk * 2048, kBN * 128, 1024),
-                                         make_desc_sw128(smem_u32(sk) + wg * 8192 + kk * 2048, kBN * 128, 1024),
-                                         kk > 0);
-    }
-    wgmma_commit();
-    wgmma_wait<0>();  // dV, dK and dQ
-#pragma unroll
-    for (int i = 0; i < kD / 2; ++i) reg_fence(dv[i]), reg_fence(dk[i]);
-#pragma unroll
-    for (int i = 0; i < kBM / 2; ++i) reg_fence(dq[i]);
-
-    // dQ partial (rows 16w + g (+8), dims c0 + 8i + 2t (+1); c0 = 64wg at hdim 128, 0 at 64) into
-    // the fp32 workspace. This thread's first element, pinned so that every reduction is one
-    // [R+imm] instruction; rows past the end are skipped.
-    constexpr int kDqCols = kD == 128 ? 64 : 0;  // column offset per warpgroup
-    float* ws = pin_ptr(p.ws_dq +
-                        (static_cast<int64_t>(h) * p.rows_q + static_cast<int64_t>(b) * sq_len + m0 + 16 * w + g) * kD +
-                        kDqCols * wg + 2 * t);
-    const int valid = sq_len - m0 - 16 * w - g;  // rows r0 and r0 + 8 exist when > 0 and > 8
-    if (m0 + kBM <= sq_len) {  // whole block inside: no predicates (ptxas branches around each)
-#pragma unroll
-      for (int i = 0; i < kBM / 8; ++i) {
-        ptx::red_add_v2_f32(ws + 8 * i, dq[4 * i], dq[4 * i + 1]);
-        ptx::red_add_v2_f32(ws + 8 * kD + 8 * i, dq[4 * i + 2], dq[4 * i + 3]);
-      }
-    } else {
-#pragma unroll
-      for (int i = 0; i < kBM / 8; ++i) {
-        red_add_v2_f32_if(ws + 8 * i, dq[4 * i], dq[4 * i + 1], valid > 0);
-        red_add_v2_f32_if(ws + 8 * kD + 8 * i, dq[4 * i + 2], dq[4 * i + 3], valid > 8);
-      }
+      for (int i = 0; i < kBM / 2; ++i) reg_fence(dq[i]);
+      put_dq(dq, prev_h, prev_m0, (steps - 1) & 1);
     }
   }
   ptx::cp_async_wait<0>();
+  if (kTmaDq && wtid == 0) bulk_wait_group<0>();  // the last pieces read (and added) before exit
 
   // dK (scaled), dV: keys 64wg + 16w + g (+8), dims 8i + 2t (+1).
   T* dkp = static_cast<T*>(p.dk) + b * p.dk_batch + hk * p.dk_head;
@@ -349,42 +437,54 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_sm90_kernel(const BwdPa
 #endif
 }
 
-// IOATTN_BWD_SM90_VARIANT = base | late | split (default: late + kSplit): see kLate / kSplit
-// above. Bits: 1 late, 4 split.
+// IOATTN_BWD_SM90_VARIANT: lag (default: dQ one step late, by TMA reduce-add) | redlag (one step
+// late, by red.global) | split (in its own step, by TMA reduce-add) | red (in its own step, by
+// red.global: session 5's kernel). Bits: 1 red, 2 lag.
 int variant_bits() {
   const char* e = std::getenv("IOATTN_BWD_SM90_VARIANT");
-  if (e == nullptr || std::strcmp(e, "split") == 0) return 5;
-  if (std::strcmp(e, "base") == 0) return 0;
-  if (std::strcmp(e, "late") == 0) return 1;
+  if (e == nullptr || std::strcmp(e, "lag") == 0) return 2;
+  if (std::strcmp(e, "split") == 0) return 0;
+  if (std::strcmp(e, "red") == 0) return 1;
+  if (std::strcmp(e, "redlag") == 0) return 3;
   throw Error("IOATTN_BWD_SM90_VARIANT",
-              std::string("IOATTN_BWD_SM90_VARIANT must be base, late or split, got '") + e + "'");
+              std::string("IOATTN_BWD_SM90_VARIANT must be split, red, lag or redlag, got '") + e + "'");
 }
 
-template <typename T, int kD, bool kLate, bool kSplit>
-void launch_variant(const BwdParams& p, unsigned grid, cudaStream_t stream) {
-  auto* kernel = &flash_bwd_sm90_kernel<T, kD, kLate, kSplit>;
-  constexpr int smem = Cfg<kD>::kSmem;
-  IOATTN_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-  kernel<<<grid, kThreads, smem, stream>>>(p);
-  IOATTN_CUDA_CHECK_LAUNCH("flash_bwd_sm90_kernel");
+// The fp32 dQ workspace [heads_q, batch·seqlen_q, kD] as a 3-D map (kD, seqlen_q, heads_q·batch) —
+// rows of one (head, batch) pair are one plane, so a tail block's rows past seqlen_q are clipped
+// instead of landing in the next sequence — with [64 rows x 32 floats] SW128 boxes.
+template <int kD>
+CUtensorMap make_dq_map(const BwdParams& p) {
+  const cuuint64_t dims[3] = {static_cast<cuuint64_t>(kD), static_cast<cuuint64_t>(p.seqlen_q > 0 ? p.seqlen_q : 1),
+                              static_cast<cuuint64_t>(static_cast<int64_t>(p.heads_q) * p.batch)};
+  const cuuint64_t strides[2] = {static_cast<cuuint64_t>(kD) * 4, dims[1] * kD * 4};
+  const cuuint32_t box[3] = {32, static_cast<cuuint32_t>(kBM), 1};
+  const cuuint32_t elem_strides[3] = {1, 1, 1};
+  CUtensorMap map{};
+  const CUresult r = sm90::tensor_map_encoder()(
+      &map, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 3, p.ws_dq, dims, strides, box, elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
+      CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  if (r != CUDA_SUCCESS)
+    throw Error("cuda", "ioattn: cuTensorMapEncodeTiled failed for the backward's dQ workspace (CUresult " +
+                            std::to_string(static_cast<int>(r)) + ")");
+  return map;
 }
 
-// hdim 128: every variant (A/B runs); hdim 64: the default (split) only, whatever the variant says.
 template <typename T, int kD>
 void launch_typed(const BwdParams& p, cudaStream_t stream) {
   const int64_t grid = static_cast<int64_t>(p.num_n_blocks) * p.heads_kv * p.batch;
-  const int bits = variant_bits();  // also rejects a bad value
+  const int v = variant_bits();  // also rejects a bad value
+  const bool tma_dq = (v & 1) == 0;
   if (grid == 0) return;
-  const auto g = static_cast<unsigned>(grid);
-  if constexpr (kD == 64) {
-    launch_variant<T, 64, true, true>(p, g, stream);
-  } else {
-    switch (bits) {
-      case 0: launch_variant<T, kD, false, false>(p, g, stream); break;
-      case 1: launch_variant<T, kD, true, false>(p, g, stream); break;
-      default: launch_variant<T, kD, true, true>(p, g, stream); break;
-    }
-  }
+  void (*const kernels[4])(const BwdParams, const CUtensorMap) = {
+      &flash_bwd_sm90_kernel<T, kD, true, false>, &flash_bwd_sm90_kernel<T, kD, false, false>,
+      &flash_bwd_sm90_kernel<T, kD, true, true>, &flash_bwd_sm90_kernel<T, kD, false, true>};
+  auto* kernel = kernels[v];
+  const int smem = Cfg<kD>::smem(tma_dq);
+  const CUtensorMap map = tma_dq ? make_dq_map<kD>(p) : CUtensorMap{};
+  IOATTN_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  kernel<<<static_cast<unsigned>(grid), kThreads, smem, stream>>>(p, map);
+  IOATTN_CUDA_CHECK_LAUNCH("flash_bwd_sm90_kernel");
 }
 
 template <int kD>
@@ -409,10 +509,11 @@ BwdKernelInfo info_for() {
   info.reason = kD == 128
                     ? "wgmma, keys as M (S^T = K Q^T, dP^T = V dO^T, dV += P^T dO, dK += dS^T Q, dQ = dS K from dS^T "
                       "in shared memory), 2 warpgroups x 64 keys, 64-row steps, cp.async one block ahead issued under "
-                      "the S^T/dP^T wgmmas, P^T and dV overlapping dP^T, fp32 atomic dQ"
-                    : "wgmma (experimental at hdim 64, not yet run on a GPU), keys as M, 2 warpgroups x 64 keys, "
-                      "64-row steps, each warpgroup's dQ from its own keys (no CTA barrier mid-step), fp32 atomic dQ";
-  info.smem_bytes = Cfg<kD>::kSmem;
+                      "the S^T/dP^T wgmmas, P^T and dV overlapping dP^T, dQ one step late (its output under the next "
+                      "S^T/dP^T), fp32 dQ by TMA reduce-add"
+                    : "wgmma, keys as M, 2 warpgroups x 64 keys, 64-row steps, each warpgroup's dQ from its own keys, "
+                      "dQ one step late (its output under the next S^T/dP^T), fp32 dQ by TMA reduce-add";
+  info.smem_bytes = Cfg<kD>::kSmemTma;
   info.smem_bytes_det = info.smem_bytes;
   info.dq_smem_bytes = 0;
   info.dkdv_bf16 = reinterpret_cast<const void*>(&flash_bwd_sm90_kernel<__nv_bfloat16, kD, true, true>);

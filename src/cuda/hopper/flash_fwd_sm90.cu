@@ -70,6 +70,20 @@ IOATTN_SM90_FP8_EXTERN(Fp8Hdim128Bf16, true)
 IOATTN_SM90_FP8_EXTERN(Fp8Hdim128F16, false)
 IOATTN_SM90_FP8_EXTERN(Fp8Hdim128F16, true)
 
+// cuTensorMapEncodeTiled from the driver, looked up once (declared in ptx_sm90.cuh; the backward's
+// dQ map uses it too).
+PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
+  static PFN_cuTensorMapEncodeTiled_v12000 fn = [] {
+    void* f = nullptr;
+    cudaDriverEntryPointQueryResult q{};
+    IOATTN_CUDA_CHECK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &f, 12000, cudaEnableDefault, &q));
+    if (q != cudaDriverEntryPointSuccess || f == nullptr)
+      throw Error("cuda", "ioattn: the CUDA driver has no cuTensorMapEncodeTiled (driver too old for TMA)");
+    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(f);
+  }();
+  return fn;
+}
+
 namespace {
 
 using detail::FwdProblem;
@@ -409,18 +423,6 @@ bool select_impl(const FwdProblem& p, std::string* kernel, std::string* why) {
   return true;
 }
 
-// cuTensorMapEncodeTiled from the driver, looked up once.
-PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
-  static PFN_cuTensorMapEncodeTiled_v12000 fn = [] {
-    void* f = nullptr;
-    cudaDriverEntryPointQueryResult q{};
-    IOATTN_CUDA_CHECK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &f, 12000, cudaEnableDefault, &q));
-    if (q != cudaDriverEntryPointSuccess || f == nullptr)
-      throw Error("cuda", "ioattn: the CUDA driver has no cuTensorMapEncodeTiled (driver too old for TMA)");
-    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(f);
-  }();
-  return fn;
-}
 
 // 4D map over (head_dim, seqlen, heads, batch) with box (64, box_rows, 1, 1) and 128-byte
 // swizzle: one box is one swizzled column block of a tile. Out-of-bounds rows read as zeros.

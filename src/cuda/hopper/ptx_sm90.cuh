@@ -20,6 +20,7 @@
 #pragma once
 
 #include <cuda.h>  // CUtensorMap (a plain struct; no driver library is linked)
+#include <cudaTypedefs.h>  // PFN_cuTensorMapEncodeTiled
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -33,6 +34,10 @@
 #endif
 
 namespace ioattn::cuda::sm90 {
+
+// Host: cuTensorMapEncodeTiled from the driver, fetched once through the runtime's entry-point
+// query (flash_fwd_sm90.cu; throws ioattn::Error when the driver has none).
+PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder();
 
 // 32-bit shared-window address of a generic pointer into shared memory.
 __device__ __forceinline__ uint32_t smem_u32(const void* p) {
@@ -141,6 +146,33 @@ __device__ __forceinline__ void bulk_load_1d(void* dst, const void* src, uint32_
           smem_u32(dst)),
       "l"(src), "r"(bytes), "r"(smem_u32(bar))
       : "memory");
+}
+
+// ---- TMA reductions: shared -> global, tracked by bulk async-groups ---------------------------
+// cp.reduce.async.bulk.tensor (.add): the box at the coordinates (elements, innermost first) is
+// added element-wise into global memory through the tensor map; the map's element type (here
+// FLOAT32) is the type of the add, each element's add is atomic, and box elements outside the
+// map's bounds are skipped (a tail block writes nothing past the end). The source box is in the
+// map's shared layout (SWIZZLE_128B: 16-byte chunk c of 128-byte row r at c ^ (r % 8)), written
+// by ordinary stores + fence_proxy_async() + a barrier before the issuing thread runs this.
+// Completion is tracked per issuing thread: bulk_commit_group() closes a group, and
+// bulk_wait_group_read<N>() returns once at most N of its groups still read shared memory (the
+// source may then be overwritten); bulk_wait_group<N>() also waits for the global writes.
+__device__ __forceinline__ void tma_reduce_add_3d(const CUtensorMap* map, const void* src, int c0, int c1, int c2) {
+  asm volatile(
+      "cp.reduce.async.bulk.tensor.3d.global.shared::cta.add.tile.bulk_group [%0, {%2, %3, %4}], [%1];\n" ::"l"(
+          reinterpret_cast<uint64_t>(map)),
+      "r"(smem_u32(src)), "r"(c0), "r"(c1), "r"(c2)
+      : "memory");
+}
+__device__ __forceinline__ void bulk_commit_group() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void bulk_wait_group_read() {
+  asm volatile("cp.async.bulk.wait_group.read %0;\n" ::"n"(N) : "memory");
+}
+template <int N>
+__device__ __forceinline__ void bulk_wait_group() {
+  asm volatile("cp.async.bulk.wait_group %0;\n" ::"n"(N) : "memory");
 }
 
 // fence.proxy.async.shared::cta: makes this thread's ordinary shared-memory writes visible to

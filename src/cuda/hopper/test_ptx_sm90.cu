@@ -16,6 +16,9 @@
 //                 thread per CTA claims tiles from an atomic counter and announces each through a
 //                 shared slot + mbarriers (plain arrivals, as for key-less tiles and the end
 //                 marker); every tile must reach every consumer warp of exactly one CTA
+//   tma_reduce    cp.reduce.async.bulk.tensor add of fp32 SW128 boxes from 3 CTAs into one tensor
+//                 (per-element atomic sums, rows past the bound skipped, a buffer reused after
+//                 bulk_wait_group_read): the wgmma backward's dQ path
 //   exp2_approx   against exp2
 //   pack4_e4m3    cvt.rn.satfinite.e4m3x2.f32 x2: byte order, rounding, saturation vs the host encoder
 //   fp8_p_key     a permutation of 0..31
@@ -106,9 +109,10 @@ PFN_cuTensorMapEncodeTiled_v12000 encoder() {
   return fn;
 }
 
-// bf16 tensor map of rank r; dims innermost first, strides in bytes for dims 1..r-1.
+// Tensor map of rank r (bf16 unless `type` says otherwise); dims innermost first, strides in bytes
+// for dims 1..r-1.
 CUtensorMap make_map(const void* ptr, int rank, const uint64_t* dims, const uint64_t* strides, const uint32_t* box,
-                     bool swizzle) {
+                     bool swizzle, CUtensorMapDataType type = CU_TENSOR_MAP_DATA_TYPE_BFLOAT16) {
   CUtensorMap m{};
   cuuint64_t d[5], s[4];
   cuuint32_t b[5], e[5];
@@ -118,7 +122,7 @@ CUtensorMap make_map(const void* ptr, int rank, const uint64_t* dims, const uint
     e[i] = 1;
     if (i + 1 < rank) s[i] = strides[i];
   }
-  CUresult r = encoder()(&m, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, rank, const_cast<void*>(ptr), d, s, b, e,
+  CUresult r = encoder()(&m, type, rank, const_cast<void*>(ptr), d, s, b, e,
                          CU_TENSOR_MAP_INTERLEAVE_NONE,
                          swizzle ? CU_TENSOR_MAP_SWIZZLE_128B : CU_TENSOR_MAP_SWIZZLE_NONE,
                          CU_TENSOR_MAP_L2_PROMOTION_NONE, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
@@ -1296,6 +1300,72 @@ void test_red_if() {
   CHECK_CUDA(cudaFree(d));
 }
 
+// ---------------------------------------------------------------- TMA reduce-add (fp32)
+// Every CTA adds two [64 rows x 32 cols] fp32 boxes, written by its threads in the SW128 layout,
+// into plane 1 of a [2 planes][70 rows][64 cols] tensor: box A at (cols 0.., rows 40..) — rows
+// 70.. are past the bound and must be skipped — then, in the same shared buffer after
+// bulk_wait_group_read<0>, box B at (cols 32.., rows 0..). Value of (r, c) in box A: (cta + 1) *
+// (64 r + c) / 4, in box B: -(cta + 1) * (64 r + c) / 8 (exact in fp32).
+__global__ void k_tma_reduce(const __grid_constant__ CUtensorMap map) {
+#if IOATTN_SM90A_ENABLED
+  extern __shared__ uint8_t raw[];
+  uint8_t* s = align1024(raw);
+  const float scale[2] = {0.25f * (blockIdx.x + 1), -0.125f * (blockIdx.x + 1)};
+  const int col0[2] = {0, 32}, row0[2] = {40, 0};
+  for (int box = 0; box < 2; ++box) {
+    for (int i = threadIdx.x; i < 64 * 32; i += blockDim.x) {
+      const int r = i / 32, c = i % 32;
+      *reinterpret_cast<float*>(s + r * 128 + (((c >> 2) ^ (r & 7)) << 4) + (c & 3) * 4) = scale[box] * (64 * r + c);
+    }
+    fence_proxy_async();
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      tma_reduce_add_3d(&map, s, col0[box], row0[box], 1);
+      bulk_commit_group();
+      bulk_wait_group_read<0>();  // the box may be overwritten now
+    }
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) bulk_wait_group<0>();
+#endif
+}
+
+void test_tma_reduce() {
+  const int planes = 2, rows = 70, cols = 64, guard = 256, ctas = 3;
+  const size_t n = static_cast<size_t>(planes) * rows * cols;
+  std::vector<float> init(n + guard);
+  for (size_t i = 0; i < init.size(); ++i) init[i] = 1.0f + static_cast<float>(i % 7);
+  float* d = to_device(init);
+  const uint64_t dims[3] = {static_cast<uint64_t>(cols), static_cast<uint64_t>(rows), static_cast<uint64_t>(planes)};
+  const uint64_t strides[2] = {cols * 4ull, static_cast<uint64_t>(rows) * cols * 4};
+  const uint32_t box[3] = {32, 64, 1};
+  const CUtensorMap map = make_map(d, 3, dims, strides, box, true, CU_TENSOR_MAP_DATA_TYPE_FLOAT32);
+  const int smem = 8192 + 1024;
+  CHECK_CUDA(cudaFuncSetAttribute(k_tma_reduce, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  k_tma_reduce<<<ctas, 128, smem>>>(map);
+  CHECK_CUDA(cudaGetLastError());
+  CHECK_CUDA(cudaDeviceSynchronize());
+  const auto got = to_host(d, init.size());
+  const double sum_cta = ctas * (ctas + 1) / 2.0;  // sum of (cta + 1)
+  int bad = 0;
+  std::string detail;
+  for (size_t i = 0; i < init.size(); ++i) {
+    double want = init[i];
+    if (i < n && i >= static_cast<size_t>(rows) * cols) {  // plane 1
+      const int r = static_cast<int>((i / cols) % rows), c = static_cast<int>(i % cols);
+      if (c < 32 && r >= 40) want += 0.25 * sum_cta * (64 * (r - 40) + c);
+      if (c >= 32 && r < 64) want += -0.125 * sum_cta * (64 * r + (c - 32));
+    }
+    if (got[i] != static_cast<float>(want)) {
+      if (bad++ == 0)
+        detail = "first mismatch at " + std::to_string(i) + ": got " + std::to_string(got[i]) + " want " +
+                 std::to_string(want);
+    }
+  }
+  report("tma_reduce_add_3d", bad == 0, bad ? detail + " (" + std::to_string(bad) + " bad)" : "");
+  CHECK_CUDA(cudaFree(d));
+}
+
 }  // namespace
 
 int main() {
@@ -1330,6 +1400,7 @@ int main() {
   test_claim();
   test_exp2();
   test_red_if();
+  test_tma_reduce();
   std::printf("\nptx_sm90: %d passed, %d failed\n", g_pass, g_fail);
   return g_fail == 0 ? 0 : 1;
 }
