@@ -323,7 +323,8 @@ struct BwdKernelEnv : ScopedEnv {
 };
 
 // The dispatcher's choice, atomic and deterministic; where the default was the wgmma kernel (sm_90,
-// hdim 128) the mma.sync table runs the case too (IOATTN_BWD_KERNEL=mma), so both stay covered.
+// hdim 64 / 128) the mma.sync table runs the case too (IOATTN_BWD_KERNEL=mma, both modes), so both
+// stay covered.
 void run_case(const Case& c, uint64_t seed) {
   SKIP_WITHOUT_GPU();
   BwdRun s(c, seed);
@@ -339,11 +340,13 @@ void run_case(const Case& c, uint64_t seed) {
   }
   if (wgmma_ran) {
     BwdKernelEnv env("mma");
-    s.poison_grads();
-    const KernelChoice kc = s.backward_device(false);
-    EXPECT_NE(kc.kernel.find("mma.sync"), std::string::npos) << kc.kernel;
-    EXPECT_NE(kc.reason.find("IOATTN_BWD_KERNEL=mma"), std::string::npos) << kc.reason;
-    check_grads(s, r, c.name + " (IOATTN_BWD_KERNEL=mma, atomic dq)");
+    for (bool det : {false, true}) {
+      s.poison_grads();
+      const KernelChoice kc = s.backward_device(det);
+      EXPECT_NE(kc.kernel.find("mma.sync"), std::string::npos) << kc.kernel;
+      EXPECT_NE(kc.reason.find("IOATTN_BWD_KERNEL=mma"), std::string::npos) << kc.reason;
+      check_grads(s, r, c.name + (det ? " (IOATTN_BWD_KERNEL=mma, deterministic)" : " (IOATTN_BWD_KERNEL=mma, atomic dq)"));
+    }
   }
 }
 
@@ -424,6 +427,12 @@ std::vector<Case> sm90_cases() {
     // seqlen_q must be clipped, not added into the next plane).
     { Case c = mk("gqa2_batch3_" + ts, 100, 150, 128, t); c.heads_q = 4; c.heads_kv = 2; c.batch = 3; c.causal = true;
       v.push_back(c); }
+    // Sliding windows (left and right, and left with causal) and sinks (their gradient comes from
+    // the preprocess; the kernel only needs the forward's LSE).
+    { Case c = mk("window_l20_r5_" + ts, 100, 300, 128, t); c.window_left = 20; c.window_right = 5; v.push_back(c); }
+    { Case c = mk("window_l50_causal_gqa2_" + ts, 333, 290, 128, t); c.heads_q = 4; c.heads_kv = 2; c.causal = true;
+      c.window_left = 50; v.push_back(c); }
+    { Case c = mk("sinks_gqa2_" + ts, 70, 100, 128, t); c.heads_q = 4; c.heads_kv = 2; c.sinks = true; v.push_back(c); }
     // hdim 64.
     v.push_back(mk("d64_len17_" + ts, 17, 17, 64, t));
     { Case c = mk("d64_q113_k203_causal_" + ts, 113, 203, 64, t); c.causal = true; v.push_back(c); }
@@ -433,6 +442,8 @@ std::vector<Case> sm90_cases() {
     { Case c = mk("d64_bhsd_batch2_" + ts, 65, 300, 64, t); c.bhsd = true; c.batch = 2; v.push_back(c); }
     { Case c = mk("d64_gqa2_batch3_" + ts, 100, 150, 64, t); c.heads_q = 4; c.heads_kv = 2; c.batch = 3;
       v.push_back(c); }
+    { Case c = mk("d64_window_l30_causal_sinks_" + ts, 200, 170, 64, t); c.causal = true; c.window_left = 30;
+      c.sinks = true; v.push_back(c); }
   }
   return v;
 }
@@ -455,6 +466,12 @@ TEST_P(CudaBackwardSm90, MatchesFloat64Reference) {
     EXPECT_NE(kc.kernel.find(hd), std::string::npos) << kc.kernel;
     check_grads(s, r, c.name + " (sm90 wgmma, variant " + variant + ")");
   }
+  // Deterministic mode: dK/dV by this kernel, dQ by the mma.sync table's atomic-free pass.
+  s.poison_grads();
+  const KernelChoice kc = s.backward_device(true);
+  EXPECT_NE(kc.kernel.find("sm90 wgmma"), std::string::npos) << kc.kernel << ": " << kc.reason;
+  EXPECT_NE(kc.kernel.find("dq deterministic"), std::string::npos) << kc.kernel;
+  check_grads(s, r, c.name + " (sm90 wgmma, deterministic)");
 }
 
 INSTANTIATE_TEST_SUITE_P(Cases, CudaBackwardSm90, ::testing::ValuesIn(sm90_cases()),
@@ -463,14 +480,21 @@ INSTANTIATE_TEST_SUITE_P(Cases, CudaBackwardSm90, ::testing::ValuesIn(sm90_cases
 TEST(CudaBackwardSm90Select, SaysWhenItDoesNotApply) {
   SKIP_WITHOUT_GPU();
   if (detail::cuda_device_arch(0) != 90) GTEST_SKIP() << "skipped: the wgmma backward needs sm_90";
-  {  // unset: the wgmma kernel where it applies; deterministic mode is the mma.sync table's, saying why
+  {  // unset: the wgmma kernel where it applies, deterministic mode included (its dQ pass named);
+     // softcap is the mma.sync table's, and the reason says why
     BwdKernelEnv env(nullptr);
     BwdRun s(mk("default_d128", 40, 50, 128), 5);
     EXPECT_NE(s.backward_device(false).kernel.find("sm90 wgmma"), std::string::npos);
     const KernelChoice kc = s.backward_device(true);
-    EXPECT_NE(kc.kernel.find("mma.sync"), std::string::npos) << kc.kernel;
-    EXPECT_NE(kc.reason.find("the wgmma backward does not apply (no deterministic mode"), std::string::npos)
-        << kc.reason;
+    EXPECT_NE(kc.kernel.find("sm90 wgmma"), std::string::npos) << kc.kernel;
+    EXPECT_NE(kc.reason.find("atomic-free dQ pass"), std::string::npos) << kc.reason;
+    Case c = mk("softcap_d128", 40, 50, 128);
+    c.softcap = 10.0f;
+    BwdRun sc(c, 5);
+    const KernelChoice kcs = sc.backward_device(false);
+    EXPECT_NE(kcs.kernel.find("mma.sync"), std::string::npos) << kcs.kernel;
+    EXPECT_NE(kcs.reason.find("the wgmma backward does not apply (no softcap or ALiBi"), std::string::npos)
+        << kcs.reason;
   }
   {
     BwdKernelEnv env("mma");
@@ -501,16 +525,17 @@ TEST(CudaBackwardSm90Select, SaysWhenItDoesNotApply) {
   }
   {
     BwdKernelEnv env("sm90");
-    Case c = mk("window_d128", 100, 300, 128);
+    Case c = mk("alibi_window_d128", 100, 300, 128);
     c.window_left = 20;
     c.window_right = 5;
+    c.alibi = true;
     BwdRun s(c, 3);
     const Refs r = references(s);
     s.poison_grads();
-    const KernelChoice kc = s.backward_device(true);  // deterministic and a window: both refused
+    const KernelChoice kc = s.backward_device(true);  // ALiBi: refused, the mma.sync table runs it
     EXPECT_NE(kc.kernel.find("mma.sync"), std::string::npos) << kc.kernel;
     EXPECT_NE(kc.reason.find("IOATTN_BWD_KERNEL=sm90 does not apply"), std::string::npos) << kc.reason;
-    check_grads(s, r, "window with IOATTN_BWD_KERNEL=sm90");
+    check_grads(s, r, "ALiBi + window with IOATTN_BWD_KERNEL=sm90");
   }
   {
     BwdKernelEnv env("wgmma");

@@ -83,10 +83,7 @@ std::string sm90_bwd_refusal(const detail::BwdProblem& bp, int arch, int optin, 
   if (p.head_dim != 128 && p.head_dim != 64) return "head_dim 64 or 128 only, got " + std::to_string(p.head_dim);
   const BwdKernelInfo& info = sm90_bwd_info(p.head_dim);
   if (p.varlen()) return "no varlen";
-  if (bp.deterministic) return "no deterministic mode (dQ by atomics)";
-  if (p.softcap > 0.f || p.alibi_slopes != nullptr || p.sinks != nullptr || bp.dsinks != nullptr)
-    return "no softcap, ALiBi or sinks";
-  if (p.window_left >= 0 || p.window_right > 0) return "no sliding window (causal or none)";
+  if (p.softcap > 0.f || p.alibi_slopes != nullptr) return "no softcap or ALiBi";
   if (optin < static_cast<int>(info.smem_bytes)) return "needs " + std::to_string(info.smem_bytes / 1024) + " KB of shared memory";
   if (cudaFuncGetAttributes(attr, p.dtype == DType::bf16 ? info.dkdv_bf16 : info.dkdv_f16) !=
           cudaSuccess ||
@@ -149,9 +146,14 @@ Pick pick(const detail::BwdProblem& bp, int arch) {
       r.info = &info;
       r.sel = {"cuda/flash-backward sm90 wgmma " + std::string(dtype_name(p.dtype)) + " hdim" +
                    std::to_string(info.head_dim) + " " + detail::mask_name(p) + " tile " + std::to_string(info.block_m) +
-                   "x" + std::to_string(info.block_n) + " warpgroups " + std::to_string(info.warps / 4) + " dq atomic",
+                   "x" + std::to_string(info.block_n) + " warpgroups " + std::to_string(info.warps / 4) +
+                   (bp.deterministic ? " dq deterministic" : " dq atomic"),
                std::string(info.reason) + "; " + std::to_string(info.smem_bytes / 1024) + " KB smem, " +
-                   std::to_string(a.numRegs) + " regs/thread"};
+                   std::to_string(a.numRegs) + " regs/thread" +
+                   (bp.deterministic ? "; deterministic: dK/dV only (no dQ wgmma), then the mma.sync table's "
+                                       "atomic-free dQ pass (" + std::to_string(info.dq_block_m) + "x" +
+                                       std::to_string(info.dq_block_n) + " tiles)"
+                                     : "")};
       return r;
     }
     sm90_note = (force == "sm90" ? "IOATTN_BWD_KERNEL=sm90 does not apply (" : "the wgmma backward does not apply (") +

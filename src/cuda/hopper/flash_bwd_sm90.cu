@@ -3,7 +3,7 @@
 // selects the mma.sync kernel of flash_bwd.cuh instead; flash_bwd_dispatch.cu says why when it
 // does not apply).
 // The preprocess (D, LSE·log2e), the fp32 dQ workspace and its conversion are run_flash_backward's,
-// unchanged; this kernel replaces flash_bwd_dkdv_kernel in the default (atomic dQ) mode.
+// unchanged; this kernel replaces flash_bwd_dkdv_kernel.
 //
 // CTA = (batch, kv head, block of 128 keys), 2 consumer warpgroups (no producer: cp.async loads
 // issued by all 256 threads one (Q, dO) block ahead), warpgroup c owning keys 64c..64c+63. Keys
@@ -22,8 +22,10 @@
 // (alternating per block so one barrier per block suffices), LSE and D 2 stages x 64 floats,
 // dQ pieces 2 x 2 warpgroups x [64 x 64] fp32: 224 KB (hdim 128) or 160 KB (hdim 64), + 1 KB
 // alignment.
-// Not covered (the selector says so): varlen, window other than causal, softcap, ALiBi, sinks,
-// deterministic mode, head dims other than 64 and 128.
+// Sinks need nothing here: the forward's LSE includes them, and their gradient comes from the
+// preprocess (run_flash_backward). Deterministic mode: dK/dV here (kDq false: no dQ wgmma, no dS^T
+// in shared memory), then the mma.sync table's atomic-free dQ pass (launch_deterministic). Not
+// covered (the selector says so): varlen, softcap, ALiBi, head dims other than 64 and 128.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -108,12 +110,13 @@ __device__ __forceinline__ void load_rows(uint32_t dst, const uint8_t* src, int6
   }
 }
 
-template <typename T, int kD, bool kTmaDq, bool kLag>
+template <typename T, int kD, bool kTmaDq, bool kLag, bool kDq = true>
 __global__ void __launch_bounds__(kThreads, 1) flash_bwd_sm90_kernel(const BwdParams p,
                                                                      const __grid_constant__ CUtensorMap dq_map) {
 #if IOATTN_SM90A_ENABLED
   using namespace sm90;
   static_assert(kD == 64 || kD == 128, "hdim 64 or 128");
+  static_assert(kDq || (!kTmaDq && !kLag), "the dK/dV-only kernel (deterministic mode) has no dQ path");
   constexpr int kTileQ = Cfg<kD>::kTileQ, kTileK = Cfg<kD>::kTileK;
   extern __shared__ uint8_t raw[];
   uint8_t* base = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(raw) + 1023) & ~uintptr_t{1023});
@@ -144,11 +147,14 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_sm90_kernel(const BwdPa
     ptx::cp_async_commit();
   }
 
-  // Query blocks that can see a key of this block: causal (window_right 0) starts at the row
-  // whose diagonal reaches key n0; a left window would end early (not supported here).
-  const int m_first = p.window_right >= 0 ? max(0, n0 - off - p.window_right) / kBM : 0;
-  const int m_blocks = (sq_len + kBM - 1) / kBM;
-  const int per_head = max(0, m_blocks - m_first);
+  // Query rows that see a key of [n0, n_end): [i_begin, i_end) (the band is monotone in the row):
+  // a right window (causal: 0) starts at the row whose band reaches key n0, a left window ends
+  // at the last row whose band still reaches key n_end - 1.
+  const int n_end = min(n0 + kBN, sk_len);
+  const int i_begin = p.window_right >= 0 ? max(0, n0 - off - p.window_right) : 0;
+  const int i_end = p.window_left >= 0 ? min(sq_len, n_end - off + p.window_left) : sq_len;
+  const int m_first = i_begin / kBM;
+  const int per_head = i_end > i_begin ? (i_end + kBM - 1) / kBM - m_first : 0;
   const int steps = per_head * p.group;
 
   // Steps walk (query head of the group, query block) in order; the issuing and the computing
@@ -300,15 +306,16 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_sm90_kernel(const BwdPa
     }
 
     // P^T (in place of S^T, fp32), dS^T; fragment element e: key 64wg + 16w + g (+8 when
-    // e % 4 >= 2), row 8(e/4) + 2t + e%2. Blocks inside both sequences and wholly below the causal
-    // diagonal skip the mask (as the mma.sync kernel's needs_mask); masked elements get P = 0 and
-    // so dS = 0.
+    // e % 4 >= 2), row 8(e/4) + 2t + e%2. Blocks inside both sequences and wholly inside the
+    // window band skip the mask (as the mma.sync kernel's needs_mask); masked elements get P = 0
+    // and so dS = 0.
     uint32_t pa[kBM / 4], da[kBM / 4];
     uint8_t* ds_buf = sds + st * kTileDs;
     const uint32_t ds_s = smem_u32(ds_buf);
     const int key_l = 64 * wg + 16 * w + g;
     const bool needs_mask = n0 + kBN > sk_len || m0 + kBM > sq_len ||
-                            (p.window_right >= 0 && n0 + kBN - 1 - m0 - off > p.window_right);
+                            (p.window_right >= 0 && n0 + kBN - 1 - m0 - off > p.window_right) ||
+                            (p.window_left >= 0 && n0 - (m0 + kBM - 1) - off < -p.window_left);
     // LSE and D of this thread's 16 rows: rows 8k + 2t and 8k + 2t + 1 as one 8-byte load each,
     // issued before the wait for the scores that use them.
     float2 lse2[kBM / 8], d2[kBM / 8];
@@ -332,13 +339,16 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_sm90_kernel(const BwdPa
     auto ds_part = [&]() {
 #pragma unroll
       for (int j = 0; j < kBM / 4; ++j) {
-        const int e = 2 * j, r = 8 * (e / 4) + 2 * t, kl = key_l + ((e % 4) >= 2 ? 8 : 0);
+        const int e = 2 * j;
         da[j] = ptx::pack2<T>(s[e] * (dp[e] - pick(d2, e)), s[e + 1] * (dp[e + 1] - pick(d2, e + 1)));
         // dS^T as the MN-major A of dQ = dS K: (key, row) at row `key`, 16-bit column `row`; the
         // pair (rows r, r + 1; r even) is one aligned 32-bit word of the swizzled row.
-        const uint32_t addr =
-            ds_s + static_cast<uint32_t>(kl * 128 + ((((r * 2) >> 4) ^ (kl & 7)) << 4) + ((r * 2) & 15));
-        asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(addr), "r"(da[j]) : "memory");
+        if constexpr (kDq) {
+          const int r = 8 * (e / 4) + 2 * t, kl = key_l + ((e % 4) >= 2 ? 8 : 0);
+          const uint32_t addr =
+              ds_s + static_cast<uint32_t>(kl * 128 + ((((r * 2) >> 4) ^ (kl & 7)) << 4) + ((r * 2) & 15));
+          asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(addr), "r"(da[j]) : "memory");
+        }
       }
     };
     // dV += P^T dO, dK += dS^T Q (k-steps of 16 query rows; B MN-major).
@@ -360,28 +370,20 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_sm90_kernel(const BwdPa
     wgmma_fence();
     gemm_dkv(dv, pa, do_s);
     wgmma_commit();
-    if constexpr (kLag) {
-      load_rows2(d2, s_d[st]);
-      wgmma_wait<1>();  // dP^T (dV may still run)
+    load_rows2(d2, s_d[st]);
+    wgmma_wait<1>();  // dP^T (dV may still run)
 #pragma unroll
-      for (int i = 0; i < kBM / 2; ++i) reg_fence(dp[i]);
-      ds_part();
-      wgmma_fence();
-      gemm_dkv(dk, da, q_s);
-      wgmma_commit();
-      fence_proxy_async();  // dS^T for the next step's dQ wgmmas (after its first barrier)
-      wgmma_wait<0>();      // dV, dK: nothing stays in flight across iterations
+    for (int i = 0; i < kBM / 2; ++i) reg_fence(dp[i]);
+    ds_part();
+    wgmma_fence();
+    gemm_dkv(dk, da, q_s);
+    wgmma_commit();
+    if constexpr (!kDq || kLag) {
+      if (kDq) fence_proxy_async();  // dS^T for the next step's dQ wgmmas (after its first barrier)
+      wgmma_wait<0>();  // dV, dK: nothing stays in flight across iterations
 #pragma unroll
       for (int i = 0; i < kD / 2; ++i) reg_fence(dv[i]), reg_fence(dk[i]);
     } else {
-      load_rows2(d2, s_d[st]);
-      wgmma_wait<1>();  // dP^T (dV may still run)
-#pragma unroll
-      for (int i = 0; i < kBM / 2; ++i) reg_fence(dp[i]);
-      ds_part();
-      wgmma_fence();
-      gemm_dkv(dk, da, q_s);
-      wgmma_commit();
       // dS^T visible to the async proxy, then the dQ wgmmas. kTmaDq: the barrier below also hands
       // this step's dQ piece buffer over, free once the reduce-adds issued from it two steps ago
       // have read it (this warpgroup's issuing thread waits here).
@@ -401,7 +403,7 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_sm90_kernel(const BwdPa
       put_dq(dq, h, m0, st);
     }
   }
-  if constexpr (kLag) {  // the last step's dQ
+  if constexpr (kDq && kLag) {  // the last step's dQ
     if (steps > 0) {
       if (kTmaDq && wtid == 0) bulk_wait_group_read<1>();
       __syncthreads();
@@ -470,8 +472,43 @@ CUtensorMap make_dq_map(const BwdParams& p) {
   return map;
 }
 
+// Deterministic mode (no dQ workspace): this kernel for dK/dV only, then the mma.sync table's
+// atomic-free dQ pass of the same head dim (flash_bwd_dq_kernel: one CTA per query block walks
+// every key block in order), whose tile run_flash_backward sized num_m_blocks for (info_for()
+// copies the row's dQ fields).
+const BwdKernelInfo& mma_row(int head_dim) {
+  static const BwdKernelInfo d64 = bwd_info_hdim64(), d128 = bwd_info_hdim128();
+  return head_dim == 64 ? d64 : d128;
+}
+
+template <typename T, int kD>
+void launch_deterministic(const BwdParams& p, cudaStream_t stream) {
+  const int64_t grid = static_cast<int64_t>(p.num_n_blocks) * p.heads_kv * p.batch;
+  if (grid > 0) {
+    auto* kernel = &flash_bwd_sm90_kernel<T, kD, false, false, false>;
+    const int smem = Cfg<kD>::smem(false);
+    IOATTN_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+    kernel<<<static_cast<unsigned>(grid), kThreads, smem, stream>>>(p, CUtensorMap{});
+    IOATTN_CUDA_CHECK_LAUNCH("flash_bwd_sm90_kernel (dK/dV only)");
+  }
+  const BwdKernelInfo& row = mma_row(kD);
+  const int64_t grid_q = static_cast<int64_t>(p.num_m_blocks) * p.heads_q * p.batch;
+  if (grid_q > 0) {
+    const void* dq_kernel = std::is_same_v<T, __nv_bfloat16> ? row.dq_bf16 : row.dq_f16;
+    const int smem = static_cast<int>(row.dq_smem_bytes);
+    if (smem > 48 * 1024)
+      IOATTN_CUDA_CHECK(cudaFuncSetAttribute(dq_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+    BwdParams arg = p;
+    void* args[] = {&arg};
+    IOATTN_CUDA_CHECK(cudaLaunchKernel(dq_kernel, dim3(static_cast<unsigned>(grid_q)),
+                                       dim3(static_cast<unsigned>(row.dq_warps * 32)), args, smem, stream));
+    IOATTN_CUDA_CHECK_LAUNCH("flash_bwd_dq_kernel");
+  }
+}
+
 template <typename T, int kD>
 void launch_typed(const BwdParams& p, cudaStream_t stream) {
+  if (p.ws_dq == nullptr) return launch_deterministic<T, kD>(p, stream);
   const int64_t grid = static_cast<int64_t>(p.num_n_blocks) * p.heads_kv * p.batch;
   const int v = variant_bits();  // also rejects a bad value
   const bool tma_dq = (v & 1) == 0;
@@ -502,9 +539,10 @@ BwdKernelInfo info_for() {
   info.block_m = kBM;
   info.block_n = kBN;
   info.warps = kThreads / 32;
-  info.dq_block_m = kBM;  // unused: no deterministic dQ pass
-  info.dq_block_n = kBN;
-  info.dq_warps = 0;
+  const BwdKernelInfo& row = mma_row(kD);  // deterministic mode's dQ pass
+  info.dq_block_m = row.dq_block_m;
+  info.dq_block_n = row.dq_block_n;
+  info.dq_warps = row.dq_warps;
   info.col_splits = 1;
   info.reason = kD == 128
                     ? "wgmma, keys as M (S^T = K Q^T, dP^T = V dO^T, dV += P^T dO, dK += dS^T Q, dQ = dS K from dS^T "
@@ -514,12 +552,12 @@ BwdKernelInfo info_for() {
                     : "wgmma, keys as M, 2 warpgroups x 64 keys, 64-row steps, each warpgroup's dQ from its own keys, "
                       "dQ one step late (its output under the next S^T/dP^T), fp32 dQ by TMA reduce-add";
   info.smem_bytes = Cfg<kD>::kSmemTma;
-  info.smem_bytes_det = info.smem_bytes;
-  info.dq_smem_bytes = 0;
+  info.smem_bytes_det = Cfg<kD>::kSmemRed;
+  info.dq_smem_bytes = row.dq_smem_bytes;
   info.dkdv_bf16 = reinterpret_cast<const void*>(&flash_bwd_sm90_kernel<__nv_bfloat16, kD, true, true>);
   info.dkdv_f16 = reinterpret_cast<const void*>(&flash_bwd_sm90_kernel<__half, kD, true, true>);
-  info.dq_bf16 = info.dkdv_bf16;  // no separate dQ kernel
-  info.dq_f16 = info.dkdv_f16;
+  info.dq_bf16 = row.dq_bf16;
+  info.dq_f16 = row.dq_f16;
   info.launch = &launch<kD>;
   return info;
 }
