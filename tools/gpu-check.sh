@@ -20,7 +20,8 @@
 #      by load mechanism (LDG, cp.async with/without L2 prefetch hints, 1-D bulk copy) and access
 #      pattern (contiguous, the decode cache's rows) -> readbw.json and a table in the summary.
 #   ncubwd (not in the default stages; ~1 min): Nsight Compute sections (speed of light, warp
-#      states, scheduler, pipes, memory) of the wgmma backward kernel at hdim 128, 4k, per
+#      states, scheduler, pipes, memory) plus the stall reasons per issued instruction, each pipe's
+#      active cycles and the shared-memory wavefronts of the wgmma backward kernel at hdim 128, 4k, per
 #      IOATTN_BWD_SM90_VARIANT in GPU_CHECK_NCU_VARIANTS (default "lag split") -> ncu_bwd.log.
 #   report (not in the default stages; ~4-5 min): tools/report/report.sh — ioattn bench sweeps (CPU
 #      and CUDA), Nsight Compute DRAM traffic vs the model, ceilings, charts; packed into report.tgz.
@@ -196,6 +197,7 @@ if want ncubwd && command -v ncu >/dev/null; then
     IOATTN_BWD_SM90_VARIANT=$v timeout 240 ncu --clock-control none -k regex:flash_bwd_sm90 -c 1 \
       --section SpeedOfLight --section WarpStateStats --section SchedulerStats --section ComputeWorkloadAnalysis \
       --section MemoryWorkloadAnalysis --section Occupancy \
+      --metrics 'regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio,regex:sm__pipe_.*_cycles_active\.avg\.pct_of_peak_sustained_active,l1tex__data_pipe_lsu_wavefronts_mem_shared.sum' \
       "$BUILD/ioattn_cuda_bench" bwd --hdims 128 --seqlens 4096 >>"$OUT/ncu_bwd.log" 2>&1
   done
   note "ncu bwd    rc=$?  $(( $(stamp) - t0 )) s  (ncu_bwd.log)"

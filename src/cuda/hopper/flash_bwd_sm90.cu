@@ -53,6 +53,7 @@ constexpr int kTileDs = kBN * kBM * 2;  // 16 KB: dS^T [128 keys x 64 rows]
 //             a CTA barrier), one reduction per element;
 //   hdim 64:  dQ_wg = dS[:, keys of wg] K[keys of wg, :] (own dS^T only: a warpgroup barrier),
 //             both warpgroups reduce into every element.
+constexpr int kDqPiece = kBM * 64 * 4;  // 16 KB: one warpgroup's dQ piece, two SW128 boxes of 32 dims
 template <int kD>
 struct Cfg {
   static constexpr int kTileQ = kBM * kD * 2;  // Q or dO block
@@ -60,10 +61,9 @@ struct Cfg {
   static constexpr int kSmemRed = 2 * kTileK + 4 * kTileQ + 2 * kTileDs + 1024;
   // kTmaDq: + 2 buffers x 2 warpgroups x [64 rows x 64 dims] fp32 dQ pieces (hdim 128: 226 KB in
   // all with the static LSE/D arrays, of the 227 KB an sm_90 CTA may have).
-  static constexpr int kSmemTma = kSmemRed + 2 * 2 * kBM * 64 * 4;
+  static constexpr int kSmemTma = kSmemRed + 2 * 2 * kDqPiece;
   static constexpr int smem(bool tma_dq) { return tma_dq ? kSmemTma : kSmemRed; }
 };
-constexpr int kDqPiece = kBM * 64 * 4;  // 16 KB: one warpgroup's dQ piece, two SW128 boxes of 32 dims
 
 // Byte offset of fp32 element (row r, column c < 64) of a dQ piece: two [64 rows x 32 floats]
 // boxes of the dQ tensor map, 128-byte rows, 16-byte chunk (c % 32) / 4 at position ^ (r % 8).
