@@ -399,8 +399,8 @@ TEST_P(CudaBackward, MatchesFloat64Reference) { run_case(GetParam(), 7 + GetPara
 INSTANTIATE_TEST_SUITE_P(Cases, CudaBackward, ::testing::ValuesIn(cases()),
                          [](const auto& info) { return info.param.name; });
 
-// The wgmma backward (sm_90's default where it applies: hdim 64 and 128, causal or none, GQA, no
-// varlen / window / softcap / ALiBi / sinks, atomic dQ): the same reference checks, on an sm_90
+// The wgmma backward (sm_90's default where it applies: hdim 64 and 128, causal, sliding windows,
+// sinks, GQA; no varlen / softcap / ALiBi): the same reference checks, on an sm_90
 // device, for each IOATTN_BWD_SM90_VARIANT (lag, the default, and redlag: dQ one step late; split
 // and red: in its own step; by TMA reduce-add or red.global); where it does not apply the mma.sync
 // row runs and says why.
@@ -433,6 +433,9 @@ std::vector<Case> sm90_cases() {
     { Case c = mk("window_l50_causal_gqa2_" + ts, 333, 290, 128, t); c.heads_q = 4; c.heads_kv = 2; c.causal = true;
       c.window_left = 50; v.push_back(c); }
     { Case c = mk("sinks_gqa2_" + ts, 70, 100, 128, t); c.heads_q = 4; c.heads_kv = 2; c.sinks = true; v.push_back(c); }
+    // A left window alone; a right window alone with more rows than keys (negative offset).
+    { Case c = mk("window_l20_only_" + ts, 100, 300, 128, t); c.window_left = 20; v.push_back(c); }
+    { Case c = mk("window_r7_only_q300_k100_" + ts, 300, 100, 128, t); c.window_right = 7; v.push_back(c); }
     // hdim 64.
     v.push_back(mk("d64_len17_" + ts, 17, 17, 64, t));
     { Case c = mk("d64_q113_k203_causal_" + ts, 113, 203, 64, t); c.causal = true; v.push_back(c); }
@@ -444,6 +447,8 @@ std::vector<Case> sm90_cases() {
       v.push_back(c); }
     { Case c = mk("d64_window_l30_causal_sinks_" + ts, 200, 170, 64, t); c.causal = true; c.window_left = 30;
       c.sinks = true; v.push_back(c); }
+    // Key blocks that no row sees (steps == 0: dK = dV = 0) at hdim 64.
+    { Case c = mk("d64_window_l20_r5_" + ts, 100, 300, 64, t); c.window_left = 20; c.window_right = 5; v.push_back(c); }
   }
   return v;
 }

@@ -84,13 +84,17 @@ std::string sm90_bwd_refusal(const detail::BwdProblem& bp, int arch, int optin, 
   const BwdKernelInfo& info = sm90_bwd_info(p.head_dim);
   if (p.varlen()) return "no varlen";
   if (p.softcap > 0.f || p.alibi_slopes != nullptr) return "no softcap or ALiBi";
-  if (optin < static_cast<int>(info.smem_bytes)) return "needs " + std::to_string(info.smem_bytes / 1024) + " KB of shared memory";
   if (cudaFuncGetAttributes(attr, p.dtype == DType::bf16 ? info.dkdv_bf16 : info.dkdv_f16) !=
           cudaSuccess ||
       attr->ptxVersion < 90) {
     cudaGetLastError();
     return "this build has no sm_90a image of it";
   }
+  // Dynamic (the larger, default instance's) + static shared memory (LSE/D staging).
+  const size_t smem = info.smem_bytes + attr->sharedSizeBytes;
+  if (static_cast<size_t>(optin) < smem)
+    return "needs " + std::to_string(smem / 1024) + " KB of shared memory, the device allows " +
+           std::to_string(optin / 1024) + " KB";
   return "";
 }
 
@@ -141,19 +145,24 @@ Pick pick(const detail::BwdProblem& bp, int arch) {
     const std::string why = sm90_bwd_refusal(bp, arch, optin, &a);
     if (why.empty()) {
       const BwdKernelInfo& info = sm90_bwd_info(p.head_dim);
-      if (ceil_div(p.seqlen_k, info.block_n) * p.heads_kv * p.batch > INT_MAX)
-        return no("key blocks x kv heads x batch exceeds the 2^31-1 grid limit");
+      if (ceil_div(p.seqlen_k, info.block_n) * p.heads_kv * p.batch > INT_MAX ||
+          (bp.deterministic && ceil_div(p.seqlen_q, info.dq_block_m) * p.heads_q * p.batch > INT_MAX))
+        return no("key blocks x kv heads x batch (or, deterministic, query blocks x heads x batch) exceeds the "
+                  "2^31-1 grid limit");
       r.info = &info;
       r.sel = {"cuda/flash-backward sm90 wgmma " + std::string(dtype_name(p.dtype)) + " hdim" +
                    std::to_string(info.head_dim) + " " + detail::mask_name(p) + " tile " + std::to_string(info.block_m) +
                    "x" + std::to_string(info.block_n) + " warpgroups " + std::to_string(info.warps / 4) +
                    (bp.deterministic ? " dq deterministic" : " dq atomic"),
-               std::string(info.reason) + "; " + std::to_string(info.smem_bytes / 1024) + " KB smem, " +
-                   std::to_string(a.numRegs) + " regs/thread" +
-                   (bp.deterministic ? "; deterministic: dK/dV only (no dQ wgmma), then the mma.sync table's "
-                                       "atomic-free dQ pass (" + std::to_string(info.dq_block_m) + "x" +
-                                       std::to_string(info.dq_block_n) + " tiles)"
-                                     : "")};
+               std::string(info.reason) + "; " +
+                   (bp.deterministic
+                        ? "deterministic: its dK/dV-only instance (no dQ wgmma, " +
+                              std::to_string(info.smem_bytes_det / 1024) +
+                              " KB smem), then the mma.sync table's atomic-free dQ pass (" +
+                              std::to_string(info.dq_block_m) + "x" + std::to_string(info.dq_block_n) + " tiles, " +
+                              std::to_string(info.dq_smem_bytes / 1024) + " KB smem)"
+                        : std::to_string(info.smem_bytes / 1024) + " KB smem, " + std::to_string(a.numRegs) +
+                              " regs/thread")};
       return r;
     }
     sm90_note = (force == "sm90" ? "IOATTN_BWD_KERNEL=sm90 does not apply (" : "the wgmma backward does not apply (") +

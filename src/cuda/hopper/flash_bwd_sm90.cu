@@ -282,9 +282,10 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_sm90_kernel(const BwdPa
       }
     };
     // kLag: first the previous step's dQ wgmmas (its dS^T is in the other buffer, published by the
-    // barrier above; step 0 computes a throw-away product of the unused buffer, so the commit
-    // groups and waits are the same every step), then S^T and dP^T; the dQ output below runs
-    // while those are on the tensor cores.
+    // barrier above; step 0 computes a throw-away product of the still unwritten buffer 1 —
+    // intentionally: the commit groups and waits are then the same every step, the result is
+    // never read, and the read completes before step 1 writes that buffer), then S^T and dP^T;
+    // the dQ output below runs while those are on the tensor cores.
     float dq[kBM / 2];
     if constexpr (kLag) {
       gemm_dq(dq, st ^ 1);
@@ -508,9 +509,9 @@ void launch_deterministic(const BwdParams& p, cudaStream_t stream) {
 
 template <typename T, int kD>
 void launch_typed(const BwdParams& p, cudaStream_t stream) {
+  const int v = variant_bits();  // also rejects a bad value (in deterministic mode too)
   if (p.ws_dq == nullptr) return launch_deterministic<T, kD>(p, stream);
   const int64_t grid = static_cast<int64_t>(p.num_n_blocks) * p.heads_kv * p.batch;
-  const int v = variant_bits();  // also rejects a bad value
   const bool tma_dq = (v & 1) == 0;
   if (grid == 0) return;
   void (*const kernels[4])(const BwdParams, const CUtensorMap) = {
