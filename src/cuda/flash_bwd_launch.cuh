@@ -82,20 +82,28 @@ void launch_flash_bwd_dkdv(const BwdParams& p, cudaStream_t stream) {
   }
 }
 
+// Deterministic mode's atomic-free dQ pass: one row's flash_bwd_dq_kernel (bf16 or f16 instance),
+// launched through its pointer so that the wgmma backward (hopper/flash_bwd_sm90.cu), whose dK/dV
+// kernel is its own, runs the same pass from the row's BwdKernelInfo.
+inline void launch_flash_bwd_dq_pass(const BwdParams& p, const void* kernel, int threads, size_t smem,
+                                     cudaStream_t stream) {
+  const int64_t grid_q = static_cast<int64_t>(p.num_m_blocks) * p.heads_q * p.batch;
+  if (grid_q == 0) return;
+  if (smem > 48 * 1024)
+    IOATTN_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+  BwdParams arg = p;
+  void* args[] = {&arg};
+  IOATTN_CUDA_CHECK(cudaLaunchKernel(kernel, dim3(static_cast<unsigned>(grid_q)), dim3(static_cast<unsigned>(threads)),
+                                     args, smem, stream));
+  IOATTN_CUDA_CHECK_LAUNCH("flash_bwd_dq_kernel");
+}
+
 template <class Tr, typename T>
 void launch_flash_bwd_typed(const BwdParams& p, cudaStream_t stream) {
   launch_flash_bwd_dkdv<Tr, T>(p, stream);
-  if (p.ws_dq == nullptr) {  // deterministic mode: the atomic-free dQ pass
-    const int64_t grid_q = static_cast<int64_t>(p.num_m_blocks) * p.heads_q * p.batch;
-    if (grid_q > 0) {
-      auto* kernel = &flash_bwd_dq_kernel<Tr, T>;
-      if (Tr::kDqSmemBytes > 48 * 1024)
-        IOATTN_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                               static_cast<int>(Tr::kDqSmemBytes)));
-      kernel<<<static_cast<unsigned>(grid_q), Tr::kDqThreads, Tr::kDqSmemBytes, stream>>>(p);
-      IOATTN_CUDA_CHECK_LAUNCH("flash_bwd_dq_kernel");
-    }
-  }
+  if (p.ws_dq == nullptr)  // deterministic mode: the atomic-free dQ pass
+    launch_flash_bwd_dq_pass(p, reinterpret_cast<const void*>(&flash_bwd_dq_kernel<Tr, T>), Tr::kDqThreads,
+                             Tr::kDqSmemBytes, stream);
 }
 
 template <class Tr>

@@ -493,18 +493,8 @@ void launch_deterministic(const BwdParams& p, cudaStream_t stream) {
     IOATTN_CUDA_CHECK_LAUNCH("flash_bwd_sm90_kernel (dK/dV only)");
   }
   const BwdKernelInfo& row = mma_row(kD);
-  const int64_t grid_q = static_cast<int64_t>(p.num_m_blocks) * p.heads_q * p.batch;
-  if (grid_q > 0) {
-    const void* dq_kernel = std::is_same_v<T, __nv_bfloat16> ? row.dq_bf16 : row.dq_f16;
-    const int smem = static_cast<int>(row.dq_smem_bytes);
-    if (smem > 48 * 1024)
-      IOATTN_CUDA_CHECK(cudaFuncSetAttribute(dq_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-    BwdParams arg = p;
-    void* args[] = {&arg};
-    IOATTN_CUDA_CHECK(cudaLaunchKernel(dq_kernel, dim3(static_cast<unsigned>(grid_q)),
-                                       dim3(static_cast<unsigned>(row.dq_warps * 32)), args, smem, stream));
-    IOATTN_CUDA_CHECK_LAUNCH("flash_bwd_dq_kernel");
-  }
+  launch_flash_bwd_dq_pass(p, std::is_same_v<T, __nv_bfloat16> ? row.dq_bf16 : row.dq_f16, row.dq_warps * 32,
+                           row.dq_smem_bytes, stream);
 }
 
 template <typename T, int kD>

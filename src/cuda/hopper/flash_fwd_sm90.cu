@@ -423,7 +423,6 @@ bool select_impl(const FwdProblem& p, std::string* kernel, std::string* why) {
   return true;
 }
 
-
 // 4D map over (head_dim, seqlen, heads, batch) with box (64, box_rows, 1, 1) and 128-byte
 // swizzle: one box is one swizzled column block of a tile. Out-of-bounds rows read as zeros.
 CUtensorMap make_tensor_map(const void* ptr, DType dtype, int64_t head_dim, int64_t seqlen, int64_t heads,
