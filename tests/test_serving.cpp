@@ -188,6 +188,56 @@ TEST(DecodeEdge, MaskedNaNCodeDoesNotLeakE4m3) {
 
 // ---- 8-bit KV ------------------------------------------------------------------------------
 
+// Every e4m3 code through both passes, exactly: one cached token, scales 1, query row h one-hot
+// at dim h. Then LSE_h = the score = e4m3(K[h]) (m + log 1) and O_h = V (P = 1), both exact in
+// fp32, so any conversion error or element-order mistake (the table-lookup path converts 64 codes
+// at a time through in-lane unpacks) shows up as an inequality. K holds no NaN code (a NaN
+// anywhere in K makes every score NaN); V does, and only its column is NaN. d = 256 covers all
+// 256 codes; d = 200 mixes 64-code blocks with a 16-code and an 8-code tail.
+TEST(DecodeQuant, E4m3CodesExactThroughScoresAndPV) {
+  for (int64_t d : {256, 200}) {
+    Spec c = mk("e4m3codes", DType::f32);
+    c.cache = DType::f8e4m3;
+    c.hq = d;
+    c.hkv = 1;
+    c.d = d;
+    c.lens = {1};
+    c.scale = 1.0f;
+    Built bl(c, make_values(c, 5));
+    auto code_at = [&](int64_t x) { return static_cast<uint8_t>(d == 256 ? x : (7 * x + 3) & 255); };
+    auto is_nan_code = [](uint8_t code) { return (code & 0x7f) == 0x7f; };
+    auto* kc = static_cast<uint8_t*>(bl.kc.host());
+    auto* vc = static_cast<uint8_t*>(bl.vc.host());
+    for (int64_t x = 0; x < d; ++x) {
+      kc[bl.elem(0, 0, 0, d) + x] = is_nan_code(code_at(x)) ? 0 : code_at(x);
+      vc[bl.elem(0, 0, 0, d) + x] = code_at(x);
+    }
+    for (int64_t h = 0; h < d; ++h)
+      for (int64_t x = 0; x < d; ++x) bl.q.set(h * d + x, x == h ? 1.0f : 0.0f);
+    bl.ks.set(0, 1.0f);
+    bl.vs.set(0, 1.0f);
+    bl.upload();
+    bl.run(1);
+    int bad = 0;
+    for (int64_t h = 0; h < d && bad < 8; ++h) {
+      const uint8_t kcode = is_nan_code(code_at(h)) ? 0 : code_at(h);
+      const float want_lse = detail::e4m3_to_float(kcode);
+      if (!(bl.lse_at(0, h, 0) == want_lse)) {
+        ++bad;
+        ADD_FAILURE() << "d=" << d << " row " << h << ": LSE " << bl.lse_at(0, h, 0) << ", want e4m3(0x" << std::hex
+                      << int{kcode} << std::dec << ") = " << want_lse;
+      }
+      for (int64_t x = 0; x < d && bad < 8; ++x) {
+        const float got = bl.o_at(0, 0, h, x), want = detail::e4m3_to_float(code_at(x));
+        if (is_nan_code(code_at(x)) ? !std::isnan(got) : !(got == want)) {
+          ++bad;
+          ADD_FAILURE() << "d=" << d << " row " << h << " dim " << x << ": O " << got << ", want " << want;
+        }
+      }
+    }
+  }
+}
+
 // Against the reference on the *unquantised* values, the error is bounded by the quantisation
 // step. Per element, the stored value differs by at most ek (K) / ev (V) from the original
 // (e4m3: half a step, 2^-4 relative for normals, 2^-10 * scale absolute for subnormals; i8:

@@ -23,6 +23,10 @@
 #      states, scheduler, pipes, memory) plus the stall reasons per issued instruction, each pipe's
 #      active cycles and the shared-memory wavefronts of the wgmma backward kernel at hdim 128, 4k, per
 #      IOATTN_BWD_SM90_VARIANT in GPU_CHECK_NCU_VARIANTS (default "lag split") -> ncu_bwd.log.
+#      The logs are packed into logs.tgz at the end: read them there (or grep them in the command).
+#   bwdtrace (not in the default stages; ~1.5 min incl. its own build in BUILD-trace): the wgmma
+#      backward's step timeline, mean SM cycles per phase per warpgroup (IOATTN_BWD_TRACE=1 build),
+#      per variant in GPU_CHECK_TRACE_VARIANTS and seqlen in GPU_CHECK_TRACE_SEQLENS -> summary.
 #   report (not in the default stages; ~4-5 min): tools/report/report.sh — ioattn bench sweeps (CPU
 #      and CUDA), Nsight Compute DRAM traffic vs the model, ceilings, charts; packed into report.tgz.
 #      Run it with the stages that write its peer inputs: GPU_CHECK_STAGES="build bench sm90 report"
@@ -201,6 +205,27 @@ if want ncubwd && command -v ncu >/dev/null; then
       "$BUILD/ioattn_cuda_bench" bwd --hdims 128 --seqlens 4096 >>"$OUT/ncu_bwd.log" 2>&1
   done
   note "ncu bwd    rc=$?  $(( $(stamp) - t0 )) s  (ncu_bwd.log)"
+fi
+
+# ---- the wgmma backward's step timeline (optional stage bwdtrace) -----------------------------------
+# A second build with -DIOATTN_BWD_TRACE=1 (SM clock stamps per phase of every step of 8 CTAs, see
+# flash_bwd_sm90.cu); the bench prints the mean cycles per phase after the 20th launch.
+if want bwdtrace; then
+  t0=$(stamp)
+  TBUILD="$BUILD-trace"
+  PREFIX=()
+  [[ -d $ROOT/.deps/usr ]] && PREFIX=(-DCMAKE_PREFIX_PATH="$ROOT/.deps/usr")
+  { cmake -S "$ROOT" -B "$TBUILD" -G Ninja -DIOATTN_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES="$ARCHS" -DIOATTN_BUILD_TESTS=OFF \
+      -DIOATTN_BUILD_BENCH=ON -DCMAKE_CUDA_FLAGS=-DIOATTN_BWD_TRACE=1 "${PREFIX[@]}" &&
+      ninja -C "$TBUILD" -j "$JOBS" ioattn_cuda_bench; } >"$OUT/bwdtrace.log" 2>&1
+  for v in ${GPU_CHECK_TRACE_VARIANTS:-lag split}; do
+    for s in ${GPU_CHECK_TRACE_SEQLENS:-4096 16384}; do
+      echo "## variant $v seqlen $s" >>"$OUT/bwdtrace.log"
+      IOATTN_BWD_SM90_VARIANT=$v timeout 120 "$TBUILD/ioattn_cuda_bench" bwd --hdims 128 --seqlens "$s" >>"$OUT/bwdtrace.log" 2>&1
+    done
+  done
+  note "bwdtrace   rc=$?  $(( $(stamp) - t0 )) s  (bwdtrace.log)"
+  grep -E '^## variant|^bwd trace' "$OUT/bwdtrace.log" | tee -a "$SUMMARY"
 fi
 
 # ---- decode vs PyTorch SDPA cudnn / flash (enable_gqa), same run ----------------------------------

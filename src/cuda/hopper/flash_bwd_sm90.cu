@@ -30,6 +30,7 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <string>
@@ -41,6 +42,26 @@
 
 namespace ioattn::cuda {
 namespace sm90_bwd {
+
+// IOATTN_BWD_TRACE (a diagnostic build only, -DIOATTN_BWD_TRACE=1): SM clock stamps at the
+// phases of every step of the first kTrBlocks CTAs, both warpgroups, printed by the host after
+// the 20th launch (per-phase mean cycles over the steps, and one step's raw stamps).
+#ifndef IOATTN_BWD_TRACE
+#define IOATTN_BWD_TRACE 0
+#endif
+#if IOATTN_BWD_TRACE
+constexpr int kTrBlocks = 8, kTrSteps = 64, kTrPoints = 10;
+__device__ unsigned g_bwd_trace[kTrBlocks][2][kTrSteps][kTrPoints];
+#define BWD_TRACE(step, k)                                                                       \
+  do {                                                                                           \
+    if (wtid == 0 && blockIdx.x < kTrBlocks && (step) < kTrSteps)                                \
+      g_bwd_trace[blockIdx.x][wg][(step)][(k)] = static_cast<unsigned>(clock64());               \
+  } while (0)
+#else
+#define BWD_TRACE(step, k) \
+  do {                     \
+  } while (0)
+#endif
 
 constexpr int kBN = 128;       // keys per CTA (64 per consumer warpgroup)
 constexpr int kBM = 64;        // query rows per step
@@ -265,7 +286,9 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_sm90_kernel(const BwdPa
     // kLag + kTmaDq: the barrier also hands over the dQ piece buffer written in this step, free
     // once the reduce-adds issued from it two steps ago have read it.
     if (kLag && kTmaDq && wtid == 0) bulk_wait_group_read<1>();
+    BWD_TRACE(step, 9);
     __syncthreads();      // stage step & 1 landed for everyone; everyone is done with step - 1
+    BWD_TRACE(step, 0);
     const int st = step & 1, h = hk * p.group + cur_h, m0 = (m_first + cur_m) * kBM;
     if (++cur_m == per_head) cur_m = 0, ++cur_h;
     const uint32_t q_s = smem_u32(sq + st * kTileQ), do_s = smem_u32(sdo + st * kTileQ);
@@ -298,12 +321,15 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_sm90_kernel(const BwdPa
     wgmma_commit();
     issue(step + 1);  // stage (step + 1) & 1 was last read by step - 1's wgmmas, all complete
     ptx::cp_async_commit();
+    BWD_TRACE(step, 1);
     if constexpr (kLag) {
       wgmma_wait<2>();  // the dQ wgmmas (S^T and dP^T may still run)
 #pragma unroll
       for (int i = 0; i < kBM / 2; ++i) reg_fence(dq[i]);
+      BWD_TRACE(step, 2);
       if (step > 0) put_dq(dq, prev_h, prev_m0, st ^ 1);
       prev_h = h, prev_m0 = m0;
+      BWD_TRACE(step, 3);
     }
 
     // P^T (in place of S^T, fp32), dS^T; fragment element e: key 64wg + 16w + g (+8 when
@@ -364,6 +390,7 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_sm90_kernel(const BwdPa
     wgmma_wait<1>();  // S^T (dP^T may still run)
 #pragma unroll
     for (int i = 0; i < kBM / 2; ++i) reg_fence(s[i]);
+    BWD_TRACE(step, 4);
     if (needs_mask)
       p_part(std::true_type{});
     else
@@ -371,19 +398,23 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_sm90_kernel(const BwdPa
     wgmma_fence();
     gemm_dkv(dv, pa, do_s);
     wgmma_commit();
+    BWD_TRACE(step, 5);
     load_rows2(d2, s_d[st]);
     wgmma_wait<1>();  // dP^T (dV may still run)
 #pragma unroll
     for (int i = 0; i < kBM / 2; ++i) reg_fence(dp[i]);
+    BWD_TRACE(step, 6);
     ds_part();
     wgmma_fence();
     gemm_dkv(dk, da, q_s);
     wgmma_commit();
+    BWD_TRACE(step, 7);
     if constexpr (!kDq || kLag) {
       if (kDq) fence_proxy_async();  // dS^T for the next step's dQ wgmmas (after its first barrier)
       wgmma_wait<0>();  // dV, dK: nothing stays in flight across iterations
 #pragma unroll
       for (int i = 0; i < kD / 2; ++i) reg_fence(dv[i]), reg_fence(dk[i]);
+      BWD_TRACE(step, 8);
     } else {
       // dS^T visible to the async proxy, then the dQ wgmmas. kTmaDq: the barrier below also hands
       // this step's dQ piece buffer over, free once the reduce-adds issued from it two steps ago
@@ -497,6 +528,39 @@ void launch_deterministic(const BwdParams& p, cudaStream_t stream) {
                            row.dq_smem_bytes, stream);
 }
 
+#if IOATTN_BWD_TRACE
+// After the 20th launch: per phase (stamp k - stamp k-1, k in the order 9 0 1 2 3 4 5 6 7 8) the
+// mean cycles over steps 2..kTrSteps-2 of the traced CTAs, per warpgroup; then CTA 0's raw step 8.
+void print_trace(int64_t grid) {
+  static int calls = 0;
+  if (++calls != 20) return;
+  IOATTN_CUDA_CHECK(cudaDeviceSynchronize());
+  static unsigned h[kTrBlocks][2][kTrSteps][kTrPoints];
+  IOATTN_CUDA_CHECK(cudaMemcpyFromSymbol(h, g_bwd_trace, sizeof(h)));
+  const int order[kTrPoints] = {9, 0, 1, 2, 3, 4, 5, 6, 7, 8};
+  const char* names[kTrPoints] = {"top wait->bar", "barrier", "issue", "wait dQ", "put_dq", "wait S",
+                                  "P + dV issue", "wait dP", "dS + dK issue", "wait all"};
+  const int nb = static_cast<int>(grid < kTrBlocks ? grid : kTrBlocks);
+  for (int wg = 0; wg < 2; ++wg) {
+    std::fprintf(stderr, "bwd trace wg %d (mean cycles, steps 2..%d, %d CTAs):", wg, kTrSteps - 2, nb);
+    double total = 0;
+    for (int k = 0; k < kTrPoints; ++k) {
+      double sum = 0;
+      int n = 0;
+      for (int b = 0; b < nb; ++b)
+        for (int st = 2; st < kTrSteps - 1; ++st) {
+          const unsigned cur = h[b][wg][st][order[k]];
+          const unsigned prev = k == 0 ? h[b][wg][st - 1][8] : h[b][wg][st][order[k - 1]];
+          sum += static_cast<double>(cur - prev), ++n;
+        }
+      std::fprintf(stderr, " %s %.0f |", names[k], sum / n);
+      total += sum / n;
+    }
+    std::fprintf(stderr, " step %.0f\n", total);
+  }
+}
+#endif
+
 template <typename T, int kD>
 void launch_typed(const BwdParams& p, cudaStream_t stream) {
   const int v = variant_bits();  // also rejects a bad value (in deterministic mode too)
@@ -513,6 +577,9 @@ void launch_typed(const BwdParams& p, cudaStream_t stream) {
   IOATTN_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   kernel<<<static_cast<unsigned>(grid), kThreads, smem, stream>>>(p, map);
   IOATTN_CUDA_CHECK_LAUNCH("flash_bwd_sm90_kernel");
+#if IOATTN_BWD_TRACE
+  print_trace(grid);
+#endif
 }
 
 template <int kD>
