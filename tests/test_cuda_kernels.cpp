@@ -12,6 +12,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <random>
@@ -187,6 +188,11 @@ void run_case(const Case& c, uint32_t seed) {
     // sm90 takes the wgmma/TMA kernel where its table fits, the mma.sync kernel elsewhere.
     EXPECT_TRUE(kc.kernel.find("mma.sync") != std::string::npos || kc.kernel.find("wgmma") != std::string::npos)
         << kc.kernel;
+    // The sm90 kLocal rows (sliding windows, sinks), opt-in with IOATTN_SM90_LOCAL=1 (ctest
+    // cuda_kernels_sm90_local): the local_* cases must have run there.
+    const char* local = std::getenv("IOATTN_SM90_LOCAL");
+    if (c.name.rfind("local_", 0) == 0 && local != nullptr && *local == '1' && detail::cuda_device_arch(0) == 90)
+      EXPECT_NE(kc.kernel.find(" local"), std::string::npos) << kc.kernel;
   }
   o.download();
   lse.download();
@@ -365,6 +371,64 @@ std::vector<Case> flash_cases() {
     v.push_back(c);
     c.name = "varlen_empty_seq_causal";
     c.causal = true;
+    v.push_back(c);
+  }
+  // Cases for the sm90 kLocal rows (hdim 64 / 128 / 256; several key blocks, so windows skip
+  // whole blocks at both ends): causal + left window, both sides, one side only, sinks with and
+  // without a window, rows with no visible key, a diagonal-only window, softcap, ALiBi.
+  {
+    Case c = mk("local_causal_left100_d128", bf, 1, 700, 700, 2, 1, 128);
+    c.causal = true, c.wl = 100;
+    v.push_back(c);
+  }
+  {
+    Case c = mk("local_window_l200_r40_d64_f16", hf, 1, 900, 900, 2, 2, 64);
+    c.wl = 200, c.wr = 40;
+    v.push_back(c);
+  }
+  {
+    Case c = mk("local_window_r50_only_d256", bf, 1, 300, 500, 2, 2, 256);
+    c.wr = 50;
+    v.push_back(c);
+  }
+  {
+    Case c = mk("local_left64_only_gqa4_d128_f16", hf, 2, 640, 640, 8, 2, 128);
+    c.wl = 64;
+    v.push_back(c);
+  }
+  {
+    Case c = mk("local_sinks_noncausal_d128", bf, 1, 257, 333, 4, 2, 128);
+    c.sinks = true;
+    v.push_back(c);
+  }
+  {
+    Case c = mk("local_sinks_causal_window_d64", bf, 1, 500, 500, 2, 1, 64);
+    c.causal = true, c.wl = 30, c.sinks = true;
+    v.push_back(c);
+  }
+  {
+    Case c = mk("local_empty_rows_d128_f16", hf, 1, 300, 100, 2, 2, 128);
+    c.wl = 10, c.wr = 0;
+    v.push_back(c);
+  }
+  {
+    Case c = mk("local_diagonal_only_d256_f16", hf, 1, 129, 129, 2, 2, 256);
+    c.wl = 0, c.wr = 0;
+    v.push_back(c);
+  }
+  {
+    Case c = mk("local_softcap_d64", bf, 1, 333, 400, 2, 2, 64);
+    c.softcap = 3.f;
+    v.push_back(c);
+  }
+  {
+    Case c = mk("local_alibi_window_d256_f16", hf, 1, 260, 300, 2, 1, 256);
+    c.alibi = true, c.wl = 90, c.wr = 20;
+    v.push_back(c);
+  }
+  {
+    Case c = mk("local_softcap_alibi_sinks_causal_gqa_d128", bf, 1, 520, 520, 4, 2, 128);
+    c.causal = true, c.softcap = 8.f, c.alibi = true, c.sinks = true;
     v.push_back(c);
   }
   {

@@ -123,6 +123,13 @@ if want sanitizer; then
     compute-sanitizer --tool racecheck --error-exitcode 9 "$BUILD/test_cuda_kernels" \
       --gtest_filter='*113x203*:*varlen_empty_seq:*hdim192_bf16*'
     echo "racecheck rc=$?"
+    # The opt-in kLocal rows of the sm90 forward (windows, sinks, softcap, ALiBi) on small shapes.
+    IOATTN_SM90_LOCAL=1 compute-sanitizer --tool memcheck --error-exitcode 9 "$BUILD/test_cuda_kernels" \
+      --gtest_filter='*local_diagonal_only*:*local_empty_rows*:*local_sinks_noncausal*'
+    echo "memcheck (sm90 local) rc=$?"
+    IOATTN_SM90_LOCAL=1 compute-sanitizer --tool racecheck --error-exitcode 9 "$BUILD/test_cuda_kernels" \
+      --gtest_filter='*local_diagonal_only*:*local_empty_rows*'
+    echo "racecheck (sm90 local) rc=$?"
     if [[ -x $BUILD/test_cuda_backward ]]; then
       # (*len17* also matches the experimental wgmma backward's case: memcheck covers it on purpose)
       compute-sanitizer --tool memcheck --error-exitcode 9 "$BUILD/test_cuda_backward" \

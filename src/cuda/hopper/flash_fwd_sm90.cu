@@ -59,6 +59,12 @@ IOATTN_SM90_EXTERN(Hdim64Bf16Wg3, false)
 IOATTN_SM90_EXTERN(Hdim64Bf16Wg3Causal, true)
 IOATTN_SM90_EXTERN(Hdim64F16Wg3, false)
 IOATTN_SM90_EXTERN(Hdim64F16Wg3Causal, true)
+IOATTN_SM90_EXTERN_LOCAL(Hdim64Bf16Wg3Causal)
+IOATTN_SM90_EXTERN_LOCAL(Hdim64F16Wg3Causal)
+IOATTN_SM90_EXTERN_LOCAL(Hdim128Bf16Causal)
+IOATTN_SM90_EXTERN_LOCAL(Hdim128F16Causal)
+IOATTN_SM90_EXTERN_LOCAL(Hdim256Bf16Causal)
+IOATTN_SM90_EXTERN_LOCAL(Hdim256F16Causal)
 IOATTN_SM90_V3_EXTERN(Hdim128Bf16, false)
 IOATTN_SM90_V3_EXTERN(Hdim128F16, false)
 IOATTN_SM90_V3_EXTERN(Hdim128Bf16Causal, true)
@@ -113,6 +119,23 @@ Row make_row() {
   return make_row<Sm90Traits<kHeadDim, T, kCausal>, kCausal>(Sm90Tile<kHeadDim, kCausal>::kWhy);
 }
 
+// The kLocal rows (sliding windows, sinks): the causal tiling of each head dim (3 consumer
+// warpgroups at hdim 64), windows and sinks at run time.
+template <class Tr>
+Row make_row_local(const char* why) {
+  return Row{Tr::kBlockM, Tr::kBlockN, Tr::kStages, Tr::kConsumerWGs, false, why,
+             &flash_fwd_sm90_present<Tr, true, true>, &flash_fwd_sm90_launch<Tr, true, true>};
+}
+template <typename T>
+Row local_row_for_dtype(int64_t hdim) {
+  switch (hdim) {
+    case 64: return make_row_local<Sm90Traits3<T, true>>(Sm90Tile3<true>::kWhy);
+    case 128: return make_row_local<Sm90Traits<128, T, true>>(Sm90Tile<128, true>::kWhy);
+    case 256: return make_row_local<Sm90Traits<256, T, true>>(Sm90Tile<256, true>::kWhy);
+    default: return Row{};
+  }
+}
+
 template <typename T>
 Row row_for_dtype(int64_t hdim, bool causal, bool wg3, bool v3) {
   switch (hdim) {
@@ -131,7 +154,32 @@ Row row_for_dtype(int64_t hdim, bool causal, bool wg3, bool v3) {
   }
 }
 
+// A problem for the kLocal rows: a sliding window (beyond plain causal), sinks, softcap or ALiBi.
+bool needs_local(const FwdProblem& p) {
+  const bool plain_causal = p.causal && p.window_left < 0 && p.window_right == 0;
+  const bool no_window = !p.causal && p.window_left < 0 && p.window_right < 0;
+  return !(plain_causal || no_window) || p.sinks != nullptr || p.softcap > 0.0f || p.alibi_slopes != nullptr;
+}
+
+// " local(window=l,r sinks softcap alibi)" for the kernel name, "" for the other rows.
+std::string local_features(const FwdProblem& p) {
+  if (!needs_local(p)) return "";
+  std::string f;
+  auto add = [&](const std::string& x) { f += (f.empty() ? "" : " ") + x; };
+  if (p.window_left >= 0 || (!p.causal && p.window_right >= 0))
+    add("window=" + std::to_string(p.window_left) + "," + std::to_string(p.window_right));
+  if (p.sinks != nullptr) add("sinks");
+  if (p.softcap > 0.0f) add("softcap");
+  if (p.alibi_slopes != nullptr) add("alibi");
+  return " local(" + f + ")";
+}
+
 Row table_row(const FwdProblem& p, bool wg3, bool v3) {
+  if (needs_local(p)) {
+    if (p.dtype == DType::bf16) return local_row_for_dtype<__nv_bfloat16>(p.head_dim);
+    if (p.dtype == DType::f16) return local_row_for_dtype<__half>(p.head_dim);
+    return Row{};
+  }
   const bool causal = p.causal;
   if (p.dtype == DType::bf16) return row_for_dtype<__nv_bfloat16>(p.head_dim, causal, wg3, v3);
   if (p.dtype == DType::f16) return row_for_dtype<__half>(p.head_dim, causal, wg3, v3);
@@ -263,8 +311,9 @@ bool mempools_supported(int device) {
 //   IOATTN_SM90_NO_STAGGER=1 keeps every non-causal tile's key order unrotated.
 // kDynamic needs a stream-ordered allocation (memory pools); without them it falls back.
 Policy policy_for(const FwdProblem& p) {
-  Policy pol = default_policy(p.head_dim, p.causal);
-  if (p.causal && env_flag("IOATTN_SM90_PERSISTENT_CAUSAL")) pol.grid = Grid::kStatic;
+  const bool local = needs_local(p);  // the kLocal rows: the causal policy, 3 WGs at hdim 64, v4 body
+  Policy pol = default_policy(p.head_dim, p.causal || local);
+  if ((p.causal || local) && env_flag("IOATTN_SM90_PERSISTENT_CAUSAL")) pol.grid = Grid::kStatic;
   if (const char* g = std::getenv("IOATTN_SM90_GRID")) {
     const std::string v(g);
     if (v == "tile") pol.grid = Grid::kTilePerCta;
@@ -279,6 +328,7 @@ Policy policy_for(const FwdProblem& p) {
     if (std::string(b) == "v3") pol.v3_body = true;
     if (std::string(b) == "v4") pol.v3_body = false;
   }
+  if (local) pol.wg3 = true, pol.v3_body = false;
   if (p.head_dim != 64) pol.wg3 = false;
   // The v3 body exists for hdim 128 only; it walks tiles statically (causal: one CTA per tile
   // unless a static grid is asked for), with 2 warpgroups and no skip / placement knobs.
@@ -288,7 +338,7 @@ Policy policy_for(const FwdProblem& p) {
     pol.rescale_skip = pol.rescale_early = false;
   }
   if (pol.grid == Grid::kDynamic && !mempools_supported(p.device_index))
-    pol.grid = p.causal ? Grid::kTilePerCta : Grid::kStatic;
+    pol.grid = p.causal || local ? Grid::kTilePerCta : Grid::kStatic;
   return pol;
 }
 
@@ -390,12 +440,14 @@ bool select_impl(const FwdProblem& p, std::string* kernel, std::string* why) {
   if (p.head_dim != 64 && p.head_dim != 128 && p.head_dim != 256)
     return fail(why, "head_dim " + std::to_string(p.head_dim) + " (wgmma kernel: 64, 128, 256)");
   if (p.varlen()) return fail(why, "varlen (cu_seqlens) is not supported by the wgmma kernel");
-  const bool plain_causal = p.causal && p.window_left < 0 && p.window_right == 0;
-  const bool no_window = !p.causal && p.window_left < 0 && p.window_right < 0;
-  if (!plain_causal && !no_window) return fail(why, "sliding window is not supported by the wgmma kernel");
-  if (p.softcap > 0.0f) return fail(why, "softcap is not supported by the wgmma kernel");
-  if (p.alibi_slopes != nullptr) return fail(why, "ALiBi is not supported by the wgmma kernel");
-  if (p.sinks != nullptr) return fail(why, "attention sinks are not supported by the wgmma kernel");
+  // Sliding windows and sinks: the kLocal rows, opt-in until they have run on a GPU (written in
+  // session 7 without one; gpu-check's ctest stage runs their tests with the switch on).
+  if (needs_local(p) && !env_flag("IOATTN_SM90_LOCAL"))
+    return fail(why, std::string(p.softcap > 0.0f ? "softcap" : p.alibi_slopes != nullptr ? "ALiBi"
+                                 : p.sinks != nullptr ? "attention sinks" : "sliding window") +
+                         " on the wgmma kernel (kLocal rows) is opt-in until verified on a GPU: IOATTN_SM90_LOCAL=1");
+  if (needs_local(p) && (p.seqlen_q >= (int64_t(1) << 29) || p.seqlen_k >= (int64_t(1) << 29)))
+    return fail(why, "windows / sinks / softcap / ALiBi on the wgmma kernel: seqlen >= 2^29 (its int window bounds)");
   if (!(p.scale > 0.0f)) return fail(why, "scale <= 0 (the kernel's running max assumes scale > 0)");
   if (p.heads_kv <= 0 || p.heads_q % p.heads_kv != 0) return fail(why, "heads_q is not a multiple of heads_kv");
   constexpr int64_t kMaxInt = 2147483647;
@@ -418,7 +470,7 @@ bool select_impl(const FwdProblem& p, std::string* kernel, std::string* why) {
             " stages " + std::to_string(row.stages) + " ws " + std::to_string(row.consumer_wgs) + " consumer WGs " +
             (row.consumer_wgs == 2 ? "pingpong" : "round-robin") + grid_str(pol.grid) +
             (pol.rescale_skip ? " rescale-skip" : "") + (pol.rescale_early ? " rescale-early" : "") +
-            (row.v3 ? " (v3 body)" : "");
+            (row.v3 ? " (v3 body)" : "") + local_features(p);
   *why = row.why;
   return true;
 }
@@ -635,8 +687,20 @@ void sm90_flash_forward(const FwdProblem& p) {
   f.scale = p.scale;
   f.scale_log2 = p.scale * kLog2e;
   const bool persistent = pol.grid != Grid::kTilePerCta;
-  f.zigzag = pol.grid == Grid::kStatic && p.causal ? 1 : 0;
-  f.stagger = !p.causal && !env_flag("IOATTN_SM90_NO_STAGGER") ? 1 : 0;
+  const bool local = needs_local(p);
+  f.zigzag = pol.grid == Grid::kStatic && (p.causal || local) ? 1 : 0;
+  f.stagger = !p.causal && !local && !env_flag("IOATTN_SM90_NO_STAGGER") ? 1 : 0;
+  if (local) {  // row-relative window bounds; a window wider than both sequences is unbounded
+    const int64_t off = p.seqlen_k - p.seqlen_q, wide = p.seqlen_q + p.seqlen_k;
+    LocalParams& lp = l.local;
+    lp.win_lo = p.window_left < 0 || p.window_left > wide ? -(1 << 30) : static_cast<int>(off - p.window_left);
+    lp.win_hi = p.window_right < 0 || p.window_right > wide ? (1 << 30) : static_cast<int>(off + p.window_right);
+    lp.sinks = p.sinks;
+    lp.softcap = p.softcap > 0.0f ? p.softcap : 0.0f;
+    lp.softcap_inv = p.softcap > 0.0f ? 1.0f / p.softcap : 0.0f;
+    lp.inv_scale = 1.0f / p.scale;  // scale > 0 (checked by the selector)
+    lp.alibi_slopes = p.alibi_slopes;
+  }
   f.rescale_skip = pol.rescale_skip ? 1 : 0;
   f.rescale_early = pol.rescale_early ? 1 : 0;
   l.grid = static_cast<unsigned>(grid_ctas(p.device_index, grid, persistent));

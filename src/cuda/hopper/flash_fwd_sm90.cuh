@@ -61,6 +61,7 @@
 #include "cuda/check.cuh"
 #include "cuda/hopper/ptx_sm90.cuh"
 #include "cuda/hopper/sched_sm90.cuh"
+#include "cuda/ptx.cuh"  // tanh_approx (softcap, as the mma.sync kernel)
 
 namespace ioattn::cuda::sm90 {
 
@@ -84,6 +85,22 @@ struct FwdParams {
   int* tile_counter = nullptr;  // non-null: dynamic persistent schedule (claim_tile), zeroed per launch
   int rescale_skip = 0;   // skip O *= corr in a warp whose 16 rows all kept their running max
   int rescale_early = 0;  // O *= corr before waiting for the tensor-core turn (else after Q K^T issue)
+};
+
+// What only the kLocal instances read, as a kernel argument of its own (growing FwdParams changed
+// the other instances' SASS: the compiler loads the parameter block differently):
+// visible keys of row i are [i + win_lo, i + win_hi] (win_lo = seqlen_k - seqlen_q - window_left,
+// win_hi = seqlen_k - seqlen_q + window_right; unbounded sides are -2^30 / 2^30, and the selector
+// keeps the sequences below 2^29, so no sum overflows int); sinks (per query head, logit units, may
+// be null) join every row's softmax denominator and LSE; score modifiers as the mma.sync kernel
+// applies them: t = scale * s, t = softcap * tanh(t / softcap) when softcap > 0, t -= slope_h *
+// |i + off - j| with ALiBi slopes [heads_q]; the kernel keeps t / scale (inv_scale) so its softmax
+// and LSE arithmetic is unchanged.
+struct LocalParams {
+  int win_lo = -(1 << 30), win_hi = 1 << 30;
+  const float* sinks = nullptr;
+  float softcap = 0.0f, softcap_inv = 0.0f, inv_scale = 1.0f;
+  const float* alibi_slopes = nullptr;
 };
 
 // Tiling parameters of one kernel instance. "should not affect results, only speed".
@@ -191,6 +208,20 @@ __device__ __forceinline__ int num_key_blocks(int m0, int seqlen_q, int seqlen_k
   return last_key < 0 ? 0 : last_key / kBlockN + 1;
 }
 
+// Key blocks [x, x + y) of the tile [m0, m0 + kBlockM): kLocal, the blocks that hold a key of
+// some row's window; otherwise [0, num_key_blocks).
+template <int kBlockM, int kBlockN, bool kCausal, bool kLocal>
+__device__ __forceinline__ int2 key_blocks(int m0, const FwdParams& p, const LocalParams& lp) {
+  if constexpr (kLocal) {
+    const int last_key = min(p.seqlen_k - 1, m0 + kBlockM - 1 + lp.win_hi);
+    const int first_key = max(0, m0 + lp.win_lo);
+    const int first = first_key / kBlockN, end = last_key < 0 ? 0 : last_key / kBlockN + 1;
+    return make_int2(first, max(0, end - first));
+  } else {
+    return make_int2(0, num_key_blocks<kBlockM, kBlockN, kCausal>(m0, p.seqlen_q, p.seqlen_k));
+  }
+}
+
 // Tile t of the persistent schedule -> (query block, head, batch). Tiles come in sections of
 // `section_heads` (batch, head) pairs whose K and V fit in L2 together; inside a section the query
 // block is the slow index, so the tiles running at one time share K/V through L2, and for causal
@@ -250,10 +281,12 @@ __device__ __forceinline__ constexpr bool use_poly_exp2(int i) {
   return kEvery > 0 && i % (kEvery > 0 ? kEvery : 1) == kEvery - 1;
 }
 
-template <class Tr, bool kCausal>
+// kLocal (with kCausal's tiling and longest-first order): sliding windows, sinks, softcap and ALiBi
+// at run time (LocalParams lp); the other instances ignore lp and compile exactly as without it.
+template <class Tr, bool kCausal, bool kLocal = false>
 __global__ void __launch_bounds__(Tr::kThreads, 1)
     flash_fwd_sm90_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_k,
-                          const __grid_constant__ CUtensorMap tm_v, const FwdParams p) {
+                          const __grid_constant__ CUtensorMap tm_v, const FwdParams p, const LocalParams lp) {
 #if IOATTN_SM90A_ENABLED
   using Element = typename Tr::Element;
   constexpr int kBlockM = Tr::kBlockM, kBlockN = Tr::kBlockN, kHeadDim = Tr::kHeadDim;
@@ -314,7 +347,13 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         }
         const TileCoord tc = decode_tile<kCausal>(t, p);
         const int m0 = tc.m_block * kBlockM, hk = tc.h / p.group;
-        const int n_blocks = num_key_blocks<kBlockM, kBlockN, kCausal>(m0, p.seqlen_q, p.seqlen_k);
+        int n_first = 0, n_blocks;
+        if constexpr (kLocal) {
+          const int2 kb = key_blocks<kBlockM, kBlockN, kCausal, kLocal>(m0, p, lp);
+          n_first = kb.x, n_blocks = kb.y;
+        } else {
+          n_blocks = num_key_blocks<kBlockM, kBlockN, kCausal>(m0, p.seqlen_q, p.seqlen_k);
+        }
         if (n_blocks == 0) {
           mbarrier_arrive(&full_q);
           t = dynamic ? claim_tile(p.tile_counter) : tile_of_round(round + 1, p.zigzag);
@@ -330,7 +369,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
           const uint32_t st = ring_stage(ring + i, kStages);
           mbarrier_wait(&empty[st], ring_phase(ring + i, kStages) ^ 1);
           mbarrier_arrive_expect_tx(&full[st], Tr::kKVBytes);
-          const int n0 = key_block(i, n_blocks, rot) * kBlockN;
+          const int n0 = (n_first + key_block(i, n_blocks, rot)) * kBlockN;
           uint8_t* dst = buf + st * Tr::kKVBytes;
 #pragma unroll
           for (int c = 0; c < Tr::kColBlocks; ++c)
@@ -389,7 +428,13 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
       if (t >= p.num_tiles) break;
       const TileCoord tc = decode_tile<kCausal>(t, p);
       const int m0 = tc.m_block * kBlockM;
-      const int n_blocks = num_key_blocks<kBlockM, kBlockN, kCausal>(m0, p.seqlen_q, p.seqlen_k);
+      int n_first = 0, n_blocks;
+      if constexpr (kLocal) {
+        const int2 kb = key_blocks<kBlockM, kBlockN, kCausal, kLocal>(m0, p, lp);
+        n_first = kb.x, n_blocks = kb.y;
+      } else {
+        n_blocks = num_key_blocks<kBlockM, kBlockN, kCausal>(m0, p.seqlen_q, p.seqlen_k);
+      }
       const int rot = key_rotation(tc.m_block, n_blocks, p);
 
       float o[kHeadDim / 2];  // O accumulator fragment (64 x kHeadDim per warpgroup)
@@ -446,6 +491,18 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
 #pragma unroll
           for (int r = 0; r < 2; ++r) {
             const int row = m0 + row_in_tile + 8 * r;
+            if constexpr (kLocal) {  // visible: key_begin <= key < key_end
+              const int key_end = min(p.seqlen_k, row + lp.win_hi + 1), key_begin = row + lp.win_lo;
+#pragma unroll
+              for (int i = 0; i < kBlockN / 8; ++i) {
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                  const int key = key0 + 8 * i + e;
+                  if (key < key_begin || key >= key_end) s[4 * i + 2 * r + e] = -INFINITY;
+                }
+              }
+              continue;
+            }
             const int key_end = kCausal ? min(p.seqlen_k, row + off + 1) : p.seqlen_k;  // visible: key < key_end
 #pragma unroll
             for (int i = 0; i < kBlockN / 8; ++i) {
@@ -456,6 +513,10 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
           }
         };
         auto needs_mask = [&](int n) {
+          if constexpr (kLocal) {  // the first row's right bound is the lowest, the last row's left the highest
+            const int lo = n * kBlockN, hi = lo + kBlockN - 1;
+            return hi >= p.seqlen_k || hi > m0 + lp.win_hi || lo < m0 + kBlockM - 1 + lp.win_lo;
+          }
           return (n + 1) * kBlockN > p.seqlen_k || (kCausal && (n + 1) * kBlockN - 1 > m0 + off);
         };
         // Online softmax on S of one key block: new row max, corr = exp(old max - new max),
@@ -493,7 +554,33 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
           }
           rescale = !p.rescale_skip || __any_sync(0xffffffffu, changed);  // warp-uniform
         };
+        // kLocal: softcap / ALiBi on the scores of key block n (before the mask, as on mma.sync).
+        float slope = 0.0f;  // kLocal: this tile's ALiBi slope (read once per tile)
+        if constexpr (kLocal) {
+          if (lp.alibi_slopes != nullptr) slope = lp.alibi_slopes[tc.h];
+        }
+        auto modify_scores = [&](int n) {
+          const int key0 = n * kBlockN + 2 * (lane % 4);
+#pragma unroll
+          for (int r = 0; r < 2; ++r) {
+            const int centre = m0 + row_in_tile + 8 * r + off;  // |centre - key| is the ALiBi distance
+#pragma unroll
+            for (int i = 0; i < kBlockN / 8; ++i) {
+#pragma unroll
+              for (int e = 0; e < 2; ++e) {
+                float& x = s[4 * i + 2 * r + e];
+                float t = x * p.scale;
+                if (lp.softcap > 0.0f) t = lp.softcap * ptx::tanh_approx(t * lp.softcap_inv);
+                t -= slope * fabsf(static_cast<float>(centre - (key0 + 8 * i + e)));
+                x = t * lp.inv_scale;
+              }
+            }
+          }
+        };
         auto mask_and_softmax = [&](int n) {
+          if constexpr (kLocal) {
+            if (lp.softcap > 0.0f || lp.alibi_slopes != nullptr) modify_scores(n);
+          }
           if (needs_mask(n)) {
             apply_mask(n);
             softmax(std::false_type{});
@@ -526,7 +613,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
           wgmma_wait<0>();
           fence_s();
           release(&empty_k[st]);
-          mask_and_softmax(key_block(0, n_blocks, rot));
+          mask_and_softmax(n_first + key_block(0, n_blocks, rot));
           if (p.rescale_skip) rescale = false;  // O is still all zeros
           convert_p();
         }
@@ -547,7 +634,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
           wgmma_wait<1>();  // S_i ready (P V may still run)
           fence_s();
           release(&empty_k[st]);
-          mask_and_softmax(key_block(i, n_blocks, rot));
+          mask_and_softmax(n_first + key_block(i, n_blocks, rot));
           wgmma_wait<0>();  // P_{i-1} V_{i-1} done: pf and the V slot are free
           fence_o();
           release(&empty_v[prev]);
@@ -579,6 +666,34 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         float sum = row_sum[r];
         sum += __shfl_xor_sync(0xffffffffu, sum, 1);
         sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+        if constexpr (kLocal) {
+          float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
+          float lse = sum > 0.0f ? row_max[r] * p.scale + logf(sum) : -INFINITY;
+          if (lp.sinks != nullptr) {  // sum_j exp(s_j scale) + exp(sink), relative to M = max(m, sink)
+            const float m = sum > 0.0f ? row_max[r] * p.scale : -INFINITY, sink = lp.sinks[tc.h];
+            const float mx = fmaxf(m, sink);
+            if (mx == -INFINITY) {
+              inv = 0.0f;
+              lse = -INFINITY;
+            } else {
+              const float a = expf(m - mx), total = sum * a + expf(sink - mx);
+              inv = a / total;
+              lse = mx + logf(total);
+            }
+          }
+          const int row = m0 + row_in_tile + 8 * r;
+          if (row < p.seqlen_q) {
+            Element* orow =
+                static_cast<Element*>(p.o) + tc.b * p.o_batch + row * p.o_seq + tc.h * p.o_head + 2 * (lane % 4);
+#pragma unroll
+            for (int i = 0; i < kHeadDim / 8; ++i)
+              *reinterpret_cast<uint32_t*>(orow + 8 * i) =
+                  pack2<Element>(o[4 * i + 2 * r] * inv, o[4 * i + 2 * r + 1] * inv);
+            if (p.lse != nullptr && lane % 4 == 0)
+              p.lse[tc.b * p.lse_batch + tc.h * p.lse_head + row * p.lse_seq] = lse;
+          }
+          continue;
+        }
         const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
         const int row = m0 + row_in_tile + 8 * r;
         if (row < p.seqlen_q) {
@@ -606,16 +721,17 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
 struct FwdLaunch {
   CUtensorMap q, k, v;  // 4D maps (head_dim, seqlen, heads, batch), box (64, rows, 1, 1), 128B swizzle
   FwdParams params;
+  LocalParams local;     // read by the kLocal instances only
   unsigned grid = 0;     // CTAs: num_m_blocks * heads_q * batch
   cudaStream_t stream = nullptr;
 };
 
 // Whether this build holds an sm_90a image of the instance: false when built for sm_80 only, and
 // also when the driver would JIT older PTX for sm_90 (ptxVersion < 90: that body is empty).
-template <class Tr, bool kCausal>
+template <class Tr, bool kCausal, bool kLocal = false>
 bool flash_fwd_sm90_present() {
   cudaFuncAttributes attr{};
-  const cudaError_t e = cudaFuncGetAttributes(&attr, flash_fwd_sm90_kernel<Tr, kCausal>);
+  const cudaError_t e = cudaFuncGetAttributes(&attr, flash_fwd_sm90_kernel<Tr, kCausal, kLocal>);
   if (e != cudaSuccess) {
     cudaGetLastError();  // clear: "no image" is an answer here, not a failure
     return false;
@@ -623,11 +739,11 @@ bool flash_fwd_sm90_present() {
   return attr.binaryVersion >= 90 && attr.ptxVersion >= 90;
 }
 
-template <class Tr, bool kCausal>
+template <class Tr, bool kCausal, bool kLocal = false>
 void flash_fwd_sm90_launch(const FwdLaunch& l) {
-  auto kernel = flash_fwd_sm90_kernel<Tr, kCausal>;
+  auto kernel = flash_fwd_sm90_kernel<Tr, kCausal, kLocal>;
   IOATTN_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Tr::kSmemBytes));
-  kernel<<<l.grid, Tr::kThreads, Tr::kSmemBytes, l.stream>>>(l.q, l.k, l.v, l.params);
+  kernel<<<l.grid, Tr::kThreads, Tr::kSmemBytes, l.stream>>>(l.q, l.k, l.v, l.params, l.local);
   IOATTN_CUDA_CHECK_LAUNCH("flash_fwd_sm90_kernel");
 }
 
@@ -638,5 +754,12 @@ void flash_fwd_sm90_launch(const FwdLaunch& l) {
 #define IOATTN_SM90_EXTERN(TR, CAUSAL)                                     \
   extern template bool flash_fwd_sm90_present<TR, CAUSAL>();             \
   extern template void flash_fwd_sm90_launch<TR, CAUSAL>(const FwdLaunch& l);
+// The kLocal rows (sliding windows, sinks): one per (head_dim, dtype), on the causal tiling.
+#define IOATTN_SM90_INSTANTIATE_LOCAL(TR)                                  \
+  template bool flash_fwd_sm90_present<TR, true, true>();                \
+  template void flash_fwd_sm90_launch<TR, true, true>(const FwdLaunch& l);
+#define IOATTN_SM90_EXTERN_LOCAL(TR)                                       \
+  extern template bool flash_fwd_sm90_present<TR, true, true>();         \
+  extern template void flash_fwd_sm90_launch<TR, true, true>(const FwdLaunch& l);
 
 }  // namespace ioattn::cuda::sm90
