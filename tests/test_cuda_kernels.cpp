@@ -431,6 +431,26 @@ std::vector<Case> flash_cases() {
     c.causal = true, c.softcap = 8.f, c.alibi = true, c.sinks = true;
     v.push_back(c);
   }
+  {  // varlen on the kLocal rows: packed sequences (TMA maps over all tokens), empty ones included
+    Case c = mk("local_varlen_window_d64_f16", hf, 0, 0, 0, 2, 2, 64);
+    c.lens_q = {1, 300, 65, 0};
+    c.lens_k = {1, 310, 64, 5};
+    c.wl = 64, c.wr = 16;
+    v.push_back(c);
+  }
+  {
+    Case c = mk("local_varlen_sinks_causal_gqa_d256", bf, 0, 0, 0, 4, 2, 256);
+    c.lens_q = {17, 260};
+    c.lens_k = {33, 250};
+    c.causal = true, c.sinks = true;
+    v.push_back(c);
+  }
+  {
+    Case c = mk("local_varlen_long_d128_f16", hf, 0, 0, 0, 2, 1, 128);
+    c.lens_q = {700, 129};
+    c.lens_k = {900, 1};
+    v.push_back(c);
+  }
   {
     Case c = mk("varlen_window_f16_d96", hf, 0, 0, 0, 2, 2, 96);
     c.lens_q = {1, 300, 65};

@@ -76,10 +76,10 @@ function(ioattn_cuda_extras)
       target_link_libraries(test_cuda_kernels PRIVATE ioattn::ioattn GTest::gtest GTest::gtest_main)
       target_include_directories(test_cuda_kernels PRIVATE ${PROJECT_SOURCE_DIR}/src)
       add_test(NAME cuda_kernels COMMAND test_cuda_kernels)
-      # The sm90 forward's kLocal rows (sliding windows, sinks, softcap, ALiBi) are opt-in until
+      # The sm90 forward's kLocal rows (sliding windows, sinks, softcap, ALiBi, varlen) are opt-in until
       # verified on a GPU: those cases again with them switched on (elsewhere: the mma.sync path).
       add_test(NAME cuda_kernels_sm90_local
-               COMMAND test_cuda_kernels --gtest_filter=*window*:*sinks*:*softcap*:*alibi*:*local_*)
+               COMMAND test_cuda_kernels --gtest_filter=*window*:*sinks*:*softcap*:*alibi*:*varlen*:*local_*)
       set_tests_properties(cuda_kernels_sm90_local PROPERTIES ENVIRONMENT "IOATTN_SM90_LOCAL=1")
       # A GPU-less machine prints "skipped: no CUDA device"; ctest reports those as skipped.
       set_tests_properties(cuda_kernels cuda_kernels_sm90_local PROPERTIES SKIP_REGULAR_EXPRESSION "skipped: no CUDA device")

@@ -154,11 +154,23 @@ Row row_for_dtype(int64_t hdim, bool causal, bool wg3, bool v3) {
   }
 }
 
-// A problem for the kLocal rows: a sliding window (beyond plain causal), sinks, softcap or ALiBi.
+// A problem for the kLocal rows: a sliding window (beyond plain causal), sinks, softcap, ALiBi or
+// varlen.
 bool needs_local(const FwdProblem& p) {
   const bool plain_causal = p.causal && p.window_left < 0 && p.window_right == 0;
   const bool no_window = !p.causal && p.window_left < 0 && p.window_right < 0;
-  return !(plain_causal || no_window) || p.sinks != nullptr || p.softcap > 0.0f || p.alibi_slopes != nullptr;
+  return !(plain_causal || no_window) || p.sinks != nullptr || p.softcap > 0.0f || p.alibi_slopes != nullptr ||
+         p.varlen();
+}
+
+// The extents the tensor maps see: fixed length (batch, seqlen), or varlen's packed tokens as one
+// batch (the kLocal rows offset each sequence by its cu_seqlens entry).
+struct MapExtent {
+  int64_t batch, seqlen_q, seqlen_k;
+};
+MapExtent map_extent(const FwdProblem& p) {
+  if (!p.varlen()) return {p.batch, p.seqlen_q, p.seqlen_k};
+  return {1, p.cu_seqlens_q_host[p.batch], p.cu_seqlens_k_host[p.batch]};
 }
 
 // " local(window=l,r sinks softcap alibi)" for the kernel name, "" for the other rows.
@@ -171,6 +183,7 @@ std::string local_features(const FwdProblem& p) {
   if (p.sinks != nullptr) add("sinks");
   if (p.softcap > 0.0f) add("softcap");
   if (p.alibi_slopes != nullptr) add("alibi");
+  if (p.varlen()) add("varlen");
   return " local(" + f + ")";
 }
 
@@ -439,12 +452,12 @@ bool select_impl(const FwdProblem& p, std::string* kernel, std::string* why) {
     return fail(why, "head_dim_v " + std::to_string(p.head_dim_v) + " != head_dim " + std::to_string(p.head_dim));
   if (p.head_dim != 64 && p.head_dim != 128 && p.head_dim != 256)
     return fail(why, "head_dim " + std::to_string(p.head_dim) + " (wgmma kernel: 64, 128, 256)");
-  if (p.varlen()) return fail(why, "varlen (cu_seqlens) is not supported by the wgmma kernel");
   // Sliding windows and sinks: the kLocal rows, opt-in until they have run on a GPU (written in
   // session 7 without one; gpu-check's ctest stage runs their tests with the switch on).
   if (needs_local(p) && !env_flag("IOATTN_SM90_LOCAL"))
-    return fail(why, std::string(p.softcap > 0.0f ? "softcap" : p.alibi_slopes != nullptr ? "ALiBi"
-                                 : p.sinks != nullptr ? "attention sinks" : "sliding window") +
+    return fail(why, std::string(p.varlen() ? "varlen (cu_seqlens)" : p.softcap > 0.0f ? "softcap"
+                                 : p.alibi_slopes != nullptr ? "ALiBi" : p.sinks != nullptr ? "attention sinks"
+                                 : "sliding window") +
                          " on the wgmma kernel (kLocal rows) is opt-in until verified on a GPU: IOATTN_SM90_LOCAL=1");
   if (needs_local(p) && (p.seqlen_q >= (int64_t(1) << 29) || p.seqlen_k >= (int64_t(1) << 29)))
     return fail(why, "windows / sinks / softcap / ALiBi on the wgmma kernel: seqlen >= 2^29 (its int window bounds)");
@@ -454,9 +467,14 @@ bool select_impl(const FwdProblem& p, std::string* kernel, std::string* why) {
   if (p.seqlen_q > kMaxInt - 256 || p.seqlen_k > kMaxInt - 256) return fail(why, "seqlen >= 2^31");
   const int64_t m_blocks = (p.seqlen_q + 127) / 128;
   if (m_blocks * p.heads_q * p.batch > kMaxInt) return fail(why, "more than 2^31-1 query tiles");
-  if (!tma_compatible(p.q, p.q_stride, p.batch, p.seqlen_q, p.heads_q, "q", why)) return false;
-  if (!tma_compatible(p.k, p.k_stride, p.batch, p.seqlen_k, p.heads_kv, "k", why)) return false;
-  if (!tma_compatible(p.v, p.v_stride, p.batch, p.seqlen_k, p.heads_kv, "v", why)) return false;
+  const MapExtent ext = map_extent(p);
+  if (p.varlen() && (p.cu_seqlens_q_host == nullptr || p.cu_seqlens_k_host == nullptr))
+    return fail(why, "varlen without host copies of cu_seqlens (the tensor maps need the token totals)");
+  if (p.varlen() && (ext.seqlen_q > kMaxInt - 256 || ext.seqlen_k > kMaxInt - 256))
+    return fail(why, "varlen: more than 2^31 - 256 packed tokens");
+  if (!tma_compatible(p.q, p.q_stride, ext.batch, ext.seqlen_q, p.heads_q, "q", why)) return false;
+  if (!tma_compatible(p.k, p.k_stride, ext.batch, ext.seqlen_k, p.heads_kv, "k", why)) return false;
+  if (!tma_compatible(p.v, p.v_stride, ext.batch, ext.seqlen_k, p.heads_kv, "v", why)) return false;
   if (reinterpret_cast<uintptr_t>(p.o) % 4 != 0 || p.o_stride.seq % 2 != 0 || p.o_stride.head % 2 != 0 ||
       p.o_stride.batch % 2 != 0)
     return fail(why, "o is not 4-byte aligned with even strides (the kernel stores element pairs)");
@@ -660,9 +678,10 @@ void sm90_flash_forward(const FwdProblem& p) {
   cuda::DeviceGuard guard(p.device_index);
 
   FwdLaunch l;
-  l.q = make_tensor_map(p.q, p.dtype, p.head_dim, p.seqlen_q, p.heads_q, p.batch, p.q_stride, row.block_m, "q");
-  l.k = make_tensor_map(p.k, p.dtype, p.head_dim, p.seqlen_k, p.heads_kv, p.batch, p.k_stride, row.block_n, "k");
-  l.v = make_tensor_map(p.v, p.dtype, p.head_dim, p.seqlen_k, p.heads_kv, p.batch, p.v_stride, row.block_n, "v");
+  const MapExtent ext = map_extent(p);
+  l.q = make_tensor_map(p.q, p.dtype, p.head_dim, ext.seqlen_q, p.heads_q, ext.batch, p.q_stride, row.block_m, "q");
+  l.k = make_tensor_map(p.k, p.dtype, p.head_dim, ext.seqlen_k, p.heads_kv, ext.batch, p.k_stride, row.block_n, "k");
+  l.v = make_tensor_map(p.v, p.dtype, p.head_dim, ext.seqlen_k, p.heads_kv, ext.batch, p.v_stride, row.block_n, "v");
   FwdParams& f = l.params;
   f.o = p.o;
   f.lse = p.lse;
@@ -690,11 +709,13 @@ void sm90_flash_forward(const FwdProblem& p) {
   const bool local = needs_local(p);
   f.zigzag = pol.grid == Grid::kStatic && (p.causal || local) ? 1 : 0;
   f.stagger = !p.causal && !local && !env_flag("IOATTN_SM90_NO_STAGGER") ? 1 : 0;
-  if (local) {  // row-relative window bounds; a window wider than both sequences is unbounded
-    const int64_t off = p.seqlen_k - p.seqlen_q, wide = p.seqlen_q + p.seqlen_k;
+  if (local) {  // a window wider than both (longest) sequences is unbounded
+    const int64_t wide = p.seqlen_q + p.seqlen_k;
     LocalParams& lp = l.local;
-    lp.win_lo = p.window_left < 0 || p.window_left > wide ? -(1 << 30) : static_cast<int>(off - p.window_left);
-    lp.win_hi = p.window_right < 0 || p.window_right > wide ? (1 << 30) : static_cast<int>(off + p.window_right);
+    lp.window_left = p.window_left < 0 || p.window_left > wide ? -1 : static_cast<int>(p.window_left);
+    lp.window_right = p.window_right < 0 || p.window_right > wide ? -1 : static_cast<int>(p.window_right);
+    lp.cu_seqlens_q = p.cu_seqlens_q;
+    lp.cu_seqlens_k = p.cu_seqlens_k;
     lp.sinks = p.sinks;
     lp.softcap = p.softcap > 0.0f ? p.softcap : 0.0f;
     lp.softcap_inv = p.softcap > 0.0f ? 1.0f / p.softcap : 0.0f;

@@ -88,20 +88,42 @@ struct FwdParams {
 };
 
 // What only the kLocal instances read, as a kernel argument of its own (growing FwdParams changed
-// the other instances' SASS: the compiler loads the parameter block differently):
-// visible keys of row i are [i + win_lo, i + win_hi] (win_lo = seqlen_k - seqlen_q - window_left,
-// win_hi = seqlen_k - seqlen_q + window_right; unbounded sides are -2^30 / 2^30, and the selector
-// keeps the sequences below 2^29, so no sum overflows int); sinks (per query head, logit units, may
-// be null) join every row's softmax denominator and LSE; score modifiers as the mma.sync kernel
-// applies them: t = scale * s, t = softcap * tanh(t / softcap) when softcap > 0, t -= slope_h *
-// |i + off - j| with ALiBi slopes [heads_q]; the kernel keeps t / scale (inv_scale) so its softmax
-// and LSE arithmetic is unchanged.
+// the other instances' SASS: the compiler loads the parameter block differently): the window
+// (-1 = unbounded side; the host clamps wider ones, and the selector keeps sequences below 2^29,
+// so no position sum overflows int); varlen (cu_seqlens, on the device; FwdParams::seqlen_q / k
+// are then the maxima, and the tensor maps span the packed tokens with one batch); sinks (per query
+// head, logit units, may be null) join every row's softmax denominator and LSE; score modifiers as
+// the mma.sync kernel applies them: t = scale * s, t = softcap * tanh(t / softcap) when softcap > 0,
+// t -= slope_h * |i + off - j| with ALiBi slopes [heads_q]; the kernel keeps t / scale (inv_scale)
+// so its softmax and LSE arithmetic is unchanged.
 struct LocalParams {
-  int win_lo = -(1 << 30), win_hi = 1 << 30;
+  int window_left = -1, window_right = -1;
+  const int32_t* cu_seqlens_q = nullptr;  // varlen when non-null (then cu_seqlens_k too)
+  const int32_t* cu_seqlens_k = nullptr;
   const float* sinks = nullptr;
   float softcap = 0.0f, softcap_inv = 0.0f, inv_scale = 1.0f;
   const float* alibi_slopes = nullptr;
 };
+
+// kLocal: one tile's sequence (varlen: packed-token offsets q0 / k0 and lengths from cu_seqlens;
+// otherwise 0 and the fixed lengths) and its window relative to the row: key j is visible to row
+// i iff i + win_lo <= j <= i + win_hi and j < sk (unbounded sides -2^30 / 2^30).
+struct TileSpan {
+  int q0, k0, sq, sk, win_lo, win_hi;
+};
+__device__ __forceinline__ TileSpan tile_span(int b, const FwdParams& p, const LocalParams& lp) {
+  TileSpan s{0, 0, p.seqlen_q, p.seqlen_k, 0, 0};
+  if (lp.cu_seqlens_q != nullptr) {
+    s.q0 = lp.cu_seqlens_q[b];
+    s.sq = lp.cu_seqlens_q[b + 1] - s.q0;
+    s.k0 = lp.cu_seqlens_k[b];
+    s.sk = lp.cu_seqlens_k[b + 1] - s.k0;
+  }
+  const int off = s.sk - s.sq;
+  s.win_lo = lp.window_left >= 0 ? off - lp.window_left : -(1 << 30);
+  s.win_hi = lp.window_right >= 0 ? off + lp.window_right : (1 << 30);
+  return s;
+}
 
 // Tiling parameters of one kernel instance. "should not affect results, only speed".
 template <int kHeadDim_, int kBlockN_, int kStages_, typename Element_, int kExp2PolyEvery_ = 0,
@@ -208,18 +230,16 @@ __device__ __forceinline__ int num_key_blocks(int m0, int seqlen_q, int seqlen_k
   return last_key < 0 ? 0 : last_key / kBlockN + 1;
 }
 
-// Key blocks [x, x + y) of the tile [m0, m0 + kBlockM): kLocal, the blocks that hold a key of
-// some row's window; otherwise [0, num_key_blocks).
-template <int kBlockM, int kBlockN, bool kCausal, bool kLocal>
-__device__ __forceinline__ int2 key_blocks(int m0, const FwdParams& p, const LocalParams& lp) {
-  if constexpr (kLocal) {
-    const int last_key = min(p.seqlen_k - 1, m0 + kBlockM - 1 + lp.win_hi);
-    const int first_key = max(0, m0 + lp.win_lo);
-    const int first = first_key / kBlockN, end = last_key < 0 ? 0 : last_key / kBlockN + 1;
-    return make_int2(first, max(0, end - first));
-  } else {
-    return make_int2(0, num_key_blocks<kBlockM, kBlockN, kCausal>(m0, p.seqlen_q, p.seqlen_k));
-  }
+// kLocal: key blocks [x, x + y) of the tile [m0, m0 + kBlockM) of span s, the blocks that hold a
+// key of some row's window; none for a query block past the sequence's end (varlen: the grid
+// covers the longest sequence).
+template <int kBlockM, int kBlockN>
+__device__ __forceinline__ int2 local_key_blocks(int m0, const TileSpan& s) {
+  if (m0 >= s.sq) return make_int2(0, 0);
+  const int last_key = min(s.sk - 1, m0 + kBlockM - 1 + s.win_hi);
+  const int first_key = max(0, m0 + s.win_lo);
+  const int first = first_key / kBlockN, end = last_key < 0 ? 0 : last_key / kBlockN + 1;
+  return make_int2(first, max(0, end - first));
 }
 
 // Tile t of the persistent schedule -> (query block, head, batch). Tiles come in sections of
@@ -348,9 +368,13 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         const TileCoord tc = decode_tile<kCausal>(t, p);
         const int m0 = tc.m_block * kBlockM, hk = tc.h / p.group;
         int n_first = 0, n_blocks;
+        int q_row = m0, kv_row = 0, bat = tc.b;  // TMA coordinates (kLocal varlen: packed tokens, batch 0)
         if constexpr (kLocal) {
-          const int2 kb = key_blocks<kBlockM, kBlockN, kCausal, kLocal>(m0, p, lp);
+          const TileSpan span = tile_span(tc.b, p, lp);
+          const int2 kb = local_key_blocks<kBlockM, kBlockN>(m0, span);
           n_first = kb.x, n_blocks = kb.y;
+          q_row = span.q0 + m0, kv_row = span.k0;
+          if (lp.cu_seqlens_q != nullptr) bat = 0;
         } else {
           n_blocks = num_key_blocks<kBlockM, kBlockN, kCausal>(m0, p.seqlen_q, p.seqlen_k);
         }
@@ -363,7 +387,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         mbarrier_arrive_expect_tx(&full_q, Tr::kQBytes);
 #pragma unroll
         for (int c = 0; c < Tr::kColBlocks; ++c)
-          tma_load_4d(s_q + c * kBlockM * 128, &tm_q, &full_q, c * 64, m0, tc.h, tc.b);
+          tma_load_4d(s_q + c * kBlockM * 128, &tm_q, &full_q, c * 64, q_row, tc.h, bat);
         // K or V of the i-th visited key block of this tile into ring slot (ring + i) % kStages.
         auto load_kv = [&](const CUtensorMap* map, uint8_t* buf, uint64_t* full, uint64_t* empty, int i) {
           const uint32_t st = ring_stage(ring + i, kStages);
@@ -373,7 +397,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
           uint8_t* dst = buf + st * Tr::kKVBytes;
 #pragma unroll
           for (int c = 0; c < Tr::kColBlocks; ++c)
-            tma_load_4d(dst + c * kBlockN * 128, map, &full[st], c * 64, n0, hk, tc.b);
+            tma_load_4d(dst + c * kBlockN * 128, map, &full[st], c * 64, kv_row + n0, hk, bat);
         };
         // Order K0, K1, V0, K2, V1, ...: the consumers need K_{i+1} before V_i.
         load_kv(&tm_k, s_k, full_k, empty_k, 0);
@@ -429,8 +453,10 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
       const TileCoord tc = decode_tile<kCausal>(t, p);
       const int m0 = tc.m_block * kBlockM;
       int n_first = 0, n_blocks;
+      [[maybe_unused]] TileSpan span{};  // kLocal only
       if constexpr (kLocal) {
-        const int2 kb = key_blocks<kBlockM, kBlockN, kCausal, kLocal>(m0, p, lp);
+        span = tile_span(tc.b, p, lp);
+        const int2 kb = local_key_blocks<kBlockM, kBlockN>(m0, span);
         n_first = kb.x, n_blocks = kb.y;
       } else {
         n_blocks = num_key_blocks<kBlockM, kBlockN, kCausal>(m0, p.seqlen_q, p.seqlen_k);
@@ -492,7 +518,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
           for (int r = 0; r < 2; ++r) {
             const int row = m0 + row_in_tile + 8 * r;
             if constexpr (kLocal) {  // visible: key_begin <= key < key_end
-              const int key_end = min(p.seqlen_k, row + lp.win_hi + 1), key_begin = row + lp.win_lo;
+              const int key_end = min(span.sk, row + span.win_hi + 1), key_begin = row + span.win_lo;
 #pragma unroll
               for (int i = 0; i < kBlockN / 8; ++i) {
 #pragma unroll
@@ -515,7 +541,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         auto needs_mask = [&](int n) {
           if constexpr (kLocal) {  // the first row's right bound is the lowest, the last row's left the highest
             const int lo = n * kBlockN, hi = lo + kBlockN - 1;
-            return hi >= p.seqlen_k || hi > m0 + lp.win_hi || lo < m0 + kBlockM - 1 + lp.win_lo;
+            return hi >= span.sk || hi > m0 + span.win_hi || lo < m0 + kBlockM - 1 + span.win_lo;
           }
           return (n + 1) * kBlockN > p.seqlen_k || (kCausal && (n + 1) * kBlockN - 1 > m0 + off);
         };
@@ -563,7 +589,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
           const int key0 = n * kBlockN + 2 * (lane % 4);
 #pragma unroll
           for (int r = 0; r < 2; ++r) {
-            const int centre = m0 + row_in_tile + 8 * r + off;  // |centre - key| is the ALiBi distance
+            const int centre = m0 + row_in_tile + 8 * r + span.sk - span.sq;  // |centre - key|: the ALiBi distance
 #pragma unroll
             for (int i = 0; i < kBlockN / 8; ++i) {
 #pragma unroll
@@ -682,15 +708,16 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
             }
           }
           const int row = m0 + row_in_tile + 8 * r;
-          if (row < p.seqlen_q) {
+          if (row < span.sq) {  // varlen: the sequence's rows at packed position q0 + row
+            const int64_t prow = static_cast<int64_t>(span.q0) + row;
             Element* orow =
-                static_cast<Element*>(p.o) + tc.b * p.o_batch + row * p.o_seq + tc.h * p.o_head + 2 * (lane % 4);
+                static_cast<Element*>(p.o) + tc.b * p.o_batch + prow * p.o_seq + tc.h * p.o_head + 2 * (lane % 4);
 #pragma unroll
             for (int i = 0; i < kHeadDim / 8; ++i)
               *reinterpret_cast<uint32_t*>(orow + 8 * i) =
                   pack2<Element>(o[4 * i + 2 * r] * inv, o[4 * i + 2 * r + 1] * inv);
             if (p.lse != nullptr && lane % 4 == 0)
-              p.lse[tc.b * p.lse_batch + tc.h * p.lse_head + row * p.lse_seq] = lse;
+              p.lse[tc.b * p.lse_batch + tc.h * p.lse_head + prow * p.lse_seq] = lse;
           }
           continue;
         }
