@@ -463,7 +463,7 @@ TEST_P(CudaBackwardSm90, MatchesFloat64Reference) {
   const Refs r = references(s);
   BwdKernelEnv env("sm90");
   const std::string hd = "hdim" + std::to_string(c.head_dim);
-  for (const char* variant : {"lag", "redlag", "split", "red"}) {
+  for (const char* variant : {"lag", "redlag", "split", "red", "tmald"}) {
     ScopedEnv var("IOATTN_BWD_SM90_VARIANT", variant);
     s.poison_grads();
     const KernelChoice kc = s.backward_device(false);

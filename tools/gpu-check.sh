@@ -22,7 +22,7 @@
 #   ncubwd (not in the default stages; ~1 min): Nsight Compute sections (speed of light, warp
 #      states, scheduler, pipes, memory) plus the stall reasons per issued instruction, each pipe's
 #      active cycles and the shared-memory wavefronts of the wgmma backward kernel at hdim 128, 4k, per
-#      IOATTN_BWD_SM90_VARIANT in GPU_CHECK_NCU_VARIANTS (default "lag split") -> ncu_bwd.log.
+#      IOATTN_BWD_SM90_VARIANT in GPU_CHECK_NCU_VARIANTS (default "lag tmald") -> ncu_bwd.log.
 #      The logs are packed into logs.tgz at the end: read them there (or grep them in the command).
 #   bwdtrace (not in the default stages; ~1.5 min incl. its own build in BUILD-trace): the wgmma
 #      backward's step timeline, mean SM cycles per phase per warpgroup (IOATTN_BWD_TRACE=1 build),
@@ -175,7 +175,8 @@ if want backward; then
   note "backward   rc=$?  $(( $(stamp) - t0 )) s  (backward.log, bwd.json)"
   # The wgmma backward (sm_90's default at hdim 64 and 128): its reference test over every variant
   # first (bounded), then ioattn alone on the same grid per IOATTN_BWD_SM90_VARIANT ->
-  # bwd_sm90_<v>.json (lag, the default: dQ one step late by TMA reduce-add; redlag; split; red)
+  # bwd_sm90_<v>.json (lag, the default: dQ one step late by TMA reduce-add; tmald: lag with Q / dO
+  # by TMA; redlag; split; red)
   # and with IOATTN_BWD_KERNEL=mma (the mma.sync table) -> bwd_sm90_mma.json, beside bwd.json's peers.
   # The two head dims' tests run as separate processes: a fault or hang in one must not take the
   # other's results (or their A/B) with it.
@@ -193,18 +194,18 @@ if want backward; then
   if [[ ${GPU_CHECK_BWD_SM90:-1} == 1 && -x $BUILD/test_cuda_backward ]]; then
     if bounded_test "bwd sm90 test (hdim 128)" 300 "$BUILD/test_cuda_backward" '*CudaBackwardSm90*:-*d64_*' \
       "$OUT/bwd_sm90.log"; then
-      for v in lag redlag split red; do bwd_ab "$v" 128 IOATTN_BWD_SM90_VARIANT="$v"; done
+      for v in lag tmald redlag split red; do bwd_ab "$v" 128 IOATTN_BWD_SM90_VARIANT="$v"; done
       bwd_ab mma 64,128 IOATTN_BWD_KERNEL=mma
     fi
     bounded_test "bwd sm90 test (hdim 64)" 200 "$BUILD/test_cuda_backward" '*CudaBackwardSm90*d64_*' \
-      "$OUT/bwd_sm90_d64.log" && for v in lag redlag split; do bwd_ab "d64_$v" 64 IOATTN_BWD_SM90_VARIANT="$v"; done
+      "$OUT/bwd_sm90_d64.log" && for v in lag tmald redlag split; do bwd_ab "d64_$v" 64 IOATTN_BWD_SM90_VARIANT="$v"; done
   fi
 fi
 
 # ---- Nsight Compute sections of the backward's wgmma kernel (optional stage ncubwd) --------------
 if want ncubwd && command -v ncu >/dev/null; then
   t0=$(stamp)
-  for v in ${GPU_CHECK_NCU_VARIANTS:-lag split}; do
+  for v in ${GPU_CHECK_NCU_VARIANTS:-lag tmald}; do
     IOATTN_BWD_SM90_VARIANT=$v timeout 240 ncu --clock-control none -k regex:flash_bwd_sm90 -c 1 \
       --section SpeedOfLight --section WarpStateStats --section SchedulerStats --section ComputeWorkloadAnalysis \
       --section MemoryWorkloadAnalysis --section Occupancy \
@@ -225,7 +226,7 @@ if want bwdtrace; then
   { cmake -S "$ROOT" -B "$TBUILD" -G Ninja -DIOATTN_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES="$ARCHS" -DIOATTN_BUILD_TESTS=OFF \
       -DIOATTN_BUILD_BENCH=ON -DCMAKE_CUDA_FLAGS=-DIOATTN_BWD_TRACE=1 "${PREFIX[@]}" &&
       ninja -C "$TBUILD" -j "$JOBS" ioattn_cuda_bench; } >"$OUT/bwdtrace.log" 2>&1
-  for v in ${GPU_CHECK_TRACE_VARIANTS:-lag split}; do
+  for v in ${GPU_CHECK_TRACE_VARIANTS:-lag tmald}; do
     for s in ${GPU_CHECK_TRACE_SEQLENS:-4096 16384}; do
       echo "## variant $v seqlen $s" >>"$OUT/bwdtrace.log"
       IOATTN_BWD_SM90_VARIANT=$v timeout 120 "$TBUILD/ioattn_cuda_bench" bwd --hdims 128 --seqlens "$s" >>"$OUT/bwdtrace.log" 2>&1

@@ -83,6 +83,7 @@ struct Cfg {
   // kTmaDq: + 2 buffers x 2 warpgroups x [64 rows x 64 dims] fp32 dQ pieces (hdim 128: 226 KB in
   // all with the static LSE/D arrays, of the 227 KB an sm_90 CTA may have).
   static constexpr int kSmemTma = kSmemRed + 2 * 2 * kDqPiece;
+  static constexpr int kSmemTmaLoad = kSmemTma + 16;  // + the Q/dO stages' mbarriers
   static constexpr int smem(bool tma_dq) { return tma_dq ? kSmemTma : kSmemRed; }
 };
 
@@ -131,13 +132,21 @@ __device__ __forceinline__ void load_rows(uint32_t dst, const uint8_t* src, int6
   }
 }
 
-template <typename T, int kD, bool kTmaDq, bool kLag, bool kDq = true>
+// kTmaLoad (variant "tmald", with kLag and kTmaDq): Q and dO of each step by TMA (thread 0 issues
+// two 4-D box loads per tile into the stage, completing on the stage's mbarrier, which every
+// thread waits on) instead of 256 threads' cp.async; LSE / D stay cp.async (64 threads). Fewer
+// instructions and LSU queue entries per step (ncu, session 7: "mio throttle" 0.62 stalls per
+// issued instruction); rows past seqlen_q are the maps' out-of-bounds zeros, as cp.async's zfill.
+template <typename T, int kD, bool kTmaDq, bool kLag, bool kDq = true, bool kTmaLoad = false>
 __global__ void __launch_bounds__(kThreads, 1) flash_bwd_sm90_kernel(const BwdParams p,
-                                                                     const __grid_constant__ CUtensorMap dq_map) {
+                                                                     const __grid_constant__ CUtensorMap dq_map,
+                                                                     const __grid_constant__ CUtensorMap q_map,
+                                                                     const __grid_constant__ CUtensorMap do_map) {
 #if IOATTN_SM90A_ENABLED
   using namespace sm90;
   static_assert(kD == 64 || kD == 128, "hdim 64 or 128");
   static_assert(kDq || (!kTmaDq && !kLag), "the dK/dV-only kernel (deterministic mode) has no dQ path");
+  static_assert(!kTmaLoad || (kTmaDq && kLag), "TMA loads: the lag + TMA dQ variant only");
   constexpr int kTileQ = Cfg<kD>::kTileQ, kTileK = Cfg<kD>::kTileK;
   extern __shared__ uint8_t raw[];
   uint8_t* base = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(raw) + 1023) & ~uintptr_t{1023});
@@ -147,6 +156,8 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_sm90_kernel(const BwdPa
   uint8_t* sdo = sq + 2 * kTileQ;  // [2 stages]
   uint8_t* sds = sdo + 2 * kTileQ; // [2 parities]
   uint8_t* sdq = sds + 2 * kTileDs; // kTmaDq: [2 parities][2 warpgroups] dQ pieces
+  // kTmaLoad: the two Q/dO stages' mbarriers, after the dQ pieces (Cfg::smem adds 16 bytes).
+  [[maybe_unused]] uint64_t* full_qdo = reinterpret_cast<uint64_t*>(sdq + 4 * kDqPiece);
   __shared__ __align__(16) float s_lse[2][kBM];
   __shared__ __align__(16) float s_d[2][kBM];
 
@@ -187,8 +198,20 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_sm90_kernel(const BwdPa
     if (++iss_m == per_head) iss_m = 0, ++iss_h;
     const auto* qp = static_cast<const uint8_t*>(p.q) + (b * p.q_batch + static_cast<int64_t>(m0) * p.q_seq + h * p.q_head) * es;
     const auto* dp = static_cast<const uint8_t*>(p.dout) + (b * p.do_batch + static_cast<int64_t>(m0) * p.do_seq + h * p.do_head) * es;
-    load_rows<kBM, kD>(smem_u32(sq + st * kTileQ), qp, p.q_seq * es, sq_len - m0);
-    load_rows<kBM, kD>(smem_u32(sdo + st * kTileQ), dp, p.do_seq * es, sq_len - m0);
+    if constexpr (kTmaLoad) {
+      (void)qp, (void)dp;
+      if (tid == 0) {
+        mbarrier_arrive_expect_tx(&full_qdo[st], 2 * kTileQ);
+#pragma unroll
+        for (int cb = 0; cb < kD / 64; ++cb) {
+          tma_load_4d(sq + st * kTileQ + cb * kBM * 128, &q_map, &full_qdo[st], cb * 64, m0, h, b);
+          tma_load_4d(sdo + st * kTileQ + cb * kBM * 128, &do_map, &full_qdo[st], cb * 64, m0, h, b);
+        }
+      }
+    } else {
+      load_rows<kBM, kD>(smem_u32(sq + st * kTileQ), qp, p.q_seq * es, sq_len - m0);
+      load_rows<kBM, kD>(smem_u32(sdo + st * kTileQ), dp, p.do_seq * es, sq_len - m0);
+    }
     if (tid < kBM) {  // in the same cp.async group as the tiles (no load latency in the step)
       const int i = m0 + tid;
       const int64_t wrow = static_cast<int64_t>(h) * p.rows_q + static_cast<int64_t>(b) * sq_len + i;
@@ -206,6 +229,14 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_sm90_kernel(const BwdPa
 #pragma unroll
   for (int i = 0; i < kD / 2; ++i) dv[i] = 0.f, dk[i] = 0.f;
 
+  if constexpr (kTmaLoad) {
+    if (tid == 0) {
+      mbarrier_init(&full_qdo[0], 1);
+      mbarrier_init(&full_qdo[1], 1);
+      fence_mbarrier_init();
+    }
+    __syncthreads();  // the barriers initialised before anyone waits on them
+  }
   issue(0);
   ptx::cp_async_commit();
   const uint32_t k_wg = smem_u32(sk) + wg * 64 * 128;  // rows 64c.. of column block 0 (1024-aligned)
@@ -286,6 +317,7 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_sm90_kernel(const BwdPa
     // kLag + kTmaDq: the barrier also hands over the dQ piece buffer written in this step, free
     // once the reduce-adds issued from it two steps ago have read it.
     if (kLag && kTmaDq && wtid == 0) bulk_wait_group_read<1>();
+    if constexpr (kTmaLoad) mbarrier_wait(&full_qdo[step & 1], (step >> 1) & 1);  // Q, dO of this step
     BWD_TRACE(step, 9);
     __syncthreads();      // stage step & 1 landed for everyone; everyone is done with step - 1
     BWD_TRACE(step, 0);
@@ -473,15 +505,18 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_sm90_kernel(const BwdPa
 
 // IOATTN_BWD_SM90_VARIANT: lag (default: dQ one step late, by TMA reduce-add) | redlag (one step
 // late, by red.global) | split (in its own step, by TMA reduce-add) | red (in its own step, by
-// red.global: session 5's kernel). Bits: 1 red, 2 lag.
+// red.global: session 5's kernel) | tmald (lag with Q / dO loaded by TMA: kTmaLoad; session 7,
+// compiled, not yet run on a GPU). Bits: 1 red, 2 lag; tmald is 4.
+constexpr int kVariantTmaLoad = 4;
 int variant_bits() {
   const char* e = std::getenv("IOATTN_BWD_SM90_VARIANT");
   if (e == nullptr || std::strcmp(e, "lag") == 0) return 2;
   if (std::strcmp(e, "split") == 0) return 0;
   if (std::strcmp(e, "red") == 0) return 1;
   if (std::strcmp(e, "redlag") == 0) return 3;
+  if (std::strcmp(e, "tmald") == 0) return kVariantTmaLoad;
   throw Error("IOATTN_BWD_SM90_VARIANT",
-              std::string("IOATTN_BWD_SM90_VARIANT must be split, red, lag or redlag, got '") + e + "'");
+              std::string("IOATTN_BWD_SM90_VARIANT must be split, red, lag, redlag or tmald, got '") + e + "'");
 }
 
 // The fp32 dQ workspace [heads_q, batch·seqlen_q, kD] as a 3-D map (kD, seqlen_q, heads_q·batch) —
@@ -504,6 +539,44 @@ CUtensorMap make_dq_map(const BwdParams& p) {
   return map;
 }
 
+// Variant "tmald": Q or dO [batch, seqlen_q, heads_q, kD] (element strides) as a 4-D map (kD,
+// seqlen_q, heads_q, batch) with [64 rows x 64 dims] SW128 boxes, the layout of a stage's column
+// blocks. TMA needs a 16-byte aligned base and 16-byte multiples as strides: otherwise an error
+// naming the tensor (the variant is an explicit choice, so no silent fallback).
+template <typename T, int kD>
+CUtensorMap make_row_map(const void* ptr, int64_t s_batch, int64_t s_seq, int64_t s_head, const BwdParams& p,
+                         const char* name) {
+  constexpr int64_t es = static_cast<int64_t>(sizeof(T));
+  const int64_t seq = p.seqlen_q > 0 ? p.seqlen_q : 1;
+  const cuuint64_t dims[4] = {static_cast<cuuint64_t>(kD), static_cast<cuuint64_t>(seq),
+                              static_cast<cuuint64_t>(p.heads_q), static_cast<cuuint64_t>(p.batch)};
+  // Size-1 dims: their stride is never followed; give TMA a packed (valid) one.
+  const int64_t packed[3] = {kD * es, kD * seq * es, kD * seq * p.heads_q * es};
+  const int64_t given[3] = {s_seq * es, s_head * es, s_batch * es};
+  cuuint64_t strides[3];
+  for (int i = 0; i < 3; ++i) {
+    const int64_t st = static_cast<int64_t>(dims[i + 1]) <= 1 ? packed[i] : given[i];
+    if (st < 0 || st % 16 != 0 || st >= (int64_t(1) << 40))
+      throw Error(name, std::string("IOATTN_BWD_SM90_VARIANT=tmald: ") + name +
+                            " strides must be non-negative multiples of 16 bytes below 2^40 (TMA), got " +
+                            std::to_string(st) + " bytes");
+    strides[i] = static_cast<cuuint64_t>(st);
+  }
+  if (reinterpret_cast<uintptr_t>(ptr) % 16 != 0)
+    throw Error(name, std::string("IOATTN_BWD_SM90_VARIANT=tmald: ") + name + " must be 16-byte aligned (TMA)");
+  const cuuint32_t box[4] = {64, static_cast<cuuint32_t>(kBM), 1, 1};
+  const cuuint32_t elem_strides[4] = {1, 1, 1, 1};
+  CUtensorMap map{};
+  const CUresult r = sm90::tensor_map_encoder()(
+      &map, std::is_same_v<T, __nv_bfloat16> ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 4,
+      const_cast<void*>(ptr), dims, strides, box, elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
+      CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  if (r != CUDA_SUCCESS)
+    throw Error("cuda", std::string("ioattn: cuTensorMapEncodeTiled failed for the backward's ") + name +
+                            " (CUresult " + std::to_string(static_cast<int>(r)) + ")");
+  return map;
+}
+
 // Deterministic mode (no dQ workspace): this kernel for dK/dV only, then the mma.sync table's
 // atomic-free dQ pass of the same head dim (flash_bwd_dq_kernel: one CTA per query block walks
 // every key block in order), whose tile run_flash_backward sized num_m_blocks for (info_for()
@@ -520,7 +593,7 @@ void launch_deterministic(const BwdParams& p, cudaStream_t stream) {
     auto* kernel = &flash_bwd_sm90_kernel<T, kD, false, false, false>;
     const int smem = Cfg<kD>::smem(false);
     IOATTN_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-    kernel<<<static_cast<unsigned>(grid), kThreads, smem, stream>>>(p, CUtensorMap{});
+    kernel<<<static_cast<unsigned>(grid), kThreads, smem, stream>>>(p, CUtensorMap{}, CUtensorMap{}, CUtensorMap{});
     IOATTN_CUDA_CHECK_LAUNCH("flash_bwd_sm90_kernel (dK/dV only)");
   }
   const BwdKernelInfo& row = mma_row(kD);
@@ -566,16 +639,20 @@ void launch_typed(const BwdParams& p, cudaStream_t stream) {
   const int v = variant_bits();  // also rejects a bad value (in deterministic mode too)
   if (p.ws_dq == nullptr) return launch_deterministic<T, kD>(p, stream);
   const int64_t grid = static_cast<int64_t>(p.num_n_blocks) * p.heads_kv * p.batch;
-  const bool tma_dq = (v & 1) == 0;
+  const bool tma_dq = (v & 1) == 0, tma_load = v == kVariantTmaLoad;
   if (grid == 0) return;
-  void (*const kernels[4])(const BwdParams, const CUtensorMap) = {
+  void (*const kernels[5])(const BwdParams, const CUtensorMap, const CUtensorMap, const CUtensorMap) = {
       &flash_bwd_sm90_kernel<T, kD, true, false>, &flash_bwd_sm90_kernel<T, kD, false, false>,
-      &flash_bwd_sm90_kernel<T, kD, true, true>, &flash_bwd_sm90_kernel<T, kD, false, true>};
+      &flash_bwd_sm90_kernel<T, kD, true, true>, &flash_bwd_sm90_kernel<T, kD, false, true>,
+      &flash_bwd_sm90_kernel<T, kD, true, true, true, true>};
   auto* kernel = kernels[v];
-  const int smem = Cfg<kD>::smem(tma_dq);
+  const int smem = tma_load ? Cfg<kD>::kSmemTmaLoad : Cfg<kD>::smem(tma_dq);
   const CUtensorMap map = tma_dq ? make_dq_map<kD>(p) : CUtensorMap{};
+  const CUtensorMap q_map = tma_load ? make_row_map<T, kD>(p.q, p.q_batch, p.q_seq, p.q_head, p, "q") : CUtensorMap{};
+  const CUtensorMap do_map =
+      tma_load ? make_row_map<T, kD>(p.dout, p.do_batch, p.do_seq, p.do_head, p, "dout") : CUtensorMap{};
   IOATTN_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-  kernel<<<static_cast<unsigned>(grid), kThreads, smem, stream>>>(p, map);
+  kernel<<<static_cast<unsigned>(grid), kThreads, smem, stream>>>(p, map, q_map, do_map);
   IOATTN_CUDA_CHECK_LAUNCH("flash_bwd_sm90_kernel");
 #if IOATTN_BWD_TRACE
   print_trace(grid);
