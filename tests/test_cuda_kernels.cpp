@@ -446,6 +446,13 @@ std::vector<Case> flash_cases() {
     v.push_back(c);
   }
   {
+    Case c = mk("local_varlen_softcap_alibi_causal_d64", bf, 0, 0, 0, 2, 1, 64);
+    c.lens_q = {250, 3, 199};
+    c.lens_k = {260, 40, 199};
+    c.causal = true, c.softcap = 6.f, c.alibi = true;
+    v.push_back(c);
+  }
+  {
     Case c = mk("local_varlen_long_d128_f16", hf, 0, 0, 0, 2, 1, 128);
     c.lens_q = {700, 129};
     c.lens_k = {900, 1};

@@ -81,8 +81,13 @@ function(ioattn_cuda_extras)
       add_test(NAME cuda_kernels_sm90_local
                COMMAND test_cuda_kernels --gtest_filter=*window*:*sinks*:*softcap*:*alibi*:*varlen*:*local_*)
       set_tests_properties(cuda_kernels_sm90_local PROPERTIES ENVIRONMENT "IOATTN_SM90_LOCAL=1")
+      # ... and on 2 persistent CTAs, so every CTA walks many tiles (empty varlen tiles between
+      # full ones, the ring and the tile slot carried across tiles).
+      add_test(NAME cuda_kernels_sm90_local_2ctas COMMAND test_cuda_kernels --gtest_filter=*local_*:*varlen*)
+      set_tests_properties(cuda_kernels_sm90_local_2ctas PROPERTIES ENVIRONMENT "IOATTN_SM90_LOCAL=1;IOATTN_SM90_MAX_CTAS=2")
       # A GPU-less machine prints "skipped: no CUDA device"; ctest reports those as skipped.
-      set_tests_properties(cuda_kernels cuda_kernels_sm90_local PROPERTIES SKIP_REGULAR_EXPRESSION "skipped: no CUDA device")
+      set_tests_properties(cuda_kernels cuda_kernels_sm90_local cuda_kernels_sm90_local_2ctas
+                           PROPERTIES SKIP_REGULAR_EXPRESSION "skipped: no CUDA device")
       add_executable(test_cuda_backward ${PROJECT_SOURCE_DIR}/tests/test_cuda_backward.cpp)
       target_link_libraries(test_cuda_backward PRIVATE ioattn::ioattn GTest::gtest GTest::gtest_main)
       target_include_directories(test_cuda_backward PRIVATE ${PROJECT_SOURCE_DIR}/src ${PROJECT_SOURCE_DIR}/tests)

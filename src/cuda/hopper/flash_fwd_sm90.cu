@@ -460,16 +460,17 @@ bool select_impl(const FwdProblem& p, std::string* kernel, std::string* why) {
                                  : "sliding window") +
                          " on the wgmma kernel (kLocal rows) is opt-in until verified on a GPU: IOATTN_SM90_LOCAL=1");
   if (needs_local(p) && (p.seqlen_q >= (int64_t(1) << 29) || p.seqlen_k >= (int64_t(1) << 29)))
-    return fail(why, "windows / sinks / softcap / ALiBi on the wgmma kernel: seqlen >= 2^29 (its int window bounds)");
+    return fail(why, "windows / sinks / softcap / ALiBi / varlen on the wgmma kernel: seqlen >= 2^29 (its int "
+                     "window bounds)");
   if (!(p.scale > 0.0f)) return fail(why, "scale <= 0 (the kernel's running max assumes scale > 0)");
   if (p.heads_kv <= 0 || p.heads_q % p.heads_kv != 0) return fail(why, "heads_q is not a multiple of heads_kv");
   constexpr int64_t kMaxInt = 2147483647;
   if (p.seqlen_q > kMaxInt - 256 || p.seqlen_k > kMaxInt - 256) return fail(why, "seqlen >= 2^31");
   const int64_t m_blocks = (p.seqlen_q + 127) / 128;
   if (m_blocks * p.heads_q * p.batch > kMaxInt) return fail(why, "more than 2^31-1 query tiles");
-  const MapExtent ext = map_extent(p);
   if (p.varlen() && (p.cu_seqlens_q_host == nullptr || p.cu_seqlens_k_host == nullptr))
     return fail(why, "varlen without host copies of cu_seqlens (the tensor maps need the token totals)");
+  const MapExtent ext = map_extent(p);
   if (p.varlen() && (ext.seqlen_q > kMaxInt - 256 || ext.seqlen_k > kMaxInt - 256))
     return fail(why, "varlen: more than 2^31 - 256 packed tokens");
   if (!tma_compatible(p.q, p.q_stride, ext.batch, ext.seqlen_q, p.heads_q, "q", why)) return false;
@@ -501,7 +502,8 @@ CUtensorMap make_tensor_map(const void* ptr, DType dtype, int64_t head_dim, int6
   const cuuint64_t dims[4] = {static_cast<cuuint64_t>(head_dim), static_cast<cuuint64_t>(seqlen > 0 ? seqlen : 1),
                               static_cast<cuuint64_t>(heads), static_cast<cuuint64_t>(batch)};
   // Size-1 dims: their stride is never followed; give TMA a packed (valid) one.
-  const int64_t packed[3] = {head_dim * 2, head_dim * seqlen * 2, head_dim * seqlen * heads * 2};
+  const int64_t rows = seqlen > 0 ? seqlen : 1;  // as dims[1]: no zero stride when there are no keys
+  const int64_t packed[3] = {head_dim * 2, head_dim * rows * 2, head_dim * rows * heads * 2};
   const int64_t given[3] = {s.seq * 2, s.head * 2, s.batch * 2};
   cuuint64_t strides[3];
   for (int i = 0; i < 3; ++i)

@@ -32,7 +32,8 @@
 //
 // Assumes (sm90_flash_select checks it): head_dim = head_dim_v in {64, 128, 256}; unit stride on
 // the last dim; q/k/v 16-byte aligned with 16-byte-multiple strides (TMA); o 4-byte aligned
-// with even strides; no window/softcap/alibi/sinks/varlen; scale > 0.
+// with even strides; scale > 0; windows, softcap, ALiBi, sinks and varlen only in the kLocal
+// instances (LocalParams), which the selector uses only with IOATTN_SM90_LOCAL=1 for now.
 // Masks are bottom-right aligned: row i sees key j iff j <= i + (seqlen_k - seqlen_q).
 // Rows with no visible key get O = 0, LSE = -inf.
 //
@@ -236,7 +237,7 @@ __device__ __forceinline__ int num_key_blocks(int m0, int seqlen_q, int seqlen_k
 template <int kBlockM, int kBlockN>
 __device__ __forceinline__ int2 local_key_blocks(int m0, const TileSpan& s) {
   if (m0 >= s.sq) return make_int2(0, 0);
-  const int last_key = min(s.sk - 1, m0 + kBlockM - 1 + s.win_hi);
+  const int last_key = min(s.sk - 1, min(m0 + kBlockM, s.sq) - 1 + s.win_hi);  // the last real row's bound
   const int first_key = max(0, m0 + s.win_lo);
   const int first = first_key / kBlockN, end = last_key < 0 ? 0 : last_key / kBlockN + 1;
   return make_int2(first, max(0, end - first));
