@@ -213,6 +213,9 @@ if want ncubwd && command -v ncu >/dev/null; then
       "$BUILD/ioattn_cuda_bench" bwd --hdims 128 --seqlens 4096 >>"$OUT/ncu_bwd.log" 2>&1
   done
   note "ncu bwd    rc=$?  $(( $(stamp) - t0 )) s  (ncu_bwd.log)"
+  # The lines that decide the next step, in the summary (the log itself travels in logs.tgz).
+  grep -E 'flash_bwd_sm90_kernel|Duration|pipe_(tensor|shared|alu|fma)_cycles|wavefronts_mem_shared|stalled_(wait|dispatch_stall|mio_throttle|long_scoreboard|short_scoreboard|barrier|gmma|math_pipe_throttle)_per|Eligible Warps' \
+    "$OUT/ncu_bwd.log" | grep -v '^==' | sed -E 's/  +/ /g; s/^ //' | cut -c1-150 | tee -a "$SUMMARY"
 fi
 
 # ---- the wgmma backward's step timeline (optional stage bwdtrace) -----------------------------------
@@ -378,4 +381,8 @@ cat "$SUMMARY"
 # At most 8 files come back from the device machine: keep the summary and the JSON/CSV results,
 # pack every log into one archive.
 (cd "$OUT" && ls *.log >/dev/null 2>&1 && tar czf logs.tgz *.log && rm -f *.log)
+# Still more than 8 (a long stage list: session 7 lost summary.txt this way): the JSON/CSV results
+# go into data.tgz too, so summary.txt and the two archives always come back.
+(cd "$OUT" && [[ $(ls | wc -l) -gt 8 ]] && tar czf data.tgz $(ls | grep -E '\.(json|csv)$') &&
+  rm -f $(ls | grep -E '\.(json|csv)$')) || true
 exit 0
