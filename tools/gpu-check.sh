@@ -24,6 +24,9 @@
 #      active cycles and the shared-memory wavefronts of the wgmma backward kernel at hdim 128, 4k, per
 #      IOATTN_BWD_SM90_VARIANT in GPU_CHECK_NCU_VARIANTS (default "lag tmald") -> ncu_bwd.log.
 #      The logs are packed into logs.tgz at the end: read them there (or grep them in the command).
+#   sm90local (not in the default stages; ~2 min): the forward's kLocal rows (windows, sinks,
+#      softcap, ALiBi, varlen; IOATTN_SM90_LOCAL=1) against the mma.sync kernel on the same shapes
+#      (ioattn_cuda_bench local), a table in the summary -> sm90local.json.
 #   bwdtrace (not in the default stages; ~1.5 min incl. its own build in BUILD-trace): the wgmma
 #      backward's step timeline, mean SM cycles per phase per warpgroup (IOATTN_BWD_TRACE=1 build),
 #      per variant in GPU_CHECK_TRACE_VARIANTS and seqlen in GPU_CHECK_TRACE_SEQLENS -> summary.
@@ -216,6 +219,38 @@ if want ncubwd && command -v ncu >/dev/null; then
   # The lines that decide the next step, in the summary (the log itself travels in logs.tgz).
   grep -E 'flash_bwd_sm90_kernel|Duration|pipe_(tensor|shared|alu|fma)_cycles|wavefronts_mem_shared|stalled_(wait|dispatch_stall|mio_throttle|long_scoreboard|short_scoreboard|barrier|gmma|math_pipe_throttle)_per|Eligible Warps' \
     "$OUT/ncu_bwd.log" | grep -v '^==' | sed -E 's/  +/ /g; s/^ //' | cut -c1-150 | tee -a "$SUMMARY"
+fi
+
+# ---- the sm90 forward's kLocal rows vs mma.sync (optional stage sm90local) -------------------------
+# ioattn_cuda_bench local with IOATTN_SM90_LOCAL=1 (windows, sinks, softcap, ALiBi, varlen on the
+# wgmma kernel) and without (the mma.sync kernel), interleaved twice; a table in the summary.
+if want sm90local; then
+  t0=$(stamp)
+  for pass in 1 2; do
+    for on in 1 0; do
+      IOATTN_SM90_LOCAL=$on timeout 200 "$BUILD/ioattn_cuda_bench" local ${GPU_CHECK_LOCAL_ARGS:-} 2>>"$OUT/sm90local.log" |
+        sed "s/^{/{\"local\": $on, \"pass\": $pass, /" >>"$OUT/sm90local.json"
+    done
+  done
+  note "sm90local  rc=$?  $(( $(stamp) - t0 )) s  (sm90local.json)"
+  python3 - "$OUT/sm90local.json" <<'PY' | tee -a "$SUMMARY"
+import json, sys, collections
+rows = collections.defaultdict(lambda: {0: [], 1: []})
+kern = {}
+for line in open(sys.argv[1]):
+    if not line.startswith("{"): continue
+    r = json.loads(line)
+    key = (r["feature"], r["hdim"], r["seqlen"])
+    rows[key][r["local"]].append(r["tflops"])
+    if r["local"] == 1: kern[key] = r["kernel"]
+print("## sm90 kLocal rows vs mma.sync (bf16 fwd TFLOP/s over visible pairs, mean of 2 passes)")
+print("feature  hdim seqlen |  local   mma  ratio | local kernel")
+for key in sorted(rows):
+    a, b = rows[key][1], rows[key][0]
+    if not a or not b: continue
+    la, lb = sum(a) / len(a), sum(b) / len(b)
+    print(f"{key[0]:8s} {key[1]:4d} {key[2]:6d} | {la:6.1f} {lb:6.1f} {la / lb:5.2f} | {kern.get(key, '')[:70]}")
+PY
 fi
 
 # ---- the wgmma backward's step timeline (optional stage bwdtrace) -----------------------------------

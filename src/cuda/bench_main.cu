@@ -10,6 +10,12 @@
 //       forward + backward through the public API on the same grid, causal and not: fwd+bwd ms and
 //       TFLOP/s (FLOPs = fwd + 2.5·fwd, FlashAttention's convention), the backward alone, and both
 //       kernels' names. dO uniform in [-1, 1); the forward's O and LSE feed the backward.
+//   ioattn_cuda_bench local [--hdims 64,128,256] [--seqlens 4096,16384] [--tokens 16384] [--hidden 2048]
+//                           [--window 1024] [--features window,sinks,softcap,alibi,varlen] [--repeats 15]
+//       bf16 forward with one extra feature per line on top of causal: a causal sliding window of
+//       --window keys, sinks, softcap 30, ALiBi, or varlen (the same sequences packed, cu_seqlens);
+//       TFLOP/s over the visible (row, key) pairs. Run it with IOATTN_SM90_LOCAL=1 (the sm90
+//       kLocal rows) and without (mma.sync) for the A/B (gpu-check stage sm90local).
 //   ioattn_cuda_bench naive [--seqlens 4096,8192,16384] [--heads 16] [--hdim 128]
 //       standard attention (S, P in HBM) vs flash on one sequence: ms, workspace bytes, and the
 //       max |O_naive - O_flash| as a sanity check.
@@ -102,6 +108,91 @@ void run_grid(int argc, char** argv) {
           std::fflush(stdout);
         }
       }
+}
+
+void run_local(int argc, char** argv) {
+  const auto hdims = cb::parse_list(arg(argc, argv, "--hdims", "64,128,256"));
+  const auto seqlens = cb::parse_list(arg(argc, argv, "--seqlens", "4096,16384"));
+  const int64_t tokens = std::stoll(arg(argc, argv, "--tokens", "16384"));
+  const int64_t hidden = std::stoll(arg(argc, argv, "--hidden", "2048"));
+  const int64_t window = std::stoll(arg(argc, argv, "--window", "1024"));
+  const int repeats = std::stoi(arg(argc, argv, "--repeats", "15"));
+  const std::string features = arg(argc, argv, "--features", "window,sinks,softcap,alibi,varlen");
+  for (int64_t d : hdims)
+    for (int64_t s : seqlens) {
+      const int64_t b = std::max<int64_t>(1, tokens / s), h = hidden / d, n = b * s * h * d;
+      Buffers buf;
+      IOATTN_CUDA_CHECK(cudaMalloc(&buf.q, n * 2));
+      IOATTN_CUDA_CHECK(cudaMalloc(&buf.k, n * 2));
+      IOATTN_CUDA_CHECK(cudaMalloc(&buf.v, n * 2));
+      IOATTN_CUDA_CHECK(cudaMalloc(&buf.o, n * 2));
+      IOATTN_CUDA_CHECK(cudaMalloc(&buf.lse, b * h * s * 4));
+      cb::fill_uniform(buf.q, true, n, 1);
+      cb::fill_uniform(buf.k, true, n, 2);
+      cb::fill_uniform(buf.v, true, n, 3);
+      // Per-head vectors (sinks, ALiBi slopes) and cu_seqlens for the varlen line.
+      std::vector<float> head_vals(static_cast<size_t>(h));
+      for (int64_t i = 0; i < h; ++i) head_vals[static_cast<size_t>(i)] = 0.5f / static_cast<float>(i + 1);
+      std::vector<int32_t> cu(static_cast<size_t>(b + 1));
+      for (int64_t i = 0; i <= b; ++i) cu[static_cast<size_t>(i)] = static_cast<int32_t>(i * s);
+      void *heads_dev = nullptr, *cu_dev = nullptr;
+      IOATTN_CUDA_CHECK(cudaMalloc(&heads_dev, h * 4));
+      IOATTN_CUDA_CHECK(cudaMalloc(&cu_dev, (b + 1) * 4));
+      IOATTN_CUDA_CHECK(cudaMemcpy(heads_dev, head_vals.data(), h * 4, cudaMemcpyHostToDevice));
+      IOATTN_CUDA_CHECK(cudaMemcpy(cu_dev, cu.data(), (b + 1) * 4, cudaMemcpyHostToDevice));
+      const auto q = TensorView::contiguous(buf.q, DType::bf16, {b, s, h, d}, Device::cuda);
+      const auto k = TensorView::contiguous(buf.k, DType::bf16, {b, s, h, d}, Device::cuda);
+      const auto v = TensorView::contiguous(buf.v, DType::bf16, {b, s, h, d}, Device::cuda);
+      const auto o = TensorView::contiguous(buf.o, DType::bf16, {b, s, h, d}, Device::cuda);
+      const auto lse = TensorView::contiguous(buf.lse, DType::f32, {b, h, s}, Device::cuda);
+      const auto per_head = TensorView::contiguous(heads_dev, DType::f32, {h}, Device::cuda);
+      // varlen views: the same memory as [b*s, h, d] packed tokens, LSE as [h, b*s]
+      const auto qp = TensorView::contiguous(buf.q, DType::bf16, {b * s, h, d}, Device::cuda);
+      const auto kp = TensorView::contiguous(buf.k, DType::bf16, {b * s, h, d}, Device::cuda);
+      const auto vp = TensorView::contiguous(buf.v, DType::bf16, {b * s, h, d}, Device::cuda);
+      const auto op = TensorView::contiguous(buf.o, DType::bf16, {b * s, h, d}, Device::cuda);
+      const auto lsep = TensorView::contiguous(buf.lse, DType::f32, {h, b * s}, Device::cuda);
+      Varlen vl;
+      vl.cu_seqlens_q = vl.cu_seqlens_k = TensorView::contiguous(cu_dev, DType::i32, {b + 1}, Device::cuda);
+      vl.max_seqlen_q = vl.max_seqlen_k = s;
+      std::stringstream fs(features);
+      std::string f;
+      while (std::getline(fs, f, ',')) {
+        AttnParams prm;
+        prm.causal = true;
+        double pairs = static_cast<double>(s) * static_cast<double>(s + 1) / 2.0;  // causal (row, key) pairs
+        if (f == "window") {
+          prm.window_left = window;
+          pairs = 0;
+          for (int64_t i = 0; i < s; ++i) pairs += static_cast<double>(std::min<int64_t>(i, window) + 1);
+        } else if (f == "sinks") {
+          prm.sinks = per_head;
+        } else if (f == "softcap") {
+          prm.softcap = 30.0f;
+        } else if (f == "alibi") {
+          prm.alibi_slopes = per_head;
+        } else if (f != "varlen") {
+          throw Error("--features", "window, sinks, softcap, alibi or varlen, got '" + f + "'");
+        }
+        Context ctx;
+        ctx.backend = Backend::flash;
+        const bool varlen = f == "varlen";
+        const KernelChoice kc = varlen ? KernelChoice{} : select_forward(q, k, v, o, lse, prm, ctx);
+        KernelChoice ran;
+        auto fn = [&] { ran = varlen ? forward_varlen(qp, kp, vp, op, lsep, vl, prm, ctx) : forward(q, k, v, o, lse, prm, ctx); };
+        const double one = cb::time_ms(fn, 2, 1, 1);
+        const double ms = cb::time_ms(fn, 1, repeats, cb::inner_for(one));
+        const double tflops = 4.0 * b * h * pairs * d / (ms * 1e-3) / 1e12;
+        std::printf(
+            "{\"impl\": \"ioattn_flash\", \"feature\": \"%s\", \"dtype\": \"bf16\", \"hdim\": %lld, \"seqlen\": %lld, "
+            "\"batch\": %lld, \"heads\": %lld, \"window\": %lld, \"ms\": %.5f, \"tflops\": %.2f, \"kernel\": \"%s\"}\n",
+            f.c_str(), (long long)d, (long long)s, (long long)b, (long long)h, (long long)(f == "window" ? window : -1),
+            ms, tflops, (varlen ? ran : kc).kernel.c_str());
+        std::fflush(stdout);
+      }
+      cudaFree(heads_dev);
+      cudaFree(cu_dev);
+    }
 }
 
 void run_bwd(int argc, char** argv) {
@@ -246,8 +337,10 @@ int main(int argc, char** argv) {
       run_naive(argc, argv);
     else if (mode == "bwd")
       run_bwd(argc, argv);
+    else if (mode == "local")
+      run_local(argc, argv);
     else {
-      std::fprintf(stderr, "usage: ioattn_cuda_bench grid|bwd|naive [options]\n");
+      std::fprintf(stderr, "usage: ioattn_cuda_bench grid|bwd|local|naive [options]\n");
       return 2;
     }
   } catch (const std::exception& e) {
