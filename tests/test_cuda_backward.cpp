@@ -482,6 +482,51 @@ TEST_P(CudaBackwardSm90, MatchesFloat64Reference) {
 INSTANTIATE_TEST_SUITE_P(Cases, CudaBackwardSm90, ::testing::ValuesIn(sm90_cases()),
                          [](const auto& info) { return info.param.name; });
 
+// Varlen on the wgmma backward (its kVarlen instance; opt-in with IOATTN_BWD_SM90_VARLEN=1 until
+// verified on a GPU, so this test sets it): packed sequences with empty ones on either side,
+// causal and not, GQA with a window, sinks; hdim 128 and 64.
+std::vector<Case> sm90_varlen_cases() {
+  std::vector<Case> v;
+  for (DType t : {DType::bf16, DType::f16}) {
+    const std::string ts = dtype_name(t);
+    for (int64_t d : {128, 64}) {
+      const std::string ds = "d" + std::to_string(d) + "_";
+      { Case c = mk("varlen_empty_" + ds + ts, 0, 0, d, t); c.batch = 5; c.varlen_q = {5, 0, 130, 64, 200};
+        c.varlen_k = {7, 3, 200, 0, 150}; v.push_back(c); c.name = "varlen_empty_causal_" + ds + ts; c.causal = true;
+        v.push_back(c); }
+      { Case c = mk("varlen_gqa2_window_" + ds + ts, 0, 0, d, t); c.batch = 3; c.heads_q = 4; c.heads_kv = 2;
+        c.varlen_q = {1, 300, 65}; c.varlen_k = {1, 310, 64}; c.window_left = 64; c.window_right = 16; v.push_back(c); }
+      { Case c = mk("varlen_sinks_causal_" + ds + ts, 0, 0, d, t); c.batch = 3; c.varlen_q = {17, 170, 2};
+        c.varlen_k = {17, 100, 230}; c.causal = true; c.sinks = true; v.push_back(c); }
+    }
+  }
+  return v;
+}
+
+class CudaBackwardSm90Varlen : public ::testing::TestWithParam<Case> {};
+
+TEST_P(CudaBackwardSm90Varlen, MatchesFloat64Reference) {
+  SKIP_WITHOUT_GPU();
+  if (detail::cuda_device_arch(0) != 90) GTEST_SKIP() << "skipped: the wgmma backward needs sm_90";
+  const Case& c = GetParam();
+  BwdRun s(c, 23 + c.name.size());
+  const Refs r = references(s);
+  BwdKernelEnv env(nullptr);
+  ScopedEnv on("IOATTN_BWD_SM90_VARLEN", "1");
+  s.poison_grads();
+  const KernelChoice kc = s.backward_device(false);
+  EXPECT_NE(kc.kernel.find("sm90 wgmma"), std::string::npos) << kc.kernel << ": " << kc.reason;
+  check_grads(s, r, c.name + " (sm90 wgmma varlen)");
+  // Deterministic mode stays on the mma.sync table for varlen (its reason says so).
+  s.poison_grads();
+  const KernelChoice det = s.backward_device(true);
+  EXPECT_EQ(det.kernel.find("sm90 wgmma"), std::string::npos) << det.kernel;
+  check_grads(s, r, c.name + " (deterministic)");
+}
+
+INSTANTIATE_TEST_SUITE_P(Cases, CudaBackwardSm90Varlen, ::testing::ValuesIn(sm90_varlen_cases()),
+                         [](const auto& info) { return info.param.name; });
+
 TEST(CudaBackwardSm90Select, SaysWhenItDoesNotApply) {
   SKIP_WITHOUT_GPU();
   if (detail::cuda_device_arch(0) != 90) GTEST_SKIP() << "skipped: the wgmma backward needs sm_90";

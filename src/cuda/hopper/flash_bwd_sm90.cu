@@ -137,7 +137,12 @@ __device__ __forceinline__ void load_rows(uint32_t dst, const uint8_t* src, int6
 // thread waits on) instead of 256 threads' cp.async; LSE / D stay cp.async (64 threads). Fewer
 // instructions and LSU queue entries per step (ncu, session 7: "mio throttle" 0.62 stalls per
 // issued instruction); rows past seqlen_q are the maps' out-of-bounds zeros, as cp.async's zfill.
-template <typename T, int kD, bool kTmaDq, bool kLag, bool kDq = true, bool kTmaLoad = false>
+// kVarlen (with kLag and kTmaDq; opt-in, IOATTN_BWD_SM90_VARLEN=1, until run on a GPU): packed
+// sequences from cu_seqlens (bwd_detail::seq_info): this CTA's sequence's key / query starts and
+// lengths, workspace rows q_start + i, and the dQ map over [heads_q, total_q, d] (plane = head,
+// row = q_start + m0). A tail block's dQ piece rows past the sequence are exact zeros (P = 0 there:
+// LSE +inf, dO zero-filled), so the reduce-add that reaches the next sequence's rows adds 0.
+template <typename T, int kD, bool kTmaDq, bool kLag, bool kDq = true, bool kTmaLoad = false, bool kVarlen = false>
 __global__ void __launch_bounds__(kThreads, 1) flash_bwd_sm90_kernel(const BwdParams p,
                                                                      const __grid_constant__ CUtensorMap dq_map,
                                                                      const __grid_constant__ CUtensorMap q_map,
@@ -147,6 +152,7 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_sm90_kernel(const BwdPa
   static_assert(kD == 64 || kD == 128, "hdim 64 or 128");
   static_assert(kDq || (!kTmaDq && !kLag), "the dK/dV-only kernel (deterministic mode) has no dQ path");
   static_assert(!kTmaLoad || (kTmaDq && kLag), "TMA loads: the lag + TMA dQ variant only");
+  static_assert(!kVarlen || (kTmaDq && kLag && kDq && !kTmaLoad), "varlen: the lag + TMA dQ instance only");
   constexpr int kTileQ = Cfg<kD>::kTileQ, kTileK = Cfg<kD>::kTileK;
   extern __shared__ uint8_t raw[];
   uint8_t* base = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(raw) + 1023) & ~uintptr_t{1023});
@@ -166,14 +172,22 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_sm90_kernel(const BwdPa
   const int nb = blockIdx.x % p.num_n_blocks;
   const int hk = (blockIdx.x / p.num_n_blocks) % p.heads_kv;
   const int b = blockIdx.x / (p.num_n_blocks * p.heads_kv);
-  const int sq_len = p.seqlen_q, sk_len = p.seqlen_k, off = sk_len - sq_len;
   const int n0 = nb * kBN;
+  int sq_len = p.seqlen_q, sk_len = p.seqlen_k, q_start = 0, k_start = 0;
+  if constexpr (kVarlen) {
+    const bwd_detail::SeqInfo si = bwd_detail::seq_info(p, b);
+    sq_len = si.sq, sk_len = si.sk, q_start = si.q_start, k_start = si.k_start;
+    if (n0 >= sk_len) return;  // this sequence has fewer keys (nothing issued yet)
+  }
+  const int off = sk_len - sq_len;
   constexpr int es = static_cast<int>(sizeof(T));
 
   // K, V of the block, once.
   {
-    const auto* kp = static_cast<const uint8_t*>(p.k) + (b * p.k_batch + static_cast<int64_t>(n0) * p.k_seq + hk * p.k_head) * es;
-    const auto* vp = static_cast<const uint8_t*>(p.v) + (b * p.v_batch + static_cast<int64_t>(n0) * p.v_seq + hk * p.v_head) * es;
+    const auto* kp = static_cast<const uint8_t*>(p.k) +
+                     (b * p.k_batch + static_cast<int64_t>(k_start + n0) * p.k_seq + hk * p.k_head) * es;
+    const auto* vp = static_cast<const uint8_t*>(p.v) +
+                     (b * p.v_batch + static_cast<int64_t>(k_start + n0) * p.v_seq + hk * p.v_head) * es;
     load_rows<kBN, kD>(smem_u32(sk), kp, p.k_seq * es, sk_len - n0);
     load_rows<kBN, kD>(smem_u32(sv), vp, p.v_seq * es, sk_len - n0);
     ptx::cp_async_commit();
@@ -196,8 +210,10 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_sm90_kernel(const BwdPa
     if (step >= steps) return;
     const int h = hk * p.group + iss_h, m0 = (m_first + iss_m) * kBM, st = step & 1;
     if (++iss_m == per_head) iss_m = 0, ++iss_h;
-    const auto* qp = static_cast<const uint8_t*>(p.q) + (b * p.q_batch + static_cast<int64_t>(m0) * p.q_seq + h * p.q_head) * es;
-    const auto* dp = static_cast<const uint8_t*>(p.dout) + (b * p.do_batch + static_cast<int64_t>(m0) * p.do_seq + h * p.do_head) * es;
+    const auto* qp = static_cast<const uint8_t*>(p.q) +
+                     (b * p.q_batch + static_cast<int64_t>(q_start + m0) * p.q_seq + h * p.q_head) * es;
+    const auto* dp = static_cast<const uint8_t*>(p.dout) +
+                     (b * p.do_batch + static_cast<int64_t>(q_start + m0) * p.do_seq + h * p.do_head) * es;
     if constexpr (kTmaLoad) {
       (void)qp, (void)dp;
       if (tid == 0) {
@@ -214,7 +230,8 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_sm90_kernel(const BwdPa
     }
     if (tid < kBM) {  // in the same cp.async group as the tiles (no load latency in the step)
       const int i = m0 + tid;
-      const int64_t wrow = static_cast<int64_t>(h) * p.rows_q + static_cast<int64_t>(b) * sq_len + i;
+      const int64_t wrow = static_cast<int64_t>(h) * p.rows_q +
+                           (kVarlen ? static_cast<int64_t>(q_start) : static_cast<int64_t>(b) * sq_len) + i;
       if (i < sq_len) {
         ptx::cp_async_4(ptx::smem_u32(&s_lse[st][tid]), p.ws_lse + wrow, 4);
         ptx::cp_async_4(ptx::smem_u32(&s_d[st][tid]), p.ws_d + wrow, 4);
@@ -283,9 +300,10 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_sm90_kernel(const BwdPa
       fence_proxy_async();
       named_barrier_sync(1 + wg, 128);
       if (wtid == 0) {
-        const int plane = ph * p.batch + b;  // the workspace's [heads_q, batch, seqlen_q] rows
-        tma_reduce_add_3d(&dq_map, piece, kDqCols * wg, pm0, plane);
-        tma_reduce_add_3d(&dq_map, piece + kBM * 128, kDqCols * wg + 32, pm0, plane);
+        // the workspace's [heads_q, batch, seqlen_q] rows (varlen: [heads_q, total_q])
+        const int plane = kVarlen ? ph : ph * p.batch + b, prow = kVarlen ? q_start + pm0 : pm0;
+        tma_reduce_add_3d(&dq_map, piece, kDqCols * wg, prow, plane);
+        tma_reduce_add_3d(&dq_map, piece + kBM * 128, kDqCols * wg + 32, prow, plane);
         bulk_commit_group();
       }
     } else {
@@ -484,8 +502,8 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_sm90_kernel(const BwdPa
   if (kTmaDq && wtid == 0) bulk_wait_group<0>();  // the last pieces read (and added) before exit
 
   // dK (scaled), dV: keys 64wg + 16w + g (+8), dims 8i + 2t (+1).
-  T* dkp = static_cast<T*>(p.dk) + b * p.dk_batch + hk * p.dk_head;
-  T* dvp = static_cast<T*>(p.dv) + b * p.dv_batch + hk * p.dv_head;
+  T* dkp = static_cast<T*>(p.dk) + b * p.dk_batch + static_cast<int64_t>(k_start) * p.dk_seq + hk * p.dk_head;
+  T* dvp = static_cast<T*>(p.dv) + b * p.dv_batch + static_cast<int64_t>(k_start) * p.dv_seq + hk * p.dv_head;
 #pragma unroll
   for (int i = 0; i < kD / 8; ++i)
 #pragma unroll
@@ -524,8 +542,12 @@ int variant_bits() {
 // instead of landing in the next sequence — with [64 rows x 32 floats] SW128 boxes.
 template <int kD>
 CUtensorMap make_dq_map(const BwdParams& p) {
-  const cuuint64_t dims[3] = {static_cast<cuuint64_t>(kD), static_cast<cuuint64_t>(p.seqlen_q > 0 ? p.seqlen_q : 1),
-                              static_cast<cuuint64_t>(static_cast<int64_t>(p.heads_q) * p.batch)};
+  // varlen: [heads_q, total_q] rows (rows_q = total_q), one plane per head
+  const bool varlen = p.cu_seqlens_q != nullptr;
+  const int64_t rows = varlen ? p.rows_q : p.seqlen_q;
+  const cuuint64_t dims[3] = {static_cast<cuuint64_t>(kD), static_cast<cuuint64_t>(rows > 0 ? rows : 1),
+                              static_cast<cuuint64_t>(varlen ? static_cast<int64_t>(p.heads_q)
+                                                             : static_cast<int64_t>(p.heads_q) * p.batch)};
   const cuuint64_t strides[2] = {static_cast<cuuint64_t>(kD) * 4, dims[1] * kD * 4};
   const cuuint32_t box[3] = {32, static_cast<cuuint32_t>(kBM), 1};
   const cuuint32_t elem_strides[3] = {1, 1, 1};
@@ -641,6 +663,17 @@ void launch_typed(const BwdParams& p, cudaStream_t stream) {
   const int64_t grid = static_cast<int64_t>(p.num_n_blocks) * p.heads_kv * p.batch;
   const bool tma_dq = (v & 1) == 0, tma_load = v == kVariantTmaLoad;
   if (grid == 0) return;
+  if (p.cu_seqlens_q != nullptr) {  // varlen: the kVarlen instance (lag, TMA dQ) only
+    if (v != 2)
+      throw Error("IOATTN_BWD_SM90_VARIANT", "the wgmma backward's varlen instance is the default variant (lag) only");
+    auto* kernel = &flash_bwd_sm90_kernel<T, kD, true, true, true, false, true>;
+    const int smem = Cfg<kD>::smem(true);
+    const CUtensorMap map = make_dq_map<kD>(p);
+    IOATTN_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+    kernel<<<static_cast<unsigned>(grid), kThreads, smem, stream>>>(p, map, CUtensorMap{}, CUtensorMap{});
+    IOATTN_CUDA_CHECK_LAUNCH("flash_bwd_sm90_kernel (varlen)");
+    return;
+  }
   void (*const kernels[5])(const BwdParams, const CUtensorMap, const CUtensorMap, const CUtensorMap) = {
       &flash_bwd_sm90_kernel<T, kD, true, false>, &flash_bwd_sm90_kernel<T, kD, false, false>,
       &flash_bwd_sm90_kernel<T, kD, true, true>, &flash_bwd_sm90_kernel<T, kD, false, true>,
