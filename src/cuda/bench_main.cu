@@ -53,6 +53,21 @@ std::string arg(int argc, char** argv, const char* name, const std::string& def)
 struct Buffers {
   void *q = nullptr, *k = nullptr, *v = nullptr, *o = nullptr;
   float* lse = nullptr;
+  Buffers() = default;
+  // Q, K, V, O of n 16-bit elements (Q, K, V uniform in [-1, 1), seeds seed .. seed + 2) and
+  // lse_n floats.
+  Buffers(int64_t n, int64_t lse_n, bool bf16, uint64_t seed = 1) {
+    IOATTN_CUDA_CHECK(cudaMalloc(&q, n * 2));
+    IOATTN_CUDA_CHECK(cudaMalloc(&k, n * 2));
+    IOATTN_CUDA_CHECK(cudaMalloc(&v, n * 2));
+    IOATTN_CUDA_CHECK(cudaMalloc(&o, n * 2));
+    IOATTN_CUDA_CHECK(cudaMalloc(&lse, lse_n * 4));
+    cb::fill_uniform(q, bf16, n, seed);
+    cb::fill_uniform(k, bf16, n, seed + 1);
+    cb::fill_uniform(v, bf16, n, seed + 2);
+  }
+  Buffers(const Buffers&) = delete;
+  Buffers& operator=(const Buffers&) = delete;
   ~Buffers() {
     for (void* p : {q, k, v, o, static_cast<void*>(lse)})
       if (p) cudaFree(p);
@@ -74,16 +89,7 @@ void run_grid(int argc, char** argv) {
         if (dtypes.find(dts) == std::string::npos) continue;
         if (!bf16 && std::find(f16_hdims.begin(), f16_hdims.end(), d) == f16_hdims.end()) continue;
         const int64_t b = std::max<int64_t>(1, tokens / s), h = hidden / d;
-        const int64_t n = b * s * h * d;
-        Buffers buf;
-        IOATTN_CUDA_CHECK(cudaMalloc(&buf.q, n * 2));
-        IOATTN_CUDA_CHECK(cudaMalloc(&buf.k, n * 2));
-        IOATTN_CUDA_CHECK(cudaMalloc(&buf.v, n * 2));
-        IOATTN_CUDA_CHECK(cudaMalloc(&buf.o, n * 2));
-        IOATTN_CUDA_CHECK(cudaMalloc(&buf.lse, b * h * s * 4));
-        cb::fill_uniform(buf.q, bf16, n, 1);
-        cb::fill_uniform(buf.k, bf16, n, 2);
-        cb::fill_uniform(buf.v, bf16, n, 3);
+        const Buffers buf(b * s * h * d, b * h * s, bf16);
         const DType dt = bf16 ? DType::bf16 : DType::f16;
         const auto q = TensorView::contiguous(buf.q, dt, {b, s, h, d}, Device::cuda);
         const auto k = TensorView::contiguous(buf.k, dt, {b, s, h, d}, Device::cuda);
@@ -120,16 +126,8 @@ void run_local(int argc, char** argv) {
   const std::string features = arg(argc, argv, "--features", "window,sinks,softcap,alibi,varlen");
   for (int64_t d : hdims)
     for (int64_t s : seqlens) {
-      const int64_t b = std::max<int64_t>(1, tokens / s), h = hidden / d, n = b * s * h * d;
-      Buffers buf;
-      IOATTN_CUDA_CHECK(cudaMalloc(&buf.q, n * 2));
-      IOATTN_CUDA_CHECK(cudaMalloc(&buf.k, n * 2));
-      IOATTN_CUDA_CHECK(cudaMalloc(&buf.v, n * 2));
-      IOATTN_CUDA_CHECK(cudaMalloc(&buf.o, n * 2));
-      IOATTN_CUDA_CHECK(cudaMalloc(&buf.lse, b * h * s * 4));
-      cb::fill_uniform(buf.q, true, n, 1);
-      cb::fill_uniform(buf.k, true, n, 2);
-      cb::fill_uniform(buf.v, true, n, 3);
+      const int64_t b = std::max<int64_t>(1, tokens / s), h = hidden / d;
+      const Buffers buf(b * s * h * d, b * h * s, true);
       // Per-head vectors (sinks, ALiBi slopes) and cu_seqlens for the varlen line.
       std::vector<float> head_vals(static_cast<size_t>(h));
       for (int64_t i = 0; i < h; ++i) head_vals[static_cast<size_t>(i)] = 0.5f / static_cast<float>(i + 1);
@@ -210,20 +208,12 @@ void run_bwd(int argc, char** argv) {
         const bool bf16 = std::strcmp(dts, "bf16") == 0;
         const int64_t b = std::max<int64_t>(1, tokens / s), h = hidden / d;
         const int64_t n = b * s * h * d;
-        Buffers buf;
+        const Buffers buf(n, b * h * s, bf16, 21);
         void *dout = nullptr, *dq = nullptr, *dk = nullptr, *dv = nullptr;
-        IOATTN_CUDA_CHECK(cudaMalloc(&buf.q, n * 2));
-        IOATTN_CUDA_CHECK(cudaMalloc(&buf.k, n * 2));
-        IOATTN_CUDA_CHECK(cudaMalloc(&buf.v, n * 2));
-        IOATTN_CUDA_CHECK(cudaMalloc(&buf.o, n * 2));
-        IOATTN_CUDA_CHECK(cudaMalloc(&buf.lse, b * h * s * 4));
         IOATTN_CUDA_CHECK(cudaMalloc(&dout, n * 2));
         IOATTN_CUDA_CHECK(cudaMalloc(&dq, n * 2));
         IOATTN_CUDA_CHECK(cudaMalloc(&dk, n * 2));
         IOATTN_CUDA_CHECK(cudaMalloc(&dv, n * 2));
-        cb::fill_uniform(buf.q, bf16, n, 21);
-        cb::fill_uniform(buf.k, bf16, n, 22);
-        cb::fill_uniform(buf.v, bf16, n, 23);
         cb::fill_uniform(dout, bf16, n, 24);
         const DType dt = bf16 ? DType::bf16 : DType::f16;
         auto view = [&](void* p) { return TensorView::contiguous(p, dt, {b, s, h, d}, Device::cuda); };
@@ -283,17 +273,9 @@ void run_naive(int argc, char** argv) {
   for (int64_t s : seqlens)
     for (bool causal : {false, true}) {
       const int64_t b = 1, n = b * s * h * d;
-      Buffers buf;
+      const Buffers buf(n, b * h * s, true, 11);
       void* o2 = nullptr;
-      IOATTN_CUDA_CHECK(cudaMalloc(&buf.q, n * 2));
-      IOATTN_CUDA_CHECK(cudaMalloc(&buf.k, n * 2));
-      IOATTN_CUDA_CHECK(cudaMalloc(&buf.v, n * 2));
-      IOATTN_CUDA_CHECK(cudaMalloc(&buf.o, n * 2));
       IOATTN_CUDA_CHECK(cudaMalloc(&o2, n * 2));
-      IOATTN_CUDA_CHECK(cudaMalloc(&buf.lse, b * h * s * 4));
-      cb::fill_uniform(buf.q, true, n, 11);
-      cb::fill_uniform(buf.k, true, n, 12);
-      cb::fill_uniform(buf.v, true, n, 13);
       const auto q = TensorView::contiguous(buf.q, DType::bf16, {b, s, h, d}, Device::cuda);
       const auto k = TensorView::contiguous(buf.k, DType::bf16, {b, s, h, d}, Device::cuda);
       const auto v = TensorView::contiguous(buf.v, DType::bf16, {b, s, h, d}, Device::cuda);
