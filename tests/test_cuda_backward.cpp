@@ -463,7 +463,7 @@ TEST_P(CudaBackwardSm90, MatchesFloat64Reference) {
   const Refs r = references(s);
   BwdKernelEnv env("sm90");
   const std::string hd = "hdim" + std::to_string(c.head_dim);
-  for (const char* variant : {"lag", "redlag", "split", "red", "tmald"}) {
+  for (const char* variant : {"lag", "redlag", "split", "red"}) {
     ScopedEnv var("IOATTN_BWD_SM90_VARIANT", variant);
     s.poison_grads();
     const KernelChoice kc = s.backward_device(false);
@@ -480,6 +480,27 @@ TEST_P(CudaBackwardSm90, MatchesFloat64Reference) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Cases, CudaBackwardSm90, ::testing::ValuesIn(sm90_cases()),
+                         [](const auto& info) { return info.param.name; });
+
+// Variant tmald (Q / dO by TMA; session 7, not yet run on a GPU when written): its own suite, so a
+// failure or trap there does not gate the other variants' checks and A/B runs.
+class CudaBackwardSm90Tmald : public ::testing::TestWithParam<Case> {};
+
+TEST_P(CudaBackwardSm90Tmald, MatchesFloat64Reference) {
+  SKIP_WITHOUT_GPU();
+  if (detail::cuda_device_arch(0) != 90) GTEST_SKIP() << "skipped: the wgmma backward needs sm_90";
+  const Case& c = GetParam();
+  BwdRun s(c, 11 + c.name.size());
+  const Refs r = references(s);
+  BwdKernelEnv env("sm90");
+  ScopedEnv var("IOATTN_BWD_SM90_VARIANT", "tmald");
+  s.poison_grads();
+  const KernelChoice kc = s.backward_device(false);
+  EXPECT_NE(kc.kernel.find("sm90 wgmma"), std::string::npos) << kc.kernel << ": " << kc.reason;
+  check_grads(s, r, c.name + " (sm90 wgmma, variant tmald)");
+}
+
+INSTANTIATE_TEST_SUITE_P(Cases, CudaBackwardSm90Tmald, ::testing::ValuesIn(sm90_cases()),
                          [](const auto& info) { return info.param.name; });
 
 // Varlen on the wgmma backward (its kVarlen instance; opt-in with IOATTN_BWD_SM90_VARLEN=1 until

@@ -83,10 +83,13 @@ std::string sm90_bwd_refusal(const detail::BwdProblem& bp, int arch, int optin, 
   if (p.head_dim != 128 && p.head_dim != 64) return "head_dim 64 or 128 only, got " + std::to_string(p.head_dim);
   const BwdKernelInfo& info = sm90_bwd_info(p.head_dim);
   if (p.varlen()) {
-    // Written in session 7 without a GPU: opt-in until verified (ctest cuda_backward_sm90_varlen).
+    // Written in session 7 without a GPU: opt-in until verified (test CudaBackwardSm90Varlen).
     const char* e = std::getenv("IOATTN_BWD_SM90_VARLEN");
     if (e == nullptr || std::string(e) != "1") return "varlen is opt-in (IOATTN_BWD_SM90_VARLEN=1) until verified on a GPU";
     if (bp.deterministic) return "no varlen in deterministic mode";
+    if (rows_q_of(p) == 0) return "varlen with no query tokens (no dQ workspace)";
+    const char* v = std::getenv("IOATTN_BWD_SM90_VARIANT");
+    if (v != nullptr && std::string(v) != "lag") return "varlen: variant lag only, IOATTN_BWD_SM90_VARIANT is " + std::string(v);
   }
   if (p.softcap > 0.f || p.alibi_slopes != nullptr) return "no softcap or ALiBi";
   if (cudaFuncGetAttributes(attr, p.dtype == DType::bf16 ? info.dkdv_bf16 : info.dkdv_f16) !=

@@ -335,7 +335,8 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_sm90_kernel(const BwdPa
     // kLag + kTmaDq: the barrier also hands over the dQ piece buffer written in this step, free
     // once the reduce-adds issued from it two steps ago have read it.
     if (kLag && kTmaDq && wtid == 0) bulk_wait_group_read<1>();
-    if constexpr (kTmaLoad) mbarrier_wait(&full_qdo[step & 1], (step >> 1) & 1);  // Q, dO of this step
+    // Q, dO of this step (trap rather than hang while the variant is unverified on a GPU)
+    if constexpr (kTmaLoad) mbarrier_wait_or_trap(&full_qdo[step & 1], (step >> 1) & 1);
     BWD_TRACE(step, 9);
     __syncthreads();      // stage step & 1 landed for everyone; everyone is done with step - 1
     BWD_TRACE(step, 0);
