@@ -453,6 +453,17 @@ std::vector<Case> sm90_cases() {
   return v;
 }
 
+// One IOATTN_BWD_SM90_VARIANT of the wgmma backward (atomic dQ) on case c: it ran, at c's head
+// dim, and its gradients pass the reference check.
+void check_sm90_variant(BwdRun& s, const Refs& r, const Case& c, const char* variant) {
+  ScopedEnv var("IOATTN_BWD_SM90_VARIANT", variant);
+  s.poison_grads();
+  const KernelChoice kc = s.backward_device(false);
+  EXPECT_NE(kc.kernel.find("sm90 wgmma"), std::string::npos) << kc.kernel << ": " << kc.reason;
+  EXPECT_NE(kc.kernel.find("hdim" + std::to_string(c.head_dim)), std::string::npos) << kc.kernel;
+  check_grads(s, r, c.name + " (sm90 wgmma, variant " + variant + ")");
+}
+
 class CudaBackwardSm90 : public ::testing::TestWithParam<Case> {};
 
 TEST_P(CudaBackwardSm90, MatchesFloat64Reference) {
@@ -462,15 +473,7 @@ TEST_P(CudaBackwardSm90, MatchesFloat64Reference) {
   BwdRun s(c, 11 + c.name.size());
   const Refs r = references(s);
   BwdKernelEnv env("sm90");
-  const std::string hd = "hdim" + std::to_string(c.head_dim);
-  for (const char* variant : {"lag", "redlag", "split", "red"}) {
-    ScopedEnv var("IOATTN_BWD_SM90_VARIANT", variant);
-    s.poison_grads();
-    const KernelChoice kc = s.backward_device(false);
-    EXPECT_NE(kc.kernel.find("sm90 wgmma"), std::string::npos) << kc.kernel << ": " << kc.reason;
-    EXPECT_NE(kc.kernel.find(hd), std::string::npos) << kc.kernel;
-    check_grads(s, r, c.name + " (sm90 wgmma, variant " + variant + ")");
-  }
+  for (const char* variant : {"lag", "redlag", "split", "red"}) check_sm90_variant(s, r, c, variant);
   // Deterministic mode: dK/dV by this kernel, dQ by the mma.sync table's atomic-free pass.
   s.poison_grads();
   const KernelChoice kc = s.backward_device(true);
@@ -493,11 +496,7 @@ TEST_P(CudaBackwardSm90Tmald, MatchesFloat64Reference) {
   BwdRun s(c, 11 + c.name.size());
   const Refs r = references(s);
   BwdKernelEnv env("sm90");
-  ScopedEnv var("IOATTN_BWD_SM90_VARIANT", "tmald");
-  s.poison_grads();
-  const KernelChoice kc = s.backward_device(false);
-  EXPECT_NE(kc.kernel.find("sm90 wgmma"), std::string::npos) << kc.kernel << ": " << kc.reason;
-  check_grads(s, r, c.name + " (sm90 wgmma, variant tmald)");
+  check_sm90_variant(s, r, c, "tmald");
 }
 
 INSTANTIATE_TEST_SUITE_P(Cases, CudaBackwardSm90Tmald, ::testing::ValuesIn(sm90_cases()),

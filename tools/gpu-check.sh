@@ -71,12 +71,14 @@ bounded_test() {
   return $rc
 }
 
-# The one cmake line (the build stage and bwdtune, which may run alone on a fresh machine).
+# The one cmake line (the build stage, bwdtune and bwdtrace, which may run alone on a fresh machine).
+# configure [DIR [CMAKE_ARGS...]]: DIR defaults to $BUILD (bwdtrace configures a second one).
 configure() {
-  local PREFIX=()
+  local dir=${1:-$BUILD} PREFIX=()
+  (( $# )) && shift
   [[ -d $ROOT/.deps/usr ]] && PREFIX=(-DCMAKE_PREFIX_PATH="$ROOT/.deps/usr")
-  cmake -S "$ROOT" -B "$BUILD" -G Ninja -DIOATTN_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES="$ARCHS" \
-    -DIOATTN_BUILD_TESTS=ON -DIOATTN_BUILD_BENCH=ON -DIOATTN_PTXAS_VERBOSE=ON "${PREFIX[@]}"
+  cmake -S "$ROOT" -B "$dir" -G Ninja -DIOATTN_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES="$ARCHS" \
+    -DIOATTN_BUILD_TESTS=ON -DIOATTN_BUILD_BENCH=ON -DIOATTN_PTXAS_VERBOSE=ON "${PREFIX[@]}" "$@"
 }
 
 # ---- 1. build ----------------------------------------------------------------------------
@@ -263,10 +265,7 @@ fi
 if want bwdtrace; then
   t0=$(stamp)
   TBUILD="$BUILD-trace"
-  PREFIX=()
-  [[ -d $ROOT/.deps/usr ]] && PREFIX=(-DCMAKE_PREFIX_PATH="$ROOT/.deps/usr")
-  { cmake -S "$ROOT" -B "$TBUILD" -G Ninja -DIOATTN_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES="$ARCHS" -DIOATTN_BUILD_TESTS=OFF \
-      -DIOATTN_BUILD_BENCH=ON -DCMAKE_CUDA_FLAGS=-DIOATTN_BWD_TRACE=1 "${PREFIX[@]}" &&
+  { configure "$TBUILD" -DCMAKE_CUDA_FLAGS=-DIOATTN_BWD_TRACE=1 &&
       ninja -C "$TBUILD" -j "$JOBS" ioattn_cuda_bench; } >"$OUT/bwdtrace.log" 2>&1
   for v in ${GPU_CHECK_TRACE_VARIANTS:-lag tmald}; do
     for s in ${GPU_CHECK_TRACE_SEQLENS:-4096 16384}; do

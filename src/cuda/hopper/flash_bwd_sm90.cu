@@ -45,7 +45,7 @@ namespace sm90_bwd {
 
 // IOATTN_BWD_TRACE (a diagnostic build only, -DIOATTN_BWD_TRACE=1): SM clock stamps at the
 // phases of every step of the first kTrBlocks CTAs, both warpgroups, printed by the host after
-// the 20th launch (per-phase mean cycles over the steps, and one step's raw stamps).
+// the 20th launch (per-phase mean cycles over the steps).
 #ifndef IOATTN_BWD_TRACE
 #define IOATTN_BWD_TRACE 0
 #endif
@@ -562,42 +562,16 @@ CUtensorMap make_dq_map(const BwdParams& p) {
   return map;
 }
 
-// Variant "tmald": Q or dO [batch, seqlen_q, heads_q, kD] (element strides) as a 4-D map (kD,
-// seqlen_q, heads_q, batch) with [64 rows x 64 dims] SW128 boxes, the layout of a stage's column
-// blocks. TMA needs a 16-byte aligned base and 16-byte multiples as strides: otherwise an error
-// naming the tensor (the variant is an explicit choice, so no silent fallback).
+// Variant "tmald": Q or dO [batch, seqlen_q, heads_q, kD] as the forward's 4-D map with [64 rows x
+// 64 dims] SW128 boxes, the layout of a stage's column blocks. TMA's alignment / stride rules
+// unmet: an error naming the tensor (the variant is an explicit choice, so no silent fallback).
 template <typename T, int kD>
-CUtensorMap make_row_map(const void* ptr, int64_t s_batch, int64_t s_seq, int64_t s_head, const BwdParams& p,
-                         const char* name) {
-  constexpr int64_t es = static_cast<int64_t>(sizeof(T));
-  const int64_t seq = p.seqlen_q > 0 ? p.seqlen_q : 1;
-  const cuuint64_t dims[4] = {static_cast<cuuint64_t>(kD), static_cast<cuuint64_t>(seq),
-                              static_cast<cuuint64_t>(p.heads_q), static_cast<cuuint64_t>(p.batch)};
-  // Size-1 dims: their stride is never followed; give TMA a packed (valid) one.
-  const int64_t packed[3] = {kD * es, kD * seq * es, kD * seq * p.heads_q * es};
-  const int64_t given[3] = {s_seq * es, s_head * es, s_batch * es};
-  cuuint64_t strides[3];
-  for (int i = 0; i < 3; ++i) {
-    const int64_t st = static_cast<int64_t>(dims[i + 1]) <= 1 ? packed[i] : given[i];
-    if (st < 0 || st % 16 != 0 || st >= (int64_t(1) << 40))
-      throw Error(name, std::string("IOATTN_BWD_SM90_VARIANT=tmald: ") + name +
-                            " strides must be non-negative multiples of 16 bytes below 2^40 (TMA), got " +
-                            std::to_string(st) + " bytes");
-    strides[i] = static_cast<cuuint64_t>(st);
-  }
-  if (reinterpret_cast<uintptr_t>(ptr) % 16 != 0)
-    throw Error(name, std::string("IOATTN_BWD_SM90_VARIANT=tmald: ") + name + " must be 16-byte aligned (TMA)");
-  const cuuint32_t box[4] = {64, static_cast<cuuint32_t>(kBM), 1, 1};
-  const cuuint32_t elem_strides[4] = {1, 1, 1, 1};
-  CUtensorMap map{};
-  const CUresult r = sm90::tensor_map_encoder()(
-      &map, std::is_same_v<T, __nv_bfloat16> ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 4,
-      const_cast<void*>(ptr), dims, strides, box, elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
-      CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-  if (r != CUDA_SUCCESS)
-    throw Error("cuda", std::string("ioattn: cuTensorMapEncodeTiled failed for the backward's ") + name +
-                            " (CUresult " + std::to_string(static_cast<int>(r)) + ")");
-  return map;
+CUtensorMap make_row_map(const void* ptr, const detail::Strides3& s, const BwdParams& p, const char* name) {
+  std::string why;
+  if (!sm90::tma_compatible(ptr, s, p.batch, p.seqlen_q, p.heads_q, name, &why))
+    throw Error(name, "IOATTN_BWD_SM90_VARIANT=tmald: " + why);
+  return sm90::make_tensor_map(ptr, std::is_same_v<T, __nv_bfloat16> ? DType::bf16 : DType::f16, kD, p.seqlen_q,
+                               p.heads_q, p.batch, s, kBM, name);
 }
 
 // Deterministic mode (no dQ workspace): this kernel for dK/dV only, then the mma.sync table's
@@ -626,7 +600,7 @@ void launch_deterministic(const BwdParams& p, cudaStream_t stream) {
 
 #if IOATTN_BWD_TRACE
 // After the 20th launch: per phase (stamp k - stamp k-1, k in the order 9 0 1 2 3 4 5 6 7 8) the
-// mean cycles over steps 2..kTrSteps-2 of the traced CTAs, per warpgroup; then CTA 0's raw step 8.
+// mean cycles over steps 2..kTrSteps-2 of the traced CTAs, per warpgroup.
 void print_trace(int64_t grid) {
   static int calls = 0;
   if (++calls != 20) return;
@@ -682,9 +656,9 @@ void launch_typed(const BwdParams& p, cudaStream_t stream) {
   auto* kernel = kernels[v];
   const int smem = tma_load ? Cfg<kD>::kSmemTmaLoad : Cfg<kD>::smem(tma_dq);
   const CUtensorMap map = tma_dq ? make_dq_map<kD>(p) : CUtensorMap{};
-  const CUtensorMap q_map = tma_load ? make_row_map<T, kD>(p.q, p.q_batch, p.q_seq, p.q_head, p, "q") : CUtensorMap{};
+  const CUtensorMap q_map = tma_load ? make_row_map<T, kD>(p.q, {p.q_batch, p.q_seq, p.q_head}, p, "q") : CUtensorMap{};
   const CUtensorMap do_map =
-      tma_load ? make_row_map<T, kD>(p.dout, p.do_batch, p.do_seq, p.do_head, p, "dout") : CUtensorMap{};
+      tma_load ? make_row_map<T, kD>(p.dout, {p.do_batch, p.do_seq, p.do_head}, p, "dout") : CUtensorMap{};
   IOATTN_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   kernel<<<static_cast<unsigned>(grid), kThreads, smem, stream>>>(p, map, q_map, do_map);
   IOATTN_CUDA_CHECK_LAUNCH("flash_bwd_sm90_kernel");

@@ -90,6 +90,62 @@ PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
   return fn;
 }
 
+constexpr int64_t kTmaMaxStrideBytes = int64_t(1) << 40;
+
+// (declared in ptx_sm90.cuh) TMA's rules for a [batch, seq, heads, head_dim] operand: 16-byte
+// aligned base, strides (bytes) multiples of 16 below 2^40. Strides of size-1 dims are never used,
+// so they are not checked.
+bool tma_compatible(const void* ptr, const detail::Strides3& s, int64_t batch, int64_t seqlen, int64_t heads,
+                    const char* name, std::string* why, int64_t elem_bytes) {
+  if (reinterpret_cast<uintptr_t>(ptr) % 16 != 0) {
+    *why = std::string(name) + " is not 16-byte aligned (TMA needs it)";
+    return false;
+  }
+  const struct {
+    int64_t extent, stride;
+    const char* dim;
+  } dims[3] = {{seqlen, s.seq, "seq"}, {heads, s.head, "head"}, {batch, s.batch, "batch"}};
+  for (const auto& d : dims) {
+    if (d.extent <= 1) continue;
+    const int64_t bytes = d.stride * elem_bytes;
+    if (d.stride < 0 || bytes % 16 != 0 || bytes >= kTmaMaxStrideBytes) {
+      *why = std::string(name) + " " + d.dim + " stride " + std::to_string(d.stride) +
+             " elements is not a non-negative multiple of 16 bytes below 2^40 (TMA needs it)";
+      return false;
+    }
+  }
+  return true;
+}
+
+// (declared in ptx_sm90.cuh; the backward's tmald variant uses it too) 4D map over (head_dim,
+// seqlen, heads, batch) with box (64, box_rows, 1, 1) and 128-byte
+// swizzle: one box is one swizzled column block of a tile. Out-of-bounds rows read as zeros.
+CUtensorMap make_tensor_map(const void* ptr, DType dtype, int64_t head_dim, int64_t seqlen, int64_t heads,
+                            int64_t batch, const detail::Strides3& s, int box_rows, const char* name) {
+  // seqlen 0 (no keys) still needs a valid map; the kernel then loads nothing.
+  const int64_t rows = seqlen > 0 ? seqlen : 1;
+  const cuuint64_t dims[4] = {static_cast<cuuint64_t>(head_dim), static_cast<cuuint64_t>(rows),
+                              static_cast<cuuint64_t>(heads), static_cast<cuuint64_t>(batch)};
+  // Size-1 dims: their stride is never followed; give TMA a packed (valid) one (rows >= 1: no
+  // zero stride when there are no keys).
+  const int64_t packed[3] = {head_dim * 2, head_dim * rows * 2, head_dim * rows * heads * 2};
+  const int64_t given[3] = {s.seq * 2, s.head * 2, s.batch * 2};
+  cuuint64_t strides[3];
+  for (int i = 0; i < 3; ++i)
+    strides[i] = static_cast<cuuint64_t>(static_cast<int64_t>(dims[i + 1]) <= 1 ? packed[i] : given[i]);
+  const cuuint32_t box[4] = {64, static_cast<cuuint32_t>(box_rows), 1, 1};
+  const cuuint32_t elem_strides[4] = {1, 1, 1, 1};
+  CUtensorMap map{};
+  const CUresult r = tensor_map_encoder()(
+      &map, dtype == DType::bf16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 4,
+      const_cast<void*>(ptr), dims, strides, box, elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
+      CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  if (r != CUDA_SUCCESS)
+    throw Error("cuda", std::string("ioattn: cuTensorMapEncodeTiled failed for ") + name + " (CUresult " +
+                            std::to_string(static_cast<int>(r)) + ")");
+  return map;
+}
+
 namespace {
 
 using detail::FwdProblem;
@@ -119,8 +175,8 @@ Row make_row() {
   return make_row<Sm90Traits<kHeadDim, T, kCausal>, kCausal>(Sm90Tile<kHeadDim, kCausal>::kWhy);
 }
 
-// The kLocal rows (sliding windows, sinks): the causal tiling of each head dim (3 consumer
-// warpgroups at hdim 64), windows and sinks at run time.
+// The kLocal rows (windows, sinks, softcap, ALiBi, varlen): the causal tiling of each head dim (3
+// consumer warpgroups at hdim 64), those features at run time.
 template <class Tr>
 Row make_row_local(const char* why) {
   return Row{Tr::kBlockM, Tr::kBlockN, Tr::kStages, Tr::kConsumerWGs, false, why,
@@ -173,9 +229,9 @@ MapExtent map_extent(const FwdProblem& p) {
   return {1, p.cu_seqlens_q_host[p.batch], p.cu_seqlens_k_host[p.batch]};
 }
 
-// " local(window=l,r sinks softcap alibi)" for the kernel name, "" for the other rows.
+// "window=l,r sinks softcap alibi varlen": what puts a problem on the kLocal rows (for the kernel
+// name and the selector's reason).
 std::string local_features(const FwdProblem& p) {
-  if (!needs_local(p)) return "";
   std::string f;
   auto add = [&](const std::string& x) { f += (f.empty() ? "" : " ") + x; };
   if (p.window_left >= 0 || (!p.causal && p.window_right >= 0))
@@ -184,7 +240,7 @@ std::string local_features(const FwdProblem& p) {
   if (p.softcap > 0.0f) add("softcap");
   if (p.alibi_slopes != nullptr) add("alibi");
   if (p.varlen()) add("varlen");
-  return " local(" + f + ")";
+  return f;
 }
 
 Row table_row(const FwdProblem& p, bool wg3, bool v3) {
@@ -225,32 +281,6 @@ Fp8Row fp8_table_row(const FwdProblem& p) {
 bool fail(std::string* why, std::string message) {
   *why = std::move(message);
   return false;
-}
-
-constexpr int64_t kTmaMaxStrideBytes = int64_t(1) << 40;
-
-// TMA's rules for a [batch, seq, heads, head_dim] operand: 16-byte aligned base, strides (bytes)
-// multiples of 16 below 2^40. Strides of size-1 dims are never used, so they are not checked.
-bool tma_compatible(const void* ptr, const Strides3& s, int64_t batch, int64_t seqlen, int64_t heads,
-                    const char* name, std::string* why, int64_t elem_bytes = 2) {
-  if (reinterpret_cast<uintptr_t>(ptr) % 16 != 0) {
-    *why = std::string(name) + " is not 16-byte aligned (TMA needs it)";
-    return false;
-  }
-  const struct {
-    int64_t extent, stride;
-    const char* dim;
-  } dims[3] = {{seqlen, s.seq, "seq"}, {heads, s.head, "head"}, {batch, s.batch, "batch"}};
-  for (const auto& d : dims) {
-    if (d.extent <= 1) continue;
-    const int64_t bytes = d.stride * elem_bytes;
-    if (d.stride < 0 || bytes % 16 != 0 || bytes >= kTmaMaxStrideBytes) {
-      *why = std::string(name) + " " + d.dim + " stride " + std::to_string(d.stride) +
-             " elements is not a non-negative multiple of 16 bytes below 2^40 (TMA needs it)";
-      return false;
-    }
-  }
-  return true;
 }
 
 bool env_flag(const char* name) {
@@ -452,14 +482,13 @@ bool select_impl(const FwdProblem& p, std::string* kernel, std::string* why) {
     return fail(why, "head_dim_v " + std::to_string(p.head_dim_v) + " != head_dim " + std::to_string(p.head_dim));
   if (p.head_dim != 64 && p.head_dim != 128 && p.head_dim != 256)
     return fail(why, "head_dim " + std::to_string(p.head_dim) + " (wgmma kernel: 64, 128, 256)");
-  // Sliding windows and sinks: the kLocal rows, opt-in until they have run on a GPU (written in
-  // session 7 without one; gpu-check's ctest stage runs their tests with the switch on).
-  if (needs_local(p) && !env_flag("IOATTN_SM90_LOCAL"))
-    return fail(why, std::string(p.varlen() ? "varlen (cu_seqlens)" : p.softcap > 0.0f ? "softcap"
-                                 : p.alibi_slopes != nullptr ? "ALiBi" : p.sinks != nullptr ? "attention sinks"
-                                 : "sliding window") +
-                         " on the wgmma kernel (kLocal rows) is opt-in until verified on a GPU: IOATTN_SM90_LOCAL=1");
-  if (needs_local(p) && (p.seqlen_q >= (int64_t(1) << 29) || p.seqlen_k >= (int64_t(1) << 29)))
+  // Windows, sinks, softcap, ALiBi, varlen: the kLocal rows, opt-in until they have run on a GPU
+  // (written in session 7 without one; gpu-check's ctest stage runs their tests with the switch on).
+  const bool local = needs_local(p);
+  if (local && !env_flag("IOATTN_SM90_LOCAL"))
+    return fail(why, local_features(p) + " on the wgmma kernel (kLocal rows) is opt-in until verified on a GPU: "
+                                          "IOATTN_SM90_LOCAL=1");
+  if (local && (p.seqlen_q >= (int64_t(1) << 29) || p.seqlen_k >= (int64_t(1) << 29)))
     return fail(why, "windows / sinks / softcap / ALiBi / varlen on the wgmma kernel: seqlen >= 2^29 (its int "
                      "window bounds)");
   if (!(p.scale > 0.0f)) return fail(why, "scale <= 0 (the kernel's running max assumes scale > 0)");
@@ -489,37 +518,11 @@ bool select_impl(const FwdProblem& p, std::string* kernel, std::string* why) {
             " stages " + std::to_string(row.stages) + " ws " + std::to_string(row.consumer_wgs) + " consumer WGs " +
             (row.consumer_wgs == 2 ? "pingpong" : "round-robin") + grid_str(pol.grid) +
             (pol.rescale_skip ? " rescale-skip" : "") + (pol.rescale_early ? " rescale-early" : "") +
-            (row.v3 ? " (v3 body)" : "") + local_features(p);
+            (row.v3 ? " (v3 body)" : "") + (local ? " local(" + local_features(p) + ")" : "");
   *why = row.why;
   return true;
 }
 
-// 4D map over (head_dim, seqlen, heads, batch) with box (64, box_rows, 1, 1) and 128-byte
-// swizzle: one box is one swizzled column block of a tile. Out-of-bounds rows read as zeros.
-CUtensorMap make_tensor_map(const void* ptr, DType dtype, int64_t head_dim, int64_t seqlen, int64_t heads,
-                            int64_t batch, const Strides3& s, int box_rows, const char* name) {
-  // seqlen 0 (no keys) still needs a valid map; the kernel then loads nothing.
-  const cuuint64_t dims[4] = {static_cast<cuuint64_t>(head_dim), static_cast<cuuint64_t>(seqlen > 0 ? seqlen : 1),
-                              static_cast<cuuint64_t>(heads), static_cast<cuuint64_t>(batch)};
-  // Size-1 dims: their stride is never followed; give TMA a packed (valid) one.
-  const int64_t rows = seqlen > 0 ? seqlen : 1;  // as dims[1]: no zero stride when there are no keys
-  const int64_t packed[3] = {head_dim * 2, head_dim * rows * 2, head_dim * rows * heads * 2};
-  const int64_t given[3] = {s.seq * 2, s.head * 2, s.batch * 2};
-  cuuint64_t strides[3];
-  for (int i = 0; i < 3; ++i)
-    strides[i] = static_cast<cuuint64_t>(static_cast<int64_t>(dims[i + 1]) <= 1 ? packed[i] : given[i]);
-  const cuuint32_t box[4] = {64, static_cast<cuuint32_t>(box_rows), 1, 1};
-  const cuuint32_t elem_strides[4] = {1, 1, 1, 1};
-  CUtensorMap map{};
-  const CUresult r = tensor_map_encoder()(
-      &map, dtype == DType::bf16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 4,
-      const_cast<void*>(ptr), dims, strides, box, elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
-      CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-  if (r != CUDA_SUCCESS)
-    throw Error("cuda", std::string("ioattn: cuTensorMapEncodeTiled failed for ") + name + " (CUresult " +
-                            std::to_string(static_cast<int>(r)) + ")");
-  return map;
-}
 
 // K + V bytes a scheduling section may keep in L2 (H200: 60 MB L2 in two halves; leave room for
 // Q, O and the other half's copies).

@@ -25,6 +25,9 @@
 #include <cuda_fp16.h>
 
 #include <cstdint>
+#include <string>
+
+#include "core/problem.hpp"  // detail::Strides3, DType (the tensor-map helpers' arguments)
 
 // True only in the device pass for sm_90a ("a" = the arch-specific features wgmma/setmaxnreg).
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -38,6 +41,15 @@ namespace ioattn::cuda::sm90 {
 // Host: cuTensorMapEncodeTiled from the driver, fetched once through the runtime's entry-point
 // query (flash_fwd_sm90.cu; throws ioattn::Error when the driver has none).
 PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder();
+
+// Host (flash_fwd_sm90.cu): a [batch, seqlen, heads, head_dim] bf16/f16 operand (element strides s)
+// as a 4-D map (head_dim, seqlen, heads, batch) with (64, box_rows, 1, 1) boxes, 128-byte swizzle,
+// out-of-bounds rows zero; and whether the operand meets TMA's alignment / stride rules (false with
+// *why naming it).
+CUtensorMap make_tensor_map(const void* ptr, DType dtype, int64_t head_dim, int64_t seqlen, int64_t heads,
+                            int64_t batch, const detail::Strides3& s, int box_rows, const char* name);
+bool tma_compatible(const void* ptr, const detail::Strides3& s, int64_t batch, int64_t seqlen, int64_t heads,
+                    const char* name, std::string* why, int64_t elem_bytes = 2);
 
 // 32-bit shared-window address of a generic pointer into shared memory.
 __device__ __forceinline__ uint32_t smem_u32(const void* p) {
