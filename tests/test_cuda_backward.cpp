@@ -461,6 +461,7 @@ void check_sm90_variant(BwdRun& s, const Refs& r, const Case& c, const char* var
   const KernelChoice kc = s.backward_device(false);
   EXPECT_NE(kc.kernel.find("sm90 wgmma"), std::string::npos) << kc.kernel << ": " << kc.reason;
   EXPECT_NE(kc.kernel.find("hdim" + std::to_string(c.head_dim)), std::string::npos) << kc.kernel;
+  EXPECT_NE(kc.kernel.find(std::string(" variant ") + variant), std::string::npos) << kc.kernel;
   check_grads(s, r, c.name + " (sm90 wgmma, variant " + variant + ")");
 }
 
@@ -485,8 +486,8 @@ TEST_P(CudaBackwardSm90, MatchesFloat64Reference) {
 INSTANTIATE_TEST_SUITE_P(Cases, CudaBackwardSm90, ::testing::ValuesIn(sm90_cases()),
                          [](const auto& info) { return info.param.name; });
 
-// Variant tmald (Q / dO by TMA; session 7, not yet run on a GPU when written): its own suite, so a
-// failure or trap there does not gate the other variants' checks and A/B runs.
+// Variant tmald (Q / dO by TMA; the default at hdim 64 and from 2048 query rows at hdim 128 since
+// session 8): its own suite (written before it had run on a GPU, so a trap there gated nothing else).
 class CudaBackwardSm90Tmald : public ::testing::TestWithParam<Case> {};
 
 TEST_P(CudaBackwardSm90Tmald, MatchesFloat64Reference) {
@@ -502,8 +503,8 @@ TEST_P(CudaBackwardSm90Tmald, MatchesFloat64Reference) {
 INSTANTIATE_TEST_SUITE_P(Cases, CudaBackwardSm90Tmald, ::testing::ValuesIn(sm90_cases()),
                          [](const auto& info) { return info.param.name; });
 
-// Varlen on the wgmma backward (its kVarlen instance; opt-in with IOATTN_BWD_SM90_VARLEN=1 until
-// verified on a GPU, so this test sets it): packed sequences with empty ones on either side,
+// Varlen on the wgmma backward (its kVarlen instance, the default since session 8;
+// IOATTN_BWD_SM90_VARLEN=0 switches it off): packed sequences with empty ones on either side,
 // causal and not, GQA with a window, sinks; hdim 128 and 64.
 std::vector<Case> sm90_varlen_cases() {
   std::vector<Case> v;
@@ -532,10 +533,10 @@ TEST_P(CudaBackwardSm90Varlen, MatchesFloat64Reference) {
   BwdRun s(c, 23 + c.name.size());
   const Refs r = references(s);
   BwdKernelEnv env(nullptr);
-  ScopedEnv on("IOATTN_BWD_SM90_VARLEN", "1");
   s.poison_grads();
   const KernelChoice kc = s.backward_device(false);
   EXPECT_NE(kc.kernel.find("sm90 wgmma"), std::string::npos) << kc.kernel << ": " << kc.reason;
+  EXPECT_NE(kc.kernel.find("variant lag"), std::string::npos) << kc.kernel;
   check_grads(s, r, c.name + " (sm90 wgmma varlen)");
   // Deterministic mode stays on the mma.sync table for varlen (its reason says so).
   s.poison_grads();
@@ -554,7 +555,13 @@ TEST(CudaBackwardSm90Select, SaysWhenItDoesNotApply) {
      // softcap is the mma.sync table's, and the reason says why
     BwdKernelEnv env(nullptr);
     BwdRun s(mk("default_d128", 40, 50, 128), 5);
-    EXPECT_NE(s.backward_device(false).kernel.find("sm90 wgmma"), std::string::npos);
+    const KernelChoice short_rows = s.backward_device(false);
+    EXPECT_NE(short_rows.kernel.find("sm90 wgmma"), std::string::npos) << short_rows.kernel;
+    EXPECT_NE(short_rows.kernel.find("variant lag"), std::string::npos) << short_rows.kernel;
+    // from 2048 query rows at hdim 128: Q / dO by TMA
+    BwdRun s2k(mk("default_d128_2k", 2048, 300, 128), 5);
+    const KernelChoice long_rows = s2k.backward_device(false);
+    EXPECT_NE(long_rows.kernel.find("variant tmald"), std::string::npos) << long_rows.kernel;
     const KernelChoice kc = s.backward_device(true);
     EXPECT_NE(kc.kernel.find("sm90 wgmma"), std::string::npos) << kc.kernel;
     EXPECT_NE(kc.reason.find("atomic-free dQ pass"), std::string::npos) << kc.reason;
@@ -577,6 +584,7 @@ TEST(CudaBackwardSm90Select, SaysWhenItDoesNotApply) {
     const KernelChoice kc = s.backward_device(false);
     EXPECT_NE(kc.kernel.find("sm90 wgmma"), std::string::npos) << kc.kernel;
     EXPECT_NE(kc.kernel.find("hdim64"), std::string::npos) << kc.kernel;
+    EXPECT_NE(kc.kernel.find("variant tmald"), std::string::npos) << kc.kernel;
     BwdRun s96(mk("default_d96", 40, 50, 96), 5);
     const KernelChoice k96 = s96.backward_device(false);
     EXPECT_NE(k96.kernel.find("mma.sync"), std::string::npos) << k96.kernel;

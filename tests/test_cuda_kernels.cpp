@@ -188,11 +188,16 @@ void run_case(const Case& c, uint32_t seed) {
     // sm90 takes the wgmma/TMA kernel where its table fits, the mma.sync kernel elsewhere.
     EXPECT_TRUE(kc.kernel.find("mma.sync") != std::string::npos || kc.kernel.find("wgmma") != std::string::npos)
         << kc.kernel;
-    // The sm90 kLocal rows (sliding windows, sinks), opt-in with IOATTN_SM90_LOCAL=1 (ctest
-    // cuda_kernels_sm90_local): the local_* cases must have run there.
+    // The sm90 kLocal rows (sliding windows, sinks, ...): the local_* cases run there unless
+    // IOATTN_SM90_LOCAL=0 (ctest cuda_kernels_mma_local), which sends them to mma.sync.
     const char* local = std::getenv("IOATTN_SM90_LOCAL");
-    if (c.name.rfind("local_", 0) == 0 && local != nullptr && *local == '1' && detail::cuda_device_arch(0) == 90)
-      EXPECT_NE(kc.kernel.find(" local"), std::string::npos) << kc.kernel;
+    const bool local_off = local != nullptr && *local == '0';
+    if (c.name.rfind("local_", 0) == 0 && detail::cuda_device_arch(0) == 90) {
+      if (local_off)
+        EXPECT_NE(kc.kernel.find("mma.sync"), std::string::npos) << kc.kernel;
+      else
+        EXPECT_NE(kc.kernel.find(" local"), std::string::npos) << kc.kernel;
+    }
   }
   o.download();
   lse.download();

@@ -14,8 +14,8 @@
 //                           [--window 1024] [--features window,sinks,softcap,alibi,varlen] [--repeats 15]
 //       bf16 forward with one extra feature per line on top of causal: a causal sliding window of
 //       --window keys, sinks, softcap 30, ALiBi, or varlen (the same sequences packed, cu_seqlens);
-//       TFLOP/s over the visible (row, key) pairs. Run it with IOATTN_SM90_LOCAL=1 (the sm90
-//       kLocal rows) and without (mma.sync) for the A/B (gpu-check stage sm90local).
+//       TFLOP/s over the visible (row, key) pairs. Run it as is (the sm90 kLocal rows, the
+//       default) and with IOATTN_SM90_LOCAL=0 (mma.sync) for the A/B (gpu-check stage sm90local).
 //   ioattn_cuda_bench naive [--seqlens 4096,8192,16384] [--heads 16] [--hdim 128]
 //       standard attention (S, P in HBM) vs flash on one sequence: ms, workspace bytes, and the
 //       max |O_naive - O_flash| as a sanity check.

@@ -845,6 +845,8 @@ struct BwdKernelInfo {
   const void* dq_f16;
   // Launches the dK/dV kernel and then, in deterministic mode, the dQ kernel (p.ws_dq null).
   void (*launch)(const BwdParams& p, bool is_bf16, cudaStream_t stream);
+  // The wgmma rows' variant for a problem (the name the kernel string carries), nullptr elsewhere.
+  const char* (*variant)(int64_t seqlen_q, bool varlen);
 };
 
 }  // namespace ioattn::cuda

@@ -83,9 +83,10 @@ std::string sm90_bwd_refusal(const detail::BwdProblem& bp, int arch, int optin, 
   if (p.head_dim != 128 && p.head_dim != 64) return "head_dim 64 or 128 only, got " + std::to_string(p.head_dim);
   const BwdKernelInfo& info = sm90_bwd_info(p.head_dim);
   if (p.varlen()) {
-    // Written in session 7 without a GPU: opt-in until verified (test CudaBackwardSm90Varlen).
+    // Verified on the H200 in session 8 (test CudaBackwardSm90Varlen); IOATTN_BWD_SM90_VARLEN=0
+    // sends varlen to the mma.sync table.
     const char* e = std::getenv("IOATTN_BWD_SM90_VARLEN");
-    if (e == nullptr || std::string(e) != "1") return "varlen is opt-in (IOATTN_BWD_SM90_VARLEN=1) until verified on a GPU";
+    if (e != nullptr && std::string(e) == "0") return "varlen switched off (IOATTN_BWD_SM90_VARLEN=0)";
     if (bp.deterministic) return "no varlen in deterministic mode";
     if (rows_q_of(p) == 0) return "varlen with no query tokens (no dQ workspace)";
     const char* v = std::getenv("IOATTN_BWD_SM90_VARIANT");
@@ -161,7 +162,8 @@ Pick pick(const detail::BwdProblem& bp, int arch) {
       r.sel = {"cuda/flash-backward sm90 wgmma " + std::string(dtype_name(p.dtype)) + " hdim" +
                    std::to_string(info.head_dim) + " " + detail::mask_name(p) + " tile " + std::to_string(info.block_m) +
                    "x" + std::to_string(info.block_n) + " warpgroups " + std::to_string(info.warps / 4) +
-                   (bp.deterministic ? " dq deterministic" : " dq atomic"),
+                   (bp.deterministic ? std::string(" dq deterministic")
+                                     : std::string(" dq atomic variant ") + info.variant(p.seqlen_q, p.varlen())),
                std::string(info.reason) + "; " +
                    (bp.deterministic
                         ? "deterministic: its dK/dV-only instance (no dQ wgmma, " +

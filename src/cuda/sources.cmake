@@ -76,17 +76,17 @@ function(ioattn_cuda_extras)
       target_link_libraries(test_cuda_kernels PRIVATE ioattn::ioattn GTest::gtest GTest::gtest_main)
       target_include_directories(test_cuda_kernels PRIVATE ${PROJECT_SOURCE_DIR}/src)
       add_test(NAME cuda_kernels COMMAND test_cuda_kernels)
-      # The sm90 forward's kLocal rows (sliding windows, sinks, softcap, ALiBi, varlen) are opt-in until
-      # verified on a GPU: those cases again with them switched on (elsewhere: the mma.sync path).
-      add_test(NAME cuda_kernels_sm90_local
+      # The sm90 forward's kLocal rows (sliding windows, sinks, softcap, ALiBi, varlen) are the default
+      # on sm_90: those cases again with them switched off, so the mma.sync path keeps its coverage there.
+      add_test(NAME cuda_kernels_mma_local
                COMMAND test_cuda_kernels --gtest_filter=*window*:*sinks*:*softcap*:*alibi*:*varlen*:*local_*)
-      set_tests_properties(cuda_kernels_sm90_local PROPERTIES ENVIRONMENT "IOATTN_SM90_LOCAL=1")
+      set_tests_properties(cuda_kernels_mma_local PROPERTIES ENVIRONMENT "IOATTN_SM90_LOCAL=0")
       # ... and on 2 persistent CTAs, so every CTA walks many tiles (empty varlen tiles between
       # full ones, the ring and the tile slot carried across tiles).
       add_test(NAME cuda_kernels_sm90_local_2ctas COMMAND test_cuda_kernels --gtest_filter=*local_*:*varlen*)
-      set_tests_properties(cuda_kernels_sm90_local_2ctas PROPERTIES ENVIRONMENT "IOATTN_SM90_LOCAL=1;IOATTN_SM90_MAX_CTAS=2")
+      set_tests_properties(cuda_kernels_sm90_local_2ctas PROPERTIES ENVIRONMENT "IOATTN_SM90_MAX_CTAS=2")
       # A GPU-less machine prints "skipped: no CUDA device"; ctest reports those as skipped.
-      set_tests_properties(cuda_kernels cuda_kernels_sm90_local cuda_kernels_sm90_local_2ctas
+      set_tests_properties(cuda_kernels cuda_kernels_mma_local cuda_kernels_sm90_local_2ctas
                            PROPERTIES SKIP_REGULAR_EXPRESSION "skipped: no CUDA device")
       add_executable(test_cuda_backward ${PROJECT_SOURCE_DIR}/tests/test_cuda_backward.cpp)
       target_link_libraries(test_cuda_backward PRIVATE ioattn::ioattn GTest::gtest GTest::gtest_main)

@@ -25,7 +25,8 @@
 // Sinks need nothing here: the forward's LSE includes them, and their gradient comes from the
 // preprocess (run_flash_backward). Deterministic mode: dK/dV here (kDq false: no dQ wgmma, no dS^T
 // in shared memory), then the mma.sync table's atomic-free dQ pass (launch_deterministic). Not
-// covered (the selector says so): varlen, softcap, ALiBi, head dims other than 64 and 128.
+// covered (the selector says so): softcap, ALiBi, head dims other than 64 and 128, varlen in
+// deterministic mode.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -137,7 +138,8 @@ __device__ __forceinline__ void load_rows(uint32_t dst, const uint8_t* src, int6
 // thread waits on) instead of 256 threads' cp.async; LSE / D stay cp.async (64 threads). Fewer
 // instructions and LSU queue entries per step (ncu, session 7: "mio throttle" 0.62 stalls per
 // issued instruction); rows past seqlen_q are the maps' out-of-bounds zeros, as cp.async's zfill.
-// kVarlen (with kLag and kTmaDq; opt-in, IOATTN_BWD_SM90_VARLEN=1, until run on a GPU): packed
+// kVarlen (with kLag and kTmaDq; the default for varlen since session 8, IOATTN_BWD_SM90_VARLEN=0
+// switches it off): packed
 // sequences from cu_seqlens (bwd_detail::seq_info): this CTA's sequence's key / query starts and
 // lengths, workspace rows q_start + i, and the dQ map over [heads_q, total_q, d] (plane = head,
 // row = q_start + m0). A tail block's dQ piece rows past the sequence are exact zeros (P = 0 there:
@@ -522,14 +524,18 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_sm90_kernel(const BwdPa
 #endif
 }
 
-// IOATTN_BWD_SM90_VARIANT: lag (default: dQ one step late, by TMA reduce-add) | redlag (one step
-// late, by red.global) | split (in its own step, by TMA reduce-add) | red (in its own step, by
-// red.global: session 5's kernel) | tmald (lag with Q / dO loaded by TMA: kTmaLoad; session 7,
-// compiled, not yet run on a GPU). Bits: 1 red, 2 lag; tmald is 4.
+// IOATTN_BWD_SM90_VARIANT: lag (dQ one step late, by TMA reduce-add) | tmald (lag with Q / dO
+// loaded by TMA: kTmaLoad) | redlag (one step late, by red.global) | split (in its own step, by TMA
+// reduce-add) | red (in its own step, by red.global: session 5's kernel). Bits: 1 red, 2 lag; tmald
+// is 4. Unset: tmald at hdim 64 and from 2048 query rows at hdim 128, lag below that and for varlen
+// (session 8, H200: tmald +8-15% at hdim 64, +3-10% at hdim 128 from 4k; at 1k causal hdim 128 it
+// lost 15%).
 constexpr int kVariantTmaLoad = 4;
-int variant_bits() {
+int variant_bits(int head_dim, int64_t seqlen_q, bool varlen) {
   const char* e = std::getenv("IOATTN_BWD_SM90_VARIANT");
-  if (e == nullptr || std::strcmp(e, "lag") == 0) return 2;
+  if (e == nullptr || *e == '\0')
+    return !varlen && (head_dim == 64 || seqlen_q >= 2048) ? kVariantTmaLoad : 2;
+  if (std::strcmp(e, "lag") == 0) return 2;
   if (std::strcmp(e, "split") == 0) return 0;
   if (std::strcmp(e, "red") == 0) return 1;
   if (std::strcmp(e, "redlag") == 0) return 3;
@@ -633,7 +639,7 @@ void print_trace(int64_t grid) {
 
 template <typename T, int kD>
 void launch_typed(const BwdParams& p, cudaStream_t stream) {
-  const int v = variant_bits();  // also rejects a bad value (in deterministic mode too)
+  const int v = variant_bits(kD, p.seqlen_q, p.cu_seqlens_q != nullptr);  // also rejects a bad value
   if (p.ws_dq == nullptr) return launch_deterministic<T, kD>(p, stream);
   const int64_t grid = static_cast<int64_t>(p.num_n_blocks) * p.heads_kv * p.batch;
   const bool tma_dq = (v & 1) == 0, tma_load = v == kVariantTmaLoad;
@@ -675,6 +681,20 @@ void launch(const BwdParams& p, bool is_bf16, cudaStream_t stream) {
     launch_typed<__half, kD>(p, stream);
 }
 
+const char* variant_name(int head_dim, int64_t seqlen_q, bool varlen) {
+  switch (variant_bits(head_dim, seqlen_q, varlen)) {
+    case 0: return "split";
+    case 1: return "red";
+    case 3: return "redlag";
+    case kVariantTmaLoad: return "tmald";
+    default: return "lag";
+  }
+}
+template <int kD>
+const char* variant_of(int64_t seqlen_q, bool varlen) {
+  return variant_name(kD, seqlen_q, varlen);
+}
+
 template <int kD>
 BwdKernelInfo info_for() {
   BwdKernelInfo info{};
@@ -702,6 +722,7 @@ BwdKernelInfo info_for() {
   info.dq_bf16 = row.dq_bf16;
   info.dq_f16 = row.dq_f16;
   info.launch = &launch<kD>;
+  info.variant = &variant_of<kD>;
   return info;
 }
 

@@ -33,7 +33,7 @@
 // Assumes (sm90_flash_select checks it): head_dim = head_dim_v in {64, 128, 256}; unit stride on
 // the last dim; q/k/v 16-byte aligned with 16-byte-multiple strides (TMA); o 4-byte aligned
 // with even strides; scale > 0; windows, softcap, ALiBi, sinks and varlen only in the kLocal
-// instances (LocalParams), which the selector uses only with IOATTN_SM90_LOCAL=1 for now.
+// instances (LocalParams), which the selector uses unless IOATTN_SM90_LOCAL=0.
 // Masks are bottom-right aligned: row i sees key j iff j <= i + (seqlen_k - seqlen_q).
 // Rows with no visible key get O = 0, LSE = -inf.
 //
