@@ -30,6 +30,8 @@
 #   bwdtrace (not in the default stages; ~1.5 min incl. its own build in BUILD-trace): the wgmma
 #      backward's step timeline, mean SM cycles per phase per warpgroup (IOATTN_BWD_TRACE=1 build),
 #      per variant in GPU_CHECK_TRACE_VARIANTS and seqlen in GPU_CHECK_TRACE_SEQLENS -> summary.
+#   wgmmarate (not in the default stages; seconds): ioattn_sm90_wgmma_rate, cycles per wgmma by
+#      shape (m64nN) and operand source (ss / rs, K- or MN-major), 1-3 warpgroups -> summary.
 #   report (not in the default stages; ~4-5 min): tools/report/report.sh — ioattn bench sweeps (CPU
 #      and CUDA), Nsight Compute DRAM traffic vs the model, ceilings, charts; packed into report.tgz.
 #      Run it with the stages that write its peer inputs: GPU_CHECK_STAGES="build bench sm90 report"
@@ -351,6 +353,15 @@ if want readbw; then
   note "readbw     rc=$?  $(( $(stamp) - t0 )) s  (readbw.log, readbw.json)"
   grep '^{' "$OUT/readbw.log" >"$OUT/readbw.json"
   sed -n '/^## read bandwidth/,$p' "$OUT/readbw.log" | tee -a "$SUMMARY" >/dev/null
+fi
+
+# ---- wgmma rate per shape / operand source (optional stage wgmmarate; seconds) -------------------
+if want wgmmarate; then
+  t0=$(stamp)
+  cmake --build "$BUILD" --target ioattn_sm90_wgmma_rate -j "$JOBS" >"$OUT/wgmmarate.log" 2>&1 &&
+    timeout 60 "$BUILD/ioattn_sm90_wgmma_rate" >>"$OUT/wgmmarate.log" 2>&1
+  note "wgmmarate  rc=$?  $(( $(stamp) - t0 )) s  (wgmmarate.log)"
+  grep '^{' "$OUT/wgmmarate.log" | tee -a "$SUMMARY" >/dev/null
 fi
 
 # ---- 7. Python package: pip install with CUDA, pytest with torch (CUDA, autograd, compile) -------

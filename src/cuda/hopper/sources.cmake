@@ -10,6 +10,7 @@
 #   ioattn_test_ptx_sm90  one unit test per PTX wrapper of ptx_sm90.cuh
 #   ioattn_sm90_check     correctness vs a float64 reference on odd shapes (--check-only here);
 #                         without flags it also times the kernel (see peer_sdpa.py for the peers)
+# and ioattn_sm90_wgmma_rate (not a test: cycles per wgmma by shape and operand source).
 # The kernel bodies exist only in the sm_90a image (CUDA archs must include 90a, e.g. "80;90a");
 # in an sm_80-only build sm90_flash_select answers false with the reason.
 set(IOATTN_SM90_DIR ${CMAKE_CURRENT_LIST_DIR})
@@ -47,5 +48,10 @@ function(ioattn_sm90_extras)
     "IOATTN_SM90_GRID=dynamic;IOATTN_SM90_MAX_CTAS=3;IOATTN_SM90_RESCALE_SKIP=1;IOATTN_SM90_WG3=1;IOATTN_SM90_BODY=v4")
   set_tests_properties(ptx_sm90 sm90_check sm90_check_3ctas sm90_check_dynamic PROPERTIES
     SKIP_REGULAR_EXPRESSION "skipped: ")
+  # Not a test: the wgmma rate per shape and operand source (gpu-check stage wgmmarate).
+  add_executable(ioattn_sm90_wgmma_rate ${IOATTN_SM90_DIR}/bench_wgmma_sm90.cu)
+  set_target_properties(ioattn_sm90_wgmma_rate PROPERTIES CUDA_ARCHITECTURES 90a)
+  target_include_directories(ioattn_sm90_wgmma_rate PRIVATE ${PROJECT_SOURCE_DIR}/src ${PROJECT_SOURCE_DIR}/include)
+  target_link_libraries(ioattn_sm90_wgmma_rate PRIVATE CUDA::cudart_static)
 endfunction()
 cmake_language(DEFER DIRECTORY ${PROJECT_SOURCE_DIR} CALL ioattn_sm90_extras)

@@ -1,0 +1,144 @@
+// bench_wgmma_sm90.cu — ioattn_sm90_wgmma_rate: how fast one SM runs back-to-back wgmmas of the
+// shapes the kernels use (gpu-check stage `wgmmarate`; numbers in src/cuda/hopper/NOTES.md).
+//
+// The backward issues m64n64k16 with both operands in shared memory (S^T, dP^T, dQ) and m64n128k16
+// with A from registers (dV, dK); whether the small-N shared-memory form runs at the tensor rate
+// decides its next design (session 8). Each configuration: one CTA per SM (200 KB of shared memory
+// requested), W warpgroups each issuing R rounds of 8 wgmmas (one commit group per round, at most
+// two groups in flight: the pattern of a pipelined GEMM) on zeroed bf16 tiles; cycles from the CTA's
+// first barrier to its last warpgroup's final wait, on every SM, mean over SMs. Reported per
+// wgmma of the whole SM (all warpgroups' instructions) against the dense bf16 ideal of
+// 64·N·16·2 / 4096 FLOP per cycle = N/2 cycles; "B shared" means every warpgroup reads the same
+// B tile (the backward's Q / dO), A differs per warpgroup (its K / V rows).
+// Output: one JSON line per configuration. Without a CUDA device: "skipped: no CUDA device".
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <vector>
+
+#include "cuda/hopper/ptx_sm90.cuh"
+
+using namespace ioattn::cuda::sm90;
+
+#define CHECK_CUDA(call)                                                                  \
+  do {                                                                                    \
+    cudaError_t e_ = (call);                                                              \
+    if (e_ != cudaSuccess) {                                                              \
+      std::fprintf(stderr, "%s:%d %s\n", __FILE__, __LINE__, cudaGetErrorString(e_));     \
+      std::exit(1);                                                                       \
+    }                                                                                     \
+  } while (0)
+
+constexpr int kSmem = 200 * 1024;
+constexpr int kRounds = 512;
+
+// kMode 0: ss, A and B K-major (S^T = K Q^T); 1: ss, A MN-major (transposed), B MN-major (dQ = dS K
+// from dS^T); 2: rs, B MN-major (dV += P^T dO).
+template <int N, int kMode, int kWGs>
+__global__ void __launch_bounds__(kWGs * 128, 1) rate_kernel(long long* cycles, float* sink) {
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  extern __shared__ __align__(1024) uint8_t smem[];
+  const int tid = threadIdx.x, wg = tid / 128;
+  for (int i = tid; i < 96 * 1024 / 16; i += blockDim.x) reinterpret_cast<uint4*>(smem)[i] = make_uint4(0, 0, 0, 0);
+  fence_proxy_async();
+  __syncthreads();
+  const uint32_t base = smem_u32(smem);
+  const uint32_t a_base = base + wg * 16384;  // A: per warpgroup, 64 rows x 64 dims (8 KB) + room
+  const uint32_t b_base = base + 65536;       // B: shared, up to 256 rows x 64 dims (32 KB)
+  float acc[N / 2];
+#pragma unroll
+  for (int i = 0; i < N / 2; ++i) acc[i] = 0.f;
+  uint32_t a_reg[4] = {0u, 0u, 0u, 0u};
+  __syncthreads();
+  const long long t0 = clock64();
+  for (int r = 0; r < kRounds; ++r) {
+    wgmma_fence();
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      const int kk = i & 3;
+      if constexpr (kMode == 0) {
+        Wgmma<N, __nv_bfloat16>::template ss<0>(acc, make_desc_sw128(a_base + kk * 32, 16, 1024),
+                                                make_desc_sw128(b_base + kk * 32, 16, 1024), 1);
+      } else if constexpr (kMode == 1) {
+        Wgmma<N, __nv_bfloat16>::template ss<1, 1>(acc, make_desc_sw128(a_base + kk * 2048, 128 * 128, 1024),
+                                                   make_desc_sw128(b_base + kk * 2048, 128 * 128, 1024), 1);
+      } else {
+        Wgmma<N, __nv_bfloat16>::template rs<1>(acc, a_reg, make_desc_sw128(b_base + kk * 2048, 64 * 128, 1024), 1);
+      }
+    }
+    wgmma_commit();
+    wgmma_wait<1>();
+  }
+  wgmma_wait<0>();
+#pragma unroll
+  for (int i = 0; i < N / 2; ++i) reg_fence(acc[i]);
+  const long long t1 = clock64();
+  __shared__ long long s_end[4];
+  if ((tid & 127) == 0) s_end[wg] = t1;
+  __syncthreads();
+  if (tid == 0) {
+    long long e = s_end[0];
+    for (int w = 1; w < kWGs; ++w) e = e > s_end[w] ? e : s_end[w];
+    cycles[blockIdx.x] = e - t0;
+  }
+  float s = 0.f;
+#pragma unroll
+  for (int i = 0; i < N / 2; ++i) s += acc[i];
+  if (s != 0.f) sink[blockIdx.x * blockDim.x + tid] = s;  // never true (zero tiles): keeps acc live
+#endif
+}
+
+template <int N, int kMode, int kWGs>
+void run(const char* name, int sms, long long* d_cycles, float* d_sink) {
+  auto* k = &rate_kernel<N, kMode, kWGs>;
+  CHECK_CUDA(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
+  for (int rep = 0; rep < 2; ++rep) k<<<sms, kWGs * 128, kSmem>>>(d_cycles, d_sink);  // warm-up + timed
+  CHECK_CUDA(cudaGetLastError());
+  CHECK_CUDA(cudaDeviceSynchronize());
+  std::vector<long long> c(sms);
+  CHECK_CUDA(cudaMemcpy(c.data(), d_cycles, sms * sizeof(long long), cudaMemcpyDeviceToHost));
+  double mean = 0;
+  for (long long v : c) mean += static_cast<double>(v);
+  mean /= sms;
+  const double per = mean / (static_cast<double>(kRounds) * 8 * kWGs);
+  std::printf("{\"config\": \"%s\", \"n\": %d, \"warpgroups\": %d, \"cycles_per_wgmma\": %.2f, \"ideal\": %.1f, "
+              "\"efficiency\": %.3f}\n",
+              name, N, kWGs, per, N / 2.0, (N / 2.0) / per);
+}
+
+int main() {
+  int n = 0;
+  if (cudaGetDeviceCount(&n) != cudaSuccess || n == 0) {
+    std::printf("skipped: no CUDA device\n");
+    return 0;
+  }
+  cudaDeviceProp prop{};
+  CHECK_CUDA(cudaGetDeviceProperties(&prop, 0));
+  if (prop.major != 9) {
+    std::printf("skipped: needs sm_90, device is sm_%d%d\n", prop.major, prop.minor);
+    return 0;
+  }
+  const int sms = prop.multiProcessorCount;
+  long long* d_cycles = nullptr;
+  float* d_sink = nullptr;
+  CHECK_CUDA(cudaMalloc(&d_cycles, sms * sizeof(long long)));
+  CHECK_CUDA(cudaMalloc(&d_sink, static_cast<size_t>(sms) * 512 * sizeof(float)));
+  run<64, 0, 1>("ss kmajor", sms, d_cycles, d_sink);
+  run<64, 0, 2>("ss kmajor", sms, d_cycles, d_sink);
+  run<80, 0, 2>("ss kmajor", sms, d_cycles, d_sink);
+  run<128, 0, 1>("ss kmajor", sms, d_cycles, d_sink);
+  run<128, 0, 2>("ss kmajor", sms, d_cycles, d_sink);
+  run<256, 0, 2>("ss kmajor", sms, d_cycles, d_sink);
+  run<64, 1, 2>("ss a,b mn-major", sms, d_cycles, d_sink);
+  run<128, 1, 2>("ss a,b mn-major", sms, d_cycles, d_sink);
+  run<64, 2, 1>("rs b mn-major", sms, d_cycles, d_sink);
+  run<64, 2, 2>("rs b mn-major", sms, d_cycles, d_sink);
+  run<128, 2, 2>("rs b mn-major", sms, d_cycles, d_sink);
+  run<256, 2, 2>("rs b mn-major", sms, d_cycles, d_sink);
+  run<64, 0, 3>("ss kmajor", sms, d_cycles, d_sink);
+  CHECK_CUDA(cudaFree(d_cycles));
+  CHECK_CUDA(cudaFree(d_sink));
+  return 0;
+}
