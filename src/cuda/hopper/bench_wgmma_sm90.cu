@@ -9,7 +9,10 @@
 // first barrier to its last warpgroup's final wait, on every SM, mean over SMs. Reported per
 // wgmma of the whole SM (all warpgroups' instructions) against the dense bf16 ideal of
 // 64·N·16·2 / 4096 FLOP per cycle = N/2 cycles; "B shared" means every warpgroup reads the same
-// B tile (the backward's Q / dO), A differs per warpgroup (its K / V rows).
+// B tile (the backward's Q / dO), A differs per warpgroup (its K / V rows). "+ st.shared": one more
+// warpgroup stores 16 bytes per thread to shared memory (another 64 KB region) as fast as it can
+// while the wgmmas run, as the backward's dS^T / dQ-piece stores do; its bytes per cycle are
+// reported too.
 // Output: one JSON line per configuration. Without a CUDA device: "skipped: no CUDA device".
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -36,11 +39,14 @@ constexpr int kRounds = 512;
 
 // kMode 0: ss, A and B K-major (S^T = K Q^T); 1: ss, A MN-major (transposed), B MN-major (dQ = dS K
 // from dS^T); 2: rs, B MN-major (dV += P^T dO).
-template <int N, int kMode, int kWGs>
-__global__ void __launch_bounds__(kWGs * 128, 1) rate_kernel(long long* cycles, float* sink) {
+template <int N, int kMode, int kWGs, bool kTraffic>
+__global__ void __launch_bounds__((kWGs + kTraffic) * 128, 1) rate_kernel(long long* cycles, float* sink) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   extern __shared__ __align__(1024) uint8_t smem[];
+  __shared__ volatile int s_done;
+  __shared__ long long s_end[4];
   const int tid = threadIdx.x, wg = tid / 128;
+  if (tid == 0) s_done = 0;
   for (int i = tid; i < 96 * 1024 / 16; i += blockDim.x) reinterpret_cast<uint4*>(smem)[i] = make_uint4(0, 0, 0, 0);
   fence_proxy_async();
   __syncthreads();
@@ -53,6 +59,21 @@ __global__ void __launch_bounds__(kWGs * 128, 1) rate_kernel(long long* cycles, 
   uint32_t a_reg[4] = {0u, 0u, 0u, 0u};
   __syncthreads();
   const long long t0 = clock64();
+  if (kTraffic && wg == kWGs) {  // the store warpgroup: 16 B per thread per store, until the wgmmas end
+    const uint32_t region = base + 98304;
+    long long stores = 0;
+    for (uint32_t it = 0; s_done == 0; ++it) {
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        const uint32_t addr = region + (((it * 8 + i) * 2048u + (tid & 127) * 16u) & 65535u);
+        asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};\n" ::"r"(addr), "r"(it) : "memory");
+      }
+      stores += 8;
+    }
+    if ((tid & 127) == 0) cycles[gridDim.x + blockIdx.x] = stores;  // per thread
+    __syncthreads();
+    return;
+  }
   for (int r = 0; r < kRounds; ++r) {
     wgmma_fence();
 #pragma unroll
@@ -75,8 +96,9 @@ __global__ void __launch_bounds__(kWGs * 128, 1) rate_kernel(long long* cycles, 
 #pragma unroll
   for (int i = 0; i < N / 2; ++i) reg_fence(acc[i]);
   const long long t1 = clock64();
-  __shared__ long long s_end[4];
   if ((tid & 127) == 0) s_end[wg] = t1;
+  if (kTraffic) named_barrier_sync(1, kWGs * 128);  // every wgmma warpgroup done, then stop the stores
+  if (kTraffic && tid == 0) s_done = 1;
   __syncthreads();
   if (tid == 0) {
     long long e = s_end[0];
@@ -90,22 +112,25 @@ __global__ void __launch_bounds__(kWGs * 128, 1) rate_kernel(long long* cycles, 
 #endif
 }
 
-template <int N, int kMode, int kWGs>
+template <int N, int kMode, int kWGs, bool kTraffic = false>
 void run(const char* name, int sms, long long* d_cycles, float* d_sink) {
-  auto* k = &rate_kernel<N, kMode, kWGs>;
+  auto* k = &rate_kernel<N, kMode, kWGs, kTraffic>;
   CHECK_CUDA(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
-  for (int rep = 0; rep < 2; ++rep) k<<<sms, kWGs * 128, kSmem>>>(d_cycles, d_sink);  // warm-up + timed
+  for (int rep = 0; rep < 2; ++rep)
+    k<<<sms, (kWGs + kTraffic) * 128, kSmem>>>(d_cycles, d_sink);  // warm-up + timed
   CHECK_CUDA(cudaGetLastError());
   CHECK_CUDA(cudaDeviceSynchronize());
-  std::vector<long long> c(sms);
-  CHECK_CUDA(cudaMemcpy(c.data(), d_cycles, sms * sizeof(long long), cudaMemcpyDeviceToHost));
-  double mean = 0;
-  for (long long v : c) mean += static_cast<double>(v);
+  std::vector<long long> c(2 * sms);
+  CHECK_CUDA(cudaMemcpy(c.data(), d_cycles, 2 * sms * sizeof(long long), cudaMemcpyDeviceToHost));
+  double mean = 0, stores = 0;
+  for (int i = 0; i < sms; ++i) mean += static_cast<double>(c[i]), stores += static_cast<double>(c[sms + i]);
   mean /= sms;
+  stores /= sms;
   const double per = mean / (static_cast<double>(kRounds) * 8 * kWGs);
-  std::printf("{\"config\": \"%s\", \"n\": %d, \"warpgroups\": %d, \"cycles_per_wgmma\": %.2f, \"ideal\": %.1f, "
-              "\"efficiency\": %.3f}\n",
-              name, N, kWGs, per, N / 2.0, (N / 2.0) / per);
+  std::printf("{\"config\": \"%s%s\", \"n\": %d, \"warpgroups\": %d, \"cycles_per_wgmma\": %.2f, \"ideal\": %.1f, "
+              "\"efficiency\": %.3f, \"store_bytes_per_cycle\": %.1f}\n",
+              name, kTraffic ? " + st.shared" : "", N, kWGs, per, N / 2.0, (N / 2.0) / per,
+              kTraffic ? stores * 128 * 16 / mean : 0.0);
 }
 
 int main() {
@@ -123,7 +148,8 @@ int main() {
   const int sms = prop.multiProcessorCount;
   long long* d_cycles = nullptr;
   float* d_sink = nullptr;
-  CHECK_CUDA(cudaMalloc(&d_cycles, sms * sizeof(long long)));
+  CHECK_CUDA(cudaMalloc(&d_cycles, 2 * sms * sizeof(long long)));
+  CHECK_CUDA(cudaMemset(d_cycles, 0, 2 * sms * sizeof(long long)));
   CHECK_CUDA(cudaMalloc(&d_sink, static_cast<size_t>(sms) * 512 * sizeof(float)));
   run<64, 0, 1>("ss kmajor", sms, d_cycles, d_sink);
   run<64, 0, 2>("ss kmajor", sms, d_cycles, d_sink);
@@ -138,6 +164,10 @@ int main() {
   run<128, 2, 2>("rs b mn-major", sms, d_cycles, d_sink);
   run<256, 2, 2>("rs b mn-major", sms, d_cycles, d_sink);
   run<64, 0, 3>("ss kmajor", sms, d_cycles, d_sink);
+  run<64, 0, 2, true>("ss kmajor", sms, d_cycles, d_sink);
+  run<64, 1, 2, true>("ss a,b mn-major", sms, d_cycles, d_sink);
+  run<128, 0, 2, true>("ss kmajor", sms, d_cycles, d_sink);
+  run<128, 2, 2, true>("rs b mn-major", sms, d_cycles, d_sink);
   CHECK_CUDA(cudaFree(d_cycles));
   CHECK_CUDA(cudaFree(d_sink));
   return 0;

@@ -258,27 +258,25 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_sm90_kernel(const BwdPa
   }
   issue(0);
   ptx::cp_async_commit();
-  const uint32_t k_wg = smem_u32(sk) + wg * 64 * 128;  // rows 64c.. of column block 0 (1024-aligned)
-  const uint32_t v_wg = smem_u32(sv) + wg * 64 * 128;
+  // Every wgmma operand's descriptor is built here once and stepped by constants (desc_advance).
+  // S^T / dP^T A: K / V rows 64c.. of column block 0 (1024-aligned), K-major; their B: Q / dO stage 0,
+  // K-major; dV / dK B: the same stages read MN-major.
+  const uint64_t k_desc = make_desc_sw128(smem_u32(sk) + wg * 64 * 128, 16, 1024);
+  const uint64_t v_desc = make_desc_sw128(smem_u32(sv) + wg * 64 * 128, 16, 1024);
+  const uint64_t q_kdesc = make_desc_sw128(smem_u32(sq), 16, 1024), do_kdesc = make_desc_sw128(smem_u32(sdo), 16, 1024);
+  const uint64_t q_mdesc = make_desc_sw128(smem_u32(sq), kBM * 128, 1024);
+  const uint64_t do_mdesc = make_desc_sw128(smem_u32(sdo), kBM * 128, 1024);
   // dQ wgmmas (see Cfg) of the step whose dS^T is in buffer `buf` (issue only): hdim 128,
   // dQ[:, 64wg..] = dS K[:, 64wg..] over both warpgroups' keys; hdim 64, dQ_wg = dS[:, own keys]
-  // K[own keys, :].
+  // K[own keys, :]. A = dS^T (MN-major, transposed), B = K (MN-major).
+  const uint64_t ds_desc = make_desc_sw128(smem_u32(sds) + (kD == 128 ? 0 : wg * 8192), kBN * 128, 1024);
+  const uint64_t kdq_desc = make_desc_sw128(smem_u32(sk) + wg * (kD == 128 ? kBN * 128 : 8192), kBN * 128, 1024);
   auto gemm_dq = [&](float(&dq)[kBM / 2], int buf) {
-    const uint32_t ds_b = smem_u32(sds + buf * kTileDs);
+    const uint64_t ds_d = desc_advance(ds_desc, buf * kTileDs);
     wgmma_fence();
-    if constexpr (kD == 128) {
 #pragma unroll
-      for (int kk = 0; kk < kBN / 16; ++kk)
-        Wgmma<kBM, T>::template ss<1, 1>(dq, make_desc_sw128(ds_b + kk * 2048, kBN * 128, 1024),
-                                         make_desc_sw128(smem_u32(sk) + wg * kBN * 128 + kk * 2048, kBN * 128, 1024),
-                                         kk > 0);
-    } else {
-#pragma unroll
-      for (int kk = 0; kk < kBN / 2 / 16; ++kk)
-        Wgmma<kBM, T>::template ss<1, 1>(dq, make_desc_sw128(ds_b + wg * 8192 + kk * 2048, kBN * 128, 1024),
-                                         make_desc_sw128(smem_u32(sk) + wg * 8192 + kk * 2048, kBN * 128, 1024),
-                                         kk > 0);
-    }
+    for (int kk = 0; kk < (kD == 128 ? kBN : kBN / 2) / 16; ++kk)
+      Wgmma<kBM, T>::template ss<1, 1>(dq, desc_advance(ds_d, kk * 2048), desc_advance(kdq_desc, kk * 2048), kk > 0);
   };
   // dQ partial of the step at (query head ph, rows pm0..) into the fp32 workspace; pbuf = its dS^T
   // buffer parity (kTmaDq: also its piece buffer).
@@ -344,17 +342,18 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_sm90_kernel(const BwdPa
     BWD_TRACE(step, 0);
     const int st = step & 1, h = hk * p.group + cur_h, m0 = (m_first + cur_m) * kBM;
     if (++cur_m == per_head) cur_m = 0, ++cur_h;
-    const uint32_t q_s = smem_u32(sq + st * kTileQ), do_s = smem_u32(sdo + st * kTileQ);
+    const uint64_t q_sk = desc_advance(q_kdesc, st * kTileQ), do_sk = desc_advance(do_kdesc, st * kTileQ);
+    const uint64_t q_sm = desc_advance(q_mdesc, st * kTileQ), do_sm = desc_advance(do_mdesc, st * kTileQ);
 
     // S^T and dP^T (64 keys x 64 rows each) in two commit groups, so P^T (and the dV wgmmas that
     // need only P^T) start while dP^T is still on the tensor cores.
     float s[kBM / 2], dp[kBM / 2];
-    auto gemm_sdp = [&](float(&acc)[kBM / 2], uint32_t a_base, uint32_t b_base) {
+    auto gemm_sdp = [&](float(&acc)[kBM / 2], uint64_t a_desc, uint64_t b_desc) {
 #pragma unroll
       for (int kk = 0; kk < kD / 16; ++kk) {
         const uint32_t col = kk / 4, byte = (kk % 4) * 32;
-        Wgmma<kBM, T>::template ss<0>(acc, make_desc_sw128(a_base + col * kBN * 128 + byte, 16, 1024),
-                                      make_desc_sw128(b_base + col * kBM * 128 + byte, 16, 1024), kk > 0);
+        Wgmma<kBM, T>::template ss<0>(acc, desc_advance(a_desc, col * kBN * 128 + byte),
+                                      desc_advance(b_desc, col * kBM * 128 + byte), kk > 0);
       }
     };
     // kLag: first the previous step's dQ wgmmas (its dS^T is in the other buffer, published by the
@@ -368,9 +367,9 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_sm90_kernel(const BwdPa
       wgmma_commit();
     }
     wgmma_fence();
-    gemm_sdp(s, k_wg, q_s);
+    gemm_sdp(s, k_desc, q_sk);
     wgmma_commit();
-    gemm_sdp(dp, v_wg, do_s);
+    gemm_sdp(dp, v_desc, do_sk);
     wgmma_commit();
     issue(step + 1);  // stage (step + 1) & 1 was last read by step - 1's wgmmas, all complete
     ptx::cp_async_commit();
@@ -432,11 +431,11 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_sm90_kernel(const BwdPa
       }
     };
     // dV += P^T dO, dK += dS^T Q (k-steps of 16 query rows; B MN-major).
-    auto gemm_dkv = [&](float(&acc)[kD / 2], const uint32_t(&a)[kBM / 4], uint32_t b_base) {
+    auto gemm_dkv = [&](float(&acc)[kD / 2], const uint32_t(&a)[kBM / 4], uint64_t b_desc) {
 #pragma unroll
       for (int kk = 0; kk < kBM / 16; ++kk) {
         const uint32_t af[4] = {a[4 * kk], a[4 * kk + 1], a[4 * kk + 2], a[4 * kk + 3]};
-        Wgmma<kD, T>::template rs<1>(acc, af, make_desc_sw128(b_base + kk * 2048, kBM * 128, 1024), 1);
+        Wgmma<kD, T>::template rs<1>(acc, af, desc_advance(b_desc, kk * 2048), 1);
       }
     };
     load_rows2(lse2, s_lse[st]);
@@ -449,7 +448,7 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_sm90_kernel(const BwdPa
     else
       p_part(std::false_type{});
     wgmma_fence();
-    gemm_dkv(dv, pa, do_s);
+    gemm_dkv(dv, pa, do_sm);
     wgmma_commit();
     BWD_TRACE(step, 5);
     load_rows2(d2, s_d[st]);
@@ -459,7 +458,7 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_sm90_kernel(const BwdPa
     BWD_TRACE(step, 6);
     ds_part();
     wgmma_fence();
-    gemm_dkv(dk, da, q_s);
+    gemm_dkv(dk, da, q_sm);
     wgmma_commit();
     BWD_TRACE(step, 7);
     if constexpr (!kDq || kLag) {

@@ -279,6 +279,16 @@ __device__ __forceinline__ uint64_t make_desc_sw128(uint32_t smem_addr, uint32_t
          static_cast<uint64_t>((sbo_bytes & 0x3FFFF) >> 4) << 32 | 1ull << 62;
 }
 
+// A descriptor moved by `bytes` (a multiple of 16): the start-address field is bits 0-13 (address
+// >> 4), so adding bytes >> 4 to the 64-bit value gives make_desc_sw128(addr + bytes, lbo, sbo) as
+// long as addr + bytes stays below 256 KB, which every shared-memory address of a CTA does. A
+// kernel builds each operand's descriptor once and steps it by constants (no mask / shift chain
+// in front of every wgmma). The field cannot carry, so only the low word is added (one IADD).
+__device__ __forceinline__ uint64_t desc_advance(uint64_t desc, uint32_t bytes) {
+  const uint32_t lo = static_cast<uint32_t>(desc) + (bytes >> 4);
+  return (desc & 0xFFFFFFFF00000000ull) | lo;
+}
+
 // Register-list strings for the accumulators ("{%0, ..., %K-1}") and their "+f" operands.
 #define IOATTN_SM90_R0 "%0, %1, %2, %3, %4, %5, %6, %7"
 #define IOATTN_SM90_R8 "%8, %9, %10, %11, %12, %13, %14, %15"
