@@ -112,6 +112,89 @@ __global__ void __launch_bounds__((kWGs + kTraffic) * 128, 1) rate_kernel(long l
 #endif
 }
 
+// The wgmma backward's step at hdim 128 without its other instructions (2 warpgroups): per step
+// and warpgroup, dQ (8 x ss m64n64, A and B MN-major), S^T and dP^T (8 x ss m64n64 each, K-major)
+// as three commit groups, wait, then dV and dK (4 x rs m64n128 each, B MN-major) as two groups,
+// wait. Ideal: 2 x (24 x 32 + 8 x 64) = 2,560 cycles per step.
+__global__ void __launch_bounds__(256, 1) bwd_step_kernel(long long* cycles, float* sink) {
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  extern __shared__ __align__(1024) uint8_t smem[];
+  const int tid = threadIdx.x, wg = tid / 128;
+  for (int i = tid; i < 96 * 1024 / 16; i += blockDim.x) reinterpret_cast<uint4*>(smem)[i] = make_uint4(0, 0, 0, 0);
+  fence_proxy_async();
+  __syncthreads();
+  const uint32_t base = smem_u32(smem);
+  const uint32_t a_base = base + wg * 16384, b_base = base + 65536;
+  float dq[32], s[32], dp[32], dv[64];  // dK's wgmmas accumulate into dv too (registers)
+#pragma unroll
+  for (int i = 0; i < 32; ++i) dq[i] = s[i] = dp[i] = 0.f;
+#pragma unroll
+  for (int i = 0; i < 64; ++i) dv[i] = 0.f;
+  const uint32_t a_reg[4] = {0u, 0u, 0u, 0u};
+  constexpr int kSteps = 128;
+  __syncthreads();
+  const long long t0 = clock64();
+  for (int r = 0; r < kSteps; ++r) {
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < 8; ++kk)
+      Wgmma<64, __nv_bfloat16>::template ss<1, 1>(dq, make_desc_sw128(a_base + (kk & 3) * 2048, 128 * 128, 1024),
+                                                  make_desc_sw128(b_base + (kk & 3) * 2048, 128 * 128, 1024), kk > 0);
+    wgmma_commit();
+#pragma unroll
+    for (int kk = 0; kk < 8; ++kk)
+      Wgmma<64, __nv_bfloat16>::template ss<0>(s, make_desc_sw128(a_base + (kk & 3) * 32, 16, 1024),
+                                               make_desc_sw128(b_base + (kk & 3) * 32, 16, 1024), kk > 0);
+    wgmma_commit();
+#pragma unroll
+    for (int kk = 0; kk < 8; ++kk)
+      Wgmma<64, __nv_bfloat16>::template ss<0>(dp, make_desc_sw128(a_base + 8192 + (kk & 3) * 32, 16, 1024),
+                                               make_desc_sw128(b_base + 16384 + (kk & 3) * 32, 16, 1024), kk > 0);
+    wgmma_commit();
+    wgmma_wait<0>();
+#pragma unroll
+    for (int i = 0; i < 32; ++i) reg_fence(dq[i]), reg_fence(s[i]), reg_fence(dp[i]);
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk)
+      Wgmma<128, __nv_bfloat16>::template rs<1>(dv, a_reg, make_desc_sw128(b_base + kk * 2048, 64 * 128, 1024), 1);
+    wgmma_commit();
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk)
+      Wgmma<128, __nv_bfloat16>::template rs<1>(dv, a_reg, make_desc_sw128(b_base + 16384 + kk * 2048, 64 * 128, 1024), 1);
+    wgmma_commit();
+    wgmma_wait<0>();
+#pragma unroll
+    for (int i = 0; i < 64; ++i) reg_fence(dv[i]);
+  }
+  const long long t1 = clock64();
+  __shared__ long long s_end[2];
+  if ((tid & 127) == 0) s_end[wg] = t1;
+  __syncthreads();
+  if (tid == 0) cycles[blockIdx.x] = (s_end[0] > s_end[1] ? s_end[0] : s_end[1]) - t0;
+  float acc = 0.f;
+#pragma unroll
+  for (int i = 0; i < 32; ++i) acc += dq[i] + s[i] + dp[i];
+#pragma unroll
+  for (int i = 0; i < 64; ++i) acc += dv[i];
+  if (acc != 0.f) sink[blockIdx.x * blockDim.x + tid] = acc;
+#endif
+}
+
+void run_bwd_step(int sms, long long* d_cycles, float* d_sink) {
+  CHECK_CUDA(cudaFuncSetAttribute(bwd_step_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
+  for (int rep = 0; rep < 2; ++rep) bwd_step_kernel<<<sms, 256, kSmem>>>(d_cycles, d_sink);
+  CHECK_CUDA(cudaGetLastError());
+  CHECK_CUDA(cudaDeviceSynchronize());
+  std::vector<long long> c(sms);
+  CHECK_CUDA(cudaMemcpy(c.data(), d_cycles, sms * sizeof(long long), cudaMemcpyDeviceToHost));
+  double mean = 0;
+  for (long long v : c) mean += static_cast<double>(v);
+  mean /= sms;
+  std::printf("{\"config\": \"bwd step hdim128 (wgmmas only)\", \"cycles_per_step\": %.0f, \"ideal\": 2560, "
+              "\"efficiency\": %.3f}\n", mean / 128, 2560.0 / (mean / 128));
+}
+
 template <int N, int kMode, int kWGs, bool kTraffic = false>
 void run(const char* name, int sms, long long* d_cycles, float* d_sink) {
   auto* k = &rate_kernel<N, kMode, kWGs, kTraffic>;
@@ -168,6 +251,7 @@ int main() {
   run<64, 1, 2, true>("ss a,b mn-major", sms, d_cycles, d_sink);
   run<128, 0, 2, true>("ss kmajor", sms, d_cycles, d_sink);
   run<128, 2, 2, true>("rs b mn-major", sms, d_cycles, d_sink);
+  run_bwd_step(sms, d_cycles, d_sink);
   CHECK_CUDA(cudaFree(d_cycles));
   CHECK_CUDA(cudaFree(d_sink));
   return 0;
