@@ -503,6 +503,23 @@ TEST_P(CudaBackwardSm90Tmald, MatchesFloat64Reference) {
 INSTANTIATE_TEST_SUITE_P(Cases, CudaBackwardSm90Tmald, ::testing::ValuesIn(sm90_cases()),
                          [](const auto& info) { return info.param.name; });
 
+// Variant dqlate (tmald with the lagged dQ wgmmas after S^T / dP^T and dS^T from the 16-bit P^T;
+// session 8, compiled, not yet run on a GPU when written): its own suite, for the same reason.
+class CudaBackwardSm90DqLate : public ::testing::TestWithParam<Case> {};
+
+TEST_P(CudaBackwardSm90DqLate, MatchesFloat64Reference) {
+  SKIP_WITHOUT_GPU();
+  if (detail::cuda_device_arch(0) != 90) GTEST_SKIP() << "skipped: the wgmma backward needs sm_90";
+  const Case& c = GetParam();
+  BwdRun s(c, 11 + c.name.size());
+  const Refs r = references(s);
+  BwdKernelEnv env("sm90");
+  check_sm90_variant(s, r, c, "dqlate");
+}
+
+INSTANTIATE_TEST_SUITE_P(Cases, CudaBackwardSm90DqLate, ::testing::ValuesIn(sm90_cases()),
+                         [](const auto& info) { return info.param.name; });
+
 // Varlen on the wgmma backward (its kVarlen instance, the default since session 8;
 // IOATTN_BWD_SM90_VARLEN=0 switches it off): packed sequences with empty ones on either side,
 // causal and not, GQA with a window, sinks; hdim 128 and 64.

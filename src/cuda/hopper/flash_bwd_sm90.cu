@@ -88,6 +88,17 @@ struct Cfg {
   static constexpr int smem(bool tma_dq) { return tma_dq ? kSmemTma : kSmemRed; }
 };
 
+// Two 16-bit values of a packed b32 (lo = first, as pack2) back to fp32: exact.
+template <typename T>
+__device__ __forceinline__ void unpack2(uint32_t w, float& lo, float& hi) {
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    lo = __uint_as_float(w << 16), hi = __uint_as_float(w & 0xFFFF0000u);
+  } else {
+    const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&w));
+    lo = f.x, hi = f.y;
+  }
+}
+
 // Byte offset of fp32 element (row r, column c < 64) of a dQ piece: two [64 rows x 32 floats]
 // boxes of the dQ tensor map, 128-byte rows, 16-byte chunk (c % 32) / 4 at position ^ (r % 8).
 __device__ __forceinline__ uint32_t dq_piece_off(int r, int c) {
@@ -144,7 +155,18 @@ __device__ __forceinline__ void load_rows(uint32_t dst, const uint8_t* src, int6
 // lengths, workspace rows q_start + i, and the dQ map over [heads_q, total_q, d] (plane = head,
 // row = q_start + m0). A tail block's dQ piece rows past the sequence are exact zeros (P = 0 there:
 // LSE +inf, dO zero-filled), so the reduce-add that reaches the next sequence's rows adds 0.
-template <typename T, int kD, bool kTmaDq, bool kLag, bool kDq = true, bool kTmaLoad = false, bool kVarlen = false>
+// kDqLate (variant "dqlate", with kTmaLoad; session 8, compiled, not yet run on a GPU): the lagged
+// dQ wgmmas are issued after S^T and dP^T instead of before, so they finish last and the dQ piece
+// (32 KB of shared-memory stores + 32 KB read by the reduce-add per CTA step) moves from under the
+// S^T / dP^T / dQ wgmmas — m64n64 with both operands in shared memory, 128 B/clock, which the
+// memory pipe cannot serve beside them (ioattn_sm90_wgmma_rate: a store warpgroup gets 1.9 B/clock
+// there) — to under dV / dK (A in registers: 64 B/clock, 42 B/clock of stores beside them). The
+// step's wgmmas alone run at the ideal 2,560 cycles (the same bench); the kernel's step is ~4,630.
+// To keep the registers of the extra live accumulator (dQ under P^T and dS^T), dS^T takes P^T from
+// its packed 16-bit copy (the A operand of dV) instead of the fp32 values: the same rounding the
+// dV product already sees.
+template <typename T, int kD, bool kTmaDq, bool kLag, bool kDq = true, bool kTmaLoad = false, bool kVarlen = false,
+          bool kDqLate = false>
 __global__ void __launch_bounds__(kThreads, 1) flash_bwd_sm90_kernel(const BwdParams p,
                                                                      const __grid_constant__ CUtensorMap dq_map,
                                                                      const __grid_constant__ CUtensorMap q_map,
@@ -155,6 +177,7 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_sm90_kernel(const BwdPa
   static_assert(kDq || (!kTmaDq && !kLag), "the dK/dV-only kernel (deterministic mode) has no dQ path");
   static_assert(!kTmaLoad || (kTmaDq && kLag), "TMA loads: the lag + TMA dQ variant only");
   static_assert(!kVarlen || (kTmaDq && kLag && kDq && !kTmaLoad), "varlen: the lag + TMA dQ instance only");
+  static_assert(!kDqLate || kTmaLoad, "dQ late: the tmald variant only");
   constexpr int kTileQ = Cfg<kD>::kTileQ, kTileK = Cfg<kD>::kTileK;
   extern __shared__ uint8_t raw[];
   uint8_t* base = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(raw) + 1023) & ~uintptr_t{1023});
@@ -362,7 +385,7 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_sm90_kernel(const BwdPa
     // never read, and the read completes before step 1 writes that buffer), then S^T and dP^T;
     // the dQ output below runs while those are on the tensor cores.
     float dq[kBM / 2];
-    if constexpr (kLag) {
+    if constexpr (kLag && !kDqLate) {
       gemm_dq(dq, st ^ 1);
       wgmma_commit();
     }
@@ -371,10 +394,18 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_sm90_kernel(const BwdPa
     wgmma_commit();
     gemm_sdp(dp, v_desc, do_sk);
     wgmma_commit();
+    if constexpr (kDqLate) {  // last: its output goes under dV / dK below
+      gemm_dq(dq, st ^ 1);
+      wgmma_commit();
+    }
     issue(step + 1);  // stage (step + 1) & 1 was last read by step - 1's wgmmas, all complete
     ptx::cp_async_commit();
     BWD_TRACE(step, 1);
-    if constexpr (kLag) {
+    if constexpr (kDqLate) {  // (the trace's "wait dQ" / "put_dq" are 0 here: both fall in "wait all")
+      BWD_TRACE(step, 2);
+      BWD_TRACE(step, 3);
+    }
+    if constexpr (kLag && !kDqLate) {
       wgmma_wait<2>();  // the dQ wgmmas (S^T and dP^T may still run)
 #pragma unroll
       for (int i = 0; i < kBM / 2; ++i) reg_fence(dq[i]);
@@ -419,7 +450,9 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_sm90_kernel(const BwdPa
 #pragma unroll
       for (int j = 0; j < kBM / 4; ++j) {
         const int e = 2 * j;
-        da[j] = ptx::pack2<T>(s[e] * (dp[e] - pick(d2, e)), s[e + 1] * (dp[e + 1] - pick(d2, e + 1)));
+        float p0 = s[e], p1 = s[e + 1];
+        if constexpr (kDqLate) unpack2<T>(pa[j], p0, p1);  // P^T as dV saw it (s is dead: registers)
+        da[j] = ptx::pack2<T>(p0 * (dp[e] - pick(d2, e)), p1 * (dp[e + 1] - pick(d2, e + 1)));
         // dS^T as the MN-major A of dQ = dS K: (key, row) at row `key`, 16-bit column `row`; the
         // pair (rows r, r + 1; r even) is one aligned 32-bit word of the swizzled row.
         if constexpr (kDq) {
@@ -439,7 +472,7 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_sm90_kernel(const BwdPa
       }
     };
     load_rows2(lse2, s_lse[st]);
-    wgmma_wait<1>();  // S^T (dP^T may still run)
+    wgmma_wait<kDqLate ? 2 : 1>();  // S^T (dP^T, kDqLate: and dQ, may still run)
 #pragma unroll
     for (int i = 0; i < kBM / 2; ++i) reg_fence(s[i]);
     BWD_TRACE(step, 4);
@@ -452,7 +485,7 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_sm90_kernel(const BwdPa
     wgmma_commit();
     BWD_TRACE(step, 5);
     load_rows2(d2, s_d[st]);
-    wgmma_wait<1>();  // dP^T (dV may still run)
+    wgmma_wait<kDqLate ? 2 : 1>();  // dP^T (dV, kDqLate: dQ and dV, may still run)
 #pragma unroll
     for (int i = 0; i < kBM / 2; ++i) reg_fence(dp[i]);
     BWD_TRACE(step, 6);
@@ -461,6 +494,13 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_sm90_kernel(const BwdPa
     gemm_dkv(dk, da, q_sm);
     wgmma_commit();
     BWD_TRACE(step, 7);
+    if constexpr (kDqLate) {
+      wgmma_wait<2>();  // the dQ wgmmas (dV and dK may still run): its output under them
+#pragma unroll
+      for (int i = 0; i < kBM / 2; ++i) reg_fence(dq[i]);
+      if (step > 0) put_dq(dq, prev_h, prev_m0, st ^ 1);
+      prev_h = h, prev_m0 = m0;
+    }
     if constexpr (!kDq || kLag) {
       if (kDq) fence_proxy_async();  // dS^T for the next step's dQ wgmmas (after its first barrier)
       wgmma_wait<0>();  // dV, dK: nothing stays in flight across iterations
@@ -529,7 +569,7 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_sm90_kernel(const BwdPa
 // is 4. Unset: tmald at hdim 64 and from 2048 query rows at hdim 128, lag below that and for varlen
 // (session 8, H200: tmald +8-15% at hdim 64, +3-10% at hdim 128 from 4k; at 1k causal hdim 128 it
 // lost 15%).
-constexpr int kVariantTmaLoad = 4;
+constexpr int kVariantTmaLoad = 4, kVariantDqLate = 5;
 int variant_bits(int head_dim, int64_t seqlen_q, bool varlen) {
   const char* e = std::getenv("IOATTN_BWD_SM90_VARIANT");
   if (e == nullptr || *e == '\0')
@@ -539,8 +579,9 @@ int variant_bits(int head_dim, int64_t seqlen_q, bool varlen) {
   if (std::strcmp(e, "red") == 0) return 1;
   if (std::strcmp(e, "redlag") == 0) return 3;
   if (std::strcmp(e, "tmald") == 0) return kVariantTmaLoad;
+  if (std::strcmp(e, "dqlate") == 0) return kVariantDqLate;
   throw Error("IOATTN_BWD_SM90_VARIANT",
-              std::string("IOATTN_BWD_SM90_VARIANT must be split, red, lag, redlag or tmald, got '") + e + "'");
+              std::string("IOATTN_BWD_SM90_VARIANT must be split, red, lag, redlag, tmald or dqlate, got '") + e + "'");
 }
 
 // The fp32 dQ workspace [heads_q, batch·seqlen_q, kD] as a 3-D map (kD, seqlen_q, heads_q·batch) —
@@ -641,7 +682,7 @@ void launch_typed(const BwdParams& p, cudaStream_t stream) {
   const int v = variant_bits(kD, p.seqlen_q, p.cu_seqlens_q != nullptr);  // also rejects a bad value
   if (p.ws_dq == nullptr) return launch_deterministic<T, kD>(p, stream);
   const int64_t grid = static_cast<int64_t>(p.num_n_blocks) * p.heads_kv * p.batch;
-  const bool tma_dq = (v & 1) == 0, tma_load = v == kVariantTmaLoad;
+  const bool tma_load = v >= kVariantTmaLoad, tma_dq = tma_load || (v & 1) == 0;
   if (grid == 0) return;
   if (p.cu_seqlens_q != nullptr) {  // varlen: the kVarlen instance (lag, TMA dQ) only
     if (v != 2)
@@ -654,10 +695,11 @@ void launch_typed(const BwdParams& p, cudaStream_t stream) {
     IOATTN_CUDA_CHECK_LAUNCH("flash_bwd_sm90_kernel (varlen)");
     return;
   }
-  void (*const kernels[5])(const BwdParams, const CUtensorMap, const CUtensorMap, const CUtensorMap) = {
+  void (*const kernels[6])(const BwdParams, const CUtensorMap, const CUtensorMap, const CUtensorMap) = {
       &flash_bwd_sm90_kernel<T, kD, true, false>, &flash_bwd_sm90_kernel<T, kD, false, false>,
       &flash_bwd_sm90_kernel<T, kD, true, true>, &flash_bwd_sm90_kernel<T, kD, false, true>,
-      &flash_bwd_sm90_kernel<T, kD, true, true, true, true>};
+      &flash_bwd_sm90_kernel<T, kD, true, true, true, true>,
+      &flash_bwd_sm90_kernel<T, kD, true, true, true, true, false, true>};
   auto* kernel = kernels[v];
   const int smem = tma_load ? Cfg<kD>::kSmemTmaLoad : Cfg<kD>::smem(tma_dq);
   const CUtensorMap map = tma_dq ? make_dq_map<kD>(p) : CUtensorMap{};
@@ -686,6 +728,7 @@ const char* variant_name(int head_dim, int64_t seqlen_q, bool varlen) {
     case 1: return "red";
     case 3: return "redlag";
     case kVariantTmaLoad: return "tmald";
+    case kVariantDqLate: return "dqlate";
     default: return "lag";
   }
 }
