@@ -520,6 +520,45 @@ TEST_P(CudaBackwardSm90DqLate, MatchesFloat64Reference) {
 INSTANTIATE_TEST_SUITE_P(Cases, CudaBackwardSm90DqLate, ::testing::ValuesIn(sm90_cases()),
                          [](const auto& info) { return info.param.name; });
 
+// Variant pp (hdim 64: no CTA barrier in the loop, the two warpgroups' wgmma issue alternating;
+// session 8, compiled, not yet run on a GPU when written): its own suite over the hdim-64 cases;
+// at hdim 128 the variant is refused with an error naming it.
+std::vector<Case> sm90_d64_cases() {
+  std::vector<Case> v;
+  for (const Case& c : sm90_cases())
+    if (c.head_dim == 64) v.push_back(c);
+  return v;
+}
+
+class CudaBackwardSm90PingPong : public ::testing::TestWithParam<Case> {};
+
+TEST_P(CudaBackwardSm90PingPong, MatchesFloat64Reference) {
+  SKIP_WITHOUT_GPU();
+  if (detail::cuda_device_arch(0) != 90) GTEST_SKIP() << "skipped: the wgmma backward needs sm_90";
+  const Case& c = GetParam();
+  BwdRun s(c, 11 + c.name.size());
+  const Refs r = references(s);
+  BwdKernelEnv env("sm90");
+  check_sm90_variant(s, r, c, "pp");
+}
+
+INSTANTIATE_TEST_SUITE_P(Cases, CudaBackwardSm90PingPong, ::testing::ValuesIn(sm90_d64_cases()),
+                         [](const auto& info) { return info.param.name; });
+
+TEST(CudaBackwardSm90PingPongSelect, RefusedAtHdim128) {
+  SKIP_WITHOUT_GPU();
+  if (detail::cuda_device_arch(0) != 90) GTEST_SKIP() << "skipped: the wgmma backward needs sm_90";
+  BwdKernelEnv env("sm90");
+  ScopedEnv var("IOATTN_BWD_SM90_VARIANT", "pp");
+  BwdRun s(mk("pp_d128", 40, 50, 128), 4);
+  try {
+    s.backward_device(false);
+    ADD_FAILURE() << "IOATTN_BWD_SM90_VARIANT=pp accepted at hdim 128";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("hdim-64"), std::string::npos) << e.what();
+  }
+}
+
 // Varlen on the wgmma backward (its kVarlen instance, the default since session 8;
 // IOATTN_BWD_SM90_VARLEN=0 switches it off): packed sequences with empty ones on either side,
 // causal and not, GQA with a window, sinks; hdim 128 and 64.

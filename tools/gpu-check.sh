@@ -214,6 +214,9 @@ if want backward; then
     # Variant dqlate (session 8, unverified when written): its own test gates its own A/B.
     bounded_test "bwd dqlate test" 300 "$BUILD/test_cuda_backward" '*CudaBackwardSm90DqLate*' "$OUT/bwd_dqlate.log" &&
       { bwd_ab dqlate 128 IOATTN_BWD_SM90_VARIANT=dqlate; bwd_ab d64_dqlate 64 IOATTN_BWD_SM90_VARIANT=dqlate; }
+    # Variant pp (hdim 64 only; session 8, unverified when written): the same.
+    bounded_test "bwd pp test" 200 "$BUILD/test_cuda_backward" '*CudaBackwardSm90PingPong*' "$OUT/bwd_pp.log" &&
+      bwd_ab d64_pp 64 IOATTN_BWD_SM90_VARIANT=pp
   fi
 fi
 
@@ -273,10 +276,13 @@ if want bwdtrace; then
   TBUILD="$BUILD-trace"
   { configure "$TBUILD" -DCMAKE_CUDA_FLAGS=-DIOATTN_BWD_TRACE=1 &&
       ninja -C "$TBUILD" -j "$JOBS" ioattn_cuda_bench; } >"$OUT/bwdtrace.log" 2>&1
-  for v in ${GPU_CHECK_TRACE_VARIANTS:-tmald dqlate}; do
+  for v in ${GPU_CHECK_TRACE_VARIANTS:-tmald dqlate pp}; do
+    hd=128
+    [[ $v == pp ]] && hd=64  # (pp is the hdim-64 kernel's only; trace tmald at 64 with GPU_CHECK_TRACE_D64)
+    [[ ${GPU_CHECK_TRACE_D64:-0} == 1 ]] && hd=64
     for s in ${GPU_CHECK_TRACE_SEQLENS:-4096 16384}; do
-      echo "## variant $v seqlen $s" >>"$OUT/bwdtrace.log"
-      IOATTN_BWD_SM90_VARIANT=$v timeout 120 "$TBUILD/ioattn_cuda_bench" bwd --hdims 128 --seqlens "$s" >>"$OUT/bwdtrace.log" 2>&1
+      echo "## variant $v hdim $hd seqlen $s" >>"$OUT/bwdtrace.log"
+      IOATTN_BWD_SM90_VARIANT=$v timeout 120 "$TBUILD/ioattn_cuda_bench" bwd --hdims $hd --seqlens "$s" >>"$OUT/bwdtrace.log" 2>&1
     done
   done
   note "bwdtrace   rc=$?  $(( $(stamp) - t0 )) s  (bwdtrace.log)"

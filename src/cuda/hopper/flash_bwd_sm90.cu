@@ -84,7 +84,7 @@ struct Cfg {
   // kTmaDq: + 2 buffers x 2 warpgroups x [64 rows x 64 dims] fp32 dQ pieces (hdim 128: 226 KB in
   // all with the static LSE/D arrays, of the 227 KB an sm_90 CTA may have).
   static constexpr int kSmemTma = kSmemRed + 2 * 2 * kDqPiece;
-  static constexpr int kSmemTmaLoad = kSmemTma + 16;  // + the Q/dO stages' mbarriers
+  static constexpr int kSmemTmaLoad = kSmemTma + 32;  // + the Q/dO stages' mbarriers (full, empty)
   static constexpr int smem(bool tma_dq) { return tma_dq ? kSmemTma : kSmemRed; }
 };
 
@@ -165,8 +165,20 @@ __device__ __forceinline__ void load_rows(uint32_t dst, const uint8_t* src, int6
 // To keep the registers of the extra live accumulator (dQ under P^T and dS^T), dS^T takes P^T from
 // its packed 16-bit copy (the A operand of dV) instead of the fp32 values: the same rounding the
 // dV product already sees.
+// kPingPong (variant "pp", hdim 64, with kTmaLoad; session 8, compiled, not yet run on a GPU): no
+// CTA barrier in the loop, so the two warpgroups stop walking the step in lockstep. At hdim 64 a
+// step's wgmmas are ~1,280 cycles of a ~3,700-cycle step (342 TFLOP/s): the rest is the chain
+// S^T -> P^T -> dV, dP^T -> dS^T -> dK that both warpgroups wait through at the same time. Here
+// warpgroup 0 issues its dQ / S^T / dP^T wgmmas, then warpgroup 1 (named barriers 5 and 6 order the
+// two issue blocks every step), so one's softmax and dS^T run under the other's wgmmas. What the
+// CTA barrier did: the Q / dO / LSE / D stage is complete on full_qdo (TMA bytes + one arrival per
+// LSE / D thread through cp.async.mbarrier.arrive), a stage is refilled only after empty_qdo (one
+// arrival per warp after its step's last wgmma wait), and the hdim-64 dQ reads only its own
+// warpgroup's dS^T rows, so a warpgroup barrier (3 + wg) publishes them and hands the dQ piece
+// buffer over. Warpgroup 1, the one behind, issues the loads (it never waits for the other to
+// free a stage).
 template <typename T, int kD, bool kTmaDq, bool kLag, bool kDq = true, bool kTmaLoad = false, bool kVarlen = false,
-          bool kDqLate = false>
+          bool kDqLate = false, bool kPingPong = false>
 __global__ void __launch_bounds__(kThreads, 1) flash_bwd_sm90_kernel(const BwdParams p,
                                                                      const __grid_constant__ CUtensorMap dq_map,
                                                                      const __grid_constant__ CUtensorMap q_map,
@@ -178,6 +190,7 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_sm90_kernel(const BwdPa
   static_assert(!kTmaLoad || (kTmaDq && kLag), "TMA loads: the lag + TMA dQ variant only");
   static_assert(!kVarlen || (kTmaDq && kLag && kDq && !kTmaLoad), "varlen: the lag + TMA dQ instance only");
   static_assert(!kDqLate || kTmaLoad, "dQ late: the tmald variant only");
+  static_assert(!kPingPong || (kTmaLoad && kD == 64 && !kDqLate), "ping-pong: the hdim-64 tmald variant only");
   constexpr int kTileQ = Cfg<kD>::kTileQ, kTileK = Cfg<kD>::kTileK;
   extern __shared__ uint8_t raw[];
   uint8_t* base = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(raw) + 1023) & ~uintptr_t{1023});
@@ -189,6 +202,7 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_sm90_kernel(const BwdPa
   uint8_t* sdq = sds + 2 * kTileDs; // kTmaDq: [2 parities][2 warpgroups] dQ pieces
   // kTmaLoad: the two Q/dO stages' mbarriers, after the dQ pieces (Cfg::smem adds 16 bytes).
   [[maybe_unused]] uint64_t* full_qdo = reinterpret_cast<uint64_t*>(sdq + 4 * kDqPiece);
+  [[maybe_unused]] uint64_t* empty_qdo = full_qdo + 2;  // kPingPong
   __shared__ __align__(16) float s_lse[2][kBM];
   __shared__ __align__(16) float s_d[2][kBM];
 
@@ -239,9 +253,15 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_sm90_kernel(const BwdPa
                      (b * p.q_batch + static_cast<int64_t>(q_start + m0) * p.q_seq + h * p.q_head) * es;
     const auto* dp = static_cast<const uint8_t*>(p.dout) +
                      (b * p.do_batch + static_cast<int64_t>(q_start + m0) * p.do_seq + h * p.do_head) * es;
+    // kPingPong: warpgroup 1 loads (thread 128: Q / dO, threads 128..191: LSE / D), once both
+    // warpgroups are done with the step that used the stage last.
+    constexpr int kLoader = kPingPong ? 128 : 0;
+    if constexpr (kPingPong) {
+      if (tid >= kLoader && tid < kLoader + kBM && step >= 2) mbarrier_wait_or_trap(&empty_qdo[st], ((step - 2) >> 1) & 1);
+    }
     if constexpr (kTmaLoad) {
       (void)qp, (void)dp;
-      if (tid == 0) {
+      if (tid == kLoader) {
         mbarrier_arrive_expect_tx(&full_qdo[st], 2 * kTileQ);
 #pragma unroll
         for (int cb = 0; cb < kD / 64; ++cb) {
@@ -253,16 +273,18 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_sm90_kernel(const BwdPa
       load_rows<kBM, kD>(smem_u32(sq + st * kTileQ), qp, p.q_seq * es, sq_len - m0);
       load_rows<kBM, kD>(smem_u32(sdo + st * kTileQ), dp, p.do_seq * es, sq_len - m0);
     }
-    if (tid < kBM) {  // in the same cp.async group as the tiles (no load latency in the step)
-      const int i = m0 + tid;
+    if (tid >= kLoader && tid < kLoader + kBM) {  // in the same cp.async group as the tiles
+      const int r = tid - kLoader, i = m0 + r;
       const int64_t wrow = static_cast<int64_t>(h) * p.rows_q +
                            (kVarlen ? static_cast<int64_t>(q_start) : static_cast<int64_t>(b) * sq_len) + i;
       if (i < sq_len) {
-        ptx::cp_async_4(ptx::smem_u32(&s_lse[st][tid]), p.ws_lse + wrow, 4);
-        ptx::cp_async_4(ptx::smem_u32(&s_d[st][tid]), p.ws_d + wrow, 4);
+        ptx::cp_async_4(ptx::smem_u32(&s_lse[st][r]), p.ws_lse + wrow, 4);
+        ptx::cp_async_4(ptx::smem_u32(&s_d[st][r]), p.ws_d + wrow, 4);
+        if constexpr (kPingPong) cp_async_mbarrier_arrive_noinc(&full_qdo[st]);  // once both have landed
       } else {
-        s_lse[st][tid] = kPosInf;  // rows past the end: P = 0
-        s_d[st][tid] = 0.f;
+        s_lse[st][r] = kPosInf;  // rows past the end: P = 0
+        s_d[st][r] = 0.f;
+        if constexpr (kPingPong) mbarrier_arrive(&full_qdo[st]);
       }
     }
   };
@@ -273,14 +295,23 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_sm90_kernel(const BwdPa
 
   if constexpr (kTmaLoad) {
     if (tid == 0) {
-      mbarrier_init(&full_qdo[0], 1);
-      mbarrier_init(&full_qdo[1], 1);
+      // kPingPong: + one arrival per LSE / D thread; empty: one per warp
+      mbarrier_init(&full_qdo[0], kPingPong ? 1 + kBM : 1);
+      mbarrier_init(&full_qdo[1], kPingPong ? 1 + kBM : 1);
+      if (kPingPong) mbarrier_init(&empty_qdo[0], kThreads / 32), mbarrier_init(&empty_qdo[1], kThreads / 32);
       fence_mbarrier_init();
     }
     __syncthreads();  // the barriers initialised before anyone waits on them
   }
   issue(0);
   ptx::cp_async_commit();
+  if constexpr (kPingPong) {
+    // K, V (cp.async by every thread) for everyone, once; then the loop has no CTA barrier.
+    ptx::cp_async_wait<0>();
+    fence_proxy_async();
+    __syncthreads();
+    if (wg == 1 && steps > 0) named_barrier_arrive(5, 256);  // warpgroup 0 issues first
+  }
   // Every wgmma operand's descriptor is built here once and stepped by constants (desc_advance).
   // S^T / dP^T A: K / V rows 64c.. of column block 0 (1024-aligned), K-major; their B: Q / dO stage 0,
   // K-major; dV / dK B: the same stages read MN-major.
@@ -353,15 +384,25 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_sm90_kernel(const BwdPa
   };
   int cur_h = 0, cur_m = 0, prev_h = 0, prev_m0 = 0;
   for (int step = 0; step < steps; ++step) {
-    ptx::cp_async_wait<0>();
-    fence_proxy_async();  // this thread's cp.async writes, visible to the wgmma (async proxy) reads
-    // kLag + kTmaDq: the barrier also hands over the dQ piece buffer written in this step, free
-    // once the reduce-adds issued from it two steps ago have read it.
-    if (kLag && kTmaDq && wtid == 0) bulk_wait_group_read<1>();
-    // Q, dO of this step (trap rather than hang while the variant is unverified on a GPU)
-    if constexpr (kTmaLoad) mbarrier_wait_or_trap(&full_qdo[step & 1], (step >> 1) & 1);
-    BWD_TRACE(step, 9);
-    __syncthreads();      // stage step & 1 landed for everyone; everyone is done with step - 1
+    if constexpr (kPingPong) {
+      if (wtid == 0) bulk_wait_group_read<1>();  // this step's dQ piece buffer (see below)
+      mbarrier_wait_or_trap(&full_qdo[step & 1], (step >> 1) & 1);  // Q, dO, LSE, D of this step
+      BWD_TRACE(step, 9);
+      // This warpgroup's dS^T rows of step - 1 (stored and fenced there) published for its dQ
+      // wgmmas; the piece buffer handed over. Then the issue order: warpgroup 0 first.
+      named_barrier_sync(3 + wg, 128);
+      named_barrier_sync(wg == 0 ? 5 : 6, 256);
+    } else {
+      ptx::cp_async_wait<0>();
+      fence_proxy_async();  // this thread's cp.async writes, visible to the wgmma (async proxy) reads
+      // kLag + kTmaDq: the barrier also hands over the dQ piece buffer written in this step, free
+      // once the reduce-adds issued from it two steps ago have read it.
+      if (kLag && kTmaDq && wtid == 0) bulk_wait_group_read<1>();
+      // Q, dO of this step (trap rather than hang while the variant is unverified on a GPU)
+      if constexpr (kTmaLoad) mbarrier_wait_or_trap(&full_qdo[step & 1], (step >> 1) & 1);
+      BWD_TRACE(step, 9);
+      __syncthreads();  // stage step & 1 landed for everyone; everyone is done with step - 1
+    }
     BWD_TRACE(step, 0);
     const int st = step & 1, h = hk * p.group + cur_h, m0 = (m_first + cur_m) * kBM;
     if (++cur_m == per_head) cur_m = 0, ++cur_h;
@@ -397,6 +438,12 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_sm90_kernel(const BwdPa
     if constexpr (kDqLate) {  // last: its output goes under dV / dK below
       gemm_dq(dq, st ^ 1);
       wgmma_commit();
+    }
+    if constexpr (kPingPong) {  // the other warpgroup's turn (warpgroup 1's last step has no next)
+      if (wg == 0)
+        named_barrier_arrive(6, 256);
+      else if (step + 1 < steps)
+        named_barrier_arrive(5, 256);
     }
     issue(step + 1);  // stage (step + 1) & 1 was last read by step - 1's wgmmas, all complete
     ptx::cp_async_commit();
@@ -506,6 +553,10 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_sm90_kernel(const BwdPa
       wgmma_wait<0>();  // dV, dK: nothing stays in flight across iterations
 #pragma unroll
       for (int i = 0; i < kD / 2; ++i) reg_fence(dv[i]), reg_fence(dk[i]);
+      if constexpr (kPingPong) {  // this warp is done with stage st (its wgmmas and LSE / D reads)
+        __syncwarp();
+        if (lane == 0) mbarrier_arrive(&empty_qdo[st]);
+      }
       BWD_TRACE(step, 8);
     } else {
       // dS^T visible to the async proxy, then the dQ wgmmas. kTmaDq: the barrier below also hands
@@ -530,7 +581,10 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_sm90_kernel(const BwdPa
   if constexpr (kDq && kLag) {  // the last step's dQ
     if (steps > 0) {
       if (kTmaDq && wtid == 0) bulk_wait_group_read<1>();
-      __syncthreads();
+      if constexpr (kPingPong)
+        named_barrier_sync(3 + wg, 128);  // hdim 64: this warpgroup's own dS^T rows
+      else
+        __syncthreads();
       float dq[kBM / 2];
       gemm_dq(dq, (steps - 1) & 1);
       wgmma_commit();
@@ -569,7 +623,7 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_sm90_kernel(const BwdPa
 // is 4. Unset: tmald at hdim 64 and from 2048 query rows at hdim 128, lag below that and for varlen
 // (session 8, H200: tmald +8-15% at hdim 64, +3-10% at hdim 128 from 4k; at 1k causal hdim 128 it
 // lost 15%).
-constexpr int kVariantTmaLoad = 4, kVariantDqLate = 5;
+constexpr int kVariantTmaLoad = 4, kVariantDqLate = 5, kVariantPingPong = 6;
 int variant_bits(int head_dim, int64_t seqlen_q, bool varlen) {
   const char* e = std::getenv("IOATTN_BWD_SM90_VARIANT");
   if (e == nullptr || *e == '\0')
@@ -580,8 +634,14 @@ int variant_bits(int head_dim, int64_t seqlen_q, bool varlen) {
   if (std::strcmp(e, "redlag") == 0) return 3;
   if (std::strcmp(e, "tmald") == 0) return kVariantTmaLoad;
   if (std::strcmp(e, "dqlate") == 0) return kVariantDqLate;
+  if (std::strcmp(e, "pp") == 0) {
+    if (head_dim != 64)
+      throw Error("IOATTN_BWD_SM90_VARIANT",
+                  "IOATTN_BWD_SM90_VARIANT=pp is the hdim-64 kernel's only, head_dim is " + std::to_string(head_dim));
+    return kVariantPingPong;
+  }
   throw Error("IOATTN_BWD_SM90_VARIANT",
-              std::string("IOATTN_BWD_SM90_VARIANT must be split, red, lag, redlag, tmald or dqlate, got '") + e + "'");
+              std::string("IOATTN_BWD_SM90_VARIANT must be split, red, lag, redlag, tmald, dqlate or pp, got '") + e + "'");
 }
 
 // The fp32 dQ workspace [heads_q, batch·seqlen_q, kD] as a 3-D map (kD, seqlen_q, heads_q·batch) —
@@ -695,11 +755,16 @@ void launch_typed(const BwdParams& p, cudaStream_t stream) {
     IOATTN_CUDA_CHECK_LAUNCH("flash_bwd_sm90_kernel (varlen)");
     return;
   }
-  void (*const kernels[6])(const BwdParams, const CUtensorMap, const CUtensorMap, const CUtensorMap) = {
-      &flash_bwd_sm90_kernel<T, kD, true, false>, &flash_bwd_sm90_kernel<T, kD, false, false>,
-      &flash_bwd_sm90_kernel<T, kD, true, true>, &flash_bwd_sm90_kernel<T, kD, false, true>,
-      &flash_bwd_sm90_kernel<T, kD, true, true, true, true>,
-      &flash_bwd_sm90_kernel<T, kD, true, true, true, true, false, true>};
+  using Kernel = void (*)(const BwdParams, const CUtensorMap, const CUtensorMap, const CUtensorMap);
+  Kernel pp = nullptr;  // variant_bits refuses pp at other head dims
+  if constexpr (kD == 64) pp = &flash_bwd_sm90_kernel<T, kD, true, true, true, true, false, false, true>;
+  const Kernel kernels[7] = {&flash_bwd_sm90_kernel<T, kD, true, false>,
+                             &flash_bwd_sm90_kernel<T, kD, false, false>,
+                             &flash_bwd_sm90_kernel<T, kD, true, true>,
+                             &flash_bwd_sm90_kernel<T, kD, false, true>,
+                             &flash_bwd_sm90_kernel<T, kD, true, true, true, true>,
+                             &flash_bwd_sm90_kernel<T, kD, true, true, true, true, false, true>,
+                             pp};
   auto* kernel = kernels[v];
   const int smem = tma_load ? Cfg<kD>::kSmemTmaLoad : Cfg<kD>::smem(tma_dq);
   const CUtensorMap map = tma_dq ? make_dq_map<kD>(p) : CUtensorMap{};
@@ -729,6 +794,7 @@ const char* variant_name(int head_dim, int64_t seqlen_q, bool varlen) {
     case 3: return "redlag";
     case kVariantTmaLoad: return "tmald";
     case kVariantDqLate: return "dqlate";
+    case kVariantPingPong: return "pp";
     default: return "lag";
   }
 }

@@ -103,6 +103,13 @@ __device__ __forceinline__ void mbarrier_wait(uint64_t* bar, uint32_t parity) {
   }
 }
 
+// cp.async.mbarrier.arrive.noinc: one arrival of this thread on `bar`, made when every cp.async
+// this thread issued before it has landed (noinc: it counts toward the count given to
+// mbarrier_init rather than adding to it). Waiters that see the phase complete see those bytes.
+__device__ __forceinline__ void cp_async_mbarrier_arrive_noinc(uint64_t* bar) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(smem_u32(bar)) : "memory");
+}
+
 // mbarrier_wait for experimental paths and tests: traps (a launch error the host sees) after
 // max_spins failed polls instead of spinning for ever when a byte count is wrong. Each poll may
 // suspend for a while inside try_wait, so 2^22 polls is well beyond any real wait.

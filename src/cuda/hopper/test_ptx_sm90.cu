@@ -2,6 +2,8 @@
 //
 // Each test is a tiny kernel checked against the CPU:
 //   mbarrier      init / arrive / try_wait.parity across two phase flips
+//   cp_async_mbarrier_arrive_noinc  cp.async arrivals (and a plain one) complete a phase whose
+//                 waiter, which issued no copy, then sees every copied value
 //   tma_2d        a box copied without swizzle equals memcpy of the same rows
 //   tma_3d/4d     boxes with 128-byte swizzle, un-swizzled by the formula the wgmma tests assume,
 //                 including rows past the end (must read as zeros) and a [b,s,h,d] stride order
@@ -184,6 +186,57 @@ void test_mbarrier() {
   std::snprintf(buf, sizeof buf, "try_wait answers %d %d %d %d %d (want 1 0 1 0 1)", h[0], h[1], h[2], h[3], h[4]);
   report("mbarrier", ok, buf);
   CHECK_CUDA(cudaFree(d));
+}
+
+// ---------------------------------------------------------------- cp.async + mbarrier arrive
+// 64 threads each copy one float with cp.async and arrive (noinc) on a barrier of count 64 + 1;
+// one more thread writes its value with st.shared and arrives plainly. The last warp waits on
+// the phase (it issued no copy itself) and reads all 65 values: the phase completes only when
+// every copy has landed, and the bytes are visible to the waiter.
+__global__ void k_cp_async_arrive(const float* src, float* out) {
+#if IOATTN_SM90A_ENABLED
+  __shared__ float s[65];
+  __shared__ uint64_t bar;
+  if (threadIdx.x == 0) {
+    mbarrier_init(&bar, 65);
+    fence_mbarrier_init();
+  }
+  __syncthreads();
+  if (threadIdx.x < 64) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(smem_u32(&s[threadIdx.x])), "l"(src + threadIdx.x)
+                 : "memory");
+    cp_async_mbarrier_arrive_noinc(&bar);
+  } else if (threadIdx.x == 64) {
+    s[64] = 7.5f;
+    mbarrier_arrive(&bar);
+  } else if (threadIdx.x >= 96) {
+    mbarrier_wait_or_trap(&bar, 0);
+    for (int i = threadIdx.x - 96; i < 65; i += 32) out[i] = s[i];
+  }
+#endif
+}
+
+void test_cp_async_arrive() {
+  std::vector<float> h(64);
+  for (int i = 0; i < 64; ++i) h[i] = 1.0f + 0.25f * static_cast<float>(i);
+  float *src, *out;
+  CHECK_CUDA(cudaMalloc(&src, 64 * sizeof(float)));
+  CHECK_CUDA(cudaMalloc(&out, 65 * sizeof(float)));
+  CHECK_CUDA(cudaMemcpy(src, h.data(), 64 * sizeof(float), cudaMemcpyHostToDevice));
+  CHECK_CUDA(cudaMemset(out, 0xff, 65 * sizeof(float)));
+  k_cp_async_arrive<<<1, 128>>>(src, out);
+  CHECK_CUDA(cudaGetLastError());
+  CHECK_CUDA(cudaDeviceSynchronize());
+  std::vector<float> o(65);
+  CHECK_CUDA(cudaMemcpy(o.data(), out, 65 * sizeof(float), cudaMemcpyDeviceToHost));
+  int bad = 0;
+  for (int i = 0; i < 64; ++i) bad += o[i] != h[i];
+  bad += o[64] != 7.5f;
+  char buf[96];
+  std::snprintf(buf, sizeof buf, "%d of 65 values wrong after the phase", bad);
+  report("cp_async_mbarrier_arrive_noinc", bad == 0, buf);
+  CHECK_CUDA(cudaFree(src));
+  CHECK_CUDA(cudaFree(out));
 }
 
 // ---------------------------------------------------------------- bulk copy (1-D)
@@ -1382,6 +1435,7 @@ int main() {
     return 0;
   }
   test_mbarrier();
+  test_cp_async_arrive();
   test_bulk();
   test_tma();
   test_wgmma_ss<128, 128>("wgmma_ss m64n128 K=128");
