@@ -490,14 +490,18 @@ INSTANTIATE_TEST_SUITE_P(Cases, CudaBackwardSm90, ::testing::ValuesIn(sm90_cases
 // session 8): its own suite (written before it had run on a GPU, so a trap there gated nothing else).
 class CudaBackwardSm90Tmald : public ::testing::TestWithParam<Case> {};
 
-TEST_P(CudaBackwardSm90Tmald, MatchesFloat64Reference) {
-  SKIP_WITHOUT_GPU();
-  if (detail::cuda_device_arch(0) != 90) GTEST_SKIP() << "skipped: the wgmma backward needs sm_90";
-  const Case& c = GetParam();
+// One variant's own suite: case c through the wgmma backward with IOATTN_BWD_SM90_VARIANT=variant.
+void run_sm90_variant_case(const Case& c, const char* variant) {
   BwdRun s(c, 11 + c.name.size());
   const Refs r = references(s);
   BwdKernelEnv env("sm90");
-  check_sm90_variant(s, r, c, "tmald");
+  check_sm90_variant(s, r, c, variant);
+}
+
+TEST_P(CudaBackwardSm90Tmald, MatchesFloat64Reference) {
+  SKIP_WITHOUT_GPU();
+  if (detail::cuda_device_arch(0) != 90) GTEST_SKIP() << "skipped: the wgmma backward needs sm_90";
+  run_sm90_variant_case(GetParam(), "tmald");
 }
 
 INSTANTIATE_TEST_SUITE_P(Cases, CudaBackwardSm90Tmald, ::testing::ValuesIn(sm90_cases()),
@@ -510,11 +514,7 @@ class CudaBackwardSm90DqLate : public ::testing::TestWithParam<Case> {};
 TEST_P(CudaBackwardSm90DqLate, MatchesFloat64Reference) {
   SKIP_WITHOUT_GPU();
   if (detail::cuda_device_arch(0) != 90) GTEST_SKIP() << "skipped: the wgmma backward needs sm_90";
-  const Case& c = GetParam();
-  BwdRun s(c, 11 + c.name.size());
-  const Refs r = references(s);
-  BwdKernelEnv env("sm90");
-  check_sm90_variant(s, r, c, "dqlate");
+  run_sm90_variant_case(GetParam(), "dqlate");
 }
 
 INSTANTIATE_TEST_SUITE_P(Cases, CudaBackwardSm90DqLate, ::testing::ValuesIn(sm90_cases()),
@@ -535,11 +535,7 @@ class CudaBackwardSm90PingPong : public ::testing::TestWithParam<Case> {};
 TEST_P(CudaBackwardSm90PingPong, MatchesFloat64Reference) {
   SKIP_WITHOUT_GPU();
   if (detail::cuda_device_arch(0) != 90) GTEST_SKIP() << "skipped: the wgmma backward needs sm_90";
-  const Case& c = GetParam();
-  BwdRun s(c, 11 + c.name.size());
-  const Refs r = references(s);
-  BwdKernelEnv env("sm90");
-  check_sm90_variant(s, r, c, "pp");
+  run_sm90_variant_case(GetParam(), "pp");
 }
 
 INSTANTIATE_TEST_SUITE_P(Cases, CudaBackwardSm90PingPong, ::testing::ValuesIn(sm90_d64_cases()),
