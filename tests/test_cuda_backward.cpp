@@ -527,6 +527,13 @@ std::vector<Case> sm90_d64_cases() {
   std::vector<Case> v;
   for (const Case& c : sm90_cases())
     if (c.head_dim == 64) v.push_back(c);
+  // Long enough (32 steps per key block, GQA: 64 for the first blocks) for the two warpgroups to
+  // drift apart and for both stages and the dS^T / dQ-piece buffers to turn over many times.
+  Case c = mk("d64_long_q2048_k2048_gqa2_causal_bf16", 2048, 2048, 64, DType::bf16);
+  c.heads_q = 2;
+  c.heads_kv = 1;
+  c.causal = true;
+  v.push_back(c);
   return v;
 }
 

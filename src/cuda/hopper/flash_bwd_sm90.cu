@@ -5,8 +5,9 @@
 // The preprocess (D, LSE·log2e), the fp32 dQ workspace and its conversion are run_flash_backward's,
 // unchanged; this kernel replaces flash_bwd_dkdv_kernel.
 //
-// CTA = (batch, kv head, block of 128 keys), 2 consumer warpgroups (no producer: cp.async loads
-// issued by all 256 threads one (Q, dO) block ahead), warpgroup c owning keys 64c..64c+63. Keys
+// CTA = (batch, kv head, block of 128 keys), 2 consumer warpgroups (no producer: each step's Q,
+// dO, LSE, D issued one step ahead, by cp.async from all 256 threads or, variants tmald / dqlate /
+// pp, by TMA from one thread), warpgroup c owning keys 64c..64c+63. Keys
 // are the wgmma M dimension (FlashAttention-3's order; the operand layouts are the ones
 // test_ptx_sm90.cu's k_wgmma_bwd_chain checks); d = head dim:
 //   S^T  = K_c Q^T,   dP^T = V_c dO^T         ss, m64n64, both operands K-major
@@ -163,8 +164,9 @@ __device__ __forceinline__ void load_rows(uint32_t dst, const uint8_t* src, int6
 // there) — to under dV / dK (A in registers: 64 B/clock, 42 B/clock of stores beside them). The
 // step's wgmmas alone run at the ideal 2,560 cycles (the same bench); the kernel's step is ~4,630.
 // To keep the registers of the extra live accumulator (dQ under P^T and dS^T), dS^T takes P^T from
-// its packed 16-bit copy (the A operand of dV) instead of the fp32 values: the same rounding the
-// dV product already sees.
+// its packed 16-bit copy (the A operand of dV) instead of the fp32 values — the same rounding the
+// dV product already sees — and dV is issued after dS^T (with dK), not under dP^T: the dQ
+// wgmmas, issued last, keep the tensor cores busy meanwhile.
 // kPingPong (variant "pp", hdim 64, with kTmaLoad; session 8, compiled, not yet run on a GPU): no
 // CTA barrier in the loop, so the two warpgroups stop walking the step in lockstep. At hdim 64 a
 // step's wgmmas are ~1,280 cycles of a ~3,700-cycle step (342 TFLOP/s): the rest is the chain
@@ -200,7 +202,8 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_sm90_kernel(const BwdPa
   uint8_t* sdo = sq + 2 * kTileQ;  // [2 stages]
   uint8_t* sds = sdo + 2 * kTileQ; // [2 parities]
   uint8_t* sdq = sds + 2 * kTileDs; // kTmaDq: [2 parities][2 warpgroups] dQ pieces
-  // kTmaLoad: the two Q/dO stages' mbarriers, after the dQ pieces (Cfg::smem adds 16 bytes).
+  // kTmaLoad: the two Q/dO stages' mbarriers (full; kPingPong: and empty), after the dQ pieces
+  // (Cfg::kSmemTmaLoad adds 32 bytes).
   [[maybe_unused]] uint64_t* full_qdo = reinterpret_cast<uint64_t*>(sdq + 4 * kDqPiece);
   [[maybe_unused]] uint64_t* empty_qdo = full_qdo + 2;  // kPingPong
   __shared__ __align__(16) float s_lse[2][kBM];
@@ -391,6 +394,11 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_sm90_kernel(const BwdPa
       // This warpgroup's dS^T rows of step - 1 (stored and fenced there) published for its dQ
       // wgmmas; the piece buffer handed over. Then the issue order: warpgroup 0 first.
       named_barrier_sync(3 + wg, 128);
+      // Warpgroup 1 loads step + 1 here, before waiting for its turn (warpgroup 0, ahead, is done
+      // with step - 1 by now, so the empty wait inside rarely waits), a whole step ahead of
+      // warpgroup 0's need; every thread calls issue once per step (its counters).
+      issue(step + 1);
+      ptx::cp_async_commit();
       named_barrier_sync(wg == 0 ? 5 : 6, 256);
     } else {
       ptx::cp_async_wait<0>();
@@ -445,8 +453,10 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_sm90_kernel(const BwdPa
       else if (step + 1 < steps)
         named_barrier_arrive(5, 256);
     }
-    issue(step + 1);  // stage (step + 1) & 1 was last read by step - 1's wgmmas, all complete
-    ptx::cp_async_commit();
+    if constexpr (!kPingPong) {
+      issue(step + 1);  // stage (step + 1) & 1 was last read by step - 1's wgmmas, all complete
+      ptx::cp_async_commit();
+    }
     BWD_TRACE(step, 1);
     if constexpr (kDqLate) {  // (the trace's "wait dQ" / "put_dq" are 0 here: both fall in "wait all")
       BWD_TRACE(step, 2);
@@ -489,9 +499,12 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_sm90_kernel(const BwdPa
         s[e] = ptx::exp2_approx(s[e] * p.scale_log2 - pick(lse2, e));
         if (kMask && !bwd_detail::visible(m0 + r, n0 + kl, sq_len, sk_len, off, p.window_left, p.window_right))
           s[e] = 0.f;
+        if (kDqLate && (e % 2) == 1) pa[e / 2] = ptx::pack2<T>(s[e - 1], s[e]);  // s dies as it goes
       }
+      if constexpr (!kDqLate) {
 #pragma unroll
-      for (int j = 0; j < kBM / 4; ++j) pa[j] = ptx::pack2<T>(s[2 * j], s[2 * j + 1]);
+        for (int j = 0; j < kBM / 4; ++j) pa[j] = ptx::pack2<T>(s[2 * j], s[2 * j + 1]);
+      }
     };
     auto ds_part = [&]() {
 #pragma unroll
@@ -527,17 +540,25 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_sm90_kernel(const BwdPa
       p_part(std::true_type{});
     else
       p_part(std::false_type{});
-    wgmma_fence();
-    gemm_dkv(dv, pa, do_sm);
-    wgmma_commit();
+    if constexpr (!kDqLate) {  // dV under dP^T
+      wgmma_fence();
+      gemm_dkv(dv, pa, do_sm);
+      wgmma_commit();
+    }
     BWD_TRACE(step, 5);
     load_rows2(d2, s_d[st]);
-    wgmma_wait<kDqLate ? 2 : 1>();  // dP^T (dV, kDqLate: dQ and dV, may still run)
+    wgmma_wait<1>();  // dP^T (dV, kDqLate: dQ, may still run)
 #pragma unroll
     for (int i = 0; i < kBM / 2; ++i) reg_fence(dp[i]);
     BWD_TRACE(step, 6);
     ds_part();
     wgmma_fence();
+    // kDqLate: dV only now, after dS^T has read the packed P^T (an A operand may not be read while
+    // its wgmma runs); the dQ wgmmas, still on the tensor cores, cover dS^T.
+    if constexpr (kDqLate) {
+      gemm_dkv(dv, pa, do_sm);
+      wgmma_commit();
+    }
     gemm_dkv(dk, da, q_sm);
     wgmma_commit();
     BWD_TRACE(step, 7);
@@ -619,12 +640,15 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_sm90_kernel(const BwdPa
 
 // IOATTN_BWD_SM90_VARIANT: lag (dQ one step late, by TMA reduce-add) | tmald (lag with Q / dO
 // loaded by TMA: kTmaLoad) | redlag (one step late, by red.global) | split (in its own step, by TMA
-// reduce-add) | red (in its own step, by red.global: session 5's kernel). Bits: 1 red, 2 lag; tmald
-// is 4. Unset: tmald at hdim 64 and from 2048 query rows at hdim 128, lag below that and for varlen
+// reduce-add) | red (in its own step, by red.global: session 5's kernel) | dqlate (tmald with the dQ
+// wgmmas after S^T / dP^T: kDqLate) | pp (hdim 64: tmald without CTA barriers in the loop, the
+// warpgroups alternating: kPingPong). Bits: 1 red, 2 lag; tmald is 4, dqlate 5, pp 6. Unset: tmald at hdim 64 and from 2048 query rows at hdim 128, lag below that and for varlen
 // (session 8, H200: tmald +8-15% at hdim 64, +3-10% at hdim 128 from 4k; at 1k causal hdim 128 it
 // lost 15%).
 constexpr int kVariantTmaLoad = 4, kVariantDqLate = 5, kVariantPingPong = 6;
-int variant_bits(int head_dim, int64_t seqlen_q, bool varlen) {
+// dq_atomic false (deterministic mode: the dK/dV-only instance, no variant runs): only the value's
+// spelling is checked.
+int variant_bits(int head_dim, int64_t seqlen_q, bool varlen, bool dq_atomic = true) {
   const char* e = std::getenv("IOATTN_BWD_SM90_VARIANT");
   if (e == nullptr || *e == '\0')
     return !varlen && (head_dim == 64 || seqlen_q >= 2048) ? kVariantTmaLoad : 2;
@@ -635,7 +659,7 @@ int variant_bits(int head_dim, int64_t seqlen_q, bool varlen) {
   if (std::strcmp(e, "tmald") == 0) return kVariantTmaLoad;
   if (std::strcmp(e, "dqlate") == 0) return kVariantDqLate;
   if (std::strcmp(e, "pp") == 0) {
-    if (head_dim != 64)
+    if (head_dim != 64 && dq_atomic)
       throw Error("IOATTN_BWD_SM90_VARIANT",
                   "IOATTN_BWD_SM90_VARIANT=pp is the hdim-64 kernel's only, head_dim is " + std::to_string(head_dim));
     return kVariantPingPong;
@@ -675,7 +699,7 @@ template <typename T, int kD>
 CUtensorMap make_row_map(const void* ptr, const detail::Strides3& s, const BwdParams& p, const char* name) {
   std::string why;
   if (!sm90::tma_compatible(ptr, s, p.batch, p.seqlen_q, p.heads_q, name, &why))
-    throw Error(name, "IOATTN_BWD_SM90_VARIANT=tmald: " + why);
+    throw Error(name, "the wgmma backward's TMA-load variants (tmald, dqlate, pp): " + why);
   return sm90::make_tensor_map(ptr, std::is_same_v<T, __nv_bfloat16> ? DType::bf16 : DType::f16, kD, p.seqlen_q,
                                p.heads_q, p.batch, s, kBM, name);
 }
@@ -739,7 +763,8 @@ void print_trace(int64_t grid) {
 
 template <typename T, int kD>
 void launch_typed(const BwdParams& p, cudaStream_t stream) {
-  const int v = variant_bits(kD, p.seqlen_q, p.cu_seqlens_q != nullptr);  // also rejects a bad value
+  // (also rejects a bad value, in deterministic mode too)
+  const int v = variant_bits(kD, p.seqlen_q, p.cu_seqlens_q != nullptr, p.ws_dq != nullptr);
   if (p.ws_dq == nullptr) return launch_deterministic<T, kD>(p, stream);
   const int64_t grid = static_cast<int64_t>(p.num_n_blocks) * p.heads_kv * p.batch;
   const bool tma_load = v >= kVariantTmaLoad, tma_dq = tma_load || (v & 1) == 0;
@@ -822,7 +847,7 @@ BwdKernelInfo info_for() {
                       "S^T/dP^T), fp32 dQ by TMA reduce-add"
                     : "wgmma, keys as M, 2 warpgroups x 64 keys, 64-row steps, each warpgroup's dQ from its own keys, "
                       "dQ one step late (its output under the next S^T/dP^T), fp32 dQ by TMA reduce-add";
-  info.smem_bytes = Cfg<kD>::kSmemTma;
+  info.smem_bytes = Cfg<kD>::kSmemTmaLoad;  // the largest instance (the tmald / dqlate / pp stages' barriers)
   info.smem_bytes_det = Cfg<kD>::kSmemRed;
   info.dq_smem_bytes = row.dq_smem_bytes;
   info.dkdv_bf16 = reinterpret_cast<const void*>(&flash_bwd_sm90_kernel<__nv_bfloat16, kD, true, true>);

@@ -3,7 +3,9 @@
 // Each test is a tiny kernel checked against the CPU:
 //   mbarrier      init / arrive / try_wait.parity across two phase flips
 //   cp_async_mbarrier_arrive_noinc  cp.async arrivals (and a plain one) complete a phase whose
-//                 waiter, which issued no copy, then sees every copied value
+//                 waiter, which issued no copy, then sees every copied value; and mixed with
+//                 expect_tx + a bulk copy on 2 stages over 3 phases each, refills gated by an
+//                 empty barrier (the wgmma backward's pp protocol)
 //   tma_2d        a box copied without swizzle equals memcpy of the same rows
 //   tma_3d/4d     boxes with 128-byte swizzle, un-swizzled by the formula the wgmma tests assume,
 //                 including rows past the end (must read as zeros) and a [b,s,h,d] stride order
@@ -236,6 +238,87 @@ void test_cp_async_arrive() {
   std::snprintf(buf, sizeof buf, "%d of 65 values wrong after the phase", bad);
   report("cp_async_mbarrier_arrive_noinc", bad == 0, buf);
   CHECK_CUDA(cudaFree(src));
+  CHECK_CUDA(cudaFree(out));
+}
+
+// The wgmma backward's pp protocol in small: 2 stages refilled over 6 steps by warpgroup 1 (thread
+// 128: arrive.expect_tx + a 1 KiB bulk copy; threads 128..191: one float each by cp.async + noinc
+// arrival, the last 4 by st.shared + a plain arrival) onto full[stage] (count 1 + 64); warpgroup 0
+// waits on the phase, checks everything, and each of its warps arrives on empty[stage] (count 4),
+// which the loaders wait on before refilling. out[0] counts wrong values, out[1] steps seen.
+__global__ void k_cp_async_arrive_stages(const float* bulk, const float* small, int* out) {
+#if IOATTN_SM90A_ENABLED
+  constexpr int kSteps = 6;
+  __shared__ __align__(128) float s_bulk[2][256];
+  __shared__ float s_small[2][64];
+  __shared__ uint64_t full[2], empty[2];
+  const int tid = threadIdx.x;
+  if (tid == 0) {
+    for (int i = 0; i < 2; ++i) mbarrier_init(&full[i], 65), mbarrier_init(&empty[i], 4);
+    fence_mbarrier_init();
+  }
+  __syncthreads();
+  if (tid >= 128) {
+    if (tid >= 192) return;
+    const int r = tid - 128;
+    for (int step = 0; step < kSteps; ++step) {
+      const int st = step & 1;
+      if (step >= 2) mbarrier_wait_or_trap(&empty[st], ((step - 2) >> 1) & 1);
+      if (r == 0) {
+        mbarrier_arrive_expect_tx(&full[st], 1024);
+        bulk_load_1d(s_bulk[st], bulk + step * 256, 1024, &full[st]);
+      }
+      if (r < 60) {
+        asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(smem_u32(&s_small[st][r])),
+                     "l"(small + step * 64 + r)
+                     : "memory");
+        cp_async_mbarrier_arrive_noinc(&full[st]);
+      } else {
+        s_small[st][r] = -1.0f - static_cast<float>(step * 64 + r);
+        mbarrier_arrive(&full[st]);
+      }
+    }
+    asm volatile("cp.async.wait_all;\n" ::: "memory");
+    return;
+  }
+  int bad = 0;
+  for (int step = 0; step < kSteps; ++step) {
+    const int st = step & 1;
+    mbarrier_wait_or_trap(&full[st], (step >> 1) & 1);
+    bad += s_bulk[st][tid] != bulk[step * 256 + tid];
+    bad += s_bulk[st][tid + 128] != bulk[step * 256 + tid + 128];
+    const int r = tid & 63;
+    const float want = r < 60 ? small[step * 64 + r] : -1.0f - static_cast<float>(step * 64 + r);
+    bad += s_small[st][r] != want;
+    __syncwarp();
+    if ((tid & 31) == 0) mbarrier_arrive(&empty[st]);
+  }
+  atomicAdd(&out[0], bad);
+  if (tid == 0) atomicAdd(&out[1], kSteps);
+#endif
+}
+
+void test_cp_async_arrive_stages() {
+  std::vector<float> hb(6 * 256), hs(6 * 64);
+  for (size_t i = 0; i < hb.size(); ++i) hb[i] = 0.5f * static_cast<float>(i) + 3.0f;
+  for (size_t i = 0; i < hs.size(); ++i) hs[i] = 1000.0f + static_cast<float>(i);
+  float *bulk, *small;
+  int* out;
+  CHECK_CUDA(cudaMalloc(&bulk, hb.size() * sizeof(float)));
+  CHECK_CUDA(cudaMalloc(&small, hs.size() * sizeof(float)));
+  CHECK_CUDA(cudaMalloc(&out, 2 * sizeof(int)));
+  CHECK_CUDA(cudaMemcpy(bulk, hb.data(), hb.size() * sizeof(float), cudaMemcpyHostToDevice));
+  CHECK_CUDA(cudaMemcpy(small, hs.data(), hs.size() * sizeof(float), cudaMemcpyHostToDevice));
+  CHECK_CUDA(cudaMemset(out, 0, 2 * sizeof(int)));
+  k_cp_async_arrive_stages<<<1, 256>>>(bulk, small, out);
+  CHECK_CUDA(cudaGetLastError());
+  CHECK_CUDA(cudaDeviceSynchronize());
+  auto h = to_host(out, 2);
+  char buf[96];
+  std::snprintf(buf, sizeof buf, "%d wrong values, %d steps (want 0, 6)", h[0], h[1]);
+  report("cp_async_arrive + tma expect_tx, 2 stages x 3 phases", h[0] == 0 && h[1] == 6, buf);
+  CHECK_CUDA(cudaFree(bulk));
+  CHECK_CUDA(cudaFree(small));
   CHECK_CUDA(cudaFree(out));
 }
 
@@ -1436,6 +1519,7 @@ int main() {
   }
   test_mbarrier();
   test_cp_async_arrive();
+  test_cp_async_arrive_stages();
   test_bulk();
   test_tma();
   test_wgmma_ss<128, 128>("wgmma_ss m64n128 K=128");
