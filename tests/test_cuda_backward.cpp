@@ -520,20 +520,18 @@ TEST_P(CudaBackwardSm90DqLate, MatchesFloat64Reference) {
 INSTANTIATE_TEST_SUITE_P(Cases, CudaBackwardSm90DqLate, ::testing::ValuesIn(sm90_cases()),
                          [](const auto& info) { return info.param.name; });
 
-// Variant pp (hdim 64: no CTA barrier in the loop, the two warpgroups' wgmma issue alternating;
-// session 8, compiled, not yet run on a GPU when written): its own suite over the hdim-64 cases;
-// at hdim 128 the variant is refused with an error naming it.
-std::vector<Case> sm90_d64_cases() {
-  std::vector<Case> v;
-  for (const Case& c : sm90_cases())
-    if (c.head_dim == 64) v.push_back(c);
-  // Long enough (32 steps per key block, GQA: 64 for the first blocks) for the two warpgroups to
-  // drift apart and for both stages and the dS^T / dQ-piece buffers to turn over many times.
-  Case c = mk("d64_long_q2048_k2048_gqa2_causal_bf16", 2048, 2048, 64, DType::bf16);
-  c.heads_q = 2;
-  c.heads_kv = 1;
-  c.causal = true;
-  v.push_back(c);
+// Variant pp (no CTA barrier in the loop, the two warpgroups' wgmma issue alternating; at hdim 128
+// the dS^T halves ordered by mbarriers; session 8, compiled, not yet run on a GPU when written): its
+// own suite, with two long cases (many steps: the warpgroups drift apart, every buffer turns over).
+std::vector<Case> sm90_pp_cases() {
+  std::vector<Case> v = sm90_cases();
+  for (int64_t d : {64, 128}) {
+    Case c = mk("long_q2048_k2048_gqa2_causal_d" + std::to_string(d) + "_bf16", 2048, 2048, d, DType::bf16);
+    c.heads_q = 2;
+    c.heads_kv = 1;
+    c.causal = true;
+    v.push_back(c);
+  }
   return v;
 }
 
@@ -545,22 +543,8 @@ TEST_P(CudaBackwardSm90PingPong, MatchesFloat64Reference) {
   run_sm90_variant_case(GetParam(), "pp");
 }
 
-INSTANTIATE_TEST_SUITE_P(Cases, CudaBackwardSm90PingPong, ::testing::ValuesIn(sm90_d64_cases()),
+INSTANTIATE_TEST_SUITE_P(Cases, CudaBackwardSm90PingPong, ::testing::ValuesIn(sm90_pp_cases()),
                          [](const auto& info) { return info.param.name; });
-
-TEST(CudaBackwardSm90PingPongSelect, RefusedAtHdim128) {
-  SKIP_WITHOUT_GPU();
-  if (detail::cuda_device_arch(0) != 90) GTEST_SKIP() << "skipped: the wgmma backward needs sm_90";
-  BwdKernelEnv env("sm90");
-  ScopedEnv var("IOATTN_BWD_SM90_VARIANT", "pp");
-  BwdRun s(mk("pp_d128", 40, 50, 128), 4);
-  try {
-    s.backward_device(false);
-    ADD_FAILURE() << "IOATTN_BWD_SM90_VARIANT=pp accepted at hdim 128";
-  } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find("hdim-64"), std::string::npos) << e.what();
-  }
-}
 
 // Varlen on the wgmma backward (its kVarlen instance, the default since session 8;
 // IOATTN_BWD_SM90_VARLEN=0 switches it off): packed sequences with empty ones on either side,

@@ -22,7 +22,7 @@
 #   ncubwd (not in the default stages; ~1 min): Nsight Compute sections (speed of light, warp
 #      states, scheduler, pipes, memory) plus the stall reasons per issued instruction, each pipe's
 #      active cycles and the shared-memory wavefronts of the wgmma backward kernel at hdim 128, 4k, per
-#      IOATTN_BWD_SM90_VARIANT in GPU_CHECK_NCU_VARIANTS (default "tmald dqlate") -> ncu_bwd.log.
+#      IOATTN_BWD_SM90_VARIANT in GPU_CHECK_NCU_VARIANTS (default "tmald dqlate pp") -> ncu_bwd.log.
 #      The logs are packed into logs.tgz at the end: read them there (or grep them in the command).
 #   sm90local (not in the default stages; ~2 min): the forward's kLocal rows (windows, sinks,
 #      softcap, ALiBi, varlen; IOATTN_SM90_LOCAL=1) against the mma.sync kernel on the same shapes
@@ -214,16 +214,16 @@ if want backward; then
     # Variant dqlate (session 8, unverified when written): its own test gates its own A/B.
     bounded_test "bwd dqlate test" 300 "$BUILD/test_cuda_backward" '*CudaBackwardSm90DqLate*' "$OUT/bwd_dqlate.log" &&
       { bwd_ab dqlate 128 IOATTN_BWD_SM90_VARIANT=dqlate; bwd_ab d64_dqlate 64 IOATTN_BWD_SM90_VARIANT=dqlate; }
-    # Variant pp (hdim 64 only; session 8, unverified when written): the same.
-    bounded_test "bwd pp test" 200 "$BUILD/test_cuda_backward" '*CudaBackwardSm90PingPong*' "$OUT/bwd_pp.log" &&
-      bwd_ab d64_pp 64 IOATTN_BWD_SM90_VARIANT=pp
+    # Variant pp (session 8, unverified when written): the same.
+    bounded_test "bwd pp test" 300 "$BUILD/test_cuda_backward" '*CudaBackwardSm90PingPong*' "$OUT/bwd_pp.log" &&
+      { bwd_ab pp 128 IOATTN_BWD_SM90_VARIANT=pp; bwd_ab d64_pp 64 IOATTN_BWD_SM90_VARIANT=pp; }
   fi
 fi
 
 # ---- Nsight Compute sections of the backward's wgmma kernel (optional stage ncubwd) --------------
 if want ncubwd && command -v ncu >/dev/null; then
   t0=$(stamp)
-  for v in ${GPU_CHECK_NCU_VARIANTS:-tmald dqlate}; do
+  for v in ${GPU_CHECK_NCU_VARIANTS:-tmald dqlate pp}; do
     IOATTN_BWD_SM90_VARIANT=$v timeout 240 ncu --clock-control none -k regex:flash_bwd_sm90 -c 1 \
       --section SpeedOfLight --section WarpStateStats --section SchedulerStats --section ComputeWorkloadAnalysis \
       --section MemoryWorkloadAnalysis --section Occupancy \
@@ -278,8 +278,7 @@ if want bwdtrace; then
       ninja -C "$TBUILD" -j "$JOBS" ioattn_cuda_bench; } >"$OUT/bwdtrace.log" 2>&1
   for v in ${GPU_CHECK_TRACE_VARIANTS:-tmald dqlate pp}; do
     hd=128
-    [[ $v == pp ]] && hd=64  # (pp is the hdim-64 kernel's only; trace tmald at 64 with GPU_CHECK_TRACE_D64)
-    [[ ${GPU_CHECK_TRACE_D64:-0} == 1 ]] && hd=64
+    [[ ${GPU_CHECK_TRACE_D64:-0} == 1 ]] && hd=64  # the hdim-64 kernel instead
     for s in ${GPU_CHECK_TRACE_SEQLENS:-4096 16384}; do
       echo "## variant $v hdim $hd seqlen $s" >>"$OUT/bwdtrace.log"
       IOATTN_BWD_SM90_VARIANT=$v timeout 120 "$TBUILD/ioattn_cuda_bench" bwd --hdims $hd --seqlens "$s" >>"$OUT/bwdtrace.log" 2>&1

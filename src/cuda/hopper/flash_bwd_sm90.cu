@@ -85,7 +85,7 @@ struct Cfg {
   // kTmaDq: + 2 buffers x 2 warpgroups x [64 rows x 64 dims] fp32 dQ pieces (hdim 128: 226 KB in
   // all with the static LSE/D arrays, of the 227 KB an sm_90 CTA may have).
   static constexpr int kSmemTma = kSmemRed + 2 * 2 * kDqPiece;
-  static constexpr int kSmemTmaLoad = kSmemTma + 32;  // + the Q/dO stages' mbarriers (full, empty)
+  static constexpr int kSmemTmaLoad = kSmemTma + 64;  // + mbarriers: Q/dO stages (full, empty), dS^T (pp)
   static constexpr int smem(bool tma_dq) { return tma_dq ? kSmemTma : kSmemRed; }
 };
 
@@ -167,7 +167,7 @@ __device__ __forceinline__ void load_rows(uint32_t dst, const uint8_t* src, int6
 // its packed 16-bit copy (the A operand of dV) instead of the fp32 values — the same rounding the
 // dV product already sees — and dV is issued after dS^T (with dK), not under dP^T: the dQ
 // wgmmas, issued last, keep the tensor cores busy meanwhile.
-// kPingPong (variant "pp", hdim 64, with kTmaLoad; session 8, compiled, not yet run on a GPU): no
+// kPingPong (variant "pp", with kTmaLoad; session 8, compiled, not yet run on a GPU): no
 // CTA barrier in the loop, so the two warpgroups stop walking the step in lockstep. At hdim 64 a
 // step's wgmmas are ~1,280 cycles of a ~3,700-cycle step (342 TFLOP/s): the rest is the chain
 // S^T -> P^T -> dV, dP^T -> dS^T -> dK that both warpgroups wait through at the same time. Here
@@ -179,6 +179,12 @@ __device__ __forceinline__ void load_rows(uint32_t dst, const uint8_t* src, int6
 // warpgroup's dS^T rows, so a warpgroup barrier (3 + wg) publishes them and hands the dQ piece
 // buffer over. Warpgroup 1, the one behind, issues the loads (it never waits for the other to
 // free a stage).
+// At hdim 128 the dQ of a step reads both warpgroups' dS^T halves, so pp there also orders the dS^T
+// double buffer with mbarriers: ds_full[b] (every thread of both warpgroups arrives after storing
+// and fencing its dS^T rows) before the dQ wgmmas read buffer b, ds_empty[b] (one arrival per warp
+// once its dQ wgmmas that read b retired) before b is stored again; and the lagged dQ wgmmas go out
+// with dV and dK, after dS^T (dQ first: its output then runs under them), so the wait for the other
+// warpgroup's half comes half a step after that half was written.
 template <typename T, int kD, bool kTmaDq, bool kLag, bool kDq = true, bool kTmaLoad = false, bool kVarlen = false,
           bool kDqLate = false, bool kPingPong = false>
 __global__ void __launch_bounds__(kThreads, 1) flash_bwd_sm90_kernel(const BwdParams p,
@@ -192,7 +198,8 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_sm90_kernel(const BwdPa
   static_assert(!kTmaLoad || (kTmaDq && kLag), "TMA loads: the lag + TMA dQ variant only");
   static_assert(!kVarlen || (kTmaDq && kLag && kDq && !kTmaLoad), "varlen: the lag + TMA dQ instance only");
   static_assert(!kDqLate || kTmaLoad, "dQ late: the tmald variant only");
-  static_assert(!kPingPong || (kTmaLoad && kD == 64 && !kDqLate), "ping-pong: the hdim-64 tmald variant only");
+  static_assert(!kPingPong || (kTmaLoad && !kDqLate), "ping-pong: a tmald variant");
+  constexpr bool kDqWithDkv = kPingPong && kD == 128;  // the dQ wgmmas issued with dV / dK
   constexpr int kTileQ = Cfg<kD>::kTileQ, kTileK = Cfg<kD>::kTileK;
   extern __shared__ uint8_t raw[];
   uint8_t* base = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(raw) + 1023) & ~uintptr_t{1023});
@@ -206,6 +213,8 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_sm90_kernel(const BwdPa
   // (Cfg::kSmemTmaLoad adds 32 bytes).
   [[maybe_unused]] uint64_t* full_qdo = reinterpret_cast<uint64_t*>(sdq + 4 * kDqPiece);
   [[maybe_unused]] uint64_t* empty_qdo = full_qdo + 2;  // kPingPong
+  [[maybe_unused]] uint64_t* ds_full = full_qdo + 4;    // kPingPong at hdim 128
+  [[maybe_unused]] uint64_t* ds_empty = full_qdo + 6;
   __shared__ __align__(16) float s_lse[2][kBM];
   __shared__ __align__(16) float s_d[2][kBM];
 
@@ -276,7 +285,8 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_sm90_kernel(const BwdPa
       load_rows<kBM, kD>(smem_u32(sq + st * kTileQ), qp, p.q_seq * es, sq_len - m0);
       load_rows<kBM, kD>(smem_u32(sdo + st * kTileQ), dp, p.do_seq * es, sq_len - m0);
     }
-    if (tid >= kLoader && tid < kLoader + kBM) {  // in the same cp.async group as the tiles
+    // (written so that the other variants compile to exactly the instructions measured before)
+    if (kPingPong ? (tid >= kLoader && tid < kLoader + kBM) : tid < kBM) {  // same cp.async group as the tiles
       const int r = tid - kLoader, i = m0 + r;
       const int64_t wrow = static_cast<int64_t>(h) * p.rows_q +
                            (kVarlen ? static_cast<int64_t>(q_start) : static_cast<int64_t>(b) * sq_len) + i;
@@ -302,6 +312,8 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_sm90_kernel(const BwdPa
       mbarrier_init(&full_qdo[0], kPingPong ? 1 + kBM : 1);
       mbarrier_init(&full_qdo[1], kPingPong ? 1 + kBM : 1);
       if (kPingPong) mbarrier_init(&empty_qdo[0], kThreads / 32), mbarrier_init(&empty_qdo[1], kThreads / 32);
+      if (kDqWithDkv) mbarrier_init(&ds_full[0], kThreads), mbarrier_init(&ds_full[1], kThreads);
+      if (kDqWithDkv) mbarrier_init(&ds_empty[0], kThreads / 32), mbarrier_init(&ds_empty[1], kThreads / 32);
       fence_mbarrier_init();
     }
     __syncthreads();  // the barriers initialised before anyone waits on them
@@ -434,7 +446,7 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_sm90_kernel(const BwdPa
     // never read, and the read completes before step 1 writes that buffer), then S^T and dP^T;
     // the dQ output below runs while those are on the tensor cores.
     float dq[kBM / 2];
-    if constexpr (kLag && !kDqLate) {
+    if constexpr (kLag && !kDqLate && !kDqWithDkv) {
       gemm_dq(dq, st ^ 1);
       wgmma_commit();
     }
@@ -458,11 +470,11 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_sm90_kernel(const BwdPa
       ptx::cp_async_commit();
     }
     BWD_TRACE(step, 1);
-    if constexpr (kDqLate) {  // (the trace's "wait dQ" / "put_dq" are 0 here: both fall in "wait all")
-      BWD_TRACE(step, 2);
+    if constexpr (kDqLate || kDqWithDkv) {  // (the trace's "wait dQ" / "put_dq" are 0 here: both fall
+      BWD_TRACE(step, 2);                  // in "wait all")
       BWD_TRACE(step, 3);
     }
-    if constexpr (kLag && !kDqLate) {
+    if constexpr (kLag && !kDqLate && !kDqWithDkv) {
       wgmma_wait<2>();  // the dQ wgmmas (S^T and dP^T may still run)
 #pragma unroll
       for (int i = 0; i < kBM / 2; ++i) reg_fence(dq[i]);
@@ -499,9 +511,9 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_sm90_kernel(const BwdPa
         s[e] = ptx::exp2_approx(s[e] * p.scale_log2 - pick(lse2, e));
         if (kMask && !bwd_detail::visible(m0 + r, n0 + kl, sq_len, sk_len, off, p.window_left, p.window_right))
           s[e] = 0.f;
-        if (kDqLate && (e % 2) == 1) pa[e / 2] = ptx::pack2<T>(s[e - 1], s[e]);  // s dies as it goes
+        if ((kDqLate || kDqWithDkv) && (e % 2) == 1) pa[e / 2] = ptx::pack2<T>(s[e - 1], s[e]);  // s dies
       }
-      if constexpr (!kDqLate) {
+      if constexpr (!kDqLate && !kDqWithDkv) {
 #pragma unroll
         for (int j = 0; j < kBM / 4; ++j) pa[j] = ptx::pack2<T>(s[2 * j], s[2 * j + 1]);
       }
@@ -511,7 +523,7 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_sm90_kernel(const BwdPa
       for (int j = 0; j < kBM / 4; ++j) {
         const int e = 2 * j;
         float p0 = s[e], p1 = s[e + 1];
-        if constexpr (kDqLate) unpack2<T>(pa[j], p0, p1);  // P^T as dV saw it (s is dead: registers)
+        if constexpr (kDqLate || kDqWithDkv) unpack2<T>(pa[j], p0, p1);  // P^T as dV sees it (s is dead)
         da[j] = ptx::pack2<T>(p0 * (dp[e] - pick(d2, e)), p1 * (dp[e + 1] - pick(d2, e + 1)));
         // dS^T as the MN-major A of dQ = dS K: (key, row) at row `key`, 16-bit column `row`; the
         // pair (rows r, r + 1; r even) is one aligned 32-bit word of the swizzled row.
@@ -540,14 +552,19 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_sm90_kernel(const BwdPa
       p_part(std::true_type{});
     else
       p_part(std::false_type{});
-    if constexpr (!kDqLate) {  // dV under dP^T
+    if constexpr (!kDqLate && !kDqWithDkv) {  // dV under dP^T
       wgmma_fence();
       gemm_dkv(dv, pa, do_sm);
       wgmma_commit();
     }
     BWD_TRACE(step, 5);
     load_rows2(d2, s_d[st]);
-    wgmma_wait<1>();  // dP^T (dV, kDqLate: dQ, may still run)
+    wgmma_wait<kDqWithDkv ? 0 : 1>();  // dP^T (dV, kDqLate: dQ, may still run)
+    // kDqWithDkv: dS^T buffer st is stored below; its last readers were both warpgroups' dQ
+    // wgmmas of the previous step (step 0: nothing; step 1: step 0's throw-away product).
+    if constexpr (kDqWithDkv) {
+      if (step >= 1) mbarrier_wait_or_trap(&ds_empty[st], ((step - 1) >> 1) & 1);
+    }
 #pragma unroll
     for (int i = 0; i < kBM / 2; ++i) reg_fence(dp[i]);
     BWD_TRACE(step, 6);
@@ -555,17 +572,31 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_sm90_kernel(const BwdPa
     wgmma_fence();
     // kDqLate: dV only now, after dS^T has read the packed P^T (an A operand may not be read while
     // its wgmma runs); the dQ wgmmas, still on the tensor cores, cover dS^T.
-    if constexpr (kDqLate) {
+    if constexpr (kDqWithDkv) {
+      // This thread's dS^T rows to the async proxy, then counted on ds_full[st]; the previous
+      // step's two halves (buffer st ^ 1) complete before its dQ wgmmas (step 0: the throw-away
+      // product of buffer 1, no wait).
+      fence_proxy_async();
+      mbarrier_arrive(&ds_full[st]);
+      if (step >= 1) mbarrier_wait_or_trap(&ds_full[st ^ 1], ((step - 1) >> 1) & 1);
+      gemm_dq(dq, st ^ 1);  // (its own wgmma_fence)
+      wgmma_commit();
+    }
+    if constexpr (kDqLate || kDqWithDkv) {
       gemm_dkv(dv, pa, do_sm);
       wgmma_commit();
     }
     gemm_dkv(dk, da, q_sm);
     wgmma_commit();
     BWD_TRACE(step, 7);
-    if constexpr (kDqLate) {
+    if constexpr (kDqLate || kDqWithDkv) {
       wgmma_wait<2>();  // the dQ wgmmas (dV and dK may still run): its output under them
 #pragma unroll
       for (int i = 0; i < kBM / 2; ++i) reg_fence(dq[i]);
+      if constexpr (kDqWithDkv) {  // this warp's reads of dS^T buffer st ^ 1 are done
+        __syncwarp();
+        if (lane == 0) mbarrier_arrive(&ds_empty[st ^ 1]);
+      }
       if (step > 0) put_dq(dq, prev_h, prev_m0, st ^ 1);
       prev_h = h, prev_m0 = m0;
     }
@@ -602,10 +633,12 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_sm90_kernel(const BwdPa
   if constexpr (kDq && kLag) {  // the last step's dQ
     if (steps > 0) {
       if (kTmaDq && wtid == 0) bulk_wait_group_read<1>();
-      if constexpr (kPingPong)
-        named_barrier_sync(3 + wg, 128);  // hdim 64: this warpgroup's own dS^T rows
-      else
+      if constexpr (kPingPong) {
+        named_barrier_sync(3 + wg, 128);  // the piece buffer; hdim 64: this warpgroup's own dS^T rows
+        if constexpr (kDqWithDkv) mbarrier_wait_or_trap(&ds_full[(steps - 1) & 1], ((steps - 1) >> 1) & 1);
+      } else {
         __syncthreads();
+      }
       float dq[kBM / 2];
       gemm_dq(dq, (steps - 1) & 1);
       wgmma_commit();
@@ -641,14 +674,12 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_sm90_kernel(const BwdPa
 // IOATTN_BWD_SM90_VARIANT: lag (dQ one step late, by TMA reduce-add) | tmald (lag with Q / dO
 // loaded by TMA: kTmaLoad) | redlag (one step late, by red.global) | split (in its own step, by TMA
 // reduce-add) | red (in its own step, by red.global: session 5's kernel) | dqlate (tmald with the dQ
-// wgmmas after S^T / dP^T: kDqLate) | pp (hdim 64: tmald without CTA barriers in the loop, the
-// warpgroups alternating: kPingPong). Bits: 1 red, 2 lag; tmald is 4, dqlate 5, pp 6. Unset: tmald at hdim 64 and from 2048 query rows at hdim 128, lag below that and for varlen
-// (session 8, H200: tmald +8-15% at hdim 64, +3-10% at hdim 128 from 4k; at 1k causal hdim 128 it
+// wgmmas after S^T / dP^T: kDqLate) | pp (tmald without CTA barriers in the loop, the warpgroups'
+// wgmma issue alternating: kPingPong). Bits: 1 red, 2 lag; tmald is 4, dqlate 5, pp 6. Unset:
+// tmald at hdim 64 and from 2048 query rows at hdim 128, lag below that and for varlen (session 8, H200: tmald +8-15% at hdim 64, +3-10% at hdim 128 from 4k; at 1k causal hdim 128 it
 // lost 15%).
 constexpr int kVariantTmaLoad = 4, kVariantDqLate = 5, kVariantPingPong = 6;
-// dq_atomic false (deterministic mode: the dK/dV-only instance, no variant runs): only the value's
-// spelling is checked.
-int variant_bits(int head_dim, int64_t seqlen_q, bool varlen, bool dq_atomic = true) {
+int variant_bits(int head_dim, int64_t seqlen_q, bool varlen) {
   const char* e = std::getenv("IOATTN_BWD_SM90_VARIANT");
   if (e == nullptr || *e == '\0')
     return !varlen && (head_dim == 64 || seqlen_q >= 2048) ? kVariantTmaLoad : 2;
@@ -658,12 +689,7 @@ int variant_bits(int head_dim, int64_t seqlen_q, bool varlen, bool dq_atomic = t
   if (std::strcmp(e, "redlag") == 0) return 3;
   if (std::strcmp(e, "tmald") == 0) return kVariantTmaLoad;
   if (std::strcmp(e, "dqlate") == 0) return kVariantDqLate;
-  if (std::strcmp(e, "pp") == 0) {
-    if (head_dim != 64 && dq_atomic)
-      throw Error("IOATTN_BWD_SM90_VARIANT",
-                  "IOATTN_BWD_SM90_VARIANT=pp is the hdim-64 kernel's only, head_dim is " + std::to_string(head_dim));
-    return kVariantPingPong;
-  }
+  if (std::strcmp(e, "pp") == 0) return kVariantPingPong;
   throw Error("IOATTN_BWD_SM90_VARIANT",
               std::string("IOATTN_BWD_SM90_VARIANT must be split, red, lag, redlag, tmald, dqlate or pp, got '") + e + "'");
 }
@@ -764,7 +790,7 @@ void print_trace(int64_t grid) {
 template <typename T, int kD>
 void launch_typed(const BwdParams& p, cudaStream_t stream) {
   // (also rejects a bad value, in deterministic mode too)
-  const int v = variant_bits(kD, p.seqlen_q, p.cu_seqlens_q != nullptr, p.ws_dq != nullptr);
+  const int v = variant_bits(kD, p.seqlen_q, p.cu_seqlens_q != nullptr);
   if (p.ws_dq == nullptr) return launch_deterministic<T, kD>(p, stream);
   const int64_t grid = static_cast<int64_t>(p.num_n_blocks) * p.heads_kv * p.batch;
   const bool tma_load = v >= kVariantTmaLoad, tma_dq = tma_load || (v & 1) == 0;
@@ -781,15 +807,13 @@ void launch_typed(const BwdParams& p, cudaStream_t stream) {
     return;
   }
   using Kernel = void (*)(const BwdParams, const CUtensorMap, const CUtensorMap, const CUtensorMap);
-  Kernel pp = nullptr;  // variant_bits refuses pp at other head dims
-  if constexpr (kD == 64) pp = &flash_bwd_sm90_kernel<T, kD, true, true, true, true, false, false, true>;
   const Kernel kernels[7] = {&flash_bwd_sm90_kernel<T, kD, true, false>,
                              &flash_bwd_sm90_kernel<T, kD, false, false>,
                              &flash_bwd_sm90_kernel<T, kD, true, true>,
                              &flash_bwd_sm90_kernel<T, kD, false, true>,
                              &flash_bwd_sm90_kernel<T, kD, true, true, true, true>,
                              &flash_bwd_sm90_kernel<T, kD, true, true, true, true, false, true>,
-                             pp};
+                             &flash_bwd_sm90_kernel<T, kD, true, true, true, true, false, false, true>};
   auto* kernel = kernels[v];
   const int smem = tma_load ? Cfg<kD>::kSmemTmaLoad : Cfg<kD>::smem(tma_dq);
   const CUtensorMap map = tma_dq ? make_dq_map<kD>(p) : CUtensorMap{};
