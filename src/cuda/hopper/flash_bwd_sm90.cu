@@ -73,7 +73,7 @@ constexpr int kTileDs = kBN * kBM * 2;  // 16 KB: dS^T [128 keys x 64 rows]
 // Head dim kD (128 or 64).
 // Tiles are column blocks of 64 dims (128-byte swizzled rows): two at hdim 128, one at 64.
 //   hdim 128: dQ[:, 64wg..] = dS K[:, 64wg..] over all 128 keys (needs both warpgroups' dS^T:
-//             a CTA barrier), one reduction per element;
+//             a CTA barrier, or variant pp's ds_full / ds_empty mbarriers), one reduction per element;
 //   hdim 64:  dQ_wg = dS[:, keys of wg] K[keys of wg, :] (own dS^T only: a warpgroup barrier),
 //             both warpgroups reduce into every element.
 constexpr int kDqPiece = kBM * 64 * 4;  // 16 KB: one warpgroup's dQ piece, two SW128 boxes of 32 dims
@@ -82,8 +82,9 @@ struct Cfg {
   static constexpr int kTileQ = kBM * kD * 2;  // Q or dO block
   static constexpr int kTileK = kBN * kD * 2;  // K or V
   static constexpr int kSmemRed = 2 * kTileK + 4 * kTileQ + 2 * kTileDs + 1024;
-  // kTmaDq: + 2 buffers x 2 warpgroups x [64 rows x 64 dims] fp32 dQ pieces (hdim 128: 226 KB in
-  // all with the static LSE/D arrays, of the 227 KB an sm_90 CTA may have).
+  // kTmaDq: + 2 buffers x 2 warpgroups x [64 rows x 64 dims] fp32 dQ pieces (hdim 128, with the
+  // TMA-load variants' 64 bytes of mbarriers and the static LSE/D arrays: 231,488 bytes of the
+  // 232,448 an sm_90 CTA may have; 960 left).
   static constexpr int kSmemTma = kSmemRed + 2 * 2 * kDqPiece;
   static constexpr int kSmemTmaLoad = kSmemTma + 64;  // + mbarriers: Q/dO stages (full, empty), dS^T (pp)
   static constexpr int smem(bool tma_dq) { return tma_dq ? kSmemTma : kSmemRed; }
@@ -209,8 +210,8 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_sm90_kernel(const BwdPa
   uint8_t* sdo = sq + 2 * kTileQ;  // [2 stages]
   uint8_t* sds = sdo + 2 * kTileQ; // [2 parities]
   uint8_t* sdq = sds + 2 * kTileDs; // kTmaDq: [2 parities][2 warpgroups] dQ pieces
-  // kTmaLoad: the two Q/dO stages' mbarriers (full; kPingPong: and empty), after the dQ pieces
-  // (Cfg::kSmemTmaLoad adds 32 bytes).
+  // kTmaLoad: the two Q/dO stages' mbarriers (full; kPingPong: and empty, and at hdim 128 the dS^T
+  // buffers' ds_full / ds_empty), after the dQ pieces (Cfg::kSmemTmaLoad adds 64 bytes).
   [[maybe_unused]] uint64_t* full_qdo = reinterpret_cast<uint64_t*>(sdq + 4 * kDqPiece);
   [[maybe_unused]] uint64_t* empty_qdo = full_qdo + 2;  // kPingPong
   [[maybe_unused]] uint64_t* ds_full = full_qdo + 4;    // kPingPong at hdim 128
@@ -403,8 +404,9 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_sm90_kernel(const BwdPa
       if (wtid == 0) bulk_wait_group_read<1>();  // this step's dQ piece buffer (see below)
       mbarrier_wait_or_trap(&full_qdo[step & 1], (step >> 1) & 1);  // Q, dO, LSE, D of this step
       BWD_TRACE(step, 9);
-      // This warpgroup's dS^T rows of step - 1 (stored and fenced there) published for its dQ
-      // wgmmas; the piece buffer handed over. Then the issue order: warpgroup 0 first.
+      // The piece buffer handed over; hdim 64: this warpgroup's dS^T rows of step - 1 (stored and
+      // fenced there) published for its dQ wgmmas (hdim 128: ds_full). Then the issue order:
+      // warpgroup 0 first.
       named_barrier_sync(3 + wg, 128);
       // Warpgroup 1 loads step + 1 here, before waiting for its turn (warpgroup 0, ahead, is done
       // with step - 1 by now, so the empty wait inside rarely waits), a whole step ahead of
@@ -518,6 +520,14 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_sm90_kernel(const BwdPa
         for (int j = 0; j < kBM / 4; ++j) pa[j] = ptx::pack2<T>(s[2 * j], s[2 * j + 1]);
       }
     };
+    // dS^T as the MN-major A of dQ = dS K: (key, row) at row `key`, 16-bit column `row`; the pair
+    // (rows r, r + 1; r even) of da[j] (`word`) is one aligned 32-bit word of the swizzled row.
+    auto store_ds = [&](int j, uint32_t word) {
+      const int e = 2 * j, r = 8 * (e / 4) + 2 * t, kl = key_l + ((e % 4) >= 2 ? 8 : 0);
+      const uint32_t addr =
+          ds_s + static_cast<uint32_t>(kl * 128 + ((((r * 2) >> 4) ^ (kl & 7)) << 4) + ((r * 2) & 15));
+      asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(addr), "r"(word) : "memory");
+    };
     auto ds_part = [&]() {
 #pragma unroll
       for (int j = 0; j < kBM / 4; ++j) {
@@ -525,14 +535,15 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_sm90_kernel(const BwdPa
         float p0 = s[e], p1 = s[e + 1];
         if constexpr (kDqLate || kDqWithDkv) unpack2<T>(pa[j], p0, p1);  // P^T as dV sees it (s is dead)
         da[j] = ptx::pack2<T>(p0 * (dp[e] - pick(d2, e)), p1 * (dp[e + 1] - pick(d2, e + 1)));
-        // dS^T as the MN-major A of dQ = dS K: (key, row) at row `key`, 16-bit column `row`; the
-        // pair (rows r, r + 1; r even) is one aligned 32-bit word of the swizzled row.
-        if constexpr (kDq) {
-          const int r = 8 * (e / 4) + 2 * t, kl = key_l + ((e % 4) >= 2 ? 8 : 0);
-          const uint32_t addr =
-              ds_s + static_cast<uint32_t>(kl * 128 + ((((r * 2) >> 4) ^ (kl & 7)) << 4) + ((r * 2) & 15));
-          asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(addr), "r"(da[j]) : "memory");
-        }
+        if constexpr (kDq && !kDqWithDkv) store_ds(j, da[j]);
+      }
+      // kDqWithDkv: buffer st is stored only now, after the arithmetic: its last readers were both
+      // warpgroups' dQ wgmmas of the previous step (step 0: nothing; step 1: step 0's throw-away
+      // product), and the other warpgroup's may still be running.
+      if constexpr (kDqWithDkv) {
+        if (step >= 1) mbarrier_wait_or_trap(&ds_empty[st], ((step - 1) >> 1) & 1);
+#pragma unroll
+        for (int j = 0; j < kBM / 4; ++j) store_ds(j, da[j]);
       }
     };
     // dV += P^T dO, dK += dS^T Q (k-steps of 16 query rows; B MN-major).
@@ -559,12 +570,7 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_sm90_kernel(const BwdPa
     }
     BWD_TRACE(step, 5);
     load_rows2(d2, s_d[st]);
-    wgmma_wait<kDqWithDkv ? 0 : 1>();  // dP^T (dV, kDqLate: dQ, may still run)
-    // kDqWithDkv: dS^T buffer st is stored below; its last readers were both warpgroups' dQ
-    // wgmmas of the previous step (step 0: nothing; step 1: step 0's throw-away product).
-    if constexpr (kDqWithDkv) {
-      if (step >= 1) mbarrier_wait_or_trap(&ds_empty[st], ((step - 1) >> 1) & 1);
-    }
+    wgmma_wait<kDqWithDkv ? 0 : 1>();  // dP^T (dV — kDqLate: dQ — may still run; kDqWithDkv: nothing)
 #pragma unroll
     for (int i = 0; i < kBM / 2; ++i) reg_fence(dp[i]);
     BWD_TRACE(step, 6);
@@ -601,7 +607,8 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_sm90_kernel(const BwdPa
       prev_h = h, prev_m0 = m0;
     }
     if constexpr (!kDq || kLag) {
-      if (kDq) fence_proxy_async();  // dS^T for the next step's dQ wgmmas (after its first barrier)
+      // dS^T for the next step's dQ wgmmas (after its first barrier; kDqWithDkv fenced before ds_full)
+      if (kDq && !kDqWithDkv) fence_proxy_async();
       wgmma_wait<0>();  // dV, dK: nothing stays in flight across iterations
 #pragma unroll
       for (int i = 0; i < kD / 2; ++i) reg_fence(dv[i]), reg_fence(dk[i]);
