@@ -13,6 +13,8 @@
 // warpgroup stores 16 bytes per thread to shared memory (another 64 KB region) as fast as it can
 // while the wgmmas run, as the backward's dS^T / dQ-piece stores do; its bytes per cycle are
 // reported too.
+// Also the backward's and the forward's hdim-128 steps as wgmmas only (bwd_step_kernel,
+// fwd_step_kernel; the latter also beside a warpgroup storing its K / V volume).
 // Output: one JSON line per configuration. Without a CUDA device: "skipped: no CUDA device".
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -195,6 +197,91 @@ void run_bwd_step(int sms, long long* d_cycles, float* d_sink) {
               "\"efficiency\": %.3f}\n", mean / 128, 2560.0 / (mean / 128));
 }
 
+// The forward's key block at hdim 128 (the causal rows' 128 x 128 tile) as wgmmas only, 2
+// warpgroups: per round and warpgroup, S = Q K^T (8 x ss m64n128, K-major) and O += P V (8 x rs
+// m64n128, B MN-major), one commit group each, at most two in flight. Ideal: 2 x 16 x 64 = 2,048
+// cycles per round. kStores: a third warpgroup stores the block's K and V volume (64 KB: 32 x 16
+// bytes per thread) to shared memory each round, standing in for the TMA writes, and all three
+// meet at a named barrier per round (the stores then cannot drift ahead or behind).
+template <bool kStores>
+__global__ void __launch_bounds__(kStores ? 384 : 256, 1) fwd_step_kernel(long long* cycles, float* sink) {
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  extern __shared__ __align__(1024) uint8_t smem[];
+  const int tid = threadIdx.x, wg = tid / 128;
+  for (int i = tid; i < 96 * 1024 / 16; i += blockDim.x) reinterpret_cast<uint4*>(smem)[i] = make_uint4(0, 0, 0, 0);
+  fence_proxy_async();
+  __syncthreads();
+  const uint32_t base = smem_u32(smem);
+  constexpr int kRounds = 256, kThreadsAll = kStores ? 384 : 256;
+  const long long t0 = clock64();
+  if (wg == 2) {  // the store warpgroup (kStores only)
+    const uint32_t region = base + 98304;
+    for (int r = 0; r < kRounds; ++r) {
+#pragma unroll 4
+      for (int i = 0; i < 32; ++i) {
+        const uint32_t addr = region + (((r * 32 + i) * 2048u + (tid & 127) * 16u) & 65535u);
+        asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};\n" ::"r"(addr), "r"(r) : "memory");
+      }
+      named_barrier_sync(1, kThreadsAll);
+    }
+  } else {
+    const uint32_t q_base = base + wg * 16384, k_base = base + 65536;
+    float s[64];  // S and O share one accumulator (registers: 3 warpgroups allow 168 per thread)
+#pragma unroll
+    for (int i = 0; i < 64; ++i) s[i] = 0.f;
+    const uint32_t a_reg[4] = {0u, 0u, 0u, 0u};
+    for (int r = 0; r < kRounds; ++r) {
+      wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < 8; ++kk)
+        Wgmma<128, __nv_bfloat16>::template ss<0>(s, make_desc_sw128(q_base + (kk & 3) * 32, 16, 1024),
+                                                  make_desc_sw128(k_base + (kk & 3) * 32, 16, 1024), kk > 0);
+      wgmma_commit();
+#pragma unroll
+      for (int kk = 0; kk < 8; ++kk)
+        Wgmma<128, __nv_bfloat16>::template rs<1>(s, a_reg, make_desc_sw128(k_base + kk * 2048, 64 * 128, 1024), 1);
+      wgmma_commit();
+      wgmma_wait<1>();
+      if (kStores) named_barrier_sync(1, kThreadsAll);
+    }
+    wgmma_wait<0>();
+#pragma unroll
+    for (int i = 0; i < 64; ++i) reg_fence(s[i]);
+    float acc = 0.f;
+#pragma unroll
+    for (int i = 0; i < 64; ++i) acc += s[i];
+    if (acc != 0.f) sink[blockIdx.x * blockDim.x + tid] = acc;
+  }
+  const long long t1 = clock64();
+  __shared__ long long s_end[3];
+  if ((tid & 127) == 0) s_end[wg] = t1;
+  __syncthreads();
+  if (tid == 0) {
+    long long e = s_end[0] > s_end[1] ? s_end[0] : s_end[1];
+    if (kStores && s_end[2] > e) e = s_end[2];
+    cycles[blockIdx.x] = e - t0;
+  }
+#endif
+}
+
+template <bool kStores>
+void run_fwd_step(int sms, long long* d_cycles, float* d_sink) {
+  auto* k = &fwd_step_kernel<kStores>;
+  CHECK_CUDA(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
+  for (int rep = 0; rep < 2; ++rep) k<<<sms, kStores ? 384 : 256, kSmem>>>(d_cycles, d_sink);
+  CHECK_CUDA(cudaGetLastError());
+  CHECK_CUDA(cudaDeviceSynchronize());
+  std::vector<long long> c(sms);
+  CHECK_CUDA(cudaMemcpy(c.data(), d_cycles, sms * sizeof(long long), cudaMemcpyDeviceToHost));
+  double mean = 0;
+  for (long long v : c) mean += static_cast<double>(v);
+  mean /= sms;
+  const double per = mean / 256;
+  std::printf("{\"config\": \"fwd step hdim128 128x128 (wgmmas only)%s\", \"cycles_per_step\": %.0f, \"ideal\": 2048, "
+              "\"efficiency\": %.3f, \"store_bytes_per_cycle\": %.1f}\n",
+              kStores ? " + K/V volume stored" : "", per, 2048.0 / per, kStores ? 65536.0 / per : 0.0);
+}
+
 template <int N, int kMode, int kWGs, bool kTraffic = false>
 void run(const char* name, int sms, long long* d_cycles, float* d_sink) {
   auto* k = &rate_kernel<N, kMode, kWGs, kTraffic>;
@@ -252,6 +339,8 @@ int main() {
   run<128, 0, 2, true>("ss kmajor", sms, d_cycles, d_sink);
   run<128, 2, 2, true>("rs b mn-major", sms, d_cycles, d_sink);
   run_bwd_step(sms, d_cycles, d_sink);
+  run_fwd_step<false>(sms, d_cycles, d_sink);
+  run_fwd_step<true>(sms, d_cycles, d_sink);
   CHECK_CUDA(cudaFree(d_cycles));
   CHECK_CUDA(cudaFree(d_sink));
   return 0;
