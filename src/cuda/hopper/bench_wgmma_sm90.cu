@@ -39,6 +39,15 @@ using namespace ioattn::cuda::sm90;
 constexpr int kSmem = 200 * 1024;
 constexpr int kRounds = 512;
 
+// Every kernel's start: the first 96 KB of shared memory zeroed (the operand tiles) and visible to
+// the async proxy before any wgmma reads them; returns the shared-memory address of smem.
+__device__ __forceinline__ uint32_t zeroed_tiles(uint8_t* smem) {
+  for (int i = threadIdx.x; i < 96 * 1024 / 16; i += blockDim.x) reinterpret_cast<uint4*>(smem)[i] = make_uint4(0, 0, 0, 0);
+  fence_proxy_async();
+  __syncthreads();
+  return smem_u32(smem);
+}
+
 // kMode 0: ss, A and B K-major (S^T = K Q^T); 1: ss, A MN-major (transposed), B MN-major (dQ = dS K
 // from dS^T); 2: rs, B MN-major (dV += P^T dO).
 template <int N, int kMode, int kWGs, bool kTraffic>
@@ -49,10 +58,7 @@ __global__ void __launch_bounds__((kWGs + kTraffic) * 128, 1) rate_kernel(long l
   __shared__ long long s_end[4];
   const int tid = threadIdx.x, wg = tid / 128;
   if (tid == 0) s_done = 0;
-  for (int i = tid; i < 96 * 1024 / 16; i += blockDim.x) reinterpret_cast<uint4*>(smem)[i] = make_uint4(0, 0, 0, 0);
-  fence_proxy_async();
-  __syncthreads();
-  const uint32_t base = smem_u32(smem);
+  const uint32_t base = zeroed_tiles(smem);
   const uint32_t a_base = base + wg * 16384;  // A: per warpgroup, 64 rows x 64 dims (8 KB) + room
   const uint32_t b_base = base + 65536;       // B: shared, up to 256 rows x 64 dims (32 KB)
   float acc[N / 2];
@@ -122,10 +128,7 @@ __global__ void __launch_bounds__(256, 1) bwd_step_kernel(long long* cycles, flo
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   extern __shared__ __align__(1024) uint8_t smem[];
   const int tid = threadIdx.x, wg = tid / 128;
-  for (int i = tid; i < 96 * 1024 / 16; i += blockDim.x) reinterpret_cast<uint4*>(smem)[i] = make_uint4(0, 0, 0, 0);
-  fence_proxy_async();
-  __syncthreads();
-  const uint32_t base = smem_u32(smem);
+  const uint32_t base = zeroed_tiles(smem);
   const uint32_t a_base = base + wg * 16384, b_base = base + 65536;
   float dq[32], s[32], dp[32], dv[64];  // dK's wgmmas accumulate into dv too (registers)
 #pragma unroll
@@ -183,16 +186,28 @@ __global__ void __launch_bounds__(256, 1) bwd_step_kernel(long long* cycles, flo
 #endif
 }
 
-void run_bwd_step(int sms, long long* d_cycles, float* d_sink) {
-  CHECK_CUDA(cudaFuncSetAttribute(bwd_step_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
-  for (int rep = 0; rep < 2; ++rep) bwd_step_kernel<<<sms, 256, kSmem>>>(d_cycles, d_sink);
+// Launches kernel k on one CTA per SM with `threads` threads twice (warm-up, then timed) and
+// returns the mean over SMs of d_cycles[slot * sms + block] for slot 0 and 1 (slot 1: rate_kernel's
+// store counts; 0 where a kernel writes none).
+struct Timed {
+  double cycles, slot1;
+};
+Timed launch_timed(void (*k)(long long*, float*), int threads, int sms, long long* d_cycles, float* d_sink) {
+  CHECK_CUDA(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
+  for (int rep = 0; rep < 2; ++rep) k<<<sms, threads, kSmem>>>(d_cycles, d_sink);
   CHECK_CUDA(cudaGetLastError());
   CHECK_CUDA(cudaDeviceSynchronize());
-  std::vector<long long> c(sms);
-  CHECK_CUDA(cudaMemcpy(c.data(), d_cycles, sms * sizeof(long long), cudaMemcpyDeviceToHost));
-  double mean = 0;
-  for (long long v : c) mean += static_cast<double>(v);
-  mean /= sms;
+  std::vector<long long> c(2 * sms);
+  CHECK_CUDA(cudaMemcpy(c.data(), d_cycles, 2 * sms * sizeof(long long), cudaMemcpyDeviceToHost));
+  Timed t{0, 0};
+  for (int i = 0; i < sms; ++i) t.cycles += static_cast<double>(c[i]), t.slot1 += static_cast<double>(c[sms + i]);
+  t.cycles /= sms;
+  t.slot1 /= sms;
+  return t;
+}
+
+void run_bwd_step(int sms, long long* d_cycles, float* d_sink) {
+  const double mean = launch_timed(&bwd_step_kernel, 256, sms, d_cycles, d_sink).cycles;
   std::printf("{\"config\": \"bwd step hdim128 (wgmmas only)\", \"cycles_per_step\": %.0f, \"ideal\": 2560, "
               "\"efficiency\": %.3f}\n", mean / 128, 2560.0 / (mean / 128));
 }
@@ -208,10 +223,7 @@ __global__ void __launch_bounds__(kStores ? 384 : 256, 1) fwd_step_kernel(long l
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   extern __shared__ __align__(1024) uint8_t smem[];
   const int tid = threadIdx.x, wg = tid / 128;
-  for (int i = tid; i < 96 * 1024 / 16; i += blockDim.x) reinterpret_cast<uint4*>(smem)[i] = make_uint4(0, 0, 0, 0);
-  fence_proxy_async();
-  __syncthreads();
-  const uint32_t base = smem_u32(smem);
+  const uint32_t base = zeroed_tiles(smem);
   constexpr int kRounds = 256, kThreadsAll = kStores ? 384 : 256;
   const long long t0 = clock64();
   if (wg == 2) {  // the store warpgroup (kStores only)
@@ -266,17 +278,7 @@ __global__ void __launch_bounds__(kStores ? 384 : 256, 1) fwd_step_kernel(long l
 
 template <bool kStores>
 void run_fwd_step(int sms, long long* d_cycles, float* d_sink) {
-  auto* k = &fwd_step_kernel<kStores>;
-  CHECK_CUDA(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
-  for (int rep = 0; rep < 2; ++rep) k<<<sms, kStores ? 384 : 256, kSmem>>>(d_cycles, d_sink);
-  CHECK_CUDA(cudaGetLastError());
-  CHECK_CUDA(cudaDeviceSynchronize());
-  std::vector<long long> c(sms);
-  CHECK_CUDA(cudaMemcpy(c.data(), d_cycles, sms * sizeof(long long), cudaMemcpyDeviceToHost));
-  double mean = 0;
-  for (long long v : c) mean += static_cast<double>(v);
-  mean /= sms;
-  const double per = mean / 256;
+  const double per = launch_timed(&fwd_step_kernel<kStores>, kStores ? 384 : 256, sms, d_cycles, d_sink).cycles / 256;
   std::printf("{\"config\": \"fwd step hdim128 128x128 (wgmmas only)%s\", \"cycles_per_step\": %.0f, \"ideal\": 2048, "
               "\"efficiency\": %.3f, \"store_bytes_per_cycle\": %.1f}\n",
               kStores ? " + K/V volume stored" : "", per, 2048.0 / per, kStores ? 65536.0 / per : 0.0);
@@ -284,18 +286,8 @@ void run_fwd_step(int sms, long long* d_cycles, float* d_sink) {
 
 template <int N, int kMode, int kWGs, bool kTraffic = false>
 void run(const char* name, int sms, long long* d_cycles, float* d_sink) {
-  auto* k = &rate_kernel<N, kMode, kWGs, kTraffic>;
-  CHECK_CUDA(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
-  for (int rep = 0; rep < 2; ++rep)
-    k<<<sms, (kWGs + kTraffic) * 128, kSmem>>>(d_cycles, d_sink);  // warm-up + timed
-  CHECK_CUDA(cudaGetLastError());
-  CHECK_CUDA(cudaDeviceSynchronize());
-  std::vector<long long> c(2 * sms);
-  CHECK_CUDA(cudaMemcpy(c.data(), d_cycles, 2 * sms * sizeof(long long), cudaMemcpyDeviceToHost));
-  double mean = 0, stores = 0;
-  for (int i = 0; i < sms; ++i) mean += static_cast<double>(c[i]), stores += static_cast<double>(c[sms + i]);
-  mean /= sms;
-  stores /= sms;
+  const Timed t = launch_timed(&rate_kernel<N, kMode, kWGs, kTraffic>, (kWGs + kTraffic) * 128, sms, d_cycles, d_sink);
+  const double mean = t.cycles, stores = t.slot1;
   const double per = mean / (static_cast<double>(kRounds) * 8 * kWGs);
   std::printf("{\"config\": \"%s%s\", \"n\": %d, \"warpgroups\": %d, \"cycles_per_wgmma\": %.2f, \"ideal\": %.1f, "
               "\"efficiency\": %.3f, \"store_bytes_per_cycle\": %.1f}\n",
