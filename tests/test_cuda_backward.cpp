@@ -486,8 +486,8 @@ TEST_P(CudaBackwardSm90, MatchesFloat64Reference) {
 INSTANTIATE_TEST_SUITE_P(Cases, CudaBackwardSm90, ::testing::ValuesIn(sm90_cases()),
                          [](const auto& info) { return info.param.name; });
 
-// Variant tmald (Q / dO by TMA; the default at hdim 64 and from 2048 query rows at hdim 128 since
-// session 8): its own suite (written before it had run on a GPU, so a trap there gated nothing else).
+// Variant tmald (Q / dO by TMA; the default at hdim 64 and from 2048 query rows at hdim 128 in
+// session 8, where pp took its place in session 9): its own suite (written before it had run on a GPU, so a trap there gated nothing else).
 class CudaBackwardSm90Tmald : public ::testing::TestWithParam<Case> {};
 
 // One variant's own suite: case c through the wgmma backward with IOATTN_BWD_SM90_VARIANT=variant.
@@ -507,22 +507,9 @@ TEST_P(CudaBackwardSm90Tmald, MatchesFloat64Reference) {
 INSTANTIATE_TEST_SUITE_P(Cases, CudaBackwardSm90Tmald, ::testing::ValuesIn(sm90_cases()),
                          [](const auto& info) { return info.param.name; });
 
-// Variant dqlate (tmald with the lagged dQ wgmmas after S^T / dP^T and dS^T from the 16-bit P^T;
-// session 8, compiled, not yet run on a GPU when written): its own suite, for the same reason.
-class CudaBackwardSm90DqLate : public ::testing::TestWithParam<Case> {};
-
-TEST_P(CudaBackwardSm90DqLate, MatchesFloat64Reference) {
-  SKIP_WITHOUT_GPU();
-  if (detail::cuda_device_arch(0) != 90) GTEST_SKIP() << "skipped: the wgmma backward needs sm_90";
-  run_sm90_variant_case(GetParam(), "dqlate");
-}
-
-INSTANTIATE_TEST_SUITE_P(Cases, CudaBackwardSm90DqLate, ::testing::ValuesIn(sm90_cases()),
-                         [](const auto& info) { return info.param.name; });
-
 // Variant pp (no CTA barrier in the loop, the two warpgroups' wgmma issue alternating; at hdim 128
-// the dS^T halves ordered by mbarriers; session 8, compiled, not yet run on a GPU when written): its
-// own suite, with two long cases (many steps: the warpgroups drift apart, every buffer turns over).
+// the dS^T halves ordered by mbarriers; written in session 8, the default at hdim 64 and from 2048
+// query rows at hdim 128 since session 9): its own suite, with two long cases (many steps: the warpgroups drift apart, every buffer turns over).
 std::vector<Case> sm90_pp_cases() {
   std::vector<Case> v = sm90_cases();
   for (int64_t d : {64, 128}) {
@@ -601,10 +588,10 @@ TEST(CudaBackwardSm90Select, SaysWhenItDoesNotApply) {
     const KernelChoice short_rows = s.backward_device(false);
     EXPECT_NE(short_rows.kernel.find("sm90 wgmma"), std::string::npos) << short_rows.kernel;
     EXPECT_NE(short_rows.kernel.find("variant lag"), std::string::npos) << short_rows.kernel;
-    // from 2048 query rows at hdim 128: Q / dO by TMA
+    // from 2048 query rows at hdim 128: variant pp (Q / dO by TMA, warpgroups not in lockstep)
     BwdRun s2k(mk("default_d128_2k", 2048, 300, 128), 5);
     const KernelChoice long_rows = s2k.backward_device(false);
-    EXPECT_NE(long_rows.kernel.find("variant tmald"), std::string::npos) << long_rows.kernel;
+    EXPECT_NE(long_rows.kernel.find("variant pp"), std::string::npos) << long_rows.kernel;
     const KernelChoice kc = s.backward_device(true);
     EXPECT_NE(kc.kernel.find("sm90 wgmma"), std::string::npos) << kc.kernel;
     EXPECT_NE(kc.reason.find("atomic-free dQ pass"), std::string::npos) << kc.reason;
@@ -627,7 +614,7 @@ TEST(CudaBackwardSm90Select, SaysWhenItDoesNotApply) {
     const KernelChoice kc = s.backward_device(false);
     EXPECT_NE(kc.kernel.find("sm90 wgmma"), std::string::npos) << kc.kernel;
     EXPECT_NE(kc.kernel.find("hdim64"), std::string::npos) << kc.kernel;
-    EXPECT_NE(kc.kernel.find("variant tmald"), std::string::npos) << kc.kernel;
+    EXPECT_NE(kc.kernel.find("variant pp"), std::string::npos) << kc.kernel;
     BwdRun s96(mk("default_d96", 40, 50, 96), 5);
     const KernelChoice k96 = s96.backward_device(false);
     EXPECT_NE(k96.kernel.find("mma.sync"), std::string::npos) << k96.kernel;

@@ -22,7 +22,7 @@
 #   ncubwd (not in the default stages; ~1 min): Nsight Compute sections (speed of light, warp
 #      states, scheduler, pipes, memory) plus the stall reasons per issued instruction, each pipe's
 #      active cycles and the shared-memory wavefronts of the wgmma backward kernel at hdim 128, 4k, per
-#      IOATTN_BWD_SM90_VARIANT in GPU_CHECK_NCU_VARIANTS (default "tmald dqlate pp") -> ncu_bwd.log.
+#      IOATTN_BWD_SM90_VARIANT in GPU_CHECK_NCU_VARIANTS (default "tmald pp") -> ncu_bwd.log.
 #      The logs are packed into logs.tgz at the end: read them there (or grep them in the command).
 #   sm90local (not in the default stages; ~2 min): the forward's kLocal rows (windows, sinks,
 #      softcap, ALiBi, varlen; IOATTN_SM90_LOCAL=1) against the mma.sync kernel on the same shapes
@@ -183,8 +183,9 @@ if want backward; then
   # The wgmma backward (sm_90's default at hdim 64 and 128): its reference test over every variant
   # first (bounded), then ioattn alone on the same grid per IOATTN_BWD_SM90_VARIANT ->
   # bwd_sm90_<v>.json (lag: dQ one step late by TMA reduce-add, the default below 2048 query rows at
-  # hdim 128; tmald: lag with Q / dO by TMA, the default elsewhere; dqlate: tmald with the dQ wgmmas
-  # after S^T / dP^T; redlag; split; red)
+  # hdim 128 and for varlen; tmald: lag with Q / dO by TMA; pp: tmald without CTA barriers in the
+  # step loop, the default elsewhere since session 9; GPU_CHECK_BWD_OLD=1 adds the older redlag,
+  # split and red)
   # and with IOATTN_BWD_KERNEL=mma (the mma.sync table) -> bwd_sm90_mma.json, beside bwd.json's peers.
   # The two head dims' tests run as separate processes: a fault or hang in one must not take the
   # other's results (or their A/B) with it.
@@ -202,19 +203,16 @@ if want backward; then
   if [[ ${GPU_CHECK_BWD_SM90:-1} == 1 && -x $BUILD/test_cuda_backward ]]; then
     if bounded_test "bwd sm90 test (hdim 128)" 300 "$BUILD/test_cuda_backward" 'Cases/CudaBackwardSm90.*:-*d64_*' \
       "$OUT/bwd_sm90.log"; then
-      for v in lag redlag split red; do bwd_ab "$v" 128 IOATTN_BWD_SM90_VARIANT="$v"; done
+      for v in lag ${GPU_CHECK_BWD_OLD:+redlag split red}; do bwd_ab "$v" 128 IOATTN_BWD_SM90_VARIANT="$v"; done
       bwd_ab mma 64,128 IOATTN_BWD_KERNEL=mma
     fi
     bounded_test "bwd sm90 test (hdim 64)" 200 "$BUILD/test_cuda_backward" 'Cases/CudaBackwardSm90.*d64_*' \
-      "$OUT/bwd_sm90_d64.log" && for v in lag redlag split; do bwd_ab "d64_$v" 64 IOATTN_BWD_SM90_VARIANT="$v"; done
+      "$OUT/bwd_sm90_d64.log" && for v in lag ${GPU_CHECK_BWD_OLD:+redlag split}; do bwd_ab "d64_$v" 64 IOATTN_BWD_SM90_VARIANT="$v"; done
     # Pieces with their own suites (a failure gates only their own A/B): variant tmald, varlen.
     bounded_test "bwd tmald test" 300 "$BUILD/test_cuda_backward" '*CudaBackwardSm90Tmald*' "$OUT/bwd_tmald.log" &&
       { bwd_ab tmald 128 IOATTN_BWD_SM90_VARIANT=tmald; bwd_ab d64_tmald 64 IOATTN_BWD_SM90_VARIANT=tmald; }
     bounded_test "bwd varlen test" 200 "$BUILD/test_cuda_backward" '*CudaBackwardSm90Varlen*' "$OUT/bwd_varlen.log"
-    # Variant dqlate (session 8, unverified when written): its own test gates its own A/B.
-    bounded_test "bwd dqlate test" 300 "$BUILD/test_cuda_backward" '*CudaBackwardSm90DqLate*' "$OUT/bwd_dqlate.log" &&
-      { bwd_ab dqlate 128 IOATTN_BWD_SM90_VARIANT=dqlate; bwd_ab d64_dqlate 64 IOATTN_BWD_SM90_VARIANT=dqlate; }
-    # Variant pp (session 8, unverified when written): the same.
+    # Variant pp (the default at hdim 64 and from 2048 query rows at hdim 128 since session 9).
     bounded_test "bwd pp test" 300 "$BUILD/test_cuda_backward" '*CudaBackwardSm90PingPong*' "$OUT/bwd_pp.log" &&
       { bwd_ab pp 128 IOATTN_BWD_SM90_VARIANT=pp; bwd_ab d64_pp 64 IOATTN_BWD_SM90_VARIANT=pp; }
   fi
@@ -223,7 +221,7 @@ fi
 # ---- Nsight Compute sections of the backward's wgmma kernel (optional stage ncubwd) --------------
 if want ncubwd && command -v ncu >/dev/null; then
   t0=$(stamp)
-  for v in ${GPU_CHECK_NCU_VARIANTS:-tmald dqlate pp}; do
+  for v in ${GPU_CHECK_NCU_VARIANTS:-tmald pp}; do
     IOATTN_BWD_SM90_VARIANT=$v timeout 240 ncu --clock-control none -k regex:flash_bwd_sm90 -c 1 \
       --section SpeedOfLight --section WarpStateStats --section SchedulerStats --section ComputeWorkloadAnalysis \
       --section MemoryWorkloadAnalysis --section Occupancy \
@@ -276,7 +274,7 @@ if want bwdtrace; then
   TBUILD="$BUILD-trace"
   { configure "$TBUILD" -DCMAKE_CUDA_FLAGS=-DIOATTN_BWD_TRACE=1 &&
       ninja -C "$TBUILD" -j "$JOBS" ioattn_cuda_bench; } >"$OUT/bwdtrace.log" 2>&1
-  for v in ${GPU_CHECK_TRACE_VARIANTS:-tmald dqlate pp}; do
+  for v in ${GPU_CHECK_TRACE_VARIANTS:-tmald pp}; do
     hd=128
     [[ ${GPU_CHECK_TRACE_D64:-0} == 1 ]] && hd=64  # the hdim-64 kernel instead
     for s in ${GPU_CHECK_TRACE_SEQLENS:-4096 16384}; do

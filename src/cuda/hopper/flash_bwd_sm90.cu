@@ -6,7 +6,7 @@
 // unchanged; this kernel replaces flash_bwd_dkdv_kernel.
 //
 // CTA = (batch, kv head, block of 128 keys), 2 consumer warpgroups (no producer: each step's Q,
-// dO, LSE, D issued one step ahead, by cp.async from all 256 threads or, variants tmald / dqlate /
+// dO, LSE, D issued one step ahead, by cp.async from all 256 threads or, variants tmald /
 // pp, by TMA from one thread), warpgroup c owning keys 64c..64c+63. Keys
 // are the wgmma M dimension (FlashAttention-3's order; the operand layouts are the ones
 // test_ptx_sm90.cu's k_wgmma_bwd_chain checks); d = head dim:
@@ -157,17 +157,6 @@ __device__ __forceinline__ void load_rows(uint32_t dst, const uint8_t* src, int6
 // lengths, workspace rows q_start + i, and the dQ map over [heads_q, total_q, d] (plane = head,
 // row = q_start + m0). A tail block's dQ piece rows past the sequence are exact zeros (P = 0 there:
 // LSE +inf, dO zero-filled), so the reduce-add that reaches the next sequence's rows adds 0.
-// kDqLate (variant "dqlate", with kTmaLoad; session 8, compiled, not yet run on a GPU): the lagged
-// dQ wgmmas are issued after S^T and dP^T instead of before, so they finish last and the dQ piece
-// (32 KB of shared-memory stores + 32 KB read by the reduce-add per CTA step) moves from under the
-// S^T / dP^T / dQ wgmmas — m64n64 with both operands in shared memory, 128 B/clock, which the
-// memory pipe cannot serve beside them (ioattn_sm90_wgmma_rate: a store warpgroup gets 1.9 B/clock
-// there) — to under dV / dK (A in registers: 64 B/clock, 42 B/clock of stores beside them). The
-// step's wgmmas alone run at the ideal 2,560 cycles (the same bench); the kernel's step is ~4,630.
-// To keep the registers of the extra live accumulator (dQ under P^T and dS^T), dS^T takes P^T from
-// its packed 16-bit copy (the A operand of dV) instead of the fp32 values — the same rounding the
-// dV product already sees — and dV is issued after dS^T (with dK), not under dP^T: the dQ
-// wgmmas, issued last, keep the tensor cores busy meanwhile.
 // kPingPong (variant "pp", with kTmaLoad; session 8, compiled, not yet run on a GPU): no
 // CTA barrier in the loop, so the two warpgroups stop walking the step in lockstep. At hdim 64 a
 // step's wgmmas are ~1,280 cycles of a ~3,700-cycle step (342 TFLOP/s): the rest is the chain
@@ -187,7 +176,7 @@ __device__ __forceinline__ void load_rows(uint32_t dst, const uint8_t* src, int6
 // with dV and dK, after dS^T (dQ first: its output then runs under them), so the wait for the other
 // warpgroup's half comes half a step after that half was written.
 template <typename T, int kD, bool kTmaDq, bool kLag, bool kDq = true, bool kTmaLoad = false, bool kVarlen = false,
-          bool kDqLate = false, bool kPingPong = false>
+          bool kPingPong = false>
 __global__ void __launch_bounds__(kThreads, 1) flash_bwd_sm90_kernel(const BwdParams p,
                                                                      const __grid_constant__ CUtensorMap dq_map,
                                                                      const __grid_constant__ CUtensorMap q_map,
@@ -198,8 +187,7 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_sm90_kernel(const BwdPa
   static_assert(kDq || (!kTmaDq && !kLag), "the dK/dV-only kernel (deterministic mode) has no dQ path");
   static_assert(!kTmaLoad || (kTmaDq && kLag), "TMA loads: the lag + TMA dQ variant only");
   static_assert(!kVarlen || (kTmaDq && kLag && kDq && !kTmaLoad), "varlen: the lag + TMA dQ instance only");
-  static_assert(!kDqLate || kTmaLoad, "dQ late: the tmald variant only");
-  static_assert(!kPingPong || (kTmaLoad && !kDqLate), "ping-pong: a tmald variant");
+  static_assert(!kPingPong || kTmaLoad, "ping-pong: a tmald variant");
   constexpr bool kDqWithDkv = kPingPong && kD == 128;  // the dQ wgmmas issued with dV / dK
   constexpr int kTileQ = Cfg<kD>::kTileQ, kTileK = Cfg<kD>::kTileK;
   extern __shared__ uint8_t raw[];
@@ -448,7 +436,7 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_sm90_kernel(const BwdPa
     // never read, and the read completes before step 1 writes that buffer), then S^T and dP^T;
     // the dQ output below runs while those are on the tensor cores.
     float dq[kBM / 2];
-    if constexpr (kLag && !kDqLate && !kDqWithDkv) {
+    if constexpr (kLag && !kDqWithDkv) {
       gemm_dq(dq, st ^ 1);
       wgmma_commit();
     }
@@ -457,10 +445,6 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_sm90_kernel(const BwdPa
     wgmma_commit();
     gemm_sdp(dp, v_desc, do_sk);
     wgmma_commit();
-    if constexpr (kDqLate) {  // last: its output goes under dV / dK below
-      gemm_dq(dq, st ^ 1);
-      wgmma_commit();
-    }
     if constexpr (kPingPong) {  // the other warpgroup's turn (warpgroup 1's last step has no next)
       if (wg == 0)
         named_barrier_arrive(6, 256);
@@ -472,11 +456,11 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_sm90_kernel(const BwdPa
       ptx::cp_async_commit();
     }
     BWD_TRACE(step, 1);
-    if constexpr (kDqLate || kDqWithDkv) {  // (the trace's "wait dQ" / "put_dq" are 0 here: both fall
+    if constexpr (kDqWithDkv) {  // (the trace's "wait dQ" / "put_dq" are 0 here: both fall
       BWD_TRACE(step, 2);                  // in "wait all")
       BWD_TRACE(step, 3);
     }
-    if constexpr (kLag && !kDqLate && !kDqWithDkv) {
+    if constexpr (kLag && !kDqWithDkv) {
       wgmma_wait<2>();  // the dQ wgmmas (S^T and dP^T may still run)
 #pragma unroll
       for (int i = 0; i < kBM / 2; ++i) reg_fence(dq[i]);
@@ -513,9 +497,9 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_sm90_kernel(const BwdPa
         s[e] = ptx::exp2_approx(s[e] * p.scale_log2 - pick(lse2, e));
         if (kMask && !bwd_detail::visible(m0 + r, n0 + kl, sq_len, sk_len, off, p.window_left, p.window_right))
           s[e] = 0.f;
-        if ((kDqLate || kDqWithDkv) && (e % 2) == 1) pa[e / 2] = ptx::pack2<T>(s[e - 1], s[e]);  // s dies
+        if (kDqWithDkv && (e % 2) == 1) pa[e / 2] = ptx::pack2<T>(s[e - 1], s[e]);  // s dies
       }
-      if constexpr (!kDqLate && !kDqWithDkv) {
+      if constexpr (!kDqWithDkv) {
 #pragma unroll
         for (int j = 0; j < kBM / 4; ++j) pa[j] = ptx::pack2<T>(s[2 * j], s[2 * j + 1]);
       }
@@ -533,7 +517,7 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_sm90_kernel(const BwdPa
       for (int j = 0; j < kBM / 4; ++j) {
         const int e = 2 * j;
         float p0 = s[e], p1 = s[e + 1];
-        if constexpr (kDqLate || kDqWithDkv) unpack2<T>(pa[j], p0, p1);  // P^T as dV sees it (s is dead)
+        if constexpr (kDqWithDkv) unpack2<T>(pa[j], p0, p1);  // P^T as dV sees it (s is dead)
         da[j] = ptx::pack2<T>(p0 * (dp[e] - pick(d2, e)), p1 * (dp[e + 1] - pick(d2, e + 1)));
         if constexpr (kDq && !kDqWithDkv) store_ds(j, da[j]);
       }
@@ -555,7 +539,7 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_sm90_kernel(const BwdPa
       }
     };
     load_rows2(lse2, s_lse[st]);
-    wgmma_wait<kDqLate ? 2 : 1>();  // S^T (dP^T, kDqLate: and dQ, may still run)
+    wgmma_wait<1>();  // S^T (dP^T may still run)
 #pragma unroll
     for (int i = 0; i < kBM / 2; ++i) reg_fence(s[i]);
     BWD_TRACE(step, 4);
@@ -563,21 +547,19 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_sm90_kernel(const BwdPa
       p_part(std::true_type{});
     else
       p_part(std::false_type{});
-    if constexpr (!kDqLate && !kDqWithDkv) {  // dV under dP^T
+    if constexpr (!kDqWithDkv) {  // dV under dP^T
       wgmma_fence();
       gemm_dkv(dv, pa, do_sm);
       wgmma_commit();
     }
     BWD_TRACE(step, 5);
     load_rows2(d2, s_d[st]);
-    wgmma_wait<kDqWithDkv ? 0 : 1>();  // dP^T (dV — kDqLate: dQ — may still run; kDqWithDkv: nothing)
+    wgmma_wait<kDqWithDkv ? 0 : 1>();  // dP^T (dV may still run; kDqWithDkv: nothing)
 #pragma unroll
     for (int i = 0; i < kBM / 2; ++i) reg_fence(dp[i]);
     BWD_TRACE(step, 6);
     ds_part();
     wgmma_fence();
-    // kDqLate: dV only now, after dS^T has read the packed P^T (an A operand may not be read while
-    // its wgmma runs); the dQ wgmmas, still on the tensor cores, cover dS^T.
     if constexpr (kDqWithDkv) {
       // This thread's dS^T rows to the async proxy, then counted on ds_full[st]; the previous
       // step's two halves (buffer st ^ 1) complete before its dQ wgmmas (step 0: the throw-away
@@ -588,14 +570,14 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_sm90_kernel(const BwdPa
       gemm_dq(dq, st ^ 1);  // (its own wgmma_fence)
       wgmma_commit();
     }
-    if constexpr (kDqLate || kDqWithDkv) {
+    if constexpr (kDqWithDkv) {  // dV only now, after dS^T has read the packed P^T
       gemm_dkv(dv, pa, do_sm);
       wgmma_commit();
     }
     gemm_dkv(dk, da, q_sm);
     wgmma_commit();
     BWD_TRACE(step, 7);
-    if constexpr (kDqLate || kDqWithDkv) {
+    if constexpr (kDqWithDkv) {
       wgmma_wait<2>();  // the dQ wgmmas (dV and dK may still run): its output under them
 #pragma unroll
       for (int i = 0; i < kBM / 2; ++i) reg_fence(dq[i]);
@@ -680,25 +662,26 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_sm90_kernel(const BwdPa
 
 // IOATTN_BWD_SM90_VARIANT: lag (dQ one step late, by TMA reduce-add) | tmald (lag with Q / dO
 // loaded by TMA: kTmaLoad) | redlag (one step late, by red.global) | split (in its own step, by TMA
-// reduce-add) | red (in its own step, by red.global: session 5's kernel) | dqlate (tmald with the dQ
-// wgmmas after S^T / dP^T: kDqLate) | pp (tmald without CTA barriers in the loop, the warpgroups'
-// wgmma issue alternating: kPingPong). Bits: 1 red, 2 lag; tmald is 4, dqlate 5, pp 6. Unset:
-// tmald at hdim 64 and from 2048 query rows at hdim 128, lag below that and for varlen (session 8, H200: tmald +8-15% at hdim 64, +3-10% at hdim 128 from 4k; at 1k causal hdim 128 it
-// lost 15%).
-constexpr int kVariantTmaLoad = 4, kVariantDqLate = 5, kVariantPingPong = 6;
+// reduce-add) | red (in its own step, by red.global: session 5's kernel) | pp (tmald without CTA
+// barriers in the loop, the warpgroups' wgmma issue alternating: kPingPong). Bits: 1 red, 2 lag;
+// tmald is 4, pp 5. Unset:
+// pp at hdim 64 and from 2048 query rows at hdim 128, lag below that and for varlen (session 8,
+// H200: tmald +8-15% at hdim 64, +3-10% at hdim 128 from 4k over lag, -15% at 1k causal hdim 128;
+// session 9: pp over tmald +1-7% at hdim 64, +0-4% at hdim 128 from 4k). Session 8's "dqlate" (the
+// lagged dQ wgmmas after S^T / dP^T) lost 8-23% to tmald in session 9 and was removed.
+constexpr int kVariantTmaLoad = 4, kVariantPingPong = 5;
 int variant_bits(int head_dim, int64_t seqlen_q, bool varlen) {
   const char* e = std::getenv("IOATTN_BWD_SM90_VARIANT");
   if (e == nullptr || *e == '\0')
-    return !varlen && (head_dim == 64 || seqlen_q >= 2048) ? kVariantTmaLoad : 2;
+    return !varlen && (head_dim == 64 || seqlen_q >= 2048) ? kVariantPingPong : 2;
   if (std::strcmp(e, "lag") == 0) return 2;
   if (std::strcmp(e, "split") == 0) return 0;
   if (std::strcmp(e, "red") == 0) return 1;
   if (std::strcmp(e, "redlag") == 0) return 3;
   if (std::strcmp(e, "tmald") == 0) return kVariantTmaLoad;
-  if (std::strcmp(e, "dqlate") == 0) return kVariantDqLate;
   if (std::strcmp(e, "pp") == 0) return kVariantPingPong;
   throw Error("IOATTN_BWD_SM90_VARIANT",
-              std::string("IOATTN_BWD_SM90_VARIANT must be split, red, lag, redlag, tmald, dqlate or pp, got '") + e + "'");
+              std::string("IOATTN_BWD_SM90_VARIANT must be split, red, lag, redlag, tmald or pp, got '") + e + "'");
 }
 
 // The fp32 dQ workspace [heads_q, batch·seqlen_q, kD] as a 3-D map (kD, seqlen_q, heads_q·batch) —
@@ -732,7 +715,7 @@ template <typename T, int kD>
 CUtensorMap make_row_map(const void* ptr, const detail::Strides3& s, const BwdParams& p, const char* name) {
   std::string why;
   if (!sm90::tma_compatible(ptr, s, p.batch, p.seqlen_q, p.heads_q, name, &why))
-    throw Error(name, "the wgmma backward's TMA-load variants (tmald, dqlate, pp): " + why);
+    throw Error(name, "the wgmma backward's TMA-load variants (tmald, pp): " + why);
   return sm90::make_tensor_map(ptr, std::is_same_v<T, __nv_bfloat16> ? DType::bf16 : DType::f16, kD, p.seqlen_q,
                                p.heads_q, p.batch, s, kBM, name);
 }
@@ -814,13 +797,12 @@ void launch_typed(const BwdParams& p, cudaStream_t stream) {
     return;
   }
   using Kernel = void (*)(const BwdParams, const CUtensorMap, const CUtensorMap, const CUtensorMap);
-  const Kernel kernels[7] = {&flash_bwd_sm90_kernel<T, kD, true, false>,
+  const Kernel kernels[6] = {&flash_bwd_sm90_kernel<T, kD, true, false>,
                              &flash_bwd_sm90_kernel<T, kD, false, false>,
                              &flash_bwd_sm90_kernel<T, kD, true, true>,
                              &flash_bwd_sm90_kernel<T, kD, false, true>,
                              &flash_bwd_sm90_kernel<T, kD, true, true, true, true>,
-                             &flash_bwd_sm90_kernel<T, kD, true, true, true, true, false, true>,
-                             &flash_bwd_sm90_kernel<T, kD, true, true, true, true, false, false, true>};
+                             &flash_bwd_sm90_kernel<T, kD, true, true, true, true, false, true>};
   auto* kernel = kernels[v];
   const int smem = tma_load ? Cfg<kD>::kSmemTmaLoad : Cfg<kD>::smem(tma_dq);
   const CUtensorMap map = tma_dq ? make_dq_map<kD>(p) : CUtensorMap{};
@@ -849,7 +831,6 @@ const char* variant_name(int head_dim, int64_t seqlen_q, bool varlen) {
     case 1: return "red";
     case 3: return "redlag";
     case kVariantTmaLoad: return "tmald";
-    case kVariantDqLate: return "dqlate";
     case kVariantPingPong: return "pp";
     default: return "lag";
   }
@@ -878,7 +859,7 @@ BwdKernelInfo info_for() {
                       "S^T/dP^T), fp32 dQ by TMA reduce-add"
                     : "wgmma, keys as M, 2 warpgroups x 64 keys, 64-row steps, each warpgroup's dQ from its own keys, "
                       "dQ one step late (its output under the next S^T/dP^T), fp32 dQ by TMA reduce-add";
-  info.smem_bytes = Cfg<kD>::kSmemTmaLoad;  // the largest instance (the tmald / dqlate / pp stages' barriers)
+  info.smem_bytes = Cfg<kD>::kSmemTmaLoad;  // the largest instance (the tmald / pp stages' barriers)
   info.smem_bytes_det = Cfg<kD>::kSmemRed;
   info.dq_smem_bytes = row.dq_smem_bytes;
   info.dkdv_bf16 = reinterpret_cast<const void*>(&flash_bwd_sm90_kernel<__nv_bfloat16, kD, true, true>);
