@@ -30,6 +30,9 @@
 #   bwdtrace (not in the default stages; ~1.5 min incl. its own build in BUILD-trace): the wgmma
 #      backward's step timeline, mean SM cycles per phase per warpgroup (IOATTN_BWD_TRACE=1 build),
 #      per variant in GPU_CHECK_TRACE_VARIANTS and seqlen in GPU_CHECK_TRACE_SEQLENS -> summary.
+#   dectrace (not in the default stages; ~1.5 min incl. its own build in BUILD-dtrace): the mma decode
+#      kernel's phases (IOATTN_DECODE_TRACE=1 build), SM cycles per phase over the CTAs of a launch,
+#      per cell in GPU_CHECK_DECTRACE_CELLS -> summary.
 #   wgmmarate (not in the default stages; seconds): ioattn_sm90_wgmma_rate, cycles per wgmma by
 #      shape (m64nN) and operand source (ss / rs, K- or MN-major), 1-3 warpgroups -> summary.
 #   report (not in the default stages; ~4-5 min): tools/report/report.sh — ioattn bench sweeps (CPU
@@ -284,6 +287,25 @@ if want bwdtrace; then
   done
   note "bwdtrace   rc=$?  $(( $(stamp) - t0 )) s  (bwdtrace.log)"
   grep -E '^## variant|^bwd trace' "$OUT/bwdtrace.log" | tee -a "$SUMMARY"
+fi
+
+# ---- the mma decode kernel's phases (optional stage dectrace) ---------------------------------------
+# A second build with -DIOATTN_DECODE_TRACE=1 (SM clock stamps per phase of the first 1024 CTAs, see
+# serving_decode_mma.cu); the bench's eager calls print per-phase cycles after the 40th launch, per
+# cell in GPU_CHECK_DECTRACE_CELLS ("batch:kv:splits", splits 0 = the heuristic's).
+if want dectrace; then
+  t0=$(stamp)
+  DBUILD="$BUILD-dtrace"
+  { configure "$DBUILD" -DCMAKE_CUDA_FLAGS=-DIOATTN_DECODE_TRACE=1 &&
+      ninja -C "$DBUILD" -j "$JOBS" ioattn_cuda_decode_bench; } >"$OUT/dectrace.log" 2>&1
+  for cell in ${GPU_CHECK_DECTRACE_CELLS:-1:4096:0 1:4096:8 1:4096:64 1:32768:0 16:4096:0 64:32768:0}; do
+    IFS=: read -r cb ck cs <<<"$cell"
+    echo "## batch $cb kv $ck splits $cs" >>"$OUT/dectrace.log"
+    timeout 120 "$DBUILD/ioattn_cuda_decode_bench" --batch "$cb" --kv "$ck" --splits "$cs" --pages 0 --caches bf16 \
+      --eager 1 --copy 0 --repeats 12 >>"$OUT/dectrace.log" 2>&1
+  done
+  note "dectrace   rc=$?  $(( $(stamp) - t0 )) s  (dectrace.log)"
+  grep -E '^## batch|^decode trace|"impl"' "$OUT/dectrace.log" | sed -E 's/"heads_q".*"impl"/"impl"/' | tee -a "$SUMMARY"
 fi
 
 # ---- decode vs PyTorch SDPA cudnn / flash (enable_gqa), same run ----------------------------------

@@ -47,8 +47,11 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <atomic>
+#include <cstdio>
 #include <cstring>
+#include <vector>
 #include <string>
 #include <type_traits>
 
@@ -62,6 +65,39 @@ namespace ioattn::cuda::serving {
 namespace {
 
 constexpr int kBK = 64;  // keys per tile: 16 per warp
+
+// IOATTN_DECODE_TRACE=1 builds (gpu-check stage dectrace; off in every other build): thread 0 of
+// the first kDtCtas CTAs stamps the SM clock at the kernel's phases and the global timer at its
+// start and end; the host prints per-phase statistics over the CTAs after the 40th launch of an
+// instance (launch() below).
+#ifndef IOATTN_DECODE_TRACE
+#define IOATTN_DECODE_TRACE 0
+#endif
+#if IOATTN_DECODE_TRACE
+constexpr int kDtCtas = 1024, kDtPoints = 8;
+__device__ long long g_dec_clk[kDtCtas][kDtPoints];
+__device__ unsigned long long g_dec_gt[kDtCtas][2];
+__device__ __forceinline__ unsigned long long dec_globaltimer() {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %globaltimer;" : "=l"(t));
+  return t;
+}
+#define DEC_TRACE(k)                                                                        \
+  do {                                                                                      \
+    if (threadIdx.x == 0 && blockIdx.x < kDtCtas) g_dec_clk[blockIdx.x][k] = clock64();    \
+  } while (0)
+#define DEC_TRACE_GT(k)                                                                     \
+  do {                                                                                      \
+    if (threadIdx.x == 0 && blockIdx.x < kDtCtas) g_dec_gt[blockIdx.x][k] = dec_globaltimer(); \
+  } while (0)
+#else
+#define DEC_TRACE(k) \
+  do {               \
+  } while (0)
+#define DEC_TRACE_GT(k) \
+  do {                  \
+  } while (0)
+#endif
 
 // kBytes: cache element bytes (2: bf16/f16, 1: f8e4m3/i8).
 template <int D, int kBytes = 2>
@@ -151,7 +187,10 @@ __global__ void __launch_bounds__(kThreads) decode_mma_kernel(const DecodeParams
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, t4 = lane & 3;
+  DEC_TRACE_GT(0);
+  DEC_TRACE(0);
   const WorkItem w = work_item(p);
+  DEC_TRACE(1);
   const int sq = p.seqlen_q;
 
   int64_t klo = 0, khi = 0;
@@ -378,6 +417,7 @@ __global__ void __launch_bounds__(kThreads) decode_mma_kernel(const DecodeParams
     if (paged && s > 0) __syncthreads();
     issue(s);
   }
+  DEC_TRACE(2);
 
   for (int tile = 0; tile < ntiles; ++tile) {
     ptx::cp_async_wait<STAGES - 2>();
@@ -387,6 +427,8 @@ __global__ void __launch_bounds__(kThreads) decode_mma_kernel(const DecodeParams
     // Experimental path: a wrong byte count traps (a launch error) instead of hanging the GPU.
     if constexpr (kBulk) sm90::mbarrier_wait_or_trap(&full_bar[tile % STAGES], static_cast<uint32_t>((tile / STAGES) & 1));
 #endif
+    if (tile == 0) DEC_TRACE(3);
+    if (tile == 1) DEC_TRACE(5);
     const uint32_t kv = ptx::smem_u32(smem + (tile % STAGES) * 2 * Tr::kTileBytes);
     const uint32_t k_addr = kv + k_lane, v_addr = kv + Tr::kTileBytes + v_lane;
     const int key0 = static_cast<int>(klo) + tile * kBK + warp * 16 + g;  // keys of c0/c1; +8: c2/c3
@@ -520,7 +562,17 @@ __global__ void __launch_bounds__(kThreads) decode_mma_kernel(const DecodeParams
         }
       }
     }
+#if IOATTN_DECODE_TRACE
+    if (tile == 0) {  // (the stamp waits for tile 0's O^T: a use of the accumulators)
+      float x = 0.f;
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) x += o[nt][0][0];
+      if (x == 12345.f) g_dec_gt[0][1] = 0;
+      DEC_TRACE(4);
+    }
+#endif
   }
+  DEC_TRACE(6);
 
   // ---- merge the 4 warps (shared memory, in warp order) --------------------------------------
   ptx::cp_async_wait<0>();
@@ -565,7 +617,49 @@ __global__ void __launch_bounds__(kThreads) decode_mma_kernel(const DecodeParams
     }
   __syncthreads();
   write_outputs<ROWS>(p, w, 4, D, red, row_m, row_l, row_bad);
+  DEC_TRACE(7);
+  DEC_TRACE_GT(1);
 }
+
+#if IOATTN_DECODE_TRACE
+// Per phase (stamp k - stamp k-1; tile-1 phases only for CTAs with two or more tiles) the median,
+// mean and max SM cycles over the traced CTAs, and the global-timer spread of their starts / ends.
+void print_decode_trace(int64_t grid, const char* name) {
+  IOATTN_CUDA_CHECK(cudaDeviceSynchronize());
+  static long long clk[kDtCtas][kDtPoints];
+  static unsigned long long gt[kDtCtas][2];
+  IOATTN_CUDA_CHECK(cudaMemcpyFromSymbol(clk, g_dec_clk, sizeof(clk)));
+  IOATTN_CUDA_CHECK(cudaMemcpyFromSymbol(gt, g_dec_gt, sizeof(gt)));
+  const int n = static_cast<int>(std::min<int64_t>(grid, kDtCtas));
+  const char* names[kDtPoints] = {"", "work_item", "prologue issue", "wait tile0", "compute tile0",
+                                  "wait tile1", "rest of loop", "epilogue"};
+  std::fprintf(stderr, "decode trace %s grid %lld (%d CTAs traced), SM cycles median / mean / max:", name,
+               static_cast<long long>(grid), n);
+  for (int k = 1; k < kDtPoints; ++k) {
+    std::vector<double> v;
+    for (int b = 0; b < n; ++b) {
+      const long long a = clk[b][k - 1], c = clk[b][k];
+      if (a != 0 && c != 0 && c >= a) v.push_back(static_cast<double>(c - a));
+    }
+    if (v.empty()) continue;
+    std::sort(v.begin(), v.end());
+    double mean = 0;
+    for (double x : v) mean += x;
+    mean /= v.size();
+    std::fprintf(stderr, " | %s %.0f / %.0f / %.0f", names[k], v[v.size() / 2], mean, v.back());
+  }
+  std::vector<double> life;
+  unsigned long long s0 = ~0ull, s1 = 0, e0 = ~0ull, e1 = 0;
+  for (int b = 0; b < n; ++b) {
+    if (clk[b][7] > clk[b][0]) life.push_back(static_cast<double>(clk[b][7] - clk[b][0]));
+    s0 = std::min(s0, gt[b][0]), s1 = std::max(s1, gt[b][0]), e0 = std::min(e0, gt[b][1]), e1 = std::max(e1, gt[b][1]);
+  }
+  std::sort(life.begin(), life.end());
+  if (!life.empty())
+    std::fprintf(stderr, " | CTA life median %.0f max %.0f cycles | globaltimer ns: starts %llu..%llu, ends %llu..%llu\n",
+                 life[life.size() / 2], life.back(), 0ull, s1 - s0, e0 - s0, e1 - s0);
+}
+#endif
 
 template <typename T, typename CT, int D, int NT, bool kBulk = false>
 void launch(const DecodeParams& p, int64_t grid, cudaStream_t stream, bool pdl) {
@@ -573,6 +667,22 @@ void launch(const DecodeParams& p, int64_t grid, cudaStream_t stream, bool pdl) 
   static_assert(smem >= 4 * 8 * NT * D * 4, "the warp merge reuses [4][ROWS][D] fp32 of the ring");
   static std::atomic<uint64_t> smem_set{0};
   launch_decode_grid(&decode_mma_kernel<T, CT, D, NT, kBulk>, smem_set, p, grid, smem, stream, pdl);
+#if IOATTN_DECODE_TRACE
+  // Eager launches only (a graph capture calls this once per captured call): zero the stamps
+  // before the 40th, print after it.
+  cudaStreamCaptureStatus cap = cudaStreamCaptureStatusNone;
+  IOATTN_CUDA_CHECK(cudaStreamIsCapturing(stream, &cap));
+  static int calls = 0;
+  if (cap == cudaStreamCaptureStatusNone && ++calls >= 39 && calls <= 40) {
+    if (calls == 39) {
+      static long long zero[kDtCtas][kDtPoints];
+      IOATTN_CUDA_CHECK(cudaDeviceSynchronize());
+      IOATTN_CUDA_CHECK(cudaMemcpyToSymbol(g_dec_clk, zero, sizeof(zero)));
+    } else {
+      print_decode_trace(grid, D == 128 && NT == 1 ? "hdim128 nt1" : "other");
+    }
+  }
+#endif
 }
 
 }  // namespace
