@@ -336,20 +336,21 @@ constexpr int kMergeBatch = 8;
 static_assert(detail::kMaxSplits % 32 == 0, "merge: splits in whole warps");
 
 __global__ void __launch_bounds__(kMergeWarps * 32) merge_splits_kernel(const MergeParams p) {
+  __shared__ float wts[detail::kMaxSplits];
+  __shared__ float red[kMergeWarps][kMaxDim];
+  // Indices before the wait (kernel parameters only; 32-bit: the host keeps the grid below 2^31).
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int64_t row = blockIdx.x;
+  const uint32_t bh32 = blockIdx.x / static_cast<uint32_t>(p.seqlen_q);
+  const int i = static_cast<int>(blockIdx.x - bh32 * static_cast<uint32_t>(p.seqlen_q));
+  const int h = static_cast<int>(bh32 % static_cast<uint32_t>(p.heads_q));
+  const int64_t b = bh32 / static_cast<uint32_t>(p.heads_q);
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   cudaGridDependencySynchronize();  // the decode grid's partials are complete and visible (no-op without PDL)
   // The next decode call (launched with PDL) may start its CTAs now; they wait in their own
   // cudaGridDependencySynchronize until this grid has completed.
   cudaTriggerProgrammaticLaunchCompletion();
 #endif
-  __shared__ float wts[detail::kMaxSplits];
-  __shared__ float red[kMergeWarps][kMaxDim];
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int64_t row = blockIdx.x;
-  const int i = static_cast<int>(row % p.seqlen_q);
-  const int64_t bh = row / p.seqlen_q;
-  const int h = static_cast<int>(bh % p.heads_q);
-  const int64_t b = bh / p.heads_q;
   const int S = p.splits;  // <= kMaxSplits = 32 * kMergeSplitRegs
   const float* pl = p.part_lse + row * S;
   const float* po = p.part_o + row * S * p.dv;

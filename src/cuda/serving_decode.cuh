@@ -79,7 +79,10 @@ __device__ __forceinline__ void split_range(int64_t len, int64_t sq, int64_t wl,
   vis_keys(sq - 1, sq, len, wl, wr, &lo_last, &hi_last);
   const int64_t span = hi_last - lo_first;
   if (span <= 0) return;
-  int64_t chunk = (span + splits - 1) / splits;
+  // (32-bit division when it fits: a 64-bit one is a ~100-instruction subroutine call)
+  int64_t chunk = span <= INT32_MAX - splits ? static_cast<int64_t>((static_cast<uint32_t>(span) + splits - 1) /
+                                                                   static_cast<uint32_t>(splits))
+                                             : (span + splits - 1) / splits;
   chunk = (chunk + detail::kSplitAlignTokens - 1) / detail::kSplitAlignTokens * detail::kSplitAlignTokens;
   *k0 = lo_first + split * chunk;
   *k1 = min(hi_last, *k0 + chunk);
@@ -95,6 +98,16 @@ struct WorkItem {
 };
 
 __device__ __forceinline__ WorkItem work_item(const DecodeParams& p) {
+  // The CTA's indices first (kernel parameters only; 32-bit: the host keeps the grid below 2^31
+  // CTAs, and 64-bit divisions are subroutine calls), so they overlap the wait below.
+  WorkItem w;
+  uint32_t id = blockIdx.x;
+  w.rb = static_cast<int>(id % static_cast<uint32_t>(p.row_blocks));
+  id /= static_cast<uint32_t>(p.row_blocks);
+  w.split = static_cast<int>(id % static_cast<uint32_t>(p.splits));
+  id /= static_cast<uint32_t>(p.splits);
+  w.hk = static_cast<int>(id % static_cast<uint32_t>(p.heads_kv));
+  w.b = id / static_cast<uint32_t>(p.heads_kv);
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   // Launched with programmatic dependent launch (sm90+), the CTA may start while the previous
   // kernel of the stream (the last call's merge, an append_kv, the caller's own kernel) is still
@@ -102,14 +115,6 @@ __device__ __forceinline__ WorkItem work_item(const DecodeParams& p) {
   // writes are visible (a no-op when launched without PDL).
   cudaGridDependencySynchronize();
 #endif
-  WorkItem w;
-  int64_t id = blockIdx.x;
-  w.rb = static_cast<int>(id % p.row_blocks);
-  id /= p.row_blocks;
-  w.split = static_cast<int>(id % p.splits);
-  id /= p.splits;
-  w.hk = static_cast<int>(id % p.heads_kv);
-  w.b = id / p.heads_kv;
   const int64_t len = p.seqlens[w.b];
   w.seq_bad = len < 0 || len > p.bound;
   w.len = w.seq_bad ? 0 : len;
@@ -192,41 +197,50 @@ template <int ROWS>
 __device__ __forceinline__ void write_outputs(const DecodeParams& p, const WorkItem& w, int G, int Dp,
                                               const float* red, const float* row_m, const float* row_l,
                                               const int* row_bad) {
+  // One warp per row, lanes over the columns: the row's indices, LSE and scale once per row (a
+  // loop over elements with divisions in it took ~4,500 cycles per CTA: trace, H200).
   const float v_scale = p.v_scale ? p.v_scale[w.hk] : 1.0f;
   const bool direct = p.splits == 1;
-  const int sq = p.seqlen_q;
-  for (int o = threadIdx.x; o < ROWS * Dp; o += blockDim.x) {
-    const int r = o / Dp, x = o % Dp;
+  const int sq = p.seqlen_q, lane = threadIdx.x & 31, nw = static_cast<int>(blockDim.x >> 5);
+  for (int r = static_cast<int>(threadIdx.x >> 5); r < ROWS; r += nw) {
     const int rr = w.rb * ROWS + r;
-    if (rr >= p.rows || x >= p.dv) continue;
+    if (rr >= p.rows) break;  // (rows increase with r)
     const int hh = rr / sq, i = rr % sq, h = w.hk * p.group + hh;
-    float sum = 0.0f;
-    for (int g = 0; g < G; ++g) sum += red[(g * ROWS + r) * Dp + x];
     const float M = row_m[r], L = row_l[r];  // log2 units
-    float out, lse;
-    if (row_bad[r]) {
-      out = lse = NAN;
-    } else if (M == ninf()) {  // no visible key (in this split): O = 0, LSE = -inf or the sink
-      out = 0.0f;
+    float mul = 0.0f, lse;  // out = sum * mul
+    const bool bad = row_bad[r] != 0, empty = M == ninf();
+    if (bad) {
+      lse = NAN;
+    } else if (empty) {  // no visible key (in this split): O = 0, LSE = -inf or the sink
       lse = (direct && p.sinks) ? p.sinks[h] : ninf();
     } else if (direct) {
       const float sink = p.sinks ? p.sinks[h] * kLog2e : ninf();
       const float mx = fmaxf(M, sink);
       const float a = ptx::exp2_approx(M - mx);
       const float lsum = L * a + (p.sinks ? ptx::exp2_approx(sink - mx) : 0.0f);
-      out = sum * (a * v_scale / lsum);
+      mul = a * v_scale / lsum;
       lse = (mx + log2f(lsum)) * kLn2;
     } else {
-      out = sum * (v_scale / L);
+      mul = v_scale / L;
       lse = (M + log2f(L)) * kLn2;
     }
-    if (direct) {
-      store_elem(p.o, p.dtype, w.b * p.o_sb + i * p.o_ss + h * p.o_sh + x, out);
-      if (x == 0 && p.lse) p.lse[w.b * p.l_sb + h * p.l_sh + i * p.l_ss] = lse;
-    } else {
-      const int64_t at = ((w.b * p.heads_q + h) * sq + i) * p.splits + w.split;
-      p.part_o[at * p.dv + x] = out;
-      if (x == 0) p.part_lse[at] = lse;
+    const int64_t at = ((w.b * p.heads_q + h) * sq + i) * p.splits + w.split;  // the split's partial row
+    const int64_t o_row = w.b * p.o_sb + i * p.o_ss + h * p.o_sh;
+    for (int x = lane; x < p.dv; x += 32) {
+      float sum = 0.0f;
+      for (int g = 0; g < G; ++g) sum += red[(g * ROWS + r) * Dp + x];
+      const float out = bad ? NAN : empty ? 0.0f : sum * mul;
+      if (direct)
+        store_elem(p.o, p.dtype, o_row + x, out);
+      else
+        p.part_o[at * p.dv + x] = out;
+    }
+    if (lane == 0) {
+      if (direct) {
+        if (p.lse) p.lse[w.b * p.l_sb + h * p.l_sh + i * p.l_ss] = lse;
+      } else {
+        p.part_lse[at] = lse;
+      }
     }
   }
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900

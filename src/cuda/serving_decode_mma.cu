@@ -201,78 +201,6 @@ __global__ void __launch_bounds__(kThreads) decode_mma_kernel(const DecodeParams
     if (khi < klo) khi = klo;
   }
 
-  // Q^T as the B operand: the lane holds query row g of each n-tile, dims 2t, 2t+1 (and +8) of
-  // each k-step; with an 8-bit cache the k-step's dims are permuted as the K codes arrive (below):
-  // b0 = dims 4t, 4t+1 and b1 = dims 4t+2, 4t+3 of the step's 16.
-  uint32_t qb[NT][kKD][2];
-  const auto* q16 = static_cast<const uint16_t*>(p.q);
-  float qmax[NT];  // 8-bit caches with bf16 q: this lane's max finite |q| of row g, per n-tile
-#pragma unroll
-  for (int nt = 0; nt < NT; ++nt) {
-    qmax[nt] = 0.0f;
-    const int rr = w.rb * ROWS + nt * 8 + g;
-    const bool ok = rr < p.rows;
-    const int hh = ok ? rr / sq : 0, i = ok ? rr % sq : 0, h = w.hk * p.group + hh;
-    const int64_t qoff = w.b * p.q_sb + i * p.q_ss + h * p.q_sh;
-#pragma unroll
-    for (int kk = 0; kk < kKD; ++kk)
-#pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        const int col = k8 ? kk * 16 + 4 * t4 + 2 * half : kk * 16 + half * 8 + 2 * t4;
-        uint32_t bits = 0;
-        if (ok) bits = static_cast<uint32_t>(q16[qoff + col]) | static_cast<uint32_t>(q16[qoff + col + 1]) << 16;
-        qb[nt][kk][half] = bits;
-        if (k8 && p.dtype == DType::bf16) {
-          const float lo = fabsf(__uint_as_float(bits << 16)), hi = fabsf(__uint_as_float(bits & 0xffff0000u));
-          qmax[nt] = fmaxf(qmax[nt], fmaxf(lo < INFINITY ? lo : 0.0f, hi < INFINITY ? hi : 0.0f));  // inf, NaN: 0
-        }
-      }
-  }
-  // bf16 q on the f16 mma: each row times 2^-s, its max finite |q| then in [2^13, 2^14) (a power
-  // of two: exact; elements below 2^-24 of the row's largest flush, far under bf16's own rounding;
-  // inf and NaN stay what they are and poison their row as on the CPU), and 2^s back in that row's
-  // score scale: rscale[nt][e] for the rows 2t + e this lane holds in the C layout.
-  float rscale[NT][2];
-#pragma unroll
-  for (int nt = 0; nt < NT; ++nt) rscale[nt][0] = rscale[nt][1] = 1.0f;  // 16-bit caches, f16 q
-  if constexpr (k8) {
-    if (p.dtype == DType::bf16) {
-#pragma unroll
-      for (int nt = 0; nt < NT; ++nt) {
-        float m = qmax[nt];  // over the 4 lanes that hold row g
-        m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
-        m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
-        // s = floor(log2 m) - 13 from the exponent bits, so 2^13 <= m * 2^-s < 2^14: large rows
-        // scaled into f16's range, small ones up out of its subnormals; clamped so 2^+-s stay
-        // normal (an all-zero or subnormal row: s = -100, harmless).
-        const int sh = min(114, max(-100, ((__float_as_int(m) >> 23) & 0xff) - 127 - 13));
-        const float qs = __int_as_float((127 - sh) << 23);
-#pragma unroll
-        for (int kk = 0; kk < kKD; ++kk)
-#pragma unroll
-          for (int half = 0; half < 2; ++half) {
-            const uint32_t b = qb[nt][kk][half];
-            qb[nt][kk][half] = ptx::pack2<__half>(__uint_as_float(b << 16) * qs, __uint_as_float(b & 0xffff0000u) * qs);
-          }
-#pragma unroll
-        for (int e = 0; e < 2; ++e) rscale[nt][e] = __int_as_float((127 + __shfl_sync(0xffffffffu, sh, 4 * (2 * t4 + e))) << 23);
-      }
-    }
-  }
-  // The rows this lane holds in the C layouts of S^T and O^T: 2t + e of each n-tile.
-  bool valid[NT][2];
-  float slope[NT][2], diag[NT][2];
-#pragma unroll
-  for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-    for (int e = 0; e < 2; ++e) {
-      const int rr = w.rb * ROWS + nt * 8 + 2 * t4 + e;
-      valid[nt][e] = rr < p.rows;
-      const int hh = valid[nt][e] ? rr / sq : 0, i = valid[nt][e] ? rr % sq : 0;
-      slope[nt][e] = (valid[nt][e] && p.alibi) ? p.alibi[w.hk * p.group + hh] * kLog2e : 0.0f;
-      diag[nt][e] = static_cast<float>(i + w.len - sq);
-    }
-
   // Loader: chunk c_ld of rows j_ld0 + it * j_step of each tile (K and V: d == dv == D, so every
   // chunk of a row is real). Contiguous: row pointers advance by a constant. Paged: (page, slot)
   // of every key of the tiles in flight sit in pg_ring, written STAGES - 1 tiles ahead by threads
@@ -373,26 +301,6 @@ __global__ void __launch_bounds__(kThreads) decode_mma_kernel(const DecodeParams
   const int k_lane = (warp * 16 + (lane & 15)) * Tr::kPitch + (lane >> 4) * 16;
   const int v_lane = k8 ? k_lane : (warp * 16 + (lane & 7) + ((lane >> 4) << 3)) * Tr::kPitch + ((lane >> 3) & 1) * 16;
 
-  float o[NT][kKD][4];  // O^T: m-tile mt holds dims mt * 16 + g (c0, c1) and + 8 (c2, c3)
-#pragma unroll
-  for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-    for (int mt = 0; mt < kKD; ++mt)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) o[nt][mt][e] = 0.0f;
-  float m[NT][2], l[NT][2];
-#pragma unroll
-  for (int nt = 0; nt < NT; ++nt) m[nt][0] = m[nt][1] = ninf(), l[nt][0] = l[nt][1] = 0.0f;
-  int bad = 0;  // bit r: row r of the block saw a NaN or +inf score
-  // Score scale per (n-tile, row 2t + e): scale, log2(e), k_scale (8-bit caches), 2^s (bf16 q).
-  float smul[NT][2];
-  {
-    const float base = p.scale * kLog2e * (k8 && p.k_scale ? p.k_scale[w.hk] : 1.0f);
-#pragma unroll
-    for (int nt = 0; nt < NT; ++nt) smul[nt][0] = base * rscale[nt][0], smul[nt][1] = base * rscale[nt][1];
-  }
-  const float cap = p.softcap * kLog2e, inv_cap = p.softcap > 0.0f ? 1.0f / cap : 0.0f;
-
 #if IOATTN_DECODE_BULK_ENABLED
   if constexpr (kBulk) {
     if (tid == 0) {
@@ -418,6 +326,101 @@ __global__ void __launch_bounds__(kThreads) decode_mma_kernel(const DecodeParams
     issue(s);
   }
   DEC_TRACE(2);
+
+  // The query rows and the per-row constants only now, with the first tiles' loads in flight: the
+  // q loads' latency (and that of the first use of their values) overlaps the cache reads instead
+  // of delaying their issue (trace, H200 b1 x 4k: ~5,000 cycles from work_item to the last issue).
+  // Q^T as the B operand: the lane holds query row g of each n-tile, dims 2t, 2t+1 (and +8) of
+  // each k-step; with an 8-bit cache the k-step's dims are permuted as the K codes arrive (below):
+  // b0 = dims 4t, 4t+1 and b1 = dims 4t+2, 4t+3 of the step's 16.
+  uint32_t qb[NT][kKD][2];
+  const auto* q16 = static_cast<const uint16_t*>(p.q);
+  float qmax[NT];  // 8-bit caches with bf16 q: this lane's max finite |q| of row g, per n-tile
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt) {
+    qmax[nt] = 0.0f;
+    const int rr = w.rb * ROWS + nt * 8 + g;
+    const bool ok = rr < p.rows;
+    const int hh = ok ? rr / sq : 0, i = ok ? rr % sq : 0, h = w.hk * p.group + hh;
+    const int64_t qoff = w.b * p.q_sb + i * p.q_ss + h * p.q_sh;
+#pragma unroll
+    for (int kk = 0; kk < kKD; ++kk)
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int col = k8 ? kk * 16 + 4 * t4 + 2 * half : kk * 16 + half * 8 + 2 * t4;
+        uint32_t bits = 0;
+        if (ok) bits = static_cast<uint32_t>(q16[qoff + col]) | static_cast<uint32_t>(q16[qoff + col + 1]) << 16;
+        qb[nt][kk][half] = bits;
+        if (k8 && p.dtype == DType::bf16) {
+          const float lo = fabsf(__uint_as_float(bits << 16)), hi = fabsf(__uint_as_float(bits & 0xffff0000u));
+          qmax[nt] = fmaxf(qmax[nt], fmaxf(lo < INFINITY ? lo : 0.0f, hi < INFINITY ? hi : 0.0f));  // inf, NaN: 0
+        }
+      }
+  }
+  // bf16 q on the f16 mma: each row times 2^-s, its max finite |q| then in [2^13, 2^14) (a power
+  // of two: exact; elements below 2^-24 of the row's largest flush, far under bf16's own rounding;
+  // inf and NaN stay what they are and poison their row as on the CPU), and 2^s back in that row's
+  // score scale: rscale[nt][e] for the rows 2t + e this lane holds in the C layout.
+  float rscale[NT][2];
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt) rscale[nt][0] = rscale[nt][1] = 1.0f;  // 16-bit caches, f16 q
+  if constexpr (k8) {
+    if (p.dtype == DType::bf16) {
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) {
+        float m = qmax[nt];  // over the 4 lanes that hold row g
+        m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
+        m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
+        // s = floor(log2 m) - 13 from the exponent bits, so 2^13 <= m * 2^-s < 2^14: large rows
+        // scaled into f16's range, small ones up out of its subnormals; clamped so 2^+-s stay
+        // normal (an all-zero or subnormal row: s = -100, harmless).
+        const int sh = min(114, max(-100, ((__float_as_int(m) >> 23) & 0xff) - 127 - 13));
+        const float qs = __int_as_float((127 - sh) << 23);
+#pragma unroll
+        for (int kk = 0; kk < kKD; ++kk)
+#pragma unroll
+          for (int half = 0; half < 2; ++half) {
+            const uint32_t b = qb[nt][kk][half];
+            qb[nt][kk][half] = ptx::pack2<__half>(__uint_as_float(b << 16) * qs, __uint_as_float(b & 0xffff0000u) * qs);
+          }
+#pragma unroll
+        for (int e = 0; e < 2; ++e) rscale[nt][e] = __int_as_float((127 + __shfl_sync(0xffffffffu, sh, 4 * (2 * t4 + e))) << 23);
+      }
+    }
+  }
+  // The rows this lane holds in the C layouts of S^T and O^T: 2t + e of each n-tile.
+  bool valid[NT][2];
+  float slope[NT][2], diag[NT][2];
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const int rr = w.rb * ROWS + nt * 8 + 2 * t4 + e;
+      valid[nt][e] = rr < p.rows;
+      const int hh = valid[nt][e] ? rr / sq : 0, i = valid[nt][e] ? rr % sq : 0;
+      slope[nt][e] = (valid[nt][e] && p.alibi) ? p.alibi[w.hk * p.group + hh] * kLog2e : 0.0f;
+      diag[nt][e] = static_cast<float>(i + w.len - sq);
+    }
+
+  float o[NT][kKD][4];  // O^T: m-tile mt holds dims mt * 16 + g (c0, c1) and + 8 (c2, c3)
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+    for (int mt = 0; mt < kKD; ++mt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) o[nt][mt][e] = 0.0f;
+  float m[NT][2], l[NT][2];
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt) m[nt][0] = m[nt][1] = ninf(), l[nt][0] = l[nt][1] = 0.0f;
+  int bad = 0;  // bit r: row r of the block saw a NaN or +inf score
+  // Score scale per (n-tile, row 2t + e): scale, log2(e), k_scale (8-bit caches), 2^s (bf16 q).
+  float smul[NT][2];
+  {
+    const float base = p.scale * kLog2e * (k8 && p.k_scale ? p.k_scale[w.hk] : 1.0f);
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) smul[nt][0] = base * rscale[nt][0], smul[nt][1] = base * rscale[nt][1];
+  }
+  const float cap = p.softcap * kLog2e, inv_cap = p.softcap > 0.0f ? 1.0f / cap : 0.0f;
 
   for (int tile = 0; tile < ntiles; ++tile) {
     ptx::cp_async_wait<STAGES - 2>();
@@ -631,7 +634,7 @@ void print_decode_trace(int64_t grid, const char* name) {
   IOATTN_CUDA_CHECK(cudaMemcpyFromSymbol(clk, g_dec_clk, sizeof(clk)));
   IOATTN_CUDA_CHECK(cudaMemcpyFromSymbol(gt, g_dec_gt, sizeof(gt)));
   const int n = static_cast<int>(std::min<int64_t>(grid, kDtCtas));
-  const char* names[kDtPoints] = {"", "work_item", "prologue issue", "wait tile0", "compute tile0",
+  const char* names[kDtPoints] = {"", "work_item", "prologue issue", "q + wait tile0", "compute tile0",
                                   "wait tile1", "rest of loop", "epilogue"};
   std::fprintf(stderr, "decode trace %s grid %lld (%d CTAs traced), SM cycles median / mean / max:", name,
                static_cast<long long>(grid), n);
