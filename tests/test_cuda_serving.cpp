@@ -616,19 +616,30 @@ TEST(CudaDecodePlan, SplitHeuristic) {
   int sms = 0;
   CUDA_OK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
   std::string why;
-  const int s = detail::cuda_decode_num_splits(1, 32, 8, 1, 4096, 0, &why);
+  // (batch, heads_q, heads_kv, seqlen_q, max_seqlen_k, cache dtype, head_dim, paged)
+  auto splits = [](int64_t b, int64_t L, DType cache = DType::bf16, bool paged = false, std::string* w = nullptr) {
+    return detail::cuda_decode_num_splits(b, 32, 8, 1, L, cache, 128, paged, 0, w);
+  };
+  const int s = splits(1, 4096, DType::bf16, false, &why);
   EXPECT_NE(why.find(std::to_string(sms) + " SMs"), std::string::npos) << why;
   EXPECT_GE(s, 1);
   EXPECT_LE(s, 32);  // chunks >= 128 tokens
-  EXPECT_EQ(detail::cuda_decode_num_splits(4096, 32, 8, 1, 32768, 0, nullptr), 1);
-  EXPECT_EQ(detail::cuda_decode_num_splits(1, 1, 1, 1, 100, 0, nullptr), 1);
-  EXPECT_EQ(detail::cuda_decode_num_splits(0, 8, 8, 1, 0, 0, nullptr), 1);
+  EXPECT_EQ(splits(4096, 32768), 1);
+  EXPECT_EQ(splits(4096, 32768, DType::f8e4m3, true), 1);
+  EXPECT_EQ(detail::cuda_decode_num_splits(1, 1, 1, 1, 100, DType::bf16, 128, false, 0, nullptr), 1);
+  EXPECT_EQ(detail::cuda_decode_num_splits(0, 8, 8, 1, 0, DType::bf16, 128, false, 0, nullptr), 1);
+  // a contiguous 16-bit cache with a CTA on ~every SM runs unsplit, and the reason says why
+  std::string why16;
+  EXPECT_EQ(splits(sms, 32768, DType::f16, false, &why16), 1);
+  EXPECT_NE(why16.find("unsplit"), std::string::npos) << why16;
   if (sms == 132) {
     EXPECT_EQ(s, 32);
-    EXPECT_EQ(detail::cuda_decode_num_splits(1, 32, 8, 1, 131072, 0, nullptr), 32);
-    EXPECT_EQ(detail::cuda_decode_num_splits(16, 32, 8, 1, 32768, 0, nullptr), 2);
-    EXPECT_EQ(detail::cuda_decode_num_splits(64, 32, 8, 1, 32768, 0, nullptr), 1);
-    EXPECT_EQ(detail::cuda_decode_num_splits(128, 32, 8, 1, 32768, 0, nullptr), 1);
+    EXPECT_EQ(splits(1, 131072), 32);
+    EXPECT_EQ(splits(16, 32768), 1);
+    EXPECT_EQ(splits(16, 32768, DType::bf16, true), 2);  // paged: the wave model
+    EXPECT_EQ(splits(64, 32768), 1);
+    EXPECT_EQ(splits(128, 32768), 1);
+    EXPECT_GE(splits(64, 32768, DType::f8e4m3), 2);  // 8-bit: 3 CTAs per SM, 512 per split
   }
 }
 

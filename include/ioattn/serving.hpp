@@ -39,6 +39,10 @@ struct KVCache {
 
 struct DecodeOptions {
   int num_splits = 0;  // KV chunks per (sequence, kv head) processed in parallel; 0 = heuristic
+  // plan_decode only: the dtype of the cache the plan will run on, a hint for the CUDA split
+  // heuristic (8-bit caches want more CTAs than 16-bit ones). Any cache runs under the plan;
+  // decode() without a plan uses the cache's own dtype.
+  DType cache_dtype = DType::bf16;
 };
 
 // A plan fixes the split counts and the work partition for one batch shape; run with it as

@@ -189,9 +189,12 @@ void cpu_merge_states(const MergeProblem& p);
 // does not read them: CUDA-graph capture); the kernels bound-check instead (see serving_decode.cu).
 // The decode kernel's row for this problem, or an empty name and why none fits.
 CudaSelection cuda_decode_select(const DecodeProblem& p, int arch);
-// The CUDA split heuristic (documented at its definition) for the SM count of device_index.
+// The CUDA split heuristic (documented at its definition) for the SM count of device_index; the
+// cache's dtype, head_dim and layout (paged or contiguous) pick how many CTAs an SM holds and
+// whether one CTA per SM already reads at the SM's share of the bandwidth.
 int cuda_decode_num_splits(int64_t batch, int64_t heads_q, int64_t heads_kv, int64_t seqlen_q,
-                           int64_t max_seqlen_k, int device_index, std::string* why);
+                           int64_t max_seqlen_k, DType cache_dtype, int64_t head_dim, bool paged, int device_index,
+                           std::string* why);
 // CUDA workspace: partial O fp32 [batch, heads_q, seqlen_q, splits, dv] at offset 0, partial LSE
 // fp32 [batch, heads_q, seqlen_q, splits] at the next kWorkspaceAlign boundary; 0 bytes for one split.
 size_t cuda_decode_workspace_bytes(int64_t batch, int64_t heads_q, int64_t seqlen_q, int64_t head_dim_v,

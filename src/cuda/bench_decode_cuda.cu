@@ -198,6 +198,7 @@ void run_cell(const Cell& c, int repeats, bool eager, double mem_limit, const st
   const TensorView lv_ = TensorView::contiguous(lse.p, DType::f32, {c.batch, c.hq, c.sq}, Device::cuda);
   DecodeOptions opt;
   opt.num_splits = c.splits;
+  opt.cache_dtype = c.cache;  // the split heuristic's hint
   const DecodePlan plan =
       plan_decode(c.batch, c.hq, c.hkv, c.d, c.d, c.sq, c.kv, paged ? c.page : 0, Device::cuda, opt);
   DevMem ws(plan.workspace_bytes);

@@ -568,28 +568,42 @@ CudaSelection cuda_decode_select(const DecodeProblem& p, int arch) {
 }
 
 // Split heuristic (CUDA). A CTA is (sequence, kv head, split, row block); beyond batch * heads_kv
-// * row_blocks CTAs, parallelism comes only from splitting the KV range. Both kernels keep
-// kCtasPerSm = 2 CTAs resident per SM (shared memory: the cp.async ring), so a launch runs in
-// waves of slots = 2 * SMs CTAs, and every CTA of a wave streams a chunk of the same length.
-// The cost of s splits, in key tokens per CTA slot:
+// * row_blocks CTAs, parallelism comes only from splitting the KV range. A launch runs in waves of
+// slots = ctas_per_sm * SMs CTAs (2 resident per SM: the cp.async ring of the 16-bit kernels; 3
+// for 8-bit caches at head_dim <= 128, whose ring is smaller), and every CTA of a wave streams a
+// chunk of the same length. The cost of s splits, in key tokens per CTA slot:
 //   cost(s) = waves(s) * (chunk(s) + kCtaOverheadTokens) + (s > 1 ? kMergeOverheadTokens : 0)
 //   waves(s) = ceil(work * s / slots), chunk(s) = ceil(max_seqlen_k / s) rounded up to 16,
 //   work = batch * heads_kv * row_blocks,
 // (the pipeline ramp and epilogue of a CTA, and the merge launch, as the tokens a CTA streams in
 // that time), minimised over 1 <= s <= min(kMaxSplits, ceil(max_seqlen_k / kMinChunkTokens)),
-// the fewest splits within 3% of the minimum. H200 (132 SMs, 264 slots), GQA 32/8, one token:
-// batch 1 x 4k / 32k / 128k -> 32 splits (256 CTAs; at 4k chunks of 128 tokens, every tile in
-// flight at once), 16 x 4k..128k -> 2 (256 CTAs), 64 and 128 x 32k -> 1 (512 / 1024 CTAs).
+// the fewest splits within 3% of the minimum. One exception: a contiguous 16-bit cache whose work
+// already puts a CTA on ~every SM (work >= 0.9 SMs) runs unsplit — one such CTA reads at its SM's
+// share of HBM bandwidth, so a second one per SM only adds a merge (H200, session 9, GQA 32/8,
+// hdim 128, TB/s unsplit / 2 splits: b16 x 4k 3.95 / 3.65, x 32k 4.30 / 4.09, x 128k 4.28 /
+// 4.15; paged caches and 8-bit ones keep the wave model: f8e4m3 b64 x 32k paged 16 ran 2.89 TB/s
+// unsplit, 3.57 / 3.61 at 4 / 8 splits). H200 (132 SMs), GQA 32/8, one token, bf16: batch 1 x
+// 4k / 32k / 128k -> 32 splits (256 CTAs; at 4k chunks of 128 tokens, every tile in flight at
+// once), 16 and 64 x 4k..128k contiguous -> 1 (paged: 2 at batch 16).
 int cuda_decode_num_splits(int64_t batch, int64_t heads_q, int64_t heads_kv, int64_t seqlen_q, int64_t max_seqlen_k,
-                           int device_index, std::string* why) {
-  constexpr int64_t kCtasPerSm = 2, kMinChunkTokens = 128, kCtaOverheadTokens = 64, kMergeOverheadTokens = 64;
+                           DType cache_dtype, int64_t head_dim, bool paged, int device_index, std::string* why) {
+  constexpr int64_t kMinChunkTokens = 128, kCtaOverheadTokens = 64, kMergeOverheadTokens = 64;
+  const bool eight_bit = cache_dtype == DType::f8e4m3 || cache_dtype == DType::i8;
+  const bool sixteen_bit = cache_dtype == DType::bf16 || cache_dtype == DType::f16;
+  const int64_t ctas_per_sm = eight_bit && head_dim <= 128 ? 3 : 2;
   const int sms = sm_count(device_index);
   const int64_t rb = heads_kv > 0 ? row_blocks_of(heads_q, heads_kv, seqlen_q) : 1;
   const int64_t work = std::max<int64_t>(1, batch * heads_kv * rb);
-  const int64_t slots = kCtasPerSm * sms;
+  const int64_t slots = ctas_per_sm * sms;
   const int64_t L = std::max<int64_t>(max_seqlen_k, 1);
   const int64_t by_len = std::max<int64_t>(1, (L + kMinChunkTokens - 1) / kMinChunkTokens);
   const int64_t max_s = std::clamp<int64_t>(by_len, 1, kMaxSplits);
+  if (sixteen_bit && !paged && work * 10 >= static_cast<int64_t>(sms) * 9) {
+    if (why)
+      *why = "batch*heads_kv*row_blocks " + std::to_string(work) + " CTAs on " + std::to_string(sms) +
+             " SMs, contiguous 16-bit cache: unsplit (one CTA per SM reads at its share of the bandwidth)";
+    return 1;
+  }
   auto cost = [&](int64_t s) {
     int64_t chunk = (L + s - 1) / s;
     chunk = (chunk + detail::kSplitAlignTokens - 1) / detail::kSplitAlignTokens * detail::kSplitAlignTokens;
@@ -602,7 +616,7 @@ int cuda_decode_num_splits(int64_t batch, int64_t heads_q, int64_t heads_kv, int
   while (best < max_s && cost(best) > 1.03 * best_cost) ++best;
   if (why)
     *why = "batch*heads_kv*row_blocks " + std::to_string(work) + " CTAs per split on " + std::to_string(sms) +
-           " SMs (" + std::to_string(slots) + " slots of " + std::to_string(kCtasPerSm) +
+           " SMs (" + std::to_string(slots) + " slots of " + std::to_string(ctas_per_sm) +
            " per SM), max_seqlen_k " + std::to_string(max_seqlen_k) + ": fewest waves x (chunk + ramp) over 1.." +
            std::to_string(max_s) + " splits (chunks >= " + std::to_string(kMinChunkTokens) + " tokens)";
   return static_cast<int>(best);
