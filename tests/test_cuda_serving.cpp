@@ -618,7 +618,7 @@ TEST(CudaDecodePlan, SplitHeuristic) {
   std::string why;
   // (batch, heads_q, heads_kv, seqlen_q, max_seqlen_k, cache dtype, head_dim, paged)
   auto splits = [](int64_t b, int64_t L, DType cache = DType::bf16, bool paged = false, std::string* w = nullptr) {
-    return detail::cuda_decode_num_splits(b, 32, 8, 1, L, cache, 128, paged, 0, w);
+    return detail::cuda_decode_num_splits(b, 32, 8, 1, L, cache, 128, 128, paged, 0, w);
   };
   const int s = splits(1, 4096, DType::bf16, false, &why);
   EXPECT_NE(why.find(std::to_string(sms) + " SMs"), std::string::npos) << why;
@@ -626,8 +626,11 @@ TEST(CudaDecodePlan, SplitHeuristic) {
   EXPECT_LE(s, 32);  // chunks >= 128 tokens
   EXPECT_EQ(splits(4096, 32768), 1);
   EXPECT_EQ(splits(4096, 32768, DType::f8e4m3, true), 1);
-  EXPECT_EQ(detail::cuda_decode_num_splits(1, 1, 1, 1, 100, DType::bf16, 128, false, 0, nullptr), 1);
-  EXPECT_EQ(detail::cuda_decode_num_splits(0, 8, 8, 1, 0, DType::bf16, 128, false, 0, nullptr), 1);
+  EXPECT_EQ(detail::cuda_decode_num_splits(1, 1, 1, 1, 100, DType::bf16, 128, 128, false, 0, nullptr), 1);
+  EXPECT_EQ(detail::cuda_decode_num_splits(0, 8, 8, 1, 0, DType::bf16, 128, 128, false, 0, nullptr), 1);
+  // multi-token decode (the FMA kernel when masked) keeps the wave model: 4 sequences x 8 kv heads x
+  // 4 row blocks put a CTA on ~every SM, and still split
+  if (sms == 132) EXPECT_GE(detail::cuda_decode_num_splits(4, 32, 8, 4, 32768, DType::bf16, 128, 128, false, 0, nullptr), 2);
   // a contiguous 16-bit cache with a CTA on ~every SM runs unsplit, and the reason says why
   std::string why16;
   EXPECT_EQ(splits(sms, 32768, DType::f16, false, &why16), 1);

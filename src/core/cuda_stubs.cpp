@@ -32,7 +32,8 @@ CudaSelection cuda_backward_select(const BwdProblem&, int) { return {"", "this b
 void cuda_flash_backward(const BwdProblem&) { no_cuda(); }
 // Serving (never reached: validation refuses CUDA tensors in a build without CUDA).
 CudaSelection cuda_decode_select(const DecodeProblem&, int) { return {"", "this build has no CUDA backend"}; }
-int cuda_decode_num_splits(int64_t, int64_t, int64_t, int64_t, int64_t, DType, int64_t, bool, int, std::string*) {
+int cuda_decode_num_splits(int64_t, int64_t, int64_t, int64_t, int64_t, DType, int64_t, int64_t, bool, int,
+                           std::string*) {
   no_cuda();
 }
 size_t cuda_decode_workspace_bytes(int64_t, int64_t, int64_t, int64_t, int) { return 0; }

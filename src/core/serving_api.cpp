@@ -389,7 +389,7 @@ DecodePlan plan_decode(int64_t batch, int64_t heads_q, int64_t heads_kv, int64_t
     // CUDA: splits for this device's SM count; the workspace holds only the partials.
     pl.num_splits = opt.num_splits > 0 ? opt.num_splits
                                        : cuda_decode_num_splits(batch, heads_q, heads_kv, seqlen_q, max_seqlen_k,
-                                                                opt.cache_dtype, head_dim, page_size > 0,
+                                                                opt.cache_dtype, head_dim, head_dim_v, page_size > 0,
                                                                 device_index, nullptr);
     pl.workspace_bytes = cuda_decode_workspace_bytes(batch, heads_q, seqlen_q, head_dim_v, pl.num_splits);
     pl.fingerprint = plan_fingerprint(pl);
@@ -423,7 +423,7 @@ KernelChoice decode(const TensorView& q, const KVCache& cache, const TensorView&
       reason = "num_splits=" + i2s(opt.num_splits) + " requested";
     } else {
       p.num_splits = cuda_decode_num_splits(p.batch, p.heads_q, p.heads_kv, p.seqlen_q, val.max_len, p.cache_dtype,
-                                            p.head_dim, p.paged(), p.device_index, &reason);
+                                            p.head_dim, p.head_dim_v, p.paged(), p.device_index, &reason);
       reason = "heuristic: " + reason;
     }
     return run_decode(p, reason + "; internal workspace (stream-ordered) " +

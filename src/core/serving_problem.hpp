@@ -193,8 +193,8 @@ CudaSelection cuda_decode_select(const DecodeProblem& p, int arch);
 // cache's dtype, head_dim and layout (paged or contiguous) pick how many CTAs an SM holds and
 // whether one CTA per SM already reads at the SM's share of the bandwidth.
 int cuda_decode_num_splits(int64_t batch, int64_t heads_q, int64_t heads_kv, int64_t seqlen_q,
-                           int64_t max_seqlen_k, DType cache_dtype, int64_t head_dim, bool paged, int device_index,
-                           std::string* why);
+                           int64_t max_seqlen_k, DType cache_dtype, int64_t head_dim, int64_t head_dim_v,
+                           bool paged, int device_index, std::string* why);
 // CUDA workspace: partial O fp32 [batch, heads_q, seqlen_q, splits, dv] at offset 0, partial LSE
 // fp32 [batch, heads_q, seqlen_q, splits] at the next kWorkspaceAlign boundary; 0 bytes for one split.
 size_t cuda_decode_workspace_bytes(int64_t batch, int64_t heads_q, int64_t seqlen_q, int64_t head_dim_v,

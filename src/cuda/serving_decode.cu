@@ -577,16 +577,18 @@ CudaSelection cuda_decode_select(const DecodeProblem& p, int arch) {
 //   work = batch * heads_kv * row_blocks,
 // (the pipeline ramp and epilogue of a CTA, and the merge launch, as the tokens a CTA streams in
 // that time), minimised over 1 <= s <= min(kMaxSplits, ceil(max_seqlen_k / kMinChunkTokens)),
-// the fewest splits within 3% of the minimum. One exception: a contiguous 16-bit cache whose work
-// already puts a CTA on ~every SM (work >= 0.9 SMs) runs unsplit — one such CTA reads at its SM's
-// share of HBM bandwidth, so a second one per SM only adds a merge (H200, session 9, GQA 32/8,
+// the fewest splits within 3% of the minimum. One exception: the mma kernel's serving case (one
+// query token, head_dim == head_dim_v == 128, the measured one) on a contiguous 16-bit cache whose
+// work already puts a CTA on ~every SM (work >= 0.9 SMs) runs unsplit — one such CTA reads at its
+// SM's share of HBM bandwidth, so a second one per SM only adds a merge (H200, session 9, GQA 32/8,
 // hdim 128, TB/s unsplit / 2 splits: b16 x 4k 3.95 / 3.65, x 32k 4.30 / 4.09, x 128k 4.28 /
-// 4.15; paged caches and 8-bit ones keep the wave model: f8e4m3 b64 x 32k paged 16 ran 2.89 TB/s
-// unsplit, 3.57 / 3.61 at 4 / 8 splits). H200 (132 SMs), GQA 32/8, one token, bf16: batch 1 x
+// 4.15; paged caches, 8-bit ones and the FMA kernel keep the wave model: f8e4m3 b64 x 32k paged 16
+// ran 2.89 TB/s unsplit, 3.57 / 3.61 at 4 / 8 splits; the FMA kernel unsplit at b16 reads < 1 TB/s). H200 (132 SMs), GQA 32/8, one token, bf16: batch 1 x
 // 4k / 32k / 128k -> 32 splits (256 CTAs; at 4k chunks of 128 tokens, every tile in flight at
 // once), 16 and 64 x 4k..128k contiguous -> 1 (paged: 2 at batch 16).
 int cuda_decode_num_splits(int64_t batch, int64_t heads_q, int64_t heads_kv, int64_t seqlen_q, int64_t max_seqlen_k,
-                           DType cache_dtype, int64_t head_dim, bool paged, int device_index, std::string* why) {
+                           DType cache_dtype, int64_t head_dim, int64_t head_dim_v, bool paged, int device_index,
+                           std::string* why) {
   constexpr int64_t kMinChunkTokens = 128, kCtaOverheadTokens = 64, kMergeOverheadTokens = 64;
   const bool eight_bit = cache_dtype == DType::f8e4m3 || cache_dtype == DType::i8;
   const bool sixteen_bit = cache_dtype == DType::bf16 || cache_dtype == DType::f16;
@@ -598,10 +600,13 @@ int cuda_decode_num_splits(int64_t batch, int64_t heads_q, int64_t heads_kv, int
   const int64_t L = std::max<int64_t>(max_seqlen_k, 1);
   const int64_t by_len = std::max<int64_t>(1, (L + kMinChunkTokens - 1) / kMinChunkTokens);
   const int64_t max_s = std::clamp<int64_t>(by_len, 1, kMaxSplits);
-  if (sixteen_bit && !paged && work * 10 >= static_cast<int64_t>(sms) * 9) {
+  const bool mma_serving = sixteen_bit && seqlen_q == 1 && head_dim == 128 && head_dim_v == 128 &&
+                           forced_kernel() != "fma";
+  if (mma_serving && !paged && work * 10 >= static_cast<int64_t>(sms) * 9) {
     if (why)
       *why = "batch*heads_kv*row_blocks " + std::to_string(work) + " CTAs on " + std::to_string(sms) +
-             " SMs, contiguous 16-bit cache: unsplit (one CTA per SM reads at its share of the bandwidth)";
+             " SMs, one query token on a contiguous 16-bit cache (the mma kernel): unsplit (one CTA per SM reads "
+             "at its share of the bandwidth)";
     return 1;
   }
   auto cost = [&](int64_t s) {
