@@ -33,7 +33,11 @@
 // per chunk: ~1100 warp instructions per 16 keys, 2 warps per scheduler waiting 4.2 cycles between
 // instructions (ncu), 0.50 / 1.89 / 2.90 TB/s at b1 x 4k / 32k / 128k and paged 1.17-1.29x slower
 // than contiguous. This kernel (with the merge rewritten, serving_decode.cu): 1.25 / 3.17 / 3.86
-// TB/s, 4.1-4.2 TB/s at batch >= 16, paged within 3% of contiguous.
+// TB/s, 4.1-4.2 TB/s at batch >= 16, paged within 3% of contiguous. Session 9 (IOATTN_DECODE_TRACE,
+// below): ~12,000 of a b1 x 4k CTA's ~18,500 cycles were fixed costs (64-bit index divisions, the
+// q loads' first use stalling the warp before any K/V load was issued, an epilogue with divisions
+// per output element); the K/V loads now go out first and the epilogue writes one row per warp:
+// b1 x 4k 13.6 -> 12.9 us per call. The burst's cp.async issue still takes ~3,500 cycles per CTA.
 //
 // Why "every row sees the same keys": a masked key inside the loaded range would still be
 // multiplied by P = 0 on the tensor core, and 0 * inf = NaN would reach rows that must not see its
