@@ -45,7 +45,8 @@
 # GPU_CHECK_JOBS (build parallelism, default nproc), GPU_CHECK_BWD_SM90 (0: skip the wgmma-backward
 # test and bench in the backward stage), GPU_CHECK_DECODE_BULK (0: skip the bulk-loader
 # test and A/B in the decode stage), GPU_CHECK_DECODE_SPLITS (split counts to sweep, e.g. "1 2 4 8";
-# shapes from GPU_CHECK_DECODE_SPLIT_SHAPES, default "--batch 16,64 --kv 32768,131072"), GPU_CHECK_BWDTUNE_BUDGET (seconds, default 100),
+# shapes from GPU_CHECK_DECODE_SPLIT_SHAPES, default "--batch 16,64 --kv 32768,131072"; page sizes
+# from GPU_CHECK_DECODE_SPLIT_PAGES, default 0 = contiguous, e.g. "0,16"), GPU_CHECK_BWDTUNE_BUDGET (seconds, default 100),
 # GPU_CHECK_BWDTUNE_ARGS (extra ioattn_cuda_bwd_tune args), GPU_CHECK_REPORT_INPUTS (folder holding
 # peer.json / sm90.csv / peer_sm90.csv / peer_decode.json for the report's charts; default RESULTS_DIR).
 set -uo pipefail
@@ -330,10 +331,21 @@ if want decode; then
   for sp in ${GPU_CHECK_DECODE_SPLITS:-}; do
     t0=$(stamp)
     timeout 200 "$BUILD/ioattn_cuda_decode_bench" ${GPU_CHECK_DECODE_SPLIT_SHAPES:---batch 16,64 --kv 32768,131072} \
-      --pages 0 --caches bf16 --eager 0 --copy 0 --splits "$sp" >>"$OUT/decode_splits.log" 2>&1
+      --pages ${GPU_CHECK_DECODE_SPLIT_PAGES:-0} --caches bf16 --eager 0 --copy 0 --splits "$sp" >>"$OUT/decode_splits.log" 2>&1
     note "splits=$sp   rc=$?  $(( $(stamp) - t0 )) s  (decode_splits.log)"
   done
   [[ -f $OUT/decode_splits.log ]] && grep '^{' "$OUT/decode_splits.log" >>"$OUT/decode_bulk.json"
+  # One line per bulk-loader / split-sweep row (graph replay; compare with the decode table above).
+  [[ -s $OUT/decode_bulk.json ]] && python3 - "$OUT/decode_bulk.json" <<'PY' | tee -a "$SUMMARY"
+import json, sys
+for line in open(sys.argv[1]):
+    r = json.loads(line)
+    if r.get("impl") != "ioattn":
+        continue
+    loader = "bulk" if "bulk" in r.get("kernel", "") else "cp.async"
+    print(f"decode {loader:8s} b{r['batch']:<3d} kv {r['kv_len']:<6d} page {r['page_size']:<3d} {r['cache']:7s} "
+          f"splits {r['splits']:<3d} {r['tbps']:.3f} TB/s")
+PY
 fi
 
 # ---- ring attention: time per rank vs single device / P, NVLink hop model -------------------------

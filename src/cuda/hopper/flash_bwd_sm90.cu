@@ -52,7 +52,10 @@ namespace sm90_bwd {
 #define IOATTN_BWD_TRACE 0
 #endif
 #if IOATTN_BWD_TRACE
-constexpr int kTrBlocks = 8, kTrSteps = 64, kTrPoints = 10;
+// Points 0-9: the phases every variant prints; 10-14: finer points (10: after the dQ piece
+// buffer's read wait at the top; pp at hdim 128 only: 11 after dS^T is stored, 12 after the wait
+// for the other half (ds_full), 13 after the dQ wait, 14 after put_dq).
+constexpr int kTrBlocks = 8, kTrSteps = 64, kTrPoints = 15;
 __device__ unsigned g_bwd_trace[kTrBlocks][2][kTrSteps][kTrPoints];
 #define BWD_TRACE(step, k)                                                                       \
   do {                                                                                           \
@@ -390,6 +393,7 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_sm90_kernel(const BwdPa
   for (int step = 0; step < steps; ++step) {
     if constexpr (kPingPong) {
       if (wtid == 0) bulk_wait_group_read<1>();  // this step's dQ piece buffer (see below)
+      BWD_TRACE(step, 10);
       mbarrier_wait_or_trap(&full_qdo[step & 1], (step >> 1) & 1);  // Q, dO, LSE, D of this step
       BWD_TRACE(step, 9);
       // The piece buffer handed over; hdim 64: this warpgroup's dS^T rows of step - 1 (stored and
@@ -408,6 +412,7 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_sm90_kernel(const BwdPa
       // kLag + kTmaDq: the barrier also hands over the dQ piece buffer written in this step, free
       // once the reduce-adds issued from it two steps ago have read it.
       if (kLag && kTmaDq && wtid == 0) bulk_wait_group_read<1>();
+      BWD_TRACE(step, 10);
       // Q, dO of this step (trap rather than hang while the variant is unverified on a GPU)
       if constexpr (kTmaLoad) mbarrier_wait_or_trap(&full_qdo[step & 1], (step >> 1) & 1);
       BWD_TRACE(step, 9);
@@ -564,9 +569,11 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_sm90_kernel(const BwdPa
       // This thread's dS^T rows to the async proxy, then counted on ds_full[st]; the previous
       // step's two halves (buffer st ^ 1) complete before its dQ wgmmas (step 0: the throw-away
       // product of buffer 1, no wait).
+      BWD_TRACE(step, 11);
       fence_proxy_async();
       mbarrier_arrive(&ds_full[st]);
       if (step >= 1) mbarrier_wait_or_trap(&ds_full[st ^ 1], ((step - 1) >> 1) & 1);
+      BWD_TRACE(step, 12);
       gemm_dq(dq, st ^ 1);  // (its own wgmma_fence)
       wgmma_commit();
     }
@@ -581,12 +588,12 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_sm90_kernel(const BwdPa
       wgmma_wait<2>();  // the dQ wgmmas (dV and dK may still run): its output under them
 #pragma unroll
       for (int i = 0; i < kBM / 2; ++i) reg_fence(dq[i]);
-      if constexpr (kDqWithDkv) {  // this warp's reads of dS^T buffer st ^ 1 are done
-        __syncwarp();
-        if (lane == 0) mbarrier_arrive(&ds_empty[st ^ 1]);
-      }
+      BWD_TRACE(step, 13);
+      __syncwarp();  // this warp's reads of dS^T buffer st ^ 1 are done
+      if (lane == 0) mbarrier_arrive(&ds_empty[st ^ 1]);
       if (step > 0) put_dq(dq, prev_h, prev_m0, st ^ 1);
       prev_h = h, prev_m0 = m0;
+      BWD_TRACE(step, 14);
     }
     if constexpr (!kDq || kLag) {
       // dS^T for the next step's dQ wgmmas (after its first barrier; kDqWithDkv fenced before ds_full)
@@ -753,14 +760,14 @@ void print_trace(int64_t grid) {
   IOATTN_CUDA_CHECK(cudaDeviceSynchronize());
   static unsigned h[kTrBlocks][2][kTrSteps][kTrPoints];
   IOATTN_CUDA_CHECK(cudaMemcpyFromSymbol(h, g_bwd_trace, sizeof(h)));
-  const int order[kTrPoints] = {9, 0, 1, 2, 3, 4, 5, 6, 7, 8};
-  const char* names[kTrPoints] = {"top wait->bar", "barrier", "issue", "wait dQ", "put_dq", "wait S",
-                                  "P + dV issue", "wait dP", "dS + dK issue", "wait all"};
+  const int order[10] = {9, 0, 1, 2, 3, 4, 5, 6, 7, 8};
+  const char* names[10] = {"top wait->bar", "barrier", "issue", "wait dQ", "put_dq", "wait S",
+                           "P + dV issue", "wait dP", "dS + dK issue", "wait all"};
   const int nb = static_cast<int>(grid < kTrBlocks ? grid : kTrBlocks);
   for (int wg = 0; wg < 2; ++wg) {
     std::fprintf(stderr, "bwd trace wg %d (mean cycles, steps 2..%d, %d CTAs):", wg, kTrSteps - 2, nb);
     double total = 0;
-    for (int k = 0; k < kTrPoints; ++k) {
+    for (int k = 0; k < 10; ++k) {
       double sum = 0;
       int n = 0;
       for (int b = 0; b < nb; ++b)
@@ -773,6 +780,33 @@ void print_trace(int64_t grid) {
       total += sum / n;
     }
     std::fprintf(stderr, " step %.0f\n", total);
+    // The finer points, where this variant stamps them (a point never stamped stays 0).
+    auto mean = [&](int a, int b, bool prev_step) {  // stamp b - stamp a (a of step - 1 if prev_step)
+      double sum = 0;
+      int n = 0;
+      for (int blk = 0; blk < nb; ++blk)
+        for (int st = 2; st < kTrSteps - 1; ++st) {
+          const unsigned x = h[blk][wg][prev_step ? st - 1 : st][a], y = h[blk][wg][st][b];
+          if (x == 0 || y == 0) return -1.0;
+          sum += static_cast<double>(y - x), ++n;
+        }
+      return n ? sum / n : -1.0;
+    };
+    struct Sub {
+      const char* name;
+      int a, b;
+      bool prev;
+    };
+    const Sub subs[] = {{"dQ buffer read wait", 8, 10, true}, {"Q/dO/LSE/D wait", 10, 9, false},
+                        {"dS^T math + store", 6, 11, false},  {"other dS^T half wait", 11, 12, false},
+                        {"dQ/dV/dK issue", 12, 7, false},      {"dQ wait", 7, 13, false},
+                        {"put_dq", 13, 14, false},             {"dV/dK wait", 14, 8, false}};
+    std::fprintf(stderr, "bwd trace wg %d finer:", wg);
+    for (const Sub& x : subs) {
+      const double m = mean(x.a, x.b, x.prev);
+      if (m >= 0) std::fprintf(stderr, " %s %.0f |", x.name, m);
+    }
+    std::fprintf(stderr, "\n");
   }
 }
 #endif
