@@ -384,6 +384,78 @@ TEST(CudaDecode, BulkLoaderEqualsCpAsyncBitwise) {
   }
 }
 
+// IOATTN_DECODE_STAGES=2 (16-bit caches, head_dim 128): the mma kernel with a 2-stage cp.async ring
+// (3 CTAs per SM). Same tiles, same arithmetic in the same order: bitwise equal to the 3-stage
+// default, for 8 and 16 rows per CTA, contiguous and paged (page 1 / 16 / 64), partial last tiles,
+// empty sequences, splits, a single-tile sequence and a bad block-table entry.
+TEST(CudaDecode, TwoStageRingEqualsDefaultBitwise) {
+  SKIP_WITHOUT_GPU();
+  struct StagesEnv : ScopedEnv {
+    explicit StagesEnv(const char* v) : ScopedEnv("IOATTN_DECODE_STAGES", v) {}
+  };
+  for (DType t : {DType::bf16, DType::f16})
+    for (int64_t hq : {32, 64})
+      for (int64_t ps : {0, 1, 16, 64}) {
+        Spec c = on_cuda(mk("stages2", t));
+        c.hq = hq;
+        c.hkv = hq == 32 ? 8 : 4;
+        c.d = 128;
+        c.lens = {1500, 0, 63, 64, 65, 1, 129};
+        c.page_size = ps;
+        const Values vals = make_values(c, 23);
+        for (int splits : {1, 3}) {
+          for (int bad_page = 0; bad_page < (ps ? 2 : 1); ++bad_page) {
+            Built base(c, vals), two(c, vals);
+            if (bad_page) {
+              for (Built* bl : {&base, &two}) {
+                bl->table[static_cast<size_t>(0 * bl->width + 1)] = static_cast<int32_t>(bl->pages + 3);
+                bl->bt.fill_i32(bl->table);
+              }
+            }
+            {
+              StagesEnv env(nullptr);
+              const KernelChoice k = base.run(splits);
+              EXPECT_EQ(k.kernel.find("stages2"), std::string::npos) << k.kernel;
+              EXPECT_NE(k.reason.find("3-stage cp.async ring"), std::string::npos) << k.reason;
+            }
+            {
+              StagesEnv env("2");
+              const KernelChoice k = two.run(splits);
+              EXPECT_NE(k.kernel.find(" mma stages2"), std::string::npos) << k.kernel;
+              EXPECT_NE(k.reason.find("2-stage cp.async ring"), std::string::npos) << k.reason;
+            }
+            const std::string what = std::string(dtype_name(t)) + " hq " + std::to_string(hq) + " page " +
+                                     std::to_string(ps) + " splits " + std::to_string(splits) +
+                                     (bad_page ? " bad page" : "");
+            EXPECT_TRUE(bitwise_equal(two.outputs(), base.outputs()))
+                << what << ": max diff " << max_diff(two.outputs(), base.outputs());
+            if (!bad_page) expect_matches_reference(two, what);
+          }
+        }
+      }
+  {  // head_dim 64: not the experiment's shape, the default ring runs
+    StagesEnv env("2");
+    Spec c = on_cuda(mk("stages2_d64", DType::bf16));
+    c.lens = {100};
+    Built bl(c, make_values(c, 3));
+    const KernelChoice k = bl.run(1);
+    EXPECT_EQ(k.kernel.find("stages2"), std::string::npos) << k.kernel;
+    expect_matches_reference(bl, "IOATTN_DECODE_STAGES=2 at head_dim 64");
+  }
+  {
+    StagesEnv env("5");
+    Spec c = on_cuda(mk("stages_bad", DType::bf16));
+    c.lens = {10};
+    Built bl(c, make_values(c, 3));
+    try {
+      bl.run(1);
+      ADD_FAILURE() << "IOATTN_DECODE_STAGES=5 accepted";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("IOATTN_DECODE_STAGES"), std::string::npos) << e.what();
+    }
+  }
+}
+
 // ---- 8-bit KV --------------------------------------------------------------------------------
 
 // As DecodeQuant.EightBitWithinQuantisationBound (test_serving.cpp): at fp32 level against the

@@ -326,6 +326,21 @@ if want decode; then
       grep '^{' "$OUT/decode_bulk.log" >"$OUT/decode_bulk.json"
     fi
   fi
+  # The 2-stage ring (IOATTN_DECODE_STAGES=2: 3 CTAs per SM, 16-bit caches at head_dim 128; session 9,
+  # not yet run when written): its bitwise test, then the grid at splits GPU_CHECK_DECODE_STAGES2_SPLITS
+  # (default "0 4 8"; 0 = the heuristic, which counts 3 CTAs per SM for it) -> appended to
+  # decode_bulk.json (the kernel name says "stages2"). GPU_CHECK_DECODE_STAGES2=0 skips it.
+  if [[ ${GPU_CHECK_DECODE_STAGES2:-1} == 1 && -x $BUILD/test_cuda_serving ]]; then
+    if bounded_test "stages2 test" 180 "$BUILD/test_cuda_serving" 'CudaDecode.TwoStageRing*' "$OUT/decode_stages2.log"; then
+      for sp in ${GPU_CHECK_DECODE_STAGES2_SPLITS:-0 4 8}; do
+        t0=$(stamp)
+        IOATTN_DECODE_STAGES=2 timeout 200 "$BUILD/ioattn_cuda_decode_bench" --pages 0,16 --caches bf16 --eager 0 \
+          --copy 0 --splits "$sp" ${GPU_CHECK_DECODE_ARGS:-} >>"$OUT/decode_stages2.log" 2>&1
+        note "stages2 splits=$sp rc=$?  $(( $(stamp) - t0 )) s  (decode_stages2.log)"
+      done
+      grep '^{' "$OUT/decode_stages2.log" >>"$OUT/decode_bulk.json"
+    fi
+  fi
   # Split-count sweep (GPU_CHECK_DECODE_SPLITS="1 2 4 8"): does the heuristic leave speed at large
   # batch (wave quantisation at 2 CTAs per SM)? Appended to decode_bulk.json, impl "ioattn" rows.
   for sp in ${GPU_CHECK_DECODE_SPLITS:-}; do
@@ -342,7 +357,8 @@ for line in open(sys.argv[1]):
     r = json.loads(line)
     if r.get("impl") != "ioattn":
         continue
-    loader = "bulk" if "bulk" in r.get("kernel", "") else "cp.async"
+    kern = r.get("kernel", "")
+    loader = "bulk" if " bulk" in kern else "stages2" if "stages2" in kern else "cp.async"
     print(f"decode {loader:8s} b{r['batch']:<3d} kv {r['kv_len']:<6d} page {r['page_size']:<3d} {r['cache']:7s} "
           f"splits {r['splits']:<3d} {r['tbps']:.3f} TB/s")
 PY

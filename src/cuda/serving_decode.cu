@@ -532,6 +532,10 @@ CudaSelection cuda_decode_select(const DecodeProblem& p, int arch) {
   const std::string loader = forced_loader();
   if (!loader.empty() && loader != "bulk" && loader != "cp.async")
     return no("IOATTN_DECODE_LOADER must be bulk or cp.async (or unset), got '" + loader + "'");
+  const char* stages_env = std::getenv("IOATTN_DECODE_STAGES");
+  if (stages_env != nullptr && *stages_env != '\0' && std::strcmp(stages_env, "2") != 0 &&
+      std::strcmp(stages_env, "3") != 0)
+    return no(std::string("IOATTN_DECODE_STAGES must be 2 or 3 (or unset), got '") + stages_env + "'");
   if (mma) {
     const int rows = mma_rows_per_cta(p.rows_per_group(), p.head_dim);
     const bool bulk = use_bulk_loader(p, [&] { return arch; });
@@ -542,8 +546,10 @@ CudaSelection cuda_decode_select(const DecodeProblem& p, int arch) {
                                             : "") +
                    "cp.async ring";
     const int64_t rbm = row_blocks_of(p.heads_q, p.heads_kv, p.seqlen_q, rows);
-    const int stages = p.head_dim == 64 ? 4 : p.head_dim == 128 ? 3 : 2;
-    return {"cuda/splitkv sm" + std::to_string(arch) + " mma" + (bulk ? " bulk" : ""),
+    // (the bulk loader keeps its own 3 stages; IOATTN_DECODE_STAGES=2 is for the cp.async ring)
+    const int stages = bulk ? 3 : mma_decode_stages(p.cache_dtype, p.head_dim);
+    return {"cuda/splitkv sm" + std::to_string(arch) + " mma" + (bulk ? " bulk" : "") +
+                (!bulk && stages == 2 && p.head_dim == 128 ? " stages2" : ""),
             std::string(force.empty() ? "" : "IOATTN_DECODE_KERNEL=mma; ") +
                 "mma.sync m16n8k16 with keys as M (S^T = K Q^T, O^T += V^T P^T, P^T by movmatrix, P = P_hi + "
                 "P_lo), 4 warps x 16 keys of 64-key tiles, " +
@@ -592,7 +598,9 @@ int cuda_decode_num_splits(int64_t batch, int64_t heads_q, int64_t heads_kv, int
   constexpr int64_t kMinChunkTokens = 128, kCtaOverheadTokens = 64, kMergeOverheadTokens = 64;
   const bool eight_bit = cache_dtype == DType::f8e4m3 || cache_dtype == DType::i8;
   const bool sixteen_bit = cache_dtype == DType::bf16 || cache_dtype == DType::f16;
-  const int64_t ctas_per_sm = eight_bit && head_dim <= 128 ? 3 : 2;
+  // IOATTN_DECODE_STAGES=2 (the 2-stage ring, an experiment): 3 CTAs per SM, the wave model only
+  const bool two_stage = sixteen_bit && head_dim == 128 && mma_decode_stages(cache_dtype, head_dim) == 2;
+  const int64_t ctas_per_sm = (eight_bit && head_dim <= 128) || two_stage ? 3 : 2;
   const int sms = sm_count(device_index);
   const int64_t rb = heads_kv > 0 ? row_blocks_of(heads_q, heads_kv, seqlen_q) : 1;
   const int64_t work = std::max<int64_t>(1, batch * heads_kv * rb);
@@ -601,7 +609,7 @@ int cuda_decode_num_splits(int64_t batch, int64_t heads_q, int64_t heads_kv, int
   const int64_t by_len = std::max<int64_t>(1, (L + kMinChunkTokens - 1) / kMinChunkTokens);
   const int64_t max_s = std::clamp<int64_t>(by_len, 1, kMaxSplits);
   const bool mma_serving = sixteen_bit && seqlen_q == 1 && head_dim == 128 && head_dim_v == 128 &&
-                           forced_kernel() != "fma";
+                           forced_kernel() != "fma" && !two_stage;
   if (mma_serving && !paged && work * 10 >= static_cast<int64_t>(sms) * 9) {
     if (why)
       *why = "batch*heads_kv*row_blocks " + std::to_string(work) + " CTAs on " + std::to_string(sms) +

@@ -54,6 +54,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <vector>
 #include <string>
@@ -103,13 +104,19 @@ __device__ __forceinline__ unsigned long long dec_globaltimer() {
   } while (0)
 #endif
 
-// kBytes: cache element bytes (2: bf16/f16, 1: f8e4m3/i8).
-template <int D, int kBytes = 2>
+// kBytes: cache element bytes (2: bf16/f16, 1: f8e4m3/i8). kStagesOpt > 0 overrides the ring depth
+// (IOATTN_DECODE_STAGES=2: 16-bit caches at head_dim 128 with a 2-stage ring, 68 KiB, so 3 CTAs fit
+// an SM instead of 2; an experiment, see mma_decode_stages).
+template <int D, int kBytes = 2, int kStagesOpt = 0>
 struct MmaTraits {
   static constexpr int kCPR = D * kBytes / 16;         // 16-byte chunks per cache row
   static constexpr int kPitch = (kCPR + 1) * 16;       // smem row pitch, bytes
   static constexpr int kTileBytes = kBK * kPitch;      // one K (or V) tile
-  static constexpr int kStages = kBytes == 1 ? (D == 256 ? 3 : 4) : D == 64 ? 4 : D == 128 ? 3 : 2;
+  static constexpr int kStages = kStagesOpt > 0 ? kStagesOpt
+                                 : kBytes == 1  ? (D == 256 ? 3 : 4)
+                                 : D == 64      ? 4
+                                 : D == 128     ? 3
+                                                : 2;
   static constexpr int kSmem = kStages * 2 * kTileBytes;
   static constexpr int kLoadIters = kBK * kCPR / kThreads;  // chunks per thread per tile
   static_assert(kThreads % kCPR == 0 && kLoadIters * (kThreads / kCPR) == kBK, "loader covers the tile");
@@ -167,12 +174,13 @@ __device__ __forceinline__ uint32_t code2_to_f16x2(uint32_t w) {
 #endif
 
 // One CTA: (sequence, kv head, split, block of 8 * NT query rows); see the file comment.
-template <typename T, typename CT, int D, int NT, bool kBulk = false>
+template <typename T, typename CT, int D, int NT, bool kBulk = false, int kStagesOpt = 0>
 __global__ void __launch_bounds__(kThreads) decode_mma_kernel(const DecodeParams p) {
   // 8-bit caches: codes become f16 in registers (T = __half); q (bf16 or f16) is loaded as f16.
   constexpr bool k8 = std::is_same_v<CT, E4m3> || std::is_same_v<CT, int8_t>;
   static_assert(!k8 || std::is_same_v<T, __half>, "8-bit caches run the f16 mma");
-  using Tr = MmaTraits<D, k8 ? 1 : 2>;
+  using Tr = MmaTraits<D, k8 ? 1 : 2, kStagesOpt>;
+  static_assert(Tr::kStages >= 2, "the loop waits for a tile while the next one is in flight");
   constexpr int STAGES = Tr::kStages, kKD = D / 16, ROWS = 8 * NT;
   extern __shared__ __align__(16) uint8_t smem[];
   __shared__ float grp_m[4 * ROWS], grp_l[4 * ROWS];
@@ -668,12 +676,12 @@ void print_decode_trace(int64_t grid, const char* name) {
 }
 #endif
 
-template <typename T, typename CT, int D, int NT, bool kBulk = false>
+template <typename T, typename CT, int D, int NT, bool kBulk = false, int kStagesOpt = 0>
 void launch(const DecodeParams& p, int64_t grid, cudaStream_t stream, bool pdl) {
-  constexpr int smem = MmaTraits<D, std::is_same_v<CT, T> ? 2 : 1>::kSmem;
+  constexpr int smem = MmaTraits<D, std::is_same_v<CT, T> ? 2 : 1, kStagesOpt>::kSmem;
   static_assert(smem >= 4 * 8 * NT * D * 4, "the warp merge reuses [4][ROWS][D] fp32 of the ring");
   static std::atomic<uint64_t> smem_set{0};
-  launch_decode_grid(&decode_mma_kernel<T, CT, D, NT, kBulk>, smem_set, p, grid, smem, stream, pdl);
+  launch_decode_grid(&decode_mma_kernel<T, CT, D, NT, kBulk, kStagesOpt>, smem_set, p, grid, smem, stream, pdl);
 #if IOATTN_DECODE_TRACE
   // Eager launches only (a graph capture calls this once per captured call): zero the stamps
   // before the 40th, print after it.
@@ -716,6 +724,16 @@ int mma_rows_per_cta(int64_t rows_per_group, int64_t head_dim) {
   return rows_per_group > 8 && head_dim <= 128 ? 16 : 8;
 }
 
+int mma_decode_stages(DType cache, int64_t head_dim) {
+  const bool sixteen = cache == DType::bf16 || cache == DType::f16;
+  if (sixteen && head_dim == 128) {
+    const char* e = std::getenv("IOATTN_DECODE_STAGES");
+    if (e != nullptr && std::strcmp(e, "2") == 0) return 2;
+  }
+  if (cache == DType::f8e4m3 || cache == DType::i8) return head_dim == 256 ? 3 : 4;
+  return head_dim == 64 ? 4 : head_dim == 128 ? 3 : 2;
+}
+
 namespace {
 // One (q / mma type, cache type): the head dim and n-tile switch.
 template <typename T, typename CT>
@@ -724,6 +742,12 @@ void launch_dims(const DecodeParams& p, int64_t grid, cudaStream_t stream, bool 
   if constexpr (std::is_same_v<T, CT>) {
     if (bulk) {  // the caller checked mma_bulk_supported: head_dim 128, sm_90
       two ? launch<T, CT, 128, 2, true>(p, grid, stream, pdl) : launch<T, CT, 128, 1, true>(p, grid, stream, pdl);
+      return;
+    }
+  }
+  if constexpr (std::is_same_v<T, CT>) {
+    if (p.d == 128 && mma_decode_stages(std::is_same_v<T, __half> ? DType::f16 : DType::bf16, 128) == 2) {
+      two ? launch<T, CT, 128, 2, false, 2>(p, grid, stream, pdl) : launch<T, CT, 128, 1, false, 2>(p, grid, stream, pdl);
       return;
     }
   }
