@@ -24,6 +24,8 @@
 #      active cycles and the shared-memory wavefronts of the wgmma backward kernel at hdim 128, 4k, per
 #      IOATTN_BWD_SM90_VARIANT in GPU_CHECK_NCU_VARIANTS (default "tmald pp") -> ncu_bwd.log.
 #      The logs are packed into logs.tgz at the end: read them there (or grep them in the command).
+#   ncufwd (not in the default stages; ~1-2 min): Nsight Compute on one launch each of the sm90 forward's
+#      hdim-128 bf16 kernels (v3 body non-causal, v4 body causal, 8k) and the fp8 kernel -> ncu_fwd.log.
 #   sm90local (not in the default stages; ~2 min): the forward's kLocal rows (windows, sinks,
 #      softcap, ALiBi, varlen; IOATTN_SM90_LOCAL=1) against the mma.sync kernel on the same shapes
 #      (ioattn_cuda_bench local), a table in the summary -> sm90local.json.
@@ -236,6 +238,25 @@ if want ncubwd && command -v ncu >/dev/null; then
   # The lines that decide the next step, in the summary (the log itself travels in logs.tgz).
   grep -E 'flash_bwd_sm90_kernel|Duration|pipe_(tensor|shared|alu|fma)_cycles|wavefronts_mem_shared|stalled_(wait|dispatch_stall|mio_throttle|long_scoreboard|short_scoreboard|barrier|gmma|math_pipe_throttle)_per|Eligible Warps' \
     "$OUT/ncu_bwd.log" | grep -v '^==' | sed -E 's/  +/ /g; s/^ //' | cut -c1-150 | tee -a "$SUMMARY"
+fi
+
+# ---- Nsight Compute on the sm90 forward (optional stage ncufwd) -----------------------------------
+# One launch each of the hdim-128 bf16 kernels at 8k (the v3 body of the non-causal rows, the v4
+# body of the causal ones) and of the fp8 kernel: pipes, issue stalls, eligible warps -> ncu_fwd.log
+# and the deciding lines in the summary.
+if want ncufwd && command -v ncu >/dev/null; then
+  t0=$(stamp)
+  NCU_FWD=(--clock-control none -c 1 --section SpeedOfLight --section WarpStateStats --section SchedulerStats
+    --metrics 'regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio,regex:sm__pipe_.*_cycles_active\.avg\.pct_of_peak_sustained_active,sm__inst_executed.sum,smsp__inst_executed_op_mufu.sum')
+  for k in flash_fwd_sm90_v3_kernel flash_fwd_sm90_kernel; do
+    timeout 240 ncu "${NCU_FWD[@]}" -k "regex:$k" "$BUILD/ioattn_cuda_bench" grid --hdims 128 --seqlens 8192 \
+      --dtypes bf16 --repeats 3 >>"$OUT/ncu_fwd.log" 2>&1
+  done
+  [[ -x $BUILD/ioattn_sm90_check ]] && timeout 240 ncu "${NCU_FWD[@]}" -k regex:flash_fwd_sm90_fp8_kernel \
+    "$BUILD/ioattn_sm90_check" --bench-only --fp8-only >>"$OUT/ncu_fwd.log" 2>&1
+  note "ncu fwd    rc=$?  $(( $(stamp) - t0 )) s  (ncu_fwd.log)"
+  grep -E 'flash_fwd_sm90|Duration|pipe_(tensor|alu|fma|xu|fmaheavy)_cycles|inst_executed|stalled_(wait|dispatch_stall|mio_throttle|long_scoreboard|short_scoreboard|barrier|gmma|math_pipe_throttle|no_instruction)_per|Eligible Warps|Issued Warp' \
+    "$OUT/ncu_fwd.log" | grep -v '^==' | sed -E 's/  +/ /g; s/^ //' | cut -c1-150 | tee -a "$SUMMARY"
 fi
 
 # ---- the sm90 forward's kLocal rows vs mma.sync (optional stage sm90local) -------------------------
