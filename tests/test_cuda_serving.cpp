@@ -715,6 +715,8 @@ TEST(CudaDecodePlan, SplitHeuristic) {
     EXPECT_EQ(splits(64, 32768), 1);
     EXPECT_EQ(splits(128, 32768), 1);
     EXPECT_GE(splits(64, 32768, DType::f8e4m3), 2);  // 8-bit: 3 CTAs per SM, 512 per split
+    // GQA 8 (64 / 8): one 8-row mma CTA per (sequence, kv head), so batch 8 is 64 CTAs: split
+    EXPECT_GE(detail::cuda_decode_num_splits(8, 64, 8, 1, 32768, DType::bf16, 128, 128, false, 0, nullptr), 2);
   }
 }
 

@@ -580,7 +580,8 @@ CudaSelection cuda_decode_select(const DecodeProblem& p, int arch) {
 // chunk of the same length. The cost of s splits, in key tokens per CTA slot:
 //   cost(s) = waves(s) * (chunk(s) + kCtaOverheadTokens) + (s > 1 ? kMergeOverheadTokens : 0)
 //   waves(s) = ceil(work * s / slots), chunk(s) = ceil(max_seqlen_k / s) rounded up to 16,
-//   work = batch * heads_kv * row_blocks,
+//   work = batch * heads_kv * row_blocks (the row blocks of the kernel that will run: 8 or 16 query
+//   rows per CTA for the mma kernel's one-token case, kRows otherwise),
 // (the pipeline ramp and epilogue of a CTA, and the merge launch, as the tokens a CTA streams in
 // that time), minimised over 1 <= s <= min(kMaxSplits, ceil(max_seqlen_k / kMinChunkTokens)),
 // the fewest splits within 3% of the minimum. One exception: the mma kernel's serving case (one
@@ -598,18 +599,27 @@ int cuda_decode_num_splits(int64_t batch, int64_t heads_q, int64_t heads_kv, int
   constexpr int64_t kMinChunkTokens = 128, kCtaOverheadTokens = 64, kMergeOverheadTokens = 64;
   const bool eight_bit = cache_dtype == DType::f8e4m3 || cache_dtype == DType::i8;
   const bool sixteen_bit = cache_dtype == DType::bf16 || cache_dtype == DType::f16;
-  // IOATTN_DECODE_STAGES=2 (the 2-stage ring, an experiment): 3 CTAs per SM, the wave model only
-  const bool two_stage = sixteen_bit && head_dim == 128 && mma_decode_stages(cache_dtype, head_dim) == 2;
-  const int64_t ctas_per_sm = (eight_bit && head_dim <= 128) || two_stage ? 3 : 2;
+  // The mma kernel runs one query token on these caches (its other conditions — q of the cache's
+  // dtype or 8-bit cache, no mask when seqlen_q > 1 — are not known to a plan; a wrong guess costs
+  // speed, never correctness): its CTAs hold 8 or 16 query rows, the FMA kernel's kRows.
+  const bool mma_likely = (sixteen_bit || eight_bit) && seqlen_q == 1 && head_dim == head_dim_v &&
+                          (head_dim == 64 || head_dim == 128 || head_dim == 256) && forced_kernel() != "fma";
+  const int64_t group_rows = heads_kv > 0 ? heads_q / heads_kv * seqlen_q : 1;
+  const int rows_per_cta = mma_likely ? mma_rows_per_cta(group_rows, head_dim) : kRows;
+  // IOATTN_DECODE_STAGES=2 (the 2-stage ring, an experiment; not with the bulk loader): 3 CTAs per
+  // SM, the wave model only. 8-bit caches at head_dim <= 128 with 8-row CTAs: 3 per SM (their
+  // ring is smaller; 16-row CTAs need ~170 registers: 2).
+  const bool two_stage = mma_likely && sixteen_bit && head_dim == 128 && forced_loader() != "bulk" &&
+                         mma_decode_stages(cache_dtype, head_dim) == 2;
+  const int64_t ctas_per_sm = (eight_bit && head_dim <= 128 && rows_per_cta == 8) || two_stage ? 3 : 2;
   const int sms = sm_count(device_index);
-  const int64_t rb = heads_kv > 0 ? row_blocks_of(heads_q, heads_kv, seqlen_q) : 1;
+  const int64_t rb = heads_kv > 0 ? row_blocks_of(heads_q, heads_kv, seqlen_q, rows_per_cta) : 1;
   const int64_t work = std::max<int64_t>(1, batch * heads_kv * rb);
   const int64_t slots = ctas_per_sm * sms;
   const int64_t L = std::max<int64_t>(max_seqlen_k, 1);
   const int64_t by_len = std::max<int64_t>(1, (L + kMinChunkTokens - 1) / kMinChunkTokens);
   const int64_t max_s = std::clamp<int64_t>(by_len, 1, kMaxSplits);
-  const bool mma_serving = sixteen_bit && seqlen_q == 1 && head_dim == 128 && head_dim_v == 128 &&
-                           forced_kernel() != "fma" && !two_stage;
+  const bool mma_serving = mma_likely && sixteen_bit && head_dim == 128 && !two_stage;
   if (mma_serving && !paged && work * 10 >= static_cast<int64_t>(sms) * 9) {
     if (why)
       *why = "batch*heads_kv*row_blocks " + std::to_string(work) + " CTAs on " + std::to_string(sms) +

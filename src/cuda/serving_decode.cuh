@@ -198,7 +198,9 @@ __device__ __forceinline__ void write_outputs(const DecodeParams& p, const WorkI
                                               const float* red, const float* row_m, const float* row_l,
                                               const int* row_bad) {
   // One warp per row, lanes over the columns: the row's indices, LSE and scale once per row (a
-  // loop over elements with divisions in it took ~4,500 cycles per CTA: trace, H200).
+  // loop over elements with divisions in it took ~4,500 cycles per CTA: trace, H200). Both
+  // kernels run kThreads (whole warps).
+  static_assert(kThreads % 32 == 0 && kThreads >= 32, "write_outputs: whole warps");
   const float v_scale = p.v_scale ? p.v_scale[w.hk] : 1.0f;
   const bool direct = p.splits == 1;
   const int sq = p.seqlen_q, lane = threadIdx.x & 31, nw = static_cast<int>(blockDim.x >> 5);

@@ -671,8 +671,9 @@ void print_decode_trace(int64_t grid, const char* name) {
   }
   std::sort(life.begin(), life.end());
   if (!life.empty())
-    std::fprintf(stderr, " | CTA life median %.0f max %.0f cycles | globaltimer ns: starts %llu..%llu, ends %llu..%llu\n",
+    std::fprintf(stderr, " | CTA life median %.0f max %.0f cycles | globaltimer ns: starts %llu..%llu, ends %llu..%llu",
                  life[life.size() / 2], life.back(), 0ull, s1 - s0, e0 - s0, e1 - s0);
+  std::fprintf(stderr, "\n");
 }
 #endif
 
