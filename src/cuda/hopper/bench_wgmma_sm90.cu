@@ -245,9 +245,12 @@ __global__ void __launch_bounds__(kStores ? 384 : 256, 1) fwd_step_kernel(long l
     for (int r = 0; r < kRounds; ++r) {
       wgmma_fence();
 #pragma unroll
+      // (always accumulating: with the first wgmma of a round overwriting S, a round's results were
+      // dead and the compiler dropped every other round — session 9's run of this row read 1,059
+      // cycles per "round", i.e. 2,118 per real one)
       for (int kk = 0; kk < 8; ++kk)
         Wgmma<128, __nv_bfloat16>::template ss<0>(s, make_desc_sw128(q_base + (kk & 3) * 32, 16, 1024),
-                                                  make_desc_sw128(k_base + (kk & 3) * 32, 16, 1024), kk > 0);
+                                                  make_desc_sw128(k_base + (kk & 3) * 32, 16, 1024), 1);
       wgmma_commit();
 #pragma unroll
       for (int kk = 0; kk < 8; ++kk)
