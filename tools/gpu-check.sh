@@ -26,6 +26,8 @@
 #      The logs are packed into logs.tgz at the end: read them there (or grep them in the command).
 #   ncufwd (not in the default stages; ~1-2 min): Nsight Compute on one launch each of the sm90 forward's
 #      hdim-128 bf16 kernels (v3 body non-causal, v4 body causal, 8k) and the fp8 kernel -> ncu_fwd.log.
+#   sm90qregs (not in the default stages; ~2 min): the hdim-128 causal forward with Q K^T's Q in registers
+#      (IOATTN_SM90_QREGS=1): its test, then ioattn_cuda_bench grid with and without it -> sm90qregs.json.
 #   sm90local (not in the default stages; ~2 min): the forward's kLocal rows (windows, sinks,
 #      softcap, ALiBi, varlen; IOATTN_SM90_LOCAL=1) against the mma.sync kernel on the same shapes
 #      (ioattn_cuda_bench local), a table in the summary -> sm90local.json.
@@ -257,6 +259,40 @@ if want ncufwd && command -v ncu >/dev/null; then
   note "ncu fwd    rc=$?  $(( $(stamp) - t0 )) s  (ncu_fwd.log)"
   grep -E 'flash_fwd_sm90|Duration|pipe_(tensor|alu|fma|xu|fmaheavy)_cycles|inst_executed|stalled_(wait|dispatch_stall|mio_throttle|long_scoreboard|short_scoreboard|barrier|gmma|math_pipe_throttle|no_instruction)_per|Eligible Warps|Issued Warp' \
     "$OUT/ncu_fwd.log" | grep -v '^==' | sed -E 's/  +/ /g; s/^ //' | cut -c1-150 | tee -a "$SUMMARY"
+fi
+
+# ---- the hdim-128 causal forward with Q in registers (optional stage sm90qregs) ----------------------
+# IOATTN_SM90_QREGS=1 (session 9, written blind): its ctest (every causal case, the hdim-128 ones on the
+# Q-in-registers row), then ioattn_cuda_bench grid at hdim 128 with and without it, interleaved twice;
+# the causal rows' ratio in the summary (the non-causal rows run the v3 body either way: a control).
+if want sm90qregs; then
+  t0=$(stamp)
+  IOATTN_SM90_QREGS=1 timeout 300 "$BUILD/test_cuda_kernels" --gtest_filter='*causal*' >"$OUT/sm90qregs_test.log" 2>&1
+  rc=$?
+  note "qregs test rc=$rc  $(( $(stamp) - t0 )) s  (sm90qregs_test.log)"
+  if [[ $rc == 0 ]]; then
+    for pass in 1 2; do
+      for on in 1 0; do
+        IOATTN_SM90_QREGS=$on timeout 200 "$BUILD/ioattn_cuda_bench" grid --hdims 128 --seqlens 2048,4096,8192,16384 \
+          --dtypes bf16,f16 2>>"$OUT/sm90qregs.log" | sed "s/^{/{\"qregs\": $on, \"pass\": $pass, /" >>"$OUT/sm90qregs.json"
+      done
+    done
+    note "sm90qregs  rc=$?  $(( $(stamp) - t0 )) s  (sm90qregs.json)"
+    python3 - "$OUT/sm90qregs.json" <<'PY' | tee -a "$SUMMARY"
+import json, sys, collections
+rows = collections.defaultdict(lambda: {0: [], 1: []})
+for line in open(sys.argv[1]):
+    if not line.startswith("{"): continue
+    r = json.loads(line)
+    rows[(r["dtype"], r["seqlen"], r["causal"])][r["qregs"]].append(r["tflops"])
+print("qregs: dtype seqlen causal | on TFLOP/s off TFLOP/s on/off")
+for k in sorted(rows):
+    a, b = rows[k][1], rows[k][0]
+    if a and b:
+        la, lb = sum(a) / len(a), sum(b) / len(b)
+        print(f"qregs: {k[0]:5s} {k[1]:6d} {str(k[2]):5s} | {la:6.1f} {lb:6.1f} {la / lb:5.2f}")
+PY
+  fi
 fi
 
 # ---- the sm90 forward's kLocal rows vs mma.sync (optional stage sm90local) -------------------------

@@ -47,6 +47,10 @@ IOATTN_SM90_EXTERN(Hdim128Bf16, false)
 IOATTN_SM90_EXTERN(Hdim128Bf16Causal, true)
 IOATTN_SM90_EXTERN(Hdim128F16, false)
 IOATTN_SM90_EXTERN(Hdim128F16Causal, true)
+using Hdim128Bf16CausalQRegs = Sm90TraitsQRegs128<__nv_bfloat16>;
+using Hdim128F16CausalQRegs = Sm90TraitsQRegs128<__half>;
+IOATTN_SM90_EXTERN(Hdim128Bf16CausalQRegs, true)
+IOATTN_SM90_EXTERN(Hdim128F16CausalQRegs, true)
 IOATTN_SM90_EXTERN(Hdim256Bf16, false)
 IOATTN_SM90_EXTERN(Hdim256Bf16Causal, true)
 IOATTN_SM90_EXTERN(Hdim256F16, false)
@@ -155,6 +159,7 @@ using detail::Strides3;
 struct Row {
   int block_m = 0, block_n = 0, stages = 0, consumer_wgs = 0;
   bool v3 = false;  // the v3 kernel body (flash_fwd_sm90_v3.cuh)
+  bool q_regs = false;  // Q K^T with Q in registers (Sm90TraitsQRegs128, IOATTN_SM90_QREGS=1)
   const char* why = "";
   bool (*present)() = nullptr;
   void (*launch)(const FwdLaunch&) = nullptr;
@@ -162,12 +167,12 @@ struct Row {
 
 template <class Tr, bool kCausal>
 Row make_row(const char* why) {
-  return Row{Tr::kBlockM, Tr::kBlockN, Tr::kStages, Tr::kConsumerWGs, false, why,
+  return Row{Tr::kBlockM, Tr::kBlockN, Tr::kStages, Tr::kConsumerWGs, false, QInRegs<Tr>::value, why,
              &flash_fwd_sm90_present<Tr, kCausal>, &flash_fwd_sm90_launch<Tr, kCausal>};
 }
 template <class Tr, bool kCausal>
 Row make_row_v3(const char* why) {
-  return Row{Tr::kBlockM, Tr::kBlockN, Tr::kStages, Tr::kConsumerWGs, true, why,
+  return Row{Tr::kBlockM, Tr::kBlockN, Tr::kStages, Tr::kConsumerWGs, true, false, why,
              &flash_fwd_sm90_v3_present<Tr, kCausal>, &flash_fwd_sm90_v3_launch<Tr, kCausal>};
 }
 template <int kHeadDim, typename T, bool kCausal>
@@ -179,7 +184,7 @@ Row make_row() {
 // consumer warpgroups at hdim 64), those features at run time.
 template <class Tr>
 Row make_row_local(const char* why) {
-  return Row{Tr::kBlockM, Tr::kBlockN, Tr::kStages, Tr::kConsumerWGs, false, why,
+  return Row{Tr::kBlockM, Tr::kBlockN, Tr::kStages, Tr::kConsumerWGs, false, false, why,
              &flash_fwd_sm90_present<Tr, true, true>, &flash_fwd_sm90_launch<Tr, true, true>};
 }
 template <typename T>
@@ -190,6 +195,13 @@ Row local_row_for_dtype(int64_t hdim) {
     case 256: return make_row_local<Sm90Traits<256, T, true>>(Sm90Tile<256, true>::kWhy);
     default: return Row{};
   }
+}
+
+// IOATTN_SM90_QREGS=1: the hdim-128 causal rows with Q K^T's Q in registers (an experiment,
+// session 9; the v3 body, IOATTN_SM90_BODY=v3, takes precedence).
+bool q_regs_requested() {
+  const char* v = std::getenv("IOATTN_SM90_QREGS");
+  return v != nullptr && *v == '1';
 }
 
 template <typename T>
@@ -204,6 +216,8 @@ Row row_for_dtype(int64_t hdim, bool causal, bool wg3, bool v3) {
       if (v3)
         return causal ? make_row_v3<Sm90Traits<128, T, true>, true>(Sm90Tile<128, true>::kWhy)
                       : make_row_v3<Sm90Traits<128, T, false>, false>(Sm90Tile<128, false>::kWhy);
+      if (causal && q_regs_requested())
+        return make_row<Sm90TraitsQRegs128<T>, true>(Sm90TraitsQRegs128<T>::kWhy);
       return causal ? make_row<128, T, true>() : make_row<128, T, false>();
     case 256: return causal ? make_row<256, T, true>() : make_row<256, T, false>();
     default: return Row{};
@@ -518,7 +532,8 @@ bool select_impl(const FwdProblem& p, std::string* kernel, std::string* why) {
             " stages " + std::to_string(row.stages) + " ws " + std::to_string(row.consumer_wgs) + " consumer WGs " +
             (row.consumer_wgs == 2 ? "pingpong" : "round-robin") + grid_str(pol.grid) +
             (pol.rescale_skip ? " rescale-skip" : "") + (pol.rescale_early ? " rescale-early" : "") +
-            (row.v3 ? " (v3 body)" : "") + (local ? " local(" + local_features(p) + ")" : "");
+            (row.v3 ? " (v3 body)" : "") + (row.q_regs ? " qregs" : "") +
+            (local ? " local(" + local_features(p) + ")" : "");
   *why = row.why;
   return true;
 }

@@ -201,6 +201,25 @@ template <int kHeadDim, typename T, bool kCausal>
 using Sm90Traits = FwdTraits<kHeadDim, Sm90Tile<kHeadDim, kCausal>::kBlockN, Sm90Tile<kHeadDim, kCausal>::kStages,
                              T, Sm90Tile<kHeadDim, kCausal>::kExp2PolyEvery>;
 
+// Q K^T with Q in registers (an optional trait member kQRegs, default false): each consumer
+// warpgroup loads its 64 Q rows once per tile from the swizzled Q tile into the wgmma A fragment
+// (ldmatrix, 32 registers at hdim 128) and issues Q K^T as rs wgmmas, so the tensor cores read
+// only K from shared memory under Q K^T (session 9: a warpgroup storing the K/V volume beside the
+// forward's wgmmas slowed them by ~28%; an ss m64nN wgmma reads 2 KB of Q besides N x 32 B of K).
+// hdim 128 causal only (the 128x128 v4 row: S 64 + P 32 + O 64 + Q 32 registers); an experiment,
+// IOATTN_SM90_QREGS=1 (session 9, compiled, not yet run on a GPU).
+template <class Tr, class = void>
+struct QInRegs : std::false_type {};
+template <class Tr>
+struct QInRegs<Tr, std::void_t<decltype(Tr::kQRegs)>> : std::bool_constant<Tr::kQRegs> {};
+template <typename T>
+struct Sm90TraitsQRegs128 : Sm90Traits<128, T, true> {
+  static constexpr bool kQRegs = true;
+  static constexpr const char* kWhy =
+      "hdim128 causal: 128x128 (S 64 + P 32 + O 64 + Q 32 registers), Q K^T with Q in registers "
+      "(IOATTN_SM90_QREGS=1, an experiment): the tensor cores read only K from shared memory under Q K^T";
+};
+
 // Alternative rows with 3 consumer warpgroups (192-row tiles, as FlashAttention-3 for hdim 64):
 // each warpgroup's softmax hides under the GEMMs of the other two instead of one. Registers drop
 // to 160 per consumer thread (S 64 + P 32 + O 32 at 192x128). Chosen per (hdim, causal) by the
@@ -312,6 +331,8 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
   using Element = typename Tr::Element;
   constexpr int kBlockM = Tr::kBlockM, kBlockN = Tr::kBlockN, kHeadDim = Tr::kHeadDim;
   constexpr int kStages = Tr::kStages;
+  constexpr bool kQRegs = QInRegs<Tr>::value;
+  static_assert(!kQRegs || (!kLocal && Tr::kConsumerWGs == 2), "Q in registers: the 2-warpgroup plain rows");
 
   __shared__ uint64_t full_q, empty_q;                    // Q tile landed / Q buffer free again
   __shared__ uint64_t full_k[kStages], full_v[kStages];    // K / V stage landed
@@ -478,16 +499,35 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         // its running max in the last softmax (corr = 1 exactly), or O is still 0 (first block).
         bool rescale = true;
 
-        // S = Q K^T for ring slot st: kHeadDim/16 k-steps, K-major A and B.
+        // kQRegs: this warp's 16 Q rows of the warpgroup's 64 as the wgmma A fragment of every
+        // k-step (the mma.m16n8k16 A layout: a0 / a1 rows g / g + 8 at dims 2t, 2t + 1, a2 / a3 the
+        // same at dims 8 + 2t), by one ldmatrix.x4 per k-step from the 128-byte-swizzled Q tile:
+        // lane L addresses row 16 w + L % 8 + 8 ((L / 8) % 2), 16-byte chunk 2 (kk % 4) + L / 16
+        // of column block kk / 4, stored at chunk ^ (row % 8). Q landed (full_q) before this tile's
+        // consumers got here; the wgmma_fence in issue_qk orders these register writes first.
+        [[maybe_unused]] uint32_t qa[kQRegs ? kHeadDim / 16 : 1][4];
+        if constexpr (kQRegs) {
+          const int qrow = warp * 16 + (lane % 8) + 8 * ((lane / 8) % 2);  // row within the warpgroup's 64
+#pragma unroll
+          for (int kk = 0; kk < kHeadDim / 16; ++kk) {
+            const uint32_t chunk = 2 * (kk % 4) + lane / 16;
+            ptx::ldmatrix_x4(qa[kk], q_base + (kk / 4) * kBlockM * 128 + qrow * 128 + ((chunk ^ (qrow % 8)) << 4));
+          }
+        }
+        // S = Q K^T for ring slot st: kHeadDim/16 k-steps, K-major A and B (kQRegs: A from qa).
         auto issue_qk = [&](uint32_t st) {
           wgmma_fence();
 #pragma unroll
           for (int kk = 0; kk < kHeadDim / 16; ++kk) {
             const uint32_t col = kk / 4, byte_in_row = (kk % 4) * 32;
-            const uint64_t a = make_desc_sw128(q_base + col * kBlockM * 128 + byte_in_row, 16, 1024);
             const uint64_t bd =
                 make_desc_sw128(k_base + st * Tr::kKVBytes + col * kBlockN * 128 + byte_in_row, 16, 1024);
-            Wgmma<kBlockN, Element>::template ss<0>(s, a, bd, kk > 0 ? 1 : 0);
+            if constexpr (kQRegs) {
+              Wgmma<kBlockN, Element>::template rs<0>(s, qa[kk], bd, kk > 0 ? 1 : 0);
+            } else {
+              const uint64_t a = make_desc_sw128(q_base + col * kBlockM * 128 + byte_in_row, 16, 1024);
+              Wgmma<kBlockN, Element>::template ss<0>(s, a, bd, kk > 0 ? 1 : 0);
+            }
           }
           wgmma_commit();
         };
