@@ -310,6 +310,66 @@ TEST(CudaDecode, OutOfRangeLengthsAndPagesGiveNaNForThatSequenceOnly) {
   }
 }
 
+// A decode variant chosen by an environment variable (same tiles, same arithmetic) against the
+// default, bitwise: bf16 / f16, head_dim 128, 8 and 16 rows per CTA (GQA 4 and 16), contiguous and
+// paged (page 1 / 16 / 64) caches of the given lengths, 1 and 3 splits, and (paged) a block-table
+// entry outside the cache (NaN for that sequence only); check_base / check_variant look at the two
+// kernel choices.
+template <class CheckBase, class CheckVariant>
+void expect_env_variant_bitwise(const char* env, const char* value, const std::vector<int32_t>& lens, uint64_t seed,
+                                CheckBase check_base, CheckVariant check_variant) {
+  for (DType t : {DType::bf16, DType::f16})
+    for (int64_t hq : {32, 64})  // 4 and 8 rows per kv head: 8-row CTAs; 64/4 = 16 rows: two n-tiles
+      for (int64_t ps : {0, 1, 16, 64}) {
+        Spec c = on_cuda(mk(std::string(env) + "_" + value, t));
+        c.hq = hq;
+        c.hkv = hq == 32 ? 8 : 4;
+        c.d = 128;
+        c.lens = lens;
+        c.page_size = ps;
+        const Values vals = make_values(c, seed);
+        for (int splits : {1, 3}) {
+          for (int bad_page = 0; bad_page < (ps ? 2 : 1); ++bad_page) {
+            Built base(c, vals), var(c, vals);
+            if (bad_page) {
+              for (Built* bl : {&base, &var}) {
+                bl->table[static_cast<size_t>(0 * bl->width + 1)] = static_cast<int32_t>(bl->pages + 3);
+                bl->bt.fill_i32(bl->table);
+              }
+            }
+            {
+              ScopedEnv e(env, nullptr);
+              check_base(base.run(splits));
+            }
+            {
+              ScopedEnv e(env, value);
+              check_variant(var.run(splits));
+            }
+            const std::string what = std::string(env) + "=" + value + " " + dtype_name(t) + " hq " +
+                                     std::to_string(hq) + " page " + std::to_string(ps) + " splits " +
+                                     std::to_string(splits) + (bad_page ? " bad page" : "");
+            EXPECT_TRUE(bitwise_equal(var.outputs(), base.outputs()))
+                << what << ": max diff " << max_diff(var.outputs(), base.outputs());
+            if (!bad_page) expect_matches_reference(var, what);
+          }
+        }
+      }
+}
+
+// A bad value of an environment switch: the decode call throws an Error naming the variable.
+void expect_env_rejected(const char* env, const char* bad) {
+  ScopedEnv e(env, bad);
+  Spec c = on_cuda(mk(std::string(env) + "_bad", DType::bf16));
+  c.lens = {10};
+  Built bl(c, make_values(c, 3));
+  try {
+    bl.run(1);
+    ADD_FAILURE() << env << "=" << bad << " accepted";
+  } catch (const Error& err) {
+    EXPECT_NE(std::string(err.what()).find(env), std::string::npos) << err.what();
+  }
+}
+
 // IOATTN_DECODE_LOADER=bulk (sm_90, bf16/f16, head_dim 128): one 1-D bulk copy per K / V row
 // instead of cp.async. Same arithmetic on the same bytes, so bitwise equal to the default loader:
 // 8 and 16 rows per CTA, contiguous and paged (page 1 / 16 / 64), partial last tiles, empty
@@ -317,51 +377,15 @@ TEST(CudaDecode, OutOfRangeLengthsAndPagesGiveNaNForThatSequenceOnly) {
 TEST(CudaDecode, BulkLoaderEqualsCpAsyncBitwise) {
   SKIP_WITHOUT_GPU();
   if (detail::cuda_device_arch(0) < 90) GTEST_SKIP() << "skipped: the bulk loader needs sm_90";
-  struct LoaderEnv : ScopedEnv {
-    explicit LoaderEnv(const char* v) : ScopedEnv("IOATTN_DECODE_LOADER", v) {}
-  };
-  for (DType t : {DType::bf16, DType::f16})
-    for (int64_t hq : {32, 64})  // 4 and 8 rows per kv head: 8-row CTAs; 64/4 = 16 rows: two n-tiles
-      for (int64_t ps : {0, 1, 16, 64}) {
-        Spec c = on_cuda(mk("bulk", t));
-        c.hq = hq;
-        c.hkv = hq == 32 ? 8 : 4;
-        c.d = 128;
-        c.lens = {1500, 0, 63, 64, 65, 1};
-        c.page_size = ps;
-        const Values vals = make_values(c, 21);
-        for (int splits : {1, 3}) {
-          for (int bad_page = 0; bad_page < (ps ? 2 : 1); ++bad_page) {
-            Built base(c, vals), bulk(c, vals);
-            if (bad_page) {
-              for (Built* bl : {&base, &bulk}) {
-                bl->table[static_cast<size_t>(0 * bl->width + 1)] = static_cast<int32_t>(bl->pages + 3);
-                bl->bt.fill_i32(bl->table);
-              }
-            }
-            {
-              LoaderEnv env(nullptr);
-              const KernelChoice k = base.run(splits);
-              EXPECT_EQ(k.kernel.find(" bulk"), std::string::npos) << k.kernel;
-            }
-            {
-              LoaderEnv env("bulk");
-              const KernelChoice k = bulk.run(splits);
-              EXPECT_NE(k.kernel.find(" mma bulk"), std::string::npos) << k.kernel;
-              EXPECT_NE(k.reason.find("IOATTN_DECODE_LOADER=bulk"), std::string::npos) << k.reason;
-            }
-            const std::string what = std::string(dtype_name(t)) + " hq " + std::to_string(hq) + " page " +
-                                     std::to_string(ps) + " splits " + std::to_string(splits) +
-                                     (bad_page ? " bad page" : "");
-            EXPECT_TRUE(bitwise_equal(bulk.outputs(), base.outputs()))
-                << what << ": max diff " << max_diff(bulk.outputs(), base.outputs());
-            if (!bad_page) expect_matches_reference(bulk, what);
-          }
-        }
-      }
+  expect_env_variant_bitwise("IOATTN_DECODE_LOADER", "bulk", {1500, 0, 63, 64, 65, 1}, 21,
+                             [](const KernelChoice& k) { EXPECT_EQ(k.kernel.find(" bulk"), std::string::npos) << k.kernel; },
+                             [](const KernelChoice& k) {
+                               EXPECT_NE(k.kernel.find(" mma bulk"), std::string::npos) << k.kernel;
+                               EXPECT_NE(k.reason.find("IOATTN_DECODE_LOADER=bulk"), std::string::npos) << k.reason;
+                             });
   // Where it does not apply (head_dim 64) the choice says so and runs the cp.async loader.
   {
-    LoaderEnv env("bulk");
+    ScopedEnv env("IOATTN_DECODE_LOADER", "bulk");
     Spec c = on_cuda(mk("bulk64", DType::bf16));
     c.lens = {100};
     Built bl(c, make_values(c, 3));
@@ -370,18 +394,7 @@ TEST(CudaDecode, BulkLoaderEqualsCpAsyncBitwise) {
     EXPECT_NE(k.reason.find("IOATTN_DECODE_LOADER=bulk does not apply"), std::string::npos) << k.reason;
     expect_matches_reference(bl, "bulk requested at head_dim 64");
   }
-  {
-    LoaderEnv env("tma");
-    Spec c = on_cuda(mk("bulkbad", DType::bf16));
-    c.lens = {10};
-    Built bl(c, make_values(c, 3));
-    try {
-      bl.run(1);
-      ADD_FAILURE() << "IOATTN_DECODE_LOADER=tma accepted";
-    } catch (const Error& e) {
-      EXPECT_NE(std::string(e.what()).find("IOATTN_DECODE_LOADER"), std::string::npos) << e.what();
-    }
-  }
+  expect_env_rejected("IOATTN_DECODE_LOADER", "tma");
 }
 
 // IOATTN_DECODE_STAGES=2 (16-bit caches, head_dim 128): the mma kernel with a 2-stage cp.async ring
@@ -390,51 +403,17 @@ TEST(CudaDecode, BulkLoaderEqualsCpAsyncBitwise) {
 // empty sequences, splits, a single-tile sequence and a bad block-table entry.
 TEST(CudaDecode, TwoStageRingEqualsDefaultBitwise) {
   SKIP_WITHOUT_GPU();
-  struct StagesEnv : ScopedEnv {
-    explicit StagesEnv(const char* v) : ScopedEnv("IOATTN_DECODE_STAGES", v) {}
-  };
-  for (DType t : {DType::bf16, DType::f16})
-    for (int64_t hq : {32, 64})
-      for (int64_t ps : {0, 1, 16, 64}) {
-        Spec c = on_cuda(mk("stages2", t));
-        c.hq = hq;
-        c.hkv = hq == 32 ? 8 : 4;
-        c.d = 128;
-        c.lens = {1500, 0, 63, 64, 65, 1, 129};
-        c.page_size = ps;
-        const Values vals = make_values(c, 23);
-        for (int splits : {1, 3}) {
-          for (int bad_page = 0; bad_page < (ps ? 2 : 1); ++bad_page) {
-            Built base(c, vals), two(c, vals);
-            if (bad_page) {
-              for (Built* bl : {&base, &two}) {
-                bl->table[static_cast<size_t>(0 * bl->width + 1)] = static_cast<int32_t>(bl->pages + 3);
-                bl->bt.fill_i32(bl->table);
-              }
-            }
-            {
-              StagesEnv env(nullptr);
-              const KernelChoice k = base.run(splits);
-              EXPECT_EQ(k.kernel.find("stages2"), std::string::npos) << k.kernel;
-              EXPECT_NE(k.reason.find("3-stage cp.async ring"), std::string::npos) << k.reason;
-            }
-            {
-              StagesEnv env("2");
-              const KernelChoice k = two.run(splits);
-              EXPECT_NE(k.kernel.find(" mma stages2"), std::string::npos) << k.kernel;
-              EXPECT_NE(k.reason.find("2-stage cp.async ring"), std::string::npos) << k.reason;
-            }
-            const std::string what = std::string(dtype_name(t)) + " hq " + std::to_string(hq) + " page " +
-                                     std::to_string(ps) + " splits " + std::to_string(splits) +
-                                     (bad_page ? " bad page" : "");
-            EXPECT_TRUE(bitwise_equal(two.outputs(), base.outputs()))
-                << what << ": max diff " << max_diff(two.outputs(), base.outputs());
-            if (!bad_page) expect_matches_reference(two, what);
-          }
-        }
-      }
+  expect_env_variant_bitwise("IOATTN_DECODE_STAGES", "2", {1500, 0, 63, 64, 65, 1, 129}, 23,
+                             [](const KernelChoice& k) {
+                               EXPECT_EQ(k.kernel.find("stages2"), std::string::npos) << k.kernel;
+                               EXPECT_NE(k.reason.find("3-stage cp.async ring"), std::string::npos) << k.reason;
+                             },
+                             [](const KernelChoice& k) {
+                               EXPECT_NE(k.kernel.find(" mma stages2"), std::string::npos) << k.kernel;
+                               EXPECT_NE(k.reason.find("2-stage cp.async ring"), std::string::npos) << k.reason;
+                             });
   {  // head_dim 64: not the experiment's shape, the default ring runs
-    StagesEnv env("2");
+    ScopedEnv env("IOATTN_DECODE_STAGES", "2");
     Spec c = on_cuda(mk("stages2_d64", DType::bf16));
     c.lens = {100};
     Built bl(c, make_values(c, 3));
@@ -442,18 +421,7 @@ TEST(CudaDecode, TwoStageRingEqualsDefaultBitwise) {
     EXPECT_EQ(k.kernel.find("stages2"), std::string::npos) << k.kernel;
     expect_matches_reference(bl, "IOATTN_DECODE_STAGES=2 at head_dim 64");
   }
-  {
-    StagesEnv env("5");
-    Spec c = on_cuda(mk("stages_bad", DType::bf16));
-    c.lens = {10};
-    Built bl(c, make_values(c, 3));
-    try {
-      bl.run(1);
-      ADD_FAILURE() << "IOATTN_DECODE_STAGES=5 accepted";
-    } catch (const Error& e) {
-      EXPECT_NE(std::string(e.what()).find("IOATTN_DECODE_STAGES"), std::string::npos) << e.what();
-    }
-  }
+  expect_env_rejected("IOATTN_DECODE_STAGES", "5");
 }
 
 // ---- 8-bit KV --------------------------------------------------------------------------------
