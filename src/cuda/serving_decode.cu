@@ -546,8 +546,7 @@ CudaSelection cuda_decode_select(const DecodeProblem& p, int arch) {
                                             : "") +
                    "cp.async ring";
     const int64_t rbm = row_blocks_of(p.heads_q, p.heads_kv, p.seqlen_q, rows);
-    // (the bulk loader keeps its own 3 stages; IOATTN_DECODE_STAGES=2 is for the cp.async ring)
-    const int stages = bulk ? 3 : mma_decode_stages(p.cache_dtype, p.head_dim);
+    const int stages = mma_decode_stages(p.cache_dtype, p.head_dim, bulk);
     return {"cuda/splitkv sm" + std::to_string(arch) + " mma" + (bulk ? " bulk" : "") +
                 (!bulk && stages == 2 && p.head_dim == 128 ? " stages2" : ""),
             std::string(force.empty() ? "" : "IOATTN_DECODE_KERNEL=mma; ") +
@@ -609,8 +608,8 @@ int cuda_decode_num_splits(int64_t batch, int64_t heads_q, int64_t heads_kv, int
   // IOATTN_DECODE_STAGES=2 (the 2-stage ring, an experiment; not with the bulk loader): 3 CTAs per
   // SM, the wave model only. 8-bit caches at head_dim <= 128 with 8-row CTAs: 3 per SM (their
   // ring is smaller; 16-row CTAs need ~170 registers: 2).
-  const bool two_stage = mma_likely && sixteen_bit && head_dim == 128 && forced_loader() != "bulk" &&
-                         mma_decode_stages(cache_dtype, head_dim) == 2;
+  const bool two_stage = mma_likely && sixteen_bit && head_dim == 128 &&
+                         mma_decode_stages(cache_dtype, head_dim, forced_loader() == "bulk") == 2;
   const int64_t ctas_per_sm = (eight_bit && head_dim <= 128 && rows_per_cta == 8) || two_stage ? 3 : 2;
   const int sms = sm_count(device_index);
   const int64_t rb = heads_kv > 0 ? row_blocks_of(heads_q, heads_kv, seqlen_q, rows_per_cta) : 1;

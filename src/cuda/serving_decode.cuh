@@ -295,10 +295,11 @@ bool mma_decode_supported(DType dtype, DType cache, int64_t d, int64_t dv, int64
 int mma_rows_per_cta(int64_t rows_per_group, int64_t head_dim);
 void launch_decode_mma(const DecodeParams& p, DType cache, int64_t grid, cudaStream_t stream, bool pdl,
                        bool bulk = false);
-// The mma kernel's cp.async ring depth for this cache dtype and head_dim: 4 / 3 / 2 stages at
-// head_dim 64 / 128 / 256 for 16-bit caches, 4 / 4 / 3 for 8-bit ones; IOATTN_DECODE_STAGES=2 (an
-// experiment) gives 16-bit caches at head_dim 128 a 2-stage ring (68 KiB: 3 CTAs per SM).
-int mma_decode_stages(DType cache, int64_t head_dim);
+// The mma kernel's ring depth for this cache dtype and head_dim (from its MmaTraits): 4 / 3 / 2
+// stages at head_dim 64 / 128 / 256 for 16-bit caches, 4 / 4 / 3 for 8-bit ones;
+// IOATTN_DECODE_STAGES=2 (an experiment) gives 16-bit caches at head_dim 128 a 2-stage cp.async
+// ring (68 KiB: 3 CTAs per SM), not the bulk loader (bulk: its own 3 stages).
+int mma_decode_stages(DType cache, int64_t head_dim, bool bulk);
 // The mma kernel's bulk-copy loader (IOATTN_DECODE_LOADER=bulk): sm_90, bf16/f16 q and cache, head_dim 128.
 bool mma_bulk_supported(DType dtype, DType cache, int64_t d, int arch);
 

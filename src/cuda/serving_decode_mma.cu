@@ -725,14 +725,17 @@ int mma_rows_per_cta(int64_t rows_per_group, int64_t head_dim) {
   return rows_per_group > 8 && head_dim <= 128 ? 16 : 8;
 }
 
-int mma_decode_stages(DType cache, int64_t head_dim) {
-  const bool sixteen = cache == DType::bf16 || cache == DType::f16;
-  if (sixteen && head_dim == 128) {
+int mma_decode_stages(DType cache, int64_t head_dim, bool bulk) {
+  const bool eight = cache == DType::f8e4m3 || cache == DType::i8;
+  if ((cache == DType::bf16 || cache == DType::f16) && head_dim == 128 && !bulk) {
     const char* e = std::getenv("IOATTN_DECODE_STAGES");
-    if (e != nullptr && std::strcmp(e, "2") == 0) return 2;
+    if (e != nullptr && std::strcmp(e, "2") == 0) return MmaTraits<128, 2, 2>::kStages;
   }
-  if (cache == DType::f8e4m3 || cache == DType::i8) return head_dim == 256 ? 3 : 4;
-  return head_dim == 64 ? 4 : head_dim == 128 ? 3 : 2;
+  switch (head_dim) {  // the rings the instances below are built with
+    case 64: return eight ? MmaTraits<64, 1>::kStages : MmaTraits<64, 2>::kStages;
+    case 128: return eight ? MmaTraits<128, 1>::kStages : MmaTraits<128, 2>::kStages;
+    default: return eight ? MmaTraits<256, 1>::kStages : MmaTraits<256, 2>::kStages;
+  }
 }
 
 namespace {
@@ -747,7 +750,7 @@ void launch_dims(const DecodeParams& p, int64_t grid, cudaStream_t stream, bool 
     }
   }
   if constexpr (std::is_same_v<T, CT>) {
-    if (p.d == 128 && mma_decode_stages(std::is_same_v<T, __half> ? DType::f16 : DType::bf16, 128) == 2) {
+    if (p.d == 128 && mma_decode_stages(std::is_same_v<T, __half> ? DType::f16 : DType::bf16, 128, false) == 2) {
       two ? launch<T, CT, 128, 2, false, 2>(p, grid, stream, pdl) : launch<T, CT, 128, 1, false, 2>(p, grid, stream, pdl);
       return;
     }

@@ -93,7 +93,9 @@ struct Cfg {
   static constexpr int smem(bool tma_dq) { return tma_dq ? kSmemTma : kSmemRed; }
 };
 
-// Two 16-bit values of a packed b32 (lo = first, as pack2) back to fp32: exact.
+// Two 16-bit values of a packed b32 (lo = first, as pack2) back to fp32: exact. (The decode
+// kernel's unpack2 builds the f16 pair through __half2_raw instead; one shared form changed the
+// SASS of one of the two measured kernels, so each keeps its own.)
 template <typename T>
 __device__ __forceinline__ void unpack2(uint32_t w, float& lo, float& hi) {
   if constexpr (std::is_same_v<T, __nv_bfloat16>) {
@@ -455,8 +457,7 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_sm90_kernel(const BwdPa
         named_barrier_arrive(6, 256);
       else if (step + 1 < steps)
         named_barrier_arrive(5, 256);
-    }
-    if constexpr (!kPingPong) {
+    } else {
       issue(step + 1);  // stage (step + 1) & 1 was last read by step - 1's wgmmas, all complete
       ptx::cp_async_commit();
     }
@@ -576,8 +577,7 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_sm90_kernel(const BwdPa
       BWD_TRACE(step, 12);
       gemm_dq(dq, st ^ 1);  // (its own wgmma_fence)
       wgmma_commit();
-    }
-    if constexpr (kDqWithDkv) {  // dV only now, after dS^T has read the packed P^T
+      // dV only now, after dS^T has read the packed P^T
       gemm_dkv(dv, pa, do_sm);
       wgmma_commit();
     }

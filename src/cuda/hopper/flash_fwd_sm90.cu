@@ -197,12 +197,7 @@ Row local_row_for_dtype(int64_t hdim) {
   }
 }
 
-// IOATTN_SM90_QREGS=1: the hdim-128 causal rows with Q K^T's Q in registers (an experiment,
-// session 9; the v3 body, IOATTN_SM90_BODY=v3, takes precedence).
-bool q_regs_requested() {
-  const char* v = std::getenv("IOATTN_SM90_QREGS");
-  return v != nullptr && *v == '1';
-}
+bool env_flag(const char* name);  // "1" (below)
 
 template <typename T>
 Row row_for_dtype(int64_t hdim, bool causal, bool wg3, bool v3) {
@@ -216,7 +211,9 @@ Row row_for_dtype(int64_t hdim, bool causal, bool wg3, bool v3) {
       if (v3)
         return causal ? make_row_v3<Sm90Traits<128, T, true>, true>(Sm90Tile<128, true>::kWhy)
                       : make_row_v3<Sm90Traits<128, T, false>, false>(Sm90Tile<128, false>::kWhy);
-      if (causal && q_regs_requested())
+      // IOATTN_SM90_QREGS=1: Q K^T's Q in registers (an experiment, session 9; the v3 body,
+      // IOATTN_SM90_BODY=v3, takes precedence)
+      if (causal && env_flag("IOATTN_SM90_QREGS"))
         return make_row<Sm90TraitsQRegs128<T>, true>(Sm90TraitsQRegs128<T>::kWhy);
       return causal ? make_row<128, T, true>() : make_row<128, T, false>();
     case 256: return causal ? make_row<256, T, true>() : make_row<256, T, false>();
