@@ -421,7 +421,22 @@ TEST(CudaDecode, TwoStageRingEqualsDefaultBitwise) {
     EXPECT_EQ(k.kernel.find("stages2"), std::string::npos) << k.kernel;
     expect_matches_reference(bl, "IOATTN_DECODE_STAGES=2 at head_dim 64");
   }
-  expect_env_rejected("IOATTN_DECODE_STAGES", "5");
+  expect_env_rejected("IOATTN_DECODE_STAGES", "4");
+}
+
+// IOATTN_DECODE_STAGES=5 (16-bit caches, head_dim 128): a 5-stage ring, one CTA per SM with four
+// tiles in flight. Bitwise equal to the default as above.
+TEST(CudaDecode, FiveStageRingEqualsDefaultBitwise) {
+  SKIP_WITHOUT_GPU();
+  expect_env_variant_bitwise("IOATTN_DECODE_STAGES", "5", {1500, 0, 63, 64, 65, 1, 129, 700}, 29,
+                             [](const KernelChoice& k) {
+                               EXPECT_EQ(k.kernel.find("stages5"), std::string::npos) << k.kernel;
+                               EXPECT_NE(k.reason.find("3-stage cp.async ring"), std::string::npos) << k.reason;
+                             },
+                             [](const KernelChoice& k) {
+                               EXPECT_NE(k.kernel.find(" mma stages5"), std::string::npos) << k.kernel;
+                               EXPECT_NE(k.reason.find("5-stage cp.async ring"), std::string::npos) << k.reason;
+                             });
 }
 
 // ---- 8-bit KV --------------------------------------------------------------------------------

@@ -26,8 +26,9 @@
 #      The logs are packed into logs.tgz at the end: read them there (or grep them in the command).
 #   ncufwd (not in the default stages; ~1-2 min): Nsight Compute on one launch each of the sm90 forward's
 #      hdim-128 bf16 kernels (v3 body non-causal, v4 body causal, 8k) and the fp8 kernel -> ncu_fwd.log.
-#   sm90qregs (not in the default stages; ~2 min): the hdim-128 causal forward with Q K^T's Q in registers
-#      (IOATTN_SM90_QREGS=1): its test, then ioattn_cuda_bench grid with and without it -> sm90qregs.json.
+#   sm90qregs (not in the default stages; ~2 min): the hdim-128 forward with Q K^T's Q in registers
+#      everywhere (IOATTN_SM90_QREGS=1 IOATTN_SM90_BODY=v4): its test, then ioattn_cuda_bench grid that
+#      way and with it off (IOATTN_SM90_QREGS=0) -> sm90qregs.json.
 #   sm90local (not in the default stages; ~2 min): the forward's kLocal rows (windows, sinks,
 #      softcap, ALiBi, varlen; IOATTN_SM90_LOCAL=1) against the mma.sync kernel on the same shapes
 #      (ioattn_cuda_bench local), a table in the summary -> sm90local.json.
@@ -115,7 +116,8 @@ fi
 # ---- 2. ctest -------------------------------------------------------------------------------
 if want ctest; then
   t0=$(stamp)
-  (cd "$BUILD" && ctest --output-on-failure -j 4 --timeout 600) >"$OUT/ctest.log" 2>&1
+  # GPU_CHECK_CTEST_REGEX: only the tests whose names match (ctest -R), e.g. "cuda_kernels|serving"
+  (cd "$BUILD" && ctest --output-on-failure -j 4 --timeout 600 ${GPU_CHECK_CTEST_REGEX:+-R "$GPU_CHECK_CTEST_REGEX"}) >"$OUT/ctest.log" 2>&1
   rc=$?
   note "ctest      rc=$rc  $(( $(stamp) - t0 )) s  $(grep -E 'tests passed|tests failed' "$OUT/ctest.log" | tail -1)"
 fi
@@ -261,21 +263,24 @@ if want ncufwd && command -v ncu >/dev/null; then
     "$OUT/ncu_fwd.log" | grep -v '^==' | sed -E 's/  +/ /g; s/^ //' | cut -c1-150 | tee -a "$SUMMARY"
 fi
 
-# ---- the hdim-128 causal forward with Q in registers (optional stage sm90qregs) ----------------------
-# IOATTN_SM90_QREGS=1 (session 9, written blind): the causal and hdim-128 test cases with it (the
-# hdim-128 causal ones on the Q-in-registers row), then ioattn_cuda_bench grid at hdim 128 with and
-# without it, interleaved twice;
-# the causal rows' ratio in the summary (the non-causal rows run the v3 body either way: a control).
+# ---- the hdim-128 forward with Q in registers (optional stage sm90qregs) ---------------------------
+# Q K^T with Q in registers (the causal rows' default since session 10): the hdim-128 test cases
+# with the non-causal ones on it too (IOATTN_SM90_QREGS=1 IOATTN_SM90_BODY=v4: the v4 body's 128x128
+# tile instead of v3's 128x176), then ioattn_cuda_bench grid at hdim 128 that way ("on") and with
+# it off everywhere (IOATTN_SM90_QREGS=0: non-causal v3 128x176, causal v4 128x128 without),
+# interleaved twice; the on/off ratio per row in the summary.
 if want sm90qregs; then
   t0=$(stamp)
-  IOATTN_SM90_QREGS=1 timeout 300 "$BUILD/test_cuda_kernels" --gtest_filter='*causal*:*hdim128*' >"$OUT/sm90qregs_test.log" 2>&1
+  IOATTN_SM90_QREGS=1 IOATTN_SM90_BODY=v4 timeout 300 "$BUILD/test_cuda_kernels" --gtest_filter='*hdim128*' \
+    >"$OUT/sm90qregs_test.log" 2>&1
   rc=$?
   note "qregs test rc=$rc  $(( $(stamp) - t0 )) s  (sm90qregs_test.log)"
   if [[ $rc == 0 ]]; then
     brc=0
     for pass in 1 2; do
       for on in 1 0; do
-        IOATTN_SM90_QREGS=$on timeout 200 "$BUILD/ioattn_cuda_bench" grid --hdims 128 --seqlens 2048,4096,8192,16384 \
+        body=v3; [[ $on == 1 ]] && body=v4
+        IOATTN_SM90_QREGS=$on IOATTN_SM90_BODY=$body timeout 200 "$BUILD/ioattn_cuda_bench" grid --hdims 128 --seqlens 2048,4096,8192,16384 \
           --dtypes bf16,f16 2>>"$OUT/sm90qregs.log" >"$OUT/sm90qregs_run.json" || brc=1
         sed "s/^{/{\"qregs\": $on, \"pass\": $pass, /" "$OUT/sm90qregs_run.json" >>"$OUT/sm90qregs.json"
       done
@@ -387,20 +392,24 @@ if want decode; then
       grep '^{' "$OUT/decode_bulk.log" >"$OUT/decode_bulk.json"
     fi
   fi
-  # The 2-stage ring (IOATTN_DECODE_STAGES=2: 3 CTAs per SM, 16-bit caches at head_dim 128; session 9,
-  # not yet run when written): its bitwise test, then the grid at splits GPU_CHECK_DECODE_STAGES2_SPLITS
-  # (default "0 4 8"; 0 = the heuristic, which counts 3 CTAs per SM for it) -> appended to
-  # decode_bulk.json (the kernel name says "stages2"). GPU_CHECK_DECODE_STAGES2=0 skips it.
-  if [[ ${GPU_CHECK_DECODE_STAGES2:-1} == 1 && -x $BUILD/test_cuda_serving ]]; then
-    if bounded_test "stages2 test" 180 "$BUILD/test_cuda_serving" 'CudaDecode.TwoStageRing*' "$OUT/decode_stages2.log"; then
-      for sp in ${GPU_CHECK_DECODE_STAGES2_SPLITS:-0 4 8}; do
+  # Other ring depths of the mma kernel (16-bit caches at head_dim 128; IOATTN_DECODE_STAGES=2: a
+  # 2-stage ring, 3 CTAs per SM; =5: a 5-stage ring, 1 CTA per SM with 4 tiles in flight): per
+  # "ring:splits,..." entry of GPU_CHECK_DECODE_RINGS (default "2:0 5:0,1,2"; splits 0 = the
+  # heuristic, which counts the ring's CTAs per SM), its bitwise test, then the grid at each split
+  # count -> appended to decode_bulk.json (the kernel name says "stagesN"). "" skips it.
+  if [[ -x $BUILD/test_cuda_serving ]]; then
+    for spec in ${GPU_CHECK_DECODE_RINGS-2:0 5:0,1,2}; do
+      ring=${spec%%:*}
+      case $ring in 2) tname='CudaDecode.TwoStageRing*' ;; 5) tname='CudaDecode.FiveStageRing*' ;; *) continue ;; esac
+      bounded_test "stages$ring test" 180 "$BUILD/test_cuda_serving" "$tname" "$OUT/decode_stages$ring.log" || continue
+      for sp in $(tr , ' ' <<<"${spec#*:}"); do
         t0=$(stamp)
-        IOATTN_DECODE_STAGES=2 timeout 200 "$BUILD/ioattn_cuda_decode_bench" --pages 0,16 --caches bf16 --eager 0 \
-          --copy 0 --splits "$sp" ${GPU_CHECK_DECODE_ARGS:-} >>"$OUT/decode_stages2.log" 2>&1
-        note "stages2 splits=$sp rc=$?  $(( $(stamp) - t0 )) s  (decode_stages2.log)"
+        IOATTN_DECODE_STAGES=$ring timeout 200 "$BUILD/ioattn_cuda_decode_bench" --pages 0,16 --caches bf16 --eager 0 \
+          --copy 0 --splits "$sp" ${GPU_CHECK_DECODE_ARGS:-} >>"$OUT/decode_stages$ring.log" 2>&1
+        note "stages$ring splits=$sp rc=$?  $(( $(stamp) - t0 )) s  (decode_stages$ring.log)"
       done
-      grep '^{' "$OUT/decode_stages2.log" >>"$OUT/decode_bulk.json"
-    fi
+      grep '^{' "$OUT/decode_stages$ring.log" >>"$OUT/decode_bulk.json"
+    done
   fi
   # Split-count sweep (GPU_CHECK_DECODE_SPLITS="1 2 4 8"): does the heuristic leave speed at large
   # batch (wave quantisation at 2 CTAs per SM)? Appended to decode_bulk.json, impl "ioattn" rows.
@@ -413,13 +422,14 @@ if want decode; then
   [[ -f $OUT/decode_splits.log ]] && grep '^{' "$OUT/decode_splits.log" >>"$OUT/decode_bulk.json"
   # One line per bulk-loader / split-sweep row (graph replay; compare with the decode table above).
   [[ -s $OUT/decode_bulk.json ]] && python3 - "$OUT/decode_bulk.json" <<'PY' | tee -a "$SUMMARY"
-import json, sys
+import json, re, sys
 for line in open(sys.argv[1]):
     r = json.loads(line)
     if r.get("impl") != "ioattn":
         continue
     kern = r.get("kernel", "")
-    loader = "bulk" if " bulk" in kern else "stages2" if "stages2" in kern else "cp.async"
+    ring = re.search(r" mma (stages\d+)", kern)
+    loader = "bulk" if " bulk" in kern else ring.group(1) if ring else "cp.async"
     print(f"decode {loader:8s} b{r['batch']:<3d} kv {r['kv_len']:<6d} page {r['page_size']:<3d} {r['cache']:7s} "
           f"splits {r['splits']:<3d} {r['tbps']:.3f} TB/s")
 PY

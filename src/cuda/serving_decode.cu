@@ -534,8 +534,8 @@ CudaSelection cuda_decode_select(const DecodeProblem& p, int arch) {
     return no("IOATTN_DECODE_LOADER must be bulk or cp.async (or unset), got '" + loader + "'");
   const char* stages_env = std::getenv("IOATTN_DECODE_STAGES");
   if (stages_env != nullptr && *stages_env != '\0' && std::strcmp(stages_env, "2") != 0 &&
-      std::strcmp(stages_env, "3") != 0)
-    return no(std::string("IOATTN_DECODE_STAGES must be 2 or 3 (or unset), got '") + stages_env + "'");
+      std::strcmp(stages_env, "3") != 0 && std::strcmp(stages_env, "5") != 0)
+    return no(std::string("IOATTN_DECODE_STAGES must be 2, 3 or 5 (or unset), got '") + stages_env + "'");
   if (mma) {
     const int rows = mma_rows_per_cta(p.rows_per_group(), p.head_dim);
     const bool bulk = use_bulk_loader(p, [&] { return arch; });
@@ -548,7 +548,9 @@ CudaSelection cuda_decode_select(const DecodeProblem& p, int arch) {
     const int64_t rbm = row_blocks_of(p.heads_q, p.heads_kv, p.seqlen_q, rows);
     const int stages = mma_decode_stages(p.cache_dtype, p.head_dim, bulk);
     return {"cuda/splitkv sm" + std::to_string(arch) + " mma" + (bulk ? " bulk" : "") +
-                (!bulk && stages == 2 && p.head_dim == 128 ? " stages2" : ""),
+                (!bulk && stages != 3 && p.head_dim == 128 && dtype_size(p.cache_dtype) == 2
+                     ? " stages" + std::to_string(stages)
+                     : ""),
             std::string(force.empty() ? "" : "IOATTN_DECODE_KERNEL=mma; ") +
                 "mma.sync m16n8k16 with keys as M (S^T = K Q^T, O^T += V^T P^T, P^T by movmatrix, P = P_hi + "
                 "P_lo), 4 warps x 16 keys of 64-key tiles, " +
@@ -605,12 +607,14 @@ int cuda_decode_num_splits(int64_t batch, int64_t heads_q, int64_t heads_kv, int
                           (head_dim == 64 || head_dim == 128 || head_dim == 256) && forced_kernel() != "fma";
   const int64_t group_rows = heads_kv > 0 ? heads_q / heads_kv * seqlen_q : 1;
   const int rows_per_cta = mma_likely ? mma_rows_per_cta(group_rows, head_dim) : kRows;
-  // IOATTN_DECODE_STAGES=2 (the 2-stage ring, an experiment; not with the bulk loader): 3 CTAs per
-  // SM, the wave model only. 8-bit caches at head_dim <= 128 with 8-row CTAs: 3 per SM (their
-  // ring is smaller; 16-row CTAs need ~170 registers: 2).
-  const bool two_stage = mma_likely && sixteen_bit && head_dim == 128 &&
-                         mma_decode_stages(cache_dtype, head_dim, forced_loader() == "bulk") == 2;
-  const int64_t ctas_per_sm = (eight_bit && head_dim <= 128 && rows_per_cta == 8) || two_stage ? 3 : 2;
+  // IOATTN_DECODE_STAGES=2 / 5 (rings of 2 or 5 stages, experiments; not with the bulk loader):
+  // 3 CTAs per SM / 1, the wave model only. 8-bit caches at head_dim <= 128 with 8-row CTAs: 3 per
+  // SM (their ring is smaller; 16-row CTAs need ~170 registers: 2).
+  const int ring = mma_likely && sixteen_bit && head_dim == 128
+                       ? mma_decode_stages(cache_dtype, head_dim, forced_loader() == "bulk")
+                       : 0;
+  const bool two_stage = ring == 2, ring_opt = ring == 2 || ring == 5;
+  const int64_t ctas_per_sm = ring == 5 ? 1 : (eight_bit && head_dim <= 128 && rows_per_cta == 8) || two_stage ? 3 : 2;
   const int sms = sm_count(device_index);
   const int64_t rb = heads_kv > 0 ? row_blocks_of(heads_q, heads_kv, seqlen_q, rows_per_cta) : 1;
   const int64_t work = std::max<int64_t>(1, batch * heads_kv * rb);
@@ -618,7 +622,7 @@ int cuda_decode_num_splits(int64_t batch, int64_t heads_q, int64_t heads_kv, int
   const int64_t L = std::max<int64_t>(max_seqlen_k, 1);
   const int64_t by_len = std::max<int64_t>(1, (L + kMinChunkTokens - 1) / kMinChunkTokens);
   const int64_t max_s = std::clamp<int64_t>(by_len, 1, kMaxSplits);
-  const bool mma_serving = mma_likely && sixteen_bit && head_dim == 128 && !two_stage;
+  const bool mma_serving = mma_likely && sixteen_bit && head_dim == 128 && !ring_opt;
   if (mma_serving && !paged && work * 10 >= static_cast<int64_t>(sms) * 9) {
     if (why)
       *why = "batch*heads_kv*row_blocks " + std::to_string(work) + " CTAs on " + std::to_string(sms) +

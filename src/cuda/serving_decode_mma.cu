@@ -105,8 +105,9 @@ __device__ __forceinline__ unsigned long long dec_globaltimer() {
 #endif
 
 // kBytes: cache element bytes (2: bf16/f16, 1: f8e4m3/i8). kStagesOpt > 0 overrides the ring depth
-// (IOATTN_DECODE_STAGES=2: 16-bit caches at head_dim 128 with a 2-stage ring, 68 KiB, so 3 CTAs fit
-// an SM instead of 2; an experiment, see mma_decode_stages).
+// (experiments, see mma_decode_stages; 16-bit caches at head_dim 128: IOATTN_DECODE_STAGES=2, a
+// 2-stage ring, 68 KiB, so 3 CTAs fit an SM instead of 2; =5, 170 KiB, one CTA per SM with 4 tiles
+// = 128 KiB of K/V in flight instead of 2 x 2).
 template <int D, int kBytes = 2, int kStagesOpt = 0>
 struct MmaTraits {
   static constexpr int kCPR = D * kBytes / 16;         // 16-byte chunks per cache row
@@ -730,6 +731,7 @@ int mma_decode_stages(DType cache, int64_t head_dim, bool bulk) {
   if ((cache == DType::bf16 || cache == DType::f16) && head_dim == 128 && !bulk) {
     const char* e = std::getenv("IOATTN_DECODE_STAGES");
     if (e != nullptr && std::strcmp(e, "2") == 0) return MmaTraits<128, 2, 2>::kStages;
+    if (e != nullptr && std::strcmp(e, "5") == 0) return MmaTraits<128, 2, 5>::kStages;
   }
   switch (head_dim) {  // the rings the instances below are built with
     case 64: return eight ? MmaTraits<64, 1>::kStages : MmaTraits<64, 2>::kStages;
@@ -750,8 +752,13 @@ void launch_dims(const DecodeParams& p, int64_t grid, cudaStream_t stream, bool 
     }
   }
   if constexpr (std::is_same_v<T, CT>) {
-    if (p.d == 128 && mma_decode_stages(std::is_same_v<T, __half> ? DType::f16 : DType::bf16, 128, false) == 2) {
+    const int ring = p.d == 128 ? mma_decode_stages(std::is_same_v<T, __half> ? DType::f16 : DType::bf16, 128, false) : 0;
+    if (ring == 2) {
       two ? launch<T, CT, 128, 2, false, 2>(p, grid, stream, pdl) : launch<T, CT, 128, 1, false, 2>(p, grid, stream, pdl);
+      return;
+    }
+    if (ring == 5) {
+      two ? launch<T, CT, 128, 2, false, 5>(p, grid, stream, pdl) : launch<T, CT, 128, 1, false, 5>(p, grid, stream, pdl);
       return;
     }
   }

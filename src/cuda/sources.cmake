@@ -85,13 +85,15 @@ function(ioattn_cuda_extras)
       # full ones, the ring and the tile slot carried across tiles).
       add_test(NAME cuda_kernels_sm90_local_2ctas COMMAND test_cuda_kernels --gtest_filter=*local_*:*varlen*)
       set_tests_properties(cuda_kernels_sm90_local_2ctas PROPERTIES ENVIRONMENT "IOATTN_SM90_MAX_CTAS=2")
-      # The hdim-128 causal rows with Q K^T's Q in registers (IOATTN_SM90_QREGS=1, an experiment):
-      # the causal cases (by name) and the hdim-128 ones again; on sm_90 the hdim-128 causal bf16/f16
-      # ones must run that row.
-      add_test(NAME cuda_kernels_sm90_qregs COMMAND test_cuda_kernels --gtest_filter=*causal*:*hdim128*)
-      set_tests_properties(cuda_kernels_sm90_qregs PROPERTIES ENVIRONMENT "IOATTN_SM90_QREGS=1")
+      # Q K^T with Q in registers (the hdim-128 causal rows' default): the hdim-128 cases with the
+      # non-causal ones on it too (the v4 body's 128x128 tile), and the causal and hdim-128 ones
+      # without it; on sm_90 the test checks each plain hdim-128 row ran what the switches ask.
+      add_test(NAME cuda_kernels_sm90_qregs COMMAND test_cuda_kernels --gtest_filter=*hdim128*)
+      set_tests_properties(cuda_kernels_sm90_qregs PROPERTIES ENVIRONMENT "IOATTN_SM90_QREGS=1;IOATTN_SM90_BODY=v4")
+      add_test(NAME cuda_kernels_sm90_noqregs COMMAND test_cuda_kernels --gtest_filter=*causal*:*hdim128*)
+      set_tests_properties(cuda_kernels_sm90_noqregs PROPERTIES ENVIRONMENT "IOATTN_SM90_QREGS=0")
       # A GPU-less machine prints "skipped: no CUDA device"; ctest reports those as skipped.
-      set_tests_properties(cuda_kernels cuda_kernels_mma_local cuda_kernels_sm90_local_2ctas cuda_kernels_sm90_qregs
+      set_tests_properties(cuda_kernels cuda_kernels_mma_local cuda_kernels_sm90_local_2ctas cuda_kernels_sm90_qregs cuda_kernels_sm90_noqregs
                            PROPERTIES SKIP_REGULAR_EXPRESSION "skipped: no CUDA device")
       add_executable(test_cuda_backward ${PROJECT_SOURCE_DIR}/tests/test_cuda_backward.cpp)
       target_link_libraries(test_cuda_backward PRIVATE ioattn::ioattn GTest::gtest GTest::gtest_main)

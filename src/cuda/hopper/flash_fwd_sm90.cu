@@ -51,6 +51,8 @@ using Hdim128Bf16CausalQRegs = Sm90TraitsQRegs128<__nv_bfloat16>;
 using Hdim128F16CausalQRegs = Sm90TraitsQRegs128<__half>;
 IOATTN_SM90_EXTERN(Hdim128Bf16CausalQRegs, true)
 IOATTN_SM90_EXTERN(Hdim128F16CausalQRegs, true)
+IOATTN_SM90_EXTERN(Hdim128Bf16CausalQRegs, false)
+IOATTN_SM90_EXTERN(Hdim128F16CausalQRegs, false)
 IOATTN_SM90_EXTERN(Hdim256Bf16, false)
 IOATTN_SM90_EXTERN(Hdim256Bf16Causal, true)
 IOATTN_SM90_EXTERN(Hdim256F16, false)
@@ -159,7 +161,7 @@ using detail::Strides3;
 struct Row {
   int block_m = 0, block_n = 0, stages = 0, consumer_wgs = 0;
   bool v3 = false;  // the v3 kernel body (flash_fwd_sm90_v3.cuh)
-  bool q_regs = false;  // Q K^T with Q in registers (Sm90TraitsQRegs128, IOATTN_SM90_QREGS=1)
+  bool q_regs = false;  // Q K^T with Q in registers (Sm90TraitsQRegs128; IOATTN_SM90_QREGS)
   const char* why = "";
   bool (*present)() = nullptr;
   void (*launch)(const FwdLaunch&) = nullptr;
@@ -198,6 +200,7 @@ Row local_row_for_dtype(int64_t hdim) {
 }
 
 bool env_flag(const char* name);  // "1" (below)
+int env_bool(const char* name);   // -1 unset, else 0 / 1 (below)
 
 template <typename T>
 Row row_for_dtype(int64_t hdim, bool causal, bool wg3, bool v3) {
@@ -211,10 +214,12 @@ Row row_for_dtype(int64_t hdim, bool causal, bool wg3, bool v3) {
       if (v3)
         return causal ? make_row_v3<Sm90Traits<128, T, true>, true>(Sm90Tile<128, true>::kWhy)
                       : make_row_v3<Sm90Traits<128, T, false>, false>(Sm90Tile<128, false>::kWhy);
-      // IOATTN_SM90_QREGS=1: Q K^T's Q in registers (an experiment, session 9; the v3 body,
-      // IOATTN_SM90_BODY=v3, takes precedence)
-      if (causal && env_flag("IOATTN_SM90_QREGS"))
-        return make_row<Sm90TraitsQRegs128<T>, true>(Sm90TraitsQRegs128<T>::kWhy);
+      // Q K^T's Q in registers: the causal rows' default (session 10: +0..13% over the same tile
+      // without, docs/PERF.md); IOATTN_SM90_QREGS=0 turns it off, =1 also puts the non-causal rows
+      // on it when the v4 body is asked for (IOATTN_SM90_BODY=v4; 128x128, an A/B against v3).
+      if (const int qr = env_bool("IOATTN_SM90_QREGS"); causal ? qr != 0 : qr == 1)
+        return causal ? make_row<Sm90TraitsQRegs128<T>, true>(Sm90TraitsQRegs128<T>::kWhy)
+                      : make_row<Sm90TraitsQRegs128<T>, false>(Sm90TraitsQRegs128<T>::kWhyNonCausal);
       return causal ? make_row<128, T, true>() : make_row<128, T, false>();
     case 256: return causal ? make_row<256, T, true>() : make_row<256, T, false>();
     default: return Row{};
