@@ -424,6 +424,28 @@ TEST(CudaDecode, TwoStageRingEqualsDefaultBitwise) {
   expect_env_rejected("IOATTN_DECODE_STAGES", "4");
 }
 
+// A few short sequences (batch * heads_kv * row blocks <= 8, max_seqlen_k <= 4096) take the 2-stage
+// ring by default (mma_decode_stages); IOATTN_DECODE_STAGES=3 forces the 3-stage one: bitwise equal.
+// Just past the bound (4097 keys) the default is the 3-stage ring.
+TEST(CudaDecode, ShortSequencesTakeTheTwoStageRing) {
+  SKIP_WITHOUT_GPU();
+  expect_env_variant_bitwise("IOATTN_DECODE_STAGES", "3", {4000}, 31,
+                             [](const KernelChoice& k) {
+                               EXPECT_NE(k.kernel.find(" mma stages2"), std::string::npos) << k.kernel;
+                               EXPECT_NE(k.reason.find("2-stage cp.async ring"), std::string::npos) << k.reason;
+                             },
+                             [](const KernelChoice& k) {
+                               EXPECT_EQ(k.kernel.find("stages2"), std::string::npos) << k.kernel;
+                               EXPECT_NE(k.reason.find("3-stage cp.async ring"), std::string::npos) << k.reason;
+                             });
+  Spec c = on_cuda(mk("short_4097", DType::bf16));
+  c.hq = 32, c.hkv = 8, c.d = 128, c.lens = {4097};
+  Built bl(c, make_values(c, 5));
+  const KernelChoice k = bl.run();
+  EXPECT_EQ(k.kernel.find("stages2"), std::string::npos) << k.kernel;
+  expect_matches_reference(bl, "short_4097");
+}
+
 // IOATTN_DECODE_STAGES=5 (16-bit caches, head_dim 128): a 5-stage ring, one CTA per SM with four
 // tiles in flight. Bitwise equal to the default as above.
 TEST(CudaDecode, FiveStageRingEqualsDefaultBitwise) {

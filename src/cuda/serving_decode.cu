@@ -546,7 +546,7 @@ CudaSelection cuda_decode_select(const DecodeProblem& p, int arch) {
                                             : "") +
                    "cp.async ring";
     const int64_t rbm = row_blocks_of(p.heads_q, p.heads_kv, p.seqlen_q, rows);
-    const int stages = mma_decode_stages(p.cache_dtype, p.head_dim, bulk);
+    const int stages = mma_decode_stages(p.cache_dtype, p.head_dim, bulk, p.batch * p.heads_kv * rbm, p.max_seqlen_k);
     return {"cuda/splitkv sm" + std::to_string(arch) + " mma" + (bulk ? " bulk" : "") +
                 (!bulk && stages != 3 && p.head_dim == 128 && dtype_size(p.cache_dtype) == 2
                      ? " stages" + std::to_string(stages)
@@ -607,17 +607,18 @@ int cuda_decode_num_splits(int64_t batch, int64_t heads_q, int64_t heads_kv, int
                           (head_dim == 64 || head_dim == 128 || head_dim == 256) && forced_kernel() != "fma";
   const int64_t group_rows = heads_kv > 0 ? heads_q / heads_kv * seqlen_q : 1;
   const int rows_per_cta = mma_likely ? mma_rows_per_cta(group_rows, head_dim) : kRows;
-  // IOATTN_DECODE_STAGES=2 / 5 (rings of 2 or 5 stages, experiments; not with the bulk loader):
-  // 3 CTAs per SM / 1, the wave model only. 8-bit caches at head_dim <= 128 with 8-row CTAs: 3 per
-  // SM (their ring is smaller; 16-row CTAs need ~170 registers: 2).
+  const int64_t rb = heads_kv > 0 ? row_blocks_of(heads_q, heads_kv, seqlen_q, rows_per_cta) : 1;
+  const int64_t work = std::max<int64_t>(1, batch * heads_kv * rb);
+  // The mma kernel's ring at head_dim 128 with 16-bit caches (mma_decode_stages: 2 stages for a few
+  // short sequences, or as IOATTN_DECODE_STAGES forces; not with the bulk loader): 2 stages fit 3
+  // CTAs per SM, 5 one; both the wave model only. 8-bit caches at head_dim <= 128 with 8-row CTAs:
+  // 3 per SM (their ring is smaller; 16-row CTAs need ~170 registers: 2).
   const int ring = mma_likely && sixteen_bit && head_dim == 128
-                       ? mma_decode_stages(cache_dtype, head_dim, forced_loader() == "bulk")
+                       ? mma_decode_stages(cache_dtype, head_dim, forced_loader() == "bulk", work, max_seqlen_k)
                        : 0;
   const bool two_stage = ring == 2, ring_opt = ring == 2 || ring == 5;
   const int64_t ctas_per_sm = ring == 5 ? 1 : (eight_bit && head_dim <= 128 && rows_per_cta == 8) || two_stage ? 3 : 2;
   const int sms = sm_count(device_index);
-  const int64_t rb = heads_kv > 0 ? row_blocks_of(heads_q, heads_kv, seqlen_q, rows_per_cta) : 1;
-  const int64_t work = std::max<int64_t>(1, batch * heads_kv * rb);
   const int64_t slots = ctas_per_sm * sms;
   const int64_t L = std::max<int64_t>(max_seqlen_k, 1);
   const int64_t by_len = std::max<int64_t>(1, (L + kMinChunkTokens - 1) / kMinChunkTokens);
@@ -729,7 +730,8 @@ void cuda_decode(const DecodeProblem& p) {
   const bool pdl = use_pdl(p.device_index);
   if (mma) {
     const bool bulk = use_bulk_loader(p, [&] { return detail::cuda_device_arch(p.device_index); });
-    launch_decode_mma(dp, p.cache_dtype, grid, stream, pdl, bulk);
+    launch_decode_mma(dp, p.cache_dtype, grid, stream, pdl, bulk,
+                      mma_decode_stages(p.cache_dtype, p.head_dim, bulk, p.batch * p.heads_kv * rb, p.max_seqlen_k));
   } else {
     switch (p.cache_dtype) {
       case DType::bf16: launch_decode<__nv_bfloat16>(dp, grid, stream, pdl); break;

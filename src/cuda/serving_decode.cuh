@@ -293,13 +293,19 @@ bool mma_decode_supported(DType dtype, DType cache, int64_t d, int64_t dv, int64
 // Query rows per CTA of the mma kernel: 8, or 16 when a kv head has more than 8 rows and
 // head_dim <= 128 (the grid's row blocks follow it).
 int mma_rows_per_cta(int64_t rows_per_group, int64_t head_dim);
-void launch_decode_mma(const DecodeParams& p, DType cache, int64_t grid, cudaStream_t stream, bool pdl,
-                       bool bulk = false);
-// The mma kernel's ring depth for this cache dtype and head_dim (from its MmaTraits): 4 / 3 / 2
-// stages at head_dim 64 / 128 / 256 for 16-bit caches, 4 / 4 / 3 for 8-bit ones;
-// IOATTN_DECODE_STAGES=2 (an experiment) gives 16-bit caches at head_dim 128 a 2-stage cp.async
-// ring (68 KiB: 3 CTAs per SM), not the bulk loader (bulk: its own 3 stages).
-int mma_decode_stages(DType cache, int64_t head_dim, bool bulk);
+// ring: mma_decode_stages' answer for the call (16-bit caches at head_dim 128 have rings of 2, 3 and
+// 5 stages; the other instances one each).
+void launch_decode_mma(const DecodeParams& p, DType cache, int64_t grid, cudaStream_t stream, bool pdl, bool bulk,
+                       int ring);
+// The mma kernel's ring depth (from its MmaTraits): 4 / 3 / 2 stages at head_dim 64 / 128 / 256 for
+// 16-bit caches, 4 / 4 / 3 for 8-bit ones (bulk: its own 3 stages). 16-bit caches at head_dim 128
+// with the cp.async loader take a 2-stage ring (68 KiB: 3 CTAs per SM) when the call is a few
+// short sequences: work (batch * heads_kv * row blocks) <= 8 and max_seqlen_k <= 4096, where a CTA
+// reads a few tiles and its fixed costs (prologue, first-tile latency, epilogue) dominate, so a
+// third CTA per SM overlaps them (H200, b1 x 4k: 1.40 vs 1.30 TB/s; at 32k 3.19 vs 3.26: not
+// there). IOATTN_DECODE_STAGES=2 / 3 / 5 forces a depth for those caches (5: one CTA per SM
+// with 4 tiles in flight; measured no faster).
+int mma_decode_stages(DType cache, int64_t head_dim, bool bulk, int64_t work, int64_t max_seqlen_k);
 // The mma kernel's bulk-copy loader (IOATTN_DECODE_LOADER=bulk): sm_90, bf16/f16 q and cache, head_dim 128.
 bool mma_bulk_supported(DType dtype, DType cache, int64_t d, int arch);
 

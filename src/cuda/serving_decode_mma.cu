@@ -726,12 +726,14 @@ int mma_rows_per_cta(int64_t rows_per_group, int64_t head_dim) {
   return rows_per_group > 8 && head_dim <= 128 ? 16 : 8;
 }
 
-int mma_decode_stages(DType cache, int64_t head_dim, bool bulk) {
+int mma_decode_stages(DType cache, int64_t head_dim, bool bulk, int64_t work, int64_t max_seqlen_k) {
   const bool eight = cache == DType::f8e4m3 || cache == DType::i8;
   if ((cache == DType::bf16 || cache == DType::f16) && head_dim == 128 && !bulk) {
     const char* e = std::getenv("IOATTN_DECODE_STAGES");
     if (e != nullptr && std::strcmp(e, "2") == 0) return MmaTraits<128, 2, 2>::kStages;
     if (e != nullptr && std::strcmp(e, "5") == 0) return MmaTraits<128, 2, 5>::kStages;
+    const bool forced = e != nullptr && *e != '\0';  // "3": the default ring
+    if (!forced && work <= 8 && max_seqlen_k <= 4096) return MmaTraits<128, 2, 2>::kStages;
   }
   switch (head_dim) {  // the rings the instances below are built with
     case 64: return eight ? MmaTraits<64, 1>::kStages : MmaTraits<64, 2>::kStages;
@@ -743,7 +745,7 @@ int mma_decode_stages(DType cache, int64_t head_dim, bool bulk) {
 namespace {
 // One (q / mma type, cache type): the head dim and n-tile switch.
 template <typename T, typename CT>
-void launch_dims(const DecodeParams& p, int64_t grid, cudaStream_t stream, bool pdl, bool bulk) {
+void launch_dims(const DecodeParams& p, int64_t grid, cudaStream_t stream, bool pdl, bool bulk, int ring) {
   const bool two = mma_rows_per_cta(p.rows, p.d) == 16;
   if constexpr (std::is_same_v<T, CT>) {
     if (bulk) {  // the caller checked mma_bulk_supported: head_dim 128, sm_90
@@ -752,12 +754,11 @@ void launch_dims(const DecodeParams& p, int64_t grid, cudaStream_t stream, bool 
     }
   }
   if constexpr (std::is_same_v<T, CT>) {
-    const int ring = p.d == 128 ? mma_decode_stages(std::is_same_v<T, __half> ? DType::f16 : DType::bf16, 128, false) : 0;
-    if (ring == 2) {
+    if (p.d == 128 && ring == MmaTraits<128, 2, 2>::kStages) {
       two ? launch<T, CT, 128, 2, false, 2>(p, grid, stream, pdl) : launch<T, CT, 128, 1, false, 2>(p, grid, stream, pdl);
       return;
     }
-    if (ring == 5) {
+    if (p.d == 128 && ring == MmaTraits<128, 2, 5>::kStages) {
       two ? launch<T, CT, 128, 2, false, 5>(p, grid, stream, pdl) : launch<T, CT, 128, 1, false, 5>(p, grid, stream, pdl);
       return;
     }
@@ -771,12 +772,13 @@ void launch_dims(const DecodeParams& p, int64_t grid, cudaStream_t stream, bool 
 }
 }  // namespace
 
-void launch_decode_mma(const DecodeParams& p, DType cache, int64_t grid, cudaStream_t stream, bool pdl, bool bulk) {
+void launch_decode_mma(const DecodeParams& p, DType cache, int64_t grid, cudaStream_t stream, bool pdl, bool bulk,
+                       int ring) {
   switch (cache) {
-    case DType::bf16: launch_dims<__nv_bfloat16, __nv_bfloat16>(p, grid, stream, pdl, bulk); break;
-    case DType::f16: launch_dims<__half, __half>(p, grid, stream, pdl, bulk); break;
-    case DType::f8e4m3: launch_dims<__half, E4m3>(p, grid, stream, pdl, false); break;
-    case DType::i8: launch_dims<__half, int8_t>(p, grid, stream, pdl, false); break;
+    case DType::bf16: launch_dims<__nv_bfloat16, __nv_bfloat16>(p, grid, stream, pdl, bulk, ring); break;
+    case DType::f16: launch_dims<__half, __half>(p, grid, stream, pdl, bulk, ring); break;
+    case DType::f8e4m3: launch_dims<__half, E4m3>(p, grid, stream, pdl, false, ring); break;
+    case DType::i8: launch_dims<__half, int8_t>(p, grid, stream, pdl, false, ring); break;
     default: throw Error("cache.k_cache.dtype", "ioattn: the mma decode kernel takes bf16/f16/f8e4m3/i8 caches");
   }
 }
