@@ -200,16 +200,21 @@ void run_case(const Case& c, uint32_t seed) {
     }
     // Q K^T with Q in registers: the plain hdim-128 causal problems on the sm90 kernel run it by
     // default, and with IOATTN_SM90_QREGS=1 IOATTN_SM90_BODY=v4 (ctest cuda_kernels_sm90_qregs)
-    // the non-causal ones too; IOATTN_SM90_QREGS=0 (ctest cuda_kernels_sm90_noqregs) none.
+    // or IOATTN_SM90_QREGS_N=144|160 (ctests cuda_kernels_sm90_qregs144 / 160) the non-causal ones
+    // too; IOATTN_SM90_QREGS=0 (ctest cuda_kernels_sm90_noqregs) none.
     const char* qregs = std::getenv("IOATTN_SM90_QREGS");
+    const char* qregs_n = std::getenv("IOATTN_SM90_QREGS_N");
+    const bool tile_n = qregs_n != nullptr && (std::strcmp(qregs_n, "144") == 0 || std::strcmp(qregs_n, "160") == 0);
     const int qr = qregs == nullptr || *qregs == '\0' ? -1 : (*qregs == '1' ? 1 : 0);
     const bool plain128 = kc.kernel.find("wgmma") != std::string::npos && kc.kernel.find("hdim128") != std::string::npos &&
                           kc.kernel.find(" local") == std::string::npos && kc.kernel.find("f8e4m3") == std::string::npos &&
                           kc.kernel.find("(v3 body)") == std::string::npos;
     if (plain128) {
       const bool causal_row = kc.kernel.find("hdim128 causal") != std::string::npos;
-      const bool want = causal_row ? qr != 0 : qr == 1;
+      const bool want = causal_row ? qr != 0 : (qr == 1 || tile_n);
       EXPECT_EQ(kc.kernel.find(" qregs") != std::string::npos, want) << kc.kernel;
+      if (!causal_row && tile_n)
+        EXPECT_NE(kc.kernel.find(std::string("tile 128x") + qregs_n), std::string::npos) << kc.kernel;
     }
   }
   o.download();

@@ -26,9 +26,9 @@
 #      The logs are packed into logs.tgz at the end: read them there (or grep them in the command).
 #   ncufwd (not in the default stages; ~1-2 min): Nsight Compute on one launch each of the sm90 forward's
 #      hdim-128 bf16 kernels (v3 body non-causal, v4 body causal, 8k) and the fp8 kernel -> ncu_fwd.log.
-#   sm90qregs (not in the default stages; ~2 min): the hdim-128 forward with Q K^T's Q in registers
-#      everywhere (IOATTN_SM90_QREGS=1 IOATTN_SM90_BODY=v4): its test, then ioattn_cuda_bench grid that
-#      way and with it off (IOATTN_SM90_QREGS=0) -> sm90qregs.json.
+#   sm90qregs (not in the default stages; ~3 min): the hdim-128 forward with Q K^T's Q in registers:
+#      the non-causal A/B tiles' tests, then ioattn_cuda_bench grid per mode (off, on = default, v4 =
+#      128x128, n144 / n160 = 128x144 / 128x160 non-causal) -> sm90qregs.json.
 #   sm90local (not in the default stages; ~2 min): the forward's kLocal rows (windows, sinks,
 #      softcap, ALiBi, varlen; IOATTN_SM90_LOCAL=1) against the mma.sync kernel on the same shapes
 #      (ioattn_cuda_bench local), a table in the summary -> sm90local.json.
@@ -265,41 +265,53 @@ fi
 
 # ---- the hdim-128 forward with Q in registers (optional stage sm90qregs) ---------------------------
 # Q K^T with Q in registers (the causal rows' default since session 10): the hdim-128 test cases
-# with the non-causal ones on it too (IOATTN_SM90_QREGS=1 IOATTN_SM90_BODY=v4: the v4 body's 128x128
-# tile instead of v3's 128x176), then ioattn_cuda_bench grid at hdim 128 that way ("on") and with
-# it off everywhere (IOATTN_SM90_QREGS=0: non-causal v3 128x176, causal v4 128x128 without),
-# interleaved twice; the on/off ratio per row in the summary.
+# with the non-causal rows on each A/B tile first (IOATTN_SM90_QREGS=1 IOATTN_SM90_BODY=v4: 128x128;
+# IOATTN_SM90_QREGS_N=144 / 160), then ioattn_cuda_bench grid at hdim 128 in each mode of
+# GPU_CHECK_QREGS_MODES (default "off on v4 n144 n160"; off = IOATTN_SM90_QREGS=0: non-causal v3
+# 128x176, causal 128x128 without; on = the defaults), interleaved twice -> sm90qregs.json, and
+# TFLOP/s per mode with its ratio to "off" per row in the summary.
 if want sm90qregs; then
   t0=$(stamp)
-  IOATTN_SM90_QREGS=1 IOATTN_SM90_BODY=v4 timeout 300 "$BUILD/test_cuda_kernels" --gtest_filter='*hdim128*' \
-    >"$OUT/sm90qregs_test.log" 2>&1
-  rc=$?
+  rc=0
+  for envs in "IOATTN_SM90_QREGS=1 IOATTN_SM90_BODY=v4" IOATTN_SM90_QREGS_N=144 IOATTN_SM90_QREGS_N=160; do
+    echo "## $envs" >>"$OUT/sm90qregs_test.log"
+    env $envs timeout 300 "$BUILD/test_cuda_kernels" --gtest_filter='*hdim128*' >>"$OUT/sm90qregs_test.log" 2>&1 || rc=1
+  done
   note "qregs test rc=$rc  $(( $(stamp) - t0 )) s  (sm90qregs_test.log)"
   if [[ $rc == 0 ]]; then
     brc=0
     for pass in 1 2; do
-      for on in 1 0; do
-        body=v3; [[ $on == 1 ]] && body=v4
-        IOATTN_SM90_QREGS=$on IOATTN_SM90_BODY=$body timeout 200 "$BUILD/ioattn_cuda_bench" grid --hdims 128 --seqlens 2048,4096,8192,16384 \
+      for mode in ${GPU_CHECK_QREGS_MODES:-off on v4 n144 n160}; do
+        case $mode in
+          off) envs="IOATTN_SM90_QREGS=0" ;;
+          on) envs="IOATTN_SM90_ON=1" ;;
+          v4) envs="IOATTN_SM90_QREGS=1 IOATTN_SM90_BODY=v4" ;;
+          n144) envs="IOATTN_SM90_QREGS_N=144" ;;
+          n160) envs="IOATTN_SM90_QREGS_N=160" ;;
+          *) continue ;;
+        esac
+        env $envs timeout 200 "$BUILD/ioattn_cuda_bench" grid --hdims 128 --seqlens 2048,4096,8192,16384 \
           --dtypes bf16,f16 2>>"$OUT/sm90qregs.log" >"$OUT/sm90qregs_run.json" || brc=1
-        sed "s/^{/{\"qregs\": $on, \"pass\": $pass, /" "$OUT/sm90qregs_run.json" >>"$OUT/sm90qregs.json"
+        sed "s/^{/{\"mode\": \"$mode\", \"pass\": $pass, /" "$OUT/sm90qregs_run.json" >>"$OUT/sm90qregs.json"
       done
     done
     rm -f "$OUT/sm90qregs_run.json"
     note "sm90qregs  rc=$brc  $(( $(stamp) - t0 )) s  (sm90qregs.json)"
     python3 - "$OUT/sm90qregs.json" <<'PY' | tee -a "$SUMMARY"
 import json, sys, collections
-rows = collections.defaultdict(lambda: {0: [], 1: []})
+rows = collections.defaultdict(lambda: collections.defaultdict(list))
+modes = []
 for line in open(sys.argv[1]):
     if not line.startswith("{"): continue
     r = json.loads(line)
-    rows[(r["dtype"], r["seqlen"], r["causal"])][r["qregs"]].append(r["tflops"])
-print("qregs: dtype seqlen causal | on TFLOP/s off TFLOP/s on/off")
+    rows[(r["dtype"], r["seqlen"], r["causal"])][r["mode"]].append(r["tflops"])
+    if r["mode"] not in modes: modes.append(r["mode"])
+print("qregs: dtype seqlen causal | " + " ".join(f"{m:>12s}" for m in modes) + "   (TFLOP/s, x off)")
 for k in sorted(rows):
-    a, b = rows[k][1], rows[k][0]
-    if a and b:
-        la, lb = sum(a) / len(a), sum(b) / len(b)
-        print(f"qregs: {k[0]:5s} {k[1]:6d} {str(k[2]):5s} | {la:6.1f} {lb:6.1f} {la / lb:5.2f}")
+    m = {x: sum(v) / len(v) for x, v in rows[k].items()}
+    off = m.get("off")
+    cells = [f"{m[x]:6.1f} {m[x] / off:4.2f}" if x in m and off else f"{'-':>12s}" for x in modes]
+    print(f"qregs: {k[0]:5s} {k[1]:6d} {str(k[2]):5s} | " + " ".join(f"{c:>12s}" for c in cells))
 PY
   fi
 fi

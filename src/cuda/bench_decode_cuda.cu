@@ -155,11 +155,13 @@ void run_cell(const Cell& c, int repeats, bool eager, double mem_limit, const st
   DevMem q(static_cast<size_t>(qn * qs)), o(static_cast<size_t>(qn * qs)),
       lse(static_cast<size_t>(c.batch * c.hq * c.sq * 4));
   fill(q.p, c.qt, qn, 7);
-  // Block table: a shuffled permutation of the pool; lengths all kv.
+  // Block table: a shuffled permutation of the pool (IOATTN_BENCH_PAGES_IN_ORDER=1: the identity, a
+  // probe of what the shuffle costs); lengths all kv.
   std::vector<int32_t> table(static_cast<size_t>(std::max<int64_t>(pages, 1)));
   std::iota(table.begin(), table.end(), 0);
   std::mt19937_64 rng(3);
-  std::shuffle(table.begin(), table.end(), rng);
+  const char* in_order = std::getenv("IOATTN_BENCH_PAGES_IN_ORDER");
+  if (in_order == nullptr || std::strcmp(in_order, "1") != 0) std::shuffle(table.begin(), table.end(), rng);
   DevMem bt(table.size() * 4), lens(static_cast<size_t>(c.batch) * 4), scales(static_cast<size_t>(c.hkv) * 4);
   IOATTN_CUDA_CHECK(cudaMemcpy(bt.p, table.data(), table.size() * 4, cudaMemcpyHostToDevice));
   const std::vector<int32_t> lv(static_cast<size_t>(c.batch), static_cast<int32_t>(c.kv));

@@ -92,6 +92,11 @@ function(ioattn_cuda_extras)
       set_tests_properties(cuda_kernels_sm90_qregs PROPERTIES ENVIRONMENT "IOATTN_SM90_QREGS=1;IOATTN_SM90_BODY=v4")
       add_test(NAME cuda_kernels_sm90_noqregs COMMAND test_cuda_kernels --gtest_filter=*causal*:*hdim128*)
       set_tests_properties(cuda_kernels_sm90_noqregs PROPERTIES ENVIRONMENT "IOATTN_SM90_QREGS=0")
+      foreach(n 144 160)  # the non-causal 128x144 / 128x160 tiles with Q in registers (an A/B)
+        add_test(NAME cuda_kernels_sm90_qregs${n} COMMAND test_cuda_kernels --gtest_filter=*hdim128*)
+        set_tests_properties(cuda_kernels_sm90_qregs${n} PROPERTIES ENVIRONMENT "IOATTN_SM90_QREGS_N=${n}"
+                             SKIP_REGULAR_EXPRESSION "skipped: no CUDA device")
+      endforeach()
       # A GPU-less machine prints "skipped: no CUDA device"; ctest reports those as skipped.
       set_tests_properties(cuda_kernels cuda_kernels_mma_local cuda_kernels_sm90_local_2ctas cuda_kernels_sm90_qregs cuda_kernels_sm90_noqregs
                            PROPERTIES SKIP_REGULAR_EXPRESSION "skipped: no CUDA device")

@@ -17,6 +17,7 @@
 #include <climits>
 #include <cstdint>
 #include <cstdlib>
+#include <cstring>
 #include <memory>
 #include <string>
 
@@ -53,6 +54,14 @@ IOATTN_SM90_EXTERN(Hdim128Bf16CausalQRegs, true)
 IOATTN_SM90_EXTERN(Hdim128F16CausalQRegs, true)
 IOATTN_SM90_EXTERN(Hdim128Bf16CausalQRegs, false)
 IOATTN_SM90_EXTERN(Hdim128F16CausalQRegs, false)
+using Hdim128Bf16QRegs144 = Sm90TraitsQRegsN<144, __nv_bfloat16>;
+using Hdim128F16QRegs144 = Sm90TraitsQRegsN<144, __half>;
+using Hdim128Bf16QRegs160 = Sm90TraitsQRegsN<160, __nv_bfloat16>;
+using Hdim128F16QRegs160 = Sm90TraitsQRegsN<160, __half>;
+IOATTN_SM90_EXTERN(Hdim128Bf16QRegs144, false)
+IOATTN_SM90_EXTERN(Hdim128F16QRegs144, false)
+IOATTN_SM90_EXTERN(Hdim128Bf16QRegs160, false)
+IOATTN_SM90_EXTERN(Hdim128F16QRegs160, false)
 IOATTN_SM90_EXTERN(Hdim256Bf16, false)
 IOATTN_SM90_EXTERN(Hdim256Bf16Causal, true)
 IOATTN_SM90_EXTERN(Hdim256F16, false)
@@ -211,6 +220,15 @@ Row row_for_dtype(int64_t hdim, bool causal, bool wg3, bool v3) {
                       : make_row<Sm90Traits3<T, false>, false>(Sm90Tile3<false>::kWhy);
       return causal ? make_row<64, T, true>() : make_row<64, T, false>();
     case 128:
+      // IOATTN_SM90_QREGS_N=144|160: the non-causal rows on 128x144 / 128x160 tiles with Q in
+      // registers (an A/B; before the v3 body, the non-causal default)
+      if (!causal) {
+        const char* n = std::getenv("IOATTN_SM90_QREGS_N");
+        if (n != nullptr && std::strcmp(n, "144") == 0)
+          return make_row<Sm90TraitsQRegsN<144, T>, false>(Sm90TraitsQRegsN<144, T>::kWhy);
+        if (n != nullptr && std::strcmp(n, "160") == 0)
+          return make_row<Sm90TraitsQRegsN<160, T>, false>(Sm90TraitsQRegsN<160, T>::kWhy);
+      }
       if (v3)
         return causal ? make_row_v3<Sm90Traits<128, T, true>, true>(Sm90Tile<128, true>::kWhy)
                       : make_row_v3<Sm90Traits<128, T, false>, false>(Sm90Tile<128, false>::kWhy);

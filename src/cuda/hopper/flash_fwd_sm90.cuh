@@ -226,6 +226,16 @@ struct Sm90TraitsQRegs128 : Sm90Traits<128, T, true> {
       "body's 128x176)";
 };
 
+// hdim 128 without a mask on 128 x kBlockN_ tiles with Q in registers (IOATTN_SM90_QREGS_N=144 or
+// 160; an A/B against the v3 body's 128x176, which cannot take Q in registers: at 144, S 72 + P 36
+// + O 64 + Q 32 registers, no spills; at 160, 32 bytes of spills).
+template <int kBlockN_, typename T>
+struct Sm90TraitsQRegsN : FwdTraits<128, kBlockN_, 2, T, 0> {
+  static constexpr bool kQRegs = true;
+  static constexpr const char* kWhy =
+      "hdim128: 128xN (N = IOATTN_SM90_QREGS_N) with Q in registers, an A/B against the v3 body's 128x176";
+};
+
 // Alternative rows with 3 consumer warpgroups (192-row tiles, as FlashAttention-3 for hdim 64):
 // each warpgroup's softmax hides under the GEMMs of the other two instead of one. Registers drop
 // to 160 per consumer thread (S 64 + P 32 + O 32 at 192x128). Chosen per (hdim, causal) by the

@@ -22,6 +22,16 @@ IOATTN_SM90_INSTANTIATE(Hdim128Bf16CausalQRegs, true)
 IOATTN_SM90_INSTANTIATE(Hdim128F16CausalQRegs, true)
 IOATTN_SM90_INSTANTIATE(Hdim128Bf16CausalQRegs, false)
 IOATTN_SM90_INSTANTIATE(Hdim128F16CausalQRegs, false)
+// Non-causal 128x144 / 128x160 with Q in registers (IOATTN_SM90_QREGS_N=144|160, an A/B against
+// the v3 body's 128x176; 160 spills 32 bytes).
+using Hdim128Bf16QRegs144 = Sm90TraitsQRegsN<144, __nv_bfloat16>;
+using Hdim128F16QRegs144 = Sm90TraitsQRegsN<144, __half>;
+using Hdim128Bf16QRegs160 = Sm90TraitsQRegsN<160, __nv_bfloat16>;
+using Hdim128F16QRegs160 = Sm90TraitsQRegsN<160, __half>;
+IOATTN_SM90_INSTANTIATE(Hdim128Bf16QRegs144, false)
+IOATTN_SM90_INSTANTIATE(Hdim128F16QRegs144, false)
+IOATTN_SM90_INSTANTIATE(Hdim128Bf16QRegs160, false)
+IOATTN_SM90_INSTANTIATE(Hdim128F16QRegs160, false)
 // The v3 body: the non-causal rows' default, and for causal an A/B option (IOATTN_SM90_BODY=v3);
 // see flash_fwd_sm90_v3.cuh and the table in flash_fwd_sm90.cu.
 IOATTN_SM90_V3_INSTANTIATE(Hdim128Bf16, false)
