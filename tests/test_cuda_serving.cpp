@@ -969,7 +969,9 @@ TEST(CudaDecode, KernelChoiceNamesSplitsAndLayout) {
   Built bl(c, make_values(c, 1));
   KernelChoice k = bl.run(7);
   EXPECT_NE(k.kernel.find("cuda/splitkv sm"), std::string::npos) << k.kernel;
-  EXPECT_NE(k.kernel.find(" mma bf16 hdim128 gqa4 page16"), std::string::npos) << k.kernel;
+  // one short sequence (8 CTAs before splitting, 64 keys): the 2-stage ring (mma_decode_stages)
+  EXPECT_NE(k.kernel.find(" mma stages2 bf16 hdim128 gqa4 page16"), std::string::npos) << k.kernel;
+  EXPECT_NE(k.reason.find("2-stage cp.async ring"), std::string::npos) << k.reason;
   EXPECT_NE(k.kernel.find("splits 7"), std::string::npos) << k.kernel;
   EXPECT_NE(k.reason.find("requested"), std::string::npos) << k.reason;
   EXPECT_NE(k.reason.find("8 query rows per CTA (4 rows per kv head: 1 block)"), std::string::npos) << k.reason;
@@ -984,7 +986,7 @@ TEST(CudaDecode, KernelChoiceNamesSplitsAndLayout) {
   {
     KernelEnv env("mma");
     k = bl.run(7);
-    EXPECT_NE(k.kernel.find(" mma bf16 hdim128 gqa4 page16"), std::string::npos) << k.kernel;
+    EXPECT_NE(k.kernel.find(" mma stages2 bf16 hdim128 gqa4 page16"), std::string::npos) << k.kernel;
     EXPECT_NE(k.reason.find("IOATTN_DECODE_KERNEL=mma"), std::string::npos) << k.reason;
   }
   {

@@ -288,10 +288,17 @@ __global__ void __launch_bounds__(kThreads) decode_mma_kernel(const DecodeParams
         vr += v_it;
       }
     } else {
+      // Every (page, slot) entry of this thread's rows first, then the copies: interleaved, each
+      // entry's shared-memory read waited out before its copy and the next read (ptxas keeps the
+      // reads behind the earlier cp.async), ~8 serial load latencies per tile that one warp per
+      // scheduler (one CTA per SM, batch 16 unsplit) could not hide.
       const int2* pgs = pg_ring[tile % STAGES] + j_ld0;
+      int2 pse[Tr::kLoadIters];
+#pragma unroll
+      for (int it = 0; it < Tr::kLoadIters; ++it) pse[it] = pgs[it * j_step];
 #pragma unroll
       for (int it = 0; it < Tr::kLoadIters; ++it) {
-        const int2 ps = pgs[it * j_step];
+        const int2 ps = pse[it];
         const bool in = t0 + it * j_step < khi32;
         const bool ok = in && ps.x >= 0 && ps.x < p.num_pages;
         pg_bad |= (in && !ok) ? 1 : 0;
