@@ -199,22 +199,20 @@ void run_case(const Case& c, uint32_t seed) {
         EXPECT_NE(kc.kernel.find(" local"), std::string::npos) << kc.kernel;
     }
     // Q K^T with Q in registers: the plain hdim-128 causal problems on the sm90 kernel run it by
-    // default, and with IOATTN_SM90_QREGS=1 IOATTN_SM90_BODY=v4 (ctest cuda_kernels_sm90_qregs)
-    // or IOATTN_SM90_QREGS_N=144|160 (ctests cuda_kernels_sm90_qregs144 / 160) the non-causal ones
-    // too; IOATTN_SM90_QREGS=0 (ctest cuda_kernels_sm90_noqregs) none.
+    // default, none with IOATTN_SM90_QREGS=0 (ctest cuda_kernels_sm90_noqregs). The v3 body's
+    // cross-tile variant: the plain non-causal hdim-128 ones with IOATTN_SM90_V3_XTILE=1 (ctests
+    // cuda_kernels_sm90_xtile, _xtile_2ctas).
     const char* qregs = std::getenv("IOATTN_SM90_QREGS");
-    const char* qregs_n = std::getenv("IOATTN_SM90_QREGS_N");
-    const bool tile_n = qregs_n != nullptr && (std::strcmp(qregs_n, "144") == 0 || std::strcmp(qregs_n, "160") == 0);
-    const int qr = qregs == nullptr || *qregs == '\0' ? -1 : (*qregs == '1' ? 1 : 0);
+    const bool qregs_off = qregs != nullptr && *qregs == '0';
+    const char* xtile = std::getenv("IOATTN_SM90_V3_XTILE");
+    const bool xtile_on = xtile != nullptr && *xtile == '1';
     const bool plain128 = kc.kernel.find("wgmma") != std::string::npos && kc.kernel.find("hdim128") != std::string::npos &&
-                          kc.kernel.find(" local") == std::string::npos && kc.kernel.find("f8e4m3") == std::string::npos &&
-                          kc.kernel.find("(v3 body)") == std::string::npos;
+                          kc.kernel.find(" local") == std::string::npos && kc.kernel.find("f8e4m3") == std::string::npos;
     if (plain128) {
       const bool causal_row = kc.kernel.find("hdim128 causal") != std::string::npos;
-      const bool want = causal_row ? qr != 0 : (qr == 1 || tile_n);
-      EXPECT_EQ(kc.kernel.find(" qregs") != std::string::npos, want) << kc.kernel;
-      if (!causal_row && tile_n)
-        EXPECT_NE(kc.kernel.find(std::string("tile 128x") + qregs_n), std::string::npos) << kc.kernel;
+      const bool v3 = kc.kernel.find("(v3 body)") != std::string::npos;
+      if (causal_row && !v3) EXPECT_EQ(kc.kernel.find(" qregs") != std::string::npos, !qregs_off) << kc.kernel;
+      if (!causal_row && v3) EXPECT_EQ(kc.kernel.find(" xtile") != std::string::npos, xtile_on) << kc.kernel;
     }
   }
   o.download();
@@ -346,6 +344,10 @@ std::vector<Case> flash_cases() {
     v.push_back(c);
   }
   v.push_back(mk("gqa8_77x500_f16", hf, 1, 77, 500, 8, 1, 64));
+  // hdim 128 without a mask, many 128-row tiles (the persistent grid carries state from tile to
+  // tile: the v3 body's cross-tile variant): a partial last key block of one key, and one key block.
+  v.push_back(mk("tiles_700x353_gqa2", bf, 3, 700, 353, 4, 2, 128));
+  v.push_back(mk("tiles_300x100_f16", hf, 2, 300, 100, 6, 3, 128));
   for (int64_t d : {32, 64, 96, 128, 192, 256})
     for (DType dt : {bf, hf}) {
       Case c = mk("hdim" + std::to_string(d) + (dt == bf ? "_bf16" : "_f16"), dt, 1, 150, 170, 2, 1, d);

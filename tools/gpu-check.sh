@@ -26,9 +26,11 @@
 #      The logs are packed into logs.tgz at the end: read them there (or grep them in the command).
 #   ncufwd (not in the default stages; ~1-2 min): Nsight Compute on one launch each of the sm90 forward's
 #      hdim-128 bf16 kernels (v3 body non-causal, v4 body causal, 8k) and the fp8 kernel -> ncu_fwd.log.
-#   sm90qregs (not in the default stages; ~3 min): the hdim-128 forward with Q K^T's Q in registers:
-#      the non-causal A/B tiles' tests, then ioattn_cuda_bench grid per mode (off, on = default, v4 =
-#      128x128, n144 / n160 = 128x144 / 128x160 non-causal) -> sm90qregs.json.
+#   GPU_CHECK_POWER=1 (with stage sm90): SM clock / power / throttle reasons sampled through ours and
+#      the peers' runs -> power.csv and one line per phase in the summary.
+#   sm90qregs (not in the default stages; ~2 min): hdim-128 forward A/Bs: the test cases per switch,
+#      then ioattn_cuda_bench grid per mode (off = no Q in registers, on = defaults, xtile = the v3
+#      body's cross-tile variant) -> sm90qregs.json and a table in the summary.
 #   sm90local (not in the default stages; ~2 min): the forward's kLocal rows (windows, sinks,
 #      softcap, ALiBi, varlen; IOATTN_SM90_LOCAL=1) against the mma.sync kernel on the same shapes
 #      (ioattn_cuda_bench local), a table in the summary -> sm90local.json.
@@ -175,13 +177,52 @@ if want bench; then
 fi
 
 # ---- 6. Hopper kernel vs cuDNN / FA2 (same run) ---------------------------------------------------
+# GPU_CHECK_POWER=1: nvidia-smi samples SM clock, power and throttle reasons every 100 ms through
+# the two phases (ours, then the peers) -> power.csv, and the summary says, per phase, the mean and
+# lowest SM clock, the mean power and the throttle reasons seen (are both sides clocked alike?).
 if want sm90 && [[ -x $BUILD/ioattn_sm90_check ]]; then
   t0=$(stamp)
+  smi_pid=
+  if [[ ${GPU_CHECK_POWER:-0} == 1 ]] && command -v nvidia-smi >/dev/null; then
+    nvidia-smi --query-gpu=timestamp,clocks.sm,power.draw,temperature.gpu,clocks_event_reasons.active \
+      --format=csv,noheader,nounits -lms 100 >"$OUT/power.csv" 2>/dev/null &
+    smi_pid=$!
+  fi
   {
+    echo "phase ours $(date +%s.%N)" >"$OUT/power_phases.txt"
     "$BUILD/ioattn_sm90_check" --bench-only --csv "$OUT/sm90.csv" &&
-      PYTHONUNBUFFERED=1 python3 "$ROOT/src/cuda/hopper/peer_sdpa.py" --ours sm90="$OUT/sm90.csv" --csv "$OUT/peer_sm90.csv"
+      { echo "phase peers $(date +%s.%N)" >>"$OUT/power_phases.txt"; } &&
+      PYTHONUNBUFFERED=1 python3 "$ROOT/src/cuda/hopper/peer_sdpa.py" --ours sm90="$OUT/sm90.csv" --csv "$OUT/peer_sm90.csv" \
+        --dist "${GPU_CHECK_PEER_DIST:-uniform}"
+    echo "phase end $(date +%s.%N)" >>"$OUT/power_phases.txt"
   } >"$OUT/sm90.log" 2>&1
   note "sm90 bench rc=$?  $(( $(stamp) - t0 )) s  (sm90.log, peer_sm90.csv)"
+  if [[ -n $smi_pid ]]; then
+    kill "$smi_pid" 2>/dev/null
+    python3 - "$OUT/power.csv" "$OUT/power_phases.txt" <<'PY' | tee -a "$SUMMARY"
+import sys, datetime
+phases = [l.split() for l in open(sys.argv[2]) if l.startswith("phase")]
+bounds = [(phases[i][1], float(phases[i][2]), float(phases[i + 1][2])) for i in range(len(phases) - 1)]
+rows = []
+for line in open(sys.argv[1]):
+    f = [x.strip() for x in line.split(",")]
+    if len(f) < 5:
+        continue
+    try:
+        ts = datetime.datetime.strptime(f[0], "%Y/%m/%d %H:%M:%S.%f").timestamp()
+        rows.append((ts, float(f[1]), float(f[2]), f[4]))
+    except ValueError:
+        continue
+for name, a, b in bounds:
+    sel = [r for r in rows if a <= r[0] < b and r[2] > 150]  # busy samples (> 150 W)
+    if not sel:
+        print(f"power {name:6s}: no busy samples"); continue
+    clk = [r[1] for r in sel]; pw = [r[2] for r in sel]
+    reasons = sorted({r[3] for r in sel})
+    print(f"power {name:6s}: {len(sel)} busy samples, SM clock mean {sum(clk) / len(clk):.0f} MHz (min {min(clk):.0f}), "
+          f"power mean {sum(pw) / len(pw):.0f} W (max {max(pw):.0f}), reasons {' '.join(reasons)}")
+PY
+  fi
 fi
 
 # ---- forward+backward vs PyTorch SDPA flash / cudnn (same run) -----------------------------------
@@ -263,31 +304,30 @@ if want ncufwd && command -v ncu >/dev/null; then
     "$OUT/ncu_fwd.log" | grep -v '^==' | sed -E 's/  +/ /g; s/^ //' | cut -c1-150 | tee -a "$SUMMARY"
 fi
 
-# ---- the hdim-128 forward with Q in registers (optional stage sm90qregs) ---------------------------
-# Q K^T with Q in registers (the causal rows' default since session 10): the hdim-128 test cases
-# with the non-causal rows on each A/B tile first (IOATTN_SM90_QREGS=1 IOATTN_SM90_BODY=v4: 128x128;
-# IOATTN_SM90_QREGS_N=144 / 160), then ioattn_cuda_bench grid at hdim 128 in each mode of
-# GPU_CHECK_QREGS_MODES (default "off on v4 n144 n160"; off = IOATTN_SM90_QREGS=0: non-causal v3
-# 128x176, causal 128x128 without; on = the defaults), interleaved twice -> sm90qregs.json, and
-# TFLOP/s per mode with its ratio to "off" per row in the summary.
+# ---- forward A/Bs at hdim 128 (optional stage sm90qregs) -----------------------------------------
+# The hdim-128 rows' switches: off = IOATTN_SM90_QREGS=0 (causal 128x128 without Q in registers);
+# on = the defaults (causal with it, non-causal v3 128x176); xtile = IOATTN_SM90_V3_XTILE=1 (the
+# v3 body's cross-tile variant, non-causal). First the test cases of each switch (xtile also on 2
+# persistent CTAs), then ioattn_cuda_bench grid at hdim 128 per mode of GPU_CHECK_QREGS_MODES
+# (default "off on xtile"), interleaved twice -> sm90qregs.json; TFLOP/s per mode with its ratio
+# to "off" per row in the summary.
 if want sm90qregs; then
   t0=$(stamp)
   rc=0
-  for envs in "IOATTN_SM90_QREGS=1 IOATTN_SM90_BODY=v4" IOATTN_SM90_QREGS_N=144 IOATTN_SM90_QREGS_N=160; do
+  for envs in IOATTN_SM90_QREGS=0 IOATTN_SM90_V3_XTILE=1 "IOATTN_SM90_V3_XTILE=1 IOATTN_SM90_MAX_CTAS=2"; do
     echo "## $envs" >>"$OUT/sm90qregs_test.log"
-    env $envs timeout 300 "$BUILD/test_cuda_kernels" --gtest_filter='*hdim128*' >>"$OUT/sm90qregs_test.log" 2>&1 || rc=1
+    env $envs timeout 300 "$BUILD/test_cuda_kernels" --gtest_filter='*tiles_*:*1023x1024*:*seq17*:*bhsd*:*hdim128*' \
+      >>"$OUT/sm90qregs_test.log" 2>&1 || rc=1
   done
   note "qregs test rc=$rc  $(( $(stamp) - t0 )) s  (sm90qregs_test.log)"
   if [[ $rc == 0 ]]; then
     brc=0
     for pass in 1 2; do
-      for mode in ${GPU_CHECK_QREGS_MODES:-off on v4 n144 n160}; do
+      for mode in ${GPU_CHECK_QREGS_MODES:-off on xtile}; do
         case $mode in
           off) envs="IOATTN_SM90_QREGS=0" ;;
-          on) envs="IOATTN_SM90_ON=1" ;;
-          v4) envs="IOATTN_SM90_QREGS=1 IOATTN_SM90_BODY=v4" ;;
-          n144) envs="IOATTN_SM90_QREGS_N=144" ;;
-          n160) envs="IOATTN_SM90_QREGS_N=160" ;;
+          on) envs="IOATTN_SM90_DEFAULTS=1" ;;
+          xtile) envs="IOATTN_SM90_V3_XTILE=1" ;;
           *) continue ;;
         esac
         env $envs timeout 200 "$BUILD/ioattn_cuda_bench" grid --hdims 128 --seqlens 2048,4096,8192,16384 \

@@ -85,20 +85,19 @@ function(ioattn_cuda_extras)
       # full ones, the ring and the tile slot carried across tiles).
       add_test(NAME cuda_kernels_sm90_local_2ctas COMMAND test_cuda_kernels --gtest_filter=*local_*:*varlen*)
       set_tests_properties(cuda_kernels_sm90_local_2ctas PROPERTIES ENVIRONMENT "IOATTN_SM90_MAX_CTAS=2")
-      # Q K^T with Q in registers (the hdim-128 causal rows' default): the hdim-128 cases with the
-      # non-causal ones on it too (the v4 body's 128x128 tile), and the causal and hdim-128 ones
-      # without it; on sm_90 the test checks each plain hdim-128 row ran what the switches ask.
-      add_test(NAME cuda_kernels_sm90_qregs COMMAND test_cuda_kernels --gtest_filter=*hdim128*)
-      set_tests_properties(cuda_kernels_sm90_qregs PROPERTIES ENVIRONMENT "IOATTN_SM90_QREGS=1;IOATTN_SM90_BODY=v4")
+      # Q K^T with Q in registers is the hdim-128 causal rows' default: the causal and hdim-128
+      # cases again without it. The v3 body's cross-tile variant (IOATTN_SM90_V3_XTILE=1, an A/B):
+      # the hdim-128 cases with it, and on 2 persistent CTAs (every CTA carries many tiles over).
+      # On sm_90 the test checks each plain hdim-128 row ran what the switches ask.
       add_test(NAME cuda_kernels_sm90_noqregs COMMAND test_cuda_kernels --gtest_filter=*causal*:*hdim128*)
       set_tests_properties(cuda_kernels_sm90_noqregs PROPERTIES ENVIRONMENT "IOATTN_SM90_QREGS=0")
-      foreach(n 144 160)  # the non-causal 128x144 / 128x160 tiles with Q in registers (an A/B)
-        add_test(NAME cuda_kernels_sm90_qregs${n} COMMAND test_cuda_kernels --gtest_filter=*hdim128*)
-        set_tests_properties(cuda_kernels_sm90_qregs${n} PROPERTIES ENVIRONMENT "IOATTN_SM90_QREGS_N=${n}"
-                             SKIP_REGULAR_EXPRESSION "skipped: no CUDA device")
-      endforeach()
+      set(xtile_cases "*tiles_*:*1023x1024*:*seq17*:*bhsd*:*hdim128*")
+      add_test(NAME cuda_kernels_sm90_xtile COMMAND test_cuda_kernels --gtest_filter=${xtile_cases})
+      set_tests_properties(cuda_kernels_sm90_xtile PROPERTIES ENVIRONMENT "IOATTN_SM90_V3_XTILE=1")
+      add_test(NAME cuda_kernels_sm90_xtile_2ctas COMMAND test_cuda_kernels --gtest_filter=${xtile_cases})
+      set_tests_properties(cuda_kernels_sm90_xtile_2ctas PROPERTIES ENVIRONMENT "IOATTN_SM90_V3_XTILE=1;IOATTN_SM90_MAX_CTAS=2")
       # A GPU-less machine prints "skipped: no CUDA device"; ctest reports those as skipped.
-      set_tests_properties(cuda_kernels cuda_kernels_mma_local cuda_kernels_sm90_local_2ctas cuda_kernels_sm90_qregs cuda_kernels_sm90_noqregs
+      set_tests_properties(cuda_kernels cuda_kernels_mma_local cuda_kernels_sm90_local_2ctas cuda_kernels_sm90_noqregs cuda_kernels_sm90_xtile cuda_kernels_sm90_xtile_2ctas
                            PROPERTIES SKIP_REGULAR_EXPRESSION "skipped: no CUDA device")
       add_executable(test_cuda_backward ${PROJECT_SOURCE_DIR}/tests/test_cuda_backward.cpp)
       target_link_libraries(test_cuda_backward PRIVATE ioattn::ioattn GTest::gtest GTest::gtest_main)

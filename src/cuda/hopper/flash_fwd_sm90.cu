@@ -52,16 +52,6 @@ using Hdim128Bf16CausalQRegs = Sm90TraitsQRegs128<__nv_bfloat16>;
 using Hdim128F16CausalQRegs = Sm90TraitsQRegs128<__half>;
 IOATTN_SM90_EXTERN(Hdim128Bf16CausalQRegs, true)
 IOATTN_SM90_EXTERN(Hdim128F16CausalQRegs, true)
-IOATTN_SM90_EXTERN(Hdim128Bf16CausalQRegs, false)
-IOATTN_SM90_EXTERN(Hdim128F16CausalQRegs, false)
-using Hdim128Bf16QRegs144 = Sm90TraitsQRegsN<144, __nv_bfloat16>;
-using Hdim128F16QRegs144 = Sm90TraitsQRegsN<144, __half>;
-using Hdim128Bf16QRegs160 = Sm90TraitsQRegsN<160, __nv_bfloat16>;
-using Hdim128F16QRegs160 = Sm90TraitsQRegsN<160, __half>;
-IOATTN_SM90_EXTERN(Hdim128Bf16QRegs144, false)
-IOATTN_SM90_EXTERN(Hdim128F16QRegs144, false)
-IOATTN_SM90_EXTERN(Hdim128Bf16QRegs160, false)
-IOATTN_SM90_EXTERN(Hdim128F16QRegs160, false)
 IOATTN_SM90_EXTERN(Hdim256Bf16, false)
 IOATTN_SM90_EXTERN(Hdim256Bf16Causal, true)
 IOATTN_SM90_EXTERN(Hdim256F16, false)
@@ -84,6 +74,8 @@ IOATTN_SM90_V3_EXTERN(Hdim128Bf16, false)
 IOATTN_SM90_V3_EXTERN(Hdim128F16, false)
 IOATTN_SM90_V3_EXTERN(Hdim128Bf16Causal, true)
 IOATTN_SM90_V3_EXTERN(Hdim128F16Causal, true)
+IOATTN_SM90_V3_EXTERN_XTILE(Hdim128Bf16)
+IOATTN_SM90_V3_EXTERN_XTILE(Hdim128F16)
 using Fp8Hdim128Bf16 = Fp8Traits128<__nv_bfloat16>;
 using Fp8Hdim128F16 = Fp8Traits128<__half>;
 IOATTN_SM90_FP8_EXTERN(Fp8Hdim128Bf16, false)
@@ -166,6 +158,9 @@ namespace {
 using detail::FwdProblem;
 using detail::Strides3;
 
+bool env_flag(const char* name);  // "1" (below)
+int env_bool(const char* name);   // -1 unset, else 0 / 1 (below)
+
 // One dispatch-table row: what the tile is, why, and how to check / launch it.
 struct Row {
   int block_m = 0, block_n = 0, stages = 0, consumer_wgs = 0;
@@ -174,6 +169,7 @@ struct Row {
   const char* why = "";
   bool (*present)() = nullptr;
   void (*launch)(const FwdLaunch&) = nullptr;
+  bool xtile = false;  // the v3 body's cross-tile variant (IOATTN_SM90_V3_XTILE=1)
 };
 
 template <class Tr, bool kCausal>
@@ -183,6 +179,12 @@ Row make_row(const char* why) {
 }
 template <class Tr, bool kCausal>
 Row make_row_v3(const char* why) {
+  // IOATTN_SM90_V3_XTILE=1 (non-causal): the cross-tile variant (flash_fwd_sm90_v3.cuh, kXTile)
+  if constexpr (!kCausal) {
+    if (env_flag("IOATTN_SM90_V3_XTILE"))
+      return Row{Tr::kBlockM, Tr::kBlockN, Tr::kStages, Tr::kConsumerWGs, true, false, why,
+                 &flash_fwd_sm90_v3_present<Tr, false, true>, &flash_fwd_sm90_v3_launch<Tr, false, true>, true};
+  }
   return Row{Tr::kBlockM, Tr::kBlockN, Tr::kStages, Tr::kConsumerWGs, true, false, why,
              &flash_fwd_sm90_v3_present<Tr, kCausal>, &flash_fwd_sm90_v3_launch<Tr, kCausal>};
 }
@@ -208,8 +210,6 @@ Row local_row_for_dtype(int64_t hdim) {
   }
 }
 
-bool env_flag(const char* name);  // "1" (below)
-int env_bool(const char* name);   // -1 unset, else 0 / 1 (below)
 
 template <typename T>
 Row row_for_dtype(int64_t hdim, bool causal, bool wg3, bool v3) {
@@ -220,24 +220,14 @@ Row row_for_dtype(int64_t hdim, bool causal, bool wg3, bool v3) {
                       : make_row<Sm90Traits3<T, false>, false>(Sm90Tile3<false>::kWhy);
       return causal ? make_row<64, T, true>() : make_row<64, T, false>();
     case 128:
-      // IOATTN_SM90_QREGS_N=144|160: the non-causal rows on 128x144 / 128x160 tiles with Q in
-      // registers (an A/B; before the v3 body, the non-causal default)
-      if (!causal) {
-        const char* n = std::getenv("IOATTN_SM90_QREGS_N");
-        if (n != nullptr && std::strcmp(n, "144") == 0)
-          return make_row<Sm90TraitsQRegsN<144, T>, false>(Sm90TraitsQRegsN<144, T>::kWhy);
-        if (n != nullptr && std::strcmp(n, "160") == 0)
-          return make_row<Sm90TraitsQRegsN<160, T>, false>(Sm90TraitsQRegsN<160, T>::kWhy);
-      }
       if (v3)
         return causal ? make_row_v3<Sm90Traits<128, T, true>, true>(Sm90Tile<128, true>::kWhy)
                       : make_row_v3<Sm90Traits<128, T, false>, false>(Sm90Tile<128, false>::kWhy);
-      // Q K^T's Q in registers: the causal rows' default (session 10: +0..13% over the same tile
-      // without, docs/PERF.md); IOATTN_SM90_QREGS=0 turns it off, =1 also puts the non-causal rows
-      // on it when the v4 body is asked for (IOATTN_SM90_BODY=v4; 128x128, an A/B against v3).
-      if (const int qr = env_bool("IOATTN_SM90_QREGS"); causal ? qr != 0 : qr == 1)
-        return causal ? make_row<Sm90TraitsQRegs128<T>, true>(Sm90TraitsQRegs128<T>::kWhy)
-                      : make_row<Sm90TraitsQRegs128<T>, false>(Sm90TraitsQRegs128<T>::kWhyNonCausal);
+      // Q K^T's Q in registers: the causal rows' default (session 10: +4% on average over the same
+      // tile without, three interleaved A/Bs, docs/PERF.md); IOATTN_SM90_QREGS=0 turns it off. (Without
+      // a mask, 128x128 / 128x144 with it measured 0.94-1.02x the v3 body's 128x176: not kept.)
+      if (causal && env_bool("IOATTN_SM90_QREGS") != 0)
+        return make_row<Sm90TraitsQRegs128<T>, true>(Sm90TraitsQRegs128<T>::kWhy);
       return causal ? make_row<128, T, true>() : make_row<128, T, false>();
     case 256: return causal ? make_row<256, T, true>() : make_row<256, T, false>();
     default: return Row{};
@@ -552,7 +542,7 @@ bool select_impl(const FwdProblem& p, std::string* kernel, std::string* why) {
             " stages " + std::to_string(row.stages) + " ws " + std::to_string(row.consumer_wgs) + " consumer WGs " +
             (row.consumer_wgs == 2 ? "pingpong" : "round-robin") + grid_str(pol.grid) +
             (pol.rescale_skip ? " rescale-skip" : "") + (pol.rescale_early ? " rescale-early" : "") +
-            (row.v3 ? " (v3 body)" : "") + (row.q_regs ? " qregs" : "") +
+            (row.v3 ? " (v3 body)" : "") + (row.xtile ? " xtile" : "") + (row.q_regs ? " qregs" : "") +
             (local ? " local(" + local_features(p) + ")" : "");
   *why = row.why;
   return true;

@@ -206,10 +206,10 @@ using Sm90Traits = FwdTraits<kHeadDim, Sm90Tile<kHeadDim, kCausal>::kBlockN, Sm9
 // (ldmatrix, 32 registers at hdim 128) and issues Q K^T as rs wgmmas, so the tensor cores read
 // only K from shared memory under Q K^T (session 9: a warpgroup storing the K/V volume beside the
 // forward's wgmmas slowed them by ~28%; an ss m64nN wgmma reads 2 KB of Q besides N x 32 B of K).
-// hdim 128 on the 128x128 v4 tile (S 64 + P 32 + O 64 + Q 32 registers): the causal rows' default
-// since session 10 (+0..13% measured, docs/PERF.md); without a mask an A/B against the v3 body's
-// 128x176 (IOATTN_SM90_QREGS=1 IOATTN_SM90_BODY=v4), which cannot take it (ptxas: wgmma
-// serialisation and spills).
+// hdim 128 causal on the 128x128 v4 tile (S 64 + P 32 + O 64 + Q 32 registers): the default since
+// session 10 (+4% on average, three interleaved H200 A/Bs; docs/PERF.md). Without a mask it lost
+// to the v3 body's 128x176 (which cannot take it: ptxas spills, wgmma serialisation): 128x128
+// 0.96-1.02x, 128x144 0.94-1.00x, 128x160 (spilling) 0.7x.
 template <class Tr, class = void>
 struct QInRegs : std::false_type {};
 template <class Tr>
@@ -219,21 +219,8 @@ struct Sm90TraitsQRegs128 : Sm90Traits<128, T, true> {
   static constexpr bool kQRegs = true;
   static constexpr const char* kWhy =
       "hdim128 causal: 128x128 (S 64 + P 32 + O 64 + Q 32 registers; 32 KB Q + 2 x 64 KB K/V), Q K^T with Q "
-      "in registers: the tensor cores read only K from shared memory under Q K^T (+0..13% measured); square "
+      "in registers: the tensor cores read only K from shared memory under Q K^T (+4% measured); square "
       "tiles waste the least of the diagonal block";
-  static constexpr const char* kWhyNonCausal =
-      "hdim128: 128x128 with Q in registers (IOATTN_SM90_QREGS=1 IOATTN_SM90_BODY=v4, an A/B against the v3 "
-      "body's 128x176)";
-};
-
-// hdim 128 without a mask on 128 x kBlockN_ tiles with Q in registers (IOATTN_SM90_QREGS_N=144 or
-// 160; an A/B against the v3 body's 128x176, which cannot take Q in registers: at 144, S 72 + P 36
-// + O 64 + Q 32 registers, no spills; at 160, 32 bytes of spills).
-template <int kBlockN_, typename T>
-struct Sm90TraitsQRegsN : FwdTraits<128, kBlockN_, 2, T, 0> {
-  static constexpr bool kQRegs = true;
-  static constexpr const char* kWhy =
-      "hdim128: 128xN (N = IOATTN_SM90_QREGS_N) with Q in registers, an A/B against the v3 body's 128x176";
 };
 
 // Alternative rows with 3 consumer warpgroups (192-row tiles, as FlashAttention-3 for hdim 64):

@@ -14,28 +14,18 @@ IOATTN_SM90_INSTANTIATE(Hdim128F16, false)
 IOATTN_SM90_INSTANTIATE(Hdim128F16Causal, true)
 IOATTN_SM90_INSTANTIATE_LOCAL(Hdim128Bf16Causal)
 IOATTN_SM90_INSTANTIATE_LOCAL(Hdim128F16Causal)
-// Q K^T with Q in registers: the causal rows (default) and, for an A/B against the v3 body, the
-// same 128x128 tile without a mask (IOATTN_SM90_QREGS=1 IOATTN_SM90_BODY=v4).
+// Q K^T with Q in registers: the causal rows' default.
 using Hdim128Bf16CausalQRegs = Sm90TraitsQRegs128<__nv_bfloat16>;
 using Hdim128F16CausalQRegs = Sm90TraitsQRegs128<__half>;
 IOATTN_SM90_INSTANTIATE(Hdim128Bf16CausalQRegs, true)
 IOATTN_SM90_INSTANTIATE(Hdim128F16CausalQRegs, true)
-IOATTN_SM90_INSTANTIATE(Hdim128Bf16CausalQRegs, false)
-IOATTN_SM90_INSTANTIATE(Hdim128F16CausalQRegs, false)
-// Non-causal 128x144 / 128x160 with Q in registers (IOATTN_SM90_QREGS_N=144|160, an A/B against
-// the v3 body's 128x176; 160 spills 32 bytes).
-using Hdim128Bf16QRegs144 = Sm90TraitsQRegsN<144, __nv_bfloat16>;
-using Hdim128F16QRegs144 = Sm90TraitsQRegsN<144, __half>;
-using Hdim128Bf16QRegs160 = Sm90TraitsQRegsN<160, __nv_bfloat16>;
-using Hdim128F16QRegs160 = Sm90TraitsQRegsN<160, __half>;
-IOATTN_SM90_INSTANTIATE(Hdim128Bf16QRegs144, false)
-IOATTN_SM90_INSTANTIATE(Hdim128F16QRegs144, false)
-IOATTN_SM90_INSTANTIATE(Hdim128Bf16QRegs160, false)
-IOATTN_SM90_INSTANTIATE(Hdim128F16QRegs160, false)
 // The v3 body: the non-causal rows' default, and for causal an A/B option (IOATTN_SM90_BODY=v3);
 // see flash_fwd_sm90_v3.cuh and the table in flash_fwd_sm90.cu.
 IOATTN_SM90_V3_INSTANTIATE(Hdim128Bf16, false)
 IOATTN_SM90_V3_INSTANTIATE(Hdim128F16, false)
 IOATTN_SM90_V3_INSTANTIATE(Hdim128Bf16Causal, true)
 IOATTN_SM90_V3_INSTANTIATE(Hdim128F16Causal, true)
+// The v3 body's cross-tile variant (non-causal; IOATTN_SM90_V3_XTILE=1, an A/B).
+IOATTN_SM90_V3_INSTANTIATE_XTILE(Hdim128Bf16)
+IOATTN_SM90_V3_INSTANTIATE_XTILE(Hdim128F16)
 }  // namespace ioattn::cuda::sm90

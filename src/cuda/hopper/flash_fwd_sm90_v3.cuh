@@ -16,7 +16,13 @@
 
 namespace ioattn::cuda::sm90 {
 
-template <class Tr, bool kCausal>
+// kXTile (non-causal only; IOATTN_SM90_V3_XTILE=1, an experiment written in session 10 without a
+// GPU): the consumers carry a tile's last P V over into the next tile, issued in the same
+// tensor-core turn as that tile's first Q K^T, so that it runs under the first block's softmax,
+// and store the finished tile's O after it — instead of a wait for the last P V, the store and
+// the next tile's first Q K^T with the tensor cores idle between (NOTES.md: the gap to cuDNN is
+// largest at short sequences, i.e. it is per tile). A CTA's last tile ends as before.
+template <class Tr, bool kCausal, bool kXTile = false>
 __global__ void __launch_bounds__(Tr::kThreads, 1)
     flash_fwd_sm90_v3_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_k,
                           const __grid_constant__ CUtensorMap tm_v, const FwdParams p) {
@@ -24,6 +30,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
   using Element = typename Tr::Element;
   constexpr int kBlockM = Tr::kBlockM, kBlockN = Tr::kBlockN, kHeadDim = Tr::kHeadDim;
   constexpr int kStages = Tr::kStages;
+  static_assert(!(kXTile && kCausal), "kXTile: every tile of a non-causal problem has the same key blocks");
 
   __shared__ uint64_t full_q, empty_q;                    // Q tile landed / Q buffer free again
   __shared__ uint64_t full_k[kStages], full_v[kStages];    // K / V stage landed
@@ -115,207 +122,328 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     const uint32_t v_base = smem_u32(s_v);
     int ring = 0, q_iter = 0;
 
-    for (int round = 0; round * static_cast<int>(gridDim.x) < p.num_tiles; ++round) {
-      const int t = tile_of_round(round, p.zigzag);
-      if (t >= p.num_tiles) continue;
-      const TileCoord tc = decode_tile<kCausal>(t, p);
-      const int m0 = tc.m_block * kBlockM;
-      const int n_blocks = num_key_blocks<kBlockM, kBlockN, kCausal>(m0, p.seqlen_q, p.seqlen_k);
-      const int rot = key_rotation(tc.m_block, n_blocks, p);
+    int m0 = 0;             // the current tile's first query row (the masks read it)
+    float o[kHeadDim / 2];  // O accumulator fragment (64 x kHeadDim per warpgroup)
+    float row_max[2];       // raw (unscaled) running max of S, per row
+    float row_sum[2];       // this thread's share of sum exp, per row
+    float s[kBlockN / 2];      // S fragment (64 x kBlockN)
+    uint32_t pf[kBlockN / 4];  // P fragment as 16-bit pairs: the A operand of P V
+    float corr[2];
 
-      float o[kHeadDim / 2];  // O accumulator fragment (64 x kHeadDim per warpgroup)
+    // S = Q K^T for ring slot st: kHeadDim/16 k-steps, K-major A and B.
+    auto issue_qk = [&](uint32_t st) {
+      wgmma_fence();
 #pragma unroll
-      for (int i = 0; i < kHeadDim / 2; ++i) o[i] = 0.0f;
-      float row_max[2] = {-INFINITY, -INFINITY};  // raw (unscaled) running max of S, per row
-      float row_sum[2] = {0.0f, 0.0f};            // this thread's share of sum exp, per row
-
-      if (n_blocks > 0) {
-        float s[kBlockN / 2];      // S fragment (64 x kBlockN)
-        uint32_t pf[kBlockN / 4];  // P fragment as 16-bit pairs: the A operand of P V
-        float corr[2] = {1.0f, 1.0f};
-
-        // S = Q K^T for ring slot st: kHeadDim/16 k-steps, K-major A and B.
-        auto issue_qk = [&](uint32_t st) {
-          wgmma_fence();
-#pragma unroll
-          for (int kk = 0; kk < kHeadDim / 16; ++kk) {
-            const uint32_t col = kk / 4, byte_in_row = (kk % 4) * 32;
-            const uint64_t a = make_desc_sw128(q_base + col * kBlockM * 128 + byte_in_row, 16, 1024);
-            const uint64_t bd =
-                make_desc_sw128(k_base + st * Tr::kKVBytes + col * kBlockN * 128 + byte_in_row, 16, 1024);
-            Wgmma<kBlockN, Element>::template ss<0>(s, a, bd, kk > 0 ? 1 : 0);
-          }
-          wgmma_commit();
-        };
-        // O += P V for ring slot st: kBlockN/16 k-steps, A = P from registers, V MN-major.
-        auto issue_pv = [&](uint32_t st) {
-          wgmma_fence();
-#pragma unroll
-          for (int kk = 0; kk < kBlockN / 16; ++kk) {
-            const uint64_t bd = make_desc_sw128(v_base + st * Tr::kKVBytes + kk * 16 * 128, kBlockN * 128, 1024);
-            const uint32_t a[4] = {pf[4 * kk], pf[4 * kk + 1], pf[4 * kk + 2], pf[4 * kk + 3]};
-            Wgmma<kHeadDim, Element>::template rs<1>(o, a, bd, 1);
-          }
-          wgmma_commit();
-        };
-        // Lets the producer refill a buffer: one arrival per consumer warp.
-        auto release = [&](uint64_t* empty) {
-          __syncwarp();
-          if (lane == 0) mbarrier_arrive(empty);
-        };
-        auto fence_s = [&]() {
-#pragma unroll
-          for (int i = 0; i < kBlockN / 2; ++i) reg_fence(s[i]);
-        };
-        auto fence_o = [&]() {
-#pragma unroll
-          for (int i = 0; i < kHeadDim / 2; ++i) reg_fence(o[i]);
-#pragma unroll
-          for (int i = 0; i < kBlockN / 4; ++i) reg_fence(pf[i]);
-        };
-        // Sets S to -inf where key >= seqlen_k or (causal) key > row + off. Key block n.
-        auto apply_mask = [&](int n) {
-          const int key0 = n * kBlockN + 2 * (lane % 4);
-#pragma unroll
-          for (int r = 0; r < 2; ++r) {
-            const int row = m0 + row_in_tile + 8 * r;
-            const int key_end = kCausal ? min(p.seqlen_k, row + off + 1) : p.seqlen_k;  // visible: key < key_end
-#pragma unroll
-            for (int i = 0; i < kBlockN / 8; ++i) {
-#pragma unroll
-              for (int e = 0; e < 2; ++e)
-                if (key0 + 8 * i + e >= key_end) s[4 * i + 2 * r + e] = -INFINITY;
-            }
-          }
-        };
-        auto needs_mask = [&](int n) {
-          return (n + 1) * kBlockN > p.seqlen_k || (kCausal && (n + 1) * kBlockN - 1 > m0 + off);
-        };
-        // Online softmax on S of one key block: new row max, corr = exp(old max - new max),
-        // S <- exp(scale (S - max)), row_sum <- row_sum * corr + sum. Rows stay -inf-safe.
-        // kPoly: every kExp2PolyEvery-th group of 8 columns uses exp2_poly3 (no masked scores).
-        auto softmax = [&](auto poly_tag) {
-          constexpr bool kPoly = decltype(poly_tag)::value;
-#pragma unroll
-          for (int r = 0; r < 2; ++r) {
-            float mx = row_max[r];
-#pragma unroll
-            for (int i = 0; i < kBlockN / 8; ++i) mx = fmaxf(mx, fmaxf(s[4 * i + 2 * r], s[4 * i + 2 * r + 1]));
-            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));  // the 4 threads of a quad share a row
-            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-            const float m_scaled = mx == -INFINITY ? 0.0f : mx * p.scale_log2;
-            corr[r] = exp2_approx(row_max[r] * p.scale_log2 - m_scaled);  // old max -inf -> 0
-            row_max[r] = mx;
-            float sum = 0.0f;
-#pragma unroll
-            for (int i = 0; i < kBlockN / 8; ++i) {
-#pragma unroll
-              for (int e = 0; e < 2; ++e) {
-                float& x = s[4 * i + 2 * r + e];
-                const float arg = fmaf(x, p.scale_log2, -m_scaled);
-                if (kPoly && use_poly_exp2<Tr::kExp2PolyEvery>(i))
-                  x = exp2_poly3(arg);
-                else
-                  x = exp2_approx(arg);
-                sum += x;
-              }
-            }
-            row_sum[r] = row_sum[r] * corr[r] + sum;
-          }
-        };
-        auto mask_and_softmax = [&](int n) {
-          if (needs_mask(n)) {
-            apply_mask(n);
-            softmax(std::false_type{});
-          } else {
-            softmax(std::true_type{});
-          }
-        };
-        auto rescale_o = [&]() {
-#pragma unroll
-          for (int i = 0; i < kHeadDim / 8; ++i) {
-            o[4 * i + 0] *= corr[0];
-            o[4 * i + 1] *= corr[0];
-            o[4 * i + 2] *= corr[1];
-            o[4 * i + 3] *= corr[1];
-          }
-        };
-        auto convert_p = [&]() {
-#pragma unroll
-          for (int j = 0; j < kBlockN / 4; ++j) pf[j] = pack2<Element>(s[2 * j], s[2 * j + 1]);
-        };
-
-        // ---- first key block (the last one in key order) ----
-        mbarrier_wait(&full_q, q_iter & 1);
-        {
-          const uint32_t st = ring_stage(ring, kStages);
-          mbarrier_wait(&full_k[st], ring_phase(ring, kStages));
-          named_barrier_sync(sched_mine, 256);
-          issue_qk(st);
-          named_barrier_arrive(sched_other, 256);
-          wgmma_wait<0>();
-          fence_s();
-          release(&empty_k[st]);
-          mask_and_softmax(key_block(0, n_blocks, rot));
-          convert_p();
-        }
-
-        // ---- steady state: S_i = Q K_i^T issued with O += P_{i-1} V_{i-1} ----
-        for (int i = 1; i < n_blocks; ++i) {
-          const uint32_t st = ring_stage(ring + i, kStages), prev = ring_stage(ring + i - 1, kStages);
-          mbarrier_wait(&full_k[st], ring_phase(ring + i, kStages));
-          named_barrier_sync(sched_mine, 256);
-          issue_qk(st);
-          rescale_o();  // O to the max of block i-1, while Q K_i^T runs
-          mbarrier_wait(&full_v[prev], ring_phase(ring + i - 1, kStages));
-          issue_pv(prev);
-          named_barrier_arrive(sched_other, 256);
-          wgmma_wait<1>();  // S_i ready (P V may still run)
-          fence_s();
-          release(&empty_k[st]);
-          mask_and_softmax(key_block(i, n_blocks, rot));
-          wgmma_wait<0>();  // P_{i-1} V_{i-1} done: pf and the V slot are free
-          fence_o();
-          release(&empty_v[prev]);
-          convert_p();
-        }
-        release(&empty_q);  // every Q K^T of this tile has completed: the producer may load the next Q
-
-        // ---- last P V ----
-        {
-          const uint32_t prev = ring_stage(ring + n_blocks - 1, kStages);
-          mbarrier_wait(&full_v[prev], ring_phase(ring + n_blocks - 1, kStages));
-          named_barrier_sync(sched_mine, 256);
-          rescale_o();
-          issue_pv(prev);
-          named_barrier_arrive(sched_other, 256);
-          wgmma_wait<0>();
-          fence_o();
-          release(&empty_v[prev]);
-        }
-        ring += n_blocks;
-        ++q_iter;
+      for (int kk = 0; kk < kHeadDim / 16; ++kk) {
+        const uint32_t col = kk / 4, byte_in_row = (kk % 4) * 32;
+        const uint64_t a = make_desc_sw128(q_base + col * kBlockM * 128 + byte_in_row, 16, 1024);
+        const uint64_t bd =
+            make_desc_sw128(k_base + st * Tr::kKVBytes + col * kBlockN * 128 + byte_in_row, 16, 1024);
+        Wgmma<kBlockN, Element>::template ss<0>(s, a, bd, kk > 0 ? 1 : 0);
       }
-
-      // ---- epilogue: O /= row sum, LSE = scale * max + log(sum); stored straight from registers
+      wgmma_commit();
+    };
+    // O += P V for ring slot st: kBlockN/16 k-steps, A = P from registers, V MN-major.
+    auto issue_pv = [&](uint32_t st) {
+      wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < kBlockN / 16; ++kk) {
+        const uint64_t bd = make_desc_sw128(v_base + st * Tr::kKVBytes + kk * 16 * 128, kBlockN * 128, 1024);
+        const uint32_t a[4] = {pf[4 * kk], pf[4 * kk + 1], pf[4 * kk + 2], pf[4 * kk + 3]};
+        Wgmma<kHeadDim, Element>::template rs<1>(o, a, bd, 1);
+      }
+      wgmma_commit();
+    };
+    // Lets the producer refill a buffer: one arrival per consumer warp.
+    auto release = [&](uint64_t* empty) {
+      __syncwarp();
+      if (lane == 0) mbarrier_arrive(empty);
+    };
+    auto fence_s = [&]() {
+#pragma unroll
+      for (int i = 0; i < kBlockN / 2; ++i) reg_fence(s[i]);
+    };
+    auto fence_o = [&]() {
+#pragma unroll
+      for (int i = 0; i < kHeadDim / 2; ++i) reg_fence(o[i]);
+#pragma unroll
+      for (int i = 0; i < kBlockN / 4; ++i) reg_fence(pf[i]);
+    };
+    // Sets S to -inf where key >= seqlen_k or (causal) key > row + off. Key block n.
+    auto apply_mask = [&](int n) {
+      const int key0 = n * kBlockN + 2 * (lane % 4);
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
-        float sum = row_sum[r];
+        const int row = m0 + row_in_tile + 8 * r;
+        const int key_end = kCausal ? min(p.seqlen_k, row + off + 1) : p.seqlen_k;  // visible: key < key_end
+#pragma unroll
+        for (int i = 0; i < kBlockN / 8; ++i) {
+#pragma unroll
+          for (int e = 0; e < 2; ++e)
+            if (key0 + 8 * i + e >= key_end) s[4 * i + 2 * r + e] = -INFINITY;
+        }
+      }
+    };
+    auto needs_mask = [&](int n) {
+      return (n + 1) * kBlockN > p.seqlen_k || (kCausal && (n + 1) * kBlockN - 1 > m0 + off);
+    };
+    // Online softmax on S of one key block: new row max, corr = exp(old max - new max),
+    // S <- exp(scale (S - max)), row_sum <- row_sum * corr + sum. Rows stay -inf-safe.
+    // kPoly: every kExp2PolyEvery-th group of 8 columns uses exp2_poly3 (no masked scores).
+    auto softmax = [&](auto poly_tag) {
+      constexpr bool kPoly = decltype(poly_tag)::value;
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        float mx = row_max[r];
+#pragma unroll
+        for (int i = 0; i < kBlockN / 8; ++i) mx = fmaxf(mx, fmaxf(s[4 * i + 2 * r], s[4 * i + 2 * r + 1]));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));  // the 4 threads of a quad share a row
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+        const float m_scaled = mx == -INFINITY ? 0.0f : mx * p.scale_log2;
+        corr[r] = exp2_approx(row_max[r] * p.scale_log2 - m_scaled);  // old max -inf -> 0
+        row_max[r] = mx;
+        float sum = 0.0f;
+#pragma unroll
+        for (int i = 0; i < kBlockN / 8; ++i) {
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            float& x = s[4 * i + 2 * r + e];
+            const float arg = fmaf(x, p.scale_log2, -m_scaled);
+            if (kPoly && use_poly_exp2<Tr::kExp2PolyEvery>(i))
+              x = exp2_poly3(arg);
+            else
+              x = exp2_approx(arg);
+            sum += x;
+          }
+        }
+        row_sum[r] = row_sum[r] * corr[r] + sum;
+      }
+    };
+    auto mask_and_softmax = [&](int n) {
+      if (needs_mask(n)) {
+        apply_mask(n);
+        softmax(std::false_type{});
+      } else {
+        softmax(std::true_type{});
+      }
+    };
+    auto rescale_o = [&]() {
+#pragma unroll
+      for (int i = 0; i < kHeadDim / 8; ++i) {
+        o[4 * i + 0] *= corr[0];
+        o[4 * i + 1] *= corr[0];
+        o[4 * i + 2] *= corr[1];
+        o[4 * i + 3] *= corr[1];
+      }
+    };
+    auto convert_p = [&]() {
+#pragma unroll
+      for (int j = 0; j < kBlockN / 4; ++j) pf[j] = pack2<Element>(s[2 * j], s[2 * j + 1]);
+    };
+
+    // O /= row sum, LSE = scale * max + log(sum); stored straight from registers (the tile at
+    // (c, mm0) with row sums / maxima rs / rm).
+    auto store_tile = [&](const TileCoord& c, int mm0, const float(&rs)[2], const float(&rm)[2]) {
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        float sum = rs[r];
         sum += __shfl_xor_sync(0xffffffffu, sum, 1);
         sum += __shfl_xor_sync(0xffffffffu, sum, 2);
         const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
-        const int row = m0 + row_in_tile + 8 * r;
+        const int row = mm0 + row_in_tile + 8 * r;
         if (row < p.seqlen_q) {
           Element* orow =
-              static_cast<Element*>(p.o) + tc.b * p.o_batch + row * p.o_seq + tc.h * p.o_head + 2 * (lane % 4);
+              static_cast<Element*>(p.o) + c.b * p.o_batch + row * p.o_seq + c.h * p.o_head + 2 * (lane % 4);
 #pragma unroll
           for (int i = 0; i < kHeadDim / 8; ++i)
             *reinterpret_cast<uint32_t*>(orow + 8 * i) =
                 pack2<Element>(o[4 * i + 2 * r] * inv, o[4 * i + 2 * r + 1] * inv);
           if (p.lse != nullptr && lane % 4 == 0)
-            p.lse[tc.b * p.lse_batch + tc.h * p.lse_head + row * p.lse_seq] =
-                sum > 0.0f ? row_max[r] * p.scale + logf(sum) : -INFINITY;
+            p.lse[c.b * p.lse_batch + c.h * p.lse_head + row * p.lse_seq] =
+                sum > 0.0f ? rm[r] * p.scale + logf(sum) : -INFINITY;
         }
+      }
+    };
+
+    if constexpr (kXTile) {
+      // A tile "pending": its last P V not yet issued (its O, row max / sum, last P and corr are
+      // in the registers), stored at (ptc, pm0), its last V at ring position pv_ring.
+      bool pending = false;
+      TileCoord ptc{};
+      int pm0 = 0, pv_ring = 0;
+      for (int round = 0; round * static_cast<int>(gridDim.x) < p.num_tiles; ++round) {
+        const int t = tile_of_round(round, p.zigzag);
+        if (t >= p.num_tiles) continue;
+        const TileCoord tc = decode_tile<kCausal>(t, p);
+        const int tm0 = tc.m_block * kBlockM;
+        const int n_blocks = num_key_blocks<kBlockM, kBlockN, kCausal>(tm0, p.seqlen_q, p.seqlen_k);
+        const int rot = key_rotation(tc.m_block, n_blocks, p);
+        if (n_blocks == 0) {  // seqlen_k == 0: every tile (non-causal), so none is pending
+          m0 = tm0;
+#pragma unroll
+          for (int i = 0; i < kHeadDim / 2; ++i) o[i] = 0.0f;
+          row_max[0] = row_max[1] = -INFINITY;
+          row_sum[0] = row_sum[1] = 0.0f;
+          store_tile(tc, m0, row_sum, row_max);
+          continue;
+        }
+        mbarrier_wait(&full_q, q_iter & 1);
+        const uint32_t st0 = ring_stage(ring, kStages);
+        mbarrier_wait(&full_k[st0], ring_phase(ring, kStages));
+        if (!pending) {
+          // ---- the CTA's first tile: its first key block as in the default body ----
+          m0 = tm0;
+#pragma unroll
+          for (int i = 0; i < kHeadDim / 2; ++i) o[i] = 0.0f;
+          row_max[0] = row_max[1] = -INFINITY;
+          row_sum[0] = row_sum[1] = 0.0f;
+          corr[0] = corr[1] = 1.0f;
+          named_barrier_sync(sched_mine, 256);
+          issue_qk(st0);
+          named_barrier_arrive(sched_other, 256);
+          wgmma_wait<0>();
+          fence_s();
+          release(&empty_k[st0]);
+          if (n_blocks == 1) release(&empty_q);  // this tile's last Q K^T
+          mask_and_softmax(key_block(0, n_blocks, rot));
+          convert_p();
+        } else {
+          // ---- this tile's first Q K^T with the pending tile's last P V (the steady state's
+          // order and waits: S first, then O; the pending row state kept for its store) ----
+          const uint32_t pv = ring_stage(pv_ring, kStages);
+          named_barrier_sync(sched_mine, 256);
+          issue_qk(st0);
+          mbarrier_wait(&full_v[pv], ring_phase(pv_ring, kStages));
+          issue_pv(pv);
+          named_barrier_arrive(sched_other, 256);
+          wgmma_wait<1>();  // S ready (the pending P V may still run)
+          fence_s();
+          release(&empty_k[st0]);
+          if (n_blocks == 1) release(&empty_q);
+          const float prev_sum[2] = {row_sum[0], row_sum[1]}, prev_max[2] = {row_max[0], row_max[1]};
+          row_max[0] = row_max[1] = -INFINITY;
+          row_sum[0] = row_sum[1] = 0.0f;
+          m0 = tm0;  // this tile's masks
+          mask_and_softmax(key_block(0, n_blocks, rot));
+          wgmma_wait<0>();  // the pending P V done: O, pf and its V slot are free
+          fence_o();
+          release(&empty_v[pv]);
+          store_tile(ptc, pm0, prev_sum, prev_max);
+#pragma unroll
+          for (int i = 0; i < kHeadDim / 2; ++i) o[i] = 0.0f;  // (corr is 0 after a first block)
+          convert_p();
+        }
+
+        // ---- steady state, as in the default body; Q released right after the last Q K^T ----
+        for (int i = 1; i < n_blocks; ++i) {
+          const uint32_t st = ring_stage(ring + i, kStages), prev = ring_stage(ring + i - 1, kStages);
+          mbarrier_wait(&full_k[st], ring_phase(ring + i, kStages));
+          named_barrier_sync(sched_mine, 256);
+          issue_qk(st);
+          rescale_o();
+          mbarrier_wait(&full_v[prev], ring_phase(ring + i - 1, kStages));
+          issue_pv(prev);
+          named_barrier_arrive(sched_other, 256);
+          wgmma_wait<1>();
+          fence_s();
+          release(&empty_k[st]);
+          if (i == n_blocks - 1) release(&empty_q);  // the producer loads the next Q sooner
+          mask_and_softmax(key_block(i, n_blocks, rot));
+          wgmma_wait<0>();
+          fence_o();
+          release(&empty_v[prev]);
+          convert_p();
+        }
+        // O to this tile's last max now, with no wgmma in flight (rescaled in the next tile's first
+        // turn, ptxas (C7517) waits for that turn's Q K^T before the multiply)
+        rescale_o();
+        pending = true;
+        ptc = tc, pm0 = m0, pv_ring = ring + n_blocks - 1;
+        ring += n_blocks;
+        ++q_iter;
+      }
+      if (pending) {  // the CTA's last tile: its last P V (O rescaled above) and store
+        const uint32_t prev = ring_stage(pv_ring, kStages);
+        mbarrier_wait(&full_v[prev], ring_phase(pv_ring, kStages));
+        named_barrier_sync(sched_mine, 256);
+        issue_pv(prev);
+        named_barrier_arrive(sched_other, 256);
+        wgmma_wait<0>();
+        fence_o();
+        release(&empty_v[prev]);
+        store_tile(ptc, pm0, row_sum, row_max);
+      }
+    } else {
+      for (int round = 0; round * static_cast<int>(gridDim.x) < p.num_tiles; ++round) {
+        const int t = tile_of_round(round, p.zigzag);
+        if (t >= p.num_tiles) continue;
+        const TileCoord tc = decode_tile<kCausal>(t, p);
+        m0 = tc.m_block * kBlockM;
+        const int n_blocks = num_key_blocks<kBlockM, kBlockN, kCausal>(m0, p.seqlen_q, p.seqlen_k);
+        const int rot = key_rotation(tc.m_block, n_blocks, p);
+
+  #pragma unroll
+        for (int i = 0; i < kHeadDim / 2; ++i) o[i] = 0.0f;
+        row_max[0] = row_max[1] = -INFINITY;
+        row_sum[0] = row_sum[1] = 0.0f;
+
+        if (n_blocks > 0) {
+          corr[0] = corr[1] = 1.0f;
+
+          // ---- first key block (the last one in key order) ----
+          mbarrier_wait(&full_q, q_iter & 1);
+          {
+            const uint32_t st = ring_stage(ring, kStages);
+            mbarrier_wait(&full_k[st], ring_phase(ring, kStages));
+            named_barrier_sync(sched_mine, 256);
+            issue_qk(st);
+            named_barrier_arrive(sched_other, 256);
+            wgmma_wait<0>();
+            fence_s();
+            release(&empty_k[st]);
+            mask_and_softmax(key_block(0, n_blocks, rot));
+            convert_p();
+          }
+
+          // ---- steady state: S_i = Q K_i^T issued with O += P_{i-1} V_{i-1} ----
+          for (int i = 1; i < n_blocks; ++i) {
+            const uint32_t st = ring_stage(ring + i, kStages), prev = ring_stage(ring + i - 1, kStages);
+            mbarrier_wait(&full_k[st], ring_phase(ring + i, kStages));
+            named_barrier_sync(sched_mine, 256);
+            issue_qk(st);
+            rescale_o();  // O to the max of block i-1, while Q K_i^T runs
+            mbarrier_wait(&full_v[prev], ring_phase(ring + i - 1, kStages));
+            issue_pv(prev);
+            named_barrier_arrive(sched_other, 256);
+            wgmma_wait<1>();  // S_i ready (P V may still run)
+            fence_s();
+            release(&empty_k[st]);
+            mask_and_softmax(key_block(i, n_blocks, rot));
+            wgmma_wait<0>();  // P_{i-1} V_{i-1} done: pf and the V slot are free
+            fence_o();
+            release(&empty_v[prev]);
+            convert_p();
+          }
+          release(&empty_q);  // every Q K^T of this tile has completed: the producer may load the next Q
+
+          // ---- last P V ----
+          {
+            const uint32_t prev = ring_stage(ring + n_blocks - 1, kStages);
+            mbarrier_wait(&full_v[prev], ring_phase(ring + n_blocks - 1, kStages));
+            named_barrier_sync(sched_mine, 256);
+            rescale_o();
+            issue_pv(prev);
+            named_barrier_arrive(sched_other, 256);
+            wgmma_wait<0>();
+            fence_o();
+            release(&empty_v[prev]);
+          }
+          ring += n_blocks;
+          ++q_iter;
+        }
+
+        // ---- epilogue ----
+        store_tile(tc, m0, row_sum, row_max);
       }
     }
     if (cw == 0) named_barrier_sync(static_cast<int>(NamedBarrier::kSchedWG0), 256);  // the extra arrival
@@ -325,10 +453,10 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
 #endif  // IOATTN_SM90A_ENABLED
 }
 
-template <class Tr, bool kCausal>
+template <class Tr, bool kCausal, bool kXTile = false>
 bool flash_fwd_sm90_v3_present() {
   cudaFuncAttributes attr{};
-  const cudaError_t e = cudaFuncGetAttributes(&attr, flash_fwd_sm90_v3_kernel<Tr, kCausal>);
+  const cudaError_t e = cudaFuncGetAttributes(&attr, flash_fwd_sm90_v3_kernel<Tr, kCausal, kXTile>);
   if (e != cudaSuccess) {
     cudaGetLastError();
     return false;
@@ -336,10 +464,10 @@ bool flash_fwd_sm90_v3_present() {
   return attr.binaryVersion >= 90 && attr.ptxVersion >= 90;
 }
 
-template <class Tr, bool kCausal>
+template <class Tr, bool kCausal, bool kXTile = false>
 void flash_fwd_sm90_v3_launch(const FwdLaunch& l) {
   static_assert(Tr::kConsumerWGs == 2, "the v3 body has 2 consumer warpgroups (128-row tiles)");
-  auto kernel = flash_fwd_sm90_v3_kernel<Tr, kCausal>;
+  auto kernel = flash_fwd_sm90_v3_kernel<Tr, kCausal, kXTile>;
   IOATTN_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Tr::kSmemBytes));
   kernel<<<l.grid, Tr::kThreads, Tr::kSmemBytes, l.stream>>>(l.q, l.k, l.v, l.params);
   IOATTN_CUDA_CHECK_LAUNCH("flash_fwd_sm90_v3_kernel");
@@ -351,5 +479,12 @@ void flash_fwd_sm90_v3_launch(const FwdLaunch& l) {
 #define IOATTN_SM90_V3_EXTERN(TR, CAUSAL)                                    \
   extern template bool flash_fwd_sm90_v3_present<TR, CAUSAL>();            \
   extern template void flash_fwd_sm90_v3_launch<TR, CAUSAL>(const FwdLaunch& l);
+// kXTile rows (non-causal; IOATTN_SM90_V3_XTILE=1)
+#define IOATTN_SM90_V3_INSTANTIATE_XTILE(TR)                                 \
+  template bool flash_fwd_sm90_v3_present<TR, false, true>();              \
+  template void flash_fwd_sm90_v3_launch<TR, false, true>(const FwdLaunch& l);
+#define IOATTN_SM90_V3_EXTERN_XTILE(TR)                                      \
+  extern template bool flash_fwd_sm90_v3_present<TR, false, true>();       \
+  extern template void flash_fwd_sm90_v3_launch<TR, false, true>(const FwdLaunch& l);
 
 }  // namespace ioattn::cuda::sm90

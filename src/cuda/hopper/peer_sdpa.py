@@ -3,10 +3,12 @@
 
 Same shapes as `ioattn_sm90_check --bench-only`: bf16, batch * seqlen = 16k tokens, hidden 2048
 (heads = 2048 / hdim), hdim 64/128/256, seqlen 2k..16k, causal and not. Inputs are
-[batch, heads, seqlen, hdim] (SDPA's layout), random normal. CUDA events around each call, 3
-warm-ups, median of 25. FLOPs = 4 b h s^2 d, halved when causal.
+[batch, heads, seqlen, hdim] (SDPA's layout), Uniform(-1, 1) as ioattn_sm90_check fills its own
+(--dist normal: random normal, what this script used until session 10; the H200 is power-limited,
+so the data's distribution moves the clocks: the same one on both sides). CUDA events around each
+call, 3 warm-ups, median of 25. FLOPs = 4 b h s^2 d, halved when causal.
 
-Usage: peer_sdpa.py [--ours [NAME=]ours.csv ...] [--csv peer.csv]
+Usage: peer_sdpa.py [--ours [NAME=]ours.csv ...] [--csv peer.csv] [--dist uniform|normal]
 With --ours (CSVs that ioattn_sm90_check --csv wrote in the same run; the first one is the one the
 ratios use) it prints one table with ioattn / cuDNN / flash TFLOP/s and the ratios.
 """
@@ -39,14 +41,20 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--ours", action="append", default=[], help="[NAME=]CSV from ioattn_sm90_check --csv")
     ap.add_argument("--csv", help="write peer rows here")
+    ap.add_argument("--dist", choices=("uniform", "normal"), default="uniform",
+                    help="input distribution (uniform: U(-1, 1), as ioattn_sm90_check)")
     args = ap.parse_args()
-    print(f"torch {torch.__version__}, cuDNN {torch.backends.cudnn.version()}, {torch.cuda.get_device_name()}")
+    print(f"torch {torch.__version__}, cuDNN {torch.backends.cudnn.version()}, {torch.cuda.get_device_name()}, "
+          f"inputs {'N(0, 1)' if args.dist == 'normal' else 'U(-1, 1)'}")
     rows = []
     for d in (64, 128, 256):
         for s in (2048, 4096, 8192, 16384):
             for causal in (False, True):
                 b, h = TOKENS // s, HIDDEN // d
-                q, k, v = (torch.randn(b, h, s, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+                if args.dist == "normal":
+                    q, k, v = (torch.randn(b, h, s, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+                else:
+                    q, k, v = (torch.rand(b, h, s, d, device="cuda", dtype=torch.bfloat16) * 2 - 1 for _ in range(3))
                 flops = 4.0 * b * h * s * s * d / (2.0 if causal else 1.0)
                 for name, backend in (("cudnn", SDPBackend.CUDNN_ATTENTION), ("flash", SDPBackend.FLASH_ATTENTION)):
                     try:
