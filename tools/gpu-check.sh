@@ -194,9 +194,10 @@ if want sm90 && [[ -x $BUILD/ioattn_sm90_check ]]; then
       { echo "phase peers $(date +%s.%N)" >>"$OUT/power_phases.txt"; } &&
       PYTHONUNBUFFERED=1 python3 "$ROOT/src/cuda/hopper/peer_sdpa.py" --ours sm90="$OUT/sm90.csv" --csv "$OUT/peer_sm90.csv" \
         --dist "${GPU_CHECK_PEER_DIST:-uniform}"
+    rc_sm90=$?
     echo "phase end $(date +%s.%N)" >>"$OUT/power_phases.txt"
   } >"$OUT/sm90.log" 2>&1
-  note "sm90 bench rc=$?  $(( $(stamp) - t0 )) s  (sm90.log, peer_sm90.csv)"
+  note "sm90 bench rc=$rc_sm90  $(( $(stamp) - t0 )) s  (sm90.log, peer_sm90.csv)"
   if [[ -n $smi_pid ]]; then
     kill "$smi_pid" 2>/dev/null
     python3 - "$OUT/power.csv" "$OUT/power_phases.txt" <<'PY' | tee -a "$SUMMARY"
