@@ -22,6 +22,7 @@
 #include "core/backends.hpp"
 #include "core/half.hpp"
 #include "core/problem.hpp"
+#include "check.hpp"
 #include "cpu/reference.hpp"
 #include "ioattn/ioattn.hpp"
 
@@ -203,7 +204,7 @@ void run_case(const Case& c, uint32_t seed) {
     // cross-tile variant: the plain non-causal hdim-128 ones with IOATTN_SM90_V3_XTILE=1 (ctests
     // cuda_kernels_sm90_xtile, _xtile_2ctas).
     const char* qregs = std::getenv("IOATTN_SM90_QREGS");
-    const bool qregs_off = qregs != nullptr && *qregs == '0';
+    const bool qregs_off = qregs != nullptr && *qregs != '\0' && *qregs != '1';  // as the library reads it
     const char* xtile = std::getenv("IOATTN_SM90_V3_XTILE");
     const bool xtile_on = xtile != nullptr && *xtile == '1';
     const bool plain128 = kc.kernel.find("wgmma") != std::string::npos && kc.kernel.find("hdim128") != std::string::npos &&
@@ -213,6 +214,33 @@ void run_case(const Case& c, uint32_t seed) {
       const bool v3 = kc.kernel.find("(v3 body)") != std::string::npos;
       if (causal_row && !v3) EXPECT_EQ(kc.kernel.find(" qregs") != std::string::npos, !qregs_off) << kc.kernel;
       if (!causal_row && v3) EXPECT_EQ(kc.kernel.find(" xtile") != std::string::npos, xtile_on) << kc.kernel;
+      // The cross-tile variant does the same arithmetic in the same order: bit for bit the default's
+      // O and LSE, here on 3 persistent CTAs (every CTA carries tiles over; some rounds skip).
+      if (!causal_row && v3 && !xtile_on && !varlen) {
+        std::mt19937 rng2(seed + 1);
+        Tensor o2, lse2;
+        make_qkv(o2, dt, batch, rows_q, c.hq, dv, varlen, c.bhsd, rng2, 1.0f, false);
+        o2.upload();
+        lse2.dtype = DType::f32;
+        lse2.numel = lse.numel;
+        lse2.host = nan_buffer(DType::f32, lse2.numel);
+        lse2.dev = detail::cuda_malloc(lse2.host.size());
+        lse2.upload();
+        lse2.view = TensorView::contiguous(lse2.dev, DType::f32, {batch, c.hq, c.sq}, Device::cuda);
+        KernelChoice kx;
+        {
+          test::ScopedEnv e1("IOATTN_SM90_V3_XTILE", "1"), e2("IOATTN_SM90_MAX_CTAS", "3");
+          kx = forward(q.view, k.view, v.view, o2.view, lse2.view, prm, ctx);
+        }
+        detail::cuda_synchronize();
+        EXPECT_NE(kx.kernel.find(" xtile"), std::string::npos) << kx.kernel;
+        Tensor* pairs[2][2] = {{&o, &o2}, {&lse, &lse2}};
+        for (auto& pr : pairs) {
+          pr[0]->download(), pr[1]->download();
+          EXPECT_EQ(std::memcmp(pr[0]->host.data(), pr[1]->host.data(), pr[0]->host.size()), 0)
+              << (pr[0] == &o ? "O" : "LSE") << " with IOATTN_SM90_V3_XTILE=1 differs from the default";
+        }
+      }
     }
   }
   o.download();

@@ -112,6 +112,9 @@ if want build; then
   rc=$?
   note "build      rc=$rc  $(( $(stamp) - t0 )) s  (archs $ARCHS; log build.log)"
   grep -E "spill stores" "$OUT/build.log" | grep -v " 0 bytes spill stores" | head -3 | sed 's/^/  SPILL: /' | tee -a "$SUMMARY"
+  # wgmma serialised or a wait injected by ptxas (C7510-C7519): a kernel running far below its rate
+  grep -oE "\(C751[0-9]\)[^']*'[^']*'" "$OUT/build.log" | sort -u | head -5 | cut -c1-220 | sed 's/^/  WGMMA: /' |
+    tee -a "$SUMMARY"
   [[ $rc == 0 ]] || { tail -30 "$OUT/build.log"; exit 1; }
 fi
 
@@ -315,7 +318,8 @@ fi
 if want sm90qregs; then
   t0=$(stamp)
   rc=0
-  for envs in IOATTN_SM90_QREGS=0 IOATTN_SM90_V3_XTILE=1 "IOATTN_SM90_V3_XTILE=1 IOATTN_SM90_MAX_CTAS=2"; do
+  for envs in IOATTN_SM90_QREGS=0 "IOATTN_SM90_V3_XTILE=1 IOATTN_SM90_MAX_CTAS=3" \
+    "IOATTN_SM90_V3_XTILE=1 IOATTN_SM90_MAX_CTAS=2"; do
     echo "## $envs" >>"$OUT/sm90qregs_test.log"
     env $envs timeout 300 "$BUILD/test_cuda_kernels" --gtest_filter='*tiles_*:*1023x1024*:*seq17*:*bhsd*:*hdim128*' \
       >>"$OUT/sm90qregs_test.log" 2>&1 || rc=1
@@ -445,7 +449,8 @@ if want decode; then
       grep '^{' "$OUT/decode_bulk.log" >"$OUT/decode_bulk.json"
     fi
   fi
-  # Other ring depths of the mma kernel (16-bit caches at head_dim 128; IOATTN_DECODE_STAGES=2: a
+  # Ring depths of the mma kernel (16-bit caches at head_dim 128; IOATTN_DECODE_STAGES=3: the 3-stage
+  # ring where the default now picks 2 (short sequences); =2: a
   # 2-stage ring, 3 CTAs per SM; =5: a 5-stage ring, 1 CTA per SM with 4 tiles in flight): per
   # "ring:splits,..." entry of GPU_CHECK_DECODE_RINGS (default "2:0 5:0,1,2"; splits 0 = the
   # heuristic, which counts the ring's CTAs per SM), its bitwise test, then the grid at each split
@@ -453,7 +458,12 @@ if want decode; then
   if [[ -x $BUILD/test_cuda_serving ]]; then
     for spec in ${GPU_CHECK_DECODE_RINGS-2:0 5:0,1,2}; do
       ring=${spec%%:*}
-      case $ring in 2) tname='CudaDecode.TwoStageRing*' ;; 5) tname='CudaDecode.FiveStageRing*' ;; *) continue ;; esac
+      case $ring in
+        2) tname='CudaDecode.TwoStageRing*' ;;
+        3) tname='CudaDecode.ShortSequencesTakeTheTwoStageRing' ;;
+        5) tname='CudaDecode.FiveStageRing*' ;;
+        *) continue ;;
+      esac
       bounded_test "stages$ring test" 180 "$BUILD/test_cuda_serving" "$tname" "$OUT/decode_stages$ring.log" || continue
       for sp in $(tr , ' ' <<<"${spec#*:}"); do
         t0=$(stamp)

@@ -87,13 +87,15 @@ function(ioattn_cuda_extras)
       set_tests_properties(cuda_kernels_sm90_local_2ctas PROPERTIES ENVIRONMENT "IOATTN_SM90_MAX_CTAS=2")
       # Q K^T with Q in registers is the hdim-128 causal rows' default: the causal and hdim-128
       # cases again without it. The v3 body's cross-tile variant (IOATTN_SM90_V3_XTILE=1, an A/B):
-      # the hdim-128 cases with it, and on 2 persistent CTAs (every CTA carries many tiles over).
-      # On sm_90 the test checks each plain hdim-128 row ran what the switches ask.
+      # the non-causal hdim-128 cases with it on 3 and on 2 persistent CTAs (every CTA carries
+      # many tiles over; with 3, some rounds skip). Every default run of those cases also reruns
+      # them with it and compares bitwise. On sm_90 the test checks each plain hdim-128 row ran
+      # what the switches ask.
       add_test(NAME cuda_kernels_sm90_noqregs COMMAND test_cuda_kernels --gtest_filter=*causal*:*hdim128*)
       set_tests_properties(cuda_kernels_sm90_noqregs PROPERTIES ENVIRONMENT "IOATTN_SM90_QREGS=0")
       set(xtile_cases "*tiles_*:*1023x1024*:*seq17*:*bhsd*:*hdim128*")
       add_test(NAME cuda_kernels_sm90_xtile COMMAND test_cuda_kernels --gtest_filter=${xtile_cases})
-      set_tests_properties(cuda_kernels_sm90_xtile PROPERTIES ENVIRONMENT "IOATTN_SM90_V3_XTILE=1")
+      set_tests_properties(cuda_kernels_sm90_xtile PROPERTIES ENVIRONMENT "IOATTN_SM90_V3_XTILE=1;IOATTN_SM90_MAX_CTAS=3")
       add_test(NAME cuda_kernels_sm90_xtile_2ctas COMMAND test_cuda_kernels --gtest_filter=${xtile_cases})
       set_tests_properties(cuda_kernels_sm90_xtile_2ctas PROPERTIES ENVIRONMENT "IOATTN_SM90_V3_XTILE=1;IOATTN_SM90_MAX_CTAS=2")
       # A GPU-less machine prints "skipped: no CUDA device"; ctest reports those as skipped.

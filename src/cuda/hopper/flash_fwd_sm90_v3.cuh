@@ -278,7 +278,9 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         const int tm0 = tc.m_block * kBlockM;
         const int n_blocks = num_key_blocks<kBlockM, kBlockN, kCausal>(tm0, p.seqlen_q, p.seqlen_k);
         const int rot = key_rotation(tc.m_block, n_blocks, p);
-        if (n_blocks == 0) {  // seqlen_k == 0: every tile (non-causal), so none is pending
+        // seqlen_k == 0: every tile (non-causal), so none is ever pending here. (A __trap() on
+        // `pending` here made ptxas serialise the wgmmas for register pressure: C7512.)
+        if (n_blocks == 0) {
           m0 = tm0;
 #pragma unroll
           for (int i = 0; i < kHeadDim / 2; ++i) o[i] = 0.0f;
@@ -354,8 +356,8 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
           release(&empty_v[prev]);
           convert_p();
         }
-        // O to this tile's last max now, with no wgmma in flight (rescaled in the next tile's first
-        // turn, ptxas (C7517) waits for that turn's Q K^T before the multiply)
+        // O to this tile's last max now, with no wgmma in flight (done inside the next tile's first
+        // turn instead, ptxas (C7517) waited for that turn's Q K^T before the multiply)
         rescale_o();
         pending = true;
         ptc = tc, pm0 = m0, pv_ring = ring + n_blocks - 1;
