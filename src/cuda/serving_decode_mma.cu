@@ -227,6 +227,10 @@ __global__ void __launch_bounds__(kThreads) decode_mma_kernel(const DecodeParams
   const uint8_t* kbase = p.k + w.hk * p.k_sh + c_ld * 16 + (paged ? 0 : w.b * p.k_sp);
   const uint8_t* vbase = p.v + w.hk * p.v_sh + c_ld * 16 + (paged ? 0 : w.b * p.v_sp);
   const int64_t k_it = j_step * p.k_ss, v_it = j_step * p.v_ss;  // bytes between a thread's rows
+  // Paged: K and V rows share one byte offset when their page / slot strides agree (the usual
+  // layout; the head strides may differ); an int32 entry e is valid iff (uint32) e < pages_u32.
+  const bool kv_same = p.k_sp == p.v_sp && p.k_ss == p.v_ss;
+  const uint32_t pages_u32 = static_cast<uint32_t>(min(p.num_pages, int64_t{1} << 31));
   const uint32_t ring = ptx::smem_u32(smem) + j_ld0 * Tr::kPitch + c_ld * 16;
   const int khi32 = static_cast<int>(khi);  // keys < 2^31 (checked on the host)
   auto issue_pages = [&](int tile) {
@@ -296,17 +300,25 @@ __global__ void __launch_bounds__(kThreads) decode_mma_kernel(const DecodeParams
       int2 pse[Tr::kLoadIters];
 #pragma unroll
       for (int it = 0; it < Tr::kLoadIters; ++it) pse[it] = pgs[it * j_step];
+      auto rows = [&](auto same_tag) {  // same_tag: K and V at one offset (a uniform branch, below)
+        constexpr bool kSame = decltype(same_tag)::value;
 #pragma unroll
-      for (int it = 0; it < Tr::kLoadIters; ++it) {
-        const int2 ps = pse[it];
-        const bool in = t0 + it * j_step < khi32;
-        const bool ok = in && ps.x >= 0 && ps.x < p.num_pages;
-        pg_bad |= (in && !ok) ? 1 : 0;
-        const uint64_t page = static_cast<uint32_t>(ok ? ps.x : 0), slot = static_cast<uint32_t>(ps.y);
-        const uint32_t dst = dst0 + it * j_step * Tr::kPitch;
-        ptx::cp_async_16_zfill(dst, kbase + (page * p.k_sp + slot * p.k_ss), ok);
-        ptx::cp_async_16_zfill(dst + Tr::kTileBytes, vbase + (page * p.v_sp + slot * p.v_ss), ok);
-      }
+        for (int it = 0; it < Tr::kLoadIters; ++it) {
+          const int2 ps = pse[it];
+          const bool in = t0 + it * j_step < khi32;
+          const bool ok = in && static_cast<uint32_t>(ps.x) < pages_u32;
+          pg_bad |= (in && !ok) ? 1 : 0;
+          const uint64_t page = static_cast<uint32_t>(ok ? ps.x : 0), slot = static_cast<uint32_t>(ps.y);
+          const uint32_t dst = dst0 + it * j_step * Tr::kPitch;
+          const uint64_t koff = page * p.k_sp + slot * p.k_ss;
+          ptx::cp_async_16_zfill(dst, kbase + koff, ok);
+          ptx::cp_async_16_zfill(dst + Tr::kTileBytes, vbase + (kSame ? koff : page * p.v_sp + slot * p.v_ss), ok);
+        }
+      };
+      if (kv_same)
+        rows(std::true_type{});
+      else
+        rows(std::false_type{});
     }
   };
   auto issue = [&](int tile) {
