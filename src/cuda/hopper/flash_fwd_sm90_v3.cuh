@@ -265,6 +265,28 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
       }
     };
 
+    // One steady-state key block i of a tile at ring position `ring`: S_i = Q K_i^T issued with
+    // O += P_{i-1} V_{i-1}. kXTile: Q is released right after the tile's last Q K^T.
+    auto steady_block = [&](int i, int n_blocks, int rot) {
+      const uint32_t st = ring_stage(ring + i, kStages), prev = ring_stage(ring + i - 1, kStages);
+      mbarrier_wait(&full_k[st], ring_phase(ring + i, kStages));
+      named_barrier_sync(sched_mine, 256);
+      issue_qk(st);
+      rescale_o();  // O to the max of block i-1, while Q K_i^T runs
+      mbarrier_wait(&full_v[prev], ring_phase(ring + i - 1, kStages));
+      issue_pv(prev);
+      named_barrier_arrive(sched_other, 256);
+      wgmma_wait<1>();  // S_i ready (P V may still run)
+      fence_s();
+      release(&empty_k[st]);
+      if (kXTile && i == n_blocks - 1) release(&empty_q);  // the producer loads the next Q sooner
+      mask_and_softmax(key_block(i, n_blocks, rot));
+      wgmma_wait<0>();  // P_{i-1} V_{i-1} done: pf and the V slot are free
+      fence_o();
+      release(&empty_v[prev]);
+      convert_p();
+    };
+
     if constexpr (kXTile) {
       // A tile "pending": its last P V not yet issued (its O, row max / sum, last P and corr are
       // in the registers), stored at (ptc, pm0), its last V at ring position pv_ring.
@@ -337,25 +359,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         }
 
         // ---- steady state, as in the default body; Q released right after the last Q K^T ----
-        for (int i = 1; i < n_blocks; ++i) {
-          const uint32_t st = ring_stage(ring + i, kStages), prev = ring_stage(ring + i - 1, kStages);
-          mbarrier_wait(&full_k[st], ring_phase(ring + i, kStages));
-          named_barrier_sync(sched_mine, 256);
-          issue_qk(st);
-          rescale_o();
-          mbarrier_wait(&full_v[prev], ring_phase(ring + i - 1, kStages));
-          issue_pv(prev);
-          named_barrier_arrive(sched_other, 256);
-          wgmma_wait<1>();
-          fence_s();
-          release(&empty_k[st]);
-          if (i == n_blocks - 1) release(&empty_q);  // the producer loads the next Q sooner
-          mask_and_softmax(key_block(i, n_blocks, rot));
-          wgmma_wait<0>();
-          fence_o();
-          release(&empty_v[prev]);
-          convert_p();
-        }
+        for (int i = 1; i < n_blocks; ++i) steady_block(i, n_blocks, rot);
         // O to this tile's last max now, with no wgmma in flight (done inside the next tile's first
         // turn instead, ptxas (C7517) waited for that turn's Q K^T before the multiply)
         rescale_o();
@@ -408,24 +412,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
           }
 
           // ---- steady state: S_i = Q K_i^T issued with O += P_{i-1} V_{i-1} ----
-          for (int i = 1; i < n_blocks; ++i) {
-            const uint32_t st = ring_stage(ring + i, kStages), prev = ring_stage(ring + i - 1, kStages);
-            mbarrier_wait(&full_k[st], ring_phase(ring + i, kStages));
-            named_barrier_sync(sched_mine, 256);
-            issue_qk(st);
-            rescale_o();  // O to the max of block i-1, while Q K_i^T runs
-            mbarrier_wait(&full_v[prev], ring_phase(ring + i - 1, kStages));
-            issue_pv(prev);
-            named_barrier_arrive(sched_other, 256);
-            wgmma_wait<1>();  // S_i ready (P V may still run)
-            fence_s();
-            release(&empty_k[st]);
-            mask_and_softmax(key_block(i, n_blocks, rot));
-            wgmma_wait<0>();  // P_{i-1} V_{i-1} done: pf and the V slot are free
-            fence_o();
-            release(&empty_v[prev]);
-            convert_p();
-          }
+          for (int i = 1; i < n_blocks; ++i) steady_block(i, n_blocks, rot);
           release(&empty_q);  // every Q K^T of this tile has completed: the producer may load the next Q
 
           // ---- last P V ----
