@@ -200,23 +200,30 @@ void run_case(const Case& c, uint32_t seed) {
         EXPECT_NE(kc.kernel.find(" local"), std::string::npos) << kc.kernel;
     }
     // Q K^T with Q in registers: the plain hdim-128 causal problems on the sm90 kernel run it by
-    // default, none with IOATTN_SM90_QREGS=0 (ctest cuda_kernels_sm90_noqregs). The v3 body's
-    // cross-tile variant: the plain non-causal hdim-128 ones with IOATTN_SM90_V3_XTILE=1 (ctests
-    // cuda_kernels_sm90_xtile, _xtile_2ctas).
+    // default, none with IOATTN_SM90_QREGS=0 (ctest cuda_kernels_sm90_noqregs). The cross-tile
+    // variants: the plain non-causal hdim-128 rows (v3 body) with IOATTN_SM90_V3_XTILE=1, the
+    // plain hdim-64 causal (3 warpgroups), hdim-128 causal and hdim-256 rows (v4 body) with
+    // IOATTN_SM90_XTILE=1 (ctests cuda_kernels_sm90_xtile*).
+    auto on = [](const char* name) {
+      const char* v = std::getenv(name);
+      return v != nullptr && *v == '1';
+    };
     const char* qregs = std::getenv("IOATTN_SM90_QREGS");
     const bool qregs_off = qregs != nullptr && *qregs != '\0' && *qregs != '1';  // as the library reads it
-    const char* xtile = std::getenv("IOATTN_SM90_V3_XTILE");
-    const bool xtile_on = xtile != nullptr && *xtile == '1';
-    const bool plain128 = kc.kernel.find("wgmma") != std::string::npos && kc.kernel.find("hdim128") != std::string::npos &&
-                          kc.kernel.find(" local") == std::string::npos && kc.kernel.find("f8e4m3") == std::string::npos;
-    if (plain128) {
-      const bool causal_row = kc.kernel.find("hdim128 causal") != std::string::npos;
-      const bool v3 = kc.kernel.find("(v3 body)") != std::string::npos;
-      if (causal_row && !v3) EXPECT_EQ(kc.kernel.find(" qregs") != std::string::npos, !qregs_off) << kc.kernel;
-      if (!causal_row && v3) EXPECT_EQ(kc.kernel.find(" xtile") != std::string::npos, xtile_on) << kc.kernel;
-      // The cross-tile variant does the same arithmetic in the same order: bit for bit the default's
-      // O and LSE, here on 3 persistent CTAs (every CTA carries tiles over; some rounds skip).
-      if (!causal_row && v3 && !xtile_on && !varlen) {
+    const auto has = [&](const char* x) { return kc.kernel.find(x) != std::string::npos; };
+    const bool plain = has("wgmma") && !has(" local") && !has("f8e4m3");
+    if (plain) {
+      const bool causal_row = has(" causal");
+      const bool v3 = has("(v3 body)");
+      if (has("hdim128 causal") && !v3) EXPECT_EQ(has(" qregs"), !qregs_off) << kc.kernel;
+      const bool v4_xtile_row = !v3 && (has("hdim256") || (has("hdim128 causal") && has(" qregs")) ||
+                                        (has("hdim64 causal") && has("ws 3 consumer WGs")));
+      if (has("hdim128") && !causal_row && v3) EXPECT_EQ(has(" xtile"), on("IOATTN_SM90_V3_XTILE")) << kc.kernel;
+      if (v4_xtile_row) EXPECT_EQ(has(" xtile"), on("IOATTN_SM90_XTILE")) << kc.kernel;
+      // A cross-tile variant does the same arithmetic in the same order: bit for bit the default's O
+      // and LSE, here on 3 persistent CTAs (every CTA carries tiles over; some rounds skip).
+      const bool xtile_row = (v3 && !causal_row && has("hdim128")) || v4_xtile_row;
+      if (xtile_row && !has(" xtile") && !varlen) {
         std::mt19937 rng2(seed + 1);
         Tensor o2, lse2;
         make_qkv(o2, dt, batch, rows_q, c.hq, dv, varlen, c.bhsd, rng2, 1.0f, false);
@@ -229,7 +236,7 @@ void run_case(const Case& c, uint32_t seed) {
         lse2.view = TensorView::contiguous(lse2.dev, DType::f32, {batch, c.hq, c.sq}, Device::cuda);
         KernelChoice kx;
         {
-          test::ScopedEnv e1("IOATTN_SM90_V3_XTILE", "1"), e2("IOATTN_SM90_MAX_CTAS", "3");
+          test::ScopedEnv e1("IOATTN_SM90_V3_XTILE", "1"), e2("IOATTN_SM90_XTILE", "1"), e3("IOATTN_SM90_MAX_CTAS", "3");
           kx = forward(q.view, k.view, v.view, o2.view, lse2.view, prm, ctx);
         }
         detail::cuda_synchronize();
@@ -238,7 +245,7 @@ void run_case(const Case& c, uint32_t seed) {
         for (auto& pr : pairs) {
           pr[0]->download(), pr[1]->download();
           EXPECT_EQ(std::memcmp(pr[0]->host.data(), pr[1]->host.data(), pr[0]->host.size()), 0)
-              << (pr[0] == &o ? "O" : "LSE") << " with IOATTN_SM90_V3_XTILE=1 differs from the default";
+              << (pr[0] == &o ? "O" : "LSE") << " of " << kx.kernel << " differs from the default's";
         }
       }
     }

@@ -309,19 +309,20 @@ if want ncufwd && command -v ncu >/dev/null; then
 fi
 
 # ---- forward A/Bs at hdim 128 (optional stage sm90qregs) -----------------------------------------
-# The hdim-128 rows' switches: off = IOATTN_SM90_QREGS=0 (causal 128x128 without Q in registers);
-# on = the defaults (causal with it, non-causal v3 128x176); xtile = IOATTN_SM90_V3_XTILE=1 (the
-# v3 body's cross-tile variant, non-causal). First the test cases of each switch (xtile also on 2
-# persistent CTAs), then ioattn_cuda_bench grid at hdim 128 per mode of GPU_CHECK_QREGS_MODES
-# (default "off on xtile"), interleaved twice -> sm90qregs.json; TFLOP/s per mode with its ratio
-# to "off" per row in the summary.
+# The forward's switches: off = IOATTN_SM90_QREGS=0 (hdim-128 causal 128x128 without Q in
+# registers); on = the defaults; xtile = the cross-tile variants (IOATTN_SM90_V3_XTILE=1: hdim 128
+# non-causal, v3 body; IOATTN_SM90_XTILE=1: hdim 64 causal, hdim 128 causal, hdim 256, v4 body).
+# First the test cases of each switch (xtile on 3 and 2 persistent CTAs), then ioattn_cuda_bench
+# grid at GPU_CHECK_QREGS_HDIMS (default 64,128,256) per mode of GPU_CHECK_QREGS_MODES (default
+# "off on xtile"), interleaved twice -> sm90qregs.json; TFLOP/s per mode with its ratio to "off"
+# per row in the summary (rows "off" does not change: a control of the run-to-run spread).
 if want sm90qregs; then
   t0=$(stamp)
   rc=0
   for envs in IOATTN_SM90_QREGS=0 "IOATTN_SM90_V3_XTILE=1 IOATTN_SM90_MAX_CTAS=3" \
-    "IOATTN_SM90_V3_XTILE=1 IOATTN_SM90_MAX_CTAS=2"; do
+    "IOATTN_SM90_V3_XTILE=1 IOATTN_SM90_MAX_CTAS=2" "IOATTN_SM90_XTILE=1 IOATTN_SM90_MAX_CTAS=3"; do
     echo "## $envs" >>"$OUT/sm90qregs_test.log"
-    env $envs timeout 300 "$BUILD/test_cuda_kernels" --gtest_filter='*tiles_*:*1023x1024*:*seq17*:*bhsd*:*hdim128*' \
+    env $envs timeout 300 "$BUILD/test_cuda_kernels" --gtest_filter='*tiles_*:*1023x1024*:*seq17*:*bhsd*:*hdim*:*causal*' \
       >>"$OUT/sm90qregs_test.log" 2>&1 || rc=1
   done
   note "qregs test rc=$rc  $(( $(stamp) - t0 )) s  (sm90qregs_test.log)"
@@ -332,10 +333,11 @@ if want sm90qregs; then
         case $mode in
           off) envs="IOATTN_SM90_QREGS=0" ;;
           on) envs="IOATTN_SM90_DEFAULTS=1" ;;
-          xtile) envs="IOATTN_SM90_V3_XTILE=1" ;;
+          xtile) envs="IOATTN_SM90_V3_XTILE=1 IOATTN_SM90_XTILE=1" ;;
           *) continue ;;
         esac
-        env $envs timeout 200 "$BUILD/ioattn_cuda_bench" grid --hdims 128 --seqlens 2048,4096,8192,16384 \
+        env $envs timeout 200 "$BUILD/ioattn_cuda_bench" grid --hdims ${GPU_CHECK_QREGS_HDIMS:-64,128,256} \
+          --seqlens 2048,4096,8192,16384 \
           --dtypes bf16,f16 2>>"$OUT/sm90qregs.log" >"$OUT/sm90qregs_run.json" || brc=1
         sed "s/^{/{\"mode\": \"$mode\", \"pass\": $pass, /" "$OUT/sm90qregs_run.json" >>"$OUT/sm90qregs.json"
       done
@@ -349,14 +351,14 @@ modes = []
 for line in open(sys.argv[1]):
     if not line.startswith("{"): continue
     r = json.loads(line)
-    rows[(r["dtype"], r["seqlen"], r["causal"])][r["mode"]].append(r["tflops"])
+    rows[(r["dtype"], r["hdim"], r["seqlen"], r["causal"])][r["mode"]].append(r["tflops"])
     if r["mode"] not in modes: modes.append(r["mode"])
-print("qregs: dtype seqlen causal | " + " ".join(f"{m:>12s}" for m in modes) + "   (TFLOP/s, x off)")
+print("qregs: dtype hdim seqlen causal | " + " ".join(f"{m:>12s}" for m in modes) + "   (TFLOP/s, x off)")
 for k in sorted(rows):
     m = {x: sum(v) / len(v) for x, v in rows[k].items()}
     off = m.get("off")
     cells = [f"{m[x]:6.1f} {m[x] / off:4.2f}" if x in m and off else f"{'-':>12s}" for x in modes]
-    print(f"qregs: {k[0]:5s} {k[1]:6d} {str(k[2]):5s} | " + " ".join(f"{c:>12s}" for c in cells))
+    print(f"qregs: {k[0]:5s} {k[1]:4d} {k[2]:6d} {str(k[3]):5s} | " + " ".join(f"{c:>12s}" for c in cells))
 PY
   fi
 fi

@@ -98,8 +98,12 @@ function(ioattn_cuda_extras)
       set_tests_properties(cuda_kernels_sm90_xtile PROPERTIES ENVIRONMENT "IOATTN_SM90_V3_XTILE=1;IOATTN_SM90_MAX_CTAS=3")
       add_test(NAME cuda_kernels_sm90_xtile_2ctas COMMAND test_cuda_kernels --gtest_filter=${xtile_cases})
       set_tests_properties(cuda_kernels_sm90_xtile_2ctas PROPERTIES ENVIRONMENT "IOATTN_SM90_V3_XTILE=1;IOATTN_SM90_MAX_CTAS=2")
+      # ... and the v4 body's (IOATTN_SM90_XTILE=1): causal, hdim 64 and 256 cases on 3 CTAs.
+      add_test(NAME cuda_kernels_sm90_xtile4 COMMAND test_cuda_kernels --gtest_filter=*causal*:*hdim*:*tiles_*)
+      set_tests_properties(cuda_kernels_sm90_xtile4 PROPERTIES ENVIRONMENT "IOATTN_SM90_XTILE=1;IOATTN_SM90_MAX_CTAS=3")
       # A GPU-less machine prints "skipped: no CUDA device"; ctest reports those as skipped.
       set_tests_properties(cuda_kernels cuda_kernels_mma_local cuda_kernels_sm90_local_2ctas cuda_kernels_sm90_noqregs cuda_kernels_sm90_xtile cuda_kernels_sm90_xtile_2ctas
+                           cuda_kernels_sm90_xtile4
                            PROPERTIES SKIP_REGULAR_EXPRESSION "skipped: no CUDA device")
       add_executable(test_cuda_backward ${PROJECT_SOURCE_DIR}/tests/test_cuda_backward.cpp)
       target_link_libraries(test_cuda_backward PRIVATE ioattn::ioattn GTest::gtest GTest::gtest_main)

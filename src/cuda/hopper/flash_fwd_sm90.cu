@@ -70,6 +70,14 @@ IOATTN_SM90_EXTERN_LOCAL(Hdim128Bf16Causal)
 IOATTN_SM90_EXTERN_LOCAL(Hdim128F16Causal)
 IOATTN_SM90_EXTERN_LOCAL(Hdim256Bf16Causal)
 IOATTN_SM90_EXTERN_LOCAL(Hdim256F16Causal)
+IOATTN_SM90_EXTERN_XTILE(Hdim64Bf16Wg3Causal, true)
+IOATTN_SM90_EXTERN_XTILE(Hdim64F16Wg3Causal, true)
+IOATTN_SM90_EXTERN_XTILE(Hdim128Bf16CausalQRegs, true)
+IOATTN_SM90_EXTERN_XTILE(Hdim128F16CausalQRegs, true)
+IOATTN_SM90_EXTERN_XTILE(Hdim256Bf16, false)
+IOATTN_SM90_EXTERN_XTILE(Hdim256Bf16Causal, true)
+IOATTN_SM90_EXTERN_XTILE(Hdim256F16, false)
+IOATTN_SM90_EXTERN_XTILE(Hdim256F16Causal, true)
 IOATTN_SM90_V3_EXTERN(Hdim128Bf16, false)
 IOATTN_SM90_V3_EXTERN(Hdim128F16, false)
 IOATTN_SM90_V3_EXTERN(Hdim128Bf16Causal, true)
@@ -169,13 +177,25 @@ struct Row {
   const char* why = "";
   bool (*present)() = nullptr;
   void (*launch)(const FwdLaunch&) = nullptr;
-  bool xtile = false;  // the v3 body's cross-tile variant (IOATTN_SM90_V3_XTILE=1)
+  bool xtile = false;  // a cross-tile variant (IOATTN_SM90_V3_XTILE=1 / IOATTN_SM90_XTILE=1)
 };
 
 template <class Tr, bool kCausal>
 Row make_row(const char* why) {
   return Row{Tr::kBlockM, Tr::kBlockN, Tr::kStages, Tr::kConsumerWGs, false, QInRegs<Tr>::value, why,
              &flash_fwd_sm90_present<Tr, kCausal>, &flash_fwd_sm90_launch<Tr, kCausal>};
+}
+// IOATTN_SM90_XTILE=1: the v4 body's cross-tile variant (kXTile) where it is instantiated (hdim 64
+// causal on 3 warpgroups, hdim 128 causal with Q in registers, hdim 256); the row otherwise.
+template <class Tr, bool kCausal>
+Row make_row_x(const char* why) {
+  Row r = make_row<Tr, kCausal>(why);
+  if (env_flag("IOATTN_SM90_XTILE")) {
+    r.present = &flash_fwd_sm90_present<Tr, kCausal, false, true>;
+    r.launch = &flash_fwd_sm90_launch<Tr, kCausal, false, true>;
+    r.xtile = true;
+  }
+  return r;
 }
 template <class Tr, bool kCausal>
 Row make_row_v3(const char* why) {
@@ -216,7 +236,7 @@ Row row_for_dtype(int64_t hdim, bool causal, bool wg3, bool v3) {
   switch (hdim) {
     case 64:
       if (wg3)
-        return causal ? make_row<Sm90Traits3<T, true>, true>(Sm90Tile3<true>::kWhy)
+        return causal ? make_row_x<Sm90Traits3<T, true>, true>(Sm90Tile3<true>::kWhy)
                       : make_row<Sm90Traits3<T, false>, false>(Sm90Tile3<false>::kWhy);
       return causal ? make_row<64, T, true>() : make_row<64, T, false>();
     case 128:
@@ -227,9 +247,11 @@ Row row_for_dtype(int64_t hdim, bool causal, bool wg3, bool v3) {
       // tile without, three interleaved A/Bs, docs/PERF.md); IOATTN_SM90_QREGS=0 turns it off. (Without
       // a mask, 128x128 / 128x144 with it measured 0.94-1.02x the v3 body's 128x176: not kept.)
       if (causal && env_bool("IOATTN_SM90_QREGS") != 0)
-        return make_row<Sm90TraitsQRegs128<T>, true>(Sm90TraitsQRegs128<T>::kWhy);
+        return make_row_x<Sm90TraitsQRegs128<T>, true>(Sm90TraitsQRegs128<T>::kWhy);
       return causal ? make_row<128, T, true>() : make_row<128, T, false>();
-    case 256: return causal ? make_row<256, T, true>() : make_row<256, T, false>();
+    case 256:
+      return causal ? make_row_x<Sm90Traits<256, T, true>, true>(Sm90Tile<256, true>::kWhy)
+                    : make_row_x<Sm90Traits<256, T, false>, false>(Sm90Tile<256, false>::kWhy);
     default: return Row{};
   }
 }
