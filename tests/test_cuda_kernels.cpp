@@ -383,6 +383,20 @@ std::vector<Case> flash_cases() {
   // tile: the v3 body's cross-tile variant): a partial last key block of one key, and one key block.
   v.push_back(mk("tiles_700x353_gqa2", bf, 3, 700, 353, 4, 2, 128));
   v.push_back(mk("tiles_300x100_f16", hf, 2, 300, 100, 6, 3, 128));
+  // ... hdim 256 without a mask; hdim 64 causal (3 warpgroups, 192-row tiles); and causal tiles
+  // with no visible key (bottom-right: rows < 350 of 450 see none) between ones with keys: a
+  // pending tile is flushed before an empty one's zero rows.
+  v.push_back(mk("tiles_hdim256_300x257", bf, 2, 300, 257, 4, 2, 256));
+  {
+    Case c = mk("tiles_hdim64_700x700_causal_f16", hf, 1, 700, 700, 4, 4, 64);
+    c.causal = true;
+    v.push_back(c);
+  }
+  for (int64_t d : {64, 128, 256}) {
+    Case c = mk("tiles_causal_empty_450x100_hdim" + std::to_string(d), bf, 2, 450, 100, 4, 2, d);
+    c.causal = true;
+    v.push_back(c);
+  }
   for (int64_t d : {32, 64, 96, 128, 192, 256})
     for (DType dt : {bf, hf}) {
       Case c = mk("hdim" + std::to_string(d) + (dt == bf ? "_bf16" : "_f16"), dt, 1, 150, 170, 2, 1, d);
