@@ -641,6 +641,31 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     };
 
 
+    // One steady-state key block i of a tile at ring position `ring` (its key blocks from n_first):
+    // S_i = Q K_i^T issued with O += P_{i-1} V_{i-1}. kXTile: Q released right after the last Q K^T.
+    auto steady_block = [&](int i, int n_blocks, int n_first, int rot) {
+      const uint32_t st = ring_stage(ring + i, kStages), prev = ring_stage(ring + i - 1, kStages);
+      // O to the max of block i-1: early, while the other warpgroup holds the tensor cores;
+      // or late, while Q K_i^T runs (FlashAttention-3's place).
+      if (p.rescale_early) rescale_o();
+      mbarrier_wait(&full_k[st], ring_phase(ring + i, kStages));
+      named_barrier_sync(sched_mine, 256);
+      issue_qk(st);
+      if (!p.rescale_early) rescale_o();
+      mbarrier_wait(&full_v[prev], ring_phase(ring + i - 1, kStages));
+      issue_pv(prev);
+      named_barrier_arrive(sched_other, 256);
+      wgmma_wait<1>();  // S_i ready (P V may still run)
+      fence_s();
+      release(&empty_k[st]);
+      if (kXTile && i == n_blocks - 1) release(&empty_q);  // the producer loads the next Q (and slot) sooner
+      mask_and_softmax(n_first + key_block(i, n_blocks, rot));
+      wgmma_wait<0>();  // P_{i-1} V_{i-1} done: pf and the V slot are free
+      fence_o();
+      release(&empty_v[prev]);
+      convert_p();
+    };
+
     if constexpr (kXTile) {
       static_assert(!kLocal, "kXTile: the plain rows (a pending tile's store needs no span)");
       // A tile whose last P V is not yet issued (its state in the registers): its index (-1: none);
@@ -770,26 +795,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         }
 
         // ---- steady state, as in the default body; Q released right after the last Q K^T ----
-        for (int i = 1; i < n_blocks; ++i) {
-          const uint32_t st = ring_stage(ring + i, kStages), prev = ring_stage(ring + i - 1, kStages);
-          if (p.rescale_early) rescale_o();
-          mbarrier_wait(&full_k[st], ring_phase(ring + i, kStages));
-          named_barrier_sync(sched_mine, 256);
-          issue_qk(st);
-          if (!p.rescale_early) rescale_o();
-          mbarrier_wait(&full_v[prev], ring_phase(ring + i - 1, kStages));
-          issue_pv(prev);
-          named_barrier_arrive(sched_other, 256);
-          wgmma_wait<1>();  // S_i ready (P V may still run)
-          fence_s();
-          release(&empty_k[st]);
-          if (i == n_blocks - 1) release(&empty_q);  // the producer loads the next Q (and slot) sooner
-          mask_and_softmax(key_block(i, n_blocks, rot));
-          wgmma_wait<0>();  // P_{i-1} V_{i-1} done: pf and the V slot are free
-          fence_o();
-          release(&empty_v[prev]);
-          convert_p();
-        }
+        for (int i = 1; i < n_blocks; ++i) steady_block(i, n_blocks, 0, rot);
         // O to this tile's last max now, with no wgmma in flight (see the v3 body: inside the next
         // turn ptxas injects a wait), and its last P V deferred
         rescale_o();
@@ -859,27 +865,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
           }
 
           // ---- steady state: S_i = Q K_i^T issued with O += P_{i-1} V_{i-1} ----
-          for (int i = 1; i < n_blocks; ++i) {
-            const uint32_t st = ring_stage(ring + i, kStages), prev = ring_stage(ring + i - 1, kStages);
-            // O to the max of block i-1: early, while the other warpgroup holds the tensor cores;
-            // or late, while Q K_i^T runs (FlashAttention-3's place).
-            if (p.rescale_early) rescale_o();
-            mbarrier_wait(&full_k[st], ring_phase(ring + i, kStages));
-            named_barrier_sync(sched_mine, 256);
-            issue_qk(st);
-            if (!p.rescale_early) rescale_o();
-            mbarrier_wait(&full_v[prev], ring_phase(ring + i - 1, kStages));
-            issue_pv(prev);
-            named_barrier_arrive(sched_other, 256);
-            wgmma_wait<1>();  // S_i ready (P V may still run)
-            fence_s();
-            release(&empty_k[st]);
-            mask_and_softmax(n_first + key_block(i, n_blocks, rot));
-            wgmma_wait<0>();  // P_{i-1} V_{i-1} done: pf and the V slot are free
-            fence_o();
-            release(&empty_v[prev]);
-            convert_p();
-          }
+          for (int i = 1; i < n_blocks; ++i) steady_block(i, n_blocks, n_first, rot);
           release(&empty_q);  // every Q K^T of this tile has completed: the producer may load the next Q
 
           // ---- last P V ----
