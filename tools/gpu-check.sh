@@ -332,7 +332,7 @@ if want sm90qregs; then
       for mode in ${GPU_CHECK_QREGS_MODES:-off on xtile}; do
         case $mode in
           off) envs="IOATTN_SM90_QREGS=0" ;;
-          on) envs="IOATTN_SM90_DEFAULTS=1" ;;
+          on) envs="" ;;  # the defaults
           xtile) envs="IOATTN_SM90_V3_XTILE=1 IOATTN_SM90_XTILE=1" ;;
           *) continue ;;
         esac

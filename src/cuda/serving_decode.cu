@@ -494,6 +494,13 @@ bool use_bulk_loader(const detail::DecodeProblem& p, ArchOf arch_of) {
 
 bool masked(const detail::DecodeProblem& p) { return p.causal || p.window_left >= 0 || p.window_right >= 0; }
 
+// The mma kernel's ring depth for this call (mma_decode_stages over the call's CTAs before
+// splitting): one answer for the kernel choice's name and for the launch.
+int mma_ring_of(const detail::DecodeProblem& p, bool bulk) {
+  const int64_t rb = row_blocks_of(p.heads_q, p.heads_kv, p.seqlen_q, mma_rows_per_cta(p.rows_per_group(), p.head_dim));
+  return mma_decode_stages(p.cache_dtype, p.head_dim, bulk, p.batch * p.heads_kv * rb, p.max_seqlen_k);
+}
+
 bool mma_applies(const detail::DecodeProblem& p) {
   return mma_decode_supported(p.dtype, p.cache_dtype, p.head_dim, p.head_dim_v, p.seqlen_q, masked(p));
 }
@@ -546,7 +553,7 @@ CudaSelection cuda_decode_select(const DecodeProblem& p, int arch) {
                                             : "") +
                    "cp.async ring";
     const int64_t rbm = row_blocks_of(p.heads_q, p.heads_kv, p.seqlen_q, rows);
-    const int stages = mma_decode_stages(p.cache_dtype, p.head_dim, bulk, p.batch * p.heads_kv * rbm, p.max_seqlen_k);
+    const int stages = mma_ring_of(p, bulk);
     return {"cuda/splitkv sm" + std::to_string(arch) + " mma" + (bulk ? " bulk" : "") +
                 (!bulk && stages != 3 && p.head_dim == 128 && dtype_size(p.cache_dtype) == 2
                      ? " stages" + std::to_string(stages)
@@ -730,8 +737,7 @@ void cuda_decode(const DecodeProblem& p) {
   const bool pdl = use_pdl(p.device_index);
   if (mma) {
     const bool bulk = use_bulk_loader(p, [&] { return detail::cuda_device_arch(p.device_index); });
-    launch_decode_mma(dp, p.cache_dtype, grid, stream, pdl, bulk,
-                      mma_decode_stages(p.cache_dtype, p.head_dim, bulk, p.batch * p.heads_kv * rb, p.max_seqlen_k));
+    launch_decode_mma(dp, p.cache_dtype, grid, stream, pdl, bulk, mma_ring_of(p, bulk));
   } else {
     switch (p.cache_dtype) {
       case DType::bf16: launch_decode<__nv_bfloat16>(dp, grid, stream, pdl); break;

@@ -828,7 +828,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         }
         const int rot = key_rotation(tc.m_block, n_blocks, p);
 
-  #pragma unroll
+#pragma unroll
         for (int i = 0; i < kHeadDim / 2; ++i) o[i] = 0.0f;
         row_max[0] = row_max[1] = -INFINITY;
         row_sum[0] = row_sum[1] = 0.0f;
@@ -838,7 +838,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
           rescale = true;
           if constexpr (kQRegs) {
             const int qrow = warp * 16 + (lane % 8) + 8 * ((lane / 8) % 2);  // row within the warpgroup's 64
-  #pragma unroll
+#pragma unroll
             for (int kk = 0; kk < kHeadDim / 16; ++kk) {
               const uint32_t chunk = 2 * (kk % 4) + lane / 16;
               ptx::ldmatrix_x4(qa[kk], q_base + (kk / 4) * kBlockM * 128 + qrow * 128 + ((chunk ^ (qrow % 8)) << 4));
@@ -887,7 +887,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         }
 
         // ---- epilogue: O /= row sum, LSE = scale * max + log(sum); stored straight from registers
-  #pragma unroll
+#pragma unroll
         for (int r = 0; r < 2; ++r) {
           float sum = row_sum[r];
           sum += __shfl_xor_sync(0xffffffffu, sum, 1);
@@ -914,7 +914,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
               const int64_t prow = static_cast<int64_t>(span.q0) + row;
               Element* orow =
                   static_cast<Element*>(p.o) + tc.b * p.o_batch + prow * p.o_seq + tc.h * p.o_head + 2 * (lane % 4);
-  #pragma unroll
+#pragma unroll
               for (int i = 0; i < kHeadDim / 8; ++i)
                 *reinterpret_cast<uint32_t*>(orow + 8 * i) =
                     pack2<Element>(o[4 * i + 2 * r] * inv, o[4 * i + 2 * r + 1] * inv);
@@ -928,7 +928,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
           if (row < p.seqlen_q) {
             Element* orow =
                 static_cast<Element*>(p.o) + tc.b * p.o_batch + row * p.o_seq + tc.h * p.o_head + 2 * (lane % 4);
-  #pragma unroll
+#pragma unroll
             for (int i = 0; i < kHeadDim / 8; ++i)
               *reinterpret_cast<uint32_t*>(orow + 8 * i) =
                   pack2<Element>(o[4 * i + 2 * r] * inv, o[4 * i + 2 * r + 1] * inv);

@@ -388,7 +388,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         const int n_blocks = num_key_blocks<kBlockM, kBlockN, kCausal>(m0, p.seqlen_q, p.seqlen_k);
         const int rot = key_rotation(tc.m_block, n_blocks, p);
 
-  #pragma unroll
+#pragma unroll
         for (int i = 0; i < kHeadDim / 2; ++i) o[i] = 0.0f;
         row_max[0] = row_max[1] = -INFINITY;
         row_sum[0] = row_sum[1] = 0.0f;
