@@ -28,6 +28,10 @@
 #      hdim-128 bf16 kernels (v3 body non-causal, v4 body causal, 8k) and the fp8 kernel -> ncu_fwd.log.
 #   GPU_CHECK_POWER=1 (with stage sm90): SM clock / power / throttle reasons sampled through ours and
 #      the peers' runs -> power.csv and one line per phase in the summary.
+#   interleave (not in the default stages; ~1-2 min): ioattn through its Python extension (built in
+#      BUILD) timed beside cuDNN and FA2 in one process, rows in rotating order, GPU_CHECK_ROUNDS
+#      rounds, U(-1, 1) then N(0, 1) (GPU_CHECK_INTERLEAVE_DISTS) -> interleave_*.csv, tables in the
+#      summary, interleave_power.csv.
 #   sm90qregs (not in the default stages; ~2 min): hdim-128 forward A/Bs: the test cases per switch,
 #      then ioattn_cuda_bench grid per mode (off = no Q in registers, on = defaults, xtile = the v3
 #      body's cross-tile variant) -> sm90qregs.json and a table in the summary.
@@ -226,6 +230,40 @@ for name, a, b in bounds:
     print(f"power {name:6s}: {len(sel)} busy samples, SM clock mean {sum(clk) / len(clk):.0f} MHz (min {min(clk):.0f}), "
           f"power mean {sum(pw) / len(pw):.0f} W (max {max(pw):.0f}), reasons {' '.join(reasons)}")
 PY
+  fi
+fi
+
+# ---- interleave: ioattn (through its Python package) and the peers in one process ----------------
+# The like-for-like forward table: the extension _C is built in BUILD (-DIOATTN_BUILD_PYTHON=ON; the
+# library is already built, so this compiles the bindings alone) and imported from a copy of
+# python/ioattn; peer_sdpa.py --ioattn then times ioattn, cuDNN and FA2 row by row in rotating order,
+# GPU_CHECK_ROUNDS rounds (default 3), on U(-1, 1) and then N(0, 1) inputs, with the power samples.
+if want interleave; then
+  t0=$(stamp)
+  {
+    cmake -DIOATTN_BUILD_PYTHON=ON "$BUILD" >/dev/null &&
+      cmake --build "$BUILD" --target _C -j "$JOBS" &&
+      rm -rf "$BUILD/pyroot" && mkdir -p "$BUILD/pyroot" && cp -r "$ROOT/python/ioattn" "$BUILD/pyroot/" &&
+      cp "$BUILD"/python/_C*.so "$BUILD/pyroot/ioattn/"
+  } >"$OUT/interleave_build.log" 2>&1
+  rc=$?
+  if [[ $rc == 0 ]]; then
+    smi_pid=
+    if command -v nvidia-smi >/dev/null; then
+      nvidia-smi --query-gpu=timestamp,clocks.sm,power.draw,temperature.gpu,clocks_event_reasons.active \
+        --format=csv,noheader,nounits -lms 100 >"$OUT/interleave_power.csv" 2>/dev/null &
+      smi_pid=$!
+    fi
+    for dist in ${GPU_CHECK_INTERLEAVE_DISTS:-uniform normal}; do
+      PYTHONPATH="$BUILD/pyroot" PYTHONUNBUFFERED=1 python3 "$ROOT/src/cuda/hopper/peer_sdpa.py" --ioattn \
+        --rounds "${GPU_CHECK_ROUNDS:-3}" --dist "$dist" --csv "$OUT/interleave_$dist.csv" >"$OUT/interleave_$dist.log" 2>&1
+      rc=$?
+      note "interleave $dist rc=$rc  $(( $(stamp) - t0 )) s  (interleave_$dist.log)"
+      sed -n '/^hdim/,$p' "$OUT/interleave_$dist.log" | sed "s/^/$dist: /" | tee -a "$SUMMARY" >/dev/null
+    done
+    [[ -n $smi_pid ]] && kill "$smi_pid" 2>/dev/null
+  else
+    note "interleave build rc=$rc (interleave_build.log)"
   fi
 fi
 

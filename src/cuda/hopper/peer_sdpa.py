@@ -9,8 +9,18 @@ so the data's distribution moves the clocks: the same one on both sides). CUDA e
 call, 3 warm-ups, median of 25. FLOPs = 4 b h s^2 d, halved when causal.
 
 Usage: peer_sdpa.py [--ours [NAME=]ours.csv ...] [--csv peer.csv] [--dist uniform|normal]
+                    [--ioattn] [--rounds N]
 With --ours (CSVs that ioattn_sm90_check --csv wrote in the same run; the first one is the one the
 ratios use) it prints one table with ioattn / cuDNN / flash TFLOP/s and the ratios.
+
+--ioattn times ioattn itself in this process (ioattn.torch.attention on [batch, seqlen, heads,
+hdim] tensors holding the same values; the package must be importable) beside the peers, row by
+row, the order of the three rotated from row to row and round to round, so that all three see the
+same power and clock history (the H200 runs at its power cap under this load, and a program that
+runs its rows back to back sees lower clocks than one with pauses between rows). --rounds N
+repeats the grid N times; a row's TFLOP/s is the median over the rounds, and its ratio the median
+of the per-round ratios. This is the like-for-like table; --ours compares against another
+process's run.
 """
 import argparse
 import csv
@@ -43,34 +53,54 @@ def main():
     ap.add_argument("--csv", help="write peer rows here")
     ap.add_argument("--dist", choices=("uniform", "normal"), default="uniform",
                     help="input distribution (uniform: U(-1, 1), as ioattn_sm90_check)")
+    ap.add_argument("--ioattn", action="store_true",
+                    help="also time ioattn.torch.attention in this process, interleaved with the peers")
+    ap.add_argument("--rounds", type=int, default=1, help="repeat the grid (rotating the order)")
     args = ap.parse_args()
+    impls = [("cudnn", SDPBackend.CUDNN_ATTENTION), ("flash", SDPBackend.FLASH_ATTENTION)]
+    if args.ioattn:
+        import ioattn.torch as iot
+        impls.insert(0, ("ioattn", None))
     print(f"torch {torch.__version__}, cuDNN {torch.backends.cudnn.version()}, {torch.cuda.get_device_name()}, "
           f"inputs {'N(0, 1)' if args.dist == 'normal' else 'U(-1, 1)'}")
     rows = []
-    for d in (64, 128, 256):
-        for s in (2048, 4096, 8192, 16384):
-            for causal in (False, True):
-                b, h = TOKENS // s, HIDDEN // d
-                if args.dist == "normal":
-                    q, k, v = (torch.randn(b, h, s, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-                else:
-                    q, k, v = (torch.rand(b, h, s, d, device="cuda", dtype=torch.bfloat16) * 2 - 1 for _ in range(3))
-                flops = 4.0 * b * h * s * s * d / (2.0 if causal else 1.0)
-                for name, backend in (("cudnn", SDPBackend.CUDNN_ATTENTION), ("flash", SDPBackend.FLASH_ATTENTION)):
-                    try:
+    grid = [(d, s, c) for d in (64, 128, 256) for s in (2048, 4096, 8192, 16384) for c in (False, True)]
+    for rnd in range(args.rounds):
+        for i, (d, s, causal) in enumerate(grid):
+            b, h = TOKENS // s, HIDDEN // d
+            if args.dist == "normal":
+                q, k, v = (torch.randn(b, h, s, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+            else:
+                q, k, v = (torch.rand(b, h, s, d, device="cuda", dtype=torch.bfloat16) * 2 - 1 for _ in range(3))
+            # ioattn's own layout [b, s, h, d], same values
+            qt, kt, vt = (x.transpose(1, 2).contiguous() for x in (q, k, v)) if args.ioattn else (None,) * 3
+            flops = 4.0 * b * h * s * s * d / (2.0 if causal else 1.0)
+            shift = (rnd + i) % len(impls)
+            for name, backend in impls[shift:] + impls[:shift]:
+                try:
+                    if backend is None:
+                        ms = time_ms(lambda: iot.attention(qt, kt, vt, causal=causal))
+                    else:
                         with sdpa_kernel(backend):
                             ms = time_ms(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal))
-                        rows.append((name, d, s, int(causal), b, h, ms, flops / (ms * 1e-3) / 1e12))
-                    except RuntimeError as e:  # backend refuses the shape (e.g. flash hdim > 256)
+                    rows.append((name, d, s, int(causal), b, h, ms, flops / (ms * 1e-3) / 1e12, rnd))
+                except RuntimeError as e:  # backend refuses the shape (e.g. flash hdim > 256)
+                    if rnd == 0:
                         print(f"{name} d{d} s{s} causal={causal}: unavailable ({str(e).splitlines()[0][:80]})")
-                del q, k, v
+            del q, k, v, qt, kt, vt
     if args.csv:
         with open(args.csv, "w", newline="") as f:
             w = csv.writer(f)
-            w.writerow(["impl", "hdim", "seqlen", "causal", "batch", "heads", "ms", "tflops"])
+            w.writerow(["impl", "hdim", "seqlen", "causal", "batch", "heads", "ms", "tflops", "round"])
             w.writerows(rows)
-    peer = {(r[0], r[1], r[2], r[3]): r[7] for r in rows}
+    med = lambda xs: statistics.median(xs) if xs else None
+    by = {}  # (impl, hdim, seqlen, causal) -> {round: tflops}
+    for r in rows:
+        by.setdefault(r[:4], {})[r[8]] = r[7]
+    peer = {key: med(list(t.values())) for key, t in by.items()}
     ours = []  # (name, {(hdim, seqlen, causal): tflops})
+    if args.ioattn:
+        ours.append(("ioattn", {key[1:]: val for key, val in peer.items() if key[0] == "ioattn"}))
     for spec in args.ours:
         name, _, path = spec.rpartition("=")
         table = {}
@@ -92,8 +122,14 @@ def main():
                 cu = peer.get(("cudnn", d, s, c))
                 fl = peer.get(("flash", d, s, c))
                 o = vals[0] if vals else None
-                print(f"{d:>4} {s:>6} {'yes' if c else 'no':>6} | {' '.join(fmt(v) for v in vals)} {fmt(cu)} {fmt(fl)} | "
-                      f"{ratio(o, cu)} {ratio(o, fl)}")
+                if args.ioattn:  # median of the per-round ratios
+                    rr = lambda p: med([t / by[(p, d, s, c)][k] for k, t in by.get(("ioattn", d, s, c), {}).items()
+                                        if k in by.get((p, d, s, c), {})])
+                    rc, rf = rr("cudnn"), rr("flash")
+                    rat = (f"{rc:8.2f}" if rc else "       -") + " " + (f"{rf:8.2f}" if rf else "       -")
+                else:
+                    rat = f"{ratio(o, cu)} {ratio(o, fl)}"
+                print(f"{d:>4} {s:>6} {'yes' if c else 'no':>6} | {' '.join(fmt(v) for v in vals)} {fmt(cu)} {fmt(fl)} | {rat}")
     return 0
 
 
