@@ -244,7 +244,7 @@ if want interleave; then
     cmake -DIOATTN_BUILD_PYTHON=ON "$BUILD" >/dev/null &&
       cmake --build "$BUILD" --target _C -j "$JOBS" &&
       rm -rf "$BUILD/pyroot" && mkdir -p "$BUILD/pyroot" && cp -r "$ROOT/python/ioattn" "$BUILD/pyroot/" &&
-      cp "$BUILD"/python/_C*.so "$BUILD/pyroot/ioattn/"
+      find "$BUILD/python" -name "_C*.so" -exec cp {} "$BUILD/pyroot/ioattn/" \;
   } >"$OUT/interleave_build.log" 2>&1
   rc=$?
   if [[ $rc == 0 ]]; then
