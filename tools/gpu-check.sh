@@ -28,10 +28,10 @@
 #      hdim-128 bf16 kernels (v3 body non-causal, v4 body causal, 8k) and the fp8 kernel -> ncu_fwd.log.
 #   GPU_CHECK_POWER=1 (with stage sm90): SM clock / power / throttle reasons sampled through ours and
 #      the peers' runs -> power.csv and one line per phase in the summary.
-#   interleave (not in the default stages; ~1-2 min): ioattn through its Python extension (built in
-#      BUILD) timed beside cuDNN and FA2 in one process, rows in rotating order, GPU_CHECK_ROUNDS
-#      rounds, U(-1, 1) then N(0, 1) (GPU_CHECK_INTERLEAVE_DISTS) -> interleave_*.csv, tables in the
-#      summary, interleave_power.csv.
+#   interleave (not in the default stages; ~3 min per distribution): ioattn through its Python
+#      extension (built in BUILD) timed beside cuDNN and FA2 in one process, every order, each after
+#      GPU_CHECK_WARM_S s of its own calls, GPU_CHECK_ROUNDS rounds, GPU_CHECK_INTERLEAVE_DISTS ->
+#      interleave_*.csv, tables and SM clock / power per implementation in the summary.
 #   sm90qregs (not in the default stages; ~2 min): hdim-128 forward A/Bs: the test cases per switch,
 #      then ioattn_cuda_bench grid per mode (off = no Q in registers, on = defaults, xtile = the v3
 #      body's cross-tile variant) -> sm90qregs.json and a table in the summary.
@@ -236,8 +236,10 @@ fi
 # ---- interleave: ioattn (through its Python package) and the peers in one process ----------------
 # The like-for-like forward table: the extension _C is built in BUILD (-DIOATTN_BUILD_PYTHON=ON; the
 # library is already built, so this compiles the bindings alone) and imported from a copy of
-# python/ioattn; peer_sdpa.py --ioattn then times ioattn, cuDNN and FA2 row by row in rotating order,
-# GPU_CHECK_ROUNDS rounds (default 3), on U(-1, 1) and then N(0, 1) inputs, with the power samples.
+# python/ioattn; peer_sdpa.py --ioattn then times ioattn, cuDNN and FA2 row by row, in every order
+# over the grid, GPU_CHECK_ROUNDS rounds (default 2), each timing after GPU_CHECK_WARM_S seconds
+# (default 1) of its own back-to-back calls (the sustained state under the power cap), on the inputs
+# of GPU_CHECK_INTERLEAVE_DISTS (default uniform; "uniform normal" for both), with the power samples.
 if want interleave; then
   t0=$(stamp)
   {
@@ -254,14 +256,36 @@ if want interleave; then
         --format=csv,noheader,nounits -lms 100 >"$OUT/interleave_power.csv" 2>/dev/null &
       smi_pid=$!
     fi
-    for dist in ${GPU_CHECK_INTERLEAVE_DISTS:-uniform normal}; do
+    for dist in ${GPU_CHECK_INTERLEAVE_DISTS:-uniform}; do
       PYTHONPATH="$BUILD/pyroot" PYTHONUNBUFFERED=1 python3 "$ROOT/src/cuda/hopper/peer_sdpa.py" --ioattn \
-        --rounds "${GPU_CHECK_ROUNDS:-3}" --dist "$dist" --csv "$OUT/interleave_$dist.csv" >"$OUT/interleave_$dist.log" 2>&1
+        --rounds "${GPU_CHECK_ROUNDS:-2}" --warm-s "${GPU_CHECK_WARM_S:-1}" --dist "$dist" --csv "$OUT/interleave_$dist.csv" >"$OUT/interleave_$dist.log" 2>&1
       rc=$?
       note "interleave $dist rc=$rc  $(( $(stamp) - t0 )) s  (interleave_$dist.log)"
       sed -n '/^hdim/,$p' "$OUT/interleave_$dist.log" | sed "s/^/$dist: /" | tee -a "$SUMMARY" >/dev/null
     done
     [[ -n $smi_pid ]] && kill "$smi_pid" 2>/dev/null
+    # SM clock and power while each implementation was being timed (its rows' windows)
+    [[ -n $smi_pid ]] && python3 - "$OUT/interleave_power.csv" "$OUT"/interleave_*.csv <<'PY' | tee -a "$SUMMARY"
+import csv, datetime, sys
+samples = []
+for line in open(sys.argv[1]):
+    f = [x.strip() for x in line.split(",")]
+    try:
+        samples.append((datetime.datetime.strptime(f[0], "%Y/%m/%d %H:%M:%S.%f").timestamp(), float(f[1]), float(f[2])))
+    except (ValueError, IndexError):
+        continue
+for path in sys.argv[2:]:
+    if path.endswith("_power.csv"):
+        continue
+    per = {}
+    for r in csv.DictReader(open(path)):
+        a, b = float(r["t_start"]), float(r["t_end"])
+        per.setdefault(r["impl"], []).extend(s for s in samples if a <= s[0] <= b)
+    for impl, sel in sorted(per.items()):
+        if sel:
+            print(f"{path.rsplit('/', 1)[-1]}: {impl:7s} {len(sel)} samples, SM clock mean {sum(s[1] for s in sel) / len(sel):.0f} MHz "
+                  f"(min {min(s[1] for s in sel):.0f}), power mean {sum(s[2] for s in sel) / len(sel):.0f} W")
+PY
   else
     note "interleave build rc=$rc (interleave_build.log)"
   fi

@@ -26,6 +26,8 @@ import argparse
 import csv
 import statistics
 import sys
+import itertools
+import time
 
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -34,9 +36,18 @@ import torch.nn.functional as F
 TOKENS, HIDDEN, WARMUP, REPS = 16384, 2048, 3, 25
 
 
-def time_ms(fn):
+def time_ms(fn, warm_s=0.0):
+    """Median ms of REPS calls after WARMUP calls, or after warm_s seconds of back-to-back calls
+    (then the power limiter's averaging window holds this kernel's own load, not its predecessor's)."""
     for _ in range(WARMUP):
         fn()
+    if warm_s > 0:
+        torch.cuda.synchronize()
+        t_end = time.time() + warm_s
+        while time.time() < t_end:
+            for _ in range(8):
+                fn()
+            torch.cuda.synchronize()
     starts = [torch.cuda.Event(enable_timing=True) for _ in range(REPS)]
     stops = [torch.cuda.Event(enable_timing=True) for _ in range(REPS)]
     for a, b in zip(starts, stops):
@@ -55,7 +66,9 @@ def main():
                     help="input distribution (uniform: U(-1, 1), as ioattn_sm90_check)")
     ap.add_argument("--ioattn", action="store_true",
                     help="also time ioattn.torch.attention in this process, interleaved with the peers")
-    ap.add_argument("--rounds", type=int, default=1, help="repeat the grid (rotating the order)")
+    ap.add_argument("--rounds", type=int, default=1, help="repeat the grid (changing the order)")
+    ap.add_argument("--warm-s", type=float, default=0.0,
+                    help="seconds of back-to-back calls before each timing (sustained state under the power cap)")
     args = ap.parse_args()
     impls = [("cudnn", SDPBackend.CUDNN_ATTENTION), ("flash", SDPBackend.FLASH_ATTENTION)]
     if args.ioattn:
@@ -75,15 +88,17 @@ def main():
             # ioattn's own layout [b, s, h, d], same values
             qt, kt, vt = (x.transpose(1, 2).contiguous() for x in (q, k, v)) if args.ioattn else (None,) * 3
             flops = 4.0 * b * h * s * s * d / (2.0 if causal else 1.0)
-            shift = (rnd + i) % len(impls)
-            for name, backend in impls[shift:] + impls[:shift]:
+            orders = list(itertools.permutations(impls))  # every order, so no impl always follows another
+            for name, backend in orders[(rnd * 5 + i) % len(orders)]:
                 try:
+                    t_start = time.time()
                     if backend is None:
-                        ms = time_ms(lambda: iot.attention(qt, kt, vt, causal=causal))
+                        ms = time_ms(lambda: iot.attention(qt, kt, vt, causal=causal), args.warm_s)
                     else:
                         with sdpa_kernel(backend):
-                            ms = time_ms(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal))
-                    rows.append((name, d, s, int(causal), b, h, ms, flops / (ms * 1e-3) / 1e12, rnd))
+                            ms = time_ms(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal), args.warm_s)
+                    rows.append((name, d, s, int(causal), b, h, ms, flops / (ms * 1e-3) / 1e12, rnd,
+                                 f"{t_start:.3f}", f"{time.time():.3f}"))
                 except RuntimeError as e:  # backend refuses the shape (e.g. flash hdim > 256)
                     if rnd == 0:
                         print(f"{name} d{d} s{s} causal={causal}: unavailable ({str(e).splitlines()[0][:80]})")
@@ -91,7 +106,7 @@ def main():
     if args.csv:
         with open(args.csv, "w", newline="") as f:
             w = csv.writer(f)
-            w.writerow(["impl", "hdim", "seqlen", "causal", "batch", "heads", "ms", "tflops", "round"])
+            w.writerow(["impl", "hdim", "seqlen", "causal", "batch", "heads", "ms", "tflops", "round", "t_start", "t_end"])
             w.writerows(rows)
     med = lambda xs: statistics.median(xs) if xs else None
     by = {}  # (impl, hdim, seqlen, causal) -> {round: tflops}
