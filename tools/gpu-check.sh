@@ -30,7 +30,8 @@
 #      the peers' runs -> power.csv and one line per phase in the summary.
 #   interleave (not in the default stages; ~3 min per distribution): ioattn through its Python
 #      extension (built in BUILD) timed beside cuDNN and FA2 in one process, every order, each after
-#      GPU_CHECK_WARM_S s of its own calls, GPU_CHECK_ROUNDS rounds, GPU_CHECK_INTERLEAVE_DISTS ->
+#      GPU_CHECK_WARM_S s of its own calls, GPU_CHECK_ROUNDS rounds, GPU_CHECK_INTERLEAVE_DISTS, per
+#      mode in GPU_CHECK_INTERLEAVE_MODES (fwd, fwdbwd = forward+backward; default fwd) ->
 #      interleave_*.csv, tables and SM clock / power per implementation in the summary.
 #   sm90qregs (not in the default stages; ~2 min): hdim-128 forward A/Bs: the test cases per switch,
 #      then ioattn_cuda_bench grid per mode (off = no Q in registers, on = defaults, xtile = the v3
@@ -256,12 +257,18 @@ if want interleave; then
         --format=csv,noheader,nounits -lms 100 >"$OUT/interleave_power.csv" 2>/dev/null &
       smi_pid=$!
     fi
-    for dist in ${GPU_CHECK_INTERLEAVE_DISTS:-uniform}; do
-      PYTHONPATH="$BUILD/pyroot" PYTHONUNBUFFERED=1 python3 "$ROOT/src/cuda/hopper/peer_sdpa.py" --ioattn \
-        --rounds "${GPU_CHECK_ROUNDS:-2}" --warm-s "${GPU_CHECK_WARM_S:-1}" --dist "$dist" --csv "$OUT/interleave_$dist.csv" >"$OUT/interleave_$dist.log" 2>&1
-      rc=$?
-      note "interleave $dist rc=$rc  $(( $(stamp) - t0 )) s  (interleave_$dist.log)"
-      sed -n '/^hdim/,$p' "$OUT/interleave_$dist.log" | sed "s/^/$dist: /" | tee -a "$SUMMARY" >/dev/null
+    for mode in ${GPU_CHECK_INTERLEAVE_MODES:-fwd}; do
+      for dist in ${GPU_CHECK_INTERLEAVE_DISTS:-uniform}; do
+        tag=${mode}_$dist
+        extra=()
+        [[ $mode == fwdbwd ]] && extra=(--fwdbwd)
+        PYTHONPATH="$BUILD/pyroot" PYTHONUNBUFFERED=1 python3 "$ROOT/src/cuda/hopper/peer_sdpa.py" --ioattn "${extra[@]}" \
+          --rounds "${GPU_CHECK_ROUNDS:-2}" --warm-s "${GPU_CHECK_WARM_S:-1}" --dist "$dist" \
+          --csv "$OUT/interleave_$tag.csv" >"$OUT/interleave_$tag.log" 2>&1
+        rc=$?
+        note "interleave $tag rc=$rc  $(( $(stamp) - t0 )) s  (interleave_$tag.log)"
+        sed -n '/^hdim/,$p' "$OUT/interleave_$tag.log" | sed "s/^/$tag: /" | tee -a "$SUMMARY" >/dev/null
+      done
     done
     [[ -n $smi_pid ]] && kill "$smi_pid" 2>/dev/null
     # SM clock and power while each implementation was being timed (its rows' windows)

@@ -9,7 +9,7 @@ so the data's distribution moves the clocks: the same one on both sides). CUDA e
 call, 3 warm-ups, median of 25. FLOPs = 4 b h s^2 d, halved when causal.
 
 Usage: peer_sdpa.py [--ours [NAME=]ours.csv ...] [--csv peer.csv] [--dist uniform|normal]
-                    [--ioattn] [--rounds N]
+                    [--ioattn] [--rounds N] [--warm-s S] [--fwdbwd]
 With --ours (CSVs that ioattn_sm90_check --csv wrote in the same run; the first one is the one the
 ratios use) it prints one table with ioattn / cuDNN / flash TFLOP/s and the ratios.
 
@@ -20,7 +20,10 @@ same power and clock history (the H200 runs at its power cap under this load, an
 runs its rows back to back sees lower clocks than one with pauses between rows). --rounds N
 repeats the grid N times; a row's TFLOP/s is the median over the rounds, and its ratio the median
 of the per-round ratios. This is the like-for-like table; --ours compares against another
-process's run.
+process's run. --warm-s S runs S seconds of each implementation's own calls before timing it (the
+power limiter then averages over its own load). --fwdbwd times forward+backward instead
+(torch.autograd.grad of the output with a fixed dO; FLOPs = 3.5x the forward's, FlashAttention's
+convention).
 """
 import argparse
 import csv
@@ -69,6 +72,8 @@ def main():
     ap.add_argument("--rounds", type=int, default=1, help="repeat the grid (changing the order)")
     ap.add_argument("--warm-s", type=float, default=0.0,
                     help="seconds of back-to-back calls before each timing (sustained state under the power cap)")
+    ap.add_argument("--fwdbwd", action="store_true",
+                    help="time forward+backward (torch.autograd.grad with a fixed dO; FLOPs = 3.5x the forward's)")
     args = ap.parse_args()
     impls = [("cudnn", SDPBackend.CUDNN_ATTENTION), ("flash", SDPBackend.FLASH_ATTENTION)]
     if args.ioattn:
@@ -88,21 +93,37 @@ def main():
             # ioattn's own layout [b, s, h, d], same values
             qt, kt, vt = (x.transpose(1, 2).contiguous() for x in (q, k, v)) if args.ioattn else (None,) * 3
             flops = 4.0 * b * h * s * s * d / (2.0 if causal else 1.0)
+            if args.fwdbwd:
+                flops *= 3.5
+                for x in (q, k, v, qt, kt, vt):
+                    if x is not None:
+                        x.requires_grad_()
+                dout = torch.rand_like(q) * 2 - 1
+                dout_t = dout.transpose(1, 2).contiguous()
+
+            def run(fn, leaves, do):  # forward, or forward+backward with a fixed dO
+                if not args.fwdbwd:
+                    return fn
+                return lambda: torch.autograd.grad(fn(), leaves, do)
             orders = list(itertools.permutations(impls))  # every order, so no impl always follows another
             for name, backend in orders[(rnd * 5 + i) % len(orders)]:
                 try:
                     t_start = time.time()
                     if backend is None:
-                        ms = time_ms(lambda: iot.attention(qt, kt, vt, causal=causal), args.warm_s)
+                        ms = time_ms(run(lambda: iot.attention(qt, kt, vt, causal=causal), (qt, kt, vt),
+                                         dout_t if args.fwdbwd else None), args.warm_s)
                     else:
                         with sdpa_kernel(backend):
-                            ms = time_ms(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal), args.warm_s)
+                            ms = time_ms(run(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal), (q, k, v),
+                                             dout if args.fwdbwd else None), args.warm_s)
                     rows.append((name, d, s, int(causal), b, h, ms, flops / (ms * 1e-3) / 1e12, rnd,
                                  f"{t_start:.3f}", f"{time.time():.3f}"))
                 except RuntimeError as e:  # backend refuses the shape (e.g. flash hdim > 256)
                     if rnd == 0:
                         print(f"{name} d{d} s{s} causal={causal}: unavailable ({str(e).splitlines()[0][:80]})")
             del q, k, v, qt, kt, vt
+            if args.fwdbwd:
+                del dout, dout_t
     if args.csv:
         with open(args.csv, "w", newline="") as f:
             w = csv.writer(f)
@@ -129,7 +150,7 @@ def main():
     ratio = lambda a, b: f"{a / b:8.2f}" if a and b else "       -"
     head = " ".join(f"{n[:7]:>7}" for n, _ in ours)
     print(f"\n{'hdim':>4} {'seqlen':>6} {'causal':>6} | {head} {'cudnn':>7} {'flash':>7} | "
-          f"{'vs cudnn':>8} {'vs flash':>8}   (TFLOP/s, bf16, same run; ratios of the first column)")
+          f"{'vs cudnn':>8} {'vs flash':>8}   (TFLOP/s{', forward+backward' if args.fwdbwd else ''}, bf16, same run; ratios of the first column)")
     for d in (64, 128, 256):
         for s in (2048, 4096, 8192, 16384):
             for c in (0, 1):
