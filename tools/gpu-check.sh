@@ -33,9 +33,9 @@
 #      GPU_CHECK_WARM_S s of its own calls, GPU_CHECK_ROUNDS rounds, GPU_CHECK_INTERLEAVE_DISTS, per
 #      mode in GPU_CHECK_INTERLEAVE_MODES (fwd, fwdbwd = forward+backward; default fwd) ->
 #      interleave_*.csv, tables and SM clock / power per implementation in the summary.
-#   sm90qregs (not in the default stages; ~2 min): hdim-128 forward A/Bs: the test cases per switch,
-#      then ioattn_cuda_bench grid per mode (off = no Q in registers, on = defaults, xtile = the v3
-#      body's cross-tile variant) -> sm90qregs.json and a table in the summary.
+#   sm90qregs (not in the default stages; ~2 min): forward A/Bs: the test cases per switch, then
+#      ioattn_cuda_bench grid per mode (off = no Q in registers, on = defaults, NAME:ENV=V,... any
+#      switches) -> sm90qregs.json and a table in the summary.
 #   sm90local (not in the default stages; ~2 min): the forward's kLocal rows (windows, sinks,
 #      softcap, ALiBi, varlen; IOATTN_SM90_LOCAL=1) against the mma.sync kernel on the same shapes
 #      (ioattn_cuda_bench local), a table in the summary -> sm90local.json.
@@ -379,17 +379,16 @@ fi
 
 # ---- forward A/Bs at hdim 128 (optional stage sm90qregs) -----------------------------------------
 # The forward's switches: off = IOATTN_SM90_QREGS=0 (hdim-128 causal 128x128 without Q in
-# registers); on = the defaults; xtile = the cross-tile variants (IOATTN_SM90_V3_XTILE=1: hdim 128
-# non-causal, v3 body; IOATTN_SM90_XTILE=1: hdim 64 causal, hdim 128 causal, hdim 256, v4 body).
-# First the test cases of each switch (xtile on 3 and 2 persistent CTAs), then ioattn_cuda_bench
-# grid at GPU_CHECK_QREGS_HDIMS (default 64,128,256) per mode of GPU_CHECK_QREGS_MODES (default
-# "off on xtile"), interleaved twice -> sm90qregs.json; TFLOP/s per mode with its ratio to "off"
-# per row in the summary (rows "off" does not change: a control of the run-to-run spread).
+# registers); on = the defaults; any other mode NAME:ENV=V[,ENV=V...] sets those variables (an A/B
+# of a new switch without editing this script). First the test cases with Q in registers off and on
+# 3 persistent CTAs, then ioattn_cuda_bench grid at GPU_CHECK_QREGS_HDIMS (default 64,128,256) per
+# mode of GPU_CHECK_QREGS_MODES (default "off on"), interleaved twice -> sm90qregs.json; TFLOP/s per
+# mode with its ratio to the first mode per row in the summary. (Session 10's cross-tile variants,
+# mode xtile, lost 0-15% in session 11 and were removed.)
 if want sm90qregs; then
   t0=$(stamp)
   rc=0
-  for envs in IOATTN_SM90_QREGS=0 "IOATTN_SM90_V3_XTILE=1 IOATTN_SM90_MAX_CTAS=3" \
-    "IOATTN_SM90_V3_XTILE=1 IOATTN_SM90_MAX_CTAS=2" "IOATTN_SM90_XTILE=1 IOATTN_SM90_MAX_CTAS=3"; do
+  for envs in IOATTN_SM90_QREGS=0 IOATTN_SM90_MAX_CTAS=3; do
     echo "## $envs" >>"$OUT/sm90qregs_test.log"
     env $envs timeout 300 "$BUILD/test_cuda_kernels" --gtest_filter='*tiles_*:*1023x1024*:*seq17*:*bhsd*:*hdim*:*causal*' \
       >>"$OUT/sm90qregs_test.log" 2>&1 || rc=1
@@ -398,11 +397,11 @@ if want sm90qregs; then
   if [[ $rc == 0 ]]; then
     brc=0
     for pass in 1 2; do
-      for mode in ${GPU_CHECK_QREGS_MODES:-off on xtile}; do
+      for mode in ${GPU_CHECK_QREGS_MODES:-off on}; do
         case $mode in
           off) envs="IOATTN_SM90_QREGS=0" ;;
           on) envs="" ;;  # the defaults
-          xtile) envs="IOATTN_SM90_V3_XTILE=1 IOATTN_SM90_XTILE=1" ;;
+          *:*) envs=${mode#*:}; envs=${envs//,/ }; mode=${mode%%:*} ;;
           *) continue ;;
         esac
         env $envs timeout 200 "$BUILD/ioattn_cuda_bench" grid --hdims ${GPU_CHECK_QREGS_HDIMS:-64,128,256} \
@@ -422,10 +421,10 @@ for line in open(sys.argv[1]):
     r = json.loads(line)
     rows[(r["dtype"], r["hdim"], r["seqlen"], r["causal"])][r["mode"]].append(r["tflops"])
     if r["mode"] not in modes: modes.append(r["mode"])
-print("qregs: dtype hdim seqlen causal | " + " ".join(f"{m:>12s}" for m in modes) + "   (TFLOP/s, x off)")
+print("qregs: dtype hdim seqlen causal | " + " ".join(f"{m:>12s}" for m in modes) + f"   (TFLOP/s, x {modes[0]})")
 for k in sorted(rows):
     m = {x: sum(v) / len(v) for x, v in rows[k].items()}
-    off = m.get("off")
+    off = m.get(modes[0])
     cells = [f"{m[x]:6.1f} {m[x] / off:4.2f}" if x in m and off else f"{'-':>12s}" for x in modes]
     print(f"qregs: {k[0]:5s} {k[1]:4d} {k[2]:6d} {str(k[3]):5s} | " + " ".join(f"{c:>12s}" for c in cells))
 PY

@@ -7,6 +7,8 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <chrono>
+#include <cstdlib>
 #include <cstdint>
 #include <cstdio>
 #include <functional>
@@ -61,15 +63,32 @@ inline void fill_uniform(void* x, bool bf16, int64_t n, uint64_t seed, float amp
   IOATTN_CUDA_CHECK_LAUNCH("fill_uniform_kernel");
 }
 
-// Median milliseconds per call of `fn` on the default stream: `warmup` calls, then `repeats`
-// timed batches of `inner` back-to-back calls (the queue stays full, so host-side validation
-// never shows up as GPU idle time).
+// IOATTN_BENCH_WARM_MS=N: every timing first runs N ms of back-to-back calls (0, the default:
+// none). The H200 runs compute-bound kernels at its power cap; the limiter averages over about a
+// second and overshoots after a step in load, so without this a row's clock depends on the rows
+// before it (docs/PERF.md, session 11).
+inline double warm_ms_from_env() {
+  const char* e = std::getenv("IOATTN_BENCH_WARM_MS");
+  return e != nullptr ? std::max(0.0, std::atof(e)) : 0.0;
+}
+
+// Median milliseconds per call of `fn` on the default stream: `warmup` calls (and
+// IOATTN_BENCH_WARM_MS of them), then `repeats` timed batches of `inner` back-to-back calls (the
+// queue stays full, so host-side validation never shows up as GPU idle time).
 inline double time_ms(const std::function<void()>& fn, int warmup, int repeats, int inner) {
   cudaEvent_t a, b;
   IOATTN_CUDA_CHECK(cudaEventCreate(&a));
   IOATTN_CUDA_CHECK(cudaEventCreate(&b));
   for (int i = 0; i < warmup; ++i) fn();
   IOATTN_CUDA_CHECK(cudaDeviceSynchronize());
+  static const double warm_ms = warm_ms_from_env();
+  if (warm_ms > 0) {
+    const auto t_end = std::chrono::steady_clock::now() + std::chrono::duration<double, std::milli>(warm_ms);
+    while (std::chrono::steady_clock::now() < t_end) {
+      for (int i = 0; i < 8; ++i) fn();
+      IOATTN_CUDA_CHECK(cudaDeviceSynchronize());
+    }
+  }
   std::vector<float> ms;
   for (int r = 0; r < repeats; ++r) {
     IOATTN_CUDA_CHECK(cudaEventRecord(a));

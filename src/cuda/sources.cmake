@@ -86,24 +86,16 @@ function(ioattn_cuda_extras)
       add_test(NAME cuda_kernels_sm90_local_2ctas COMMAND test_cuda_kernels --gtest_filter=*local_*:*varlen*)
       set_tests_properties(cuda_kernels_sm90_local_2ctas PROPERTIES ENVIRONMENT "IOATTN_SM90_MAX_CTAS=2")
       # Q K^T with Q in registers is the hdim-128 causal rows' default: the causal and hdim-128
-      # cases again without it. The v3 body's cross-tile variant (IOATTN_SM90_V3_XTILE=1, an A/B):
-      # the non-causal hdim-128 cases with it on 3 and on 2 persistent CTAs (every CTA carries
-      # many tiles over; with 3, some rounds skip). Every default run of those cases also reruns
-      # them with it and compares bitwise. On sm_90 the test checks each plain hdim-128 row ran
-      # what the switches ask.
+      # cases again without it. On sm_90 the test checks each plain hdim-128 row ran what the
+      # switch asks.
       add_test(NAME cuda_kernels_sm90_noqregs COMMAND test_cuda_kernels --gtest_filter=*causal*:*hdim128*)
       set_tests_properties(cuda_kernels_sm90_noqregs PROPERTIES ENVIRONMENT "IOATTN_SM90_QREGS=0")
-      set(xtile_cases "*tiles_*:*1023x1024*:*seq17*:*bhsd*:*hdim128*")
-      add_test(NAME cuda_kernels_sm90_xtile COMMAND test_cuda_kernels --gtest_filter=${xtile_cases})
-      set_tests_properties(cuda_kernels_sm90_xtile PROPERTIES ENVIRONMENT "IOATTN_SM90_V3_XTILE=1;IOATTN_SM90_MAX_CTAS=3")
-      add_test(NAME cuda_kernels_sm90_xtile_2ctas COMMAND test_cuda_kernels --gtest_filter=${xtile_cases})
-      set_tests_properties(cuda_kernels_sm90_xtile_2ctas PROPERTIES ENVIRONMENT "IOATTN_SM90_V3_XTILE=1;IOATTN_SM90_MAX_CTAS=2")
-      # ... and the v4 body's (IOATTN_SM90_XTILE=1): causal, hdim 64 and 256 cases on 3 CTAs.
-      add_test(NAME cuda_kernels_sm90_xtile4 COMMAND test_cuda_kernels --gtest_filter=*causal*:*hdim*:*tiles_*)
-      set_tests_properties(cuda_kernels_sm90_xtile4 PROPERTIES ENVIRONMENT "IOATTN_SM90_XTILE=1;IOATTN_SM90_MAX_CTAS=3")
+      # The plain rows on 3 persistent CTAs: every CTA walks many tiles (the multi-tile cases, causal
+      # tiles with no visible key between ones with keys, hdim 64 / 128 / 256).
+      add_test(NAME cuda_kernels_sm90_3ctas COMMAND test_cuda_kernels --gtest_filter=*tiles_*:*1023x1024*:*seq17*:*bhsd*:*causal*)
+      set_tests_properties(cuda_kernels_sm90_3ctas PROPERTIES ENVIRONMENT "IOATTN_SM90_MAX_CTAS=3")
       # A GPU-less machine prints "skipped: no CUDA device"; ctest reports those as skipped.
-      set_tests_properties(cuda_kernels cuda_kernels_mma_local cuda_kernels_sm90_local_2ctas cuda_kernels_sm90_noqregs cuda_kernels_sm90_xtile cuda_kernels_sm90_xtile_2ctas
-                           cuda_kernels_sm90_xtile4
+      set_tests_properties(cuda_kernels cuda_kernels_mma_local cuda_kernels_sm90_local_2ctas cuda_kernels_sm90_noqregs cuda_kernels_sm90_3ctas
                            PROPERTIES SKIP_REGULAR_EXPRESSION "skipped: no CUDA device")
       add_executable(test_cuda_backward ${PROJECT_SOURCE_DIR}/tests/test_cuda_backward.cpp)
       target_link_libraries(test_cuda_backward PRIVATE ioattn::ioattn GTest::gtest GTest::gtest_main)

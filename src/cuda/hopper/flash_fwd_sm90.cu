@@ -70,20 +70,10 @@ IOATTN_SM90_EXTERN_LOCAL(Hdim128Bf16Causal)
 IOATTN_SM90_EXTERN_LOCAL(Hdim128F16Causal)
 IOATTN_SM90_EXTERN_LOCAL(Hdim256Bf16Causal)
 IOATTN_SM90_EXTERN_LOCAL(Hdim256F16Causal)
-IOATTN_SM90_EXTERN_XTILE(Hdim64Bf16Wg3Causal, true)
-IOATTN_SM90_EXTERN_XTILE(Hdim64F16Wg3Causal, true)
-IOATTN_SM90_EXTERN_XTILE(Hdim128Bf16CausalQRegs, true)
-IOATTN_SM90_EXTERN_XTILE(Hdim128F16CausalQRegs, true)
-IOATTN_SM90_EXTERN_XTILE(Hdim256Bf16, false)
-IOATTN_SM90_EXTERN_XTILE(Hdim256Bf16Causal, true)
-IOATTN_SM90_EXTERN_XTILE(Hdim256F16, false)
-IOATTN_SM90_EXTERN_XTILE(Hdim256F16Causal, true)
 IOATTN_SM90_V3_EXTERN(Hdim128Bf16, false)
 IOATTN_SM90_V3_EXTERN(Hdim128F16, false)
 IOATTN_SM90_V3_EXTERN(Hdim128Bf16Causal, true)
 IOATTN_SM90_V3_EXTERN(Hdim128F16Causal, true)
-IOATTN_SM90_V3_EXTERN_XTILE(Hdim128Bf16)
-IOATTN_SM90_V3_EXTERN_XTILE(Hdim128F16)
 using Fp8Hdim128Bf16 = Fp8Traits128<__nv_bfloat16>;
 using Fp8Hdim128F16 = Fp8Traits128<__half>;
 IOATTN_SM90_FP8_EXTERN(Fp8Hdim128Bf16, false)
@@ -177,7 +167,6 @@ struct Row {
   const char* why = "";
   bool (*present)() = nullptr;
   void (*launch)(const FwdLaunch&) = nullptr;
-  bool xtile = false;  // a cross-tile variant (IOATTN_SM90_V3_XTILE=1 / IOATTN_SM90_XTILE=1)
 };
 
 template <class Tr, bool kCausal>
@@ -185,26 +174,8 @@ Row make_row(const char* why) {
   return Row{Tr::kBlockM, Tr::kBlockN, Tr::kStages, Tr::kConsumerWGs, false, QInRegs<Tr>::value, why,
              &flash_fwd_sm90_present<Tr, kCausal>, &flash_fwd_sm90_launch<Tr, kCausal>};
 }
-// IOATTN_SM90_XTILE=1: the v4 body's cross-tile variant (kXTile) where it is instantiated (hdim 64
-// causal on 3 warpgroups, hdim 128 causal with Q in registers, hdim 256); the row otherwise.
-template <class Tr, bool kCausal>
-Row make_row_x(const char* why) {
-  Row r = make_row<Tr, kCausal>(why);
-  if (env_flag("IOATTN_SM90_XTILE")) {
-    r.present = &flash_fwd_sm90_present<Tr, kCausal, false, true>;
-    r.launch = &flash_fwd_sm90_launch<Tr, kCausal, false, true>;
-    r.xtile = true;
-  }
-  return r;
-}
 template <class Tr, bool kCausal>
 Row make_row_v3(const char* why) {
-  // IOATTN_SM90_V3_XTILE=1 (non-causal): the cross-tile variant (flash_fwd_sm90_v3.cuh, kXTile)
-  if constexpr (!kCausal) {
-    if (env_flag("IOATTN_SM90_V3_XTILE"))
-      return Row{Tr::kBlockM, Tr::kBlockN, Tr::kStages, Tr::kConsumerWGs, true, false, why,
-                 &flash_fwd_sm90_v3_present<Tr, false, true>, &flash_fwd_sm90_v3_launch<Tr, false, true>, true};
-  }
   return Row{Tr::kBlockM, Tr::kBlockN, Tr::kStages, Tr::kConsumerWGs, true, false, why,
              &flash_fwd_sm90_v3_present<Tr, kCausal>, &flash_fwd_sm90_v3_launch<Tr, kCausal>};
 }
@@ -236,7 +207,7 @@ Row row_for_dtype(int64_t hdim, bool causal, bool wg3, bool v3) {
   switch (hdim) {
     case 64:
       if (wg3)
-        return causal ? make_row_x<Sm90Traits3<T, true>, true>(Sm90Tile3<true>::kWhy)
+        return causal ? make_row<Sm90Traits3<T, true>, true>(Sm90Tile3<true>::kWhy)
                       : make_row<Sm90Traits3<T, false>, false>(Sm90Tile3<false>::kWhy);
       return causal ? make_row<64, T, true>() : make_row<64, T, false>();
     case 128:
@@ -247,11 +218,11 @@ Row row_for_dtype(int64_t hdim, bool causal, bool wg3, bool v3) {
       // tile without, three interleaved A/Bs, docs/PERF.md); IOATTN_SM90_QREGS=0 turns it off. (Without
       // a mask, 128x128 / 128x144 with it measured 0.94-1.02x the v3 body's 128x176: not kept.)
       if (causal && env_bool("IOATTN_SM90_QREGS") != 0)
-        return make_row_x<Sm90TraitsQRegs128<T>, true>(Sm90TraitsQRegs128<T>::kWhy);
+        return make_row<Sm90TraitsQRegs128<T>, true>(Sm90TraitsQRegs128<T>::kWhy);
       return causal ? make_row<128, T, true>() : make_row<128, T, false>();
     case 256:
-      return causal ? make_row_x<Sm90Traits<256, T, true>, true>(Sm90Tile<256, true>::kWhy)
-                    : make_row_x<Sm90Traits<256, T, false>, false>(Sm90Tile<256, false>::kWhy);
+      return causal ? make_row<Sm90Traits<256, T, true>, true>(Sm90Tile<256, true>::kWhy)
+                    : make_row<Sm90Traits<256, T, false>, false>(Sm90Tile<256, false>::kWhy);
     default: return Row{};
   }
 }
@@ -396,7 +367,7 @@ bool mempools_supported(int device) {
 //   IOATTN_SM90_RESCALE_SKIP=0|1, IOATTN_SM90_RESCALE_EARLY=0|1, IOATTN_SM90_WG3=0|1 (hdim 64);
 //   IOATTN_SM90_BODY=v3|v4 (hdim 128: the v3 kernel body or the current one);
 //   IOATTN_SM90_MAX_CTAS=N caps a persistent grid (with a handful of CTAs every small problem runs
-//       many tiles per CTA through the cross-tile pipeline);
+//       many tiles per CTA);
 //   IOATTN_SM90_NO_STAGGER=1 keeps every non-causal tile's key order unrotated.
 // kDynamic needs a stream-ordered allocation (memory pools); without them it falls back.
 Policy policy_for(const FwdProblem& p) {
@@ -564,7 +535,7 @@ bool select_impl(const FwdProblem& p, std::string* kernel, std::string* why) {
             " stages " + std::to_string(row.stages) + " ws " + std::to_string(row.consumer_wgs) + " consumer WGs " +
             (row.consumer_wgs == 2 ? "pingpong" : "round-robin") + grid_str(pol.grid) +
             (pol.rescale_skip ? " rescale-skip" : "") + (pol.rescale_early ? " rescale-early" : "") +
-            (row.v3 ? " (v3 body)" : "") + (row.xtile ? " xtile" : "") + (row.q_regs ? " qregs" : "") +
+            (row.v3 ? " (v3 body)" : "") + (row.q_regs ? " qregs" : "") +
             (local ? " local(" + local_features(p) + ")" : "");
   *why = row.why;
   return true;

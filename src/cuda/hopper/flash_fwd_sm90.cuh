@@ -326,11 +326,7 @@ __device__ __forceinline__ constexpr bool use_poly_exp2(int i) {
 
 // kLocal (with kCausal's tiling and longest-first order): sliding windows, sinks, softcap and ALiBi
 // at run time (LocalParams lp); the other instances ignore lp and compile exactly as without it.
-// kXTile (IOATTN_SM90_XTILE=1, an experiment written in session 10 without a GPU; not with kLocal):
-// as the v3 body's (flash_fwd_sm90_v3.cuh), a tile's last P V is carried into the next tile's
-// first tensor-core turn and the tile stored after it, Q released right after the tile's last
-// Q K^T; the CTA's last tile, and a tile before an empty one, end as before (flush).
-template <class Tr, bool kCausal, bool kLocal = false, bool kXTile = false>
+template <class Tr, bool kCausal, bool kLocal = false>
 __global__ void __launch_bounds__(Tr::kThreads, 1)
     flash_fwd_sm90_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_k,
                           const __grid_constant__ CUtensorMap tm_v, const FwdParams p, const LocalParams lp) {
@@ -642,7 +638,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
 
 
     // One steady-state key block i of a tile at ring position `ring` (its key blocks from n_first):
-    // S_i = Q K_i^T issued with O += P_{i-1} V_{i-1}. kXTile: Q released right after the last Q K^T.
+    // S_i = Q K_i^T issued with O += P_{i-1} V_{i-1}.
     auto steady_block = [&](int i, int n_blocks, int n_first, int rot) {
       const uint32_t st = ring_stage(ring + i, kStages), prev = ring_stage(ring + i - 1, kStages);
       // O to the max of block i-1: early, while the other warpgroup holds the tensor cores;
@@ -658,7 +654,6 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
       wgmma_wait<1>();  // S_i ready (P V may still run)
       fence_s();
       release(&empty_k[st]);
-      if (kXTile && i == n_blocks - 1) release(&empty_q);  // the producer loads the next Q (and slot) sooner
       mask_and_softmax(n_first + key_block(i, n_blocks, rot));
       wgmma_wait<0>();  // P_{i-1} V_{i-1} done: pf and the V slot are free
       fence_o();
@@ -666,276 +661,136 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
       convert_p();
     };
 
-    if constexpr (kXTile) {
-      static_assert(!kLocal, "kXTile: the plain rows (a pending tile's store needs no span)");
-      // A tile whose last P V is not yet issued (its state in the registers): its index (-1: none);
-      // its last V sits at ring position ring - 1 (ring has moved past it).
-      int pending_t = -1;
-      // The default epilogue's plain rows in two parts: LSE (and 1 / row sum into inv) once the row
-      // sums are final, O once its last P V is done — a pending tile keeps only inv (registers).
-      float inv[2];
-      auto store_lse = [&](const TileCoord& c, int mm0) {
+    for (int round = 0;; ++round) {
+      mbarrier_wait(&full_q, round & 1);  // this tile's index, and its Q when it has keys
+      // Lane 0 alone reads the slot and broadcasts it: lane 0 is also the lane that arrives on
+      // empty_q, so the read is ordered before that arrival by program order even when the tile
+      // has no key block (no named barrier in between). With every lane reading, racecheck
+      // reported lanes 1-31's reads as racing the producer's next write (16 hazards, 3-WG hdim64
+      // causal), formally right: nothing ordered them before lane 0's release.
+      int slot = 0;
+      if (lane == 0) slot = *reinterpret_cast<volatile int*>(&tile_slot);
+      const int t = __shfl_sync(0xffffffffu, slot, 0);
+      if (t >= p.num_tiles) break;
+      const TileCoord tc = decode_tile<kCausal>(t, p);
+      m0 = tc.m_block * kBlockM;
+      int n_first = 0, n_blocks;
+      if constexpr (kLocal) {
+        span = tile_span(tc.b, p, lp);
+        const int2 kb = local_key_blocks<kBlockM, kBlockN>(m0, span);
+        n_first = kb.x, n_blocks = kb.y;
+      } else {
+        n_blocks = num_key_blocks<kBlockM, kBlockN, kCausal>(m0, p.seqlen_q, p.seqlen_k);
+      }
+      const int rot = key_rotation(tc.m_block, n_blocks, p);
+
 #pragma unroll
-        for (int r = 0; r < 2; ++r) {
-          float sum = row_sum[r];
-          sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-          sum += __shfl_xor_sync(0xffffffffu, sum, 2);
-          inv[r] = sum > 0.0f ? 1.0f / sum : 0.0f;
-          const int row = mm0 + row_in_tile + 8 * r;
-          if (row < p.seqlen_q && p.lse != nullptr && lane % 4 == 0)
-            p.lse[c.b * p.lse_batch + c.h * p.lse_head + row * p.lse_seq] =
-                sum > 0.0f ? row_max[r] * p.scale + logf(sum) : -INFINITY;
-        }
-      };
-      auto store_o = [&](const TileCoord& c, int mm0) {
+      for (int i = 0; i < kHeadDim / 2; ++i) o[i] = 0.0f;
+      row_max[0] = row_max[1] = -INFINITY;
+      row_sum[0] = row_sum[1] = 0.0f;
+
+      if (n_blocks > 0) {
+        corr[0] = corr[1] = 1.0f;
+        rescale = true;
+        if constexpr (kQRegs) {
+          const int qrow = warp * 16 + (lane % 8) + 8 * ((lane / 8) % 2);  // row within the warpgroup's 64
 #pragma unroll
-        for (int r = 0; r < 2; ++r) {
-          const int row = mm0 + row_in_tile + 8 * r;
-          if (row < p.seqlen_q) {
-            Element* orow =
-                static_cast<Element*>(p.o) + c.b * p.o_batch + row * p.o_seq + c.h * p.o_head + 2 * (lane % 4);
-#pragma unroll
-            for (int i = 0; i < kHeadDim / 8; ++i)
-              *reinterpret_cast<uint32_t*>(orow + 8 * i) =
-                  pack2<Element>(o[4 * i + 2 * r] * inv[r], o[4 * i + 2 * r + 1] * inv[r]);
+          for (int kk = 0; kk < kHeadDim / 16; ++kk) {
+            const uint32_t chunk = 2 * (kk % 4) + lane / 16;
+            ptx::ldmatrix_x4(qa[kk], q_base + (kk / 4) * kBlockM * 128 + qrow * 128 + ((chunk ^ (qrow % 8)) << 4));
           }
         }
-      };
-      // The pending tile's last P V (O already rescaled) in a turn of its own, then its store.
-      auto flush = [&]() {
-        const uint32_t prev = ring_stage(ring - 1, kStages);
-        mbarrier_wait(&full_v[prev], ring_phase(ring - 1, kStages));
-        named_barrier_sync(sched_mine, 256);
-        issue_pv(prev);
-        named_barrier_arrive(sched_other, 256);
-        wgmma_wait<0>();
-        fence_o();
-        release(&empty_v[prev]);
-        const TileCoord ptc = decode_tile<kCausal>(pending_t, p);
-        store_o(ptc, ptc.m_block * kBlockM);
-        pending_t = -1;
-      };
-      for (int round = 0;; ++round) {
-        mbarrier_wait(&full_q, round & 1);  // this tile's index, and its Q when it has keys
-        int slot = 0;  // (lane 0 reads the slot, as in the default body)
-        if (lane == 0) slot = *reinterpret_cast<volatile int*>(&tile_slot);
-        const int t = __shfl_sync(0xffffffffu, slot, 0);
-        if (t >= p.num_tiles) break;
-        const TileCoord tc = decode_tile<kCausal>(t, p);
-        const int tm0 = tc.m_block * kBlockM;
-        const int n_blocks = num_key_blocks<kBlockM, kBlockN, kCausal>(tm0, p.seqlen_q, p.seqlen_k);
-        const int rot = key_rotation(tc.m_block, n_blocks, p);
-        if (n_blocks == 0) {  // no visible key: the pending tile first, then this one's zero rows
-          if (pending_t >= 0) flush();
-          release(&empty_q);
-          m0 = tm0;
-#pragma unroll
-          for (int i = 0; i < kHeadDim / 2; ++i) o[i] = 0.0f;
-          row_max[0] = row_max[1] = -INFINITY;
-          row_sum[0] = row_sum[1] = 0.0f;
-          store_lse(tc, m0);
-          store_o(tc, m0);
-          continue;
+        slope = 0.0f;
+        if constexpr (kLocal) {
+          if (lp.alibi_slopes != nullptr) slope = lp.alibi_slopes[tc.h];
         }
-      if constexpr (kQRegs) {
-        const int qrow = warp * 16 + (lane % 8) + 8 * ((lane / 8) % 2);  // row within the warpgroup's 64
-#pragma unroll
-        for (int kk = 0; kk < kHeadDim / 16; ++kk) {
-          const uint32_t chunk = 2 * (kk % 4) + lane / 16;
-          ptx::ldmatrix_x4(qa[kk], q_base + (kk / 4) * kBlockM * 128 + qrow * 128 + ((chunk ^ (qrow % 8)) << 4));
-        }
-      }
-        const uint32_t st0 = ring_stage(ring, kStages);
-        mbarrier_wait(&full_k[st0], ring_phase(ring, kStages));
-        if (pending_t < 0) {
-          // ---- first key block of a tile with nothing pending: as in the default body ----
-          m0 = tm0;
-#pragma unroll
-          for (int i = 0; i < kHeadDim / 2; ++i) o[i] = 0.0f;
-          row_max[0] = row_max[1] = -INFINITY;
-          row_sum[0] = row_sum[1] = 0.0f;
-          corr[0] = corr[1] = 1.0f;
-          rescale = true;
+
+        // ---- first key block (the last one in key order) ----
+        {
+          const uint32_t st = ring_stage(ring, kStages);
+          mbarrier_wait(&full_k[st], ring_phase(ring, kStages));
           named_barrier_sync(sched_mine, 256);
-          issue_qk(st0);
+          issue_qk(st);
           named_barrier_arrive(sched_other, 256);
           wgmma_wait<0>();
           fence_s();
-          release(&empty_k[st0]);
-          if (n_blocks == 1) release(&empty_q);  // this tile's last Q K^T
-          mask_and_softmax(key_block(0, n_blocks, rot));
+          release(&empty_k[st]);
+          mask_and_softmax(n_first + key_block(0, n_blocks, rot));
           if (p.rescale_skip) rescale = false;  // O is still all zeros
           convert_p();
-        } else {
-          // ---- this tile's first Q K^T, then the pending tile's last P V in the same turn (the
-          // steady state's order and waits); the pending tile's O stored after it ----
-          const uint32_t pv = ring_stage(ring - 1, kStages);
+        }
+
+        // ---- steady state: S_i = Q K_i^T issued with O += P_{i-1} V_{i-1} ----
+        for (int i = 1; i < n_blocks; ++i) steady_block(i, n_blocks, n_first, rot);
+        release(&empty_q);  // every Q K^T of this tile has completed: the producer may load the next Q
+
+        // ---- last P V ----
+        {
+          const uint32_t prev = ring_stage(ring + n_blocks - 1, kStages);
+          if (p.rescale_early) rescale_o();
+          mbarrier_wait(&full_v[prev], ring_phase(ring + n_blocks - 1, kStages));
           named_barrier_sync(sched_mine, 256);
-          issue_qk(st0);
-          mbarrier_wait(&full_v[pv], ring_phase(ring - 1, kStages));
-          issue_pv(pv);
+          if (!p.rescale_early) rescale_o();
+          issue_pv(prev);
           named_barrier_arrive(sched_other, 256);
-          wgmma_wait<1>();  // S ready (the pending P V may still run)
-          fence_s();
-          release(&empty_k[st0]);
-          if (n_blocks == 1) release(&empty_q);
-          row_max[0] = row_max[1] = -INFINITY;
-          row_sum[0] = row_sum[1] = 0.0f;
-          m0 = tm0;  // this tile's masks
-          mask_and_softmax(key_block(0, n_blocks, rot));
-          if (p.rescale_skip) rescale = false;  // O is zeroed below
-          wgmma_wait<0>();  // the pending P V done: O, pf and its V slot are free
+          wgmma_wait<0>();
           fence_o();
-          release(&empty_v[pv]);
-          const TileCoord ptc = decode_tile<kCausal>(pending_t, p);
-          store_o(ptc, ptc.m_block * kBlockM);
-#pragma unroll
-          for (int i = 0; i < kHeadDim / 2; ++i) o[i] = 0.0f;  // (corr is 0 after a first block)
-          convert_p();
+          release(&empty_v[prev]);
         }
-
-        // ---- steady state, as in the default body; Q released right after the last Q K^T ----
-        for (int i = 1; i < n_blocks; ++i) steady_block(i, n_blocks, 0, rot);
-        // O to this tile's last max now, with no wgmma in flight (see the v3 body: inside the next
-        // turn ptxas injects a wait), and its last P V deferred
-        rescale_o();
-        store_lse(tc, m0);  // its row sums are final: LSE now, 1 / sum kept for O
-        pending_t = t;
         ring += n_blocks;
+      } else {
+        release(&empty_q);  // nothing loaded for this tile: the slot is free again at once
       }
-      if (pending_t >= 0) flush();
-    } else {
-      for (int round = 0;; ++round) {
-        mbarrier_wait(&full_q, round & 1);  // this tile's index, and its Q when it has keys
-        // Lane 0 alone reads the slot and broadcasts it: lane 0 is also the lane that arrives on
-        // empty_q, so the read is ordered before that arrival by program order even when the tile
-        // has no key block (no named barrier in between). With every lane reading, racecheck
-        // reported lanes 1-31's reads as racing the producer's next write (16 hazards, 3-WG hdim64
-        // causal), formally right: nothing ordered them before lane 0's release.
-        int slot = 0;
-        if (lane == 0) slot = *reinterpret_cast<volatile int*>(&tile_slot);
-        const int t = __shfl_sync(0xffffffffu, slot, 0);
-        if (t >= p.num_tiles) break;
-        const TileCoord tc = decode_tile<kCausal>(t, p);
-        m0 = tc.m_block * kBlockM;
-        int n_first = 0, n_blocks;
+
+      // ---- epilogue: O /= row sum, LSE = scale * max + log(sum); stored straight from registers
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        float sum = row_sum[r];
+        sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+        sum += __shfl_xor_sync(0xffffffffu, sum, 2);
         if constexpr (kLocal) {
-          span = tile_span(tc.b, p, lp);
-          const int2 kb = local_key_blocks<kBlockM, kBlockN>(m0, span);
-          n_first = kb.x, n_blocks = kb.y;
-        } else {
-          n_blocks = num_key_blocks<kBlockM, kBlockN, kCausal>(m0, p.seqlen_q, p.seqlen_k);
-        }
-        const int rot = key_rotation(tc.m_block, n_blocks, p);
-
-#pragma unroll
-        for (int i = 0; i < kHeadDim / 2; ++i) o[i] = 0.0f;
-        row_max[0] = row_max[1] = -INFINITY;
-        row_sum[0] = row_sum[1] = 0.0f;
-
-        if (n_blocks > 0) {
-          corr[0] = corr[1] = 1.0f;
-          rescale = true;
-          if constexpr (kQRegs) {
-            const int qrow = warp * 16 + (lane % 8) + 8 * ((lane / 8) % 2);  // row within the warpgroup's 64
-#pragma unroll
-            for (int kk = 0; kk < kHeadDim / 16; ++kk) {
-              const uint32_t chunk = 2 * (kk % 4) + lane / 16;
-              ptx::ldmatrix_x4(qa[kk], q_base + (kk / 4) * kBlockM * 128 + qrow * 128 + ((chunk ^ (qrow % 8)) << 4));
+          float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
+          float lse = sum > 0.0f ? row_max[r] * p.scale + logf(sum) : -INFINITY;
+          if (lp.sinks != nullptr) {  // sum_j exp(s_j scale) + exp(sink), relative to M = max(m, sink)
+            const float m = sum > 0.0f ? row_max[r] * p.scale : -INFINITY, sink = lp.sinks[tc.h];
+            const float mx = fmaxf(m, sink);
+            if (mx == -INFINITY) {
+              inv = 0.0f;
+              lse = -INFINITY;
+            } else {
+              const float a = expf(m - mx), total = sum * a + expf(sink - mx);
+              inv = a / total;
+              lse = mx + logf(total);
             }
           }
-          slope = 0.0f;
-          if constexpr (kLocal) {
-            if (lp.alibi_slopes != nullptr) slope = lp.alibi_slopes[tc.h];
-          }
-
-          // ---- first key block (the last one in key order) ----
-          {
-            const uint32_t st = ring_stage(ring, kStages);
-            mbarrier_wait(&full_k[st], ring_phase(ring, kStages));
-            named_barrier_sync(sched_mine, 256);
-            issue_qk(st);
-            named_barrier_arrive(sched_other, 256);
-            wgmma_wait<0>();
-            fence_s();
-            release(&empty_k[st]);
-            mask_and_softmax(n_first + key_block(0, n_blocks, rot));
-            if (p.rescale_skip) rescale = false;  // O is still all zeros
-            convert_p();
-          }
-
-          // ---- steady state: S_i = Q K_i^T issued with O += P_{i-1} V_{i-1} ----
-          for (int i = 1; i < n_blocks; ++i) steady_block(i, n_blocks, n_first, rot);
-          release(&empty_q);  // every Q K^T of this tile has completed: the producer may load the next Q
-
-          // ---- last P V ----
-          {
-            const uint32_t prev = ring_stage(ring + n_blocks - 1, kStages);
-            if (p.rescale_early) rescale_o();
-            mbarrier_wait(&full_v[prev], ring_phase(ring + n_blocks - 1, kStages));
-            named_barrier_sync(sched_mine, 256);
-            if (!p.rescale_early) rescale_o();
-            issue_pv(prev);
-            named_barrier_arrive(sched_other, 256);
-            wgmma_wait<0>();
-            fence_o();
-            release(&empty_v[prev]);
-          }
-          ring += n_blocks;
-        } else {
-          release(&empty_q);  // nothing loaded for this tile: the slot is free again at once
-        }
-
-        // ---- epilogue: O /= row sum, LSE = scale * max + log(sum); stored straight from registers
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-          float sum = row_sum[r];
-          sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-          sum += __shfl_xor_sync(0xffffffffu, sum, 2);
-          if constexpr (kLocal) {
-            float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
-            float lse = sum > 0.0f ? row_max[r] * p.scale + logf(sum) : -INFINITY;
-            if (lp.sinks != nullptr) {  // sum_j exp(s_j scale) + exp(sink), relative to M = max(m, sink)
-              const float m = sum > 0.0f ? row_max[r] * p.scale : -INFINITY, sink = lp.sinks[tc.h];
-              const float mx = fmaxf(m, sink);
-              if (mx == -INFINITY) {
-                inv = 0.0f;
-                lse = -INFINITY;
-              } else {
-                const float a = expf(m - mx), total = sum * a + expf(sink - mx);
-                inv = a / total;
-                lse = mx + logf(total);
-              }
-            }
-            // The store below repeats the other instances' on purpose: sharing it (a lambda) changed
-            // their SASS, which stays identical to the version measured on the H200 (session 7).
-            const int row = m0 + row_in_tile + 8 * r;
-            if (row < span.sq) {  // varlen: the sequence's rows at packed position q0 + row
-              const int64_t prow = static_cast<int64_t>(span.q0) + row;
-              Element* orow =
-                  static_cast<Element*>(p.o) + tc.b * p.o_batch + prow * p.o_seq + tc.h * p.o_head + 2 * (lane % 4);
-#pragma unroll
-              for (int i = 0; i < kHeadDim / 8; ++i)
-                *reinterpret_cast<uint32_t*>(orow + 8 * i) =
-                    pack2<Element>(o[4 * i + 2 * r] * inv, o[4 * i + 2 * r + 1] * inv);
-              if (p.lse != nullptr && lane % 4 == 0)
-                p.lse[tc.b * p.lse_batch + tc.h * p.lse_head + prow * p.lse_seq] = lse;
-            }
-            continue;
-          }
-          const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
+          // The store below repeats the other instances' on purpose: sharing it (a lambda) changed
+          // their SASS, which stays identical to the version measured on the H200 (session 7).
           const int row = m0 + row_in_tile + 8 * r;
-          if (row < p.seqlen_q) {
+          if (row < span.sq) {  // varlen: the sequence's rows at packed position q0 + row
+            const int64_t prow = static_cast<int64_t>(span.q0) + row;
             Element* orow =
-                static_cast<Element*>(p.o) + tc.b * p.o_batch + row * p.o_seq + tc.h * p.o_head + 2 * (lane % 4);
+                static_cast<Element*>(p.o) + tc.b * p.o_batch + prow * p.o_seq + tc.h * p.o_head + 2 * (lane % 4);
 #pragma unroll
             for (int i = 0; i < kHeadDim / 8; ++i)
               *reinterpret_cast<uint32_t*>(orow + 8 * i) =
                   pack2<Element>(o[4 * i + 2 * r] * inv, o[4 * i + 2 * r + 1] * inv);
             if (p.lse != nullptr && lane % 4 == 0)
-              p.lse[tc.b * p.lse_batch + tc.h * p.lse_head + row * p.lse_seq] =
-                  sum > 0.0f ? row_max[r] * p.scale + logf(sum) : -INFINITY;
+              p.lse[tc.b * p.lse_batch + tc.h * p.lse_head + prow * p.lse_seq] = lse;
           }
+          continue;
+        }
+        const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
+        const int row = m0 + row_in_tile + 8 * r;
+        if (row < p.seqlen_q) {
+          Element* orow =
+              static_cast<Element*>(p.o) + tc.b * p.o_batch + row * p.o_seq + tc.h * p.o_head + 2 * (lane % 4);
+#pragma unroll
+          for (int i = 0; i < kHeadDim / 8; ++i)
+            *reinterpret_cast<uint32_t*>(orow + 8 * i) =
+                pack2<Element>(o[4 * i + 2 * r] * inv, o[4 * i + 2 * r + 1] * inv);
+          if (p.lse != nullptr && lane % 4 == 0)
+            p.lse[tc.b * p.lse_batch + tc.h * p.lse_head + row * p.lse_seq] =
+                sum > 0.0f ? row_max[r] * p.scale + logf(sum) : -INFINITY;
         }
       }
     }
@@ -958,10 +813,10 @@ struct FwdLaunch {
 
 // Whether this build holds an sm_90a image of the instance: false when built for sm_80 only, and
 // also when the driver would JIT older PTX for sm_90 (ptxVersion < 90: that body is empty).
-template <class Tr, bool kCausal, bool kLocal = false, bool kXTile = false>
+template <class Tr, bool kCausal, bool kLocal = false>
 bool flash_fwd_sm90_present() {
   cudaFuncAttributes attr{};
-  const cudaError_t e = cudaFuncGetAttributes(&attr, flash_fwd_sm90_kernel<Tr, kCausal, kLocal, kXTile>);
+  const cudaError_t e = cudaFuncGetAttributes(&attr, flash_fwd_sm90_kernel<Tr, kCausal, kLocal>);
   if (e != cudaSuccess) {
     cudaGetLastError();  // clear: "no image" is an answer here, not a failure
     return false;
@@ -969,9 +824,9 @@ bool flash_fwd_sm90_present() {
   return attr.binaryVersion >= 90 && attr.ptxVersion >= 90;
 }
 
-template <class Tr, bool kCausal, bool kLocal = false, bool kXTile = false>
+template <class Tr, bool kCausal, bool kLocal = false>
 void flash_fwd_sm90_launch(const FwdLaunch& l) {
-  auto kernel = flash_fwd_sm90_kernel<Tr, kCausal, kLocal, kXTile>;
+  auto kernel = flash_fwd_sm90_kernel<Tr, kCausal, kLocal>;
   IOATTN_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Tr::kSmemBytes));
   kernel<<<l.grid, Tr::kThreads, Tr::kSmemBytes, l.stream>>>(l.q, l.k, l.v, l.params, l.local);
   IOATTN_CUDA_CHECK_LAUNCH("flash_fwd_sm90_kernel");
@@ -992,12 +847,5 @@ void flash_fwd_sm90_launch(const FwdLaunch& l) {
 #define IOATTN_SM90_EXTERN_LOCAL(TR)                                       \
   extern template bool flash_fwd_sm90_present<TR, true, true>();         \
   extern template void flash_fwd_sm90_launch<TR, true, true>(const FwdLaunch& l);
-// The cross-tile rows (IOATTN_SM90_XTILE=1, an A/B; kXTile above).
-#define IOATTN_SM90_INSTANTIATE_XTILE(TR, CAUSAL)                          \
-  template bool flash_fwd_sm90_present<TR, CAUSAL, false, true>();       \
-  template void flash_fwd_sm90_launch<TR, CAUSAL, false, true>(const FwdLaunch& l);
-#define IOATTN_SM90_EXTERN_XTILE(TR, CAUSAL)                               \
-  extern template bool flash_fwd_sm90_present<TR, CAUSAL, false, true>(); \
-  extern template void flash_fwd_sm90_launch<TR, CAUSAL, false, true>(const FwdLaunch& l);
 
 }  // namespace ioattn::cuda::sm90

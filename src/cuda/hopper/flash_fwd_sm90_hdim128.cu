@@ -19,15 +19,10 @@ using Hdim128Bf16CausalQRegs = Sm90TraitsQRegs128<__nv_bfloat16>;
 using Hdim128F16CausalQRegs = Sm90TraitsQRegs128<__half>;
 IOATTN_SM90_INSTANTIATE(Hdim128Bf16CausalQRegs, true)
 IOATTN_SM90_INSTANTIATE(Hdim128F16CausalQRegs, true)
-IOATTN_SM90_INSTANTIATE_XTILE(Hdim128Bf16CausalQRegs, true)  // IOATTN_SM90_XTILE=1, an A/B
-IOATTN_SM90_INSTANTIATE_XTILE(Hdim128F16CausalQRegs, true)
 // The v3 body: the non-causal rows' default, and for causal an A/B option (IOATTN_SM90_BODY=v3);
 // see flash_fwd_sm90_v3.cuh and the table in flash_fwd_sm90.cu.
 IOATTN_SM90_V3_INSTANTIATE(Hdim128Bf16, false)
 IOATTN_SM90_V3_INSTANTIATE(Hdim128F16, false)
 IOATTN_SM90_V3_INSTANTIATE(Hdim128Bf16Causal, true)
 IOATTN_SM90_V3_INSTANTIATE(Hdim128F16Causal, true)
-// The v3 body's cross-tile variant (non-causal; IOATTN_SM90_V3_XTILE=1, an A/B).
-IOATTN_SM90_V3_INSTANTIATE_XTILE(Hdim128Bf16)
-IOATTN_SM90_V3_INSTANTIATE_XTILE(Hdim128F16)
 }  // namespace ioattn::cuda::sm90

@@ -16,13 +16,7 @@
 
 namespace ioattn::cuda::sm90 {
 
-// kXTile (non-causal only; IOATTN_SM90_V3_XTILE=1, an experiment written in session 10 without a
-// GPU): the consumers carry a tile's last P V over into the next tile, issued in the same
-// tensor-core turn as that tile's first Q K^T, so that it runs under the first block's softmax,
-// and store the finished tile's O after it — instead of a wait for the last P V, the store and
-// the next tile's first Q K^T with the tensor cores idle between (NOTES.md: the gap to cuDNN is
-// largest at short sequences, i.e. it is per tile). A CTA's last tile ends as before.
-template <class Tr, bool kCausal, bool kXTile = false>
+template <class Tr, bool kCausal>
 __global__ void __launch_bounds__(Tr::kThreads, 1)
     flash_fwd_sm90_v3_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_k,
                           const __grid_constant__ CUtensorMap tm_v, const FwdParams p) {
@@ -30,7 +24,6 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
   using Element = typename Tr::Element;
   constexpr int kBlockM = Tr::kBlockM, kBlockN = Tr::kBlockN, kHeadDim = Tr::kHeadDim;
   constexpr int kStages = Tr::kStages;
-  static_assert(!(kXTile && kCausal), "kXTile: every tile of a non-causal problem has the same key blocks");
 
   __shared__ uint64_t full_q, empty_q;                    // Q tile landed / Q buffer free again
   __shared__ uint64_t full_k[kStages], full_v[kStages];    // K / V stage landed
@@ -266,7 +259,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     };
 
     // One steady-state key block i of a tile at ring position `ring`: S_i = Q K_i^T issued with
-    // O += P_{i-1} V_{i-1}. kXTile: Q is released right after the tile's last Q K^T.
+    // O += P_{i-1} V_{i-1}.
     auto steady_block = [&](int i, int n_blocks, int rot) {
       const uint32_t st = ring_stage(ring + i, kStages), prev = ring_stage(ring + i - 1, kStages);
       mbarrier_wait(&full_k[st], ring_phase(ring + i, kStages));
@@ -279,7 +272,6 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
       wgmma_wait<1>();  // S_i ready (P V may still run)
       fence_s();
       release(&empty_k[st]);
-      if (kXTile && i == n_blocks - 1) release(&empty_q);  // the producer loads the next Q sooner
       mask_and_softmax(key_block(i, n_blocks, rot));
       wgmma_wait<0>();  // P_{i-1} V_{i-1} done: pf and the V slot are free
       fence_o();
@@ -287,153 +279,59 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
       convert_p();
     };
 
-    if constexpr (kXTile) {
-      // A tile "pending": its last P V not yet issued (its O, row max / sum, last P and corr are
-      // in the registers), stored at (ptc, pm0), its last V at ring position pv_ring.
-      bool pending = false;
-      TileCoord ptc{};
-      int pm0 = 0, pv_ring = 0;
-      for (int round = 0; round * static_cast<int>(gridDim.x) < p.num_tiles; ++round) {
-        const int t = tile_of_round(round, p.zigzag);
-        if (t >= p.num_tiles) continue;
-        const TileCoord tc = decode_tile<kCausal>(t, p);
-        const int tm0 = tc.m_block * kBlockM;
-        const int n_blocks = num_key_blocks<kBlockM, kBlockN, kCausal>(tm0, p.seqlen_q, p.seqlen_k);
-        const int rot = key_rotation(tc.m_block, n_blocks, p);
-        // seqlen_k == 0: every tile (non-causal), so none is ever pending here. (A __trap() on
-        // `pending` here made ptxas serialise the wgmmas for register pressure: C7512.)
-        if (n_blocks == 0) {
-          m0 = tm0;
+    for (int round = 0; round * static_cast<int>(gridDim.x) < p.num_tiles; ++round) {
+      const int t = tile_of_round(round, p.zigzag);
+      if (t >= p.num_tiles) continue;
+      const TileCoord tc = decode_tile<kCausal>(t, p);
+      m0 = tc.m_block * kBlockM;
+      const int n_blocks = num_key_blocks<kBlockM, kBlockN, kCausal>(m0, p.seqlen_q, p.seqlen_k);
+      const int rot = key_rotation(tc.m_block, n_blocks, p);
+
 #pragma unroll
-          for (int i = 0; i < kHeadDim / 2; ++i) o[i] = 0.0f;
-          row_max[0] = row_max[1] = -INFINITY;
-          row_sum[0] = row_sum[1] = 0.0f;
-          store_tile(tc, m0, row_sum, row_max);
-          continue;
-        }
+      for (int i = 0; i < kHeadDim / 2; ++i) o[i] = 0.0f;
+      row_max[0] = row_max[1] = -INFINITY;
+      row_sum[0] = row_sum[1] = 0.0f;
+
+      if (n_blocks > 0) {
+        corr[0] = corr[1] = 1.0f;
+
+        // ---- first key block (the last one in key order) ----
         mbarrier_wait(&full_q, q_iter & 1);
-        const uint32_t st0 = ring_stage(ring, kStages);
-        mbarrier_wait(&full_k[st0], ring_phase(ring, kStages));
-        if (!pending) {
-          // ---- the CTA's first tile: its first key block as in the default body ----
-          m0 = tm0;
-#pragma unroll
-          for (int i = 0; i < kHeadDim / 2; ++i) o[i] = 0.0f;
-          row_max[0] = row_max[1] = -INFINITY;
-          row_sum[0] = row_sum[1] = 0.0f;
-          corr[0] = corr[1] = 1.0f;
+        {
+          const uint32_t st = ring_stage(ring, kStages);
+          mbarrier_wait(&full_k[st], ring_phase(ring, kStages));
           named_barrier_sync(sched_mine, 256);
-          issue_qk(st0);
+          issue_qk(st);
           named_barrier_arrive(sched_other, 256);
           wgmma_wait<0>();
           fence_s();
-          release(&empty_k[st0]);
-          if (n_blocks == 1) release(&empty_q);  // this tile's last Q K^T
+          release(&empty_k[st]);
           mask_and_softmax(key_block(0, n_blocks, rot));
-          convert_p();
-        } else {
-          // ---- this tile's first Q K^T with the pending tile's last P V (the steady state's
-          // order and waits: S first, then O; the pending row state kept for its store) ----
-          const uint32_t pv = ring_stage(pv_ring, kStages);
-          named_barrier_sync(sched_mine, 256);
-          issue_qk(st0);
-          mbarrier_wait(&full_v[pv], ring_phase(pv_ring, kStages));
-          issue_pv(pv);
-          named_barrier_arrive(sched_other, 256);
-          wgmma_wait<1>();  // S ready (the pending P V may still run)
-          fence_s();
-          release(&empty_k[st0]);
-          if (n_blocks == 1) release(&empty_q);
-          const float prev_sum[2] = {row_sum[0], row_sum[1]}, prev_max[2] = {row_max[0], row_max[1]};
-          row_max[0] = row_max[1] = -INFINITY;
-          row_sum[0] = row_sum[1] = 0.0f;
-          m0 = tm0;  // this tile's masks
-          mask_and_softmax(key_block(0, n_blocks, rot));
-          wgmma_wait<0>();  // the pending P V done: O, pf and its V slot are free
-          fence_o();
-          release(&empty_v[pv]);
-          store_tile(ptc, pm0, prev_sum, prev_max);
-#pragma unroll
-          for (int i = 0; i < kHeadDim / 2; ++i) o[i] = 0.0f;  // (corr is 0 after a first block)
           convert_p();
         }
 
-        // ---- steady state, as in the default body; Q released right after the last Q K^T ----
+        // ---- steady state: S_i = Q K_i^T issued with O += P_{i-1} V_{i-1} ----
         for (int i = 1; i < n_blocks; ++i) steady_block(i, n_blocks, rot);
-        // O to this tile's last max now, with no wgmma in flight (done inside the next tile's first
-        // turn instead, ptxas (C7517) waited for that turn's Q K^T before the multiply)
-        rescale_o();
-        pending = true;
-        ptc = tc, pm0 = m0, pv_ring = ring + n_blocks - 1;
+        release(&empty_q);  // every Q K^T of this tile has completed: the producer may load the next Q
+
+        // ---- last P V ----
+        {
+          const uint32_t prev = ring_stage(ring + n_blocks - 1, kStages);
+          mbarrier_wait(&full_v[prev], ring_phase(ring + n_blocks - 1, kStages));
+          named_barrier_sync(sched_mine, 256);
+          rescale_o();
+          issue_pv(prev);
+          named_barrier_arrive(sched_other, 256);
+          wgmma_wait<0>();
+          fence_o();
+          release(&empty_v[prev]);
+        }
         ring += n_blocks;
         ++q_iter;
       }
-      if (pending) {  // the CTA's last tile: its last P V (O rescaled above) and store
-        const uint32_t prev = ring_stage(pv_ring, kStages);
-        mbarrier_wait(&full_v[prev], ring_phase(pv_ring, kStages));
-        named_barrier_sync(sched_mine, 256);
-        issue_pv(prev);
-        named_barrier_arrive(sched_other, 256);
-        wgmma_wait<0>();
-        fence_o();
-        release(&empty_v[prev]);
-        store_tile(ptc, pm0, row_sum, row_max);
-      }
-    } else {
-      for (int round = 0; round * static_cast<int>(gridDim.x) < p.num_tiles; ++round) {
-        const int t = tile_of_round(round, p.zigzag);
-        if (t >= p.num_tiles) continue;
-        const TileCoord tc = decode_tile<kCausal>(t, p);
-        m0 = tc.m_block * kBlockM;
-        const int n_blocks = num_key_blocks<kBlockM, kBlockN, kCausal>(m0, p.seqlen_q, p.seqlen_k);
-        const int rot = key_rotation(tc.m_block, n_blocks, p);
 
-#pragma unroll
-        for (int i = 0; i < kHeadDim / 2; ++i) o[i] = 0.0f;
-        row_max[0] = row_max[1] = -INFINITY;
-        row_sum[0] = row_sum[1] = 0.0f;
-
-        if (n_blocks > 0) {
-          corr[0] = corr[1] = 1.0f;
-
-          // ---- first key block (the last one in key order) ----
-          mbarrier_wait(&full_q, q_iter & 1);
-          {
-            const uint32_t st = ring_stage(ring, kStages);
-            mbarrier_wait(&full_k[st], ring_phase(ring, kStages));
-            named_barrier_sync(sched_mine, 256);
-            issue_qk(st);
-            named_barrier_arrive(sched_other, 256);
-            wgmma_wait<0>();
-            fence_s();
-            release(&empty_k[st]);
-            mask_and_softmax(key_block(0, n_blocks, rot));
-            convert_p();
-          }
-
-          // ---- steady state: S_i = Q K_i^T issued with O += P_{i-1} V_{i-1} ----
-          for (int i = 1; i < n_blocks; ++i) steady_block(i, n_blocks, rot);
-          release(&empty_q);  // every Q K^T of this tile has completed: the producer may load the next Q
-
-          // ---- last P V ----
-          {
-            const uint32_t prev = ring_stage(ring + n_blocks - 1, kStages);
-            mbarrier_wait(&full_v[prev], ring_phase(ring + n_blocks - 1, kStages));
-            named_barrier_sync(sched_mine, 256);
-            rescale_o();
-            issue_pv(prev);
-            named_barrier_arrive(sched_other, 256);
-            wgmma_wait<0>();
-            fence_o();
-            release(&empty_v[prev]);
-          }
-          ring += n_blocks;
-          ++q_iter;
-        }
-
-        // ---- epilogue ----
-        store_tile(tc, m0, row_sum, row_max);
-      }
+      // ---- epilogue ----
+      store_tile(tc, m0, row_sum, row_max);
     }
     if (cw == 0) named_barrier_sync(static_cast<int>(NamedBarrier::kSchedWG0), 256);  // the extra arrival
   }
@@ -442,10 +340,10 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
 #endif  // IOATTN_SM90A_ENABLED
 }
 
-template <class Tr, bool kCausal, bool kXTile = false>
+template <class Tr, bool kCausal>
 bool flash_fwd_sm90_v3_present() {
   cudaFuncAttributes attr{};
-  const cudaError_t e = cudaFuncGetAttributes(&attr, flash_fwd_sm90_v3_kernel<Tr, kCausal, kXTile>);
+  const cudaError_t e = cudaFuncGetAttributes(&attr, flash_fwd_sm90_v3_kernel<Tr, kCausal>);
   if (e != cudaSuccess) {
     cudaGetLastError();
     return false;
@@ -453,10 +351,10 @@ bool flash_fwd_sm90_v3_present() {
   return attr.binaryVersion >= 90 && attr.ptxVersion >= 90;
 }
 
-template <class Tr, bool kCausal, bool kXTile = false>
+template <class Tr, bool kCausal>
 void flash_fwd_sm90_v3_launch(const FwdLaunch& l) {
   static_assert(Tr::kConsumerWGs == 2, "the v3 body has 2 consumer warpgroups (128-row tiles)");
-  auto kernel = flash_fwd_sm90_v3_kernel<Tr, kCausal, kXTile>;
+  auto kernel = flash_fwd_sm90_v3_kernel<Tr, kCausal>;
   IOATTN_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Tr::kSmemBytes));
   kernel<<<l.grid, Tr::kThreads, Tr::kSmemBytes, l.stream>>>(l.q, l.k, l.v, l.params);
   IOATTN_CUDA_CHECK_LAUNCH("flash_fwd_sm90_v3_kernel");
@@ -468,12 +366,5 @@ void flash_fwd_sm90_v3_launch(const FwdLaunch& l) {
 #define IOATTN_SM90_V3_EXTERN(TR, CAUSAL)                                    \
   extern template bool flash_fwd_sm90_v3_present<TR, CAUSAL>();            \
   extern template void flash_fwd_sm90_v3_launch<TR, CAUSAL>(const FwdLaunch& l);
-// kXTile rows (non-causal; IOATTN_SM90_V3_XTILE=1)
-#define IOATTN_SM90_V3_INSTANTIATE_XTILE(TR)                                 \
-  template bool flash_fwd_sm90_v3_present<TR, false, true>();              \
-  template void flash_fwd_sm90_v3_launch<TR, false, true>(const FwdLaunch& l);
-#define IOATTN_SM90_V3_EXTERN_XTILE(TR)                                      \
-  extern template bool flash_fwd_sm90_v3_present<TR, false, true>();       \
-  extern template void flash_fwd_sm90_v3_launch<TR, false, true>(const FwdLaunch& l);
 
 }  // namespace ioattn::cuda::sm90
