@@ -28,7 +28,7 @@
 #      hdim-128 bf16 kernels (v3 body non-causal, v4 body causal, 8k) and the fp8 kernel -> ncu_fwd.log.
 #   GPU_CHECK_POWER=1 (with stage sm90): SM clock / power / throttle reasons sampled through ours and
 #      the peers' runs -> power.csv and one line per phase in the summary.
-#   interleave (not in the default stages; ~3 min per distribution): ioattn through its Python
+#   interleave (~3 min per mode and distribution; the like-for-like peer table): ioattn through its Python
 #      extension (built in BUILD) timed beside cuDNN and FA2 in one process, every order, each after
 #      GPU_CHECK_WARM_S s of its own calls, GPU_CHECK_ROUNDS rounds, GPU_CHECK_INTERLEAVE_DISTS, per
 #      mode in GPU_CHECK_INTERLEAVE_MODES (fwd, fwdbwd = forward+backward; default fwd) ->
@@ -53,7 +53,7 @@
 # Each stage logs to its own file in RESULTS_DIR; a short summary table is printed last.
 #
 # Environment: GPU_CHECK_ARCHS (default 90a), GPU_CHECK_STAGES (default "build ctest tests sanitizer
-# bench sm90 backward decode cp python"), GPU_CHECK_TUNE=1, GPU_CHECK_BENCH_ARGS (extra peer_bench.py args),
+# bench sm90 interleave backward decode cp python"), GPU_CHECK_TUNE=1, GPU_CHECK_BENCH_ARGS (extra peer_bench.py args),
 # GPU_CHECK_JOBS (build parallelism, default nproc), GPU_CHECK_BWD_SM90 (0: skip the wgmma-backward
 # test and bench in the backward stage), GPU_CHECK_DECODE_BULK (0: skip the bulk-loader
 # test and A/B in the decode stage), GPU_CHECK_DECODE_SPLITS (split counts to sweep, e.g. "1 2 4 8";
@@ -69,7 +69,7 @@ cd "$(dirname "$0")/.."
 ROOT=$PWD
 BUILD=${GPU_CHECK_BUILD:-$ROOT/build-gpu}
 ARCHS=${GPU_CHECK_ARCHS:-90a}
-STAGES=${GPU_CHECK_STAGES:-build ctest tests sanitizer bench sm90 backward decode cp python}
+STAGES=${GPU_CHECK_STAGES:-build ctest tests sanitizer bench sm90 interleave backward decode cp python}
 JOBS=${GPU_CHECK_JOBS:-$(nproc)}
 export PATH=/usr/local/cuda/bin:$PATH
 SUMMARY=$OUT/summary.txt
