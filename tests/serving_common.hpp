@@ -441,8 +441,8 @@ inline std::vector<Spec> reference_cases() {
     { Spec c = mk("alibi_causal_" + ts, t); c.alibi = true; c.causal = true; c.sq = 2; c.lens = {150, 2}; v.push_back(c); }
     { Spec c = mk("sinks_" + ts, t); c.sinks = true; c.causal = true; c.sq = 2; c.lens = {0, 2, 64, 500}; c.page_size = 16; c.splits = 5; v.push_back(c); }
     { Spec c = mk("hdim72_dv40_" + ts, t); c.d = 72; c.dv = 40; c.lens = {33, 129}; c.page_size = 8; v.push_back(c); }
-    // 88 = 2 x 32 + 16 + 8 and 136 = 2 x 64 + 8: head dims with whole 64-column P.V tiles, a
-    // 16-column vector and a tail on AVX-512.
+    // d = 88 = 2 x 32 + 16 + 8 (Q.K^T: whole 32-element steps, a 16-element vector, a tail) and
+    // dv = 136 = 2 x 64 + 8 (P.V: whole 64-column tiles and a tail) on AVX-512.
     { Spec c = mk("hdim88_dv136_" + ts, t); c.d = 88; c.dv = 136; c.lens = {70, 1}; c.page_size = 16; v.push_back(c); }
     { Spec c = mk("splits7_" + ts, t); c.lens = {1000, 3, 0, 1}; c.splits = 7; c.page_size = 16; v.push_back(c); }
     { Spec c = mk("f8e4m3_" + ts, t); c.cache = DType::f8e4m3; c.lens = {300, 17}; c.page_size = 16; c.hq = 8; v.push_back(c); }

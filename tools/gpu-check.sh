@@ -96,7 +96,7 @@ configure() {
   (( $# )) && shift
   [[ -d $ROOT/.deps/usr ]] && PREFIX=(-DCMAKE_PREFIX_PATH="$ROOT/.deps/usr")
   cmake -S "$ROOT" -B "$dir" -G Ninja -DIOATTN_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES="$ARCHS" \
-    -DIOATTN_BUILD_TESTS=ON -DIOATTN_BUILD_BENCH=ON -DIOATTN_PTXAS_VERBOSE=ON "${PREFIX[@]}" "$@"
+    -DIOATTN_BUILD_TESTS=ON -DIOATTN_BUILD_BENCH=ON -DIOATTN_PTXAS_VERBOSE=ON -DIOATTN_BUILD_PYTHON=OFF "${PREFIX[@]}" "$@"
 }
 
 # ---- 1. build ----------------------------------------------------------------------------
@@ -244,10 +244,15 @@ fi
 if want interleave; then
   t0=$(stamp)
   {
-    cmake -DIOATTN_BUILD_PYTHON=ON "$BUILD" >/dev/null &&
+    # The python3 that holds torch, and the option switched off again afterwards (whatever
+    # happened), so that later builds in BUILD never depend on nanobind.
+    cmake -DIOATTN_BUILD_PYTHON=ON -DPython_EXECUTABLE="$(command -v python3)" "$BUILD" >/dev/null &&
       cmake --build "$BUILD" --target _C -j "$JOBS" &&
       rm -rf "$BUILD/pyroot" && mkdir -p "$BUILD/pyroot" && cp -r "$ROOT/python/ioattn" "$BUILD/pyroot/" &&
       find "$BUILD/python" -name "_C*.so" -exec cp {} "$BUILD/pyroot/ioattn/" \;
+    rc_py=$?
+    cmake -DIOATTN_BUILD_PYTHON=OFF "$BUILD" >/dev/null
+    (exit $rc_py)
   } >"$OUT/interleave_build.log" 2>&1
   rc=$?
   if [[ $rc == 0 ]]; then
@@ -261,7 +266,11 @@ if want interleave; then
       for dist in ${GPU_CHECK_INTERLEAVE_DISTS:-uniform}; do
         tag=${mode}_$dist
         extra=()
-        [[ $mode == fwdbwd ]] && extra=(--fwdbwd)
+        case $mode in
+          fwd) ;;
+          fwdbwd) extra=(--fwdbwd) ;;
+          *) note "interleave: unknown mode '$mode' (fwd, fwdbwd): skipped"; continue ;;
+        esac
         PYTHONPATH="$BUILD/pyroot" PYTHONUNBUFFERED=1 python3 "$ROOT/src/cuda/hopper/peer_sdpa.py" --ioattn "${extra[@]}" \
           --rounds "${GPU_CHECK_ROUNDS:-2}" --warm-s "${GPU_CHECK_WARM_S:-1}" --dist "$dist" \
           --csv "$OUT/interleave_$tag.csv" >"$OUT/interleave_$tag.log" 2>&1
@@ -271,7 +280,7 @@ if want interleave; then
       done
     done
     [[ -n $smi_pid ]] && kill "$smi_pid" 2>/dev/null
-    # SM clock and power while each implementation was being timed (its rows' windows)
+    # SM clock and power over each implementation's rows' windows (its warm-up calls included)
     [[ -n $smi_pid ]] && python3 - "$OUT/interleave_power.csv" "$OUT"/interleave_*.csv <<'PY' | tee -a "$SUMMARY"
 import csv, datetime, sys
 samples = []
@@ -382,8 +391,9 @@ fi
 # registers); on = the defaults; any other mode NAME:ENV=V[,ENV=V...] sets those variables (an A/B
 # of a new switch without editing this script). First the test cases with Q in registers off and on
 # 3 persistent CTAs, then ioattn_cuda_bench grid at GPU_CHECK_QREGS_HDIMS (default 64,128,256) per
-# mode of GPU_CHECK_QREGS_MODES (default "off on"), interleaved twice -> sm90qregs.json; TFLOP/s per
-# mode with its ratio to the first mode per row in the summary. (Session 10's cross-tile variants,
+# mode of GPU_CHECK_QREGS_MODES (default "off on"), interleaved twice, each timing after
+# GPU_CHECK_QREGS_WARM_MS (default 300) ms of its own calls -> sm90qregs.json; TFLOP/s per mode with
+# its ratio to the first mode per row in the summary. (Session 10's cross-tile variants,
 # mode xtile, lost 0-15% in session 11 and were removed.)
 if want sm90qregs; then
   t0=$(stamp)
@@ -402,9 +412,9 @@ if want sm90qregs; then
           off) envs="IOATTN_SM90_QREGS=0" ;;
           on) envs="" ;;  # the defaults
           *:*) envs=${mode#*:}; envs=${envs//,/ }; mode=${mode%%:*} ;;
-          *) continue ;;
+          *) note "sm90qregs: unknown mode '$mode' (off, on, NAME:ENV=V,...): skipped"; continue ;;
         esac
-        env $envs timeout 200 "$BUILD/ioattn_cuda_bench" grid --hdims ${GPU_CHECK_QREGS_HDIMS:-64,128,256} \
+        env IOATTN_BENCH_WARM_MS="${GPU_CHECK_QREGS_WARM_MS:-300}" $envs timeout 200 "$BUILD/ioattn_cuda_bench" grid --hdims ${GPU_CHECK_QREGS_HDIMS:-64,128,256} \
           --seqlens 2048,4096,8192,16384 \
           --dtypes bf16,f16 2>>"$OUT/sm90qregs.log" >"$OUT/sm90qregs_run.json" || brc=1
         sed "s/^{/{\"mode\": \"$mode\", \"pass\": $pass, /" "$OUT/sm90qregs_run.json" >>"$OUT/sm90qregs.json"
@@ -421,6 +431,8 @@ for line in open(sys.argv[1]):
     r = json.loads(line)
     rows[(r["dtype"], r["hdim"], r["seqlen"], r["causal"])][r["mode"]].append(r["tflops"])
     if r["mode"] not in modes: modes.append(r["mode"])
+if not modes:
+    print("qregs: no rows (every bench run failed?)"); sys.exit(0)
 print("qregs: dtype hdim seqlen causal | " + " ".join(f"{m:>12s}" for m in modes) + f"   (TFLOP/s, x {modes[0]})")
 for k in sorted(rows):
     m = {x: sum(v) / len(v) for x, v in rows[k].items()}

@@ -63,8 +63,8 @@ inline void fill_uniform(void* x, bool bf16, int64_t n, uint64_t seed, float amp
   IOATTN_CUDA_CHECK_LAUNCH("fill_uniform_kernel");
 }
 
-// IOATTN_BENCH_WARM_MS=N: every timing first runs N ms of back-to-back calls (0, the default:
-// none). The H200 runs compute-bound kernels at its power cap; the limiter averages over about a
+// IOATTN_BENCH_WARM_MS=N: every timing of more than one batch first runs N ms of back-to-back
+// calls (0, the default: none). The H200 runs compute-bound kernels at its power cap; the limiter averages over about a
 // second and overshoots after a step in load, so without this a row's clock depends on the rows
 // before it (docs/PERF.md, session 11).
 inline double warm_ms_from_env() {
@@ -82,7 +82,7 @@ inline double time_ms(const std::function<void()>& fn, int warmup, int repeats, 
   for (int i = 0; i < warmup; ++i) fn();
   IOATTN_CUDA_CHECK(cudaDeviceSynchronize());
   static const double warm_ms = warm_ms_from_env();
-  if (warm_ms > 0) {
+  if (warm_ms > 0 && repeats > 1) {  // (a one-call calibration, repeats == 1, does not warm)
     const auto t_end = std::chrono::steady_clock::now() + std::chrono::duration<double, std::milli>(warm_ms);
     while (std::chrono::steady_clock::now() < t_end) {
       for (int i = 0; i < 8; ++i) fn();

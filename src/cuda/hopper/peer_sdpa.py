@@ -15,8 +15,8 @@ ratios use) it prints one table with ioattn / cuDNN / flash TFLOP/s and the rati
 
 --ioattn times ioattn itself in this process (ioattn.torch.attention on [batch, seqlen, heads,
 hdim] tensors holding the same values; the package must be importable) beside the peers, row by
-row, the order of the three rotated from row to row and round to round, so that all three see the
-same power and clock history (the H200 runs at its power cap under this load, and a program that
+row, in every order of the three over the grid (a cyclic rotation would keep one implementation
+always after the same other one), so that all three see the same power and clock history (the H200 runs at its power cap under this load, and a program that
 runs its rows back to back sees lower clocks than one with pauses between rows). --rounds N
 repeats the grid N times; a row's TFLOP/s is the median over the rounds, and its ratio the median
 of the per-round ratios. This is the like-for-like table; --ours compares against another
