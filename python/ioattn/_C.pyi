@@ -64,6 +64,25 @@ def select_forward(q: Array, k: Array, v: Array, *, scale: float = 0.0, causal: 
                    u16_is_bf16: bool = False) -> tuple[str, str]:
     """Validates like forward() and returns (kernel, reason) for the kernel it would run."""
 
+def decode(q: Array, k_cache: Array, v_cache: Array, cache_seqlens: Array, o: Array,
+           lse: Array | None, *, block_table: Array | None = None, k_scale: Array | None = None,
+           v_scale: Array | None = None, scale: float = 0.0, causal: bool = False,
+           window_left: int = -1, window_right: int = -1, softcap: float = 0.0,
+           alibi_slopes: Array | None = None, sinks: Array | None = None, num_splits: int = 0,
+           stream: int = 0, num_threads: int = 0, u16_is_bf16: bool = False,
+           u8_is_e4m3: bool = False) -> tuple[str, str]:
+    """Runs ioattn::decode against a paged (block_table) or contiguous KV cache; writes o and
+    (unless None) lse. Returns (kernel, reason)."""
+
+def append_kv(k_new: Array, v_new: Array, slot_mapping: Array, k_cache: Array, v_cache: Array, *,
+              k_scale: Array | None = None, v_scale: Array | None = None, stream: int = 0,
+              u16_is_bf16: bool = False, u8_is_e4m3: bool = False) -> tuple[str, str]:
+    """Runs ioattn::append_kv (negative slots skipped). Returns (kernel, reason)."""
+
+def merge_states(o_a: Array, lse_a: Array, o_b: Array, lse_b: Array, o_out: Array, lse_out: Array,
+                 *, stream: int = 0, u16_is_bf16: bool = False) -> tuple[str, str]:
+    """Runs ioattn::merge_states (the outputs may alias an input). Returns (kernel, reason)."""
+
 def build_info() -> dict[str, Any]:
     """What this build contains (ioattn::BuildInfo) as a dict."""
 

@@ -23,6 +23,10 @@ Semantics (one definition for every backend; include/ioattn/ioattn.hpp has the f
 Gradients: attention_backward / attention_varlen_backward (ioattn::backward, by recomputation
 from the forward's O and LSE) for numpy-style arrays; torch tensors get them through autograd.
 
+Serving: decode (split-KV against a paged or contiguous KV cache, 8-bit caches included),
+append_kv (write new tokens into the cache) and merge_states (combine partial (O, LSE) states),
+for every framework above.
+
 Errors: an argument the library rejects raises ioattn.Error, a ValueError whose message names
 the argument ("ioattn: argument 'k.shape[2]': expected ..., got ...") and whose ``.argument``
 holds that name; an argument of the wrong Python type raises TypeError.
@@ -45,9 +49,12 @@ __all__ = [
     "attention_backward",
     "attention_varlen",
     "attention_varlen_backward",
+    "append_kv",
+    "decode",
     "explain",
     "explain_text",
     "info",
+    "merge_states",
     "online_softmax_example",
     "select",
 ]
@@ -371,6 +378,163 @@ def select(q: Array, k: Array, v: Array, *, causal: bool = False,
                                        sinks=args[4], stream=stream, u16_is_bf16=u16,
                                        **opt.kwargs())
     return {"kernel": kernel, "reason": reason}
+
+
+# ---- serving: decode against a (paged) KV cache, append_kv, merge_states ----------------
+
+class _Call:
+    """One serving call's frameworks: outputs allocated like q (numpy, CuPy or torch), arrays
+    passed as the extension takes them (bfloat16 / float8_e4m3fn on numpy and float8_e4m3fn on
+    torch as their bit patterns), and the stream to run on."""
+
+    def __init__(self, first: Array, *arrays: Array) -> None:
+        self.torch = _is_torch(first)
+        self.host: Optional[_Host] = None
+        if self.torch:
+            from . import torch as _ioattn_torch
+
+            self._t = _ioattn_torch
+            self.guard = _ioattn_torch._DeviceGuard(first)
+            self.stream = _ioattn_torch._stream(first)
+        else:
+            self.host = _Host(first, *(arrays + (first, first))[:2])
+            self.stream = self.host.stream()
+        self.first = first
+
+    def empty(self, shape: Tuple[int, ...], like: Optional[Array]) -> Array:
+        if self.torch:
+            import torch
+
+            dtype = torch.float32 if like is None else like.dtype
+            return torch.empty(shape, dtype=dtype, device=self.first.device)
+        assert self.host is not None
+        return self.host.empty(shape, like=like)
+
+    def asarray(self, x: Optional[Array], dtype: Any) -> Optional[Array]:
+        if x is None:
+            return None
+        if self.torch:
+            import torch
+
+            if isinstance(x, (list, tuple)):
+                return torch.tensor(x, dtype=torch.float32 if dtype == np.float32 else torch.int32,
+                                    device=self.first.device)
+            return self._t._detach(x)
+        assert self.host is not None
+        return self.host.asarray(x, dtype)
+
+    def arr(self, x: Optional[Array]) -> Optional[Array]:
+        """x as the extension takes it (bit patterns for the dtypes DLPack cannot carry)."""
+        if x is None:
+            return None
+        if self.torch:
+            import torch
+
+            x = self._t._detach(x)
+            return x.view(torch.uint8) if x.dtype == getattr(torch, "float8_e4m3fn", None) else x
+        if isinstance(x, np.ndarray) and x.dtype.name == "float8_e4m3fn":
+            return x.view(np.uint8)
+        return _pass(x)
+
+    def with_guard(self):  # type: ignore[no-untyped-def]
+        if self.torch:
+            return self.guard
+        import contextlib
+
+        return contextlib.nullcontext()
+
+
+def _is_e4m3(x: Array) -> bool:
+    dt = getattr(x, "dtype", None)
+    return (getattr(dt, "name", None) or str(dt).rsplit(".", 1)[-1]) == "float8_e4m3fn"
+
+
+def _is_bf16_any(*xs: Array) -> bool:
+    return any(_is_bf16(x) for x in xs if x is not None)
+
+
+def decode(q: Array, k_cache: Array, v_cache: Array, cache_seqlens: Array, *,
+           block_table: Optional[Array] = None, k_scale: Optional[Array] = None,
+           v_scale: Optional[Array] = None, causal: bool = False,
+           window: Tuple[int, int] = (-1, -1), softcap: float = 0.0,
+           scale: Optional[float] = None, alibi_slopes: Optional[Array] = None,
+           sinks: Optional[Array] = None, num_splits: int = 0, return_lse: bool = False,
+           num_threads: int = 0) -> Union[Array, Tuple[Array, Array]]:
+    """Attention of a few new query tokens per sequence against a (paged) KV cache: split-KV
+    (Flash-Decoding) with an exact log-sum-exp merge (ioattn::decode).
+
+    q: [batch, seqlen_q, heads_q, head_dim], seqlen_q 1..16; query row i of sequence b sits at
+    position cache_seqlens[b] - seqlen_q + i (causal masks are bottom-right aligned).
+    k_cache, v_cache: [pages, page_size, heads_kv, head_dim(_v)] with block_table int32
+    [batch, pages_per_seq] (sequence b's token t at page block_table[b, t // page_size], slot
+    t % page_size), or without a block table contiguous [batch, max_seqlen, heads_kv, head_dim].
+    cache_seqlens: int32 [batch], the valid tokens per sequence. Caches in q's dtype, or 8-bit
+    (int8, or float8_e4m3fn from torch / ml_dtypes) with k_scale / v_scale float32 [heads_kv]
+    (value = stored * scale). num_splits: KV chunks per sequence and kv head, 0 = heuristic.
+
+    Returns O [batch, seqlen_q, heads_q, head_dim_v] in q's dtype and framework, and with
+    return_lse=True also LSE [batch, heads_q, seqlen_q] float32. A sequence with no key gives
+    O = 0 and LSE = -inf. Decode under a fixed plan (CUDA-graph capture) is the C++ API's
+    plan_decode + decode(plan, workspace).
+    """
+    opt = Options(causal, window, softcap, scale, "auto", num_threads)
+    return_lse = check_bool("return_lse", return_lse)
+    num_splits = check_int("num_splits", num_splits)
+    for name, x in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("cache_seqlens", cache_seqlens)):
+        _check_array(name, x)
+    call = _Call(q, k_cache, v_cache)
+    qs, vs = _shape(q), _shape(v_cache)
+    check_ndim("q", qs, 4)
+    check_ndim("cache.v_cache", vs, 4)
+    b, sq, hq, _ = qs
+    o = call.empty((b, sq, hq, vs[3]), like=q)
+    lse = call.empty((b, hq, sq), like=None) if return_lse else None
+    kw = opt.kwargs()
+    del kw["backend"]
+    with call.with_guard():
+        _C.decode(call.arr(q), call.arr(k_cache), call.arr(v_cache), call.arr(cache_seqlens),
+                  call.arr(o), lse, block_table=call.arr(block_table), k_scale=call.arr(k_scale),
+                  v_scale=call.arr(v_scale), alibi_slopes=call.asarray(alibi_slopes, np.float32),
+                  sinks=call.asarray(sinks, np.float32), num_splits=num_splits,
+                  stream=call.stream, u16_is_bf16=_is_bf16_any(q, k_cache, o),
+                  u8_is_e4m3=_is_e4m3(k_cache), **kw)
+    return (o, lse) if return_lse else o
+
+
+def append_kv(k_new: Array, v_new: Array, slot_mapping: Array, k_cache: Array, v_cache: Array, *,
+              k_scale: Optional[Array] = None, v_scale: Optional[Array] = None) -> None:
+    """Writes new tokens into a KV cache in place (ioattn::append_kv).
+
+    k_new, v_new: [tokens, heads_kv, head_dim(_v)] in the compute dtype; slot_mapping: int32 or
+    int64 [tokens], slot = page * page_size + offset (contiguous cache: batch * max_seqlen +
+    position); a negative slot is padding and is skipped. 8-bit caches quantise with k_scale /
+    v_scale (float32 [heads_kv]).
+    """
+    for name, x in (("k_new", k_new), ("v_new", v_new), ("slot_mapping", slot_mapping),
+                    ("k_cache", k_cache), ("v_cache", v_cache)):
+        _check_array(name, x)
+    call = _Call(k_new, v_new, k_cache)
+    with call.with_guard():
+        _C.append_kv(call.arr(k_new), call.arr(v_new), call.arr(slot_mapping), call.arr(k_cache),
+                     call.arr(v_cache), k_scale=call.arr(k_scale), v_scale=call.arr(v_scale),
+                     stream=call.stream, u16_is_bf16=_is_bf16_any(k_new, k_cache),
+                     u8_is_e4m3=_is_e4m3(k_cache))
+
+
+def merge_states(o_a: Array, lse_a: Array, o_b: Array, lse_b: Array) -> Tuple[Array, Array]:
+    """Merges two partial attention states over disjoint key sets (ioattn::merge_states):
+    lse = log(exp(lse_a) + exp(lse_b)), o = o_a exp(lse_a - lse) + o_b exp(lse_b - lse).
+    o_*: [batch, seqlen, heads, head_dim], lse_*: float32 [batch, heads, seqlen]; rows empty in
+    both (-inf, -inf) give o = 0 and lse = -inf. Returns (o, lse), new arrays like o_a / lse_a."""
+    for name, x in (("o_a", o_a), ("lse_a", lse_a), ("o_b", o_b), ("lse_b", lse_b)):
+        _check_array(name, x)
+    call = _Call(o_a, o_b, lse_a)
+    o = call.empty(_shape(o_a), like=o_a)
+    lse = call.empty(_shape(lse_a), like=None)
+    with call.with_guard():
+        _C.merge_states(call.arr(o_a), call.arr(lse_a), call.arr(o_b), call.arr(lse_b), call.arr(o),
+                        lse, stream=call.stream, u16_is_bf16=_is_bf16_any(o_a, o_b))
+    return o, lse
 
 
 # ---- build and arithmetic ----------------------------------------------------------------

@@ -6,8 +6,8 @@
 // TensorView wants them) go straight into an ioattn::TensorView. No copies, no conversions:
 // an array the C++ API cannot take is an ioattn.Error naming the argument.
 //
-// Functions: forward, forward_varlen, backward, backward_varlen, select_forward, build_info,
-// explain, explain_text, online_softmax_example. The Python package (python/ioattn/) allocates
+// Functions: forward, forward_varlen, backward, backward_varlen, select_forward, decode,
+// append_kv, merge_states, build_info, explain, explain_text, online_softmax_example. The Python package (python/ioattn/) allocates
 // outputs in the caller's framework and passes them in; this module only describes and runs,
 // with the GIL released while the library computes.
 //
@@ -29,6 +29,7 @@
 
 #include "ioattn/explain.hpp"
 #include "ioattn/ioattn.hpp"
+#include "ioattn/serving.hpp"
 
 namespace nb = nanobind;
 using namespace nb::literals;
@@ -62,20 +63,31 @@ std::string dlpack_dtype_name(nb::dlpack::dtype t) {
 }
 
 // Which dtypes an argument may have (for the error message only; the C++ API checks the rest).
-enum class Kind { floating, f32_only, i32_only };
+// cache: a KV cache (the floating types, int8, or uint8 holding float8_e4m3fn codes);
+// slots: append_kv's slot mapping (int32 or int64).
+enum class Kind { floating, f32_only, i32_only, cache, slots };
 
 const char* kind_expected(Kind k) {
   switch (k) {
     case Kind::floating: return "float32, float16 or bfloat16";
     case Kind::f32_only: return "float32";
     case Kind::i32_only: return "int32";
+    case Kind::cache: return "float32, float16, bfloat16, float8_e4m3fn or int8";
+    case Kind::slots: return "int32 or int64";
   }
   return "?";
 }
 
-ioattn::DType to_dtype(nb::dlpack::dtype t, const std::string& name, Kind kind, bool u16_is_bf16) {
+ioattn::DType to_dtype(nb::dlpack::dtype t, const std::string& name, Kind kind, bool u16_is_bf16,
+                       bool u8_is_e4m3 = false) {
   using Code = nb::dlpack::dtype_code;
   const auto code = static_cast<Code>(t.code);
+  if (t.lanes == 1 && kind == Kind::cache) {
+    // torch / ml_dtypes float8_e4m3fn travel as their uint8 bit patterns (the Python layer).
+    if (code == Code::Int && t.bits == 8) return ioattn::DType::i8;
+    if (code == Code::UInt && t.bits == 8 && u8_is_e4m3) return ioattn::DType::f8e4m3;
+  }
+  if (t.lanes == 1 && kind == Kind::slots && code == Code::Int && t.bits == 64) return ioattn::DType::i64;
   if (t.lanes == 1) {
     if (code == Code::Float && t.bits == 32) return ioattn::DType::f32;
     if (code == Code::Float && t.bits == 16) return ioattn::DType::f16;
@@ -109,11 +121,12 @@ const char* dlpack_device_name(int type) {
 }
 
 template <typename Array>
-ioattn::TensorView to_view(const Array& a, const std::string& name, Kind kind, bool u16_is_bf16) {
+ioattn::TensorView to_view(const Array& a, const std::string& name, Kind kind, bool u16_is_bf16,
+                           bool u8_is_e4m3 = false) {
   ioattn::TensorView t;
   if (a.ndim() > 4)
     fail(name, "at most 4 dims", std::to_string(a.ndim()) + " dims");
-  t.dtype = to_dtype(a.dtype(), name, kind, u16_is_bf16);
+  t.dtype = to_dtype(a.dtype(), name, kind, u16_is_bf16, u8_is_e4m3);
   switch (a.device_type()) {
     case kDLCPU:
     case kDLCUDAHost:  // pinned host memory: the CPU reads it directly
@@ -401,6 +414,83 @@ nb::dict online_softmax_example(const std::vector<double>& scores, const std::ve
   return d;
 }
 
+// ---- serving: decode against a (paged) KV cache, append_kv, merge_states -----------------
+
+ioattn::KVCache make_cache(const InArray& k_cache, const InArray& v_cache, const std::optional<InArray>& cache_seqlens,
+                           const std::optional<InArray>& block_table, const std::optional<InArray>& k_scale,
+                           const std::optional<InArray>& v_scale, bool u16_is_bf16, bool u8_is_e4m3) {
+  ioattn::KVCache c;
+  c.k_cache = to_view(k_cache, "cache.k_cache", Kind::cache, u16_is_bf16, u8_is_e4m3);
+  c.v_cache = to_view(v_cache, "cache.v_cache", Kind::cache, u16_is_bf16, u8_is_e4m3);
+  c.cache_seqlens = to_view_opt(cache_seqlens, "cache.cache_seqlens", Kind::i32_only, false);
+  c.block_table = to_view_opt(block_table, "cache.block_table", Kind::i32_only, false);
+  c.k_scale = to_view_opt(k_scale, "cache.k_scale", Kind::f32_only, false);
+  c.v_scale = to_view_opt(v_scale, "cache.v_scale", Kind::f32_only, false);
+  return c;
+}
+
+Choice decode(const InArray& q, const InArray& k_cache, const InArray& v_cache, const InArray& cache_seqlens,
+              const OutArray& o, const std::optional<OutArray>& lse, const std::optional<InArray>& block_table,
+              const std::optional<InArray>& k_scale, const std::optional<InArray>& v_scale, float scale,
+              bool causal, int64_t window_left, int64_t window_right, float softcap,
+              const std::optional<InArray>& alibi_slopes, const std::optional<InArray>& sinks, int num_splits,
+              uintptr_t stream, int num_threads, bool u16_is_bf16, bool u8_is_e4m3) {
+  const Options opt = make_options(scale, causal, window_left, window_right, softcap, alibi_slopes, sinks, "auto",
+                                   stream, num_threads);
+  const ioattn::KVCache cache =
+      make_cache(k_cache, v_cache, cache_seqlens, block_table, k_scale, v_scale, u16_is_bf16, u8_is_e4m3);
+  const ioattn::TensorView qv = to_view(q, "q", Kind::floating, u16_is_bf16);
+  const ioattn::TensorView ov = to_view(o, "o", Kind::floating, u16_is_bf16);
+  const ioattn::TensorView lv = lse ? to_view(*lse, "lse", Kind::f32_only, false) : ioattn::TensorView{};
+  ioattn::DecodeOptions dopt;
+  dopt.num_splits = num_splits;
+  ioattn::KernelChoice c;
+  {
+    nb::gil_scoped_release nogil;
+    c = ioattn::decode(qv, cache, ov, lv, opt.params, dopt, opt.ctx);
+  }
+  return {c.kernel, c.reason};
+}
+
+Choice append_kv(const InArray& k_new, const InArray& v_new, const InArray& slot_mapping, const OutArray& k_cache,
+                 const OutArray& v_cache, const std::optional<InArray>& k_scale, const std::optional<InArray>& v_scale,
+                 uintptr_t stream, bool u16_is_bf16, bool u8_is_e4m3) {
+  ioattn::KVCache cache;
+  cache.k_cache = to_view(k_cache, "cache.k_cache", Kind::cache, u16_is_bf16, u8_is_e4m3);
+  cache.v_cache = to_view(v_cache, "cache.v_cache", Kind::cache, u16_is_bf16, u8_is_e4m3);
+  cache.k_scale = to_view_opt(k_scale, "cache.k_scale", Kind::f32_only, false);
+  cache.v_scale = to_view_opt(v_scale, "cache.v_scale", Kind::f32_only, false);
+  const ioattn::TensorView kv = to_view(k_new, "k_new", Kind::floating, u16_is_bf16);
+  const ioattn::TensorView vv = to_view(v_new, "v_new", Kind::floating, u16_is_bf16);
+  const ioattn::TensorView sv = to_view(slot_mapping, "slot_mapping", Kind::slots, false);
+  ioattn::Context ctx;
+  ctx.stream = reinterpret_cast<void*>(stream);
+  ioattn::KernelChoice c;
+  {
+    nb::gil_scoped_release nogil;
+    c = ioattn::append_kv(kv, vv, sv, cache, ctx);
+  }
+  return {c.kernel, c.reason};
+}
+
+Choice merge_states(const InArray& o_a, const InArray& lse_a, const InArray& o_b, const InArray& lse_b,
+                    const OutArray& o_out, const OutArray& lse_out, uintptr_t stream, bool u16_is_bf16) {
+  const ioattn::TensorView oa = to_view(o_a, "o_a", Kind::floating, u16_is_bf16);
+  const ioattn::TensorView la = to_view(lse_a, "lse_a", Kind::f32_only, false);
+  const ioattn::TensorView ob = to_view(o_b, "o_b", Kind::floating, u16_is_bf16);
+  const ioattn::TensorView lb = to_view(lse_b, "lse_b", Kind::f32_only, false);
+  const ioattn::TensorView oo = to_view(o_out, "o_out", Kind::floating, u16_is_bf16);
+  const ioattn::TensorView lo = to_view(lse_out, "lse_out", Kind::f32_only, false);
+  ioattn::Context ctx;
+  ctx.stream = reinterpret_cast<void*>(stream);
+  ioattn::KernelChoice c;
+  {
+    nb::gil_scoped_release nogil;
+    c = ioattn::merge_states(oa, la, ob, lb, oo, lo, ctx);
+  }
+  return {c.kernel, c.reason};
+}
+
 // ioattn._C.Error: ValueError + `.argument`. A strong reference kept for the process lifetime
 // (extension modules are never unloaded).
 PyObject* g_error_type = nullptr;
@@ -466,6 +556,28 @@ NB_MODULE(_C, m) {
         "alibi_slopes"_a.none() = nb::none(), "sinks"_a.none() = nb::none(), "backend"_a = "auto",
         "stream"_a = 0, "num_threads"_a = 0, "u16_is_bf16"_a = false,
         "Validates like forward() and returns (kernel, reason) for the kernel it would run.");
+  m.def("decode", &decode, "q"_a, "k_cache"_a, "v_cache"_a, "cache_seqlens"_a, "o"_a, "lse"_a.none(),
+        nb::kw_only(), "block_table"_a.none() = nb::none(), "k_scale"_a.none() = nb::none(),
+        "v_scale"_a.none() = nb::none(), "scale"_a = 0.0f, "causal"_a = false, "window_left"_a = -1,
+        "window_right"_a = -1, "softcap"_a = 0.0f, "alibi_slopes"_a.none() = nb::none(),
+        "sinks"_a.none() = nb::none(), "num_splits"_a = 0, "stream"_a = 0, "num_threads"_a = 0,
+        "u16_is_bf16"_a = false, "u8_is_e4m3"_a = false,
+        "Runs ioattn::decode: q [b, sq, hq, d] (sq 1..16) against the cache k_cache / v_cache "
+        "([pages, page_size, hkv, d] with block_table int32 [b, pages_per_seq], or contiguous "
+        "[b, max_seqlen, hkv, d]) holding cache_seqlens int32 [b] tokens; writes o [b, sq, hq, dv] "
+        "and (unless None) lse [b, hq, sq]. 8-bit caches (int8, or uint8 float8_e4m3fn codes with "
+        "u8_is_e4m3) need k_scale / v_scale float32 [hkv]. num_splits 0 = heuristic. "
+        "Returns (kernel, reason).");
+  m.def("append_kv", &append_kv, "k_new"_a, "v_new"_a, "slot_mapping"_a, "k_cache"_a, "v_cache"_a,
+        nb::kw_only(), "k_scale"_a.none() = nb::none(), "v_scale"_a.none() = nb::none(), "stream"_a = 0,
+        "u16_is_bf16"_a = false, "u8_is_e4m3"_a = false,
+        "Runs ioattn::append_kv: writes k_new / v_new [tokens, hkv, d] into the cache at slot_mapping "
+        "(int32 or int64 [tokens], page * page_size + offset; negative = skipped). "
+        "Returns (kernel, reason).");
+  m.def("merge_states", &merge_states, "o_a"_a, "lse_a"_a, "o_b"_a, "lse_b"_a, "o_out"_a, "lse_out"_a,
+        nb::kw_only(), "stream"_a = 0, "u16_is_bf16"_a = false,
+        "Runs ioattn::merge_states on two partial states (o [b, s, h, d], lse float32 [b, h, s]) "
+        "over disjoint key sets; the outputs may alias an input. Returns (kernel, reason).");
   m.def("build_info", &build_info, "What this build contains (ioattn::BuildInfo) as a dict.");
 
   const ioattn::ExplainInput dflt;
