@@ -109,6 +109,10 @@ def torch_rows(torch, args):
     import torch.nn.functional as F
 
     backends = {"torch_cudnn": SDPBackend.CUDNN_ATTENTION, "torch_flash": SDPBackend.FLASH_ATTENTION}
+    iod = None
+    if args.ioattn_python:  # ioattn.decode in this process, on the bshd tensors (its cache layout)
+        import ioattn
+        iod = ioattn.decode
     hq, hkv, d = args.heads_q, args.heads_kv, args.head_dim
     rows = []
     for kv in [int(x) for x in args.kv.split(",")]:
@@ -130,23 +134,33 @@ def torch_rows(torch, args):
                         k = torch.rand(b, hkv, kv, d, device="cuda", dtype=torch.bfloat16)
                         v = torch.rand(b, hkv, kv, d, device="cuda", dtype=torch.bfloat16)
                     qs.append(q), ks.append(k), vs.append(v)
-                for name, be in backends.items():
+                impls = list(backends.items())
+                if iod is not None and layout == "bshd":
+                    impls.append(("ioattn_py", None))
+                    lens = torch.full((b,), kv, dtype=torch.int32, device="cuda")
+                for name, be in impls:
                     row = dict(impl=name, layout=layout, batch=b, heads_q=hq, heads_kv=hkv, head_dim=d, kv_len=kv,
                                page_size=0, cache="bf16")
 
                     def make_fn(i, be=be):
+                        if be is None:  # ioattn.decode: q [b, 1, hq, d], contiguous cache [b, kv, hkv, d]
+                            qi, ki, vi = (x.transpose(1, 2) for x in (qs[i], ks[i], vs[i]))
+                            return lambda: iod(qi, ki, vi, lens)
+
                         def fn():
                             with sdpa_kernel([be]):
                                 return F.scaled_dot_product_attention(qs[i], ks[i], vs[i], enable_gqa=True)
                         return fn
 
                     try:
+                        if be is None:  # decode without a plan allocates its workspace: not captured
+                            raise RuntimeError("eager only (ioattn.decode without a plan)")
                         ms = time_graph(torch, make_fn, copies, args.repeats)
                         row.update(ms=ms, tbps=nbytes / (ms * 1e-3) / 1e12)
                     except Exception as e:  # a backend that refuses a shape is a row, not a crash
                         row.update(ms=None, tbps=None, error=str(e).splitlines()[0][:200] if str(e) else repr(e))
                     rows.append(row)
-                    if row.get("ms") is not None and args.eager:
+                    if (row.get("ms") is not None or be is None) and args.eager:
                         erow = dict(row, impl=name + "_eager")
                         try:
                             ms = time_eager(torch, make_fn, copies, args.repeats)
@@ -194,6 +208,8 @@ def main():
     ap.add_argument("--mem-gb", type=float, default=100)
     ap.add_argument("--eager", type=int, default=1)
     ap.add_argument("--no-torch", action="store_true")
+    ap.add_argument("--ioattn-python", action="store_true",
+                    help="also time ioattn.decode (the Python package must be importable) beside SDPA in this process")
     args = ap.parse_args()
 
     rows = run_ioattn(args.bench, args)
@@ -236,6 +252,23 @@ def main():
                 fmt(t(cu), "{:7.2f}"), fmt(t(fl), "{:7.2f}"), fmt(line["x_cudnn"], "{:8.2f}"),
                 fmt(line["x_flash"], "{:8.2f}"), fmt(line["paged16_vs_contig"], "{:6.2f}"),
                 fmt(line["paged64_vs_contig"], "{:6.2f}"), fmt(line["fp8_speedup"], "{:11.2f}")))
+    if args.ioattn_python:  # the same process: ioattn.decode beside SDPA, both through PyTorch
+        print("\nsame process (ioattn.decode through its Python package, contiguous bf16, cache layout "
+              "[b, s, hkv, d]; SDPA on the same tensors); TB/s, graph replay / eager")
+        print("{:>5} {:>7} {:>15} {:>15} {:>9} {:>9}".format("batch", "kv", "ioattn_py", "cudnn (bshd)",
+                                                           "x graph", "x eager"))
+        for kv in [int(x) for x in args.kv.split(",")]:
+            for b in [int(x) for x in args.batch.split(",")]:
+                get = lambda impl: next((r for r in rows if r["impl"] == impl and r.get("layout") == "bshd"
+                                         and r["batch"] == b and r["kv_len"] == kv and r.get("ms")), None)
+                ig, ie, cg, ce = get("ioattn_py"), get("ioattn_py_eager"), get("torch_cudnn"), get("torch_cudnn_eager")
+                if not (ig or ie):
+                    continue
+                t = lambda r: r["tbps"] if r else None
+                x = lambda a, z: z["ms"] / a["ms"] if (a and z) else None
+                print("{:>5} {:>7} {} / {} {} / {} {} {}".format(
+                    b, kv, fmt(t(ig)), fmt(t(ie)), fmt(t(cg)), fmt(t(ce)), fmt(x(ig, cg), "{:9.2f}"),
+                    fmt(x(ie, ce), "{:9.2f}")))
     print("ioattn: the dispatcher's kernel (mma for these shapes); fma: IOATTN_DECODE_KERNEL=fma, contiguous bf16")
     print("x cudnn / x flash: their time / ioattn's (> 1 = ioattn faster); pN/c: paged time / contiguous "
           "time (<= 1.05 is the target); fp8 speedup: bf16 time / fp8 time (fp8 reads half the bytes)")

@@ -517,9 +517,15 @@ fi
 # ---- decode vs PyTorch SDPA cudnn / flash (enable_gqa), same run ----------------------------------
 if want decode; then
   t0=$(stamp)
-  PYTHONUNBUFFERED=1 python3 "$ROOT/bench/peer_decode.py" --bench "$BUILD/ioattn_cuda_decode_bench" \
-    ${GPU_CHECK_DECODE_ARGS:-} --out "$OUT/peer_decode.json" >"$OUT/decode.log" 2>&1
+  # With the extension the interleave stage built in this run (BUILD/pyroot): ioattn.decode timed
+  # beside SDPA in the same process too (eager).
+  pyargs=()
+  want interleave && [[ -d $BUILD/pyroot/ioattn ]] && pyargs=(--ioattn-python)
+  PYTHONPATH="$BUILD/pyroot${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 python3 "$ROOT/bench/peer_decode.py" \
+    --bench "$BUILD/ioattn_cuda_decode_bench" "${pyargs[@]}" ${GPU_CHECK_DECODE_ARGS:-} --out "$OUT/peer_decode.json" \
+    >"$OUT/decode.log" 2>&1
   note "decode     rc=$?  $(( $(stamp) - t0 )) s  (decode.log, peer_decode.json)"
+  sed -n '/^same process/,/^ioattn: the dispatcher/p' "$OUT/decode.log" | tee -a "$SUMMARY" >/dev/null
   # The experimental bulk-copy loader (IOATTN_DECODE_LOADER=bulk): its bitwise test first (bounded:
   # a wrong mbarrier count would spin for ever), then ioattn alone on the same grid -> decode_bulk.json.
   if [[ ${GPU_CHECK_DECODE_BULK:-1} == 1 && -x $BUILD/test_cuda_serving ]]; then
