@@ -74,6 +74,35 @@ def decode(q: Array, k_cache: Array, v_cache: Array, cache_seqlens: Array, o: Ar
     """Runs ioattn::decode against a paged (block_table) or contiguous KV cache; writes o and
     (unless None) lse. Returns (kernel, reason)."""
 
+class DecodePlan:
+    """Split counts and work partition fixed for one batch shape (ioattn::DecodePlan)."""
+    batch: int
+    heads_q: int
+    heads_kv: int
+    head_dim: int
+    head_dim_v: int
+    seqlen_q: int
+    max_seqlen_k: int
+    page_size: int
+    num_splits: int
+    workspace_bytes: int
+    device: str
+
+def plan_decode(batch: int, heads_q: int, heads_kv: int, head_dim: int, head_dim_v: int,
+                seqlen_q: int, max_seqlen_k: int, page_size: int, device: str,
+                device_index: int = 0, num_splits: int = 0, cache_dtype: str = "bf16") -> DecodePlan:
+    """Runs ioattn::plan_decode and returns the DecodePlan."""
+
+def decode_planned(q: Array, k_cache: Array, v_cache: Array, cache_seqlens: Array, o: Array,
+                   lse: Array | None, plan: DecodePlan, workspace: Array, *,
+                   block_table: Array | None = None, k_scale: Array | None = None,
+                   v_scale: Array | None = None, scale: float = 0.0, causal: bool = False,
+                   window_left: int = -1, window_right: int = -1, softcap: float = 0.0,
+                   alibi_slopes: Array | None = None, sinks: Array | None = None, stream: int = 0,
+                   num_threads: int = 0, u16_is_bf16: bool = False,
+                   u8_is_e4m3: bool = False) -> tuple[str, str]:
+    """Runs ioattn::decode under a plan with a caller-owned workspace (no allocation)."""
+
 def append_kv(k_new: Array, v_new: Array, slot_mapping: Array, k_cache: Array, v_cache: Array, *,
               k_scale: Array | None = None, v_scale: Array | None = None, stream: int = 0,
               u16_is_bf16: bool = False, u8_is_e4m3: bool = False) -> tuple[str, str]:

@@ -39,11 +39,12 @@ import numpy as np
 
 from . import _C
 from ._args import Options, call_backward, check_bool, check_int, check_ndim, type_name
-from ._C import Error
+from ._C import DecodePlan, Error
 
 __version__: str = _C.__version__
 
 __all__ = [
+    "DecodePlan",
     "Error",
     "attention",
     "attention_backward",
@@ -56,6 +57,7 @@ __all__ = [
     "info",
     "merge_states",
     "online_softmax_example",
+    "plan_decode",
     "select",
 ]
 
@@ -410,6 +412,20 @@ class _Call:
         assert self.host is not None
         return self.host.empty(shape, like=like)
 
+    def empty_bytes(self, n: int) -> Array:
+        """A uint8 workspace of n bytes (at least 1) on the device of the call's first array."""
+        if self.torch:
+            import torch
+
+            return torch.empty(max(n, 1), dtype=torch.uint8, device=self.first.device)
+        assert self.host is not None
+        if self.host.cupy_device is not None:
+            import cupy
+
+            with cupy.cuda.Device(self.host.cupy_device):
+                return cupy.empty(max(n, 1), dtype=cupy.uint8)
+        return np.empty(max(n, 1), dtype=np.uint8)
+
     def asarray(self, x: Optional[Array], dtype: Any) -> Optional[Array]:
         if x is None:
             return None
@@ -453,13 +469,38 @@ def _is_bf16_any(*xs: Array) -> bool:
     return any(_is_bf16(x) for x in xs if x is not None)
 
 
+def plan_decode(batch: int, heads_q: int, heads_kv: int, head_dim: int, max_seqlen_k: int, *,
+                head_dim_v: Optional[int] = None, seqlen_q: int = 1, page_size: int = 0,
+                device: str = "cpu", device_index: int = 0, num_splits: int = 0,
+                cache_dtype: str = "bf16") -> Any:
+    """Fixes the split counts and work partition of decode() for one batch shape
+    (ioattn::plan_decode). Returns a DecodePlan (batch, ..., num_splits, workspace_bytes, device);
+    pass it with a workspace of at least plan.workspace_bytes bytes (any dtype, contiguous, on the
+    device of q) to decode(plan=..., workspace=...): that call allocates nothing, so a CUDA graph
+    can capture it, and it fails loudly on arguments of another shape. page_size 0: a contiguous
+    cache; max_seqlen_k: an upper bound of cache_seqlens; cache_dtype ('bf16', 'f16', 'f32',
+    'f8e4m3', 'i8'): a hint for the CUDA split heuristic."""
+    ints = {name: check_int(name, x) for name, x in (
+        ("batch", batch), ("heads_q", heads_q), ("heads_kv", heads_kv), ("head_dim", head_dim),
+        ("max_seqlen_k", max_seqlen_k), ("seqlen_q", seqlen_q), ("page_size", page_size),
+        ("device_index", device_index), ("num_splits", num_splits))}
+    dv = ints["head_dim"] if head_dim_v is None else check_int("head_dim_v", head_dim_v)
+    if not isinstance(device, str) or not isinstance(cache_dtype, str):
+        raise TypeError("ioattn: arguments 'device' and 'cache_dtype' must be str")
+    return _C.plan_decode(ints["batch"], ints["heads_q"], ints["heads_kv"], ints["head_dim"], dv,
+                          ints["seqlen_q"], ints["max_seqlen_k"], ints["page_size"], device,
+                          ints["device_index"], ints["num_splits"], cache_dtype)
+
+
 def decode(q: Array, k_cache: Array, v_cache: Array, cache_seqlens: Array, *,
            block_table: Optional[Array] = None, k_scale: Optional[Array] = None,
            v_scale: Optional[Array] = None, causal: bool = False,
            window: Tuple[int, int] = (-1, -1), softcap: float = 0.0,
            scale: Optional[float] = None, alibi_slopes: Optional[Array] = None,
            sinks: Optional[Array] = None, num_splits: int = 0, return_lse: bool = False,
-           num_threads: int = 0) -> Union[Array, Tuple[Array, Array]]:
+           num_threads: int = 0, plan: Any = None, workspace: Optional[Array] = None,
+           out: Optional[Array] = None, lse_out: Optional[Array] = None
+           ) -> Union[Array, Tuple[Array, Array]]:
     """Attention of a few new query tokens per sequence against a (paged) KV cache: split-KV
     (Flash-Decoding) with an exact log-sum-exp merge (ioattn::decode).
 
@@ -474,8 +515,12 @@ def decode(q: Array, k_cache: Array, v_cache: Array, cache_seqlens: Array, *,
 
     Returns O [batch, seqlen_q, heads_q, head_dim_v] in q's dtype and framework, and with
     return_lse=True also LSE [batch, heads_q, seqlen_q] float32. A sequence with no key gives
-    O = 0 and LSE = -inf. Decode under a fixed plan (CUDA-graph capture) is the C++ API's
-    plan_decode + decode(plan, workspace).
+    O = 0 and LSE = -inf.
+
+    plan / workspace (plan_decode): decode under a fixed plan with a caller-owned workspace;
+    num_splits then comes from the plan. out / lse_out: write into these arrays (shapes and
+    dtypes as returned) instead of new ones; with a plan, a workspace and out (and lse_out) the
+    call allocates nothing (CUDA-graph capture).
     """
     opt = Options(causal, window, softcap, scale, "auto", num_threads)
     return_lse = check_bool("return_lse", return_lse)
@@ -487,18 +532,26 @@ def decode(q: Array, k_cache: Array, v_cache: Array, cache_seqlens: Array, *,
     check_ndim("q", qs, 4)
     check_ndim("cache.v_cache", vs, 4)
     b, sq, hq, _ = qs
-    o = call.empty((b, sq, hq, vs[3]), like=q)
-    lse = call.empty((b, hq, sq), like=None) if return_lse else None
+    o = call.empty((b, sq, hq, vs[3]), like=q) if out is None else out
+    lse = lse_out if lse_out is not None else (call.empty((b, hq, sq), like=None) if return_lse else None)
     kw = opt.kwargs()
     del kw["backend"]
+    args = (call.arr(q), call.arr(k_cache), call.arr(v_cache), call.arr(cache_seqlens), call.arr(o), lse)
+    common = dict(block_table=call.arr(block_table), k_scale=call.arr(k_scale), v_scale=call.arr(v_scale),
+                  alibi_slopes=call.asarray(alibi_slopes, np.float32), sinks=call.asarray(sinks, np.float32),
+                  stream=call.stream, u16_is_bf16=_is_bf16_any(q, k_cache, o), u8_is_e4m3=_is_e4m3(k_cache), **kw)
     with call.with_guard():
-        _C.decode(call.arr(q), call.arr(k_cache), call.arr(v_cache), call.arr(cache_seqlens),
-                  call.arr(o), lse, block_table=call.arr(block_table), k_scale=call.arr(k_scale),
-                  v_scale=call.arr(v_scale), alibi_slopes=call.asarray(alibi_slopes, np.float32),
-                  sinks=call.asarray(sinks, np.float32), num_splits=num_splits,
-                  stream=call.stream, u16_is_bf16=_is_bf16_any(q, k_cache, o),
-                  u8_is_e4m3=_is_e4m3(k_cache), **kw)
-    return (o, lse) if return_lse else o
+        if plan is None:
+            if workspace is not None:
+                raise TypeError("ioattn: argument 'workspace' goes with a plan (plan_decode)")
+            _C.decode(*args, num_splits=num_splits, **common)
+        else:
+            if not isinstance(plan, _C.DecodePlan):
+                raise TypeError(f"ioattn: argument 'plan' must be an ioattn.DecodePlan, got {type_name(plan)}")
+            if workspace is None:
+                workspace = call.empty_bytes(plan.workspace_bytes)
+            _C.decode_planned(*args, plan, call.arr(workspace), **common)
+    return (o, lse) if (return_lse or lse_out is not None) else o
 
 
 def append_kv(k_new: Array, v_new: Array, slot_mapping: Array, k_cache: Array, v_cache: Array, *,

@@ -6,8 +6,8 @@
 // TensorView wants them) go straight into an ioattn::TensorView. No copies, no conversions:
 // an array the C++ API cannot take is an ioattn.Error naming the argument.
 //
-// Functions: forward, forward_varlen, backward, backward_varlen, select_forward, decode,
-// append_kv, merge_states, build_info, explain, explain_text, online_softmax_example. The Python package (python/ioattn/) allocates
+// Functions: forward, forward_varlen, backward, backward_varlen, select_forward, plan_decode
+// (class DecodePlan), decode, decode_planned, append_kv, merge_states, build_info, explain, explain_text, online_softmax_example. The Python package (python/ioattn/) allocates
 // outputs in the caller's framework and passes them in; this module only describes and runs,
 // with the GIL released while the library computes.
 //
@@ -452,6 +452,67 @@ Choice decode(const InArray& q, const InArray& k_cache, const InArray& v_cache, 
   return {c.kernel, c.reason};
 }
 
+ioattn::DType parse_dtype(const std::string& s, const std::string& arg) {
+  for (ioattn::DType t : {ioattn::DType::f32, ioattn::DType::f16, ioattn::DType::bf16, ioattn::DType::f8e4m3,
+                          ioattn::DType::i8})
+    if (s == ioattn::dtype_name(t)) return t;
+  fail(arg, "'f32', 'f16', 'bf16', 'f8e4m3' or 'i8'", "'" + s + "'");
+}
+
+ioattn::DecodePlan plan_decode(int64_t batch, int64_t heads_q, int64_t heads_kv, int64_t head_dim, int64_t head_dim_v,
+                               int64_t seqlen_q, int64_t max_seqlen_k, int64_t page_size, const std::string& device,
+                               int device_index, int num_splits, const std::string& cache_dtype) {
+  ioattn::Device dev;
+  if (device == "cpu")
+    dev = ioattn::Device::cpu;
+  else if (device == "cuda")
+    dev = ioattn::Device::cuda;
+  else
+    fail("device", "'cpu' or 'cuda'", "'" + device + "'");
+  ioattn::DecodeOptions opt;
+  opt.num_splits = num_splits;
+  opt.cache_dtype = parse_dtype(cache_dtype, "opt.cache_dtype");
+  return ioattn::plan_decode(batch, heads_q, heads_kv, head_dim, head_dim_v, seqlen_q, max_seqlen_k, page_size, dev,
+                             opt, device_index);
+}
+
+// decode under a plan, with a caller-owned workspace of at least plan.workspace_bytes (any dtype,
+// contiguous, on q's device): no allocation, so a CUDA graph can capture it.
+Choice decode_planned(const InArray& q, const InArray& k_cache, const InArray& v_cache, const InArray& cache_seqlens,
+                      const OutArray& o, const std::optional<OutArray>& lse, const ioattn::DecodePlan& plan,
+                      const OutArray& workspace, const std::optional<InArray>& block_table,
+                      const std::optional<InArray>& k_scale, const std::optional<InArray>& v_scale, float scale,
+                      bool causal, int64_t window_left, int64_t window_right, float softcap,
+                      const std::optional<InArray>& alibi_slopes, const std::optional<InArray>& sinks,
+                      uintptr_t stream, int num_threads, bool u16_is_bf16, bool u8_is_e4m3) {
+  const Options opt = make_options(scale, causal, window_left, window_right, softcap, alibi_slopes, sinks, "auto",
+                                   stream, num_threads);
+  const ioattn::KVCache cache =
+      make_cache(k_cache, v_cache, cache_seqlens, block_table, k_scale, v_scale, u16_is_bf16, u8_is_e4m3);
+  const ioattn::TensorView qv = to_view(q, "q", Kind::floating, u16_is_bf16);
+  const ioattn::TensorView ov = to_view(o, "o", Kind::floating, u16_is_bf16);
+  const ioattn::TensorView lv = lse ? to_view(*lse, "lse", Kind::f32_only, false) : ioattn::TensorView{};
+  if (workspace.nbytes() < plan.workspace_bytes)
+    fail("workspace", "at least plan.workspace_bytes = " + std::to_string(plan.workspace_bytes) + " bytes",
+         std::to_string(workspace.nbytes()) + " bytes");
+  bool contiguous = true;
+  for (size_t i = 0, expect = 1; i < workspace.ndim(); ++i) {
+    const size_t dim = workspace.ndim() - 1 - i;
+    if (workspace.shape(dim) > 1 && static_cast<size_t>(workspace.stride(dim)) != expect) contiguous = false;
+    expect *= workspace.shape(dim);
+  }
+  if (!contiguous) fail("workspace", "a contiguous array", "strides that are not contiguous");
+  const int ws_dev = workspace.device_type() == kDLCUDA || workspace.device_type() == kDLCUDAManaged ? 1 : 0;
+  if (ws_dev != (qv.device == ioattn::Device::cuda ? 1 : 0))
+    fail("workspace.device", ioattn::device_name(qv.device), dlpack_device_name(workspace.device_type()));
+  ioattn::KernelChoice c;
+  {
+    nb::gil_scoped_release nogil;
+    c = ioattn::decode(qv, cache, ov, lv, opt.params, plan, workspace.data(), opt.ctx);
+  }
+  return {c.kernel, c.reason};
+}
+
 Choice append_kv(const InArray& k_new, const InArray& v_new, const InArray& slot_mapping, const OutArray& k_cache,
                  const OutArray& v_cache, const std::optional<InArray>& k_scale, const std::optional<InArray>& v_scale,
                  uintptr_t stream, bool u16_is_bf16, bool u8_is_e4m3) {
@@ -567,6 +628,40 @@ NB_MODULE(_C, m) {
         "[b, max_seqlen, hkv, d]) holding cache_seqlens int32 [b] tokens; writes o [b, sq, hq, dv] "
         "and (unless None) lse [b, hq, sq]. 8-bit caches (int8, or uint8 float8_e4m3fn codes with "
         "u8_is_e4m3) need k_scale / v_scale float32 [hkv]. num_splits 0 = heuristic. "
+        "Returns (kernel, reason).");
+  nb::class_<ioattn::DecodePlan>(m, "DecodePlan",
+                                 "Split counts and work partition fixed for one batch shape (ioattn::DecodePlan).")
+      .def_ro("batch", &ioattn::DecodePlan::batch)
+      .def_ro("heads_q", &ioattn::DecodePlan::heads_q)
+      .def_ro("heads_kv", &ioattn::DecodePlan::heads_kv)
+      .def_ro("head_dim", &ioattn::DecodePlan::head_dim)
+      .def_ro("head_dim_v", &ioattn::DecodePlan::head_dim_v)
+      .def_ro("seqlen_q", &ioattn::DecodePlan::seqlen_q)
+      .def_ro("max_seqlen_k", &ioattn::DecodePlan::max_seqlen_k)
+      .def_ro("page_size", &ioattn::DecodePlan::page_size)
+      .def_ro("num_splits", &ioattn::DecodePlan::num_splits)
+      .def_ro("workspace_bytes", &ioattn::DecodePlan::workspace_bytes)
+      .def_prop_ro("device", [](const ioattn::DecodePlan& p) { return std::string(ioattn::device_name(p.device)); })
+      .def("__repr__", [](const ioattn::DecodePlan& p) {
+        return "DecodePlan(batch=" + std::to_string(p.batch) + ", heads_q=" + std::to_string(p.heads_q) +
+               ", heads_kv=" + std::to_string(p.heads_kv) + ", head_dim=" + std::to_string(p.head_dim) +
+               ", seqlen_q=" + std::to_string(p.seqlen_q) + ", max_seqlen_k=" + std::to_string(p.max_seqlen_k) +
+               ", page_size=" + std::to_string(p.page_size) + ", num_splits=" + std::to_string(p.num_splits) +
+               ", workspace_bytes=" + std::to_string(p.workspace_bytes) + ", device='" +
+               ioattn::device_name(p.device) + "')";
+      });
+  m.def("plan_decode", &plan_decode, "batch"_a, "heads_q"_a, "heads_kv"_a, "head_dim"_a, "head_dim_v"_a,
+        "seqlen_q"_a, "max_seqlen_k"_a, "page_size"_a, "device"_a, "device_index"_a = 0, "num_splits"_a = 0,
+        "cache_dtype"_a = "bf16",
+        "Runs ioattn::plan_decode (page_size 0: a contiguous cache) and returns the DecodePlan.");
+  m.def("decode_planned", &decode_planned, "q"_a, "k_cache"_a, "v_cache"_a, "cache_seqlens"_a, "o"_a,
+        "lse"_a.none(), "plan"_a, "workspace"_a, nb::kw_only(), "block_table"_a.none() = nb::none(),
+        "k_scale"_a.none() = nb::none(), "v_scale"_a.none() = nb::none(), "scale"_a = 0.0f, "causal"_a = false,
+        "window_left"_a = -1, "window_right"_a = -1, "softcap"_a = 0.0f, "alibi_slopes"_a.none() = nb::none(),
+        "sinks"_a.none() = nb::none(), "stream"_a = 0, "num_threads"_a = 0, "u16_is_bf16"_a = false,
+        "u8_is_e4m3"_a = false,
+        "Runs ioattn::decode under a plan with a caller-owned contiguous workspace of at least "
+        "plan.workspace_bytes bytes on q's device (nothing allocated: CUDA-graph capturable). "
         "Returns (kernel, reason).");
   m.def("append_kv", &append_kv, "k_new"_a, "v_new"_a, "slot_mapping"_a, "k_cache"_a, "v_cache"_a,
         nb::kw_only(), "k_scale"_a.none() = nb::none(), "v_scale"_a.none() = nb::none(), "stream"_a = 0,

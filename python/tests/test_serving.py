@@ -199,3 +199,64 @@ def test_decode_torch_cuda_paged_bf16_and_fp8():
         v8 = (dev(vp) / ks[None, None, :, None]).to(torch.float8_e4m3fn)
         o8 = ioattn.decode(dev(q, torch.bfloat16), k8, v8, dev(lens), block_table=dev(table), k_scale=ks, v_scale=ks)
         assert max_err(o8.float().cpu().numpy(), o_ref) < 0.1
+
+
+def test_decode_under_a_plan_matches_and_checks_its_shape():
+    rng = np.random.default_rng(9)
+    b, max_len, hq, hkv, d, ps = 3, 64, 8, 2, 32, 16
+    lens = np.array([64, 7, 0], dtype=np.int32)
+    k, v = _contiguous(rng, b, max_len, hkv, d)
+    kp, vp, table = _paged(k, v, lens, ps, rng)
+    q = rng.uniform(-1, 1, (b, 2, hq, d)).astype(np.float32)
+    plan = ioattn.plan_decode(b, hq, hkv, d, max_len, seqlen_q=2, page_size=ps, num_splits=3)
+    assert isinstance(plan, ioattn.DecodePlan) and plan.num_splits == 3 and plan.device == "cpu"
+    assert "num_splits=3" in repr(plan)
+    ws = np.empty(plan.workspace_bytes, dtype=np.uint8)
+    o = np.empty((b, 2, hq, d), np.float32)
+    lse = np.empty((b, hq, 2), np.float32)
+    got, got_lse = ioattn.decode(q, kp, vp, lens, block_table=table, causal=True, plan=plan, workspace=ws,
+                                 out=o, lse_out=lse)
+    assert got is o and got_lse is lse
+    want, want_lse = ioattn.decode(q, kp, vp, lens, block_table=table, causal=True, num_splits=3, return_lse=True)
+    assert np.array_equal(o, want) and np.array_equal(lse, want_lse)
+    o_ref, lse_ref = _reference(q, k, v, lens, causal=True)
+    assert max_err(o, o_ref) < 2e-5 and max_err(lse, lse_ref) < 2e-5
+    if plan.workspace_bytes > 1:
+        with pytest.raises(ioattn.Error) as e:
+            ioattn.decode(q, kp, vp, lens, block_table=table, plan=plan, workspace=ws[:1])
+        assert e.value.argument == "workspace"
+    with pytest.raises(ioattn.Error):  # another batch shape than the plan's
+        ioattn.decode(q[:2], kp, vp, lens[:2], block_table=table[:2], plan=plan, workspace=ws)
+    with pytest.raises(TypeError):
+        ioattn.decode(q, kp, vp, lens, block_table=table, workspace=ws)
+    with pytest.raises(ioattn.Error) as e:
+        ioattn.plan_decode(b, hq, hkv, d, max_len, device="tpu")
+    assert e.value.argument == "device"
+
+
+def test_decode_plan_graph_capture_torch_cuda():
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available() or not ioattn.info().get("cuda_compiled", True):
+        pytest.skip("no CUDA device")
+    rng = np.random.default_rng(10)
+    b, max_len, hq, hkv, d = 4, 256, 8, 2, 128
+    lens = torch.tensor([256, 100, 1, 17], dtype=torch.int32, device="cuda")
+    k = torch.rand(b, max_len, hkv, d, device="cuda", dtype=torch.bfloat16)
+    v = torch.rand(b, max_len, hkv, d, device="cuda", dtype=torch.bfloat16)
+    q = torch.from_numpy(rng.uniform(-1, 1, (b, 1, hq, d)).astype(np.float32)).to("cuda", torch.bfloat16)
+    plan = ioattn.plan_decode(b, hq, hkv, d, max_len, device="cuda")
+    ws = torch.empty(max(plan.workspace_bytes, 1), dtype=torch.uint8, device="cuda")
+    out = torch.empty(b, 1, hq, d, dtype=torch.bfloat16, device="cuda")
+    eager = ioattn.decode(q, k, v, lens, plan=plan, workspace=ws).clone()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        ioattn.decode(q, k, v, lens, plan=plan, workspace=ws, out=out)
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        ioattn.decode(q, k, v, lens, plan=plan, workspace=ws, out=out)
+    out.zero_()
+    g.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, eager)
