@@ -136,12 +136,14 @@ def torch_rows(torch, args):
                     qs.append(q), ks.append(k), vs.append(v)
                 impls = list(backends.items())
                 if iod is not None and layout == "bshd":
-                    impls.append(("ioattn_py", None))
-                    lens = torch.full((b,), kv, dtype=torch.int32, device="cuda")
-                    # under a plan, with its workspace and outputs allocated once: graph-capturable
-                    plan = ioattn.plan_decode(b, hq, hkv, d, kv, device="cuda")
-                    ws = torch.empty(max(plan.workspace_bytes, 1), dtype=torch.uint8, device="cuda")
-                    outs = [torch.empty(b, 1, hq, d, dtype=torch.bfloat16, device="cuda") for _ in range(copies)]
+                    try:  # under a plan, workspace and outputs allocated once: graph-capturable
+                        lens = torch.full((b,), kv, dtype=torch.int32, device="cuda")
+                        plan = ioattn.plan_decode(b, hq, hkv, d, kv, device="cuda")
+                        ws = torch.empty(max(plan.workspace_bytes, 1), dtype=torch.uint8, device="cuda")
+                        outs = [torch.empty(b, 1, hq, d, dtype=torch.bfloat16, device="cuda") for _ in range(copies)]
+                        impls.append(("ioattn_py", None))
+                    except Exception as e:  # an extension without plan_decode, say: the SDPA rows still run
+                        print(f"# ioattn_py b{b} kv{kv}: {str(e).splitlines()[0][:200]}", flush=True)
                 for name, be in impls:
                     row = dict(impl=name, layout=layout, batch=b, heads_q=hq, heads_kv=hkv, head_dim=d, kv_len=kv,
                                page_size=0, cache="bf16")

@@ -302,6 +302,7 @@ for path in sys.argv[2:]:
             print(f"{path.rsplit('/', 1)[-1]}: {impl:7s} {len(sel)} samples, SM clock mean {sum(s[1] for s in sel) / len(sel):.0f} MHz "
                   f"(min {min(s[1] for s in sel):.0f}), power mean {sum(s[2] for s in sel) / len(sel):.0f} W")
 PY
+    interleave_built=1
   else
     note "interleave build rc=$rc (interleave_build.log)"
   fi
@@ -520,7 +521,7 @@ if want decode; then
   # With the extension the interleave stage built in this run (BUILD/pyroot): ioattn.decode timed
   # beside SDPA in the same process too (eager).
   pyargs=()
-  want interleave && [[ -d $BUILD/pyroot/ioattn ]] && pyargs=(--ioattn-python)
+  [[ ${interleave_built:-0} == 1 ]] && pyargs=(--ioattn-python)
   PYTHONPATH="$BUILD/pyroot${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 python3 "$ROOT/bench/peer_decode.py" \
     --bench "$BUILD/ioattn_cuda_decode_bench" "${pyargs[@]}" ${GPU_CHECK_DECODE_ARGS:-} --out "$OUT/peer_decode.json" \
     >"$OUT/decode.log" 2>&1

@@ -38,7 +38,7 @@ from typing import Any, Dict, Optional, Sequence, Tuple, Union
 import numpy as np
 
 from . import _C
-from ._args import Options, call_backward, check_bool, check_int, check_ndim, type_name
+from ._args import Options, call_backward, check_bool, check_int, check_ndim, fail, type_name
 from ._C import DecodePlan, Error
 
 __version__: str = _C.__version__
@@ -46,6 +46,7 @@ __version__: str = _C.__version__
 __all__ = [
     "DecodePlan",
     "Error",
+    "aligned_bytes",
     "attention",
     "attention_backward",
     "attention_varlen",
@@ -413,7 +414,8 @@ class _Call:
         return self.host.empty(shape, like=like)
 
     def empty_bytes(self, n: int) -> Array:
-        """A uint8 workspace of n bytes (at least 1) on the device of the call's first array."""
+        """A uint8 workspace of n bytes (at least 1), 64-byte aligned (plan workspaces must be), on
+        the device of the call's first array."""
         if self.torch:
             import torch
 
@@ -424,7 +426,7 @@ class _Call:
 
             with cupy.cuda.Device(self.host.cupy_device):
                 return cupy.empty(max(n, 1), dtype=cupy.uint8)
-        return np.empty(max(n, 1), dtype=np.uint8)
+        return aligned_bytes(n)
 
     def asarray(self, x: Optional[Array], dtype: Any) -> Optional[Array]:
         if x is None:
@@ -460,6 +462,15 @@ class _Call:
         return contextlib.nullcontext()
 
 
+def aligned_bytes(n: int) -> np.ndarray:
+    """A numpy uint8 array of n bytes (at least 1) starting at a 64-byte boundary, as decode()
+    under a plan needs its workspace (numpy's own allocations are only 16-byte aligned)."""
+    n = max(check_int("n", n), 1)
+    buf = np.empty(n + 64, dtype=np.uint8)
+    off = (-buf.ctypes.data) % 64
+    return buf[off:off + n]
+
+
 def _is_e4m3(x: Array) -> bool:
     dt = getattr(x, "dtype", None)
     return (getattr(dt, "name", None) or str(dt).rsplit(".", 1)[-1]) == "float8_e4m3fn"
@@ -475,7 +486,8 @@ def plan_decode(batch: int, heads_q: int, heads_kv: int, head_dim: int, max_seql
                 cache_dtype: str = "bf16") -> Any:
     """Fixes the split counts and work partition of decode() for one batch shape
     (ioattn::plan_decode). Returns a DecodePlan (batch, ..., num_splits, workspace_bytes, device);
-    pass it with a workspace of at least plan.workspace_bytes bytes (any dtype, contiguous, on the
+    pass it with a workspace of at least plan.workspace_bytes bytes (any dtype, contiguous,
+    64-byte aligned — torch and CuPy allocations are; for numpy use aligned_bytes() — on the
     device of q) to decode(plan=..., workspace=...): that call allocates nothing, so a CUDA graph
     can capture it, and it fails loudly on arguments of another shape. page_size 0: a contiguous
     cache; max_seqlen_k: an upper bound of cache_seqlens; cache_dtype ('bf16', 'f16', 'f32',
@@ -536,7 +548,7 @@ def decode(q: Array, k_cache: Array, v_cache: Array, cache_seqlens: Array, *,
     lse = lse_out if lse_out is not None else (call.empty((b, hq, sq), like=None) if return_lse else None)
     kw = opt.kwargs()
     del kw["backend"]
-    args = (call.arr(q), call.arr(k_cache), call.arr(v_cache), call.arr(cache_seqlens), call.arr(o), lse)
+    args = (call.arr(q), call.arr(k_cache), call.arr(v_cache), call.arr(cache_seqlens), call.arr(o), call.arr(lse))
     common = dict(block_table=call.arr(block_table), k_scale=call.arr(k_scale), v_scale=call.arr(v_scale),
                   alibi_slopes=call.asarray(alibi_slopes, np.float32), sinks=call.asarray(sinks, np.float32),
                   stream=call.stream, u16_is_bf16=_is_bf16_any(q, k_cache, o), u8_is_e4m3=_is_e4m3(k_cache), **kw)
@@ -548,6 +560,8 @@ def decode(q: Array, k_cache: Array, v_cache: Array, cache_seqlens: Array, *,
         else:
             if not isinstance(plan, _C.DecodePlan):
                 raise TypeError(f"ioattn: argument 'plan' must be an ioattn.DecodePlan, got {type_name(plan)}")
+            if num_splits not in (0, plan.num_splits):
+                fail("num_splits", f"0 or the plan's {plan.num_splits} (a plan fixes the splits)", str(num_splits))
             if workspace is None:
                 workspace = call.empty_bytes(plan.workspace_bytes)
             _C.decode_planned(*args, plan, call.arr(workspace), **common)

@@ -505,6 +505,9 @@ Choice decode_planned(const InArray& q, const InArray& k_cache, const InArray& v
   const int ws_dev = workspace.device_type() == kDLCUDA || workspace.device_type() == kDLCUDAManaged ? 1 : 0;
   if (ws_dev != (qv.device == ioattn::Device::cuda ? 1 : 0))
     fail("workspace.device", ioattn::device_name(qv.device), dlpack_device_name(workspace.device_type()));
+  if (ws_dev && static_cast<int>(workspace.device_id()) != qv.device_index)
+    fail("workspace.device", "cuda:" + std::to_string(qv.device_index) + " (q's device)",
+         "cuda:" + std::to_string(workspace.device_id()));
   ioattn::KernelChoice c;
   {
     nb::gil_scoped_release nogil;

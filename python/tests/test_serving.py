@@ -46,9 +46,7 @@ def test_decode_contiguous_and_paged_match_reference(sq, causal):
     lens = np.array([70, 0, 33], dtype=np.int32)
     k, v = _contiguous(rng, b, max_len, hkv, d)
     q = rng.uniform(-1, 1, (b, sq, hq, d)).astype(np.float32)
-    lens_ok = np.maximum(lens, 0)
-    lens_ok[1] = 0
-    o_ref, lse_ref = _reference(q, k, v, lens_ok, causal=causal)
+    o_ref, lse_ref = _reference(q, k, v, lens, causal=causal)
     o, lse = ioattn.decode(q, k, v, lens, causal=causal, return_lse=True)
     assert o.shape == (b, sq, hq, d) and lse.shape == (b, hq, sq)
     assert max_err(o, o_ref) < 2e-5 and max_err(lse, lse_ref) < 2e-5
@@ -211,7 +209,8 @@ def test_decode_under_a_plan_matches_and_checks_its_shape():
     plan = ioattn.plan_decode(b, hq, hkv, d, max_len, seqlen_q=2, page_size=ps, num_splits=3)
     assert isinstance(plan, ioattn.DecodePlan) and plan.num_splits == 3 and plan.device == "cpu"
     assert "num_splits=3" in repr(plan)
-    ws = np.empty(plan.workspace_bytes, dtype=np.uint8)
+    ws = ioattn.aligned_bytes(plan.workspace_bytes)
+    assert ws.ctypes.data % 64 == 0 and ws.nbytes == max(plan.workspace_bytes, 1)
     o = np.empty((b, 2, hq, d), np.float32)
     lse = np.empty((b, hq, 2), np.float32)
     got, got_lse = ioattn.decode(q, kp, vp, lens, block_table=table, causal=True, plan=plan, workspace=ws,
@@ -225,8 +224,22 @@ def test_decode_under_a_plan_matches_and_checks_its_shape():
         with pytest.raises(ioattn.Error) as e:
             ioattn.decode(q, kp, vp, lens, block_table=table, plan=plan, workspace=ws[:1])
         assert e.value.argument == "workspace"
-    with pytest.raises(ioattn.Error):  # another batch shape than the plan's
+    with pytest.raises(ioattn.Error) as e:  # another batch shape than the plan's
         ioattn.decode(q[:2], kp, vp, lens[:2], block_table=table[:2], plan=plan, workspace=ws)
+    assert e.value.argument == "plan"
+    if plan.workspace_bytes > 0:  # misaligned
+        raw = np.empty(plan.workspace_bytes + 64, dtype=np.uint8)
+        off = (-raw.ctypes.data) % 64 + 1
+        with pytest.raises(ioattn.Error) as e:
+            ioattn.decode(q, kp, vp, lens, block_table=table, plan=plan,
+                          workspace=raw[off:off + plan.workspace_bytes])
+        assert e.value.argument == "workspace"
+    with pytest.raises(ioattn.Error) as e:
+        ioattn.decode(q, kp, vp, lens, block_table=table, plan=plan, num_splits=2)
+    assert e.value.argument == "num_splits"
+    # no workspace given: decode allocates an aligned one
+    o3 = ioattn.decode(q, kp, vp, lens, block_table=table, causal=True, plan=plan)
+    assert np.array_equal(o3, want)
     with pytest.raises(TypeError):
         ioattn.decode(q, kp, vp, lens, block_table=table, workspace=ws)
     with pytest.raises(ioattn.Error) as e:
@@ -260,3 +273,6 @@ def test_decode_plan_graph_capture_torch_cuda():
     g.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, eager)
+    o_ref, _ = _reference(q.float().cpu().numpy(), k.float().cpu().numpy(), v.float().cpu().numpy(),
+                          lens.cpu().numpy())
+    assert max_err(out.float().cpu().numpy(), o_ref) < 2e-2
