@@ -463,203 +463,6 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
       if (lane == 0) mbarrier_arrive(empty);
     };
     int ring = 0;
-    // The state of the tile being computed, and the steps on it (the lambdas), for every tile.
-    int m0 = 0;                          // the tile's first query row (the masks read it)
-    [[maybe_unused]] TileSpan span{};    // kLocal only
-    float slope = 0.0f;                  // kLocal: the tile's ALiBi slope (read once per tile)
-    float o[kHeadDim / 2];  // O accumulator fragment (64 x kHeadDim per warpgroup)
-    float row_max[2];       // raw (unscaled) running max of S, per row
-    float row_sum[2];       // this thread's share of sum exp, per row
-    float s[kBlockN / 2];      // S fragment (64 x kBlockN)
-    uint32_t pf[kBlockN / 4];  // P fragment as 16-bit pairs: the A operand of P V
-    float corr[2];
-    // Whether O needs O *= corr before the next P V: false when no row of this warp changed
-    // its running max in the last softmax (corr = 1 exactly), or O is still 0 (first block).
-    bool rescale = true;
-    // kQRegs: this warp's 16 Q rows of the warpgroup's 64 as the wgmma A fragment of every
-    // k-step (the mma.m16n8k16 A layout: a0 / a1 rows g / g + 8 at dims 2t, 2t + 1, a2 / a3 the
-    // same at dims 8 + 2t), by one ldmatrix.x4 per k-step from the 128-byte-swizzled Q tile:
-    // lane L addresses row 16 w + L % 8 + 8 ((L / 8) % 2), 16-byte chunk 2 (kk % 4) + L / 16
-    // of column block kk / 4, stored at chunk ^ (row % 8). Q landed (full_q) before this tile's
-    // consumers got here; the wgmma_fence in issue_qk orders these register writes first.
-    [[maybe_unused]] uint32_t qa[kQRegs ? kHeadDim / 16 : 1][4];
-
-    // S = Q K^T for ring slot st: kHeadDim/16 k-steps, K-major A and B (kQRegs: A from qa).
-    auto issue_qk = [&](uint32_t st) {
-      wgmma_fence();
-#pragma unroll
-      for (int kk = 0; kk < kHeadDim / 16; ++kk) {
-        const uint32_t col = kk / 4, byte_in_row = (kk % 4) * 32;
-        const uint64_t bd =
-            make_desc_sw128(k_base + st * Tr::kKVBytes + col * kBlockN * 128 + byte_in_row, 16, 1024);
-        if constexpr (kQRegs) {
-          Wgmma<kBlockN, Element>::template rs<0>(s, qa[kk], bd, kk > 0 ? 1 : 0);
-        } else {
-          const uint64_t a = make_desc_sw128(q_base + col * kBlockM * 128 + byte_in_row, 16, 1024);
-          Wgmma<kBlockN, Element>::template ss<0>(s, a, bd, kk > 0 ? 1 : 0);
-        }
-      }
-      wgmma_commit();
-    };
-    // O += P V for ring slot st: kBlockN/16 k-steps, A = P from registers, V MN-major.
-    auto issue_pv = [&](uint32_t st) {
-      wgmma_fence();
-#pragma unroll
-      for (int kk = 0; kk < kBlockN / 16; ++kk) {
-        const uint64_t bd = make_desc_sw128(v_base + st * Tr::kKVBytes + kk * 16 * 128, kBlockN * 128, 1024);
-        const uint32_t a[4] = {pf[4 * kk], pf[4 * kk + 1], pf[4 * kk + 2], pf[4 * kk + 3]};
-        Wgmma<kHeadDim, Element>::template rs<1>(o, a, bd, 1);
-      }
-      wgmma_commit();
-    };
-    auto fence_s = [&]() {
-#pragma unroll
-      for (int i = 0; i < kBlockN / 2; ++i) reg_fence(s[i]);
-    };
-    auto fence_o = [&]() {
-#pragma unroll
-      for (int i = 0; i < kHeadDim / 2; ++i) reg_fence(o[i]);
-#pragma unroll
-      for (int i = 0; i < kBlockN / 4; ++i) reg_fence(pf[i]);
-    };
-    // Sets S to -inf where key >= seqlen_k or (causal) key > row + off. Key block n.
-    auto apply_mask = [&](int n) {
-      const int key0 = n * kBlockN + 2 * (lane % 4);
-#pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        const int row = m0 + row_in_tile + 8 * r;
-        if constexpr (kLocal) {  // visible: key_begin <= key < key_end
-          const int key_end = min(span.sk, row + span.win_hi + 1), key_begin = row + span.win_lo;
-#pragma unroll
-          for (int i = 0; i < kBlockN / 8; ++i) {
-#pragma unroll
-            for (int e = 0; e < 2; ++e) {
-              const int key = key0 + 8 * i + e;
-              if (key < key_begin || key >= key_end) s[4 * i + 2 * r + e] = -INFINITY;
-            }
-          }
-          continue;
-        }
-        const int key_end = kCausal ? min(p.seqlen_k, row + off + 1) : p.seqlen_k;  // visible: key < key_end
-#pragma unroll
-        for (int i = 0; i < kBlockN / 8; ++i) {
-#pragma unroll
-          for (int e = 0; e < 2; ++e)
-            if (key0 + 8 * i + e >= key_end) s[4 * i + 2 * r + e] = -INFINITY;
-        }
-      }
-    };
-    auto needs_mask = [&](int n) {
-      if constexpr (kLocal) {  // the first row's right bound is the lowest, the last row's left the highest
-        const int lo = n * kBlockN, hi = lo + kBlockN - 1;
-        return hi >= span.sk || hi > m0 + span.win_hi || lo < m0 + kBlockM - 1 + span.win_lo;
-      }
-      return (n + 1) * kBlockN > p.seqlen_k || (kCausal && (n + 1) * kBlockN - 1 > m0 + off);
-    };
-    // Online softmax on S of one key block: new row max, corr = exp(old max - new max),
-    // S <- exp(scale (S - max)), row_sum <- row_sum * corr + sum. Rows stay -inf-safe.
-    // kPoly: every kExp2PolyEvery-th group of 8 columns uses exp2_poly3 (no masked scores).
-    auto softmax = [&](auto poly_tag) {
-      constexpr bool kPoly = decltype(poly_tag)::value;
-      bool changed = false;
-#pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        float mx = row_max[r];
-#pragma unroll
-        for (int i = 0; i < kBlockN / 8; ++i) mx = fmaxf(mx, fmaxf(s[4 * i + 2 * r], s[4 * i + 2 * r + 1]));
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));  // the 4 threads of a quad share a row
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-        changed |= mx != row_max[r];
-        const float m_scaled = mx == -INFINITY ? 0.0f : mx * p.scale_log2;
-        corr[r] = exp2_approx(row_max[r] * p.scale_log2 - m_scaled);  // old max -inf -> 0
-        row_max[r] = mx;
-        float sum = 0.0f;
-#pragma unroll
-        for (int i = 0; i < kBlockN / 8; ++i) {
-#pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            float& x = s[4 * i + 2 * r + e];
-            const float arg = fmaf(x, p.scale_log2, -m_scaled);
-            if (kPoly && use_poly_exp2<Tr::kExp2PolyEvery>(i))
-              x = exp2_poly3(arg);
-            else
-              x = exp2_approx(arg);
-            sum += x;
-          }
-        }
-        row_sum[r] = row_sum[r] * corr[r] + sum;
-      }
-      rescale = !p.rescale_skip || __any_sync(0xffffffffu, changed);  // warp-uniform
-    };
-    // kLocal: softcap / ALiBi on the scores of key block n (before the mask, as on mma.sync).
-    auto modify_scores = [&](int n) {
-      const int key0 = n * kBlockN + 2 * (lane % 4);
-#pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        const int centre = m0 + row_in_tile + 8 * r + span.sk - span.sq;  // |centre - key|: the ALiBi distance
-#pragma unroll
-        for (int i = 0; i < kBlockN / 8; ++i) {
-#pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            float& x = s[4 * i + 2 * r + e];
-            float t = x * p.scale;
-            if (lp.softcap > 0.0f) t = lp.softcap * ptx::tanh_approx(t * lp.softcap_inv);
-            t -= slope * fabsf(static_cast<float>(centre - (key0 + 8 * i + e)));
-            x = t * lp.inv_scale;
-          }
-        }
-      }
-    };
-    auto mask_and_softmax = [&](int n) {
-      if constexpr (kLocal) {
-        if (lp.softcap > 0.0f || lp.alibi_slopes != nullptr) modify_scores(n);
-      }
-      if (needs_mask(n)) {
-        apply_mask(n);
-        softmax(std::false_type{});
-      } else {
-        softmax(std::true_type{});
-      }
-    };
-    auto rescale_o = [&]() {
-      if (!rescale) return;
-#pragma unroll
-      for (int i = 0; i < kHeadDim / 8; ++i) {
-        o[4 * i + 0] *= corr[0];
-        o[4 * i + 1] *= corr[0];
-        o[4 * i + 2] *= corr[1];
-        o[4 * i + 3] *= corr[1];
-      }
-    };
-    auto convert_p = [&]() {
-#pragma unroll
-      for (int j = 0; j < kBlockN / 4; ++j) pf[j] = pack2<Element>(s[2 * j], s[2 * j + 1]);
-    };
-
-
-    // One steady-state key block i of a tile at ring position `ring` (its key blocks from n_first):
-    // S_i = Q K_i^T issued with O += P_{i-1} V_{i-1}.
-    auto steady_block = [&](int i, int n_blocks, int n_first, int rot) {
-      const uint32_t st = ring_stage(ring + i, kStages), prev = ring_stage(ring + i - 1, kStages);
-      // O to the max of block i-1: early, while the other warpgroup holds the tensor cores;
-      // or late, while Q K_i^T runs (FlashAttention-3's place).
-      if (p.rescale_early) rescale_o();
-      mbarrier_wait(&full_k[st], ring_phase(ring + i, kStages));
-      named_barrier_sync(sched_mine, 256);
-      issue_qk(st);
-      if (!p.rescale_early) rescale_o();
-      mbarrier_wait(&full_v[prev], ring_phase(ring + i - 1, kStages));
-      issue_pv(prev);
-      named_barrier_arrive(sched_other, 256);
-      wgmma_wait<1>();  // S_i ready (P V may still run)
-      fence_s();
-      release(&empty_k[st]);
-      mask_and_softmax(n_first + key_block(i, n_blocks, rot));
-      wgmma_wait<0>();  // P_{i-1} V_{i-1} done: pf and the V slot are free
-      fence_o();
-      release(&empty_v[prev]);
-      convert_p();
-    };
 
     for (int round = 0;; ++round) {
       mbarrier_wait(&full_q, round & 1);  // this tile's index, and its Q when it has keys
@@ -673,8 +476,9 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
       const int t = __shfl_sync(0xffffffffu, slot, 0);
       if (t >= p.num_tiles) break;
       const TileCoord tc = decode_tile<kCausal>(t, p);
-      m0 = tc.m_block * kBlockM;
+      const int m0 = tc.m_block * kBlockM;
       int n_first = 0, n_blocks;
+      [[maybe_unused]] TileSpan span{};  // kLocal only
       if constexpr (kLocal) {
         span = tile_span(tc.b, p, lp);
         const int2 kb = local_key_blocks<kBlockM, kBlockN>(m0, span);
@@ -684,14 +488,27 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
       }
       const int rot = key_rotation(tc.m_block, n_blocks, p);
 
+      float o[kHeadDim / 2];  // O accumulator fragment (64 x kHeadDim per warpgroup)
 #pragma unroll
       for (int i = 0; i < kHeadDim / 2; ++i) o[i] = 0.0f;
-      row_max[0] = row_max[1] = -INFINITY;
-      row_sum[0] = row_sum[1] = 0.0f;
+      float row_max[2] = {-INFINITY, -INFINITY};  // raw (unscaled) running max of S, per row
+      float row_sum[2] = {0.0f, 0.0f};            // this thread's share of sum exp, per row
 
       if (n_blocks > 0) {
-        corr[0] = corr[1] = 1.0f;
-        rescale = true;
+        float s[kBlockN / 2];      // S fragment (64 x kBlockN)
+        uint32_t pf[kBlockN / 4];  // P fragment as 16-bit pairs: the A operand of P V
+        float corr[2] = {1.0f, 1.0f};
+        // Whether O needs O *= corr before the next P V: false when no row of this warp changed
+        // its running max in the last softmax (corr = 1 exactly), or O is still 0 (first block).
+        bool rescale = true;
+
+        // kQRegs: this warp's 16 Q rows of the warpgroup's 64 as the wgmma A fragment of every
+        // k-step (the mma.m16n8k16 A layout: a0 / a1 rows g / g + 8 at dims 2t, 2t + 1, a2 / a3 the
+        // same at dims 8 + 2t), by one ldmatrix.x4 per k-step from the 128-byte-swizzled Q tile:
+        // lane L addresses row 16 w + L % 8 + 8 ((L / 8) % 2), 16-byte chunk 2 (kk % 4) + L / 16
+        // of column block kk / 4, stored at chunk ^ (row % 8). Q landed (full_q) before this tile's
+        // consumers got here; the wgmma_fence in issue_qk orders these register writes first.
+        [[maybe_unused]] uint32_t qa[kQRegs ? kHeadDim / 16 : 1][4];
         if constexpr (kQRegs) {
           const int qrow = warp * 16 + (lane % 8) + 8 * ((lane / 8) % 2);  // row within the warpgroup's 64
 #pragma unroll
@@ -700,10 +517,161 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
             ptx::ldmatrix_x4(qa[kk], q_base + (kk / 4) * kBlockM * 128 + qrow * 128 + ((chunk ^ (qrow % 8)) << 4));
           }
         }
-        slope = 0.0f;
+        // S = Q K^T for ring slot st: kHeadDim/16 k-steps, K-major A and B (kQRegs: A from qa).
+        auto issue_qk = [&](uint32_t st) {
+          wgmma_fence();
+#pragma unroll
+          for (int kk = 0; kk < kHeadDim / 16; ++kk) {
+            const uint32_t col = kk / 4, byte_in_row = (kk % 4) * 32;
+            const uint64_t bd =
+                make_desc_sw128(k_base + st * Tr::kKVBytes + col * kBlockN * 128 + byte_in_row, 16, 1024);
+            if constexpr (kQRegs) {
+              Wgmma<kBlockN, Element>::template rs<0>(s, qa[kk], bd, kk > 0 ? 1 : 0);
+            } else {
+              const uint64_t a = make_desc_sw128(q_base + col * kBlockM * 128 + byte_in_row, 16, 1024);
+              Wgmma<kBlockN, Element>::template ss<0>(s, a, bd, kk > 0 ? 1 : 0);
+            }
+          }
+          wgmma_commit();
+        };
+        // O += P V for ring slot st: kBlockN/16 k-steps, A = P from registers, V MN-major.
+        auto issue_pv = [&](uint32_t st) {
+          wgmma_fence();
+#pragma unroll
+          for (int kk = 0; kk < kBlockN / 16; ++kk) {
+            const uint64_t bd = make_desc_sw128(v_base + st * Tr::kKVBytes + kk * 16 * 128, kBlockN * 128, 1024);
+            const uint32_t a[4] = {pf[4 * kk], pf[4 * kk + 1], pf[4 * kk + 2], pf[4 * kk + 3]};
+            Wgmma<kHeadDim, Element>::template rs<1>(o, a, bd, 1);
+          }
+          wgmma_commit();
+        };
+        auto fence_s = [&]() {
+#pragma unroll
+          for (int i = 0; i < kBlockN / 2; ++i) reg_fence(s[i]);
+        };
+        auto fence_o = [&]() {
+#pragma unroll
+          for (int i = 0; i < kHeadDim / 2; ++i) reg_fence(o[i]);
+#pragma unroll
+          for (int i = 0; i < kBlockN / 4; ++i) reg_fence(pf[i]);
+        };
+        // Sets S to -inf where key >= seqlen_k or (causal) key > row + off. Key block n.
+        auto apply_mask = [&](int n) {
+          const int key0 = n * kBlockN + 2 * (lane % 4);
+#pragma unroll
+          for (int r = 0; r < 2; ++r) {
+            const int row = m0 + row_in_tile + 8 * r;
+            if constexpr (kLocal) {  // visible: key_begin <= key < key_end
+              const int key_end = min(span.sk, row + span.win_hi + 1), key_begin = row + span.win_lo;
+#pragma unroll
+              for (int i = 0; i < kBlockN / 8; ++i) {
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                  const int key = key0 + 8 * i + e;
+                  if (key < key_begin || key >= key_end) s[4 * i + 2 * r + e] = -INFINITY;
+                }
+              }
+              continue;
+            }
+            const int key_end = kCausal ? min(p.seqlen_k, row + off + 1) : p.seqlen_k;  // visible: key < key_end
+#pragma unroll
+            for (int i = 0; i < kBlockN / 8; ++i) {
+#pragma unroll
+              for (int e = 0; e < 2; ++e)
+                if (key0 + 8 * i + e >= key_end) s[4 * i + 2 * r + e] = -INFINITY;
+            }
+          }
+        };
+        auto needs_mask = [&](int n) {
+          if constexpr (kLocal) {  // the first row's right bound is the lowest, the last row's left the highest
+            const int lo = n * kBlockN, hi = lo + kBlockN - 1;
+            return hi >= span.sk || hi > m0 + span.win_hi || lo < m0 + kBlockM - 1 + span.win_lo;
+          }
+          return (n + 1) * kBlockN > p.seqlen_k || (kCausal && (n + 1) * kBlockN - 1 > m0 + off);
+        };
+        // Online softmax on S of one key block: new row max, corr = exp(old max - new max),
+        // S <- exp(scale (S - max)), row_sum <- row_sum * corr + sum. Rows stay -inf-safe.
+        // kPoly: every kExp2PolyEvery-th group of 8 columns uses exp2_poly3 (no masked scores).
+        auto softmax = [&](auto poly_tag) {
+          constexpr bool kPoly = decltype(poly_tag)::value;
+          bool changed = false;
+#pragma unroll
+          for (int r = 0; r < 2; ++r) {
+            float mx = row_max[r];
+#pragma unroll
+            for (int i = 0; i < kBlockN / 8; ++i) mx = fmaxf(mx, fmaxf(s[4 * i + 2 * r], s[4 * i + 2 * r + 1]));
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));  // the 4 threads of a quad share a row
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+            changed |= mx != row_max[r];
+            const float m_scaled = mx == -INFINITY ? 0.0f : mx * p.scale_log2;
+            corr[r] = exp2_approx(row_max[r] * p.scale_log2 - m_scaled);  // old max -inf -> 0
+            row_max[r] = mx;
+            float sum = 0.0f;
+#pragma unroll
+            for (int i = 0; i < kBlockN / 8; ++i) {
+#pragma unroll
+              for (int e = 0; e < 2; ++e) {
+                float& x = s[4 * i + 2 * r + e];
+                const float arg = fmaf(x, p.scale_log2, -m_scaled);
+                if (kPoly && use_poly_exp2<Tr::kExp2PolyEvery>(i))
+                  x = exp2_poly3(arg);
+                else
+                  x = exp2_approx(arg);
+                sum += x;
+              }
+            }
+            row_sum[r] = row_sum[r] * corr[r] + sum;
+          }
+          rescale = !p.rescale_skip || __any_sync(0xffffffffu, changed);  // warp-uniform
+        };
+        // kLocal: softcap / ALiBi on the scores of key block n (before the mask, as on mma.sync).
+        float slope = 0.0f;  // kLocal: this tile's ALiBi slope (read once per tile)
         if constexpr (kLocal) {
           if (lp.alibi_slopes != nullptr) slope = lp.alibi_slopes[tc.h];
         }
+        auto modify_scores = [&](int n) {
+          const int key0 = n * kBlockN + 2 * (lane % 4);
+#pragma unroll
+          for (int r = 0; r < 2; ++r) {
+            const int centre = m0 + row_in_tile + 8 * r + span.sk - span.sq;  // |centre - key|: the ALiBi distance
+#pragma unroll
+            for (int i = 0; i < kBlockN / 8; ++i) {
+#pragma unroll
+              for (int e = 0; e < 2; ++e) {
+                float& x = s[4 * i + 2 * r + e];
+                float t = x * p.scale;
+                if (lp.softcap > 0.0f) t = lp.softcap * ptx::tanh_approx(t * lp.softcap_inv);
+                t -= slope * fabsf(static_cast<float>(centre - (key0 + 8 * i + e)));
+                x = t * lp.inv_scale;
+              }
+            }
+          }
+        };
+        auto mask_and_softmax = [&](int n) {
+          if constexpr (kLocal) {
+            if (lp.softcap > 0.0f || lp.alibi_slopes != nullptr) modify_scores(n);
+          }
+          if (needs_mask(n)) {
+            apply_mask(n);
+            softmax(std::false_type{});
+          } else {
+            softmax(std::true_type{});
+          }
+        };
+        auto rescale_o = [&]() {
+          if (!rescale) return;
+#pragma unroll
+          for (int i = 0; i < kHeadDim / 8; ++i) {
+            o[4 * i + 0] *= corr[0];
+            o[4 * i + 1] *= corr[0];
+            o[4 * i + 2] *= corr[1];
+            o[4 * i + 3] *= corr[1];
+          }
+        };
+        auto convert_p = [&]() {
+#pragma unroll
+          for (int j = 0; j < kBlockN / 4; ++j) pf[j] = pack2<Element>(s[2 * j], s[2 * j + 1]);
+        };
 
         // ---- first key block (the last one in key order) ----
         {
@@ -721,7 +689,27 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         }
 
         // ---- steady state: S_i = Q K_i^T issued with O += P_{i-1} V_{i-1} ----
-        for (int i = 1; i < n_blocks; ++i) steady_block(i, n_blocks, n_first, rot);
+        for (int i = 1; i < n_blocks; ++i) {
+          const uint32_t st = ring_stage(ring + i, kStages), prev = ring_stage(ring + i - 1, kStages);
+          // O to the max of block i-1: early, while the other warpgroup holds the tensor cores;
+          // or late, while Q K_i^T runs (FlashAttention-3's place).
+          if (p.rescale_early) rescale_o();
+          mbarrier_wait(&full_k[st], ring_phase(ring + i, kStages));
+          named_barrier_sync(sched_mine, 256);
+          issue_qk(st);
+          if (!p.rescale_early) rescale_o();
+          mbarrier_wait(&full_v[prev], ring_phase(ring + i - 1, kStages));
+          issue_pv(prev);
+          named_barrier_arrive(sched_other, 256);
+          wgmma_wait<1>();  // S_i ready (P V may still run)
+          fence_s();
+          release(&empty_k[st]);
+          mask_and_softmax(n_first + key_block(i, n_blocks, rot));
+          wgmma_wait<0>();  // P_{i-1} V_{i-1} done: pf and the V slot are free
+          fence_o();
+          release(&empty_v[prev]);
+          convert_p();
+        }
         release(&empty_q);  // every Q K^T of this tile has completed: the producer may load the next Q
 
         // ---- last P V ----

@@ -115,185 +115,135 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     const uint32_t v_base = smem_u32(s_v);
     int ring = 0, q_iter = 0;
 
-    int m0 = 0;             // the current tile's first query row (the masks read it)
-    float o[kHeadDim / 2];  // O accumulator fragment (64 x kHeadDim per warpgroup)
-    float row_max[2];       // raw (unscaled) running max of S, per row
-    float row_sum[2];       // this thread's share of sum exp, per row
-    float s[kBlockN / 2];      // S fragment (64 x kBlockN)
-    uint32_t pf[kBlockN / 4];  // P fragment as 16-bit pairs: the A operand of P V
-    float corr[2];
-
-    // S = Q K^T for ring slot st: kHeadDim/16 k-steps, K-major A and B.
-    auto issue_qk = [&](uint32_t st) {
-      wgmma_fence();
-#pragma unroll
-      for (int kk = 0; kk < kHeadDim / 16; ++kk) {
-        const uint32_t col = kk / 4, byte_in_row = (kk % 4) * 32;
-        const uint64_t a = make_desc_sw128(q_base + col * kBlockM * 128 + byte_in_row, 16, 1024);
-        const uint64_t bd =
-            make_desc_sw128(k_base + st * Tr::kKVBytes + col * kBlockN * 128 + byte_in_row, 16, 1024);
-        Wgmma<kBlockN, Element>::template ss<0>(s, a, bd, kk > 0 ? 1 : 0);
-      }
-      wgmma_commit();
-    };
-    // O += P V for ring slot st: kBlockN/16 k-steps, A = P from registers, V MN-major.
-    auto issue_pv = [&](uint32_t st) {
-      wgmma_fence();
-#pragma unroll
-      for (int kk = 0; kk < kBlockN / 16; ++kk) {
-        const uint64_t bd = make_desc_sw128(v_base + st * Tr::kKVBytes + kk * 16 * 128, kBlockN * 128, 1024);
-        const uint32_t a[4] = {pf[4 * kk], pf[4 * kk + 1], pf[4 * kk + 2], pf[4 * kk + 3]};
-        Wgmma<kHeadDim, Element>::template rs<1>(o, a, bd, 1);
-      }
-      wgmma_commit();
-    };
-    // Lets the producer refill a buffer: one arrival per consumer warp.
-    auto release = [&](uint64_t* empty) {
-      __syncwarp();
-      if (lane == 0) mbarrier_arrive(empty);
-    };
-    auto fence_s = [&]() {
-#pragma unroll
-      for (int i = 0; i < kBlockN / 2; ++i) reg_fence(s[i]);
-    };
-    auto fence_o = [&]() {
-#pragma unroll
-      for (int i = 0; i < kHeadDim / 2; ++i) reg_fence(o[i]);
-#pragma unroll
-      for (int i = 0; i < kBlockN / 4; ++i) reg_fence(pf[i]);
-    };
-    // Sets S to -inf where key >= seqlen_k or (causal) key > row + off. Key block n.
-    auto apply_mask = [&](int n) {
-      const int key0 = n * kBlockN + 2 * (lane % 4);
-#pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        const int row = m0 + row_in_tile + 8 * r;
-        const int key_end = kCausal ? min(p.seqlen_k, row + off + 1) : p.seqlen_k;  // visible: key < key_end
-#pragma unroll
-        for (int i = 0; i < kBlockN / 8; ++i) {
-#pragma unroll
-          for (int e = 0; e < 2; ++e)
-            if (key0 + 8 * i + e >= key_end) s[4 * i + 2 * r + e] = -INFINITY;
-        }
-      }
-    };
-    auto needs_mask = [&](int n) {
-      return (n + 1) * kBlockN > p.seqlen_k || (kCausal && (n + 1) * kBlockN - 1 > m0 + off);
-    };
-    // Online softmax on S of one key block: new row max, corr = exp(old max - new max),
-    // S <- exp(scale (S - max)), row_sum <- row_sum * corr + sum. Rows stay -inf-safe.
-    // kPoly: every kExp2PolyEvery-th group of 8 columns uses exp2_poly3 (no masked scores).
-    auto softmax = [&](auto poly_tag) {
-      constexpr bool kPoly = decltype(poly_tag)::value;
-#pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        float mx = row_max[r];
-#pragma unroll
-        for (int i = 0; i < kBlockN / 8; ++i) mx = fmaxf(mx, fmaxf(s[4 * i + 2 * r], s[4 * i + 2 * r + 1]));
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));  // the 4 threads of a quad share a row
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-        const float m_scaled = mx == -INFINITY ? 0.0f : mx * p.scale_log2;
-        corr[r] = exp2_approx(row_max[r] * p.scale_log2 - m_scaled);  // old max -inf -> 0
-        row_max[r] = mx;
-        float sum = 0.0f;
-#pragma unroll
-        for (int i = 0; i < kBlockN / 8; ++i) {
-#pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            float& x = s[4 * i + 2 * r + e];
-            const float arg = fmaf(x, p.scale_log2, -m_scaled);
-            if (kPoly && use_poly_exp2<Tr::kExp2PolyEvery>(i))
-              x = exp2_poly3(arg);
-            else
-              x = exp2_approx(arg);
-            sum += x;
-          }
-        }
-        row_sum[r] = row_sum[r] * corr[r] + sum;
-      }
-    };
-    auto mask_and_softmax = [&](int n) {
-      if (needs_mask(n)) {
-        apply_mask(n);
-        softmax(std::false_type{});
-      } else {
-        softmax(std::true_type{});
-      }
-    };
-    auto rescale_o = [&]() {
-#pragma unroll
-      for (int i = 0; i < kHeadDim / 8; ++i) {
-        o[4 * i + 0] *= corr[0];
-        o[4 * i + 1] *= corr[0];
-        o[4 * i + 2] *= corr[1];
-        o[4 * i + 3] *= corr[1];
-      }
-    };
-    auto convert_p = [&]() {
-#pragma unroll
-      for (int j = 0; j < kBlockN / 4; ++j) pf[j] = pack2<Element>(s[2 * j], s[2 * j + 1]);
-    };
-
-    // O /= row sum, LSE = scale * max + log(sum); stored straight from registers (the tile at
-    // (c, mm0) with row sums / maxima rs / rm).
-    auto store_tile = [&](const TileCoord& c, int mm0, const float(&rs)[2], const float(&rm)[2]) {
-#pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        float sum = rs[r];
-        sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-        sum += __shfl_xor_sync(0xffffffffu, sum, 2);
-        const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
-        const int row = mm0 + row_in_tile + 8 * r;
-        if (row < p.seqlen_q) {
-          Element* orow =
-              static_cast<Element*>(p.o) + c.b * p.o_batch + row * p.o_seq + c.h * p.o_head + 2 * (lane % 4);
-#pragma unroll
-          for (int i = 0; i < kHeadDim / 8; ++i)
-            *reinterpret_cast<uint32_t*>(orow + 8 * i) =
-                pack2<Element>(o[4 * i + 2 * r] * inv, o[4 * i + 2 * r + 1] * inv);
-          if (p.lse != nullptr && lane % 4 == 0)
-            p.lse[c.b * p.lse_batch + c.h * p.lse_head + row * p.lse_seq] =
-                sum > 0.0f ? rm[r] * p.scale + logf(sum) : -INFINITY;
-        }
-      }
-    };
-
-    // One steady-state key block i of a tile at ring position `ring`: S_i = Q K_i^T issued with
-    // O += P_{i-1} V_{i-1}.
-    auto steady_block = [&](int i, int n_blocks, int rot) {
-      const uint32_t st = ring_stage(ring + i, kStages), prev = ring_stage(ring + i - 1, kStages);
-      mbarrier_wait(&full_k[st], ring_phase(ring + i, kStages));
-      named_barrier_sync(sched_mine, 256);
-      issue_qk(st);
-      rescale_o();  // O to the max of block i-1, while Q K_i^T runs
-      mbarrier_wait(&full_v[prev], ring_phase(ring + i - 1, kStages));
-      issue_pv(prev);
-      named_barrier_arrive(sched_other, 256);
-      wgmma_wait<1>();  // S_i ready (P V may still run)
-      fence_s();
-      release(&empty_k[st]);
-      mask_and_softmax(key_block(i, n_blocks, rot));
-      wgmma_wait<0>();  // P_{i-1} V_{i-1} done: pf and the V slot are free
-      fence_o();
-      release(&empty_v[prev]);
-      convert_p();
-    };
-
     for (int round = 0; round * static_cast<int>(gridDim.x) < p.num_tiles; ++round) {
       const int t = tile_of_round(round, p.zigzag);
       if (t >= p.num_tiles) continue;
       const TileCoord tc = decode_tile<kCausal>(t, p);
-      m0 = tc.m_block * kBlockM;
+      const int m0 = tc.m_block * kBlockM;
       const int n_blocks = num_key_blocks<kBlockM, kBlockN, kCausal>(m0, p.seqlen_q, p.seqlen_k);
       const int rot = key_rotation(tc.m_block, n_blocks, p);
 
+      float o[kHeadDim / 2];  // O accumulator fragment (64 x kHeadDim per warpgroup)
 #pragma unroll
       for (int i = 0; i < kHeadDim / 2; ++i) o[i] = 0.0f;
-      row_max[0] = row_max[1] = -INFINITY;
-      row_sum[0] = row_sum[1] = 0.0f;
+      float row_max[2] = {-INFINITY, -INFINITY};  // raw (unscaled) running max of S, per row
+      float row_sum[2] = {0.0f, 0.0f};            // this thread's share of sum exp, per row
 
       if (n_blocks > 0) {
-        corr[0] = corr[1] = 1.0f;
+        float s[kBlockN / 2];      // S fragment (64 x kBlockN)
+        uint32_t pf[kBlockN / 4];  // P fragment as 16-bit pairs: the A operand of P V
+        float corr[2] = {1.0f, 1.0f};
+
+        // S = Q K^T for ring slot st: kHeadDim/16 k-steps, K-major A and B.
+        auto issue_qk = [&](uint32_t st) {
+          wgmma_fence();
+#pragma unroll
+          for (int kk = 0; kk < kHeadDim / 16; ++kk) {
+            const uint32_t col = kk / 4, byte_in_row = (kk % 4) * 32;
+            const uint64_t a = make_desc_sw128(q_base + col * kBlockM * 128 + byte_in_row, 16, 1024);
+            const uint64_t bd =
+                make_desc_sw128(k_base + st * Tr::kKVBytes + col * kBlockN * 128 + byte_in_row, 16, 1024);
+            Wgmma<kBlockN, Element>::template ss<0>(s, a, bd, kk > 0 ? 1 : 0);
+          }
+          wgmma_commit();
+        };
+        // O += P V for ring slot st: kBlockN/16 k-steps, A = P from registers, V MN-major.
+        auto issue_pv = [&](uint32_t st) {
+          wgmma_fence();
+#pragma unroll
+          for (int kk = 0; kk < kBlockN / 16; ++kk) {
+            const uint64_t bd = make_desc_sw128(v_base + st * Tr::kKVBytes + kk * 16 * 128, kBlockN * 128, 1024);
+            const uint32_t a[4] = {pf[4 * kk], pf[4 * kk + 1], pf[4 * kk + 2], pf[4 * kk + 3]};
+            Wgmma<kHeadDim, Element>::template rs<1>(o, a, bd, 1);
+          }
+          wgmma_commit();
+        };
+        // Lets the producer refill a buffer: one arrival per consumer warp.
+        auto release = [&](uint64_t* empty) {
+          __syncwarp();
+          if (lane == 0) mbarrier_arrive(empty);
+        };
+        auto fence_s = [&]() {
+#pragma unroll
+          for (int i = 0; i < kBlockN / 2; ++i) reg_fence(s[i]);
+        };
+        auto fence_o = [&]() {
+#pragma unroll
+          for (int i = 0; i < kHeadDim / 2; ++i) reg_fence(o[i]);
+#pragma unroll
+          for (int i = 0; i < kBlockN / 4; ++i) reg_fence(pf[i]);
+        };
+        // Sets S to -inf where key >= seqlen_k or (causal) key > row + off. Key block n.
+        auto apply_mask = [&](int n) {
+          const int key0 = n * kBlockN + 2 * (lane % 4);
+#pragma unroll
+          for (int r = 0; r < 2; ++r) {
+            const int row = m0 + row_in_tile + 8 * r;
+            const int key_end = kCausal ? min(p.seqlen_k, row + off + 1) : p.seqlen_k;  // visible: key < key_end
+#pragma unroll
+            for (int i = 0; i < kBlockN / 8; ++i) {
+#pragma unroll
+              for (int e = 0; e < 2; ++e)
+                if (key0 + 8 * i + e >= key_end) s[4 * i + 2 * r + e] = -INFINITY;
+            }
+          }
+        };
+        auto needs_mask = [&](int n) {
+          return (n + 1) * kBlockN > p.seqlen_k || (kCausal && (n + 1) * kBlockN - 1 > m0 + off);
+        };
+        // Online softmax on S of one key block: new row max, corr = exp(old max - new max),
+        // S <- exp(scale (S - max)), row_sum <- row_sum * corr + sum. Rows stay -inf-safe.
+        // kPoly: every kExp2PolyEvery-th group of 8 columns uses exp2_poly3 (no masked scores).
+        auto softmax = [&](auto poly_tag) {
+          constexpr bool kPoly = decltype(poly_tag)::value;
+#pragma unroll
+          for (int r = 0; r < 2; ++r) {
+            float mx = row_max[r];
+#pragma unroll
+            for (int i = 0; i < kBlockN / 8; ++i) mx = fmaxf(mx, fmaxf(s[4 * i + 2 * r], s[4 * i + 2 * r + 1]));
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));  // the 4 threads of a quad share a row
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+            const float m_scaled = mx == -INFINITY ? 0.0f : mx * p.scale_log2;
+            corr[r] = exp2_approx(row_max[r] * p.scale_log2 - m_scaled);  // old max -inf -> 0
+            row_max[r] = mx;
+            float sum = 0.0f;
+#pragma unroll
+            for (int i = 0; i < kBlockN / 8; ++i) {
+#pragma unroll
+              for (int e = 0; e < 2; ++e) {
+                float& x = s[4 * i + 2 * r + e];
+                const float arg = fmaf(x, p.scale_log2, -m_scaled);
+                if (kPoly && use_poly_exp2<Tr::kExp2PolyEvery>(i))
+                  x = exp2_poly3(arg);
+                else
+                  x = exp2_approx(arg);
+                sum += x;
+              }
+            }
+            row_sum[r] = row_sum[r] * corr[r] + sum;
+          }
+        };
+        auto mask_and_softmax = [&](int n) {
+          if (needs_mask(n)) {
+            apply_mask(n);
+            softmax(std::false_type{});
+          } else {
+            softmax(std::true_type{});
+          }
+        };
+        auto rescale_o = [&]() {
+#pragma unroll
+          for (int i = 0; i < kHeadDim / 8; ++i) {
+            o[4 * i + 0] *= corr[0];
+            o[4 * i + 1] *= corr[0];
+            o[4 * i + 2] *= corr[1];
+            o[4 * i + 3] *= corr[1];
+          }
+        };
+        auto convert_p = [&]() {
+#pragma unroll
+          for (int j = 0; j < kBlockN / 4; ++j) pf[j] = pack2<Element>(s[2 * j], s[2 * j + 1]);
+        };
 
         // ---- first key block (the last one in key order) ----
         mbarrier_wait(&full_q, q_iter & 1);
@@ -311,7 +261,24 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         }
 
         // ---- steady state: S_i = Q K_i^T issued with O += P_{i-1} V_{i-1} ----
-        for (int i = 1; i < n_blocks; ++i) steady_block(i, n_blocks, rot);
+        for (int i = 1; i < n_blocks; ++i) {
+          const uint32_t st = ring_stage(ring + i, kStages), prev = ring_stage(ring + i - 1, kStages);
+          mbarrier_wait(&full_k[st], ring_phase(ring + i, kStages));
+          named_barrier_sync(sched_mine, 256);
+          issue_qk(st);
+          rescale_o();  // O to the max of block i-1, while Q K_i^T runs
+          mbarrier_wait(&full_v[prev], ring_phase(ring + i - 1, kStages));
+          issue_pv(prev);
+          named_barrier_arrive(sched_other, 256);
+          wgmma_wait<1>();  // S_i ready (P V may still run)
+          fence_s();
+          release(&empty_k[st]);
+          mask_and_softmax(key_block(i, n_blocks, rot));
+          wgmma_wait<0>();  // P_{i-1} V_{i-1} done: pf and the V slot are free
+          fence_o();
+          release(&empty_v[prev]);
+          convert_p();
+        }
         release(&empty_q);  // every Q K^T of this tile has completed: the producer may load the next Q
 
         // ---- last P V ----
@@ -330,8 +297,26 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         ++q_iter;
       }
 
-      // ---- epilogue ----
-      store_tile(tc, m0, row_sum, row_max);
+      // ---- epilogue: O /= row sum, LSE = scale * max + log(sum); stored straight from registers
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        float sum = row_sum[r];
+        sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+        sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+        const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
+        const int row = m0 + row_in_tile + 8 * r;
+        if (row < p.seqlen_q) {
+          Element* orow =
+              static_cast<Element*>(p.o) + tc.b * p.o_batch + row * p.o_seq + tc.h * p.o_head + 2 * (lane % 4);
+#pragma unroll
+          for (int i = 0; i < kHeadDim / 8; ++i)
+            *reinterpret_cast<uint32_t*>(orow + 8 * i) =
+                pack2<Element>(o[4 * i + 2 * r] * inv, o[4 * i + 2 * r + 1] * inv);
+          if (p.lse != nullptr && lane % 4 == 0)
+            p.lse[tc.b * p.lse_batch + tc.h * p.lse_head + row * p.lse_seq] =
+                sum > 0.0f ? row_max[r] * p.scale + logf(sum) : -INFINITY;
+        }
+      }
     }
     if (cw == 0) named_barrier_sync(static_cast<int>(NamedBarrier::kSchedWG0), 256);  // the extra arrival
   }
