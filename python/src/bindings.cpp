@@ -416,7 +416,9 @@ nb::dict online_softmax_example(const std::vector<double>& scores, const std::ve
 
 // ---- serving: decode against a (paged) KV cache, append_kv, merge_states -----------------
 
-ioattn::KVCache make_cache(const InArray& k_cache, const InArray& v_cache, const std::optional<InArray>& cache_seqlens,
+// The cache views (append_kv writes the caches, decode reads them: either array kind).
+template <typename Array>
+ioattn::KVCache make_cache(const Array& k_cache, const Array& v_cache, const std::optional<InArray>& cache_seqlens,
                            const std::optional<InArray>& block_table, const std::optional<InArray>& k_scale,
                            const std::optional<InArray>& v_scale, bool u16_is_bf16, bool u8_is_e4m3) {
   ioattn::KVCache c;
@@ -429,25 +431,45 @@ ioattn::KVCache make_cache(const InArray& k_cache, const InArray& v_cache, const
   return c;
 }
 
+// Everything a decode call takes but the plan / split count: decode and decode_planned alike.
+struct DecodeCall {
+  Options opt;
+  ioattn::KVCache cache;
+  ioattn::TensorView q, o, lse;
+};
+
+DecodeCall make_decode_call(const InArray& q, const InArray& k_cache, const InArray& v_cache,
+                            const InArray& cache_seqlens, const OutArray& o, const std::optional<OutArray>& lse,
+                            const std::optional<InArray>& block_table, const std::optional<InArray>& k_scale,
+                            const std::optional<InArray>& v_scale, float scale, bool causal, int64_t window_left,
+                            int64_t window_right, float softcap, const std::optional<InArray>& alibi_slopes,
+                            const std::optional<InArray>& sinks, uintptr_t stream, int num_threads,
+                            bool u16_is_bf16, bool u8_is_e4m3) {
+  DecodeCall d{make_options(scale, causal, window_left, window_right, softcap, alibi_slopes, sinks, "auto", stream,
+                            num_threads),
+               make_cache(k_cache, v_cache, std::optional<InArray>(cache_seqlens), block_table, k_scale, v_scale,
+                          u16_is_bf16, u8_is_e4m3),
+               to_view(q, "q", Kind::floating, u16_is_bf16),
+               to_view(o, "o", Kind::floating, u16_is_bf16),
+               lse ? to_view(*lse, "lse", Kind::f32_only, false) : ioattn::TensorView{}};
+  return d;
+}
+
 Choice decode(const InArray& q, const InArray& k_cache, const InArray& v_cache, const InArray& cache_seqlens,
               const OutArray& o, const std::optional<OutArray>& lse, const std::optional<InArray>& block_table,
               const std::optional<InArray>& k_scale, const std::optional<InArray>& v_scale, float scale,
               bool causal, int64_t window_left, int64_t window_right, float softcap,
               const std::optional<InArray>& alibi_slopes, const std::optional<InArray>& sinks, int num_splits,
               uintptr_t stream, int num_threads, bool u16_is_bf16, bool u8_is_e4m3) {
-  const Options opt = make_options(scale, causal, window_left, window_right, softcap, alibi_slopes, sinks, "auto",
-                                   stream, num_threads);
-  const ioattn::KVCache cache =
-      make_cache(k_cache, v_cache, cache_seqlens, block_table, k_scale, v_scale, u16_is_bf16, u8_is_e4m3);
-  const ioattn::TensorView qv = to_view(q, "q", Kind::floating, u16_is_bf16);
-  const ioattn::TensorView ov = to_view(o, "o", Kind::floating, u16_is_bf16);
-  const ioattn::TensorView lv = lse ? to_view(*lse, "lse", Kind::f32_only, false) : ioattn::TensorView{};
+  const DecodeCall d = make_decode_call(q, k_cache, v_cache, cache_seqlens, o, lse, block_table, k_scale, v_scale,
+                                        scale, causal, window_left, window_right, softcap, alibi_slopes, sinks,
+                                        stream, num_threads, u16_is_bf16, u8_is_e4m3);
   ioattn::DecodeOptions dopt;
   dopt.num_splits = num_splits;
   ioattn::KernelChoice c;
   {
     nb::gil_scoped_release nogil;
-    c = ioattn::decode(qv, cache, ov, lv, opt.params, dopt, opt.ctx);
+    c = ioattn::decode(d.q, d.cache, d.o, d.lse, d.opt.params, dopt, d.opt.ctx);
   }
   return {c.kernel, c.reason};
 }
@@ -485,13 +507,10 @@ Choice decode_planned(const InArray& q, const InArray& k_cache, const InArray& v
                       bool causal, int64_t window_left, int64_t window_right, float softcap,
                       const std::optional<InArray>& alibi_slopes, const std::optional<InArray>& sinks,
                       uintptr_t stream, int num_threads, bool u16_is_bf16, bool u8_is_e4m3) {
-  const Options opt = make_options(scale, causal, window_left, window_right, softcap, alibi_slopes, sinks, "auto",
-                                   stream, num_threads);
-  const ioattn::KVCache cache =
-      make_cache(k_cache, v_cache, cache_seqlens, block_table, k_scale, v_scale, u16_is_bf16, u8_is_e4m3);
-  const ioattn::TensorView qv = to_view(q, "q", Kind::floating, u16_is_bf16);
-  const ioattn::TensorView ov = to_view(o, "o", Kind::floating, u16_is_bf16);
-  const ioattn::TensorView lv = lse ? to_view(*lse, "lse", Kind::f32_only, false) : ioattn::TensorView{};
+  const DecodeCall d = make_decode_call(q, k_cache, v_cache, cache_seqlens, o, lse, block_table, k_scale, v_scale,
+                                        scale, causal, window_left, window_right, softcap, alibi_slopes, sinks,
+                                        stream, num_threads, u16_is_bf16, u8_is_e4m3);
+  const ioattn::TensorView& qv = d.q;
   if (workspace.nbytes() < plan.workspace_bytes)
     fail("workspace", "at least plan.workspace_bytes = " + std::to_string(plan.workspace_bytes) + " bytes",
          std::to_string(workspace.nbytes()) + " bytes");
@@ -511,7 +530,7 @@ Choice decode_planned(const InArray& q, const InArray& k_cache, const InArray& v
   ioattn::KernelChoice c;
   {
     nb::gil_scoped_release nogil;
-    c = ioattn::decode(qv, cache, ov, lv, opt.params, plan, workspace.data(), opt.ctx);
+    c = ioattn::decode(d.q, d.cache, d.o, d.lse, d.opt.params, plan, workspace.data(), d.opt.ctx);
   }
   return {c.kernel, c.reason};
 }
@@ -519,11 +538,8 @@ Choice decode_planned(const InArray& q, const InArray& k_cache, const InArray& v
 Choice append_kv(const InArray& k_new, const InArray& v_new, const InArray& slot_mapping, const OutArray& k_cache,
                  const OutArray& v_cache, const std::optional<InArray>& k_scale, const std::optional<InArray>& v_scale,
                  uintptr_t stream, bool u16_is_bf16, bool u8_is_e4m3) {
-  ioattn::KVCache cache;
-  cache.k_cache = to_view(k_cache, "cache.k_cache", Kind::cache, u16_is_bf16, u8_is_e4m3);
-  cache.v_cache = to_view(v_cache, "cache.v_cache", Kind::cache, u16_is_bf16, u8_is_e4m3);
-  cache.k_scale = to_view_opt(k_scale, "cache.k_scale", Kind::f32_only, false);
-  cache.v_scale = to_view_opt(v_scale, "cache.v_scale", Kind::f32_only, false);
+  const ioattn::KVCache cache =
+      make_cache(k_cache, v_cache, std::nullopt, std::nullopt, k_scale, v_scale, u16_is_bf16, u8_is_e4m3);
   const ioattn::TensorView kv = to_view(k_new, "k_new", Kind::floating, u16_is_bf16);
   const ioattn::TensorView vv = to_view(v_new, "v_new", Kind::floating, u16_is_bf16);
   const ioattn::TensorView sv = to_view(slot_mapping, "slot_mapping", Kind::slots, false);
