@@ -461,46 +461,6 @@ TEST(CudaDecode, FiveStageRingEqualsDefaultBitwise) {
                              });
 }
 
-// IOATTN_DECODE_PERSIST=1 (bf16/f16 q and cache, head_dim 128, the 3-stage ring): persistent CTAs
-// claim the (sequence, kv head, split, row block) items from a counter and run one cp.async ring
-// across them. Same tiles in the same order within an item: bitwise equal to the default kernel
-// with the same splits. On 3 CTAs (IOATTN_DECODE_PERSIST_CTAS=3) every CTA walks dozens of items:
-// runs of one-tile and empty items (the claim pipeline's lead), partial last tiles, a bad
-// block-table entry; and on the device's full grid.
-TEST(CudaDecode, PersistentEqualsDefaultBitwise) {
-  SKIP_WITHOUT_GPU();
-  auto base = [](const KernelChoice& k) { EXPECT_EQ(k.kernel.find(" persist"), std::string::npos) << k.kernel; };
-  auto var = [](const KernelChoice& k) {
-    EXPECT_NE(k.kernel.find(" mma persist"), std::string::npos) << k.kernel;
-    EXPECT_NE(k.reason.find("IOATTN_DECODE_PERSIST=1: persistent CTAs"), std::string::npos) << k.reason;
-  };
-  for (const char* ctas : {"3", "1", static_cast<const char*>(nullptr)}) {
-    ScopedEnv cap("IOATTN_DECODE_PERSIST_CTAS", ctas);
-    expect_env_variant_bitwise("IOATTN_DECODE_PERSIST", "1", {1500, 0, 63, 64, 65, 1, 129, 700}, 37, base, var);
-    expect_env_variant_bitwise("IOATTN_DECODE_PERSIST", "1", {1, 0, 5, 64, 2, 0, 0, 3, 65, 1}, 41, base, var);
-  }
-  {  // head_dim 64: not its shape; the choice says so and the default kernel runs
-    ScopedEnv env("IOATTN_DECODE_PERSIST", "1");
-    Spec c = on_cuda(mk("persist_d64", DType::bf16));
-    c.lens = {100};
-    Built bl(c, make_values(c, 3));
-    const KernelChoice k = bl.run(1);
-    EXPECT_EQ(k.kernel.find(" persist"), std::string::npos) << k.kernel;
-    EXPECT_NE(k.reason.find("IOATTN_DECODE_PERSIST=1 does not apply"), std::string::npos) << k.reason;
-    expect_matches_reference(bl, "IOATTN_DECODE_PERSIST=1 at head_dim 64");
-  }
-  {  // its own split heuristic (items of <= 1024 keys): against the reference
-    ScopedEnv env("IOATTN_DECODE_PERSIST", "1");
-    Spec c = on_cuda(mk("persist_plan", DType::bf16));
-    c.hq = 32, c.hkv = 8, c.d = 128, c.lens = {5000, 3, 2049, 0};
-    Built bl(c, make_values(c, 43));
-    const KernelChoice k = bl.run();
-    EXPECT_NE(k.kernel.find(" mma persist"), std::string::npos) << k.kernel;
-    expect_matches_reference(bl, "IOATTN_DECODE_PERSIST=1, planned splits");
-  }
-  expect_env_rejected("IOATTN_DECODE_PERSIST", "2");
-}
-
 // ---- 8-bit KV --------------------------------------------------------------------------------
 
 // As DecodeQuant.EightBitWithinQuantisationBound (test_serving.cpp): at fp32 level against the

@@ -26,9 +26,6 @@
 #      The logs are packed into logs.tgz at the end: read them there (or grep them in the command).
 #   ncufwd (not in the default stages; ~1-2 min): Nsight Compute on one launch each of the sm90 forward's
 #      hdim-128 bf16 kernels (v3 body non-causal, v4 body causal, 8k) and the fp8 kernel -> ncu_fwd.log.
-#   persist (not in the default stages; ~2-3 min): the persistent decode kernel (IOATTN_DECODE_PERSIST=1):
-#      its bitwise test against the default kernel, then ioattn_cuda_decode_bench with and without it,
-#      alternating, GPU_CHECK_PERSIST_ROUNDS rounds (default 2) -> decode_persist.json and a table.
 #   GPU_CHECK_POWER=1 (with stage sm90): SM clock / power / throttle reasons sampled through ours and
 #      the peers' runs -> power.csv and one line per phase in the summary.
 #   interleave (~3 min per mode and distribution; the like-for-like peer table): ioattn through its Python
@@ -588,40 +585,6 @@ for line in open(sys.argv[1]):
     print(f"decode {loader:8s} b{r['batch']:<3d} kv {r['kv_len']:<6d} page {r['page_size']:<3d} {r['cache']:7s} "
           f"splits {r['splits']:<3d} {r['tbps']:.3f} TB/s")
 PY
-fi
-
-# ---- the persistent decode kernel against the default one (stage persist) -----------------------
-if want persist; then
-  if [[ -x $BUILD/test_cuda_serving ]] &&
-    bounded_test "persist test" 300 "$BUILD/test_cuda_serving" 'CudaDecode.PersistentEqualsDefaultBitwise' \
-      "$OUT/decode_persist_test.log"; then
-    t0=$(stamp)
-    for r in $(seq 1 "${GPU_CHECK_PERSIST_ROUNDS:-2}"); do
-      for mode in 0 1; do
-        echo "## round $r IOATTN_DECODE_PERSIST=$mode" >>"$OUT/decode_persist.log"
-        IOATTN_DECODE_PERSIST=$mode timeout 200 "$BUILD/ioattn_cuda_decode_bench" --pages 0,16 --caches bf16 --eager 0 \
-          --copy 0 ${GPU_CHECK_DECODE_ARGS:-} >>"$OUT/decode_persist.log" 2>&1
-      done
-    done
-    note "persist    rc=$?  $(( $(stamp) - t0 )) s  (decode_persist.log, decode_persist.json)"
-    grep '^{' "$OUT/decode_persist.log" >"$OUT/decode_persist.json"
-    python3 - "$OUT/decode_persist.json" <<'PY' | tee -a "$SUMMARY"
-import json, sys
-from collections import defaultdict
-t = defaultdict(list)  # (batch, kv, page, persist) -> TB/s per round
-for line in open(sys.argv[1]):
-    r = json.loads(line)
-    if r.get("impl") != "ioattn":
-        continue
-    t[(r["batch"], r["kv_len"], r["page_size"], " persist" in r.get("kernel", ""))].append((r["tbps"], r["splits"]))
-print("decode persist A/B (graph replay, TB/s per round; splits): default | persist | ratio of the medians")
-for (b, kv, pg, per) in sorted(k for k in t if not k[3]):
-    d, q = t[(b, kv, pg, False)], t.get((b, kv, pg, True), [])
-    med = lambda x: sorted(v for v, _ in x)[len(x) // 2] if x else float("nan")
-    fmt = lambda x: " ".join(f"{v:.2f}" for v, _ in x) + (f" (s{x[0][1]})" if x else "")
-    print(f"b{b:<3d} kv {kv:<6d} page {pg:<3d} | {fmt(d):24s} | {fmt(q):24s} | {med(q) / med(d):.3f}")
-PY
-  fi
 fi
 
 # ---- ring attention: time per rank vs single device / P, NVLink hop model -------------------------

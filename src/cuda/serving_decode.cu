@@ -486,13 +486,6 @@ std::string forced_loader() {
   return e ? std::string(e) : std::string();
 }
 
-// IOATTN_DECODE_PERSIST=1: the persistent mma kernel where it applies (an experiment; "0" or
-// unset: off). Read per call, as the other switches.
-bool persist_requested() {
-  const char* e = std::getenv("IOATTN_DECODE_PERSIST");
-  return e != nullptr && std::strcmp(e, "1") == 0;
-}
-
 // The device's arch is asked for only when the bulk loader was requested (arch_of: device -> arch).
 template <class ArchOf>
 bool use_bulk_loader(const detail::DecodeProblem& p, ArchOf arch_of) {
@@ -510,13 +503,6 @@ int mma_ring_of(const detail::DecodeProblem& p, bool bulk) {
 
 bool mma_applies(const detail::DecodeProblem& p) {
   return mma_decode_supported(p.dtype, p.cache_dtype, p.head_dim, p.head_dim_v, p.seqlen_q, masked(p));
-}
-
-// The persistent kernel runs this call (IOATTN_DECODE_PERSIST=1 and its shape).
-bool persist_applies(const detail::DecodeProblem& p, bool mma, bool bulk) {
-  return mma && persist_requested() &&
-         mma_persist_supported(p.dtype, p.cache_dtype, p.head_dim, mma_ring_of(p, bulk), bulk) &&
-         p.head_dim_v == p.head_dim;
 }
 
 }  // namespace
@@ -557,14 +543,9 @@ CudaSelection cuda_decode_select(const DecodeProblem& p, int arch) {
   if (stages_env != nullptr && *stages_env != '\0' && std::strcmp(stages_env, "2") != 0 &&
       std::strcmp(stages_env, "3") != 0 && std::strcmp(stages_env, "5") != 0)
     return no(std::string("IOATTN_DECODE_STAGES must be 2, 3 or 5 (or unset), got '") + stages_env + "'");
-  const char* persist_env = std::getenv("IOATTN_DECODE_PERSIST");
-  if (persist_env != nullptr && *persist_env != '\0' && std::strcmp(persist_env, "0") != 0 &&
-      std::strcmp(persist_env, "1") != 0)
-    return no(std::string("IOATTN_DECODE_PERSIST must be 0 or 1 (or unset), got '") + persist_env + "'");
   if (mma) {
     const int rows = mma_rows_per_cta(p.rows_per_group(), p.head_dim);
     const bool bulk = use_bulk_loader(p, [&] { return arch; });
-    const bool persist = persist_applies(p, true, bulk);
     const std::string loader_why =
         bulk ? "IOATTN_DECODE_LOADER=bulk: one 1-D bulk copy (TMA) per K / V row, stages completing on mbarriers"
              : std::string(loader == "bulk" ? "IOATTN_DECODE_LOADER=bulk does not apply (needs sm90 and a build with "
@@ -576,22 +557,14 @@ CudaSelection cuda_decode_select(const DecodeProblem& p, int arch) {
     return {"cuda/splitkv sm" + std::to_string(arch) + " mma" + (bulk ? " bulk" : "") +
                 (!bulk && stages != 3 && p.head_dim == 128 && dtype_size(p.cache_dtype) == 2
                      ? " stages" + std::to_string(stages)
-                     : "") +
-                (persist ? " persist" : ""),
+                     : ""),
             std::string(force.empty() ? "" : "IOATTN_DECODE_KERNEL=mma; ") +
                 "mma.sync m16n8k16 with keys as M (S^T = K Q^T, O^T += V^T P^T, P^T by movmatrix, P = P_hi + "
                 "P_lo), 4 warps x 16 keys of 64-key tiles, " +
                 std::to_string(rows) + " query rows per CTA (" + std::to_string(p.rows_per_group()) +
                 " rows per kv head: " + std::to_string(rbm) + (rbm == 1 ? " block" : " blocks") + "), " +
                 std::to_string(stages) + "-stage " + loader_why +
-                (p.paged() ? ", (page, slot) of each key prefetched into shared memory" : "") +
-                (persist ? "; IOATTN_DECODE_PERSIST=1: persistent CTAs (as many as fit the device) claim the " +
-                               std::to_string(p.batch * p.heads_kv * std::max(p.num_splits, 1) * rbm) +
-                               " (sequence, kv head, split, row block) items from a counter, one ring across items"
-                         : std::string(persist_requested() ? "; IOATTN_DECODE_PERSIST=1 does not apply (bf16/f16 q "
-                                                             "and cache of one dtype, head_dim 128, the 3-stage "
-                                                             "cp.async ring)"
-                                                           : ""))};
+                (p.paged() ? ", (page, slot) of each key prefetched into shared memory" : "")};
   }
   const int txl = tx_log2_for(std::max(p.head_dim, p.head_dim_v));
   const int TX = 1 << txl;
@@ -658,18 +631,6 @@ int cuda_decode_num_splits(int64_t batch, int64_t heads_q, int64_t heads_kv, int
   const int64_t by_len = std::max<int64_t>(1, (L + kMinChunkTokens - 1) / kMinChunkTokens);
   const int64_t max_s = std::clamp<int64_t>(by_len, 1, kMaxSplits);
   const bool mma_serving = mma_likely && sixteen_bit && head_dim == 128 && !ring_opt;
-  if (mma_serving && persist_requested() && forced_loader() != "bulk") {
-    // The persistent kernel: items of <= 1024 keys (16 tiles) so that CTAs finish within a short
-    // item of each other, halved (down to 256 keys) until there are >= 3 items per resident CTA.
-    const int64_t pslots = mma_persist_slots(cache_dtype, rows_per_cta, device_index);
-    int64_t s = std::clamp<int64_t>((L + 1023) / 1024, 1, kMaxSplits);
-    while (work * s < 3 * pslots && 2 * s <= kMaxSplits && L / (2 * s) >= 256) s *= 2;
-    if (why)
-      *why = "IOATTN_DECODE_PERSIST=1: " + std::to_string(work * s) + " items (" + std::to_string(s) +
-             " splits of <= 1024 keys, more while < 3 per resident CTA) for " + std::to_string(pslots) +
-             " persistent CTAs";
-    return static_cast<int>(s);
-  }
   if (mma_serving && !paged && work * 10 >= static_cast<int64_t>(sms) * 9) {
     if (why)
       *why = "batch*heads_kv*row_blocks " + std::to_string(work) + " CTAs on " + std::to_string(sms) +
@@ -697,11 +658,9 @@ int cuda_decode_num_splits(int64_t batch, int64_t heads_q, int64_t heads_kv, int
 
 size_t cuda_decode_workspace_bytes(int64_t batch, int64_t heads_q, int64_t seqlen_q, int64_t head_dim_v,
                                    int num_splits) {
-  // IOATTN_DECODE_PERSIST=1: + the persistent kernel's claim counter (after the partials)
-  const size_t counter = persist_requested() ? align_up(sizeof(unsigned)) : 0;
-  if (num_splits <= 1) return counter;
+  if (num_splits <= 1) return 0;
   const size_t rows = static_cast<size_t>(batch * heads_q * seqlen_q) * static_cast<size_t>(num_splits);
-  return align_up(rows * static_cast<size_t>(head_dim_v) * 4) + align_up(rows * 4) + counter;
+  return align_up(rows * static_cast<size_t>(head_dim_v) * 4) + align_up(rows * 4);
 }
 
 void cuda_decode(const DecodeProblem& p) {
@@ -762,11 +721,8 @@ void cuda_decode(const DecodeProblem& p) {
   dp.sinks = p.sinks;
 
   // Partials: the caller's workspace (plan) or a stream-ordered allocation (capturable too).
-  const bool bulk = mma && use_bulk_loader(p, [&] { return detail::cuda_device_arch(p.device_index); });
-  const bool persist = persist_applies(p, mma, bulk);
-  dp.n_items = static_cast<int>(grid);
   void* internal = nullptr;
-  if (S > 1 || persist) {
+  if (S > 1) {
     void* ws = p.workspace;
     const size_t need = cuda_decode_workspace_bytes(p.batch, p.heads_q, p.seqlen_q, p.head_dim_v, S);
     if (ws == nullptr) {
@@ -774,19 +730,13 @@ void cuda_decode(const DecodeProblem& p) {
       ws = internal;
     }
     const size_t rows = static_cast<size_t>(p.batch * p.heads_q * p.seqlen_q) * static_cast<size_t>(S);
-    const size_t partials = S > 1 ? align_up(rows * p.head_dim_v * 4) + align_up(rows * 4) : 0;
-    if (S > 1) {
-      dp.part_o = static_cast<float*>(ws);
-      dp.part_lse = reinterpret_cast<float*>(static_cast<uint8_t*>(ws) + align_up(rows * p.head_dim_v * 4));
-    }
-    if (persist) dp.counter = reinterpret_cast<unsigned*>(static_cast<uint8_t*>(ws) + partials);
+    dp.part_o = static_cast<float*>(ws);
+    dp.part_lse = reinterpret_cast<float*>(static_cast<uint8_t*>(ws) + align_up(rows * p.head_dim_v * 4));
   }
 
   const bool pdl = use_pdl(p.device_index);
-  if (persist) {
-    const int rows_per = mma_rows_per_cta(p.rows_per_group(), p.head_dim);
-    launch_decode_mma_persist(dp, p.cache_dtype, mma_persist_slots(p.dtype, rows_per, p.device_index), stream, pdl);
-  } else if (mma) {
+  if (mma) {
+    const bool bulk = use_bulk_loader(p, [&] { return detail::cuda_device_arch(p.device_index); });
     launch_decode_mma(dp, p.cache_dtype, grid, stream, pdl, bulk, mma_ring_of(p, bulk));
   } else {
     switch (p.cache_dtype) {

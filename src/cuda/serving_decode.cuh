@@ -50,8 +50,6 @@ struct DecodeParams {
   const float* sinks;
   float* part_o;  // splits > 1
   float* part_lse;
-  int n_items;         // batch * heads_kv * splits * row_blocks (the persistent kernel's work items)
-  unsigned* counter;   // the persistent kernel's claim counter (workspace, zeroed before the launch)
 };
 
 __device__ __forceinline__ float ninf() { return -INFINITY; }
@@ -308,13 +306,6 @@ void launch_decode_mma(const DecodeParams& p, DType cache, int64_t grid, cudaStr
 // there). IOATTN_DECODE_STAGES=2 / 3 / 5 forces a depth for those caches (5: one CTA per SM
 // with 4 tiles in flight; measured no faster).
 int mma_decode_stages(DType cache, int64_t head_dim, bool bulk, int64_t work, int64_t max_seqlen_k);
-// The persistent mma kernel (IOATTN_DECODE_PERSIST=1, an experiment): bf16/f16 q and cache of the
-// same dtype, head_dim == head_dim_v == 128, the cp.async loader with the default 3-stage ring.
-bool mma_persist_supported(DType dtype, DType cache, int64_t d, int ring, bool bulk);
-// Its resident CTAs on the device (the grid's cap; IOATTN_DECODE_PERSIST_CTAS lowers it).
-int64_t mma_persist_slots(DType dtype, int rows_per_cta, int device_index);
-// Launches it: min(p.n_items, slots) CTAs claiming items from p.counter (zeroed here first).
-void launch_decode_mma_persist(const DecodeParams& p, DType cache, int64_t slots, cudaStream_t stream, bool pdl);
 // The mma kernel's bulk-copy loader (IOATTN_DECODE_LOADER=bulk): sm_90, bf16/f16 q and cache, head_dim 128.
 bool mma_bulk_supported(DType dtype, DType cache, int64_t d, int arch);
 

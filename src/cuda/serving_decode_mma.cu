@@ -174,303 +174,6 @@ __device__ __forceinline__ uint32_t code2_to_f16x2(uint32_t w) {
 #define IOATTN_DECODE_BULK_ENABLED 0
 #endif
 
-// A CTA's query rows for one work item and their running softmax state, in registers: what the
-// tile loop needs besides the K / V tiles. Shared by decode_mma_kernel (one item per CTA) and
-// decode_mma_persist_kernel (many items per CTA, the state reset per item).
-template <typename T, typename CT, int D, int NT>
-struct MmaRows {
-  static constexpr bool k8 = std::is_same_v<CT, E4m3> || std::is_same_v<CT, int8_t>;
-  static constexpr int kKD = D / 16, ROWS = 8 * NT;
-  uint32_t qb[NT][kKD][2];  // Q^T as the B operand (see load_q)
-  bool valid[NT][2];        // the rows this lane holds in the C layouts of S^T and O^T: 2t + e
-  float slope[NT][2], diag[NT][2];
-  float smul[NT][2];        // score scale per (n-tile, row 2t + e)
-  float o[NT][kKD][4];      // O^T: m-tile mt holds dims mt * 16 + g (c0, c1) and + 8 (c2, c3)
-  float m[NT][2], l[NT][2];
-  int bad;                  // bit r: row r of the block saw a NaN or +inf score
-
-  // The item's query rows as loaded (16-bit patterns), and for 8-bit caches with bf16 q this
-  // lane's max finite |q| of row g per n-tile. Q^T as the B operand: the lane holds query row g of
-  // each n-tile, dims 2t, 2t+1 (and +8) of each k-step; with an 8-bit cache the k-step's dims are
-  // permuted as the K codes arrive (tile below): b0 = dims 4t, 4t+1 and b1 = dims 4t+2, 4t+3 of
-  // the step's 16.
-  static __device__ __forceinline__ void load_q(const DecodeParams& p, const WorkItem& w, int g, int t4,
-                                                uint32_t (&q)[NT][kKD][2], float (&qmax)[NT]) {
-    const auto* q16 = static_cast<const uint16_t*>(p.q);
-    const int sq = p.seqlen_q;
-#pragma unroll
-    for (int nt = 0; nt < NT; ++nt) {
-      qmax[nt] = 0.0f;
-      const int rr = w.rb * ROWS + nt * 8 + g;
-      const bool ok = rr < p.rows;
-      const int hh = ok ? rr / sq : 0, i = ok ? rr % sq : 0, h = w.hk * p.group + hh;
-      const int64_t qoff = w.b * p.q_sb + i * p.q_ss + h * p.q_sh;
-#pragma unroll
-      for (int kk = 0; kk < kKD; ++kk)
-#pragma unroll
-        for (int half = 0; half < 2; ++half) {
-          const int col = k8 ? kk * 16 + 4 * t4 + 2 * half : kk * 16 + half * 8 + 2 * t4;
-          uint32_t bits = 0;
-          if (ok) bits = static_cast<uint32_t>(q16[qoff + col]) | static_cast<uint32_t>(q16[qoff + col + 1]) << 16;
-          q[nt][kk][half] = bits;
-          if (k8 && p.dtype == DType::bf16) {
-            const float lo = fabsf(__uint_as_float(bits << 16)), hi = fabsf(__uint_as_float(bits & 0xffff0000u));
-            qmax[nt] = fmaxf(qmax[nt], fmaxf(lo < INFINITY ? lo : 0.0f, hi < INFINITY ? hi : 0.0f));  // inf, NaN: 0
-          }
-        }
-    }
-  }
-
-  // Starts item w from its loaded rows (load_q): the B operand, the per-row constants, and an
-  // empty state (O = 0, m = -inf, l = 0, no bad row).
-  __device__ __forceinline__ void begin(const DecodeParams& p, const WorkItem& w, int t4, const uint32_t (&q)[NT][kKD][2],
-                                        const float (&qmax)[NT]) {
-    const int sq = p.seqlen_q;
-#pragma unroll
-    for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-      for (int kk = 0; kk < kKD; ++kk) qb[nt][kk][0] = q[nt][kk][0], qb[nt][kk][1] = q[nt][kk][1];
-    // bf16 q on the f16 mma: each row times 2^-s, its max finite |q| then in [2^13, 2^14) (a power
-    // of two: exact; elements below 2^-24 of the row's largest flush, far under bf16's own rounding;
-    // inf and NaN stay what they are and poison their row as on the CPU), and 2^s back in that row's
-    // score scale: rscale[nt][e] for the rows 2t + e this lane holds in the C layout.
-    float rscale[NT][2];
-#pragma unroll
-    for (int nt = 0; nt < NT; ++nt) rscale[nt][0] = rscale[nt][1] = 1.0f;  // 16-bit caches, f16 q
-    if constexpr (k8) {
-      if (p.dtype == DType::bf16) {
-#pragma unroll
-        for (int nt = 0; nt < NT; ++nt) {
-          float mx = qmax[nt];  // over the 4 lanes that hold row g
-          mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-          mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-          // s = floor(log2 m) - 13 from the exponent bits, so 2^13 <= m * 2^-s < 2^14: large rows
-          // scaled into f16's range, small ones up out of its subnormals; clamped so 2^+-s stay
-          // normal (an all-zero or subnormal row: s = -100, harmless).
-          const int sh = min(114, max(-100, ((__float_as_int(mx) >> 23) & 0xff) - 127 - 13));
-          const float qs = __int_as_float((127 - sh) << 23);
-#pragma unroll
-          for (int kk = 0; kk < kKD; ++kk)
-#pragma unroll
-            for (int half = 0; half < 2; ++half) {
-              const uint32_t b = qb[nt][kk][half];
-              qb[nt][kk][half] = ptx::pack2<__half>(__uint_as_float(b << 16) * qs, __uint_as_float(b & 0xffff0000u) * qs);
-            }
-#pragma unroll
-          for (int e = 0; e < 2; ++e) rscale[nt][e] = __int_as_float((127 + __shfl_sync(0xffffffffu, sh, 4 * (2 * t4 + e))) << 23);
-        }
-      }
-    }
-#pragma unroll
-    for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const int rr = w.rb * ROWS + nt * 8 + 2 * t4 + e;
-        valid[nt][e] = rr < p.rows;
-        const int hh = valid[nt][e] ? rr / sq : 0, i = valid[nt][e] ? rr % sq : 0;
-        slope[nt][e] = (valid[nt][e] && p.alibi) ? p.alibi[w.hk * p.group + hh] * kLog2e : 0.0f;
-        diag[nt][e] = static_cast<float>(i + w.len - sq);
-      }
-#pragma unroll
-    for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-      for (int mt = 0; mt < kKD; ++mt)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) o[nt][mt][e] = 0.0f;
-#pragma unroll
-    for (int nt = 0; nt < NT; ++nt) m[nt][0] = m[nt][1] = ninf(), l[nt][0] = l[nt][1] = 0.0f;
-    bad = 0;
-    // Score scale per (n-tile, row 2t + e): scale, log2(e), k_scale (8-bit caches), 2^s (bf16 q).
-    const float base = p.scale * kLog2e * (k8 && p.k_scale ? p.k_scale[w.hk] : 1.0f);
-#pragma unroll
-    for (int nt = 0; nt < NT; ++nt) smul[nt][0] = base * rscale[nt][0], smul[nt][1] = base * rscale[nt][1];
-  }
-
-  // One 64-key tile (the warp's 16 keys from key0 = the tile's first key + 16 warp + g): S^T, the
-  // score modifiers and mask (keys at or past khi invisible), the online softmax, O^T += V^T P^T.
-  // k_addr / v_addr: this lane's ldmatrix addresses in the tile's K and V.
-  __device__ __forceinline__ void tile(const DecodeParams& p, uint32_t k_addr, uint32_t v_addr, int key0, int64_t khi,
-                                       float cap, float inv_cap, int t4) {
-      // S^T = K Q^T for the warp's 16 keys, in two accumulation chains (even / odd k-steps) so
-      // that one warp per scheduler does not wait out D/16 dependent mma latencies.
-      float s[NT][4], s2[NT][4];
-#pragma unroll
-      for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) s[nt][e] = s2[nt][e] = 0.0f;
-#pragma unroll
-      for (int kk = 0; kk < kKD; kk += 2) {
-        uint32_t a[4], b[4];
-        if constexpr (k8) {
-          // One x4: chunks kk, kk + 1 (16 dims each) of keys 0-7 / 8-15: the lane holds 4 codes
-          // (dims 4t..4t+3) per (key, chunk); lo / hi halves become a0 / a2 (a1 / a3 for key g+8).
-          uint32_t c[4];
-          ptx::ldmatrix_x4(c, k_addr + kk * 16);
-          a[0] = code2_to_f16x2<CT>(c[0]), a[2] = code2_to_f16x2<CT>(c[0] >> 16);
-          a[1] = code2_to_f16x2<CT>(c[1]), a[3] = code2_to_f16x2<CT>(c[1] >> 16);
-          b[0] = code2_to_f16x2<CT>(c[2]), b[2] = code2_to_f16x2<CT>(c[2] >> 16);
-          b[1] = code2_to_f16x2<CT>(c[3]), b[3] = code2_to_f16x2<CT>(c[3] >> 16);
-        } else {
-          ptx::ldmatrix_x4(a, k_addr + kk * 32);
-          ptx::ldmatrix_x4(b, k_addr + kk * 32 + 32);
-        }
-#pragma unroll
-        for (int nt = 0; nt < NT; ++nt) {
-          ptx::mma_m16n8k16<T>(s[nt], a, qb[nt][kk][0], qb[nt][kk][1]);
-          ptx::mma_m16n8k16<T>(s2[nt], b, qb[nt][kk + 1][0], qb[nt][kk + 1][1]);
-        }
-      }
-#pragma unroll
-      for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) s[nt][e] += s2[nt][e];
-  
-      // Score modifiers, mask, column maxima (over the 8 lanes sharing t), online softmax.
-      bool grow = false;
-      float alpha[NT][2];
-#pragma unroll
-      for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          float mx = ninf();
-#pragma unroll
-          for (int kh = 0; kh < 2; ++kh) {
-            float x = s[nt][2 * kh + e] * smul[nt][e];
-            if (inv_cap > 0.0f) x = cap * tanhf(x * inv_cap);
-            if (p.alibi) x = fmaf(-slope[nt][e], fabsf(diag[nt][e] - static_cast<float>(key0 + 8 * kh)), x);
-            const bool vis = valid[nt][e] && key0 + 8 * kh < khi;
-            x = vis ? x : ninf();
-            if (vis && !(x < INFINITY)) bad |= 1 << (nt * 8 + 2 * t4 + e);
-            s[nt][2 * kh + e] = x;
-            mx = fmaxf(mx, x);
-          }
-          mx = fmaxf(mx, ptx::shfl_xor(mx, 4));
-          mx = fmaxf(mx, ptx::shfl_xor(mx, 8));
-          mx = fmaxf(mx, ptx::shfl_xor(mx, 16));
-          const float mn = fmaxf(m[nt][e], mx);
-          const bool up = mn > m[nt][e];
-          alpha[nt][e] = up ? ptx::exp2_approx(m[nt][e] - mn) : 1.0f;  // m = -inf -> 0
-          grow |= up;
-          m[nt][e] = mn;
-          float sum = 0.0f;
-#pragma unroll
-          for (int kh = 0; kh < 2; ++kh) {
-            const float pv = mn == ninf() ? 0.0f : ptx::exp2_approx(s[nt][2 * kh + e] - mn);  // -inf -> 0
-            s[nt][2 * kh + e] = pv;
-            sum += pv;
-          }
-          l[nt][e] = l[nt][e] * alpha[nt][e] + sum;
-        }
-      if (ptx::any_sync(grow)) {  // rare after the first tiles: rescale O^T only then
-#pragma unroll
-        for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-          for (int mt = 0; mt < kKD; ++mt) {
-            o[nt][mt][0] *= alpha[nt][0];
-            o[nt][mt][1] *= alpha[nt][1];
-            o[nt][mt][2] *= alpha[nt][0];
-            o[nt][mt][3] *= alpha[nt][1];
-          }
-      }
-  
-      // P^T as the B operand: P = P_hi + P_lo packed (key g | g + 8; rows 2t, 2t+1), transposed.
-      uint32_t ph[NT][2], pl[NT][2];
-#pragma unroll
-      for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-        for (int kh = 0; kh < 2; ++kh) {
-          uint32_t hi, lo;
-          split2<T>(s[nt][2 * kh], s[nt][2 * kh + 1], hi, lo);
-          ph[nt][kh] = ptx::movmatrix_trans(hi);
-          pl[nt][kh] = ptx::movmatrix_trans(lo);
-        }
-  
-      // O^T += V^T P^T.
-      if constexpr (k8) {
-        // One x4: chunks mt, mt + 1 of keys 0-7 / 8-15, (key; 4 dims) per lane. Converted, each
-        // half is an 8x8 (keys x dim pairs) tile; movmatrix.trans gives (dim; keys 2t, 2t+1), the A
-        // layout, with the m-tile's rows in the order g -> 4 (g / 2) + g % 2 (+2 for rows g + 8).
-#pragma unroll
-        for (int mt = 0; mt < kKD; mt += 2) {
-          uint32_t c[4];
-          ptx::ldmatrix_x4(c, v_addr + mt * 16);
-#pragma unroll
-          for (int u = 0; u < 2; ++u) {
-            uint32_t a[4];
-            a[0] = ptx::movmatrix_trans(code2_to_f16x2<CT>(c[2 * u]));
-            a[1] = ptx::movmatrix_trans(code2_to_f16x2<CT>(c[2 * u] >> 16));
-            a[2] = ptx::movmatrix_trans(code2_to_f16x2<CT>(c[2 * u + 1]));
-            a[3] = ptx::movmatrix_trans(code2_to_f16x2<CT>(c[2 * u + 1] >> 16));
-#pragma unroll
-            for (int nt = 0; nt < NT; ++nt) {
-              ptx::mma_m16n8k16<T>(o[nt][mt + u], a, ph[nt][0], ph[nt][1]);
-              ptx::mma_m16n8k16<T>(o[nt][mt + u], a, pl[nt][0], pl[nt][1]);
-            }
-          }
-        }
-      } else {
-#pragma unroll
-        for (int mt = 0; mt < kKD; ++mt) {
-          uint32_t a[4];
-          ptx::ldmatrix_x4_trans(a, v_addr + mt * 32);
-#pragma unroll
-          for (int nt = 0; nt < NT; ++nt) {
-            ptx::mma_m16n8k16<T>(o[nt][mt], a, ph[nt][0], ph[nt][1]);
-            ptx::mma_m16n8k16<T>(o[nt][mt], a, pl[nt][0], pl[nt][1]);
-          }
-        }
-      }
-  }
-
-  // The end of an item: merges the 4 warps (shared memory, in warp order) and writes the outputs
-  // (write_outputs). extra_bad: the item's rows are bad as a whole (a bad length or page entry).
-  // red: [4][ROWS][D] fp32 of shared memory no warp reads or writes until the next barrier after
-  // this returns.
-  __device__ __forceinline__ void finish(const DecodeParams& p, const WorkItem& w, int extra_bad, float* red, float* grp_m,
-                                         float* grp_l, int* grp_bad, float* row_m, float* row_l, int* row_bad) {
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t4 = lane & 3;
-#pragma unroll
-    for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        l[nt][e] += ptx::shfl_xor(l[nt][e], 4);
-        l[nt][e] += ptx::shfl_xor(l[nt][e], 8);
-        l[nt][e] += ptx::shfl_xor(l[nt][e], 16);
-      }
-    for (int off = 1; off < 32; off <<= 1) bad |= __shfl_xor_sync(0xffffffffu, bad, off);
-    if (g == 0) {
-#pragma unroll
-      for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          grp_m[warp * ROWS + nt * 8 + 2 * t4 + e] = m[nt][e];
-          grp_l[warp * ROWS + nt * 8 + 2 * t4 + e] = l[nt][e];
-        }
-    }
-    if (lane == 0) grp_bad[warp] = bad;
-    __syncthreads();
-    rows_from_groups<ROWS>(4, grp_m, grp_l, grp_bad, extra_bad, row_m, row_l, row_bad);
-    __syncthreads();
-#pragma unroll
-    for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const int r = nt * 8 + 2 * t4 + e;
-        const float f = m[nt][e] > ninf() ? ptx::exp2_approx(m[nt][e] - row_m[r]) : 0.0f;
-        // O^T rows of m-tile mt: dims mt * 16 + g and + 8 (8-bit: + 4 (g / 2) + g % 2, and + 2).
-        const int d0 = k8 ? 4 * (g >> 1) + (g & 1) : g, d1 = k8 ? d0 + 2 : g + 8;
-        float* dst = red + (warp * ROWS + r) * D;
-#pragma unroll
-        for (int mt = 0; mt < kKD; ++mt) {
-          dst[mt * 16 + d0] = o[nt][mt][e] * f;
-          dst[mt * 16 + d1] = o[nt][mt][2 + e] * f;
-        }
-      }
-    __syncthreads();
-    write_outputs<ROWS>(p, w, 4, D, red, row_m, row_l, row_bad);
-  }
-};
-
 // One CTA: (sequence, kv head, split, block of 8 * NT query rows); see the file comment.
 template <typename T, typename CT, int D, int NT, bool kBulk = false, int kStagesOpt = 0>
 __global__ void __launch_bounds__(kThreads) decode_mma_kernel(const DecodeParams p) {
@@ -659,12 +362,95 @@ __global__ void __launch_bounds__(kThreads) decode_mma_kernel(const DecodeParams
   // The query rows and the per-row constants only now, with the first tiles' loads in flight: the
   // q loads' latency (and that of the first use of their values) overlaps the cache reads instead
   // of delaying their issue (trace, H200 b1 x 4k: ~5,000 cycles from work_item to the last issue).
-  MmaRows<T, CT, D, NT> st;
+  // Q^T as the B operand: the lane holds query row g of each n-tile, dims 2t, 2t+1 (and +8) of
+  // each k-step; with an 8-bit cache the k-step's dims are permuted as the K codes arrive (below):
+  // b0 = dims 4t, 4t+1 and b1 = dims 4t+2, 4t+3 of the step's 16.
+  uint32_t qb[NT][kKD][2];
+  const auto* q16 = static_cast<const uint16_t*>(p.q);
+  float qmax[NT];  // 8-bit caches with bf16 q: this lane's max finite |q| of row g, per n-tile
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt) {
+    qmax[nt] = 0.0f;
+    const int rr = w.rb * ROWS + nt * 8 + g;
+    const bool ok = rr < p.rows;
+    const int hh = ok ? rr / sq : 0, i = ok ? rr % sq : 0, h = w.hk * p.group + hh;
+    const int64_t qoff = w.b * p.q_sb + i * p.q_ss + h * p.q_sh;
+#pragma unroll
+    for (int kk = 0; kk < kKD; ++kk)
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int col = k8 ? kk * 16 + 4 * t4 + 2 * half : kk * 16 + half * 8 + 2 * t4;
+        uint32_t bits = 0;
+        if (ok) bits = static_cast<uint32_t>(q16[qoff + col]) | static_cast<uint32_t>(q16[qoff + col + 1]) << 16;
+        qb[nt][kk][half] = bits;
+        if (k8 && p.dtype == DType::bf16) {
+          const float lo = fabsf(__uint_as_float(bits << 16)), hi = fabsf(__uint_as_float(bits & 0xffff0000u));
+          qmax[nt] = fmaxf(qmax[nt], fmaxf(lo < INFINITY ? lo : 0.0f, hi < INFINITY ? hi : 0.0f));  // inf, NaN: 0
+        }
+      }
+  }
+  // bf16 q on the f16 mma: each row times 2^-s, its max finite |q| then in [2^13, 2^14) (a power
+  // of two: exact; elements below 2^-24 of the row's largest flush, far under bf16's own rounding;
+  // inf and NaN stay what they are and poison their row as on the CPU), and 2^s back in that row's
+  // score scale: rscale[nt][e] for the rows 2t + e this lane holds in the C layout.
+  float rscale[NT][2];
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt) rscale[nt][0] = rscale[nt][1] = 1.0f;  // 16-bit caches, f16 q
+  if constexpr (k8) {
+    if (p.dtype == DType::bf16) {
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) {
+        float m = qmax[nt];  // over the 4 lanes that hold row g
+        m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
+        m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
+        // s = floor(log2 m) - 13 from the exponent bits, so 2^13 <= m * 2^-s < 2^14: large rows
+        // scaled into f16's range, small ones up out of its subnormals; clamped so 2^+-s stay
+        // normal (an all-zero or subnormal row: s = -100, harmless).
+        const int sh = min(114, max(-100, ((__float_as_int(m) >> 23) & 0xff) - 127 - 13));
+        const float qs = __int_as_float((127 - sh) << 23);
+#pragma unroll
+        for (int kk = 0; kk < kKD; ++kk)
+#pragma unroll
+          for (int half = 0; half < 2; ++half) {
+            const uint32_t b = qb[nt][kk][half];
+            qb[nt][kk][half] = ptx::pack2<__half>(__uint_as_float(b << 16) * qs, __uint_as_float(b & 0xffff0000u) * qs);
+          }
+#pragma unroll
+        for (int e = 0; e < 2; ++e) rscale[nt][e] = __int_as_float((127 + __shfl_sync(0xffffffffu, sh, 4 * (2 * t4 + e))) << 23);
+      }
+    }
+  }
+  // The rows this lane holds in the C layouts of S^T and O^T: 2t + e of each n-tile.
+  bool valid[NT][2];
+  float slope[NT][2], diag[NT][2];
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const int rr = w.rb * ROWS + nt * 8 + 2 * t4 + e;
+      valid[nt][e] = rr < p.rows;
+      const int hh = valid[nt][e] ? rr / sq : 0, i = valid[nt][e] ? rr % sq : 0;
+      slope[nt][e] = (valid[nt][e] && p.alibi) ? p.alibi[w.hk * p.group + hh] * kLog2e : 0.0f;
+      diag[nt][e] = static_cast<float>(i + w.len - sq);
+    }
+
+  float o[NT][kKD][4];  // O^T: m-tile mt holds dims mt * 16 + g (c0, c1) and + 8 (c2, c3)
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+    for (int mt = 0; mt < kKD; ++mt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) o[nt][mt][e] = 0.0f;
+  float m[NT][2], l[NT][2];
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt) m[nt][0] = m[nt][1] = ninf(), l[nt][0] = l[nt][1] = 0.0f;
+  int bad = 0;  // bit r: row r of the block saw a NaN or +inf score
+  // Score scale per (n-tile, row 2t + e): scale, log2(e), k_scale (8-bit caches), 2^s (bf16 q).
+  float smul[NT][2];
   {
-    uint32_t q[NT][kKD][2];
-    float qmax[NT];
-    MmaRows<T, CT, D, NT>::load_q(p, w, g, t4, q, qmax);
-    st.begin(p, w, t4, q, qmax);
+    const float base = p.scale * kLog2e * (k8 && p.k_scale ? p.k_scale[w.hk] : 1.0f);
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) smul[nt][0] = base * rscale[nt][0], smul[nt][1] = base * rscale[nt][1];
   }
   const float cap = p.softcap * kLog2e, inv_cap = p.softcap > 0.0f ? 1.0f / cap : 0.0f;
 
@@ -682,12 +468,140 @@ __global__ void __launch_bounds__(kThreads) decode_mma_kernel(const DecodeParams
     const uint32_t k_addr = kv + k_lane, v_addr = kv + Tr::kTileBytes + v_lane;
     const int key0 = static_cast<int>(klo) + tile * kBK + warp * 16 + g;  // keys of c0/c1; +8: c2/c3
 
-    st.tile(p, k_addr, v_addr, key0, khi, cap, inv_cap, t4);
+    // S^T = K Q^T for the warp's 16 keys, in two accumulation chains (even / odd k-steps) so
+    // that one warp per scheduler does not wait out D/16 dependent mma latencies.
+    float s[NT][4], s2[NT][4];
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) s[nt][e] = s2[nt][e] = 0.0f;
+#pragma unroll
+    for (int kk = 0; kk < kKD; kk += 2) {
+      uint32_t a[4], b[4];
+      if constexpr (k8) {
+        // One x4: chunks kk, kk + 1 (16 dims each) of keys 0-7 / 8-15: the lane holds 4 codes
+        // (dims 4t..4t+3) per (key, chunk); lo / hi halves become a0 / a2 (a1 / a3 for key g+8).
+        uint32_t c[4];
+        ptx::ldmatrix_x4(c, k_addr + kk * 16);
+        a[0] = code2_to_f16x2<CT>(c[0]), a[2] = code2_to_f16x2<CT>(c[0] >> 16);
+        a[1] = code2_to_f16x2<CT>(c[1]), a[3] = code2_to_f16x2<CT>(c[1] >> 16);
+        b[0] = code2_to_f16x2<CT>(c[2]), b[2] = code2_to_f16x2<CT>(c[2] >> 16);
+        b[1] = code2_to_f16x2<CT>(c[3]), b[3] = code2_to_f16x2<CT>(c[3] >> 16);
+      } else {
+        ptx::ldmatrix_x4(a, k_addr + kk * 32);
+        ptx::ldmatrix_x4(b, k_addr + kk * 32 + 32);
+      }
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) {
+        ptx::mma_m16n8k16<T>(s[nt], a, qb[nt][kk][0], qb[nt][kk][1]);
+        ptx::mma_m16n8k16<T>(s2[nt], b, qb[nt][kk + 1][0], qb[nt][kk + 1][1]);
+      }
+    }
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) s[nt][e] += s2[nt][e];
+
+    // Score modifiers, mask, column maxima (over the 8 lanes sharing t), online softmax.
+    bool grow = false;
+    float alpha[NT][2];
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        float mx = ninf();
+#pragma unroll
+        for (int kh = 0; kh < 2; ++kh) {
+          float x = s[nt][2 * kh + e] * smul[nt][e];
+          if (inv_cap > 0.0f) x = cap * tanhf(x * inv_cap);
+          if (p.alibi) x = fmaf(-slope[nt][e], fabsf(diag[nt][e] - static_cast<float>(key0 + 8 * kh)), x);
+          const bool vis = valid[nt][e] && key0 + 8 * kh < khi;
+          x = vis ? x : ninf();
+          if (vis && !(x < INFINITY)) bad |= 1 << (nt * 8 + 2 * t4 + e);
+          s[nt][2 * kh + e] = x;
+          mx = fmaxf(mx, x);
+        }
+        mx = fmaxf(mx, ptx::shfl_xor(mx, 4));
+        mx = fmaxf(mx, ptx::shfl_xor(mx, 8));
+        mx = fmaxf(mx, ptx::shfl_xor(mx, 16));
+        const float mn = fmaxf(m[nt][e], mx);
+        const bool up = mn > m[nt][e];
+        alpha[nt][e] = up ? ptx::exp2_approx(m[nt][e] - mn) : 1.0f;  // m = -inf -> 0
+        grow |= up;
+        m[nt][e] = mn;
+        float sum = 0.0f;
+#pragma unroll
+        for (int kh = 0; kh < 2; ++kh) {
+          const float pv = mn == ninf() ? 0.0f : ptx::exp2_approx(s[nt][2 * kh + e] - mn);  // -inf -> 0
+          s[nt][2 * kh + e] = pv;
+          sum += pv;
+        }
+        l[nt][e] = l[nt][e] * alpha[nt][e] + sum;
+      }
+    if (ptx::any_sync(grow)) {  // rare after the first tiles: rescale O^T only then
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+        for (int mt = 0; mt < kKD; ++mt) {
+          o[nt][mt][0] *= alpha[nt][0];
+          o[nt][mt][1] *= alpha[nt][1];
+          o[nt][mt][2] *= alpha[nt][0];
+          o[nt][mt][3] *= alpha[nt][1];
+        }
+    }
+
+    // P^T as the B operand: P = P_hi + P_lo packed (key g | g + 8; rows 2t, 2t+1), transposed.
+    uint32_t ph[NT][2], pl[NT][2];
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+      for (int kh = 0; kh < 2; ++kh) {
+        uint32_t hi, lo;
+        split2<T>(s[nt][2 * kh], s[nt][2 * kh + 1], hi, lo);
+        ph[nt][kh] = ptx::movmatrix_trans(hi);
+        pl[nt][kh] = ptx::movmatrix_trans(lo);
+      }
+
+    // O^T += V^T P^T.
+    if constexpr (k8) {
+      // One x4: chunks mt, mt + 1 of keys 0-7 / 8-15, (key; 4 dims) per lane. Converted, each
+      // half is an 8x8 (keys x dim pairs) tile; movmatrix.trans gives (dim; keys 2t, 2t+1), the A
+      // layout, with the m-tile's rows in the order g -> 4 (g / 2) + g % 2 (+2 for rows g + 8).
+#pragma unroll
+      for (int mt = 0; mt < kKD; mt += 2) {
+        uint32_t c[4];
+        ptx::ldmatrix_x4(c, v_addr + mt * 16);
+#pragma unroll
+        for (int u = 0; u < 2; ++u) {
+          uint32_t a[4];
+          a[0] = ptx::movmatrix_trans(code2_to_f16x2<CT>(c[2 * u]));
+          a[1] = ptx::movmatrix_trans(code2_to_f16x2<CT>(c[2 * u] >> 16));
+          a[2] = ptx::movmatrix_trans(code2_to_f16x2<CT>(c[2 * u + 1]));
+          a[3] = ptx::movmatrix_trans(code2_to_f16x2<CT>(c[2 * u + 1] >> 16));
+#pragma unroll
+          for (int nt = 0; nt < NT; ++nt) {
+            ptx::mma_m16n8k16<T>(o[nt][mt + u], a, ph[nt][0], ph[nt][1]);
+            ptx::mma_m16n8k16<T>(o[nt][mt + u], a, pl[nt][0], pl[nt][1]);
+          }
+        }
+      }
+    } else {
+#pragma unroll
+      for (int mt = 0; mt < kKD; ++mt) {
+        uint32_t a[4];
+        ptx::ldmatrix_x4_trans(a, v_addr + mt * 32);
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) {
+          ptx::mma_m16n8k16<T>(o[nt][mt], a, ph[nt][0], ph[nt][1]);
+          ptx::mma_m16n8k16<T>(o[nt][mt], a, pl[nt][0], pl[nt][1]);
+        }
+      }
+    }
 #if IOATTN_DECODE_TRACE
     if (tile == 0) {  // (the stamp waits for tile 0's O^T: a use of the accumulators)
       float x = 0.f;
 #pragma unroll
-      for (int nt = 0; nt < NT; ++nt) x += st.o[nt][0][0];
+      for (int nt = 0; nt < NT; ++nt) x += o[nt][0][0];
       if (x == 12345.f) g_dec_gt[0][1] = 0;
       DEC_TRACE(4);
     }
@@ -695,270 +609,51 @@ __global__ void __launch_bounds__(kThreads) decode_mma_kernel(const DecodeParams
   }
   DEC_TRACE(6);
 
-  // ---- merge the 4 warps and write the outputs ---------------------------------------------
+  // ---- merge the 4 warps (shared memory, in warp order) --------------------------------------
   ptx::cp_async_wait<0>();
   const int any_pg_bad = __syncthreads_or(pg_bad);
-  st.finish(p, w, any_pg_bad | (w.seq_bad ? 1 : 0), reinterpret_cast<float*>(smem), grp_m, grp_l, grp_bad, row_m,
-            row_l, row_bad);
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      l[nt][e] += ptx::shfl_xor(l[nt][e], 4);
+      l[nt][e] += ptx::shfl_xor(l[nt][e], 8);
+      l[nt][e] += ptx::shfl_xor(l[nt][e], 16);
+    }
+  for (int off = 1; off < 32; off <<= 1) bad |= __shfl_xor_sync(0xffffffffu, bad, off);
+  if (g == 0) {
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        grp_m[warp * ROWS + nt * 8 + 2 * t4 + e] = m[nt][e];
+        grp_l[warp * ROWS + nt * 8 + 2 * t4 + e] = l[nt][e];
+      }
+  }
+  if (lane == 0) grp_bad[warp] = bad;
+  __syncthreads();
+  rows_from_groups<ROWS>(4, grp_m, grp_l, grp_bad, any_pg_bad | (w.seq_bad ? 1 : 0), row_m, row_l, row_bad);
+  __syncthreads();
+  float* red = reinterpret_cast<float*>(smem);  // [4][ROWS][D] fp32
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const int r = nt * 8 + 2 * t4 + e;
+      const float f = m[nt][e] > ninf() ? ptx::exp2_approx(m[nt][e] - row_m[r]) : 0.0f;
+      // O^T rows of m-tile mt: dims mt * 16 + g and + 8 (8-bit: + 4 (g / 2) + g % 2, and + 2).
+      const int d0 = k8 ? 4 * (g >> 1) + (g & 1) : g, d1 = k8 ? d0 + 2 : g + 8;
+      float* dst = red + (warp * ROWS + r) * D;
+#pragma unroll
+      for (int mt = 0; mt < kKD; ++mt) {
+        dst[mt * 16 + d0] = o[nt][mt][e] * f;
+        dst[mt * 16 + d1] = o[nt][mt][2 + e] * f;
+      }
+    }
+  __syncthreads();
+  write_outputs<ROWS>(p, w, 4, D, red, row_m, row_l, row_bad);
   DEC_TRACE(7);
   DEC_TRACE_GT(1);
-}
-
-// ---- persistent variant (IOATTN_DECODE_PERSIST=1): 16-bit caches, head_dim 128, 3-stage ring ----
-// Grid = the CTAs that fit the device at once (or IOATTN_DECODE_PERSIST_CTAS); CTA c starts with
-// work item c (the grid order of decode_mma_kernel) and then claims items from a counter in the
-// workspace (zeroed by the host before the launch), so CTAs that stream faster take more items and
-// all of them end within about one item of each other: the non-persistent grid's CTAs ended
-// between 0.81 and 1.09 ms in one wave of b64 x 32k (session 9's trace), and each paid ~10,000
-// cycles of start (the length's round trip, the first tiles' latency) with its ring empty.
-// One cp.async ring runs across the items: the loader issues the next item's tiles while the
-// current one computes; each item ends in the ring slot of its last tile (free until the next
-// iteration's issue). Every item runs at least one tile (an empty key range: one all-masked tile,
-// which leaves m = -inf, l = 0, O = 0: the outputs of a CTA without tiles), so for the same splits
-// the outputs are bitwise those of decode_mma_kernel (same tiles, same order within an item).
-// Claims (thread 0, one pipeline step per tile so nothing waits on a round trip): the atomicAdd's
-// result is used one iteration later to load the length, which is used one iteration after that
-// to publish the item's descriptor in a ring in shared memory (read by the other threads after
-// the next barrier). Items are claimed while fewer than kPLeadTiles tiles of claimed items are
-// ahead of the compute tile. The pages cursor enters the item of tile gt + 2 (STAGES - 1) + 1 = gt + 5
-// in iteration gt; a claim is visible to the other threads 3 iterations after its check, and
-// each check adds at most one item: with 10 tiles of lead the items through tile gt + 6 are
-// visible in iteration gt, so every cursor finds its item published (checked: a trap otherwise).
-constexpr int kPRing = 16;       // item descriptors (claimed ahead, in flight, computing)
-constexpr int kPLeadTiles = 10;  // claimed tiles kept ahead of the compute tile
-
-struct PItem {
-  int b, hk, split, rb, len, klo, khi, ntiles, seq_bad, end, seq;
-};
-
-// The descriptor of item `id` (< p.n_items) with its raw cache length, or the end mark.
-__device__ __forceinline__ PItem make_pitem(const DecodeParams& p, int id, int64_t len_raw, int seq) {
-  PItem it{};
-  it.seq = seq;
-  if (id >= p.n_items) {
-    it.end = 1;
-    return it;
-  }
-  uint32_t x = static_cast<uint32_t>(id);
-  it.rb = static_cast<int>(x % static_cast<uint32_t>(p.row_blocks));
-  x /= static_cast<uint32_t>(p.row_blocks);
-  it.split = static_cast<int>(x % static_cast<uint32_t>(p.splits));
-  x /= static_cast<uint32_t>(p.splits);
-  it.hk = static_cast<int>(x % static_cast<uint32_t>(p.heads_kv));
-  it.b = static_cast<int>(x / static_cast<uint32_t>(p.heads_kv));
-  it.seq_bad = len_raw < 0 || len_raw > p.bound;
-  const int64_t len = it.seq_bad ? 0 : len_raw;
-  it.len = static_cast<int>(len);
-  int64_t k0, k1, klo = 0, khi = 0;
-  split_range(len, p.seqlen_q, p.wl, p.wr, p.splits, it.split, &k0, &k1);
-  if (len > 0) {
-    vis_keys(0, p.seqlen_q, len, p.wl, p.wr, &klo, &khi);
-    klo = max(klo, k0);
-    khi = min(khi, k1);
-    if (khi < klo) khi = klo;
-  }
-  it.klo = static_cast<int>(klo);
-  it.khi = static_cast<int>(khi);
-  it.ntiles = max(1, static_cast<int>((khi - klo + kBK - 1) / kBK));
-  return it;
-}
-
-__device__ __forceinline__ int pitem_batch(const DecodeParams& p, int id) {
-  return static_cast<int>(static_cast<uint32_t>(id) / static_cast<uint32_t>(p.row_blocks * p.splits * p.heads_kv));
-}
-
-__device__ __forceinline__ WorkItem pitem_work(const PItem& it) {
-  WorkItem w;
-  w.rb = it.rb, w.split = it.split, w.hk = it.hk, w.b = it.b, w.len = it.len, w.k0 = it.klo, w.k1 = it.khi;
-  w.seq_bad = it.seq_bad != 0;
-  return w;
-}
-
-template <typename T, int NT>
-__global__ void __launch_bounds__(kThreads) decode_mma_persist_kernel(const DecodeParams p) {
-  constexpr int D = 128;
-  using Tr = MmaTraits<D, 2>;
-  using Rows = MmaRows<T, T, D, NT>;
-  constexpr int STAGES = Tr::kStages, kKD = D / 16, ROWS = 8 * NT;
-  static_assert(STAGES == 3, "kPLeadTiles assumes the 3-stage ring");
-  static_assert(2 * Tr::kTileBytes >= 4 * ROWS * D * 4, "an item's warp merge fits one ring slot");
-  extern __shared__ __align__(16) uint8_t smem[];
-  __shared__ float grp_m[4 * ROWS], grp_l[4 * ROWS];
-  __shared__ int grp_bad[4];
-  __shared__ float row_m[ROWS], row_l[ROWS];
-  __shared__ int row_bad[ROWS];
-  __shared__ int2 pg_ring[STAGES][kBK];
-  __shared__ PItem items[kPRing];
-
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int g = lane >> 2, t4 = lane & 3;
-  const bool paged = p.block_table != nullptr;
-  const int c_ld = tid % Tr::kCPR, j_ld0 = tid / Tr::kCPR, j_step = kThreads / Tr::kCPR;
-  const int64_t k_it = j_step * p.k_ss, v_it = j_step * p.v_ss;
-  const bool kv_same = p.k_sp == p.v_sp && p.k_ss == p.v_ss;
-  const uint32_t pages_u32 = static_cast<uint32_t>(min(p.num_pages, int64_t{1} << 31));
-  const uint32_t ring = ptx::smem_u32(smem) + j_ld0 * Tr::kPitch + c_ld * 16;
-  const int k_lane = (warp * 16 + (lane & 15)) * Tr::kPitch + (lane >> 4) * 16;
-  const int v_lane = (warp * 16 + (lane & 7) + ((lane >> 4) << 3)) * Tr::kPitch + ((lane >> 3) & 1) * 16;
-  const float cap = p.softcap * kLog2e, inv_cap = p.softcap > 0.0f ? 1.0f / cap : 0.0f;
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  cudaGridDependencySynchronize();  // as work_item: the previous kernel (and the counter's memset) first
-#endif
-
-  // ---- claims (thread 0's registers) ----
-  int n_pub = 0, pub_tiles = 0, pend_id = -1, len_id = -1;
-  int64_t len_v = 0;
-  bool claimed_end = false;
-  auto publish = [&](int id, int64_t len_raw) {
-    const PItem it = make_pitem(p, id, len_raw, n_pub);
-    items[n_pub % kPRing] = it;
-    ++n_pub;
-    pub_tiles += it.end ? 1 : it.ntiles;
-  };
-  if (tid == 0) {  // the first item (the grid order), then claims until kPLeadTiles tiles are known
-    int id = blockIdx.x;
-    for (;;) {
-      publish(id, id < p.n_items ? p.seqlens[pitem_batch(p, id)] : 0);
-      if (id >= p.n_items) {
-        claimed_end = true;
-        break;
-      }
-      if (pub_tiles >= kPLeadTiles) break;
-      id = static_cast<int>(gridDim.x + atomicAdd(p.counter, 1u));
-    }
-  }
-  __syncthreads();
-  auto enter = [&](int seq) {
-    const PItem it = items[seq % kPRing];
-    if (it.seq != seq) __trap();  // a cursor ran past the claims: a bug, never a wrong answer
-    return it;
-  };
-
-  // ---- cursors (uniform over the CTA): loader (rows), pages ((page, slot) prefetch), compute ----
-  PItem L = enter(0), P = L, C = L;
-  int l_tile = 0, p_tile = 0, c_tile = 0, lg = 0, pgt = 0;
-  unsigned pgb = 0;  // bit (seq & 31): a bad block-table entry among this thread's rows of that item
-  auto issue_pages = [&]() {  // the (page, slot) entries of the pages cursor's next tile
-    if (!paged || P.end) return;
-    if (tid < kBK) {
-      const int t = P.klo + p_tile * kBK + tid;
-      int2* dst = &pg_ring[pgt % STAGES][tid];
-      if (t < P.khi) {
-        const int pi = p.page_shift >= 0 ? t >> p.page_shift : t / p.page_size;
-        dst->y = t - pi * p.page_size;
-        ptx::cp_async_4(ptx::smem_u32(&dst->x), p.block_table + P.b * p.bt_sb + static_cast<int64_t>(pi) * p.bt_sp, 4);
-      }
-    }
-    ++pgt;
-    if (++p_tile == P.ntiles) P = enter(P.seq + 1), p_tile = 0;
-  };
-  auto issue_rows = [&]() {  // the loader cursor's next tile (as decode_mma_kernel's issue_rows)
-    if (L.end) return;
-    const uint32_t dst0 = ring + (lg % STAGES) * 2 * Tr::kTileBytes;
-    const int t0 = L.klo + l_tile * kBK + j_ld0;
-    const uint8_t* kbase = p.k + L.hk * p.k_sh + c_ld * 16;
-    const uint8_t* vbase = p.v + L.hk * p.v_sh + c_ld * 16;
-    if (!paged) {
-      const uint8_t* kr = kbase + L.b * p.k_sp + static_cast<int64_t>(t0) * p.k_ss;
-      const uint8_t* vr = vbase + L.b * p.v_sp + static_cast<int64_t>(t0) * p.v_ss;
-#pragma unroll
-      for (int it = 0; it < Tr::kLoadIters; ++it) {
-        const bool ok = t0 + it * j_step < L.khi;
-        const uint32_t dst = dst0 + it * j_step * Tr::kPitch;
-        ptx::cp_async_16_zfill(dst, kr, ok);
-        ptx::cp_async_16_zfill(dst + Tr::kTileBytes, vr, ok);
-        kr += k_it;
-        vr += v_it;
-      }
-    } else {
-      const int2* pgs = pg_ring[lg % STAGES] + j_ld0;
-      int2 pse[Tr::kLoadIters];
-#pragma unroll
-      for (int it = 0; it < Tr::kLoadIters; ++it) pse[it] = pgs[it * j_step];
-      int bad_pg = 0;
-#pragma unroll
-      for (int it = 0; it < Tr::kLoadIters; ++it) {
-        const int2 ps = pse[it];
-        const bool in = t0 + it * j_step < L.khi;
-        const bool ok = in && static_cast<uint32_t>(ps.x) < pages_u32;
-        bad_pg |= (in && !ok) ? 1 : 0;
-        const uint64_t page = static_cast<uint32_t>(ok ? ps.x : 0), slot = static_cast<uint32_t>(ps.y);
-        const uint32_t dst = dst0 + it * j_step * Tr::kPitch;
-        const uint64_t koff = page * p.k_sp + slot * p.k_ss;
-        ptx::cp_async_16_zfill(dst, kbase + koff, ok);
-        ptx::cp_async_16_zfill(dst + Tr::kTileBytes, vbase + (kv_same ? koff : page * p.v_sp + slot * p.v_ss), ok);
-      }
-      pgb |= static_cast<unsigned>(bad_pg) << (L.seq & 31);
-    }
-    ++lg;
-    if (++l_tile == L.ntiles) L = enter(L.seq + 1), l_tile = 0;
-  };
-  auto issue = [&]() {
-    issue_pages();  // entries for the tile the loader issues STAGES - 1 iterations later
-    issue_rows();
-    ptx::cp_async_commit();
-  };
-
-  if (paged) {  // the entries of the first STAGES - 1 tiles, before their rows are issued
-#pragma unroll
-    for (int s = 0; s < STAGES - 1; ++s) issue_pages();
-    ptx::cp_async_commit();
-    ptx::cp_async_wait<0>();
-    __syncthreads();
-  }
-#pragma unroll
-  for (int s = 0; s < STAGES - 1; ++s) {
-    if (paged && s > 0) __syncthreads();  // as decode_mma_kernel's prologue
-    issue();
-  }
-
-  // The first item's query rows; each later item's are loaded during its predecessor's last tile.
-  uint32_t qn[NT][kKD][2];
-  float qmax[NT];
-  Rows::load_q(p, pitem_work(C), g, t4, qn, qmax);
-  Rows st;
-  for (int gt = 0;; ++gt) {
-    ptx::cp_async_wait<STAGES - 2>();
-    __syncthreads();
-    if (tid == 0) {  // one step of each claim stage, oldest first (so items publish in claim order)
-      if (len_id >= 0) publish(len_id, len_v), len_id = -1;
-      if (pend_id >= 0) {
-        if (pend_id < p.n_items) {
-          len_v = p.seqlens[pitem_batch(p, pend_id)];  // used next iteration
-          len_id = pend_id;
-        } else {
-          publish(pend_id, 0);  // the end mark
-          claimed_end = true;
-        }
-        pend_id = -1;
-      }
-      const int inflight = len_id >= 0 ? 1 : 0;
-      if (!claimed_end && pub_tiles + inflight < gt + kPLeadTiles && n_pub + inflight < C.seq + kPRing - 2)
-        pend_id = static_cast<int>(gridDim.x + atomicAdd(p.counter, 1u));  // used next iteration
-    }
-    issue();
-    const bool last = c_tile == C.ntiles - 1;
-    if (c_tile == 0) st.begin(p, pitem_work(C), t4, qn, qmax);
-    if (last) {
-      const PItem nx = enter(C.seq + 1);  // published: the loader is past C's last tile
-      if (!nx.end) Rows::load_q(p, pitem_work(nx), g, t4, qn, qmax);
-    }
-    const uint32_t kv = ptx::smem_u32(smem + (gt % STAGES) * 2 * Tr::kTileBytes);
-    st.tile(p, kv + k_lane, kv + Tr::kTileBytes + v_lane, C.klo + c_tile * kBK + warp * 16 + g, C.khi, cap, inv_cap,
-            t4);
-    if (!last) {
-      ++c_tile;
-      continue;
-    }
-    const int bit = C.seq & 31;
-    const int any_pg_bad = __syncthreads_or(static_cast<int>((pgb >> bit) & 1u));
-    pgb &= ~(1u << bit);
-    st.finish(p, pitem_work(C), any_pg_bad | C.seq_bad, reinterpret_cast<float*>(smem + (gt % STAGES) * 2 * Tr::kTileBytes),
-              grp_m, grp_l, grp_bad, row_m, row_l, row_bad);
-    C = enter(C.seq + 1), c_tile = 0;
-    if (C.end) break;
-  }
-  ptx::cp_async_wait<0>();
 }
 
 #if IOATTN_DECODE_TRACE
@@ -1105,53 +800,6 @@ void launch_decode_mma(const DecodeParams& p, DType cache, int64_t grid, cudaStr
     case DType::i8: launch_dims<__half, int8_t>(p, grid, stream, pdl, false, ring); break;
     default: throw Error("cache.k_cache.dtype", "ioattn: the mma decode kernel takes bf16/f16/f8e4m3/i8 caches");
   }
-}
-
-}  // namespace ioattn::cuda::serving
-
-namespace ioattn::cuda::serving {
-
-bool mma_persist_supported(DType dtype, DType cache, int64_t d, int ring, bool bulk) {
-  return (dtype == DType::bf16 || dtype == DType::f16) && cache == dtype && d == 128 && !bulk &&
-         ring == MmaTraits<128, 2>::kStages;
-}
-
-namespace {
-template <typename T, int NT>
-void (*persist_kernel())(DecodeParams) {
-  return &decode_mma_persist_kernel<T, NT>;
-}
-void (*persist_kernel_for(DType dtype, int rows_per_cta))(DecodeParams) {
-  const bool two = rows_per_cta == 16;
-  if (dtype == DType::bf16) return two ? persist_kernel<__nv_bfloat16, 2>() : persist_kernel<__nv_bfloat16, 1>();
-  return two ? persist_kernel<__half, 2>() : persist_kernel<__half, 1>();
-}
-constexpr int kPersistSmem = MmaTraits<128, 2>::kSmem;
-}  // namespace
-
-int64_t mma_persist_slots(DType dtype, int rows_per_cta, int device_index) {
-  auto* kernel = persist_kernel_for(dtype, rows_per_cta);
-  IOATTN_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kPersistSmem));
-  int per_sm = 0, sms = 0;
-  IOATTN_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, kPersistSmem));
-  IOATTN_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device_index));
-  int64_t slots = static_cast<int64_t>(std::max(per_sm, 1)) * sms;
-  if (const char* e = std::getenv("IOATTN_DECODE_PERSIST_CTAS")) {
-    const long cap = std::strtol(e, nullptr, 10);
-    if (cap > 0) slots = std::min<int64_t>(slots, cap);
-  }
-  return slots;
-}
-
-void launch_decode_mma_persist(const DecodeParams& p, DType cache, int64_t slots, cudaStream_t stream, bool pdl) {
-  (void)cache;  // == p.dtype (mma_persist_supported)
-  const int64_t grid = std::min<int64_t>(p.n_items, slots);
-  if (grid <= 0) return;
-  IOATTN_CUDA_CHECK(cudaMemsetAsync(p.counter, 0, sizeof(unsigned), stream));
-  static std::atomic<uint64_t> smem_set[2][2];
-  const int rows = mma_rows_per_cta(p.rows, p.d);
-  const int ti = p.dtype == DType::bf16 ? 0 : 1, ni = rows == 16 ? 1 : 0;
-  launch_decode_grid(persist_kernel_for(p.dtype, rows), smem_set[ti][ni], p, grid, kPersistSmem, stream, pdl);
 }
 
 }  // namespace ioattn::cuda::serving
