@@ -407,7 +407,7 @@ if want sm90qregs; then
   note "qregs test rc=$rc  $(( $(stamp) - t0 )) s  (sm90qregs_test.log)"
   if [[ $rc == 0 ]]; then
     brc=0
-    for pass in 1 2; do
+    for pass in $(seq 1 "${GPU_CHECK_QREGS_PASSES:-2}"); do
       for mode in ${GPU_CHECK_QREGS_MODES:-off on}; do
         case $mode in
           off) envs="IOATTN_SM90_QREGS=0" ;;
