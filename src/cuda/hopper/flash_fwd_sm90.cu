@@ -327,7 +327,6 @@ struct Policy {
   bool wg3 = false;           // hdim 64: 3 consumer warpgroups (192-row tiles)
   bool rescale_early = false; // O *= corr before the tensor-core turn instead of after Q K^T issue
   bool v3_body = false;       // hdim 128: the v3 kernel body (static tiles, no skip)
-  bool trim = false;          // v3 body, non-causal: the partial last key block's GEMMs trimmed
 };
 // Runs 4 and 5 (NOTES.md): 3 consumer warpgroups + dynamic + skip won every hdim64 row (+3..13%
 // over v3); dynamic + skip won the causal rows at hdim256 (up to +20% at 16k) and mostly at
@@ -369,8 +368,7 @@ bool mempools_supported(int device) {
 //   IOATTN_SM90_BODY=v3|v4 (hdim 128: the v3 kernel body or the current one);
 //   IOATTN_SM90_MAX_CTAS=N caps a persistent grid (with a handful of CTAs every small problem runs
 //       many tiles per CTA);
-//   IOATTN_SM90_NO_STAGGER=1 keeps every non-causal tile's key order unrotated;
-//   IOATTN_SM90_TRIM=0|1: the v3 body's partial last key block (non-causal) with narrower GEMMs.
+//   IOATTN_SM90_NO_STAGGER=1 keeps every non-causal tile's key order unrotated.
 // kDynamic needs a stream-ordered allocation (memory pools); without them it falls back.
 Policy policy_for(const FwdProblem& p) {
   const bool local = needs_local(p);  // the kLocal rows: the causal policy, 3 WGs at hdim 64, v4 body
@@ -399,8 +397,6 @@ Policy policy_for(const FwdProblem& p) {
     if (pol.grid == Grid::kDynamic) pol.grid = p.causal ? Grid::kTilePerCta : Grid::kStatic;
     pol.rescale_skip = pol.rescale_early = false;
   }
-  if (const int v = env_bool("IOATTN_SM90_TRIM"); v >= 0) pol.trim = v == 1;
-  if (!pol.v3_body || p.causal) pol.trim = false;
   if (pol.grid == Grid::kDynamic && !mempools_supported(p.device_index))
     pol.grid = p.causal || local ? Grid::kTilePerCta : Grid::kStatic;
   return pol;
@@ -539,7 +535,7 @@ bool select_impl(const FwdProblem& p, std::string* kernel, std::string* why) {
             " stages " + std::to_string(row.stages) + " ws " + std::to_string(row.consumer_wgs) + " consumer WGs " +
             (row.consumer_wgs == 2 ? "pingpong" : "round-robin") + grid_str(pol.grid) +
             (pol.rescale_skip ? " rescale-skip" : "") + (pol.rescale_early ? " rescale-early" : "") +
-            (row.v3 ? " (v3 body)" : "") + (pol.trim ? " trim" : "") + (row.q_regs ? " qregs" : "") +
+            (row.v3 ? " (v3 body)" : "") + (row.q_regs ? " qregs" : "") +
             (local ? " local(" + local_features(p) + ")" : "");
   *why = row.why;
   return true;
@@ -751,11 +747,6 @@ void sm90_flash_forward(const FwdProblem& p) {
   }
   f.rescale_skip = pol.rescale_skip ? 1 : 0;
   f.rescale_early = pol.rescale_early ? 1 : 0;
-  if (pol.trim && row.v3 && !p.causal && p.seqlen_k > 0) {  // the v3 body's partial last key block
-    const int64_t rem = p.seqlen_k - (p.seqlen_k - 1) / row.block_n * row.block_n;  // 1..block_n keys
-    const int64_t n16 = (rem + 15) / 16;
-    f.trim_n16 = n16 < row.block_n / 16 ? static_cast<int>(n16) : 0;
-  }
   l.grid = static_cast<unsigned>(grid_ctas(p.device_index, grid, persistent));
   l.stream = static_cast<cudaStream_t>(p.stream);
   // Dynamic schedule: one int tile counter per launch, allocated and zeroed in stream order, so

@@ -86,7 +86,6 @@ struct FwdParams {
   int* tile_counter = nullptr;  // non-null: dynamic persistent schedule (claim_tile), zeroed per launch
   int rescale_skip = 0;   // skip O *= corr in a warp whose 16 rows all kept their running max
   int rescale_early = 0;  // O *= corr before waiting for the tensor-core turn (else after Q K^T issue)
-  int trim_n16 = 0;       // v3 body, non-causal: 16-key groups of a partial last key block (0: none)
 };
 
 // What only the kLocal instances read, as a kernel argument of its own (growing FwdParams changed
@@ -302,18 +301,6 @@ __device__ __forceinline__ int key_rotation(int m_block, int n_blocks, const Fwd
 __device__ __forceinline__ int key_block(int i, int n_blocks, int rot) {
   const int n = n_blocks - 1 - i + rot;
   return n >= n_blocks ? n - n_blocks : n;
-}
-
-// Calls f(std::integral_constant<int, 16 * n16>{}) for a runtime n16 in [1, K] (nothing otherwise):
-// a wgmma width chosen at run time from the compile-time ones.
-template <int K, class F>
-__device__ __forceinline__ void with_n16(int n16, F&& f) {
-  if constexpr (K >= 1) {
-    if (n16 == K)
-      f(std::integral_constant<int, 16 * K>{});
-    else
-      with_n16<K - 1>(n16, f);
-  }
 }
 
 // 2^x on the FMA pipe, for a share of the softmax exponentials so the MUFU unit (16 ex2 per clock

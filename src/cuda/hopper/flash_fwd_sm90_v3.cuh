@@ -134,12 +134,6 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         uint32_t pf[kBlockN / 4];  // P fragment as 16-bit pairs: the A operand of P V
         float corr[2] = {1.0f, 1.0f};
 
-        // Trimmed last key block (p.trim_n16 > 0: non-causal, seqlen_k not a multiple of kBlockN):
-        // key block n_blocks - 1 holds seqlen_k - (n_blocks - 1) kBlockN keys; its P V runs over
-        // trim_n16 k-steps, so the keys past seqlen_k (zero-filled by TMA, P = 0) cost no
-        // tensor-core time there; the skipped steps would add exact zeros. (Its Q K^T stays
-        // kBlockN wide: narrower wgmmas writing part of S made ptxas serialise every wgmma.)
-        const int trim16 = kCausal ? 0 : p.trim_n16, n_trim = n_blocks - 1;
         // S = Q K^T for ring slot st: kHeadDim/16 k-steps, K-major A and B.
         auto issue_qk = [&](uint32_t st) {
           wgmma_fence();
@@ -153,24 +147,15 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
           }
           wgmma_commit();
         };
-        // O += P V for ring slot st: kBlockN/16 k-steps (key block n == n_trim: trim16), A = P
-        // from registers, V MN-major. Each step count is its own straight-line group of wgmmas
-        // (a branch between the wgmmas of a group makes ptxas fence each one).
-        auto pv_steps = [&](uint32_t st, auto steps_tag) {
-          constexpr int kSteps = decltype(steps_tag)::value / 16;
+        // O += P V for ring slot st: kBlockN/16 k-steps, A = P from registers, V MN-major.
+        auto issue_pv = [&](uint32_t st) {
+          wgmma_fence();
 #pragma unroll
-          for (int kk = 0; kk < kSteps; ++kk) {
+          for (int kk = 0; kk < kBlockN / 16; ++kk) {
             const uint64_t bd = make_desc_sw128(v_base + st * Tr::kKVBytes + kk * 16 * 128, kBlockN * 128, 1024);
             const uint32_t a[4] = {pf[4 * kk], pf[4 * kk + 1], pf[4 * kk + 2], pf[4 * kk + 3]};
             Wgmma<kHeadDim, Element>::template rs<1>(o, a, bd, 1);
           }
-        };
-        auto issue_pv = [&](uint32_t st, int n) {
-          wgmma_fence();
-          if (trim16 > 0 && n == n_trim)
-            with_n16<kBlockN / 16 - 1>(trim16, [&](auto tag) { pv_steps(st, tag); });
-          else
-            pv_steps(st, std::integral_constant<int, kBlockN>{});
           wgmma_commit();
         };
         // Lets the producer refill a buffer: one arrival per consumer warp.
@@ -283,7 +268,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
           issue_qk(st);
           rescale_o();  // O to the max of block i-1, while Q K_i^T runs
           mbarrier_wait(&full_v[prev], ring_phase(ring + i - 1, kStages));
-          issue_pv(prev, key_block(i - 1, n_blocks, rot));
+          issue_pv(prev);
           named_barrier_arrive(sched_other, 256);
           wgmma_wait<1>();  // S_i ready (P V may still run)
           fence_s();
@@ -302,7 +287,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
           mbarrier_wait(&full_v[prev], ring_phase(ring + n_blocks - 1, kStages));
           named_barrier_sync(sched_mine, 256);
           rescale_o();
-          issue_pv(prev, key_block(n_blocks - 1, n_blocks, rot));
+          issue_pv(prev);
           named_barrier_arrive(sched_other, 256);
           wgmma_wait<0>();
           fence_o();
