@@ -3,7 +3,7 @@
 // at 4.6 TB/s of K+V, while our cp.async loader tops out near 4.3; this probe says which way of
 // reading gets the most out of HBM, before a loader is rewritten around it.
 //
-//   ioattn_cuda_readbw [--gib 2] [--repeats 10] [--ctas-per-sm 1,2,3,4] [--stages 4]
+//   ioattn_cuda_readbw [--gib 2] [--repeats 10] [--ctas-per-sm 1,2,3,4] [--kvloop-spins 0,500,...]
 //
 // Mechanisms (each CTA streams its share of a buffer far beyond L2 and sums it, so nothing is
 // optimised away; one float per CTA is written):
@@ -16,6 +16,14 @@
 // Patterns: contig (each CTA one contiguous span) and rows (the decode cache's access pattern:
 // [tokens, 8 kv heads, 128 dims] bf16, each CTA one head's 256-byte rows 2 KiB apart; a stage is
 // 64 rows of one head).
+// kvloop (--kvloop-spins 0,1000,...; 1 and 2 CTAs per SM): the decode kernel's loop and pattern
+//   without its arithmetic: CTA c streams head c % 8 of token group c / 8 from two caches (K in
+//   the buffer's first half, V in its second, each [tokens, 8 heads, 256 B]) in tiles of 64 K rows +
+//   64 V rows (32 KiB) through a 3-stage cp.async ring (96 KiB: 2 CTAs per SM, as the decode's),
+//   per tile: wait, barrier, issue the tile 2 ahead, read the tile, then spin for the given SM
+//   cycles (standing in for the decode's per-tile compute, ~1,500-3,300 cycles in its traces).
+//   Which of "two streams" and "compute per tile" holds the decode at ~4.2 TB/s where the single
+//   stream above reads ~4.6?
 // CTAs: SMs x CTAs-per-SM rounded down to whole groups of 8 (one token group of the rows
 // pattern), so up to 7 slots stay idle; a (mechanism, CTAs per SM) the occupancy calculator says
 // cannot be resident (the 64 KiB rings allow 3 per SM) is skipped, never reported as a false row.
@@ -121,6 +129,49 @@ __global__ void __launch_bounds__(kThreads) read_cpasync(const char* buf, int64_
   if (acc == 1.2345f) out[blockIdx.x] = acc;
 }
 
+// The decode loop's pattern (see kvloop above): tile s of CTA c = 64 tokens of head c % 8.
+constexpr int kKvTileRows = 64, kKvStages = 3;
+constexpr int kKvTileBytes = 2 * kKvTileRows * kRowBytes;  // K rows then V rows
+__global__ void __launch_bounds__(kThreads) read_kvloop(const char* buf, int64_t tiles_per_cta, int64_t half_bytes,
+                                                        long long spin, float* out) {
+  extern __shared__ __align__(128) char smem[];
+  const uint32_t base = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+  const int h = blockIdx.x % kHeads, group = blockIdx.x / kHeads;
+  // thread t copies 16-byte chunk t % 16 of rows t / 16 + 8 i (i < 8) of the K and V tiles
+  const int chunk = threadIdx.x % 16, row0 = threadIdx.x / 16;
+  auto issue = [&](int64_t s) {
+    if (s < tiles_per_cta) {
+      const uint32_t dst = base + static_cast<uint32_t>((s % kKvStages) * kKvTileBytes);
+      const int64_t token0 = (static_cast<int64_t>(group) * tiles_per_cta + s) * kKvTileRows;
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        const int r = row0 + 8 * i;
+        const size_t off = (static_cast<size_t>(token0 + r) * kHeads + h) * kRowBytes + chunk * 16;
+        cp16<0>(dst + r * kRowBytes + chunk * 16, buf + off);
+        cp16<0>(dst + (kKvTileRows + r) * kRowBytes + chunk * 16, buf + half_bytes + off);
+      }
+    }
+    asm volatile("cp.async.commit_group;\n" ::);
+  };
+  for (int s = 0; s < kKvStages - 1; ++s) issue(s);
+  float acc = 0.f;
+  for (int64_t s = 0; s < tiles_per_cta; ++s) {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(kKvStages - 2));
+    __syncthreads();
+    issue(s + kKvStages - 1);
+    const char* st = smem + (s % kKvStages) * kKvTileBytes;
+#pragma unroll
+    for (int i = 0; i < 16; ++i) acc += sum4(*reinterpret_cast<const uint4*>(st + (i * kThreads + threadIdx.x) * 16));
+    if (spin > 0) {
+      const long long t0 = clock64();
+      while (clock64() - t0 < spin) {
+      }
+    }
+  }
+  asm volatile("cp.async.wait_group 0;\n" ::);
+  if (acc == 1.2345f) out[blockIdx.x] = acc;
+}
+
 template <int kStages>
 __global__ void __launch_bounds__(kThreads) read_bulk(const char* buf, int64_t stages_per_cta, bool rows, float* out) {
 #if IOATTN_SM90A_ENABLED
@@ -173,12 +224,13 @@ int main(int argc, char** argv) {
   using namespace ioattn::cuda::bench;
   double gib = 2;
   int repeats = 10;
-  std::string ctas_s = "1,2,3,4";
+  std::string ctas_s = "1,2,3,4", spins_s = "0,500,1000,1500,2000,3000";
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string a = argv[i], v = argv[i + 1];
     if (a == "--gib") gib = std::atof(v.c_str());
     else if (a == "--repeats") repeats = std::atoi(v.c_str());
     else if (a == "--ctas-per-sm") ctas_s = v;
+    else if (a == "--kvloop-spins") spins_s = v;
     else {
       std::fprintf(stderr, "ioattn_cuda_readbw: unknown option %s (see the comment at the top of bench_readbw.cu)\n", a.c_str());
       return 2;
@@ -248,6 +300,33 @@ int main(int argc, char** argv) {
                     mech_name(m), rows ? "rows" : "contig", static_cast<int>(cps), ctas, kStages, read, ms, tbs);
         std::fflush(stdout);
       }
+    }
+  }
+  // The decode loop's pattern and structure, with a spin per tile for its compute ("" skips).
+  const size_t kv_smem = static_cast<size_t>(kKvStages) * kKvTileBytes;
+  IOATTN_CUDA_CHECK(cudaFuncSetAttribute(read_kvloop, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)kv_smem));
+  for (int64_t cps : {int64_t{1}, int64_t{2}}) {
+    int resident = 0;
+    IOATTN_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&resident, read_kvloop, kThreads, kv_smem));
+    if (spins_s.empty() || resident < cps) continue;
+    const int ctas = static_cast<int>((sms * cps) / kHeads * kHeads);
+    const int64_t half = static_cast<int64_t>(bytes / 2);
+    // each cache half holds ctas / 8 token groups of tiles_per_cta tiles x 64 tokens x 8 heads x 256 B
+    const int64_t tiles_per_cta = half / (static_cast<int64_t>(ctas / kHeads) * kKvTileRows * kHeads * kRowBytes);
+    const double read = static_cast<double>(tiles_per_cta) * ctas * kKvTileBytes;
+    for (int64_t spin : parse_list(spins_s)) {
+      auto launch = [&] {
+        read_kvloop<<<ctas, kThreads, kv_smem>>>(buf, tiles_per_cta, half, spin, out);
+        IOATTN_CUDA_CHECK_LAUNCH("read_kvloop");
+      };
+      const double ms = time_ms(launch, 2, repeats, 1);
+      const double tbs = read / (ms * 1e-3) / 1e12;
+      const std::string pat = "kv spin " + std::to_string(spin);
+      rows_out.push_back({"kvloop", pat, static_cast<int>(cps), tbs});
+      std::printf("{\"bench\": \"readbw\", \"mech\": \"kvloop\", \"pattern\": \"kv\", \"spin\": %lld, "
+                  "\"ctas_per_sm\": %d, \"ctas\": %d, \"stages\": %d, \"bytes\": %.0f, \"ms\": %.4f, \"tbs\": %.3f}\n",
+                  static_cast<long long>(spin), static_cast<int>(cps), ctas, kKvStages, read, ms, tbs);
+      std::fflush(stdout);
     }
   }
   std::printf("\n## read bandwidth (TB/s), %.1f GiB buffer, %d SMs, %d threads/CTA, %d x 16 KiB stages\n", gib, sms,
