@@ -51,8 +51,9 @@ Tensor = torch.Tensor
 # ---- running the extension ---------------------------------------------------------------
 
 def _detach(x: Optional[Tensor]) -> Optional[Tensor]:
-    # DLPack refuses tensors that require grad; the op's autograd formula owns the graph.
-    return None if x is None else x.detach()
+    # DLPack refuses tensors that require grad; the op's autograd formula owns the graph. (A
+    # tensor without grad goes as it is: detach() makes a new tensor object per call.)
+    return None if x is None else (x.detach() if x.requires_grad else x)
 
 
 def _stream(x: Tensor) -> int:
