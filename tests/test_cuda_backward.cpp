@@ -533,6 +533,19 @@ TEST_P(CudaBackwardSm90PingPong, MatchesFloat64Reference) {
 INSTANTIATE_TEST_SUITE_P(Cases, CudaBackwardSm90PingPong, ::testing::ValuesIn(sm90_pp_cases()),
                          [](const auto& info) { return info.param.name; });
 
+// Variant ppw (pp with each warp adding its own 16 rows of the dQ piece by TMA reduce-add: no
+// warpgroup barrier before the reduce-adds; written in session 12 without a GPU): the pp suite.
+class CudaBackwardSm90PingPongWarp : public ::testing::TestWithParam<Case> {};
+
+TEST_P(CudaBackwardSm90PingPongWarp, MatchesFloat64Reference) {
+  SKIP_WITHOUT_GPU();
+  if (detail::cuda_device_arch(0) != 90) GTEST_SKIP() << "skipped: the wgmma backward needs sm_90";
+  run_sm90_variant_case(GetParam(), "ppw");
+}
+
+INSTANTIATE_TEST_SUITE_P(Cases, CudaBackwardSm90PingPongWarp, ::testing::ValuesIn(sm90_pp_cases()),
+                         [](const auto& info) { return info.param.name; });
+
 // Varlen on the wgmma backward (its kVarlen instance, the default since session 8;
 // IOATTN_BWD_SM90_VARLEN=0 switches it off): packed sequences with empty ones on either side,
 // causal and not, GQA with a window, sinks; hdim 128 and 64.

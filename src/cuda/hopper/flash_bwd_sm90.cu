@@ -181,7 +181,7 @@ __device__ __forceinline__ void load_rows(uint32_t dst, const uint8_t* src, int6
 // with dV and dK, after dS^T (dQ first: its output then runs under them), so the wait for the other
 // warpgroup's half comes half a step after that half was written.
 template <typename T, int kD, bool kTmaDq, bool kLag, bool kDq = true, bool kTmaLoad = false, bool kVarlen = false,
-          bool kPingPong = false>
+          bool kPingPong = false, bool kWarpDq = false>
 __global__ void __launch_bounds__(kThreads, 1) flash_bwd_sm90_kernel(const BwdParams p,
                                                                      const __grid_constant__ CUtensorMap dq_map,
                                                                      const __grid_constant__ CUtensorMap q_map,
@@ -193,6 +193,7 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_sm90_kernel(const BwdPa
   static_assert(!kTmaLoad || (kTmaDq && kLag), "TMA loads: the lag + TMA dQ variant only");
   static_assert(!kVarlen || (kTmaDq && kLag && kDq && !kTmaLoad), "varlen: the lag + TMA dQ instance only");
   static_assert(!kPingPong || kTmaLoad, "ping-pong: a tmald variant");
+  static_assert(!kWarpDq || kPingPong, "per-warp dQ reduce-adds: a pp variant");
   constexpr bool kDqWithDkv = kPingPong && kD == 128;  // the dQ wgmmas issued with dV / dK
   constexpr int kTileQ = Cfg<kD>::kTileQ, kTileK = Cfg<kD>::kTileK;
   extern __shared__ uint8_t raw[];
@@ -361,13 +362,26 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_sm90_kernel(const BwdPa
                        : "memory");
         }
       fence_proxy_async();
-      named_barrier_sync(1 + wg, 128);
-      if (wtid == 0) {
-        // the workspace's [heads_q, batch, seqlen_q] rows (varlen: [heads_q, total_q])
-        const int plane = kVarlen ? ph : ph * p.batch + b, prow = kVarlen ? q_start + pm0 : pm0;
-        tma_reduce_add_3d(&dq_map, piece, kDqCols * wg, prow, plane);
-        tma_reduce_add_3d(&dq_map, piece + kBM * 128, kDqCols * wg + 32, prow, plane);
-        bulk_commit_group();
+      if constexpr (kWarpDq) {
+        // Variant ppw: a warp stores and reads back only its own 16 rows of the piece, so its lane 0
+        // adds them itself (the host's dq_map has [16 rows x 32 floats] boxes; a box at a multiple of
+        // 16 rows starts 1024-byte aligned, in the piece's swizzle phase): no warpgroup barrier.
+        __syncwarp();
+        if (lane == 0) {
+          const int plane = ph * p.batch + b, prow = pm0 + 16 * w;
+          tma_reduce_add_3d(&dq_map, piece + 16 * w * 128, kDqCols * wg, prow, plane);
+          tma_reduce_add_3d(&dq_map, piece + kBM * 128 + 16 * w * 128, kDqCols * wg + 32, prow, plane);
+          bulk_commit_group();
+        }
+      } else {
+        named_barrier_sync(1 + wg, 128);
+        if (wtid == 0) {
+          // the workspace's [heads_q, batch, seqlen_q] rows (varlen: [heads_q, total_q])
+          const int plane = kVarlen ? ph : ph * p.batch + b, prow = kVarlen ? q_start + pm0 : pm0;
+          tma_reduce_add_3d(&dq_map, piece, kDqCols * wg, prow, plane);
+          tma_reduce_add_3d(&dq_map, piece + kBM * 128, kDqCols * wg + 32, prow, plane);
+          bulk_commit_group();
+        }
       }
     } else {
       // red.global: this thread's first element, pinned so that every reduction is one [R+imm]
@@ -392,9 +406,12 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_sm90_kernel(const BwdPa
     }
   };
   int cur_h = 0, cur_m = 0, prev_h = 0, prev_m0 = 0;
+  // The thread that issues (and so waits for) this thread's dQ reduce-adds: one per warpgroup, or
+  // (ppw) one per warp.
+  const bool dq_issuer = kWarpDq ? lane == 0 : wtid == 0;
   for (int step = 0; step < steps; ++step) {
     if constexpr (kPingPong) {
-      if (wtid == 0) bulk_wait_group_read<1>();  // this step's dQ piece buffer (see below)
+      if (dq_issuer) bulk_wait_group_read<1>();  // this step's dQ piece buffer (see below)
       BWD_TRACE(step, 10);
       mbarrier_wait_or_trap(&full_qdo[step & 1], (step >> 1) & 1);  // Q, dO, LSE, D of this step
       BWD_TRACE(step, 9);
@@ -628,7 +645,7 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_sm90_kernel(const BwdPa
   }
   if constexpr (kDq && kLag) {  // the last step's dQ
     if (steps > 0) {
-      if (kTmaDq && wtid == 0) bulk_wait_group_read<1>();
+      if (kTmaDq && dq_issuer) bulk_wait_group_read<1>();
       if constexpr (kPingPong) {
         named_barrier_sync(3 + wg, 128);  // the piece buffer; hdim 64: this warpgroup's own dS^T rows
         if constexpr (kDqWithDkv) mbarrier_wait_or_trap(&ds_full[(steps - 1) & 1], ((steps - 1) >> 1) & 1);
@@ -645,7 +662,7 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_sm90_kernel(const BwdPa
     }
   }
   ptx::cp_async_wait<0>();
-  if (kTmaDq && wtid == 0) bulk_wait_group<0>();  // the last pieces read (and added) before exit
+  if (kTmaDq && dq_issuer) bulk_wait_group<0>();  // the last pieces read (and added) before exit
 
   // dK (scaled), dV: keys 64wg + 16w + g (+8), dims 8i + 2t (+1).
   T* dkp = static_cast<T*>(p.dk) + b * p.dk_batch + static_cast<int64_t>(k_start) * p.dk_seq + hk * p.dk_head;
@@ -676,7 +693,7 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_sm90_kernel(const BwdPa
 // H200: tmald +8-15% at hdim 64, +3-10% at hdim 128 from 4k over lag, -15% at 1k causal hdim 128;
 // session 9: pp over tmald +1-7% at hdim 64, +0-4% at hdim 128 from 4k). Session 8's "dqlate" (the
 // lagged dQ wgmmas after S^T / dP^T) lost 8-23% to tmald in session 9 and was removed.
-constexpr int kVariantTmaLoad = 4, kVariantPingPong = 5;
+constexpr int kVariantTmaLoad = 4, kVariantPingPong = 5, kVariantPingPongWarpDq = 6;
 int variant_bits(int head_dim, int64_t seqlen_q, bool varlen) {
   const char* e = std::getenv("IOATTN_BWD_SM90_VARIANT");
   if (e == nullptr || *e == '\0')
@@ -687,15 +704,17 @@ int variant_bits(int head_dim, int64_t seqlen_q, bool varlen) {
   if (std::strcmp(e, "redlag") == 0) return 3;
   if (std::strcmp(e, "tmald") == 0) return kVariantTmaLoad;
   if (std::strcmp(e, "pp") == 0) return kVariantPingPong;
+  if (std::strcmp(e, "ppw") == 0) return kVariantPingPongWarpDq;
   throw Error("IOATTN_BWD_SM90_VARIANT",
-              std::string("IOATTN_BWD_SM90_VARIANT must be split, red, lag, redlag, tmald or pp, got '") + e + "'");
+              std::string("IOATTN_BWD_SM90_VARIANT must be split, red, lag, redlag, tmald, pp or ppw, got '") + e + "'");
 }
 
 // The fp32 dQ workspace [heads_q, batch·seqlen_q, kD] as a 3-D map (kD, seqlen_q, heads_q·batch) —
 // rows of one (head, batch) pair are one plane, so a tail block's rows past seqlen_q are clipped
-// instead of landing in the next sequence — with [64 rows x 32 floats] SW128 boxes.
+// instead of landing in the next sequence — with [box_rows x 32 floats] SW128 boxes (64: a
+// warpgroup's dQ piece; 16: a warp's, variant ppw).
 template <int kD>
-CUtensorMap make_dq_map(const BwdParams& p) {
+CUtensorMap make_dq_map(const BwdParams& p, int box_rows = kBM) {
   // varlen: [heads_q, total_q] rows (rows_q = total_q), one plane per head
   const bool varlen = p.cu_seqlens_q != nullptr;
   const int64_t rows = varlen ? p.rows_q : p.seqlen_q;
@@ -703,7 +722,7 @@ CUtensorMap make_dq_map(const BwdParams& p) {
                               static_cast<cuuint64_t>(varlen ? static_cast<int64_t>(p.heads_q)
                                                              : static_cast<int64_t>(p.heads_q) * p.batch)};
   const cuuint64_t strides[2] = {static_cast<cuuint64_t>(kD) * 4, dims[1] * kD * 4};
-  const cuuint32_t box[3] = {32, static_cast<cuuint32_t>(kBM), 1};
+  const cuuint32_t box[3] = {32, static_cast<cuuint32_t>(box_rows), 1};
   const cuuint32_t elem_strides[3] = {1, 1, 1};
   CUtensorMap map{};
   const CUresult r = sm90::tensor_map_encoder()(
@@ -831,15 +850,16 @@ void launch_typed(const BwdParams& p, cudaStream_t stream) {
     return;
   }
   using Kernel = void (*)(const BwdParams, const CUtensorMap, const CUtensorMap, const CUtensorMap);
-  const Kernel kernels[6] = {&flash_bwd_sm90_kernel<T, kD, true, false>,
+  const Kernel kernels[7] = {&flash_bwd_sm90_kernel<T, kD, true, false>,
                              &flash_bwd_sm90_kernel<T, kD, false, false>,
                              &flash_bwd_sm90_kernel<T, kD, true, true>,
                              &flash_bwd_sm90_kernel<T, kD, false, true>,
                              &flash_bwd_sm90_kernel<T, kD, true, true, true, true>,
-                             &flash_bwd_sm90_kernel<T, kD, true, true, true, true, false, true>};
+                             &flash_bwd_sm90_kernel<T, kD, true, true, true, true, false, true>,
+                             &flash_bwd_sm90_kernel<T, kD, true, true, true, true, false, true, true>};
   auto* kernel = kernels[v];
   const int smem = tma_load ? Cfg<kD>::kSmemTmaLoad : Cfg<kD>::smem(tma_dq);
-  const CUtensorMap map = tma_dq ? make_dq_map<kD>(p) : CUtensorMap{};
+  const CUtensorMap map = tma_dq ? make_dq_map<kD>(p, v == kVariantPingPongWarpDq ? 16 : kBM) : CUtensorMap{};
   const CUtensorMap q_map = tma_load ? make_row_map<T, kD>(p.q, {p.q_batch, p.q_seq, p.q_head}, p, "q") : CUtensorMap{};
   const CUtensorMap do_map =
       tma_load ? make_row_map<T, kD>(p.dout, {p.do_batch, p.do_seq, p.do_head}, p, "dout") : CUtensorMap{};
@@ -866,6 +886,7 @@ const char* variant_name(int head_dim, int64_t seqlen_q, bool varlen) {
     case 3: return "redlag";
     case kVariantTmaLoad: return "tmald";
     case kVariantPingPong: return "pp";
+    case kVariantPingPongWarpDq: return "ppw";
     default: return "lag";
   }
 }
