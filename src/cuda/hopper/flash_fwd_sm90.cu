@@ -327,6 +327,7 @@ struct Policy {
   bool wg3 = false;           // hdim 64: 3 consumer warpgroups (192-row tiles)
   bool rescale_early = false; // O *= corr before the tensor-core turn instead of after Q K^T issue
   bool v3_body = false;       // hdim 128: the v3 kernel body (static tiles, no skip)
+  bool align_end = false;     // causal, v4 body: query blocks aligned to the sequence's end (LocalParams::m_shift)
 };
 // Runs 4 and 5 (NOTES.md): 3 consumer warpgroups + dynamic + skip won every hdim64 row (+3..13%
 // over v3); dynamic + skip won the causal rows at hdim256 (up to +20% at 16k) and mostly at
@@ -368,7 +369,8 @@ bool mempools_supported(int device) {
 //   IOATTN_SM90_BODY=v3|v4 (hdim 128: the v3 kernel body or the current one);
 //   IOATTN_SM90_MAX_CTAS=N caps a persistent grid (with a handful of CTAs every small problem runs
 //       many tiles per CTA);
-//   IOATTN_SM90_NO_STAGGER=1 keeps every non-causal tile's key order unrotated.
+//   IOATTN_SM90_NO_STAGGER=1 keeps every non-causal tile's key order unrotated;
+//   IOATTN_SM90_ALIGN_END=0|1: causal query blocks aligned to the sequence's end (LocalParams::m_shift).
 // kDynamic needs a stream-ordered allocation (memory pools); without them it falls back.
 Policy policy_for(const FwdProblem& p) {
   const bool local = needs_local(p);  // the kLocal rows: the causal policy, 3 WGs at hdim 64, v4 body
@@ -397,6 +399,8 @@ Policy policy_for(const FwdProblem& p) {
     if (pol.grid == Grid::kDynamic) pol.grid = p.causal ? Grid::kTilePerCta : Grid::kStatic;
     pol.rescale_skip = pol.rescale_early = false;
   }
+  if (const int v = env_bool("IOATTN_SM90_ALIGN_END"); v >= 0) pol.align_end = v == 1;
+  if (!p.causal || local || pol.v3_body) pol.align_end = false;
   if (pol.grid == Grid::kDynamic && !mempools_supported(p.device_index))
     pol.grid = p.causal || local ? Grid::kTilePerCta : Grid::kStatic;
   return pol;
@@ -535,7 +539,7 @@ bool select_impl(const FwdProblem& p, std::string* kernel, std::string* why) {
             " stages " + std::to_string(row.stages) + " ws " + std::to_string(row.consumer_wgs) + " consumer WGs " +
             (row.consumer_wgs == 2 ? "pingpong" : "round-robin") + grid_str(pol.grid) +
             (pol.rescale_skip ? " rescale-skip" : "") + (pol.rescale_early ? " rescale-early" : "") +
-            (row.v3 ? " (v3 body)" : "") + (row.q_regs ? " qregs" : "") +
+            (row.v3 ? " (v3 body)" : "") + (row.q_regs ? " qregs" : "") + (pol.align_end ? " align-end" : "") +
             (local ? " local(" + local_features(p) + ")" : "");
   *why = row.why;
   return true;
@@ -747,6 +751,8 @@ void sm90_flash_forward(const FwdProblem& p) {
   }
   f.rescale_skip = pol.rescale_skip ? 1 : 0;
   f.rescale_early = pol.rescale_early ? 1 : 0;
+  if (pol.align_end && !row.v3 && p.causal && !local)  // padding rows before row 0 instead of after the last
+    l.local.m_shift = static_cast<int>(m_blocks * row.block_m - p.seqlen_q);
   l.grid = static_cast<unsigned>(grid_ctas(p.device_index, grid, persistent));
   l.stream = static_cast<cudaStream_t>(p.stream);
   // Dynamic schedule: one int tile counter per launch, allocated and zeroed in stream order, so

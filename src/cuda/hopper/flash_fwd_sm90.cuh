@@ -103,8 +103,15 @@ struct LocalParams {
   const int32_t* cu_seqlens_k = nullptr;
   const float* sinks = nullptr;
   float softcap = 0.0f, softcap_inv = 0.0f, inv_scale = 1.0f;
+  // Read by the plain causal rows, not the kLocal ones (it sits in this struct's alignment hole
+  // before alibi_slopes, so no kernel's parameter layout changed): query blocks aligned to the end
+  // of the sequence, block 0 starting m_shift rows before row 0. Its padding rows see no key (TMA
+  // zero-fills them, the mask empties them, nothing is stored), where the usual alignment puts up
+  // to kBlockM - 1 padding rows in the last block, which sees every key (IOATTN_SM90_ALIGN_END).
+  int m_shift = 0;
   const float* alibi_slopes = nullptr;
 };
+static_assert(sizeof(LocalParams) == 56, "m_shift fills the hole before alibi_slopes");
 
 // kLocal: one tile's sequence (varlen: packed-token offsets q0 / k0 and lengths from cu_seqlens;
 // otherwise 0 and the fixed lengths) and its window relative to the row: key j is visible to row
@@ -391,7 +398,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
           break;
         }
         const TileCoord tc = decode_tile<kCausal>(t, p);
-        const int m0 = tc.m_block * kBlockM, hk = tc.h / p.group;
+        const int m0 = tc.m_block * kBlockM - (kCausal && !kLocal ? lp.m_shift : 0), hk = tc.h / p.group;
         int n_first = 0, n_blocks;
         int q_row = m0, kv_row = 0, bat = tc.b;  // TMA coordinates (kLocal varlen: packed tokens, batch 0)
         if constexpr (kLocal) {
@@ -476,7 +483,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
       const int t = __shfl_sync(0xffffffffu, slot, 0);
       if (t >= p.num_tiles) break;
       const TileCoord tc = decode_tile<kCausal>(t, p);
-      const int m0 = tc.m_block * kBlockM;
+      const int m0 = tc.m_block * kBlockM - (kCausal && !kLocal ? lp.m_shift : 0);  // (m_shift: see LocalParams)
       int n_first = 0, n_blocks;
       [[maybe_unused]] TileSpan span{};  // kLocal only
       if constexpr (kLocal) {
@@ -769,7 +776,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         }
         const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
         const int row = m0 + row_in_tile + 8 * r;
-        if (row < p.seqlen_q) {
+        if (row < p.seqlen_q && (!kCausal || row >= 0)) {  // (rows < 0: m_shift's padding)
           Element* orow =
               static_cast<Element*>(p.o) + tc.b * p.o_batch + row * p.o_seq + tc.h * p.o_head + 2 * (lane % 4);
 #pragma unroll
