@@ -310,7 +310,7 @@ int main(int argc, char** argv) {
     IOATTN_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&resident, read_kvloop, kThreads, kv_smem));
     if (spins_s.empty() || resident < cps) continue;
     const int ctas = static_cast<int>((sms * cps) / kHeads * kHeads);
-    const int64_t half = static_cast<int64_t>(bytes / 2);
+    const int64_t half = static_cast<int64_t>(bytes / 2) / kKvTileBytes * kKvTileBytes;  // V's base: aligned
     // each cache half holds ctas / 8 token groups of tiles_per_cta tiles x 64 tokens x 8 heads x 256 B
     const int64_t tiles_per_cta = half / (static_cast<int64_t>(ctas / kHeads) * kKvTileRows * kHeads * kRowBytes);
     const double read = static_cast<double>(tiles_per_cta) * ctas * kKvTileBytes;
