@@ -751,7 +751,7 @@ void sm90_flash_forward(const FwdProblem& p) {
   }
   f.rescale_skip = pol.rescale_skip ? 1 : 0;
   f.rescale_early = pol.rescale_early ? 1 : 0;
-  if (pol.align_end && !row.v3 && p.causal && !local)  // padding rows before row 0 instead of after the last
+  if (pol.align_end)  // (policy_for: plain causal, v4 body) padding rows before row 0 instead of after the last
     l.local.m_shift = static_cast<int>(m_blocks * row.block_m - p.seqlen_q);
   l.grid = static_cast<unsigned>(grid_ctas(p.device_index, grid, persistent));
   l.stream = static_cast<cudaStream_t>(p.stream);
