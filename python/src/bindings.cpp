@@ -190,6 +190,17 @@ Options make_options(float scale, bool causal, int64_t window_left, int64_t wind
 
 using Choice = std::tuple<std::string, std::string>;  // (kernel, reason)
 
+// Runs call (an ioattn entry point returning a KernelChoice) with the GIL released.
+template <class F>
+Choice without_gil(F&& call) {
+  ioattn::KernelChoice c;
+  {
+    nb::gil_scoped_release nogil;
+    c = call();
+  }
+  return {c.kernel, c.reason};
+}
+
 Choice forward(const InArray& q, const InArray& k, const InArray& v, const OutArray& o,
                const std::optional<OutArray>& lse, float scale, bool causal, int64_t window_left,
                int64_t window_right, float softcap, const std::optional<InArray>& alibi_slopes,
@@ -202,12 +213,7 @@ Choice forward(const InArray& q, const InArray& k, const InArray& v, const OutAr
   const ioattn::TensorView vv = to_view(v, "v", Kind::floating, u16_is_bf16);
   const ioattn::TensorView ov = to_view(o, "o", Kind::floating, u16_is_bf16);
   const ioattn::TensorView lv = lse ? to_view(*lse, "lse", Kind::f32_only, false) : ioattn::TensorView{};
-  ioattn::KernelChoice c;
-  {
-    nb::gil_scoped_release nogil;
-    c = ioattn::forward(qv, kv, vv, ov, lv, opt.params, opt.ctx);
-  }
-  return {c.kernel, c.reason};
+  return without_gil([&] { return ioattn::forward(qv, kv, vv, ov, lv, opt.params, opt.ctx); });
 }
 
 Choice forward_varlen(const InArray& q, const InArray& k, const InArray& v, const OutArray& o,
@@ -229,12 +235,7 @@ Choice forward_varlen(const InArray& q, const InArray& k, const InArray& v, cons
   const ioattn::TensorView vv = to_view(v, "v", Kind::floating, u16_is_bf16);
   const ioattn::TensorView ov = to_view(o, "o", Kind::floating, u16_is_bf16);
   const ioattn::TensorView lv = lse ? to_view(*lse, "lse", Kind::f32_only, false) : ioattn::TensorView{};
-  ioattn::KernelChoice c;
-  {
-    nb::gil_scoped_release nogil;
-    c = ioattn::forward_varlen(qv, kv, vv, ov, lv, vl, opt.params, opt.ctx);
-  }
-  return {c.kernel, c.reason};
+  return without_gil([&] { return ioattn::forward_varlen(qv, kv, vv, ov, lv, vl, opt.params, opt.ctx); });
 }
 
 // Gradients by recomputation: reads q, k, v, o, dout and the forward's lse; writes dq, dk, dv
@@ -271,12 +272,7 @@ Choice backward(const InArray& q, const InArray& k, const InArray& v, const InAr
   const ioattn::TensorView kv = to_view(k, "k", Kind::floating, u16_is_bf16);
   const ioattn::TensorView vv = to_view(v, "v", Kind::floating, u16_is_bf16);
   const GradViews gv = grad_views(o, dout, lse, dq, dk, dv, dsinks, u16_is_bf16);
-  ioattn::KernelChoice c;
-  {
-    nb::gil_scoped_release nogil;
-    c = ioattn::backward(qv, kv, vv, gv.o, gv.dout, gv.lse, gv.g, opt.params, opt.ctx);
-  }
-  return {c.kernel, c.reason};
+  return without_gil([&] { return ioattn::backward(qv, kv, vv, gv.o, gv.dout, gv.lse, gv.g, opt.params, opt.ctx); });
 }
 
 Choice backward_varlen(const InArray& q, const InArray& k, const InArray& v, const InArray& o,
@@ -298,12 +294,8 @@ Choice backward_varlen(const InArray& q, const InArray& k, const InArray& v, con
   const ioattn::TensorView kv = to_view(k, "k", Kind::floating, u16_is_bf16);
   const ioattn::TensorView vv = to_view(v, "v", Kind::floating, u16_is_bf16);
   const GradViews gv = grad_views(o, dout, lse, dq, dk, dv, dsinks, u16_is_bf16);
-  ioattn::KernelChoice c;
-  {
-    nb::gil_scoped_release nogil;
-    c = ioattn::backward_varlen(qv, kv, vv, gv.o, gv.dout, gv.lse, gv.g, vl, opt.params, opt.ctx);
-  }
-  return {c.kernel, c.reason};
+  return without_gil(
+      [&] { return ioattn::backward_varlen(qv, kv, vv, gv.o, gv.dout, gv.lse, gv.g, vl, opt.params, opt.ctx); });
 }
 
 // Which kernel forward() would run, without running it and without an output buffer: the
@@ -466,12 +458,7 @@ Choice decode(const InArray& q, const InArray& k_cache, const InArray& v_cache, 
                                         stream, num_threads, u16_is_bf16, u8_is_e4m3);
   ioattn::DecodeOptions dopt;
   dopt.num_splits = num_splits;
-  ioattn::KernelChoice c;
-  {
-    nb::gil_scoped_release nogil;
-    c = ioattn::decode(d.q, d.cache, d.o, d.lse, d.opt.params, dopt, d.opt.ctx);
-  }
-  return {c.kernel, c.reason};
+  return without_gil([&] { return ioattn::decode(d.q, d.cache, d.o, d.lse, d.opt.params, dopt, d.opt.ctx); });
 }
 
 ioattn::DType parse_dtype(const std::string& s, const std::string& arg) {
@@ -527,12 +514,8 @@ Choice decode_planned(const InArray& q, const InArray& k_cache, const InArray& v
   if (ws_dev && static_cast<int>(workspace.device_id()) != qv.device_index)
     fail("workspace.device", "cuda:" + std::to_string(qv.device_index) + " (q's device)",
          "cuda:" + std::to_string(workspace.device_id()));
-  ioattn::KernelChoice c;
-  {
-    nb::gil_scoped_release nogil;
-    c = ioattn::decode(d.q, d.cache, d.o, d.lse, d.opt.params, plan, workspace.data(), d.opt.ctx);
-  }
-  return {c.kernel, c.reason};
+  return without_gil(
+      [&] { return ioattn::decode(d.q, d.cache, d.o, d.lse, d.opt.params, plan, workspace.data(), d.opt.ctx); });
 }
 
 Choice append_kv(const InArray& k_new, const InArray& v_new, const InArray& slot_mapping, const OutArray& k_cache,
@@ -545,12 +528,7 @@ Choice append_kv(const InArray& k_new, const InArray& v_new, const InArray& slot
   const ioattn::TensorView sv = to_view(slot_mapping, "slot_mapping", Kind::slots, false);
   ioattn::Context ctx;
   ctx.stream = reinterpret_cast<void*>(stream);
-  ioattn::KernelChoice c;
-  {
-    nb::gil_scoped_release nogil;
-    c = ioattn::append_kv(kv, vv, sv, cache, ctx);
-  }
-  return {c.kernel, c.reason};
+  return without_gil([&] { return ioattn::append_kv(kv, vv, sv, cache, ctx); });
 }
 
 Choice merge_states(const InArray& o_a, const InArray& lse_a, const InArray& o_b, const InArray& lse_b,
@@ -563,12 +541,7 @@ Choice merge_states(const InArray& o_a, const InArray& lse_a, const InArray& o_b
   const ioattn::TensorView lo = to_view(lse_out, "lse_out", Kind::f32_only, false);
   ioattn::Context ctx;
   ctx.stream = reinterpret_cast<void*>(stream);
-  ioattn::KernelChoice c;
-  {
-    nb::gil_scoped_release nogil;
-    c = ioattn::merge_states(oa, la, ob, lb, oo, lo, ctx);
-  }
-  return {c.kernel, c.reason};
+  return without_gil([&] { return ioattn::merge_states(oa, la, ob, lb, oo, lo, ctx); });
 }
 
 // ioattn._C.Error: ValueError + `.argument`. A strong reference kept for the process lifetime
