@@ -290,6 +290,13 @@ __device__ __forceinline__ TileCoord decode_tile(int t, const FwdParams& p) {
   return {kCausal ? p.num_m_blocks - 1 - m_idx : m_idx, bh % p.heads_q, bh / p.heads_q};
 }
 
+// The first query row of tile tc, the same for the producer and the consumers: the query block
+// times kBlockM, less the plain causal rows' m_shift (LocalParams).
+template <int kBlockM, bool kCausal, bool kLocal>
+__device__ __forceinline__ int tile_m0(const TileCoord& tc, const LocalParams& lp) {
+  return tc.m_block * kBlockM - (kCausal && !kLocal ? lp.m_shift : 0);
+}
+
 // Persistent grid: the tile this CTA takes in `round` (tiles round * gridDim.x ... + gridDim.x - 1).
 // zigzag: odd rounds hand them out in reverse CTA order, so a CTA that drew a long tile in one
 // round draws a short one in the next when tile lengths fall along the order (causal).
@@ -398,7 +405,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
           break;
         }
         const TileCoord tc = decode_tile<kCausal>(t, p);
-        const int m0 = tc.m_block * kBlockM - (kCausal && !kLocal ? lp.m_shift : 0), hk = tc.h / p.group;
+        const int m0 = tile_m0<kBlockM, kCausal, kLocal>(tc, lp), hk = tc.h / p.group;
         int n_first = 0, n_blocks;
         int q_row = m0, kv_row = 0, bat = tc.b;  // TMA coordinates (kLocal varlen: packed tokens, batch 0)
         if constexpr (kLocal) {
@@ -483,7 +490,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
       const int t = __shfl_sync(0xffffffffu, slot, 0);
       if (t >= p.num_tiles) break;
       const TileCoord tc = decode_tile<kCausal>(t, p);
-      const int m0 = tc.m_block * kBlockM - (kCausal && !kLocal ? lp.m_shift : 0);  // (m_shift: see LocalParams)
+      const int m0 = tile_m0<kBlockM, kCausal, kLocal>(tc, lp);
       int n_first = 0, n_blocks;
       [[maybe_unused]] TileSpan span{};  // kLocal only
       if constexpr (kLocal) {
