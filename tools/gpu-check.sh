@@ -319,8 +319,7 @@ if want backward; then
   # bwd_sm90_<v>.json (lag: dQ one step late by TMA reduce-add, the default below 2048 query rows at
   # hdim 128 and for varlen; tmald: lag with Q / dO by TMA; pp: tmald without CTA barriers in the
   # step loop, the default elsewhere since session 9; ppw: pp with per-warp dQ reduce-adds;
-  # GPU_CHECK_BWD_OLD=1 adds the older redlag,
-  # split and red)
+  # GPU_CHECK_BWD_OLD=1 adds the older redlag, split and red)
   # and with IOATTN_BWD_KERNEL=mma (the mma.sync table) -> bwd_sm90_mma.json, beside bwd.json's peers.
   # The two head dims' tests run as separate processes: a fault or hang in one must not take the
   # other's results (or their A/B) with it.
@@ -396,7 +395,8 @@ fi
 # registers); on = the defaults; any other mode NAME:ENV=V[,ENV=V...] sets those variables (an A/B
 # of a new switch without editing this script). First the test cases with Q in registers off and on
 # 3 persistent CTAs, then ioattn_cuda_bench grid at GPU_CHECK_QREGS_HDIMS (default 64,128,256) per
-# mode of GPU_CHECK_QREGS_MODES (default "off on"), interleaved twice, each timing after
+# mode of GPU_CHECK_QREGS_MODES (default "off on"), interleaved GPU_CHECK_QREGS_PASSES times
+# (default 2), each timing after
 # GPU_CHECK_QREGS_WARM_MS (default 300) ms of its own calls -> sm90qregs.json; TFLOP/s per mode with
 # its ratio to the first mode per row in the summary. (Session 10's cross-tile variants,
 # mode xtile, lost 0-15% in session 11 and were removed.)
