@@ -22,6 +22,8 @@
 //   64 V rows (32 KiB) through a 3-stage cp.async ring (96 KiB: 2 CTAs per SM, as the decode's),
 //   per tile: wait, barrier, issue the tile 2 ahead, read the tile, then spin for the given SM
 //   cycles (standing in for the decode's per-tile compute, ~1,500-3,300 cycles in its traces).
+//   Pattern kv_warp: the same with each warp copying, waiting for and reading its own 16 rows (a
+//   __syncwarp instead of the CTA barrier).
 //   Which of "two streams" and "compute per tile" holds the decode at ~4.2 TB/s where the single
 //   stream above reads ~4.6?
 // CTAs: SMs x CTAs-per-SM rounded down to whole groups of 8 (one token group of the rows
@@ -132,20 +134,27 @@ __global__ void __launch_bounds__(kThreads) read_cpasync(const char* buf, int64_
 // The decode loop's pattern (see kvloop above): tile s of CTA c = 64 tokens of head c % 8.
 constexpr int kKvTileRows = 64, kKvStages = 3;
 constexpr int kKvTileBytes = 2 * kKvTileRows * kRowBytes;  // K rows then V rows
+// kWarp: each warp copies and reads only its own 16 rows of the K and V tiles (the decode kernel's
+// warps consume keys 16w..16w+15 alone), so a warp waits on its own copies and a __syncwarp instead
+// of the CTA barrier: a slow warp no longer holds back the refill of the others' rows.
+template <bool kWarp>
 __global__ void __launch_bounds__(kThreads) read_kvloop(const char* buf, int64_t tiles_per_cta, int64_t half_bytes,
                                                         long long spin, float* out) {
   extern __shared__ __align__(128) char smem[];
   const uint32_t base = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
   const int h = blockIdx.x % kHeads, group = blockIdx.x / kHeads;
   // thread t copies 16-byte chunk t % 16 of rows t / 16 + 8 i (i < 8) of the K and V tiles
-  const int chunk = threadIdx.x % 16, row0 = threadIdx.x / 16;
+  // kWarp: lane l of warp w copies chunk l % 16 of rows 16 w + l / 16 + 2 i (i < 8)
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const int chunk = kWarp ? lane % 16 : threadIdx.x % 16, row0 = kWarp ? 16 * warp + lane / 16 : threadIdx.x / 16;
+  const int rstep = kWarp ? 2 : 8;
   auto issue = [&](int64_t s) {
     if (s < tiles_per_cta) {
       const uint32_t dst = base + static_cast<uint32_t>((s % kKvStages) * kKvTileBytes);
       const int64_t token0 = (static_cast<int64_t>(group) * tiles_per_cta + s) * kKvTileRows;
 #pragma unroll
       for (int i = 0; i < 8; ++i) {
-        const int r = row0 + 8 * i;
+        const int r = row0 + rstep * i;
         const size_t off = (static_cast<size_t>(token0 + r) * kHeads + h) * kRowBytes + chunk * 16;
         cp16<0>(dst + r * kRowBytes + chunk * 16, buf + off);
         cp16<0>(dst + (kKvTileRows + r) * kRowBytes + chunk * 16, buf + half_bytes + off);
@@ -157,11 +166,22 @@ __global__ void __launch_bounds__(kThreads) read_kvloop(const char* buf, int64_t
   float acc = 0.f;
   for (int64_t s = 0; s < tiles_per_cta; ++s) {
     asm volatile("cp.async.wait_group %0;\n" ::"n"(kKvStages - 2));
-    __syncthreads();
+    if constexpr (kWarp)
+      __syncwarp();
+    else
+      __syncthreads();
     issue(s + kKvStages - 1);
     const char* st = smem + (s % kKvStages) * kKvTileBytes;
+    if constexpr (kWarp) {  // the warp's own 16 K rows and 16 V rows
 #pragma unroll
-    for (int i = 0; i < 16; ++i) acc += sum4(*reinterpret_cast<const uint4*>(st + (i * kThreads + threadIdx.x) * 16));
+      for (int i = 0; i < 16; ++i) {
+        const int r = 16 * warp + (i % 8) * 2 + lane / 16 + (i / 8) * kKvTileRows;
+        acc += sum4(*reinterpret_cast<const uint4*>(st + r * kRowBytes + (lane % 16) * 16));
+      }
+    } else {
+#pragma unroll
+      for (int i = 0; i < 16; ++i) acc += sum4(*reinterpret_cast<const uint4*>(st + (i * kThreads + threadIdx.x) * 16));
+    }
     if (spin > 0) {
       const long long t0 = clock64();
       while (clock64() - t0 < spin) {
@@ -304,10 +324,12 @@ int main(int argc, char** argv) {
   }
   // The decode loop's pattern and structure, with a spin per tile for its compute ("" skips).
   const size_t kv_smem = static_cast<size_t>(kKvStages) * kKvTileBytes;
-  IOATTN_CUDA_CHECK(cudaFuncSetAttribute(read_kvloop, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)kv_smem));
-  for (int64_t cps : {int64_t{1}, int64_t{2}}) {
+  IOATTN_CUDA_CHECK(cudaFuncSetAttribute(read_kvloop<false>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)kv_smem));
+  IOATTN_CUDA_CHECK(cudaFuncSetAttribute(read_kvloop<true>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)kv_smem));
+  for (int64_t cps : {int64_t{1}, int64_t{2}})
+  for (bool per_warp : {false, true}) {
     int resident = 0;
-    IOATTN_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&resident, read_kvloop, kThreads, kv_smem));
+    IOATTN_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&resident, read_kvloop<false>, kThreads, kv_smem));
     if (spins_s.empty() || resident < cps) continue;
     const int ctas = static_cast<int>((sms * cps) / kHeads * kHeads);
     const int64_t half = static_cast<int64_t>(bytes / 2) / kKvTileBytes * kKvTileBytes;  // V's base: aligned
@@ -316,16 +338,19 @@ int main(int argc, char** argv) {
     const double read = static_cast<double>(tiles_per_cta) * ctas * kKvTileBytes;
     for (int64_t spin : parse_list(spins_s)) {
       auto launch = [&] {
-        read_kvloop<<<ctas, kThreads, kv_smem>>>(buf, tiles_per_cta, half, spin, out);
+        if (per_warp)
+          read_kvloop<true><<<ctas, kThreads, kv_smem>>>(buf, tiles_per_cta, half, spin, out);
+        else
+          read_kvloop<false><<<ctas, kThreads, kv_smem>>>(buf, tiles_per_cta, half, spin, out);
         IOATTN_CUDA_CHECK_LAUNCH("read_kvloop");
       };
       const double ms = time_ms(launch, 2, repeats, 1);
       const double tbs = read / (ms * 1e-3) / 1e12;
-      const std::string pat = "kv spin " + std::to_string(spin);
+      const std::string pat = std::string(per_warp ? "kv per-warp spin " : "kv spin ") + std::to_string(spin);
       rows_out.push_back({"kvloop", pat, static_cast<int>(cps), tbs});
-      std::printf("{\"bench\": \"readbw\", \"mech\": \"kvloop\", \"pattern\": \"kv\", \"spin\": %lld, "
+      std::printf("{\"bench\": \"readbw\", \"mech\": \"kvloop\", \"pattern\": \"%s\", \"spin\": %lld, "
                   "\"ctas_per_sm\": %d, \"ctas\": %d, \"stages\": %d, \"bytes\": %.0f, \"ms\": %.4f, \"tbs\": %.3f}\n",
-                  static_cast<long long>(spin), static_cast<int>(cps), ctas, kKvStages, read, ms, tbs);
+                  per_warp ? "kv_warp" : "kv", static_cast<long long>(spin), static_cast<int>(cps), ctas, kKvStages, read, ms, tbs);
       std::fflush(stdout);
     }
   }
