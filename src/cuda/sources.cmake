@@ -94,10 +94,10 @@ function(ioattn_cuda_extras)
       # tiles with no visible key between ones with keys, hdim 64 / 128 / 256).
       add_test(NAME cuda_kernels_sm90_3ctas COMMAND test_cuda_kernels --gtest_filter=*tiles_*:*1023x1024*:*seq17*:*bhsd*:*causal*)
       set_tests_properties(cuda_kernels_sm90_3ctas PROPERTIES ENVIRONMENT "IOATTN_SM90_MAX_CTAS=3")
-      # Causal query blocks aligned to the sequence's end (IOATTN_SM90_ALIGN_END=1, session 12: not
-      # yet run on a GPU): the causal and multi-tile cases against the reference.
+      # Causal query blocks aligned to the sequence's end are the causal default since session 13;
+      # IOATTN_SM90_ALIGN_END=0 (blocks from row 0): the causal and multi-tile cases against the reference.
       add_test(NAME cuda_kernels_sm90_alignend COMMAND test_cuda_kernels --gtest_filter=*causal*:*tiles_*:*1023x1024*)
-      set_tests_properties(cuda_kernels_sm90_alignend PROPERTIES ENVIRONMENT "IOATTN_SM90_ALIGN_END=1")
+      set_tests_properties(cuda_kernels_sm90_alignend PROPERTIES ENVIRONMENT "IOATTN_SM90_ALIGN_END=0")
       # A GPU-less machine prints "skipped: no CUDA device"; ctest reports those as skipped.
       set_tests_properties(cuda_kernels cuda_kernels_mma_local cuda_kernels_sm90_local_2ctas cuda_kernels_sm90_noqregs cuda_kernels_sm90_3ctas
                            cuda_kernels_sm90_alignend PROPERTIES SKIP_REGULAR_EXPRESSION "skipped: no CUDA device")
