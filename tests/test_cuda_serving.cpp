@@ -461,34 +461,27 @@ TEST(CudaDecode, FiveStageRingEqualsDefaultBitwise) {
                              });
 }
 
-// IOATTN_DECODE_LOADER=warp / warpkv (16-bit caches, head_dim 128, the 3-stage ring): each warp
-// copies and waits for its own 16 rows of a tile, no CTA barrier per tile (warpkv: the K and V rows
-// of tile t + 3 go out as soon as the warp has read tile t's K, then its V). Same bytes, same
-// arithmetic in the same order: bitwise equal to the default, for 8 and 16 rows per CTA, contiguous
-// and paged (page 1 / 16 / 64), partial last tiles, empty sequences, splits and a bad block-table
-// entry.
+// IOATTN_DECODE_LOADER=warp (16-bit caches, head_dim 128, the 3-stage ring): each warp copies and
+// waits for its own 16 rows of a tile, no CTA barrier per tile. Same bytes, same arithmetic in the
+// same order: bitwise equal to the default, for 8 and 16 rows per CTA, contiguous and paged (page
+// 1 / 16 / 64), partial last tiles, empty sequences, splits and a bad block-table entry.
 TEST(CudaDecode, WarpLoaderEqualsDefaultBitwise) {
   SKIP_WITHOUT_GPU();
-  for (const char* value : {"warp", "warpkv"}) {
-    const std::string name = std::string(" mma ") + value;
-    const std::string why = std::string("IOATTN_DECODE_LOADER=") + value + ": each warp";
-    expect_env_variant_bitwise("IOATTN_DECODE_LOADER", value, {1500, 0, 63, 64, 65, 1, 129, 700}, 37,
-                               [](const KernelChoice& k) { EXPECT_EQ(k.kernel.find(" warp"), std::string::npos) << k.kernel; },
-                               [&](const KernelChoice& k) {
-                                 EXPECT_NE(k.kernel.find(name), std::string::npos) << k.kernel;
-                                 EXPECT_NE(k.reason.find(why), std::string::npos) << k.reason;
-                               });
-    {  // head_dim 64: no instance, the choice says so and the default loader runs
-      ScopedEnv env("IOATTN_DECODE_LOADER", value);
-      Spec c = on_cuda(mk(std::string(value) + "64", DType::bf16));
-      c.lens = {100};
-      Built bl(c, make_values(c, 3));
-      const KernelChoice k = bl.run(1);
-      EXPECT_EQ(k.kernel.find(" warp"), std::string::npos) << k.kernel;
-      EXPECT_NE(k.reason.find(std::string("IOATTN_DECODE_LOADER=") + value + " does not apply"), std::string::npos)
-          << k.reason;
-      expect_matches_reference(bl, std::string(value) + " loader requested at head_dim 64");
-    }
+  expect_env_variant_bitwise("IOATTN_DECODE_LOADER", "warp", {1500, 0, 63, 64, 65, 1, 129, 700}, 37,
+                             [](const KernelChoice& k) { EXPECT_EQ(k.kernel.find(" warp"), std::string::npos) << k.kernel; },
+                             [](const KernelChoice& k) {
+                               EXPECT_NE(k.kernel.find(" mma warp"), std::string::npos) << k.kernel;
+                               EXPECT_NE(k.reason.find("IOATTN_DECODE_LOADER=warp: each warp"), std::string::npos) << k.reason;
+                             });
+  {  // head_dim 64: no instance, the choice says so and the default loader runs
+    ScopedEnv env("IOATTN_DECODE_LOADER", "warp");
+    Spec c = on_cuda(mk("warp64", DType::bf16));
+    c.lens = {100};
+    Built bl(c, make_values(c, 3));
+    const KernelChoice k = bl.run(1);
+    EXPECT_EQ(k.kernel.find(" warp"), std::string::npos) << k.kernel;
+    EXPECT_NE(k.reason.find("IOATTN_DECODE_LOADER=warp does not apply"), std::string::npos) << k.reason;
+    expect_matches_reference(bl, "warp loader requested at head_dim 64");
   }
 }
 

@@ -480,9 +480,8 @@ std::string forced_kernel() {
   return e ? std::string(e) : std::string();
 }
 
-// IOATTN_DECODE_LOADER=bulk | warp | warpkv | cp.async: the mma kernel's loader (experiments; unset:
-// cp.async; warp: cp.async with each warp loading and waiting for its own rows, no CTA barrier per
-// tile; warpkv: warp, issuing a tile's K and V rows separately as soon as the slot's halves are read).
+// IOATTN_DECODE_LOADER=bulk | warp | cp.async: the mma kernel's loader (experiments; unset: cp.async;
+// warp: cp.async with each warp loading and waiting for its own rows, no CTA barrier per tile).
 std::string forced_loader() {
   const char* e = std::getenv("IOATTN_DECODE_LOADER");
   return e ? std::string(e) : std::string();
@@ -494,11 +493,9 @@ bool use_bulk_loader(const detail::DecodeProblem& p, ArchOf arch_of) {
   return forced_loader() == "bulk" && mma_bulk_supported(p.dtype, p.cache_dtype, p.head_dim, arch_of());
 }
 
-// IOATTN_DECODE_LOADER=warp (1) / warpkv (2) where their instances exist (mma_warp_loader_applies); 0 not.
-int use_warp_loader(const detail::DecodeProblem& p, bool bulk, int ring) {
-  const std::string l = forced_loader();
-  if (l != "warp" && l != "warpkv") return 0;
-  return mma_warp_loader_applies(p.dtype, p.cache_dtype, p.head_dim, bulk, ring) ? (l == "warp" ? 1 : 2) : 0;
+// IOATTN_DECODE_LOADER=warp where its instances exist (mma_warp_loader_applies).
+bool use_warp_loader(const detail::DecodeProblem& p, bool bulk, int ring) {
+  return forced_loader() == "warp" && mma_warp_loader_applies(p.dtype, p.cache_dtype, p.head_dim, bulk, ring);
 }
 
 bool masked(const detail::DecodeProblem& p) { return p.causal || p.window_left >= 0 || p.window_right >= 0; }
@@ -546,8 +543,8 @@ CudaSelection cuda_decode_select(const DecodeProblem& p, int arch) {
               ": the mma.sync decode kernel takes bf16/f16 q and cache of the same dtype, "
               "head_dim == head_dim_v in {64, 128, 256}, and seqlen_q 1 or no causal/window mask");
   const std::string loader = forced_loader();
-  if (!loader.empty() && loader != "bulk" && loader != "warp" && loader != "warpkv" && loader != "cp.async")
-    return no("IOATTN_DECODE_LOADER must be bulk, warp, warpkv or cp.async (or unset), got '" + loader + "'");
+  if (!loader.empty() && loader != "bulk" && loader != "warp" && loader != "cp.async")
+    return no("IOATTN_DECODE_LOADER must be bulk, warp or cp.async (or unset), got '" + loader + "'");
   const char* stages_env = std::getenv("IOATTN_DECODE_STAGES");
   if (stages_env != nullptr && *stages_env != '\0' && std::strcmp(stages_env, "2") != 0 &&
       std::strcmp(stages_env, "3") != 0 && std::strcmp(stages_env, "5") != 0)
@@ -563,18 +560,13 @@ CudaSelection cuda_decode_select(const DecodeProblem& p, int arch) {
                    "cp.async ring";
     const int64_t rbm = row_blocks_of(p.heads_q, p.heads_kv, p.seqlen_q, rows);
     const int stages = mma_ring_of(p, bulk);
-    const int warp_ld = use_warp_loader(p, bulk, stages);
+    const bool warp_ld = use_warp_loader(p, bulk, stages);
     const std::string warp_why =
-        warp_ld == 1 ? " (IOATTN_DECODE_LOADER=warp: each warp loads and waits for its own 16 rows, no CTA barrier per tile)"
-        : warp_ld == 2
-            ? " (IOATTN_DECODE_LOADER=warpkv: each warp loads and waits for its own 16 rows, no CTA barrier per tile; "
-              "K and V rows of tile t + 3 issued as soon as the warp has read tile t's K and V)"
-        : loader == "warp" || loader == "warpkv"
-            ? " (IOATTN_DECODE_LOADER=" + loader + " does not apply: needs bf16/f16 q and cache of the same "
-                                                   "dtype, head_dim 128, the 3-stage ring)"
-            : std::string();
-    return {"cuda/splitkv sm" + std::to_string(arch) + " mma" + (bulk ? " bulk" : "") +
-                (warp_ld == 1 ? " warp" : warp_ld == 2 ? " warpkv" : "") +
+        warp_ld ? " (IOATTN_DECODE_LOADER=warp: each warp loads and waits for its own 16 rows, no CTA barrier per tile)"
+        : loader == "warp" ? " (IOATTN_DECODE_LOADER=warp does not apply: needs bf16/f16 q and cache of the same "
+                             "dtype, head_dim 128, the 3-stage ring)"
+                           : "";
+    return {"cuda/splitkv sm" + std::to_string(arch) + " mma" + (bulk ? " bulk" : "") + (warp_ld ? " warp" : "") +
                 (!bulk && stages != 3 && p.head_dim == 128 && dtype_size(p.cache_dtype) == 2
                      ? " stages" + std::to_string(stages)
                      : ""),

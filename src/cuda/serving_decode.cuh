@@ -295,10 +295,9 @@ bool mma_decode_supported(DType dtype, DType cache, int64_t d, int64_t dv, int64
 int mma_rows_per_cta(int64_t rows_per_group, int64_t head_dim);
 // ring: mma_decode_stages' answer for the call (16-bit caches at head_dim 128 have rings of 2, 3 and
 // 5 stages; the other instances one each).
-// warp_ld: 1 the per-warp cp.async loader (IOATTN_DECODE_LOADER=warp), 2 the same issuing K and V
-// rows separately as soon as the slot's halves are read (=warpkv), where mma_warp_loader_applies; 0 not.
+// warp_ld: the per-warp cp.async loader (IOATTN_DECODE_LOADER=warp) where mma_warp_loader_applies.
 void launch_decode_mma(const DecodeParams& p, DType cache, int64_t grid, cudaStream_t stream, bool pdl, bool bulk,
-                       int ring, int warp_ld);
+                       int ring, bool warp_ld);
 // The per-warp loader's instances: bf16/f16 q and cache of the same dtype, head_dim 128, the
 // default 3-stage ring, not the bulk loader.
 bool mma_warp_loader_applies(DType dtype, DType cache, int64_t d, bool bulk, int ring);

@@ -179,12 +179,7 @@ __device__ __forceinline__ uint32_t code2_to_f16x2(uint32_t w) {
 // it alone reads (keys 16w..16w+15; paged: their (page, slot) entries too) and waits for them with
 // its own cp.async groups and a __syncwarp, so the loop has no CTA barrier and a warp refills its
 // rows of a slot as soon as it has finished with them.
-// kSplitKV (with kWarpLd; IOATTN_DECODE_LOADER=warpkv): a warp issues its K rows of tile t + STAGES
-// into tile t's slot as soon as its S^T mmas have read tile t's K, and its V rows after the P V
-// mmas, so about STAGES tiles (not STAGES - 1) are in flight while it computes; two cp.async groups
-// per tile (K, then V with the entries of tile t + 2 STAGES), the entries 2 STAGES tiles ahead.
-template <typename T, typename CT, int D, int NT, bool kBulk = false, int kStagesOpt = 0, bool kWarpLd = false,
-          bool kSplitKV = false>
+template <typename T, typename CT, int D, int NT, bool kBulk = false, int kStagesOpt = 0, bool kWarpLd = false>
 __global__ void __launch_bounds__(kThreads) decode_mma_kernel(const DecodeParams p) {
   // 8-bit caches: codes become f16 in registers (T = __half); q (bf16 or f16) is loaded as f16.
   constexpr bool k8 = std::is_same_v<CT, E4m3> || std::is_same_v<CT, int8_t>;
@@ -231,7 +226,6 @@ __global__ void __launch_bounds__(kThreads) decode_mma_kernel(const DecodeParams
   const int64_t nkeys = khi - klo;
   const int ntiles = static_cast<int>((nkeys + kBK - 1) / kBK);
   static_assert(!kWarpLd || (!kBulk && Tr::kCPR <= 32 && 32 % Tr::kCPR == 0), "a warp's lanes cover whole rows");
-  static_assert(!kSplitKV || kWarpLd, "the split issue needs the warp-private rows");
   const int c_ld = kWarpLd ? lane % Tr::kCPR : tid % Tr::kCPR;
   const int j_ld0 = kWarpLd ? warp * 16 + lane / Tr::kCPR : tid / Tr::kCPR;
   constexpr int j_step = kWarpLd ? 32 / Tr::kCPR : kThreads / Tr::kCPR;
@@ -259,9 +253,7 @@ __global__ void __launch_bounds__(kThreads) decode_mma_kernel(const DecodeParams
       }
     }
   };
-  // The tile's K rows (kParts bit 0) and / or V rows (bit 1).
-  auto issue_rows = [&](int tile, auto parts_tag) {
-    constexpr int kParts = decltype(parts_tag)::value;
+  auto issue_rows = [&](int tile) {  // the tile's K / V rows
     if (tile >= ntiles) return;
 #if IOATTN_DECODE_BULK_ENABLED
     if constexpr (kBulk) {
@@ -303,8 +295,8 @@ __global__ void __launch_bounds__(kThreads) decode_mma_kernel(const DecodeParams
       for (int it = 0; it < Tr::kLoadIters; ++it) {
         const bool ok = t0 + it * j_step < khi32;
         const uint32_t dst = dst0 + it * j_step * Tr::kPitch;
-        if constexpr ((kParts & 1) != 0) ptx::cp_async_16_zfill(dst, kr, ok);
-        if constexpr ((kParts & 2) != 0) ptx::cp_async_16_zfill(dst + Tr::kTileBytes, vr, ok);
+        ptx::cp_async_16_zfill(dst, kr, ok);
+        ptx::cp_async_16_zfill(dst + Tr::kTileBytes, vr, ok);
         kr += k_it;
         vr += v_it;
       }
@@ -318,7 +310,7 @@ __global__ void __launch_bounds__(kThreads) decode_mma_kernel(const DecodeParams
 #pragma unroll
       for (int it = 0; it < Tr::kLoadIters; ++it) pse[it] = pgs[it * j_step];
       auto rows = [&](auto same_tag) {  // same_tag: K and V at one offset (a uniform branch, below)
-        [[maybe_unused]] constexpr bool kSame = decltype(same_tag)::value;
+        constexpr bool kSame = decltype(same_tag)::value;
 #pragma unroll
         for (int it = 0; it < Tr::kLoadIters; ++it) {
           const int2 ps = pse[it];
@@ -328,9 +320,8 @@ __global__ void __launch_bounds__(kThreads) decode_mma_kernel(const DecodeParams
           const uint64_t page = static_cast<uint32_t>(ok ? ps.x : 0), slot = static_cast<uint32_t>(ps.y);
           const uint32_t dst = dst0 + it * j_step * Tr::kPitch;
           const uint64_t koff = page * p.k_sp + slot * p.k_ss;
-          if constexpr ((kParts & 1) != 0) ptx::cp_async_16_zfill(dst, kbase + koff, ok);
-          if constexpr ((kParts & 2) != 0)
-            ptx::cp_async_16_zfill(dst + Tr::kTileBytes, vbase + (kSame ? koff : page * p.v_sp + slot * p.v_ss), ok);
+          ptx::cp_async_16_zfill(dst, kbase + koff, ok);
+          ptx::cp_async_16_zfill(dst + Tr::kTileBytes, vbase + (kSame ? koff : page * p.v_sp + slot * p.v_ss), ok);
         }
       };
       if (kv_same)
@@ -339,23 +330,9 @@ __global__ void __launch_bounds__(kThreads) decode_mma_kernel(const DecodeParams
         rows(std::false_type{});
     }
   };
-  using KPart = std::integral_constant<int, 1>;
-  using VPart = std::integral_constant<int, 2>;
   auto issue = [&](int tile) {
     issue_pages(tile + STAGES - 1);  // entries for the tile issued STAGES - 1 iterations later
-    issue_rows(tile, std::integral_constant<int, 3>{});
-    ptx::cp_async_commit();
-  };
-  // kSplitKV: tile t's V rows, then (after every lane read the slot's entries) the entries of tile
-  // t + STAGES into the same slot; one group. The K rows go in a group of their own (issue_k).
-  auto issue_k = [&](int tile) {
-    issue_rows(tile, KPart{});
-    ptx::cp_async_commit();
-  };
-  auto issue_v = [&](int tile) {
-    issue_rows(tile, VPart{});
-    __syncwarp();
-    issue_pages(tile + STAGES);
+    issue_rows(tile);
     ptx::cp_async_commit();
   };
 
@@ -375,22 +352,15 @@ __global__ void __launch_bounds__(kThreads) decode_mma_kernel(const DecodeParams
     __syncthreads();
   }
 #endif
-  if (paged) {  // the entries of the first STAGES - 1 (split: STAGES) tiles, before their rows are issued
+  if (paged) {  // the entries of the first STAGES - 1 tiles, before their rows are issued
 #pragma unroll
-    for (int s = 0; s < (kSplitKV ? STAGES : STAGES - 1); ++s) issue_pages(s);
+    for (int s = 0; s < STAGES - 1; ++s) issue_pages(s);
     ptx::cp_async_commit();
     ptx::cp_async_wait<0>();
     __syncthreads();
   }
-  if constexpr (kSplitKV) {  // tiles 0 .. STAGES - 1, K and V each a group (as in the loop)
 #pragma unroll
-    for (int s = 0; s < STAGES; ++s) {
-      issue_k(s);
-      issue_v(s);
-    }
-  }
-#pragma unroll
-  for (int s = 0; s < (kSplitKV ? 0 : STAGES - 1); ++s) {
+  for (int s = 0; s < STAGES - 1; ++s) {
     // issue(s) writes the entries of tile s + STAGES - 1 into the slot of tile s - 1, which
     // issue(s - 1) read in other threads: a barrier between (the loop has one per tile).
     if (paged && s > 0) {
@@ -499,18 +469,12 @@ __global__ void __launch_bounds__(kThreads) decode_mma_kernel(const DecodeParams
   const float cap = p.softcap * kLog2e, inv_cap = p.softcap > 0.0f ? 1.0f / cap : 0.0f;
 
   for (int tile = 0; tile < ntiles; ++tile) {
-    if constexpr (kSplitKV) {
-      // Pending after tile t's V group: the K and V groups of tiles t + 1 .. t + STAGES - 1.
-      ptx::cp_async_wait<2 * (STAGES - 1)>();
-      __syncwarp();
-    } else {
-      ptx::cp_async_wait<STAGES - 2>();
-      if constexpr (kWarpLd)
-        __syncwarp();  // every lane's copies of the warp's rows (and entries) landed and are visible
-      else
-        __syncthreads();
-      issue(tile + STAGES - 1);
-    }
+    ptx::cp_async_wait<STAGES - 2>();
+    if constexpr (kWarpLd)
+      __syncwarp();  // every lane's copies of the warp's rows (and entries) landed and are visible
+    else
+      __syncthreads();
+    issue(tile + STAGES - 1);
 #if IOATTN_DECODE_BULK_ENABLED
     // Experimental path: a wrong byte count traps (a launch error) instead of hanging the GPU.
     if constexpr (kBulk) sm90::mbarrier_wait_or_trap(&full_bar[tile % STAGES], static_cast<uint32_t>((tile / STAGES) & 1));
@@ -554,8 +518,6 @@ __global__ void __launch_bounds__(kThreads) decode_mma_kernel(const DecodeParams
     for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
       for (int e = 0; e < 4; ++e) s[nt][e] += s2[nt][e];
-    // The mmas above consumed every ldmatrix of the warp's K rows: the slot's K half is free.
-    if constexpr (kSplitKV) issue_k(tile + STAGES);
 
     // Score modifiers, mask, column maxima (over the 8 lanes sharing t), online softmax.
     bool grow = false;
@@ -652,7 +614,6 @@ __global__ void __launch_bounds__(kThreads) decode_mma_kernel(const DecodeParams
         }
       }
     }
-    if constexpr (kSplitKV) issue_v(tile + STAGES);  // the V half of the slot is free too
 #if IOATTN_DECODE_TRACE
     if (tile == 0) {  // (the stamp waits for tile 0's O^T: a use of the accumulators)
       float x = 0.f;
@@ -753,14 +714,12 @@ void print_decode_trace(int64_t grid, const char* name) {
 }
 #endif
 
-template <typename T, typename CT, int D, int NT, bool kBulk = false, int kStagesOpt = 0, bool kWarpLd = false,
-          bool kSplitKV = false>
+template <typename T, typename CT, int D, int NT, bool kBulk = false, int kStagesOpt = 0, bool kWarpLd = false>
 void launch(const DecodeParams& p, int64_t grid, cudaStream_t stream, bool pdl) {
   constexpr int smem = MmaTraits<D, std::is_same_v<CT, T> ? 2 : 1, kStagesOpt>::kSmem;
   static_assert(smem >= 4 * 8 * NT * D * 4, "the warp merge reuses [4][ROWS][D] fp32 of the ring");
   static std::atomic<uint64_t> smem_set{0};
-  launch_decode_grid(&decode_mma_kernel<T, CT, D, NT, kBulk, kStagesOpt, kWarpLd, kSplitKV>, smem_set, p, grid, smem,
-                     stream, pdl);
+  launch_decode_grid(&decode_mma_kernel<T, CT, D, NT, kBulk, kStagesOpt, kWarpLd>, smem_set, p, grid, smem, stream, pdl);
 #if IOATTN_DECODE_TRACE
   // Eager launches only (a graph capture calls this once per captured call): zero the stamps
   // before the 40th, print after it.
@@ -828,16 +787,11 @@ namespace {
 // One (q / mma type, cache type): the head dim and n-tile switch.
 template <typename T, typename CT>
 void launch_dims(const DecodeParams& p, int64_t grid, cudaStream_t stream, bool pdl, bool bulk, int ring,
-                 int warp_ld) {
+                 bool warp_ld) {
   const bool two = mma_rows_per_cta(p.rows, p.d) == 16;
   if constexpr (std::is_same_v<T, CT>) {
-    if (warp_ld != 0 && !bulk && p.d == 128 && ring == MmaTraits<128, 2>::kStages) {  // mma_warp_loader_applies
-      if (warp_ld == 2)
-        two ? launch<T, CT, 128, 2, false, 0, true, true>(p, grid, stream, pdl)
-            : launch<T, CT, 128, 1, false, 0, true, true>(p, grid, stream, pdl);
-      else
-        two ? launch<T, CT, 128, 2, false, 0, true>(p, grid, stream, pdl)
-            : launch<T, CT, 128, 1, false, 0, true>(p, grid, stream, pdl);
+    if (warp_ld && !bulk && p.d == 128 && ring == MmaTraits<128, 2>::kStages) {  // mma_warp_loader_applies
+      two ? launch<T, CT, 128, 2, false, 0, true>(p, grid, stream, pdl) : launch<T, CT, 128, 1, false, 0, true>(p, grid, stream, pdl);
       return;
     }
     if (bulk) {  // the caller checked mma_bulk_supported: head_dim 128, sm_90
@@ -865,12 +819,12 @@ void launch_dims(const DecodeParams& p, int64_t grid, cudaStream_t stream, bool 
 }  // namespace
 
 void launch_decode_mma(const DecodeParams& p, DType cache, int64_t grid, cudaStream_t stream, bool pdl, bool bulk,
-                       int ring, int warp_ld) {
+                       int ring, bool warp_ld) {
   switch (cache) {
     case DType::bf16: launch_dims<__nv_bfloat16, __nv_bfloat16>(p, grid, stream, pdl, bulk, ring, warp_ld); break;
     case DType::f16: launch_dims<__half, __half>(p, grid, stream, pdl, bulk, ring, warp_ld); break;
-    case DType::f8e4m3: launch_dims<__half, E4m3>(p, grid, stream, pdl, false, ring, 0); break;
-    case DType::i8: launch_dims<__half, int8_t>(p, grid, stream, pdl, false, ring, 0); break;
+    case DType::f8e4m3: launch_dims<__half, E4m3>(p, grid, stream, pdl, false, ring, false); break;
+    case DType::i8: launch_dims<__half, int8_t>(p, grid, stream, pdl, false, ring, false); break;
     default: throw Error("cache.k_cache.dtype", "ioattn: the mma decode kernel takes bf16/f16/f8e4m3/i8 caches");
   }
 }
