@@ -461,30 +461,6 @@ TEST(CudaDecode, FiveStageRingEqualsDefaultBitwise) {
                              });
 }
 
-// IOATTN_DECODE_LOADER=warp (16-bit caches, head_dim 128, the 3-stage ring): each warp copies and
-// waits for its own 16 rows of a tile, no CTA barrier per tile. Same bytes, same arithmetic in the
-// same order: bitwise equal to the default, for 8 and 16 rows per CTA, contiguous and paged (page
-// 1 / 16 / 64), partial last tiles, empty sequences, splits and a bad block-table entry.
-TEST(CudaDecode, WarpLoaderEqualsDefaultBitwise) {
-  SKIP_WITHOUT_GPU();
-  expect_env_variant_bitwise("IOATTN_DECODE_LOADER", "warp", {1500, 0, 63, 64, 65, 1, 129, 700}, 37,
-                             [](const KernelChoice& k) { EXPECT_EQ(k.kernel.find(" warp"), std::string::npos) << k.kernel; },
-                             [](const KernelChoice& k) {
-                               EXPECT_NE(k.kernel.find(" mma warp"), std::string::npos) << k.kernel;
-                               EXPECT_NE(k.reason.find("IOATTN_DECODE_LOADER=warp: each warp"), std::string::npos) << k.reason;
-                             });
-  {  // head_dim 64: no instance, the choice says so and the default loader runs
-    ScopedEnv env("IOATTN_DECODE_LOADER", "warp");
-    Spec c = on_cuda(mk("warp64", DType::bf16));
-    c.lens = {100};
-    Built bl(c, make_values(c, 3));
-    const KernelChoice k = bl.run(1);
-    EXPECT_EQ(k.kernel.find(" warp"), std::string::npos) << k.kernel;
-    EXPECT_NE(k.reason.find("IOATTN_DECODE_LOADER=warp does not apply"), std::string::npos) << k.reason;
-    expect_matches_reference(bl, "warp loader requested at head_dim 64");
-  }
-}
-
 // ---- 8-bit KV --------------------------------------------------------------------------------
 
 // As DecodeQuant.EightBitWithinQuantisationBound (test_serving.cpp): at fp32 level against the

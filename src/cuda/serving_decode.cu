@@ -480,8 +480,7 @@ std::string forced_kernel() {
   return e ? std::string(e) : std::string();
 }
 
-// IOATTN_DECODE_LOADER=bulk | warp | cp.async: the mma kernel's loader (experiments; unset: cp.async;
-// warp: cp.async with each warp loading and waiting for its own rows, no CTA barrier per tile).
+// IOATTN_DECODE_LOADER=bulk | cp.async: the mma kernel's loader (an experiment; unset: cp.async).
 std::string forced_loader() {
   const char* e = std::getenv("IOATTN_DECODE_LOADER");
   return e ? std::string(e) : std::string();
@@ -491,11 +490,6 @@ std::string forced_loader() {
 template <class ArchOf>
 bool use_bulk_loader(const detail::DecodeProblem& p, ArchOf arch_of) {
   return forced_loader() == "bulk" && mma_bulk_supported(p.dtype, p.cache_dtype, p.head_dim, arch_of());
-}
-
-// IOATTN_DECODE_LOADER=warp where its instances exist (mma_warp_loader_applies).
-bool use_warp_loader(const detail::DecodeProblem& p, bool bulk, int ring) {
-  return forced_loader() == "warp" && mma_warp_loader_applies(p.dtype, p.cache_dtype, p.head_dim, bulk, ring);
 }
 
 bool masked(const detail::DecodeProblem& p) { return p.causal || p.window_left >= 0 || p.window_right >= 0; }
@@ -543,8 +537,8 @@ CudaSelection cuda_decode_select(const DecodeProblem& p, int arch) {
               ": the mma.sync decode kernel takes bf16/f16 q and cache of the same dtype, "
               "head_dim == head_dim_v in {64, 128, 256}, and seqlen_q 1 or no causal/window mask");
   const std::string loader = forced_loader();
-  if (!loader.empty() && loader != "bulk" && loader != "warp" && loader != "cp.async")
-    return no("IOATTN_DECODE_LOADER must be bulk, warp or cp.async (or unset), got '" + loader + "'");
+  if (!loader.empty() && loader != "bulk" && loader != "cp.async")
+    return no("IOATTN_DECODE_LOADER must be bulk or cp.async (or unset), got '" + loader + "'");
   const char* stages_env = std::getenv("IOATTN_DECODE_STAGES");
   if (stages_env != nullptr && *stages_env != '\0' && std::strcmp(stages_env, "2") != 0 &&
       std::strcmp(stages_env, "3") != 0 && std::strcmp(stages_env, "5") != 0)
@@ -560,13 +554,7 @@ CudaSelection cuda_decode_select(const DecodeProblem& p, int arch) {
                    "cp.async ring";
     const int64_t rbm = row_blocks_of(p.heads_q, p.heads_kv, p.seqlen_q, rows);
     const int stages = mma_ring_of(p, bulk);
-    const bool warp_ld = use_warp_loader(p, bulk, stages);
-    const std::string warp_why =
-        warp_ld ? " (IOATTN_DECODE_LOADER=warp: each warp loads and waits for its own 16 rows, no CTA barrier per tile)"
-        : loader == "warp" ? " (IOATTN_DECODE_LOADER=warp does not apply: needs bf16/f16 q and cache of the same "
-                             "dtype, head_dim 128, the 3-stage ring)"
-                           : "";
-    return {"cuda/splitkv sm" + std::to_string(arch) + " mma" + (bulk ? " bulk" : "") + (warp_ld ? " warp" : "") +
+    return {"cuda/splitkv sm" + std::to_string(arch) + " mma" + (bulk ? " bulk" : "") +
                 (!bulk && stages != 3 && p.head_dim == 128 && dtype_size(p.cache_dtype) == 2
                      ? " stages" + std::to_string(stages)
                      : ""),
@@ -575,7 +563,7 @@ CudaSelection cuda_decode_select(const DecodeProblem& p, int arch) {
                 "P_lo), 4 warps x 16 keys of 64-key tiles, " +
                 std::to_string(rows) + " query rows per CTA (" + std::to_string(p.rows_per_group()) +
                 " rows per kv head: " + std::to_string(rbm) + (rbm == 1 ? " block" : " blocks") + "), " +
-                std::to_string(stages) + "-stage " + loader_why + warp_why +
+                std::to_string(stages) + "-stage " + loader_why +
                 (p.paged() ? ", (page, slot) of each key prefetched into shared memory" : "")};
   }
   const int txl = tx_log2_for(std::max(p.head_dim, p.head_dim_v));
@@ -749,8 +737,7 @@ void cuda_decode(const DecodeProblem& p) {
   const bool pdl = use_pdl(p.device_index);
   if (mma) {
     const bool bulk = use_bulk_loader(p, [&] { return detail::cuda_device_arch(p.device_index); });
-    const int ring = mma_ring_of(p, bulk);
-    launch_decode_mma(dp, p.cache_dtype, grid, stream, pdl, bulk, ring, use_warp_loader(p, bulk, ring));
+    launch_decode_mma(dp, p.cache_dtype, grid, stream, pdl, bulk, mma_ring_of(p, bulk));
   } else {
     switch (p.cache_dtype) {
       case DType::bf16: launch_decode<__nv_bfloat16>(dp, grid, stream, pdl); break;

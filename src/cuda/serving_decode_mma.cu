@@ -175,11 +175,7 @@ __device__ __forceinline__ uint32_t code2_to_f16x2(uint32_t w) {
 #endif
 
 // One CTA: (sequence, kv head, split, block of 8 * NT query rows); see the file comment.
-// kWarpLd (IOATTN_DECODE_LOADER=warp, an experiment): each warp copies the 16 K / V rows of a tile
-// it alone reads (keys 16w..16w+15; paged: their (page, slot) entries too) and waits for them with
-// its own cp.async groups and a __syncwarp, so the loop has no CTA barrier and a warp refills its
-// rows of a slot as soon as it has finished with them.
-template <typename T, typename CT, int D, int NT, bool kBulk = false, int kStagesOpt = 0, bool kWarpLd = false>
+template <typename T, typename CT, int D, int NT, bool kBulk = false, int kStagesOpt = 0>
 __global__ void __launch_bounds__(kThreads) decode_mma_kernel(const DecodeParams p) {
   // 8-bit caches: codes become f16 in registers (T = __half); q (bf16 or f16) is loaded as f16.
   constexpr bool k8 = std::is_same_v<CT, E4m3> || std::is_same_v<CT, int8_t>;
@@ -225,11 +221,7 @@ __global__ void __launch_bounds__(kThreads) decode_mma_kernel(const DecodeParams
   // does no global load and no division.
   const int64_t nkeys = khi - klo;
   const int ntiles = static_cast<int>((nkeys + kBK - 1) / kBK);
-  static_assert(!kWarpLd || (!kBulk && Tr::kCPR <= 32 && 32 % Tr::kCPR == 0), "a warp's lanes cover whole rows");
-  const int c_ld = kWarpLd ? lane % Tr::kCPR : tid % Tr::kCPR;
-  const int j_ld0 = kWarpLd ? warp * 16 + lane / Tr::kCPR : tid / Tr::kCPR;
-  constexpr int j_step = kWarpLd ? 32 / Tr::kCPR : kThreads / Tr::kCPR;
-  static_assert(Tr::kLoadIters * j_step == (kWarpLd ? 16 : kBK), "the loader covers the rows");
+  const int c_ld = tid % Tr::kCPR, j_ld0 = tid / Tr::kCPR, j_step = kThreads / Tr::kCPR;
   const bool paged = p.block_table != nullptr;
   int pg_bad = 0;
   const uint8_t* kbase = p.k + w.hk * p.k_sh + c_ld * 16 + (paged ? 0 : w.b * p.k_sp);
@@ -242,10 +234,9 @@ __global__ void __launch_bounds__(kThreads) decode_mma_kernel(const DecodeParams
   const uint32_t ring = ptx::smem_u32(smem) + j_ld0 * Tr::kPitch + c_ld * 16;
   const int khi32 = static_cast<int>(khi);  // keys < 2^31 (checked on the host)
   auto issue_pages = [&](int tile) {
-    const int kj = kWarpLd ? warp * 16 + lane : tid;  // the key whose entry this thread writes
-    if (paged && (kWarpLd ? lane < 16 : tid < kBK) && tile < ntiles) {
-      const int t = static_cast<int>(klo) + tile * kBK + kj;
-      int2* dst = &pg_ring[tile % STAGES][kj];
+    if (paged && tid < kBK && tile < ntiles) {
+      const int t = static_cast<int>(klo) + tile * kBK + tid;
+      int2* dst = &pg_ring[tile % STAGES][tid];
       if (t < khi32) {
         const int pi = p.page_shift >= 0 ? t >> p.page_shift : t / p.page_size;
         dst->y = t - pi * p.page_size;
@@ -363,12 +354,7 @@ __global__ void __launch_bounds__(kThreads) decode_mma_kernel(const DecodeParams
   for (int s = 0; s < STAGES - 1; ++s) {
     // issue(s) writes the entries of tile s + STAGES - 1 into the slot of tile s - 1, which
     // issue(s - 1) read in other threads: a barrier between (the loop has one per tile).
-    if (paged && s > 0) {
-      if constexpr (kWarpLd)
-        __syncwarp();  // the entries and rows of a warp's keys are its own
-      else
-        __syncthreads();
-    }
+    if (paged && s > 0) __syncthreads();
     issue(s);
   }
   DEC_TRACE(2);
@@ -470,10 +456,7 @@ __global__ void __launch_bounds__(kThreads) decode_mma_kernel(const DecodeParams
 
   for (int tile = 0; tile < ntiles; ++tile) {
     ptx::cp_async_wait<STAGES - 2>();
-    if constexpr (kWarpLd)
-      __syncwarp();  // every lane's copies of the warp's rows (and entries) landed and are visible
-    else
-      __syncthreads();
+    __syncthreads();
     issue(tile + STAGES - 1);
 #if IOATTN_DECODE_BULK_ENABLED
     // Experimental path: a wrong byte count traps (a launch error) instead of hanging the GPU.
@@ -714,12 +697,12 @@ void print_decode_trace(int64_t grid, const char* name) {
 }
 #endif
 
-template <typename T, typename CT, int D, int NT, bool kBulk = false, int kStagesOpt = 0, bool kWarpLd = false>
+template <typename T, typename CT, int D, int NT, bool kBulk = false, int kStagesOpt = 0>
 void launch(const DecodeParams& p, int64_t grid, cudaStream_t stream, bool pdl) {
   constexpr int smem = MmaTraits<D, std::is_same_v<CT, T> ? 2 : 1, kStagesOpt>::kSmem;
   static_assert(smem >= 4 * 8 * NT * D * 4, "the warp merge reuses [4][ROWS][D] fp32 of the ring");
   static std::atomic<uint64_t> smem_set{0};
-  launch_decode_grid(&decode_mma_kernel<T, CT, D, NT, kBulk, kStagesOpt, kWarpLd>, smem_set, p, grid, smem, stream, pdl);
+  launch_decode_grid(&decode_mma_kernel<T, CT, D, NT, kBulk, kStagesOpt>, smem_set, p, grid, smem, stream, pdl);
 #if IOATTN_DECODE_TRACE
   // Eager launches only (a graph capture calls this once per captured call): zero the stamps
   // before the 40th, print after it.
@@ -758,11 +741,6 @@ bool mma_bulk_supported(DType dtype, DType cache, int64_t d, int arch) {
   return a.ptxVersion >= 90;
 }
 
-bool mma_warp_loader_applies(DType dtype, DType cache, int64_t d, bool bulk, int ring) {
-  return !bulk && cache == dtype && (dtype == DType::bf16 || dtype == DType::f16) && d == 128 &&
-         ring == MmaTraits<128, 2>::kStages;
-}
-
 int mma_rows_per_cta(int64_t rows_per_group, int64_t head_dim) {
   return rows_per_group > 8 && head_dim <= 128 ? 16 : 8;
 }
@@ -786,14 +764,9 @@ int mma_decode_stages(DType cache, int64_t head_dim, bool bulk, int64_t work, in
 namespace {
 // One (q / mma type, cache type): the head dim and n-tile switch.
 template <typename T, typename CT>
-void launch_dims(const DecodeParams& p, int64_t grid, cudaStream_t stream, bool pdl, bool bulk, int ring,
-                 bool warp_ld) {
+void launch_dims(const DecodeParams& p, int64_t grid, cudaStream_t stream, bool pdl, bool bulk, int ring) {
   const bool two = mma_rows_per_cta(p.rows, p.d) == 16;
   if constexpr (std::is_same_v<T, CT>) {
-    if (warp_ld && !bulk && p.d == 128 && ring == MmaTraits<128, 2>::kStages) {  // mma_warp_loader_applies
-      two ? launch<T, CT, 128, 2, false, 0, true>(p, grid, stream, pdl) : launch<T, CT, 128, 1, false, 0, true>(p, grid, stream, pdl);
-      return;
-    }
     if (bulk) {  // the caller checked mma_bulk_supported: head_dim 128, sm_90
       two ? launch<T, CT, 128, 2, true>(p, grid, stream, pdl) : launch<T, CT, 128, 1, true>(p, grid, stream, pdl);
       return;
@@ -819,12 +792,12 @@ void launch_dims(const DecodeParams& p, int64_t grid, cudaStream_t stream, bool 
 }  // namespace
 
 void launch_decode_mma(const DecodeParams& p, DType cache, int64_t grid, cudaStream_t stream, bool pdl, bool bulk,
-                       int ring, bool warp_ld) {
+                       int ring) {
   switch (cache) {
-    case DType::bf16: launch_dims<__nv_bfloat16, __nv_bfloat16>(p, grid, stream, pdl, bulk, ring, warp_ld); break;
-    case DType::f16: launch_dims<__half, __half>(p, grid, stream, pdl, bulk, ring, warp_ld); break;
-    case DType::f8e4m3: launch_dims<__half, E4m3>(p, grid, stream, pdl, false, ring, false); break;
-    case DType::i8: launch_dims<__half, int8_t>(p, grid, stream, pdl, false, ring, false); break;
+    case DType::bf16: launch_dims<__nv_bfloat16, __nv_bfloat16>(p, grid, stream, pdl, bulk, ring); break;
+    case DType::f16: launch_dims<__half, __half>(p, grid, stream, pdl, bulk, ring); break;
+    case DType::f8e4m3: launch_dims<__half, E4m3>(p, grid, stream, pdl, false, ring); break;
+    case DType::i8: launch_dims<__half, int8_t>(p, grid, stream, pdl, false, ring); break;
     default: throw Error("cache.k_cache.dtype", "ioattn: the mma decode kernel takes bf16/f16/f8e4m3/i8 caches");
   }
 }
