@@ -24,6 +24,10 @@
 #      active cycles and the shared-memory wavefronts of the wgmma backward kernel at hdim 128, 4k, per
 #      IOATTN_BWD_SM90_VARIANT in GPU_CHECK_NCU_VARIANTS (default "tmald pp") -> ncu_bwd.log.
 #      The logs are packed into logs.tgz at the end: read them there (or grep them in the command).
+#   ncudec (not in the default stages; ~2 min): Nsight Compute on the mma decode kernel (bf16, b64 x 32k and
+#      b16 x 128k contiguous) and on cuDNN's SDPA decode kernel (b64 x 32k, enable_gqa): launch shape,
+#      occupancy, stall reasons per issued instruction, pipes, memory, source hot spots -> ncu_dec_ours.log,
+#      ncu_dec_cudnn.log and the deciding lines in the summary.
 #   ncufwd (not in the default stages; ~1-2 min): Nsight Compute on one launch each of the sm90 forward's
 #      hdim-128 bf16 kernels (v3 body non-causal, v4 body causal, 8k) and the fp8 kernel -> ncu_fwd.log.
 #   GPU_CHECK_POWER=1 (with stage sm90): SM clock / power / throttle reasons sampled through ours and
@@ -369,6 +373,42 @@ if want ncubwd && command -v ncu >/dev/null; then
   # The lines that decide the next step, in the summary (the log itself travels in logs.tgz).
   grep -E 'flash_bwd_sm90_kernel|Duration|pipe_(tensor|shared|alu|fma)_cycles|wavefronts_mem_shared|stalled_(wait|dispatch_stall|mio_throttle|long_scoreboard|short_scoreboard|barrier|gmma|math_pipe_throttle)_per|Eligible Warps' \
     "$OUT/ncu_bwd.log" | grep -v '^==' | sed -E 's/  +/ /g; s/^ //' | cut -c1-150 | tee -a "$SUMMARY"
+fi
+
+# ---- Nsight Compute on the decode, ours and cuDNN's (optional stage ncudec) -----------------------
+# Session 13's question: the decode's ring and row pattern read at 4.59 TB/s with up to ~2,000
+# cycles of work per tile (readbw kvloop), the kernel at 4.27-4.29: where do a tile's cycles go,
+# and what launch shape does cuDNN's 4.6 TB/s kernel have?
+if want ncudec && command -v ncu >/dev/null; then
+  t0=$(stamp)
+  NCU_DEC=(--clock-control none -c 1 --section SpeedOfLight --section LaunchStats --section Occupancy
+    --section WarpStateStats --section SchedulerStats --section MemoryWorkloadAnalysis --section SourceCounters
+    --metrics 'regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio,regex:sm__pipe_.*_cycles_active\.avg\.pct_of_peak_sustained_active,smsp__inst_executed.sum,smsp__cycles_active.avg')
+  for cell in "64 32768" "16 131072"; do
+    read -r b kv <<<"$cell"
+    timeout 150 ncu "${NCU_DEC[@]}" -k regex:decode_mma_kernel "$BUILD/ioattn_cuda_decode_bench" --batch "$b" --kv "$kv" \
+      --pages 0 --caches bf16 --eager 1 --copy 0 --repeats 2 >>"$OUT/ncu_dec_ours.log" 2>&1
+  done
+  cat >"$OUT/ncu_dec_cudnn.py" <<'PY'
+import torch, torch.nn.functional as F
+from torch.nn.attention import sdpa_kernel, SDPBackend
+b, s, hq, hk, d = 64, 32768, 32, 8, 128
+q = torch.randn(b, hq, 1, d, device="cuda", dtype=torch.bfloat16)
+k = torch.randn(b, hk, s, d, device="cuda", dtype=torch.bfloat16)
+v = torch.randn_like(k)
+with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+    for _ in range(3):
+        o = F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+torch.cuda.synchronize()
+PY
+  timeout 200 ncu "${NCU_DEC[@]}" -k 'regex:sdpa|fmha|attn|cudnn|fprop|flash|Sdpa|Fmha|Attn' --launch-skip 1 \
+    python3 "$OUT/ncu_dec_cudnn.py" >>"$OUT/ncu_dec_cudnn.log" 2>&1
+  note "ncu dec    rc=$?  $(( $(stamp) - t0 )) s  (ncu_dec_ours.log, ncu_dec_cudnn.log)"
+  for f in ncu_dec_ours ncu_dec_cudnn; do
+    echo "$f:" | tee -a "$SUMMARY"
+    grep -E '^  [a-zA-Z_].*\(|Duration|Registers Per|Block Size|Grid Size|Dynamic Shared|Achieved Occupancy|Theoretical Occ|DRAM Throughput|Issued Warp|Eligible Warps|No Eligible|stalled_(long_scoreboard|barrier|wait|short_scoreboard|mio_throttle|lg_throttle|math_pipe_throttle|dispatch_stall|no_instruction|not_selected|selected|branch_resolving)_per|inst_executed.sum|cycles_active.avg|pipe_(alu|fma|tensor|lsu|uniform|xu|fmaheavy)_cycles' \
+      "$OUT/$f.log" | grep -v '^==' | sed -E 's/  +/ /g; s/^ //' | cut -c1-150 | tee -a "$SUMMARY"
+  done
 fi
 
 # ---- Nsight Compute on the sm90 forward (optional stage ncufwd) -----------------------------------
