@@ -404,6 +404,15 @@ PY
   timeout 200 ncu "${NCU_DEC[@]}" -k 'regex:sdpa|fmha|attn|cudnn|fprop|flash|Sdpa|Fmha|Attn' --launch-skip 1 \
     python3 "$OUT/ncu_dec_cudnn.py" >>"$OUT/ncu_dec_cudnn.log" 2>&1
   note "ncu dec    rc=$?  $(( $(stamp) - t0 )) s  (ncu_dec_ours.log, ncu_dec_cudnn.log)"
+  # Session 13 found our kernel's L2 hit rate at 34% with 134 M "excessive" global sectors (cuDNN and
+  # the kvloop probe: < 1%): a full report of one launch (b64 x 32k) kept in RESULTS_DIR, and its
+  # source page (per-SASS-instruction metrics, excessive sectors included) as CSV.
+  timeout 200 ncu --clock-control none -c 1 --set full --import-source no -k regex:decode_mma_kernel \
+    -o "$OUT/ncu_dec_ours_full" -f "$BUILD/ioattn_cuda_decode_bench" --batch 64 --kv 32768 --pages 0 --caches bf16 \
+    --eager 1 --copy 0 --repeats 2 >>"$OUT/ncu_dec_full.log" 2>&1 &&
+    ncu --import "$OUT/ncu_dec_ours_full.ncu-rep" --page source --print-source sass --csv \
+      >"$OUT/ncu_dec_ours_source.csv" 2>>"$OUT/ncu_dec_full.log"
+  note "ncu dec full rc=$?  (ncu_dec_ours_full.ncu-rep, ncu_dec_ours_source.csv: per-instruction)"
   for f in ncu_dec_ours ncu_dec_cudnn; do
     echo "$f:" | tee -a "$SUMMARY"
     grep -E '^  [a-zA-Z_].*\(|Duration|Registers Per|Block Size|Grid Size|Dynamic Shared|Achieved Occupancy|Theoretical Occ|DRAM Throughput|Issued Warp|Eligible Warps|No Eligible|stalled_(long_scoreboard|barrier|wait|short_scoreboard|mio_throttle|lg_throttle|math_pipe_throttle|dispatch_stall|no_instruction|not_selected|selected|branch_resolving)_per|inst_executed.sum|cycles_active.avg|pipe_(alu|fma|tensor|lsu|uniform|xu|fmaheavy)_cycles' \
