@@ -384,11 +384,25 @@ if want ncudec && command -v ncu >/dev/null; then
   NCU_DEC=(--clock-control none -c 1 --section SpeedOfLight --section LaunchStats --section Occupancy
     --section WarpStateStats --section SchedulerStats --section MemoryWorkloadAnalysis --section SourceCounters
     --metrics 'regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio,regex:sm__pipe_.*_cycles_active\.avg\.pct_of_peak_sustained_active,smsp__inst_executed.sum,smsp__cycles_active.avg')
-  for cell in "64 32768" "16 131072"; do
-    read -r b kv <<<"$cell"
-    timeout 150 ncu "${NCU_DEC[@]}" -k regex:decode_mma_kernel "$BUILD/ioattn_cuda_decode_bench" --batch "$b" --kv "$kv" \
+  # The cells, then b64 x 32k with IOATTN_DECODE_LOADER=plain (full tiles without the zero-fill form
+  # of cp.async: does the L2 excess go?) and the readbw kvloop probe in its three forms (plain,
+  # per-warp, zero-fill form: tools' own build of bench_readbw.cu).
+  for cell in "64 32768" "16 131072" "64 32768 plain"; do
+    read -r b kv loader <<<"$cell"
+    IOATTN_DECODE_LOADER=${loader:-cp.async} timeout 150 ncu "${NCU_DEC[@]}" -k regex:decode_mma_kernel \
+      "$BUILD/ioattn_cuda_decode_bench" --batch "$b" --kv "$kv" \
       --pages 0 --caches bf16 --eager 1 --copy 0 --repeats 2 >>"$OUT/ncu_dec_ours.log" 2>&1
   done
+  if nvcc -O3 -std=c++17 -arch=sm_90a -I"$ROOT/src" -I"$ROOT/include" "$ROOT/src/cuda/bench_readbw.cu" \
+    -o "$BUILD/readbw_ncu" >>"$OUT/ncu_dec_probe.log" 2>&1; then
+    for m in 0 1 2; do  # kvloop forms: 0 plain, 1 per warp, 2 zero-fill form
+      timeout 100 ncu --clock-control none --kernel-name-base demangled -k "regex:read_kvloop<$m>" -c 1 \
+        --section SpeedOfLight --section MemoryWorkloadAnalysis "$BUILD/readbw_ncu" --gib 2 --ctas-per-sm 2 \
+        --kvloop-spins 0 >>"$OUT/ncu_dec_probe.log" 2>&1
+    done
+  fi
+  grep -E 'read_kvloop<|DRAM Throughput|L2 Cache Throughput|L2 Hit Rate' "$OUT/ncu_dec_probe.log" | sed -E 's/  +/ /g' |
+    cut -c1-120 | sed 's/^/probe: /' | tee -a "$SUMMARY"
   cat >"$OUT/ncu_dec_cudnn.py" <<'PY'
 import torch, torch.nn.functional as F
 from torch.nn.attention import sdpa_kernel, SDPBackend
@@ -415,7 +429,7 @@ PY
   note "ncu dec full rc=$?  (ncu_dec_ours_full.ncu-rep, ncu_dec_ours_source.csv: per-instruction)"
   for f in ncu_dec_ours ncu_dec_cudnn; do
     echo "$f:" | tee -a "$SUMMARY"
-    grep -E '^  [a-zA-Z_].*\(|Duration|Registers Per|Block Size|Grid Size|Dynamic Shared|Achieved Occupancy|Theoretical Occ|DRAM Throughput|Issued Warp|Eligible Warps|No Eligible|stalled_(long_scoreboard|barrier|wait|short_scoreboard|mio_throttle|lg_throttle|math_pipe_throttle|dispatch_stall|no_instruction|not_selected|selected|branch_resolving)_per|inst_executed.sum|cycles_active.avg|pipe_(alu|fma|tensor|lsu|uniform|xu|fmaheavy)_cycles' \
+    grep -E '^  [a-zA-Z_].*\(|Duration|L2 Hit Rate|L2 Cache Throughput|Registers Per|Block Size|Grid Size|Dynamic Shared|Achieved Occupancy|Theoretical Occ|DRAM Throughput|Issued Warp|Eligible Warps|No Eligible|stalled_(long_scoreboard|barrier|wait|short_scoreboard|mio_throttle|lg_throttle|math_pipe_throttle|dispatch_stall|no_instruction|not_selected|selected|branch_resolving)_per|inst_executed.sum|cycles_active.avg|pipe_(alu|fma|tensor|lsu|uniform|xu|fmaheavy)_cycles' \
       "$OUT/$f.log" | grep -v '^==' | sed -E 's/  +/ /g; s/^ //' | cut -c1-150 | tee -a "$SUMMARY"
   done
 fi

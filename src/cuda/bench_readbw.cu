@@ -23,7 +23,8 @@
 //   per tile: wait, barrier, issue the tile 2 ahead, read the tile, then spin for the given SM
 //   cycles (standing in for the decode's per-tile compute, ~1,500-3,300 cycles in its traces).
 //   Pattern kv_warp: the same with each warp copying, waiting for and reading its own 16 rows (a
-//   __syncwarp instead of the CTA barrier).
+//   __syncwarp instead of the CTA barrier); kv_zfill: the CTA form with the decode kernel's
+//   zero-fill form of cp.async.
 //   Which of "two streams" and "compute per tile" holds the decode at ~4.2 TB/s where the single
 //   stream above reads ~4.6?
 // CTAs: SMs x CTAs-per-SM rounded down to whole groups of 8 (one token group of the rows
@@ -101,6 +102,12 @@ __device__ __forceinline__ void cp16(uint32_t dst, const void* src) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src));
 }
 
+// The decode kernel's form (ptx::cp_async_16_zfill): valid false writes zeros and reads nothing.
+__device__ __forceinline__ void cp16_zfill(uint32_t dst, const void* src, bool valid) {
+  asm volatile("{\n .reg .pred ig;\n setp.eq.u32 ig, %2, 0;\n cp.async.cg.shared.global [%0], [%1], 16, ig;\n}\n" ::"r"(dst),
+               "l"(src), "r"(static_cast<uint32_t>(valid)));
+}
+
 template <int kHint, int kStages>
 __global__ void __launch_bounds__(kThreads) read_cpasync(const char* buf, int64_t stages_per_cta, bool rows, float* out) {
   extern __shared__ __align__(128) char smem[];
@@ -134,10 +141,13 @@ __global__ void __launch_bounds__(kThreads) read_cpasync(const char* buf, int64_
 // The decode loop's pattern (see kvloop above): tile s of CTA c = 64 tokens of head c % 8.
 constexpr int kKvTileRows = 64, kKvStages = 3;
 constexpr int kKvTileBytes = 2 * kKvTileRows * kRowBytes;  // K rows then V rows
-// kWarp: each warp copies and reads only its own 16 rows of the K and V tiles (the decode kernel's
-// warps consume keys 16w..16w+15 alone), so a warp waits on its own copies and a __syncwarp instead
-// of the CTA barrier: a slow warp no longer holds back the refill of the others' rows.
-template <bool kWarp>
+// kMode 1 (kWarp): each warp copies and reads only its own 16 rows of the K and V tiles (the decode
+// kernel's warps consume keys 16w..16w+15 alone), so a warp waits on its own copies and a
+// __syncwarp instead of the CTA barrier: a slow warp no longer holds back the refill of the others'
+// rows. kMode 2: the CTA form with the decode kernel's copy instruction, cp.async with the
+// ignore-src (zero-fill) operand (always false here: every row is read), to see whether that form
+// alone brings the decode kernel's extra L2 traffic (session 13: 34% L2 hits there, < 1% here).
+template <int kMode>
 __global__ void __launch_bounds__(kThreads) read_kvloop(const char* buf, int64_t tiles_per_cta, int64_t half_bytes,
                                                         long long spin, float* out) {
   extern __shared__ __align__(128) char smem[];
@@ -145,6 +155,7 @@ __global__ void __launch_bounds__(kThreads) read_kvloop(const char* buf, int64_t
   const int h = blockIdx.x % kHeads, group = blockIdx.x / kHeads;
   // thread t copies 16-byte chunk t % 16 of rows t / 16 + 8 i (i < 8) of the K and V tiles
   // kWarp: lane l of warp w copies chunk l % 16 of rows 16 w + l / 16 + 2 i (i < 8)
+  constexpr bool kWarp = kMode == 1;
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const int chunk = kWarp ? lane % 16 : threadIdx.x % 16, row0 = kWarp ? 16 * warp + lane / 16 : threadIdx.x / 16;
   const int rstep = kWarp ? 2 : 8;
@@ -156,8 +167,13 @@ __global__ void __launch_bounds__(kThreads) read_kvloop(const char* buf, int64_t
       for (int i = 0; i < 8; ++i) {
         const int r = row0 + rstep * i;
         const size_t off = (static_cast<size_t>(token0 + r) * kHeads + h) * kRowBytes + chunk * 16;
-        cp16<0>(dst + r * kRowBytes + chunk * 16, buf + off);
-        cp16<0>(dst + (kKvTileRows + r) * kRowBytes + chunk * 16, buf + half_bytes + off);
+        if constexpr (kMode == 2) {
+          cp16_zfill(dst + r * kRowBytes + chunk * 16, buf + off, r < kKvTileRows);
+          cp16_zfill(dst + (kKvTileRows + r) * kRowBytes + chunk * 16, buf + half_bytes + off, r < kKvTileRows);
+        } else {
+          cp16<0>(dst + r * kRowBytes + chunk * 16, buf + off);
+          cp16<0>(dst + (kKvTileRows + r) * kRowBytes + chunk * 16, buf + half_bytes + off);
+        }
       }
     }
     asm volatile("cp.async.commit_group;\n" ::);
@@ -324,12 +340,13 @@ int main(int argc, char** argv) {
   }
   // The decode loop's pattern and structure, with a spin per tile for its compute ("" skips).
   const size_t kv_smem = static_cast<size_t>(kKvStages) * kKvTileBytes;
-  IOATTN_CUDA_CHECK(cudaFuncSetAttribute(read_kvloop<false>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)kv_smem));
-  IOATTN_CUDA_CHECK(cudaFuncSetAttribute(read_kvloop<true>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)kv_smem));
+  IOATTN_CUDA_CHECK(cudaFuncSetAttribute(read_kvloop<0>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)kv_smem));
+  IOATTN_CUDA_CHECK(cudaFuncSetAttribute(read_kvloop<1>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)kv_smem));
+  IOATTN_CUDA_CHECK(cudaFuncSetAttribute(read_kvloop<2>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)kv_smem));
   for (int64_t cps : {int64_t{1}, int64_t{2}})
-  for (bool per_warp : {false, true}) {
+  for (int mode : {0, 1, 2}) {
     int resident = 0;
-    IOATTN_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&resident, read_kvloop<false>, kThreads, kv_smem));
+    IOATTN_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&resident, read_kvloop<0>, kThreads, kv_smem));
     if (spins_s.empty() || resident < cps) continue;
     const int ctas = static_cast<int>((sms * cps) / kHeads * kHeads);
     const int64_t half = static_cast<int64_t>(bytes / 2) / kKvTileBytes * kKvTileBytes;  // V's base: aligned
@@ -338,19 +355,23 @@ int main(int argc, char** argv) {
     const double read = static_cast<double>(tiles_per_cta) * ctas * kKvTileBytes;
     for (int64_t spin : parse_list(spins_s)) {
       auto launch = [&] {
-        if (per_warp)
-          read_kvloop<true><<<ctas, kThreads, kv_smem>>>(buf, tiles_per_cta, half, spin, out);
+        if (mode == 1)
+          read_kvloop<1><<<ctas, kThreads, kv_smem>>>(buf, tiles_per_cta, half, spin, out);
+        else if (mode == 2)
+          read_kvloop<2><<<ctas, kThreads, kv_smem>>>(buf, tiles_per_cta, half, spin, out);
         else
-          read_kvloop<false><<<ctas, kThreads, kv_smem>>>(buf, tiles_per_cta, half, spin, out);
+          read_kvloop<0><<<ctas, kThreads, kv_smem>>>(buf, tiles_per_cta, half, spin, out);
         IOATTN_CUDA_CHECK_LAUNCH("read_kvloop");
       };
       const double ms = time_ms(launch, 2, repeats, 1);
       const double tbs = read / (ms * 1e-3) / 1e12;
-      const std::string pat = std::string(per_warp ? "kv per-warp spin " : "kv spin ") + std::to_string(spin);
+      const char* mname = mode == 1 ? "kv_warp" : mode == 2 ? "kv_zfill" : "kv";
+      const std::string pat = std::string(mode == 1 ? "kv per-warp spin " : mode == 2 ? "kv zfill-form spin " : "kv spin ") +
+                              std::to_string(spin);
       rows_out.push_back({"kvloop", pat, static_cast<int>(cps), tbs});
       std::printf("{\"bench\": \"readbw\", \"mech\": \"kvloop\", \"pattern\": \"%s\", \"spin\": %lld, "
                   "\"ctas_per_sm\": %d, \"ctas\": %d, \"stages\": %d, \"bytes\": %.0f, \"ms\": %.4f, \"tbs\": %.3f}\n",
-                  per_warp ? "kv_warp" : "kv", static_cast<long long>(spin), static_cast<int>(cps), ctas, kKvStages, read, ms, tbs);
+                  mname, static_cast<long long>(spin), static_cast<int>(cps), ctas, kKvStages, read, ms, tbs);
       std::fflush(stdout);
     }
   }

@@ -35,6 +35,11 @@ __device__ __forceinline__ void cp_async_16(uint32_t dst_smem, const void* src, 
                "r"(src_bytes));
 }
 
+// cp.async.cg of a full 16 bytes, with neither a src-size nor an ignore-src operand.
+__device__ __forceinline__ void cp_async_16_full(uint32_t dst_smem, const void* src) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst_smem), "l"(src));
+}
+
 // cp.async.cg with the ignore-src predicate (PTX 7.5+): a full 16-byte copy when `valid`, else
 // nothing is read and 16 zero bytes are written. One instruction, no src-size arithmetic.
 __device__ __forceinline__ void cp_async_16_zfill(uint32_t dst_smem, const void* src, bool valid) {

@@ -175,7 +175,11 @@ __device__ __forceinline__ uint32_t code2_to_f16x2(uint32_t w) {
 #endif
 
 // One CTA: (sequence, kv head, split, block of 8 * NT query rows); see the file comment.
-template <typename T, typename CT, int D, int NT, bool kBulk = false, int kStagesOpt = 0>
+// kPlainFull (IOATTN_DECODE_LOADER=plain, an experiment): contiguous caches copy the rows of a full
+// tile with the plain cp.async form (no zero-fill operand), as the readbw kvloop probe does; session
+// 13's Nsight Compute showed this kernel with a 34% L2 hit rate and 1.5x the sector traffic its
+// bytes need, where the probe (same rows, plain form) and cuDNN stay under 1%.
+template <typename T, typename CT, int D, int NT, bool kBulk = false, int kStagesOpt = 0, bool kPlainFull = false>
 __global__ void __launch_bounds__(kThreads) decode_mma_kernel(const DecodeParams p) {
   // 8-bit caches: codes become f16 in registers (T = __half); q (bf16 or f16) is loaded as f16.
   constexpr bool k8 = std::is_same_v<CT, E4m3> || std::is_same_v<CT, int8_t>;
@@ -282,6 +286,19 @@ __global__ void __launch_bounds__(kThreads) decode_mma_kernel(const DecodeParams
     if (!paged) {
       const uint8_t* kr = kbase + static_cast<int64_t>(t0) * p.k_ss;
       const uint8_t* vr = vbase + static_cast<int64_t>(t0) * p.v_ss;
+      if constexpr (kPlainFull) {
+        if (static_cast<int>(klo) + (tile + 1) * kBK <= khi32) {  // a full tile (uniform over the CTA)
+#pragma unroll
+          for (int it = 0; it < Tr::kLoadIters; ++it) {
+            const uint32_t dst = dst0 + it * j_step * Tr::kPitch;
+            ptx::cp_async_16_full(dst, kr);
+            ptx::cp_async_16_full(dst + Tr::kTileBytes, vr);
+            kr += k_it;
+            vr += v_it;
+          }
+          return;
+        }
+      }
 #pragma unroll
       for (int it = 0; it < Tr::kLoadIters; ++it) {
         const bool ok = t0 + it * j_step < khi32;
@@ -697,12 +714,13 @@ void print_decode_trace(int64_t grid, const char* name) {
 }
 #endif
 
-template <typename T, typename CT, int D, int NT, bool kBulk = false, int kStagesOpt = 0>
+template <typename T, typename CT, int D, int NT, bool kBulk = false, int kStagesOpt = 0, bool kPlainFull = false>
 void launch(const DecodeParams& p, int64_t grid, cudaStream_t stream, bool pdl) {
   constexpr int smem = MmaTraits<D, std::is_same_v<CT, T> ? 2 : 1, kStagesOpt>::kSmem;
   static_assert(smem >= 4 * 8 * NT * D * 4, "the warp merge reuses [4][ROWS][D] fp32 of the ring");
   static std::atomic<uint64_t> smem_set{0};
-  launch_decode_grid(&decode_mma_kernel<T, CT, D, NT, kBulk, kStagesOpt>, smem_set, p, grid, smem, stream, pdl);
+  launch_decode_grid(&decode_mma_kernel<T, CT, D, NT, kBulk, kStagesOpt, kPlainFull>, smem_set, p, grid, smem, stream,
+                     pdl);
 #if IOATTN_DECODE_TRACE
   // Eager launches only (a graph capture calls this once per captured call): zero the stamps
   // before the 40th, print after it.
@@ -741,6 +759,11 @@ bool mma_bulk_supported(DType dtype, DType cache, int64_t d, int arch) {
   return a.ptxVersion >= 90;
 }
 
+bool mma_plain_loader_applies(DType dtype, DType cache, int64_t d, bool bulk, int ring, bool paged) {
+  return !bulk && !paged && cache == dtype && (dtype == DType::bf16 || dtype == DType::f16) && d == 128 &&
+         ring == MmaTraits<128, 2>::kStages;
+}
+
 int mma_rows_per_cta(int64_t rows_per_group, int64_t head_dim) {
   return rows_per_group > 8 && head_dim <= 128 ? 16 : 8;
 }
@@ -764,9 +787,14 @@ int mma_decode_stages(DType cache, int64_t head_dim, bool bulk, int64_t work, in
 namespace {
 // One (q / mma type, cache type): the head dim and n-tile switch.
 template <typename T, typename CT>
-void launch_dims(const DecodeParams& p, int64_t grid, cudaStream_t stream, bool pdl, bool bulk, int ring) {
+void launch_dims(const DecodeParams& p, int64_t grid, cudaStream_t stream, bool pdl, bool bulk, int ring,
+                 bool plain) {
   const bool two = mma_rows_per_cta(p.rows, p.d) == 16;
   if constexpr (std::is_same_v<T, CT>) {
+    if (plain && !bulk && p.d == 128 && ring == MmaTraits<128, 2>::kStages) {  // mma_plain_loader_applies
+      two ? launch<T, CT, 128, 2, false, 0, true>(p, grid, stream, pdl) : launch<T, CT, 128, 1, false, 0, true>(p, grid, stream, pdl);
+      return;
+    }
     if (bulk) {  // the caller checked mma_bulk_supported: head_dim 128, sm_90
       two ? launch<T, CT, 128, 2, true>(p, grid, stream, pdl) : launch<T, CT, 128, 1, true>(p, grid, stream, pdl);
       return;
@@ -792,12 +820,12 @@ void launch_dims(const DecodeParams& p, int64_t grid, cudaStream_t stream, bool 
 }  // namespace
 
 void launch_decode_mma(const DecodeParams& p, DType cache, int64_t grid, cudaStream_t stream, bool pdl, bool bulk,
-                       int ring) {
+                       int ring, bool plain) {
   switch (cache) {
-    case DType::bf16: launch_dims<__nv_bfloat16, __nv_bfloat16>(p, grid, stream, pdl, bulk, ring); break;
-    case DType::f16: launch_dims<__half, __half>(p, grid, stream, pdl, bulk, ring); break;
-    case DType::f8e4m3: launch_dims<__half, E4m3>(p, grid, stream, pdl, false, ring); break;
-    case DType::i8: launch_dims<__half, int8_t>(p, grid, stream, pdl, false, ring); break;
+    case DType::bf16: launch_dims<__nv_bfloat16, __nv_bfloat16>(p, grid, stream, pdl, bulk, ring, plain); break;
+    case DType::f16: launch_dims<__half, __half>(p, grid, stream, pdl, bulk, ring, plain); break;
+    case DType::f8e4m3: launch_dims<__half, E4m3>(p, grid, stream, pdl, false, ring, false); break;
+    case DType::i8: launch_dims<__half, int8_t>(p, grid, stream, pdl, false, ring, false); break;
     default: throw Error("cache.k_cache.dtype", "ioattn: the mma decode kernel takes bf16/f16/f8e4m3/i8 caches");
   }
 }
