@@ -24,10 +24,12 @@
 #      active cycles and the shared-memory wavefronts of the wgmma backward kernel at hdim 128, 4k, per
 #      IOATTN_BWD_SM90_VARIANT in GPU_CHECK_NCU_VARIANTS (default "tmald pp") -> ncu_bwd.log.
 #      The logs are packed into logs.tgz at the end: read them there (or grep them in the command).
-#   ncudec (not in the default stages; ~2 min): Nsight Compute on the mma decode kernel (bf16, b64 x 32k and
-#      b16 x 128k contiguous) and on cuDNN's SDPA decode kernel (b64 x 32k, enable_gqa): launch shape,
-#      occupancy, stall reasons per issued instruction, pipes, memory, source hot spots -> ncu_dec_ours.log,
-#      ncu_dec_cudnn.log and the deciding lines in the summary.
+#   ncudec (not in the default stages; ~3 min): Nsight Compute on the mma decode kernel (bf16, b64 x 32k and
+#      b16 x 128k contiguous, and b64 x 32k with IOATTN_DECODE_LOADER=plain), on the readbw kvloop probe's
+#      three forms and on cuDNN's SDPA decode kernel (b64 x 32k, enable_gqa): launch shape, occupancy,
+#      stall reasons per issued instruction, pipes, memory, L2 hit rate -> ncu_dec_ours.log,
+#      ncu_dec_probe.log, ncu_dec_cudnn.log, a full report of ours with its per-instruction source page
+#      (ncu_dec_ours_full.ncu-rep, ncu_dec_ours_source.csv) and the deciding lines in the summary.
 #   ncufwd (not in the default stages; ~1-2 min): Nsight Compute on one launch each of the sm90 forward's
 #      hdim-128 bf16 kernels (v3 body non-causal, v4 body causal, 8k) and the fp8 kernel -> ncu_fwd.log.
 #   GPU_CHECK_POWER=1 (with stage sm90): SM clock / power / throttle reasons sampled through ours and
@@ -386,18 +388,17 @@ if want ncudec && command -v ncu >/dev/null; then
     --metrics 'regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio,regex:sm__pipe_.*_cycles_active\.avg\.pct_of_peak_sustained_active,smsp__inst_executed.sum,smsp__cycles_active.avg')
   # The cells, then b64 x 32k with IOATTN_DECODE_LOADER=plain (full tiles without the zero-fill form
   # of cp.async: does the L2 excess go?) and the readbw kvloop probe in its three forms (plain,
-  # per-warp, zero-fill form: tools' own build of bench_readbw.cu).
+  # per-warp, zero-fill form; the project's ioattn_cuda_readbw target, as the readbw stage builds it).
   for cell in "64 32768" "16 131072" "64 32768 plain"; do
     read -r b kv loader <<<"$cell"
     IOATTN_DECODE_LOADER=${loader:-cp.async} timeout 150 ncu "${NCU_DEC[@]}" -k regex:decode_mma_kernel \
       "$BUILD/ioattn_cuda_decode_bench" --batch "$b" --kv "$kv" \
       --pages 0 --caches bf16 --eager 1 --copy 0 --repeats 2 >>"$OUT/ncu_dec_ours.log" 2>&1
   done
-  if nvcc -O3 -std=c++17 -arch=sm_90a -I"$ROOT/src" -I"$ROOT/include" "$ROOT/src/cuda/bench_readbw.cu" \
-    -o "$BUILD/readbw_ncu" >>"$OUT/ncu_dec_probe.log" 2>&1; then
+  if cmake --build "$BUILD" --target ioattn_cuda_readbw -j "$JOBS" >>"$OUT/ncu_dec_probe.log" 2>&1; then
     for m in 0 1 2; do  # kvloop forms: 0 plain, 1 per warp, 2 zero-fill form
       timeout 100 ncu --clock-control none --kernel-name-base demangled -k "regex:read_kvloop<$m>" -c 1 \
-        --section SpeedOfLight --section MemoryWorkloadAnalysis "$BUILD/readbw_ncu" --gib 2 --ctas-per-sm 2 \
+        --section SpeedOfLight --section MemoryWorkloadAnalysis "$BUILD/ioattn_cuda_readbw" --gib 2 --ctas-per-sm 2 \
         --kvloop-spins 0 >>"$OUT/ncu_dec_probe.log" 2>&1
     done
   fi

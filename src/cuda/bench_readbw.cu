@@ -41,6 +41,7 @@
 #include "cuda/bench_util.cuh"
 #include "cuda/check.cuh"
 #include "cuda/hopper/ptx_sm90.cuh"
+#include "cuda/ptx.cuh"
 
 namespace {
 
@@ -99,13 +100,7 @@ __device__ __forceinline__ void cp16(uint32_t dst, const void* src) {
   else if constexpr (kHint == 256)
     asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16;\n" ::"r"(dst), "l"(src));
   else
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src));
-}
-
-// The decode kernel's form (ptx::cp_async_16_zfill): valid false writes zeros and reads nothing.
-__device__ __forceinline__ void cp16_zfill(uint32_t dst, const void* src, bool valid) {
-  asm volatile("{\n .reg .pred ig;\n setp.eq.u32 ig, %2, 0;\n cp.async.cg.shared.global [%0], [%1], 16, ig;\n}\n" ::"r"(dst),
-               "l"(src), "r"(static_cast<uint32_t>(valid)));
+    ioattn::cuda::ptx::cp_async_16_full(dst, src);
 }
 
 template <int kHint, int kStages>
@@ -168,8 +163,10 @@ __global__ void __launch_bounds__(kThreads) read_kvloop(const char* buf, int64_t
         const int r = row0 + rstep * i;
         const size_t off = (static_cast<size_t>(token0 + r) * kHeads + h) * kRowBytes + chunk * 16;
         if constexpr (kMode == 2) {
-          cp16_zfill(dst + r * kRowBytes + chunk * 16, buf + off, r < kKvTileRows);
-          cp16_zfill(dst + (kKvTileRows + r) * kRowBytes + chunk * 16, buf + half_bytes + off, r < kKvTileRows);
+          // the decode kernel's copy (valid false would write zeros and read nothing)
+          ioattn::cuda::ptx::cp_async_16_zfill(dst + r * kRowBytes + chunk * 16, buf + off, r < kKvTileRows);
+          ioattn::cuda::ptx::cp_async_16_zfill(dst + (kKvTileRows + r) * kRowBytes + chunk * 16, buf + half_bytes + off,
+                                               r < kKvTileRows);
         } else {
           cp16<0>(dst + r * kRowBytes + chunk * 16, buf + off);
           cp16<0>(dst + (kKvTileRows + r) * kRowBytes + chunk * 16, buf + half_bytes + off);

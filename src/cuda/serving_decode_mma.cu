@@ -791,7 +791,7 @@ void launch_dims(const DecodeParams& p, int64_t grid, cudaStream_t stream, bool 
                  bool plain) {
   const bool two = mma_rows_per_cta(p.rows, p.d) == 16;
   if constexpr (std::is_same_v<T, CT>) {
-    if (plain && !bulk && p.d == 128 && ring == MmaTraits<128, 2>::kStages) {  // mma_plain_loader_applies
+    if (plain) {  // the caller checked mma_plain_loader_applies: head_dim 128, the 3-stage ring, not bulk
       two ? launch<T, CT, 128, 2, false, 0, true>(p, grid, stream, pdl) : launch<T, CT, 128, 1, false, 0, true>(p, grid, stream, pdl);
       return;
     }
