@@ -486,6 +486,21 @@ TEST(CudaDecode, PlainLoaderEqualsDefaultBitwise) {
   EXPECT_GT(fallbacks, 0);
 }
 
+// IOATTN_DECODE_LOADER=swizzle (16-bit caches, head_dim 128, the 3-stage ring): K / V rows stored
+// unpadded with chunk c of row r at c ^ (r % 8). Same bytes read by the same mma: bitwise equal to
+// the default, contiguous and paged (pages 1 / 16 / 64, a bad page entry), splits, 8 and 16 rows per
+// CTA.
+TEST(CudaDecode, SwizzleLayoutEqualsDefaultBitwise) {
+  SKIP_WITHOUT_GPU();
+  expect_env_variant_bitwise("IOATTN_DECODE_LOADER", "swizzle", {1500, 0, 63, 64, 65, 1, 129, 700}, 43,
+                             [](const KernelChoice& k) { EXPECT_EQ(k.kernel.find(" swizzle"), std::string::npos) << k.kernel; },
+                             [](const KernelChoice& k) {
+                               EXPECT_NE(k.kernel.find(" mma swizzle"), std::string::npos) << k.kernel;
+                               EXPECT_NE(k.reason.find("IOATTN_DECODE_LOADER=swizzle: unpadded"), std::string::npos)
+                                   << k.reason;
+                             });
+}
+
 // ---- 8-bit KV --------------------------------------------------------------------------------
 
 // As DecodeQuant.EightBitWithinQuantisationBound (test_serving.cpp): at fp32 level against the

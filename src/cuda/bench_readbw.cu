@@ -24,7 +24,8 @@
 //   cycles (standing in for the decode's per-tile compute, ~1,500-3,300 cycles in its traces).
 //   Pattern kv_warp: the same with each warp copying, waiting for and reading its own 16 rows (a
 //   __syncwarp instead of the CTA barrier); kv_zfill: the CTA form with the decode kernel's
-//   zero-fill form of cp.async.
+//   zero-fill form of cp.async; kv_pad: the CTA form into the decode kernel's padded shared rows
+//   (272-byte pitch). Every form's ring is sized as the padded one's (102 KiB, 2 CTAs per SM).
 //   Which of "two streams" and "compute per tile" holds the decode at ~4.2 TB/s where the single
 //   stream above reads ~4.6?
 // CTAs: SMs x CTAs-per-SM rounded down to whole groups of 8 (one token group of the rows
@@ -136,12 +137,18 @@ __global__ void __launch_bounds__(kThreads) read_cpasync(const char* buf, int64_
 // The decode loop's pattern (see kvloop above): tile s of CTA c = 64 tokens of head c % 8.
 constexpr int kKvTileRows = 64, kKvStages = 3;
 constexpr int kKvTileBytes = 2 * kKvTileRows * kRowBytes;  // K rows then V rows
+// kMode 3's shared-memory row pitch: the decode kernel's padded rows (256 + 16 bytes).
+constexpr int kKvPadPitch = kRowBytes + 16;
+constexpr size_t kKvSmem = static_cast<size_t>(kKvStages) * 2 * kKvTileRows * kKvPadPitch;  // fits every mode
 // kMode 1 (kWarp): each warp copies and reads only its own 16 rows of the K and V tiles (the decode
 // kernel's warps consume keys 16w..16w+15 alone), so a warp waits on its own copies and a
 // __syncwarp instead of the CTA barrier: a slow warp no longer holds back the refill of the others'
 // rows. kMode 2: the CTA form with the decode kernel's copy instruction, cp.async with the
 // ignore-src (zero-fill) operand (always false here: every row is read), to see whether that form
 // alone brings the decode kernel's extra L2 traffic (session 13: 34% L2 hits there, < 1% here).
+// kMode 3: the CTA form with the decode kernel's shared-memory layout, rows padded to 272 bytes
+// (so half of the rows start 16 bytes off a 32-byte boundary): does a destination row that is not
+// sector-aligned split the copy's global requests (the other suspect for the extra L2 traffic)?
 template <int kMode>
 __global__ void __launch_bounds__(kThreads) read_kvloop(const char* buf, int64_t tiles_per_cta, int64_t half_bytes,
                                                         long long spin, float* out) {
@@ -151,12 +158,13 @@ __global__ void __launch_bounds__(kThreads) read_kvloop(const char* buf, int64_t
   // thread t copies 16-byte chunk t % 16 of rows t / 16 + 8 i (i < 8) of the K and V tiles
   // kWarp: lane l of warp w copies chunk l % 16 of rows 16 w + l / 16 + 2 i (i < 8)
   constexpr bool kWarp = kMode == 1;
+  constexpr int kPitch = kMode == 3 ? kKvPadPitch : kRowBytes, kStageBytes = 2 * kKvTileRows * kPitch;
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const int chunk = kWarp ? lane % 16 : threadIdx.x % 16, row0 = kWarp ? 16 * warp + lane / 16 : threadIdx.x / 16;
   const int rstep = kWarp ? 2 : 8;
   auto issue = [&](int64_t s) {
     if (s < tiles_per_cta) {
-      const uint32_t dst = base + static_cast<uint32_t>((s % kKvStages) * kKvTileBytes);
+      const uint32_t dst = base + static_cast<uint32_t>((s % kKvStages) * kStageBytes);
       const int64_t token0 = (static_cast<int64_t>(group) * tiles_per_cta + s) * kKvTileRows;
 #pragma unroll
       for (int i = 0; i < 8; ++i) {
@@ -168,8 +176,8 @@ __global__ void __launch_bounds__(kThreads) read_kvloop(const char* buf, int64_t
           ioattn::cuda::ptx::cp_async_16_zfill(dst + (kKvTileRows + r) * kRowBytes + chunk * 16, buf + half_bytes + off,
                                                r < kKvTileRows);
         } else {
-          cp16<0>(dst + r * kRowBytes + chunk * 16, buf + off);
-          cp16<0>(dst + (kKvTileRows + r) * kRowBytes + chunk * 16, buf + half_bytes + off);
+          cp16<0>(dst + r * kPitch + chunk * 16, buf + off);
+          cp16<0>(dst + (kKvTileRows + r) * kPitch + chunk * 16, buf + half_bytes + off);
         }
       }
     }
@@ -184,7 +192,7 @@ __global__ void __launch_bounds__(kThreads) read_kvloop(const char* buf, int64_t
     else
       __syncthreads();
     issue(s + kKvStages - 1);
-    const char* st = smem + (s % kKvStages) * kKvTileBytes;
+    const char* st = smem + (s % kKvStages) * kStageBytes;
     if constexpr (kWarp) {  // the warp's own 16 K rows and 16 V rows
 #pragma unroll
       for (int i = 0; i < 16; ++i) {
@@ -336,12 +344,13 @@ int main(int argc, char** argv) {
     }
   }
   // The decode loop's pattern and structure, with a spin per tile for its compute ("" skips).
-  const size_t kv_smem = static_cast<size_t>(kKvStages) * kKvTileBytes;
+  const size_t kv_smem = kKvSmem;  // every mode gets the padded ring's size: one occupancy for all
   IOATTN_CUDA_CHECK(cudaFuncSetAttribute(read_kvloop<0>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)kv_smem));
   IOATTN_CUDA_CHECK(cudaFuncSetAttribute(read_kvloop<1>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)kv_smem));
   IOATTN_CUDA_CHECK(cudaFuncSetAttribute(read_kvloop<2>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)kv_smem));
+  IOATTN_CUDA_CHECK(cudaFuncSetAttribute(read_kvloop<3>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)kv_smem));
   for (int64_t cps : {int64_t{1}, int64_t{2}})
-  for (int mode : {0, 1, 2}) {
+  for (int mode : {0, 1, 2, 3}) {
     int resident = 0;
     IOATTN_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&resident, read_kvloop<0>, kThreads, kv_smem));
     if (spins_s.empty() || resident < cps) continue;
@@ -356,14 +365,19 @@ int main(int argc, char** argv) {
           read_kvloop<1><<<ctas, kThreads, kv_smem>>>(buf, tiles_per_cta, half, spin, out);
         else if (mode == 2)
           read_kvloop<2><<<ctas, kThreads, kv_smem>>>(buf, tiles_per_cta, half, spin, out);
+        else if (mode == 3)
+          read_kvloop<3><<<ctas, kThreads, kv_smem>>>(buf, tiles_per_cta, half, spin, out);
         else
           read_kvloop<0><<<ctas, kThreads, kv_smem>>>(buf, tiles_per_cta, half, spin, out);
         IOATTN_CUDA_CHECK_LAUNCH("read_kvloop");
       };
       const double ms = time_ms(launch, 2, repeats, 1);
       const double tbs = read / (ms * 1e-3) / 1e12;
-      const char* mname = mode == 1 ? "kv_warp" : mode == 2 ? "kv_zfill" : "kv";
-      const std::string pat = std::string(mode == 1 ? "kv per-warp spin " : mode == 2 ? "kv zfill-form spin " : "kv spin ") +
+      const char* mname = mode == 1 ? "kv_warp" : mode == 2 ? "kv_zfill" : mode == 3 ? "kv_pad" : "kv";
+      const std::string pat = std::string(mode == 1   ? "kv per-warp spin "
+                                          : mode == 2 ? "kv zfill-form spin "
+                                          : mode == 3 ? "kv padded-rows spin "
+                                                      : "kv spin ") +
                               std::to_string(spin);
       rows_out.push_back({"kvloop", pat, static_cast<int>(cps), tbs});
       std::printf("{\"bench\": \"readbw\", \"mech\": \"kvloop\", \"pattern\": \"%s\", \"spin\": %lld, "

@@ -108,10 +108,13 @@ __device__ __forceinline__ unsigned long long dec_globaltimer() {
 // (experiments, see mma_decode_stages; 16-bit caches at head_dim 128: IOATTN_DECODE_STAGES=2, a
 // 2-stage ring, 68 KiB, so 3 CTAs fit an SM instead of 2; =5, 170 KiB, one CTA per SM with 4 tiles
 // = 128 KiB of K/V in flight instead of 2 x 2).
-template <int D, int kBytes = 2, int kStagesOpt = 0>
+// kSwzOpt (IOATTN_DECODE_LOADER=swizzle): unpadded rows (pitch D * 2) with 16-byte chunk c of row r
+// stored at chunk c ^ (r % 8), so the ldmatrix phases still hit 8 bank groups and every row starts
+// on a 128-byte boundary.
+template <int D, int kBytes = 2, int kStagesOpt = 0, bool kSwzOpt = false>
 struct MmaTraits {
   static constexpr int kCPR = D * kBytes / 16;         // 16-byte chunks per cache row
-  static constexpr int kPitch = (kCPR + 1) * 16;       // smem row pitch, bytes
+  static constexpr int kPitch = kSwzOpt ? kCPR * 16 : (kCPR + 1) * 16;  // smem row pitch, bytes
   static constexpr int kTileBytes = kBK * kPitch;      // one K (or V) tile
   static constexpr int kStages = kStagesOpt > 0 ? kStagesOpt
                                  : kBytes == 1  ? (D == 256 ? 3 : 4)
@@ -179,15 +182,20 @@ __device__ __forceinline__ uint32_t code2_to_f16x2(uint32_t w) {
 // tile with the plain cp.async form (no zero-fill operand), as the readbw kvloop probe does; session
 // 13's Nsight Compute showed this kernel with a 34% L2 hit rate and 1.5x the sector traffic its
 // bytes need, where the probe (same rows, plain form) and cuDNN stay under 1%.
-template <typename T, typename CT, int D, int NT, bool kBulk = false, int kStagesOpt = 0, bool kPlainFull = false>
+// kSwz (IOATTN_DECODE_LOADER=swizzle, an experiment; 16-bit caches): the XOR-swizzled unpadded
+// layout of MmaTraits, the other difference from the probe: the padded rows put half of the
+// copies' shared destinations 16 bytes off a 32-byte boundary.
+template <typename T, typename CT, int D, int NT, bool kBulk = false, int kStagesOpt = 0, bool kPlainFull = false,
+          bool kSwz = false>
 __global__ void __launch_bounds__(kThreads) decode_mma_kernel(const DecodeParams p) {
   // 8-bit caches: codes become f16 in registers (T = __half); q (bf16 or f16) is loaded as f16.
   constexpr bool k8 = std::is_same_v<CT, E4m3> || std::is_same_v<CT, int8_t>;
   static_assert(!k8 || std::is_same_v<T, __half>, "8-bit caches run the f16 mma");
-  using Tr = MmaTraits<D, k8 ? 1 : 2, kStagesOpt>;
+  static_assert(!kSwz || (!k8 && !kBulk), "the swizzled layout is built for the cp.async loader of 16-bit caches");
+  using Tr = MmaTraits<D, k8 ? 1 : 2, kStagesOpt, kSwz>;
   static_assert(Tr::kStages >= 2, "the loop waits for a tile while the next one is in flight");
   constexpr int STAGES = Tr::kStages, kKD = D / 16, ROWS = 8 * NT;
-  extern __shared__ __align__(16) uint8_t smem[];
+  extern __shared__ __align__(128) uint8_t smem[];
   __shared__ float grp_m[4 * ROWS], grp_l[4 * ROWS];
   __shared__ int grp_bad[4];
   __shared__ float row_m[ROWS], row_l[ROWS];
@@ -226,6 +234,7 @@ __global__ void __launch_bounds__(kThreads) decode_mma_kernel(const DecodeParams
   const int64_t nkeys = khi - klo;
   const int ntiles = static_cast<int>((nkeys + kBK - 1) / kBK);
   const int c_ld = tid % Tr::kCPR, j_ld0 = tid / Tr::kCPR, j_step = kThreads / Tr::kCPR;
+  static_assert(!kSwz || (kThreads / Tr::kCPR) % 8 == 0, "swizzle: a thread's rows share r % 8");
   const bool paged = p.block_table != nullptr;
   int pg_bad = 0;
   const uint8_t* kbase = p.k + w.hk * p.k_sh + c_ld * 16 + (paged ? 0 : w.b * p.k_sp);
@@ -235,7 +244,7 @@ __global__ void __launch_bounds__(kThreads) decode_mma_kernel(const DecodeParams
   // layout; the head strides may differ); an int32 entry e is valid iff (uint32) e < pages_u32.
   const bool kv_same = p.k_sp == p.v_sp && p.k_ss == p.v_ss;
   const uint32_t pages_u32 = static_cast<uint32_t>(min(p.num_pages, int64_t{1} << 31));
-  const uint32_t ring = ptx::smem_u32(smem) + j_ld0 * Tr::kPitch + c_ld * 16;
+  const uint32_t ring = ptx::smem_u32(smem) + j_ld0 * Tr::kPitch + (kSwz ? c_ld ^ (j_ld0 & 7) : c_ld) * 16;
   const int khi32 = static_cast<int>(khi);  // keys < 2^31 (checked on the host)
   auto issue_pages = [&](int tile) {
     if (paged && tid < kBK && tile < ntiles) {
@@ -349,6 +358,19 @@ __global__ void __launch_bounds__(kThreads) decode_mma_kernel(const DecodeParams
   // 8-bit: K and V both by plain ldmatrix (16 keys x two 16-byte chunks per x4, as K).
   const int k_lane = (warp * 16 + (lane & 15)) * Tr::kPitch + (lane >> 4) * 16;
   const int v_lane = k8 ? k_lane : (warp * 16 + (lane & 7) + ((lane >> 4) << 3)) * Tr::kPitch + ((lane >> 3) & 1) * 16;
+  // kSwz: chunk pair m (chunks 2m, 2m + 1) of the lane's row r at byte 128 (m / 4) + sw[m % 4], where
+  // sw[b] = r * pitch + 16 ((2b + half) ^ (r % 8)): the m / 4 part is an immediate offset.
+  int k_sw[4], v_sw[4];
+#pragma unroll
+  for (int b = 0; b < 4; ++b) {
+    const int kr = warp * 16 + (lane & 15), vr = warp * 16 + (lane & 7) + ((lane >> 4) << 3);
+    k_sw[b] = kr * Tr::kPitch + 16 * ((2 * b + (lane >> 4)) ^ (kr & 7));
+    v_sw[b] = vr * Tr::kPitch + 16 * ((2 * b + ((lane >> 3) & 1)) ^ (vr & 7));
+  }
+  auto k_at = [&](uint32_t kv, int m) { return kSwz ? kv + k_sw[m & 3] + (m >> 2) * 128 : kv + k_lane + m * 32; };
+  auto v_at = [&](uint32_t kv, int m) {
+    return kSwz ? kv + Tr::kTileBytes + v_sw[m & 3] + (m >> 2) * 128 : kv + Tr::kTileBytes + v_lane + m * 32;
+  };
 
 #if IOATTN_DECODE_BULK_ENABLED
   if constexpr (kBulk) {
@@ -505,8 +527,8 @@ __global__ void __launch_bounds__(kThreads) decode_mma_kernel(const DecodeParams
         b[0] = code2_to_f16x2<CT>(c[2]), b[2] = code2_to_f16x2<CT>(c[2] >> 16);
         b[1] = code2_to_f16x2<CT>(c[3]), b[3] = code2_to_f16x2<CT>(c[3] >> 16);
       } else {
-        ptx::ldmatrix_x4(a, k_addr + kk * 32);
-        ptx::ldmatrix_x4(b, k_addr + kk * 32 + 32);
+        ptx::ldmatrix_x4(a, k_at(kv, kk));
+        ptx::ldmatrix_x4(b, k_at(kv, kk + 1));
       }
 #pragma unroll
       for (int nt = 0; nt < NT; ++nt) {
@@ -606,7 +628,7 @@ __global__ void __launch_bounds__(kThreads) decode_mma_kernel(const DecodeParams
 #pragma unroll
       for (int mt = 0; mt < kKD; ++mt) {
         uint32_t a[4];
-        ptx::ldmatrix_x4_trans(a, v_addr + mt * 32);
+        ptx::ldmatrix_x4_trans(a, v_at(kv, mt));
 #pragma unroll
         for (int nt = 0; nt < NT; ++nt) {
           ptx::mma_m16n8k16<T>(o[nt][mt], a, ph[nt][0], ph[nt][1]);
@@ -714,13 +736,14 @@ void print_decode_trace(int64_t grid, const char* name) {
 }
 #endif
 
-template <typename T, typename CT, int D, int NT, bool kBulk = false, int kStagesOpt = 0, bool kPlainFull = false>
+template <typename T, typename CT, int D, int NT, bool kBulk = false, int kStagesOpt = 0, bool kPlainFull = false,
+          bool kSwz = false>
 void launch(const DecodeParams& p, int64_t grid, cudaStream_t stream, bool pdl) {
-  constexpr int smem = MmaTraits<D, std::is_same_v<CT, T> ? 2 : 1, kStagesOpt>::kSmem;
+  constexpr int smem = MmaTraits<D, std::is_same_v<CT, T> ? 2 : 1, kStagesOpt, kSwz>::kSmem;
   static_assert(smem >= 4 * 8 * NT * D * 4, "the warp merge reuses [4][ROWS][D] fp32 of the ring");
   static std::atomic<uint64_t> smem_set{0};
-  launch_decode_grid(&decode_mma_kernel<T, CT, D, NT, kBulk, kStagesOpt, kPlainFull>, smem_set, p, grid, smem, stream,
-                     pdl);
+  launch_decode_grid(&decode_mma_kernel<T, CT, D, NT, kBulk, kStagesOpt, kPlainFull, kSwz>, smem_set, p, grid, smem,
+                     stream, pdl);
 #if IOATTN_DECODE_TRACE
   // Eager launches only (a graph capture calls this once per captured call): zero the stamps
   // before the 40th, print after it.
@@ -764,6 +787,11 @@ bool mma_plain_loader_applies(DType dtype, DType cache, int64_t d, bool bulk, in
          ring == MmaTraits<128, 2>::kStages;
 }
 
+bool mma_swizzle_applies(DType dtype, DType cache, int64_t d, bool bulk, int ring) {
+  return !bulk && cache == dtype && (dtype == DType::bf16 || dtype == DType::f16) && d == 128 &&
+         ring == MmaTraits<128, 2>::kStages;
+}
+
 int mma_rows_per_cta(int64_t rows_per_group, int64_t head_dim) {
   return rows_per_group > 8 && head_dim <= 128 ? 16 : 8;
 }
@@ -788,9 +816,14 @@ namespace {
 // One (q / mma type, cache type): the head dim and n-tile switch.
 template <typename T, typename CT>
 void launch_dims(const DecodeParams& p, int64_t grid, cudaStream_t stream, bool pdl, bool bulk, int ring,
-                 bool plain) {
+                 bool plain, bool swz) {
   const bool two = mma_rows_per_cta(p.rows, p.d) == 16;
   if constexpr (std::is_same_v<T, CT>) {
+    if (swz) {  // the caller checked mma_swizzle_applies: head_dim 128, the 3-stage ring, not bulk
+      two ? launch<T, CT, 128, 2, false, 0, false, true>(p, grid, stream, pdl)
+          : launch<T, CT, 128, 1, false, 0, false, true>(p, grid, stream, pdl);
+      return;
+    }
     if (plain) {  // the caller checked mma_plain_loader_applies: head_dim 128, the 3-stage ring, not bulk
       two ? launch<T, CT, 128, 2, false, 0, true>(p, grid, stream, pdl) : launch<T, CT, 128, 1, false, 0, true>(p, grid, stream, pdl);
       return;
@@ -820,12 +853,12 @@ void launch_dims(const DecodeParams& p, int64_t grid, cudaStream_t stream, bool 
 }  // namespace
 
 void launch_decode_mma(const DecodeParams& p, DType cache, int64_t grid, cudaStream_t stream, bool pdl, bool bulk,
-                       int ring, bool plain) {
+                       int ring, bool plain, bool swz) {
   switch (cache) {
-    case DType::bf16: launch_dims<__nv_bfloat16, __nv_bfloat16>(p, grid, stream, pdl, bulk, ring, plain); break;
-    case DType::f16: launch_dims<__half, __half>(p, grid, stream, pdl, bulk, ring, plain); break;
-    case DType::f8e4m3: launch_dims<__half, E4m3>(p, grid, stream, pdl, false, ring, false); break;
-    case DType::i8: launch_dims<__half, int8_t>(p, grid, stream, pdl, false, ring, false); break;
+    case DType::bf16: launch_dims<__nv_bfloat16, __nv_bfloat16>(p, grid, stream, pdl, bulk, ring, plain, swz); break;
+    case DType::f16: launch_dims<__half, __half>(p, grid, stream, pdl, bulk, ring, plain, swz); break;
+    case DType::f8e4m3: launch_dims<__half, E4m3>(p, grid, stream, pdl, false, ring, false, false); break;
+    case DType::i8: launch_dims<__half, int8_t>(p, grid, stream, pdl, false, ring, false, false); break;
     default: throw Error("cache.k_cache.dtype", "ioattn: the mma decode kernel takes bf16/f16/f8e4m3/i8 caches");
   }
 }
