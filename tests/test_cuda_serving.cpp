@@ -461,46 +461,6 @@ TEST(CudaDecode, FiveStageRingEqualsDefaultBitwise) {
                              });
 }
 
-// IOATTN_DECODE_LOADER=plain (16-bit caches, head_dim 128, the 3-stage ring, contiguous caches): the
-// rows of full tiles are copied without cp.async's zero-fill operand. Same bytes, same arithmetic:
-// bitwise equal to the default, for 8 and 16 rows per CTA, partial last tiles, empty sequences and
-// splits; paged caches keep the default loader and the choice says why.
-TEST(CudaDecode, PlainLoaderEqualsDefaultBitwise) {
-  SKIP_WITHOUT_GPU();
-  int plain_runs = 0, fallbacks = 0;
-  expect_env_variant_bitwise("IOATTN_DECODE_LOADER", "plain", {1500, 0, 63, 64, 65, 1, 129, 700}, 41,
-                             [](const KernelChoice& k) { EXPECT_EQ(k.kernel.find(" plain"), std::string::npos) << k.kernel; },
-                             [&](const KernelChoice& k) {
-                               if (k.kernel.find(" mma plain") != std::string::npos) {
-                                 ++plain_runs;
-                                 EXPECT_NE(k.reason.find("IOATTN_DECODE_LOADER=plain: full tiles"), std::string::npos)
-                                     << k.reason;
-                               } else {
-                                 ++fallbacks;
-                                 EXPECT_NE(k.kernel.find(" page"), std::string::npos) << k.kernel;
-                                 EXPECT_NE(k.reason.find("IOATTN_DECODE_LOADER=plain does not apply"), std::string::npos)
-                                     << k.reason;
-                               }
-                             });
-  EXPECT_GT(plain_runs, 0);
-  EXPECT_GT(fallbacks, 0);
-}
-
-// IOATTN_DECODE_LOADER=swizzle (16-bit caches, head_dim 128, the 3-stage ring): K / V rows stored
-// unpadded with chunk c of row r at c ^ (r % 8). Same bytes read by the same mma: bitwise equal to
-// the default, contiguous and paged (pages 1 / 16 / 64, a bad page entry), splits, 8 and 16 rows per
-// CTA.
-TEST(CudaDecode, SwizzleLayoutEqualsDefaultBitwise) {
-  SKIP_WITHOUT_GPU();
-  expect_env_variant_bitwise("IOATTN_DECODE_LOADER", "swizzle", {1500, 0, 63, 64, 65, 1, 129, 700}, 43,
-                             [](const KernelChoice& k) { EXPECT_EQ(k.kernel.find(" swizzle"), std::string::npos) << k.kernel; },
-                             [](const KernelChoice& k) {
-                               EXPECT_NE(k.kernel.find(" mma swizzle"), std::string::npos) << k.kernel;
-                               EXPECT_NE(k.reason.find("IOATTN_DECODE_LOADER=swizzle: unpadded"), std::string::npos)
-                                   << k.reason;
-                             });
-}
-
 // ---- 8-bit KV --------------------------------------------------------------------------------
 
 // As DecodeQuant.EightBitWithinQuantisationBound (test_serving.cpp): at fp32 level against the

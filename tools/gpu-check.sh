@@ -25,8 +25,8 @@
 #      IOATTN_BWD_SM90_VARIANT in GPU_CHECK_NCU_VARIANTS (default "tmald pp") -> ncu_bwd.log.
 #      The logs are packed into logs.tgz at the end: read them there (or grep them in the command).
 #   ncudec (not in the default stages; ~3 min): Nsight Compute on the mma decode kernel (bf16, b64 x 32k and
-#      b16 x 128k contiguous, and b64 x 32k with IOATTN_DECODE_LOADER=plain and =swizzle), on the readbw kvloop probe's
-#      three forms and on cuDNN's SDPA decode kernel (b64 x 32k, enable_gqa): launch shape, occupancy,
+#      b16 x 128k contiguous, and b64 x 32k paged by 16), on the readbw kvloop probe's
+#      four forms and on cuDNN's SDPA decode kernel (b64 x 32k, enable_gqa): launch shape, occupancy,
 #      stall reasons per issued instruction, pipes, memory, L2 hit rate -> ncu_dec_ours.log,
 #      ncu_dec_probe.log, ncu_dec_cudnn.log, a full report of ours with its per-instruction source page
 #      (ncu_dec_ours_full.ncu-rep, ncu_dec_ours_source.csv) and the deciding lines in the summary.
@@ -386,17 +386,17 @@ if want ncudec && command -v ncu >/dev/null; then
   NCU_DEC=(--clock-control none -c 1 --section SpeedOfLight --section LaunchStats --section Occupancy
     --section WarpStateStats --section SchedulerStats --section MemoryWorkloadAnalysis --section SourceCounters
     --metrics 'regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio,regex:sm__pipe_.*_cycles_active\.avg\.pct_of_peak_sustained_active,smsp__inst_executed.sum,smsp__cycles_active.avg')
-  # The cells, then b64 x 32k with IOATTN_DECODE_LOADER=plain (full tiles without the zero-fill form
-  # of cp.async: does the L2 excess go?) and the readbw kvloop probe in its three forms (plain,
-  # per-warp, zero-fill form; the project's ioattn_cuda_readbw target, as the readbw stage builds it).
-  for cell in "64 32768" "16 131072" "64 32768 plain" "64 32768 swizzle"; do
-    read -r b kv loader <<<"$cell"
-    IOATTN_DECODE_LOADER=${loader:-cp.async} timeout 150 ncu "${NCU_DEC[@]}" -k regex:decode_mma_kernel \
+  # The cells (contiguous, and b64 x 32k paged by 16), then the readbw kvloop probe in its four forms
+  # (plain, per-warp, zero-fill form, the padded shared rows that gave the decode kernel 34% L2 hits
+  # until session 14; the project's ioattn_cuda_readbw target, as the readbw stage builds it).
+  for cell in "64 32768 0" "16 131072 0" "64 32768 16"; do
+    read -r b kv pg <<<"$cell"
+    timeout 150 ncu "${NCU_DEC[@]}" -k regex:decode_mma_kernel \
       "$BUILD/ioattn_cuda_decode_bench" --batch "$b" --kv "$kv" \
-      --pages 0 --caches bf16 --eager 1 --copy 0 --repeats 2 >>"$OUT/ncu_dec_ours.log" 2>&1
+      --pages "$pg" --caches bf16 --eager 1 --copy 0 --repeats 2 >>"$OUT/ncu_dec_ours.log" 2>&1
   done
   if cmake --build "$BUILD" --target ioattn_cuda_readbw -j "$JOBS" >>"$OUT/ncu_dec_probe.log" 2>&1; then
-    for m in 0 1 2 3; do  # kvloop forms: 0 plain, 1 per warp, 2 zero-fill form, 3 padded rows
+    for m in 0 1 2 3; do  # kvloop forms: 0 plain, 1 per warp, 2 zero-fill form, 3 padded shared rows
       timeout 100 ncu --clock-control none --kernel-name-base demangled -k "regex:read_kvloop<$m>" -c 1 \
         --section SpeedOfLight --section MemoryWorkloadAnalysis "$BUILD/ioattn_cuda_readbw" --gib 2 --ctas-per-sm 2 \
         --kvloop-spins 0 >>"$OUT/ncu_dec_probe.log" 2>&1

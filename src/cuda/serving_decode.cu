@@ -480,9 +480,7 @@ std::string forced_kernel() {
   return e ? std::string(e) : std::string();
 }
 
-// IOATTN_DECODE_LOADER=bulk | plain | swizzle | cp.async: the mma kernel's loader (experiments; unset:
-// cp.async; plain: the full tiles of a contiguous cache without cp.async's zero-fill operand;
-// swizzle: cp.async into unpadded XOR-swizzled shared rows).
+// IOATTN_DECODE_LOADER=bulk | cp.async: the mma kernel's loader (bulk: an experiment; unset: cp.async).
 std::string forced_loader() {
   const char* e = std::getenv("IOATTN_DECODE_LOADER");
   return e ? std::string(e) : std::string();
@@ -492,17 +490,6 @@ std::string forced_loader() {
 template <class ArchOf>
 bool use_bulk_loader(const detail::DecodeProblem& p, ArchOf arch_of) {
   return forced_loader() == "bulk" && mma_bulk_supported(p.dtype, p.cache_dtype, p.head_dim, arch_of());
-}
-
-// IOATTN_DECODE_LOADER=plain where its instances exist (mma_plain_loader_applies).
-bool use_plain_loader(const detail::DecodeProblem& p, bool bulk, int ring) {
-  return forced_loader() == "plain" &&
-         mma_plain_loader_applies(p.dtype, p.cache_dtype, p.head_dim, bulk, ring, p.paged());
-}
-
-// IOATTN_DECODE_LOADER=swizzle where its instances exist (mma_swizzle_applies).
-bool use_swizzle_loader(const detail::DecodeProblem& p, bool bulk, int ring) {
-  return forced_loader() == "swizzle" && mma_swizzle_applies(p.dtype, p.cache_dtype, p.head_dim, bulk, ring);
 }
 
 bool masked(const detail::DecodeProblem& p) { return p.causal || p.window_left >= 0 || p.window_right >= 0; }
@@ -550,8 +537,8 @@ CudaSelection cuda_decode_select(const DecodeProblem& p, int arch) {
               ": the mma.sync decode kernel takes bf16/f16 q and cache of the same dtype, "
               "head_dim == head_dim_v in {64, 128, 256}, and seqlen_q 1 or no causal/window mask");
   const std::string loader = forced_loader();
-  if (!loader.empty() && loader != "bulk" && loader != "plain" && loader != "swizzle" && loader != "cp.async")
-    return no("IOATTN_DECODE_LOADER must be bulk, plain, swizzle or cp.async (or unset), got '" + loader + "'");
+  if (!loader.empty() && loader != "bulk" && loader != "cp.async")
+    return no("IOATTN_DECODE_LOADER must be bulk or cp.async (or unset), got '" + loader + "'");
   const char* stages_env = std::getenv("IOATTN_DECODE_STAGES");
   if (stages_env != nullptr && *stages_env != '\0' && std::strcmp(stages_env, "2") != 0 &&
       std::strcmp(stages_env, "3") != 0 && std::strcmp(stages_env, "5") != 0)
@@ -567,20 +554,7 @@ CudaSelection cuda_decode_select(const DecodeProblem& p, int arch) {
                    "cp.async ring";
     const int64_t rbm = row_blocks_of(p.heads_q, p.heads_kv, p.seqlen_q, rows);
     const int stages = mma_ring_of(p, bulk);
-    const bool plain = use_plain_loader(p, bulk, stages);
-    const std::string plain_why =
-        plain ? " (IOATTN_DECODE_LOADER=plain: full tiles copied without the zero-fill operand)"
-        : loader == "plain" ? " (IOATTN_DECODE_LOADER=plain does not apply: needs bf16/f16 q and cache of the same "
-                              "dtype, head_dim 128, the 3-stage ring, a contiguous cache)"
-                            : "";
-    const bool swz = use_swizzle_loader(p, bulk, stages);
-    const std::string swz_why =
-        swz ? " (IOATTN_DECODE_LOADER=swizzle: unpadded shared rows, 16-byte chunk c of row r at c ^ (r % 8))"
-        : loader == "swizzle" ? " (IOATTN_DECODE_LOADER=swizzle does not apply: needs bf16/f16 q and cache of the "
-                                "same dtype, head_dim 128, the 3-stage ring)"
-                              : "";
-    return {"cuda/splitkv sm" + std::to_string(arch) + " mma" + (bulk ? " bulk" : "") + (plain ? " plain" : "") +
-                (swz ? " swizzle" : "") +
+    return {"cuda/splitkv sm" + std::to_string(arch) + " mma" + (bulk ? " bulk" : "") +
                 (!bulk && stages != 3 && p.head_dim == 128 && dtype_size(p.cache_dtype) == 2
                      ? " stages" + std::to_string(stages)
                      : ""),
@@ -589,7 +563,7 @@ CudaSelection cuda_decode_select(const DecodeProblem& p, int arch) {
                 "P_lo), 4 warps x 16 keys of 64-key tiles, " +
                 std::to_string(rows) + " query rows per CTA (" + std::to_string(p.rows_per_group()) +
                 " rows per kv head: " + std::to_string(rbm) + (rbm == 1 ? " block" : " blocks") + "), " +
-                std::to_string(stages) + "-stage " + loader_why + plain_why + swz_why +
+                std::to_string(stages) + "-stage " + loader_why + (bulk ? "" : " into XOR-swizzled unpadded shared rows") +
                 (p.paged() ? ", (page, slot) of each key prefetched into shared memory" : "")};
   }
   const int txl = tx_log2_for(std::max(p.head_dim, p.head_dim_v));
@@ -764,8 +738,7 @@ void cuda_decode(const DecodeProblem& p) {
   if (mma) {
     const bool bulk = use_bulk_loader(p, [&] { return detail::cuda_device_arch(p.device_index); });
     const int ring = mma_ring_of(p, bulk);
-    launch_decode_mma(dp, p.cache_dtype, grid, stream, pdl, bulk, ring, use_plain_loader(p, bulk, ring),
-                      use_swizzle_loader(p, bulk, ring));
+    launch_decode_mma(dp, p.cache_dtype, grid, stream, pdl, bulk, ring);
   } else {
     switch (p.cache_dtype) {
       case DType::bf16: launch_decode<__nv_bfloat16>(dp, grid, stream, pdl); break;

@@ -295,16 +295,8 @@ bool mma_decode_supported(DType dtype, DType cache, int64_t d, int64_t dv, int64
 int mma_rows_per_cta(int64_t rows_per_group, int64_t head_dim);
 // ring: mma_decode_stages' answer for the call (16-bit caches at head_dim 128 have rings of 2, 3 and
 // 5 stages; the other instances one each).
-// plain: full tiles of a contiguous cache copied by the plain cp.async form (IOATTN_DECODE_LOADER=plain)
-// where mma_plain_loader_applies. swz: the XOR-swizzled unpadded shared layout
-// (IOATTN_DECODE_LOADER=swizzle) where mma_swizzle_applies.
 void launch_decode_mma(const DecodeParams& p, DType cache, int64_t grid, cudaStream_t stream, bool pdl, bool bulk,
-                       int ring, bool plain, bool swz);
-// IOATTN_DECODE_LOADER=plain's instances: bf16/f16 q and cache of the same dtype, head_dim 128, the
-// default 3-stage ring, a contiguous cache, not the bulk loader.
-bool mma_plain_loader_applies(DType dtype, DType cache, int64_t d, bool bulk, int ring, bool paged);
-// IOATTN_DECODE_LOADER=swizzle's instances: as plain's, contiguous or paged caches.
-bool mma_swizzle_applies(DType dtype, DType cache, int64_t d, bool bulk, int ring);
+                       int ring);
 // The mma kernel's ring depth (from its MmaTraits): 4 / 3 / 2 stages at head_dim 64 / 128 / 256 for
 // 16-bit caches, 4 / 4 / 3 for 8-bit ones (bulk: its own 3 stages). 16-bit caches at head_dim 128
 // with the cp.async loader take a 2-stage ring (68 KiB: 3 CTAs per SM) when the call is a few

@@ -108,13 +108,19 @@ __device__ __forceinline__ unsigned long long dec_globaltimer() {
 // (experiments, see mma_decode_stages; 16-bit caches at head_dim 128: IOATTN_DECODE_STAGES=2, a
 // 2-stage ring, 68 KiB, so 3 CTAs fit an SM instead of 2; =5, 170 KiB, one CTA per SM with 4 tiles
 // = 128 KiB of K/V in flight instead of 2 x 2).
-// kSwzOpt (IOATTN_DECODE_LOADER=swizzle): unpadded rows (pitch D * 2) with 16-byte chunk c of row r
-// stored at chunk c ^ (r % 8), so the ldmatrix phases still hit 8 bank groups and every row starts
-// on a 128-byte boundary.
-template <int D, int kBytes = 2, int kStagesOpt = 0, bool kSwzOpt = false>
+// Shared rows (kSwz, every cp.async instance): unpadded (pitch = the row's bytes) with 16-byte chunk
+// c of row r stored at chunk c ^ swz(r), swz(r) = (r / kSwzDiv) & kSwzMask, so the 8 rows of an
+// ldmatrix phase hit 8 different bank groups and every row starts on a 32-byte boundary. The bulk
+// loader (kSwz false) copies whole rows, so it keeps rows padded by 16 bytes instead (an odd
+// number of 16-byte units); a copy whose shared row starts 16 bytes off a 32-byte boundary costs
+// the L2 1.5x the sectors (see the file comment).
+template <int D, int kBytes = 2, int kStagesOpt = 0, bool kSwz = true>
 struct MmaTraits {
   static constexpr int kCPR = D * kBytes / 16;         // 16-byte chunks per cache row
-  static constexpr int kPitch = kSwzOpt ? kCPR * 16 : (kCPR + 1) * 16;  // smem row pitch, bytes
+  static constexpr int kPitch = kSwz ? kCPR * 16 : (kCPR + 1) * 16;  // smem row pitch, bytes
+  static constexpr int kSwzMask = (kCPR < 8 ? kCPR : 8) - 1;  // 8 chunks (128 bytes) span the banks
+  static constexpr int kSwzDiv = kCPR < 8 ? 8 / kCPR : 1;     // rows sharing one 128-byte line
+  static_assert(kCPR >= 4, "rows of at least 64 bytes");
   static constexpr int kTileBytes = kBK * kPitch;      // one K (or V) tile
   static constexpr int kStages = kStagesOpt > 0 ? kStagesOpt
                                  : kBytes == 1  ? (D == 256 ? 3 : 4)
@@ -178,20 +184,12 @@ __device__ __forceinline__ uint32_t code2_to_f16x2(uint32_t w) {
 #endif
 
 // One CTA: (sequence, kv head, split, block of 8 * NT query rows); see the file comment.
-// kPlainFull (IOATTN_DECODE_LOADER=plain, an experiment): contiguous caches copy the rows of a full
-// tile with the plain cp.async form (no zero-fill operand), as the readbw kvloop probe does; session
-// 13's Nsight Compute showed this kernel with a 34% L2 hit rate and 1.5x the sector traffic its
-// bytes need, where the probe (same rows, plain form) and cuDNN stay under 1%.
-// kSwz (IOATTN_DECODE_LOADER=swizzle, an experiment; 16-bit caches): the XOR-swizzled unpadded
-// layout of MmaTraits, the other difference from the probe: the padded rows put half of the
-// copies' shared destinations 16 bytes off a 32-byte boundary.
-template <typename T, typename CT, int D, int NT, bool kBulk = false, int kStagesOpt = 0, bool kPlainFull = false,
-          bool kSwz = false>
+template <typename T, typename CT, int D, int NT, bool kBulk = false, int kStagesOpt = 0>
 __global__ void __launch_bounds__(kThreads) decode_mma_kernel(const DecodeParams p) {
   // 8-bit caches: codes become f16 in registers (T = __half); q (bf16 or f16) is loaded as f16.
   constexpr bool k8 = std::is_same_v<CT, E4m3> || std::is_same_v<CT, int8_t>;
   static_assert(!k8 || std::is_same_v<T, __half>, "8-bit caches run the f16 mma");
-  static_assert(!kSwz || (!k8 && !kBulk), "the swizzled layout is built for the cp.async loader of 16-bit caches");
+  constexpr bool kSwz = !kBulk;  // the swizzled unpadded rows (MmaTraits)
   using Tr = MmaTraits<D, k8 ? 1 : 2, kStagesOpt, kSwz>;
   static_assert(Tr::kStages >= 2, "the loop waits for a tile while the next one is in flight");
   constexpr int STAGES = Tr::kStages, kKD = D / 16, ROWS = 8 * NT;
@@ -233,8 +231,16 @@ __global__ void __launch_bounds__(kThreads) decode_mma_kernel(const DecodeParams
   // does no global load and no division.
   const int64_t nkeys = khi - klo;
   const int ntiles = static_cast<int>((nkeys + kBK - 1) / kBK);
-  const int c_ld = tid % Tr::kCPR, j_ld0 = tid / Tr::kCPR, j_step = kThreads / Tr::kCPR;
-  static_assert(!kSwz || (kThreads / Tr::kCPR) % 8 == 0, "swizzle: a thread's rows share r % 8");
+  constexpr int j_step_c = kThreads / Tr::kCPR;
+  const int c_ld = tid % Tr::kCPR, j_ld0 = tid / Tr::kCPR, j_step = j_step_c;
+  // swz of this thread's rows j_ld0 + it * j_step: swz(j_ld0) ^ swz_it(it), where swz_it is 0 or the
+  // mask's top bit (j_step / kSwzDiv is a multiple of 8, or 4 with 8 chunks per row: adding 4 to
+  // r / kSwzDiv flips bit 2 of its last 3 bits), so the chunk's XOR is a constant per iteration.
+  static_assert(j_step_c % Tr::kSwzDiv == 0 && ((j_step_c / Tr::kSwzDiv) % (Tr::kSwzMask + 1) == 0 ||
+                                                 (j_step_c / Tr::kSwzDiv) % (Tr::kSwzMask + 1) == (Tr::kSwzMask + 1) / 2),
+                "the loader's rows advance the swizzle by 0 or its top bit");
+  auto swz_it = [](int it) { return (it * (j_step_c / Tr::kSwzDiv)) & Tr::kSwzMask; };
+  const int c_sw = kSwz ? c_ld ^ ((j_ld0 / Tr::kSwzDiv) & Tr::kSwzMask) : c_ld;
   const bool paged = p.block_table != nullptr;
   int pg_bad = 0;
   const uint8_t* kbase = p.k + w.hk * p.k_sh + c_ld * 16 + (paged ? 0 : w.b * p.k_sp);
@@ -244,7 +250,8 @@ __global__ void __launch_bounds__(kThreads) decode_mma_kernel(const DecodeParams
   // layout; the head strides may differ); an int32 entry e is valid iff (uint32) e < pages_u32.
   const bool kv_same = p.k_sp == p.v_sp && p.k_ss == p.v_ss;
   const uint32_t pages_u32 = static_cast<uint32_t>(min(p.num_pages, int64_t{1} << 31));
-  const uint32_t ring = ptx::smem_u32(smem) + j_ld0 * Tr::kPitch + (kSwz ? c_ld ^ (j_ld0 & 7) : c_ld) * 16;
+  const uint32_t ring = ptx::smem_u32(smem) + j_ld0 * Tr::kPitch;  // + the chunk: chunk_at(it)
+  auto chunk_at = [&](int it) { return static_cast<uint32_t>((kSwz ? c_sw ^ swz_it(it) : c_ld) * 16); };
   const int khi32 = static_cast<int>(khi);  // keys < 2^31 (checked on the host)
   auto issue_pages = [&](int tile) {
     if (paged && tid < kBK && tile < ntiles) {
@@ -295,23 +302,10 @@ __global__ void __launch_bounds__(kThreads) decode_mma_kernel(const DecodeParams
     if (!paged) {
       const uint8_t* kr = kbase + static_cast<int64_t>(t0) * p.k_ss;
       const uint8_t* vr = vbase + static_cast<int64_t>(t0) * p.v_ss;
-      if constexpr (kPlainFull) {
-        if (static_cast<int>(klo) + (tile + 1) * kBK <= khi32) {  // a full tile (uniform over the CTA)
-#pragma unroll
-          for (int it = 0; it < Tr::kLoadIters; ++it) {
-            const uint32_t dst = dst0 + it * j_step * Tr::kPitch;
-            ptx::cp_async_16_full(dst, kr);
-            ptx::cp_async_16_full(dst + Tr::kTileBytes, vr);
-            kr += k_it;
-            vr += v_it;
-          }
-          return;
-        }
-      }
 #pragma unroll
       for (int it = 0; it < Tr::kLoadIters; ++it) {
         const bool ok = t0 + it * j_step < khi32;
-        const uint32_t dst = dst0 + it * j_step * Tr::kPitch;
+        const uint32_t dst = dst0 + it * j_step * Tr::kPitch + chunk_at(it);
         ptx::cp_async_16_zfill(dst, kr, ok);
         ptx::cp_async_16_zfill(dst + Tr::kTileBytes, vr, ok);
         kr += k_it;
@@ -335,7 +329,7 @@ __global__ void __launch_bounds__(kThreads) decode_mma_kernel(const DecodeParams
           const bool ok = in && static_cast<uint32_t>(ps.x) < pages_u32;
           pg_bad |= (in && !ok) ? 1 : 0;
           const uint64_t page = static_cast<uint32_t>(ok ? ps.x : 0), slot = static_cast<uint32_t>(ps.y);
-          const uint32_t dst = dst0 + it * j_step * Tr::kPitch;
+          const uint32_t dst = dst0 + it * j_step * Tr::kPitch + chunk_at(it);
           const uint64_t koff = page * p.k_sp + slot * p.k_ss;
           ptx::cp_async_16_zfill(dst, kbase + koff, ok);
           ptx::cp_async_16_zfill(dst + Tr::kTileBytes, vbase + (kSame ? koff : page * p.v_sp + slot * p.v_ss), ok);
@@ -358,14 +352,16 @@ __global__ void __launch_bounds__(kThreads) decode_mma_kernel(const DecodeParams
   // 8-bit: K and V both by plain ldmatrix (16 keys x two 16-byte chunks per x4, as K).
   const int k_lane = (warp * 16 + (lane & 15)) * Tr::kPitch + (lane >> 4) * 16;
   const int v_lane = k8 ? k_lane : (warp * 16 + (lane & 7) + ((lane >> 4) << 3)) * Tr::kPitch + ((lane >> 3) & 1) * 16;
-  // kSwz: chunk pair m (chunks 2m, 2m + 1) of the lane's row r at byte 128 (m / 4) + sw[m % 4], where
-  // sw[b] = r * pitch + 16 ((2b + half) ^ (r % 8)): the m / 4 part is an immediate offset.
+  // kSwz: the lane's chunk pair m (chunks 2m + half, half = the lane's 0 / 1 above) of its row r sits
+  // at byte 128 (m / 4) + sw[m % 4], sw[b] = r * pitch + 16 ((2b + half) ^ swz(r)) (swz(r) < 8 touches
+  // the low 3 bits of the chunk only): the m / 4 part is an immediate offset. 8-bit: V as K.
   int k_sw[4], v_sw[4];
 #pragma unroll
   for (int b = 0; b < 4; ++b) {
-    const int kr = warp * 16 + (lane & 15), vr = warp * 16 + (lane & 7) + ((lane >> 4) << 3);
-    k_sw[b] = kr * Tr::kPitch + 16 * ((2 * b + (lane >> 4)) ^ (kr & 7));
-    v_sw[b] = vr * Tr::kPitch + 16 * ((2 * b + ((lane >> 3) & 1)) ^ (vr & 7));
+    const int kr = warp * 16 + (lane & 15), vr = k8 ? kr : warp * 16 + (lane & 7) + ((lane >> 4) << 3);
+    const int vh = k8 ? lane >> 4 : (lane >> 3) & 1;
+    k_sw[b] = kr * Tr::kPitch + 16 * ((2 * b + (lane >> 4)) ^ ((kr / Tr::kSwzDiv) & Tr::kSwzMask));
+    v_sw[b] = vr * Tr::kPitch + 16 * ((2 * b + vh) ^ ((vr / Tr::kSwzDiv) & Tr::kSwzMask));
   }
   auto k_at = [&](uint32_t kv, int m) { return kSwz ? kv + k_sw[m & 3] + (m >> 2) * 128 : kv + k_lane + m * 32; };
   auto v_at = [&](uint32_t kv, int m) {
@@ -504,7 +500,6 @@ __global__ void __launch_bounds__(kThreads) decode_mma_kernel(const DecodeParams
     if (tile == 0) DEC_TRACE(3);
     if (tile == 1) DEC_TRACE(5);
     const uint32_t kv = ptx::smem_u32(smem + (tile % STAGES) * 2 * Tr::kTileBytes);
-    const uint32_t k_addr = kv + k_lane, v_addr = kv + Tr::kTileBytes + v_lane;
     const int key0 = static_cast<int>(klo) + tile * kBK + warp * 16 + g;  // keys of c0/c1; +8: c2/c3
 
     // S^T = K Q^T for the warp's 16 keys, in two accumulation chains (even / odd k-steps) so
@@ -521,7 +516,7 @@ __global__ void __launch_bounds__(kThreads) decode_mma_kernel(const DecodeParams
         // One x4: chunks kk, kk + 1 (16 dims each) of keys 0-7 / 8-15: the lane holds 4 codes
         // (dims 4t..4t+3) per (key, chunk); lo / hi halves become a0 / a2 (a1 / a3 for key g+8).
         uint32_t c[4];
-        ptx::ldmatrix_x4(c, k_addr + kk * 16);
+        ptx::ldmatrix_x4(c, k_at(kv, kk / 2));
         a[0] = code2_to_f16x2<CT>(c[0]), a[2] = code2_to_f16x2<CT>(c[0] >> 16);
         a[1] = code2_to_f16x2<CT>(c[1]), a[3] = code2_to_f16x2<CT>(c[1] >> 16);
         b[0] = code2_to_f16x2<CT>(c[2]), b[2] = code2_to_f16x2<CT>(c[2] >> 16);
@@ -609,7 +604,7 @@ __global__ void __launch_bounds__(kThreads) decode_mma_kernel(const DecodeParams
 #pragma unroll
       for (int mt = 0; mt < kKD; mt += 2) {
         uint32_t c[4];
-        ptx::ldmatrix_x4(c, v_addr + mt * 16);
+        ptx::ldmatrix_x4(c, v_at(kv, mt / 2));
 #pragma unroll
         for (int u = 0; u < 2; ++u) {
           uint32_t a[4];
@@ -736,14 +731,12 @@ void print_decode_trace(int64_t grid, const char* name) {
 }
 #endif
 
-template <typename T, typename CT, int D, int NT, bool kBulk = false, int kStagesOpt = 0, bool kPlainFull = false,
-          bool kSwz = false>
+template <typename T, typename CT, int D, int NT, bool kBulk = false, int kStagesOpt = 0>
 void launch(const DecodeParams& p, int64_t grid, cudaStream_t stream, bool pdl) {
-  constexpr int smem = MmaTraits<D, std::is_same_v<CT, T> ? 2 : 1, kStagesOpt, kSwz>::kSmem;
+  constexpr int smem = MmaTraits<D, std::is_same_v<CT, T> ? 2 : 1, kStagesOpt, !kBulk>::kSmem;
   static_assert(smem >= 4 * 8 * NT * D * 4, "the warp merge reuses [4][ROWS][D] fp32 of the ring");
   static std::atomic<uint64_t> smem_set{0};
-  launch_decode_grid(&decode_mma_kernel<T, CT, D, NT, kBulk, kStagesOpt, kPlainFull, kSwz>, smem_set, p, grid, smem,
-                     stream, pdl);
+  launch_decode_grid(&decode_mma_kernel<T, CT, D, NT, kBulk, kStagesOpt>, smem_set, p, grid, smem, stream, pdl);
 #if IOATTN_DECODE_TRACE
   // Eager launches only (a graph capture calls this once per captured call): zero the stamps
   // before the 40th, print after it.
@@ -782,16 +775,6 @@ bool mma_bulk_supported(DType dtype, DType cache, int64_t d, int arch) {
   return a.ptxVersion >= 90;
 }
 
-bool mma_plain_loader_applies(DType dtype, DType cache, int64_t d, bool bulk, int ring, bool paged) {
-  return !bulk && !paged && cache == dtype && (dtype == DType::bf16 || dtype == DType::f16) && d == 128 &&
-         ring == MmaTraits<128, 2>::kStages;
-}
-
-bool mma_swizzle_applies(DType dtype, DType cache, int64_t d, bool bulk, int ring) {
-  return !bulk && cache == dtype && (dtype == DType::bf16 || dtype == DType::f16) && d == 128 &&
-         ring == MmaTraits<128, 2>::kStages;
-}
-
 int mma_rows_per_cta(int64_t rows_per_group, int64_t head_dim) {
   return rows_per_group > 8 && head_dim <= 128 ? 16 : 8;
 }
@@ -815,19 +798,9 @@ int mma_decode_stages(DType cache, int64_t head_dim, bool bulk, int64_t work, in
 namespace {
 // One (q / mma type, cache type): the head dim and n-tile switch.
 template <typename T, typename CT>
-void launch_dims(const DecodeParams& p, int64_t grid, cudaStream_t stream, bool pdl, bool bulk, int ring,
-                 bool plain, bool swz) {
+void launch_dims(const DecodeParams& p, int64_t grid, cudaStream_t stream, bool pdl, bool bulk, int ring) {
   const bool two = mma_rows_per_cta(p.rows, p.d) == 16;
   if constexpr (std::is_same_v<T, CT>) {
-    if (swz) {  // the caller checked mma_swizzle_applies: head_dim 128, the 3-stage ring, not bulk
-      two ? launch<T, CT, 128, 2, false, 0, false, true>(p, grid, stream, pdl)
-          : launch<T, CT, 128, 1, false, 0, false, true>(p, grid, stream, pdl);
-      return;
-    }
-    if (plain) {  // the caller checked mma_plain_loader_applies: head_dim 128, the 3-stage ring, not bulk
-      two ? launch<T, CT, 128, 2, false, 0, true>(p, grid, stream, pdl) : launch<T, CT, 128, 1, false, 0, true>(p, grid, stream, pdl);
-      return;
-    }
     if (bulk) {  // the caller checked mma_bulk_supported: head_dim 128, sm_90
       two ? launch<T, CT, 128, 2, true>(p, grid, stream, pdl) : launch<T, CT, 128, 1, true>(p, grid, stream, pdl);
       return;
@@ -853,12 +826,12 @@ void launch_dims(const DecodeParams& p, int64_t grid, cudaStream_t stream, bool 
 }  // namespace
 
 void launch_decode_mma(const DecodeParams& p, DType cache, int64_t grid, cudaStream_t stream, bool pdl, bool bulk,
-                       int ring, bool plain, bool swz) {
+                       int ring) {
   switch (cache) {
-    case DType::bf16: launch_dims<__nv_bfloat16, __nv_bfloat16>(p, grid, stream, pdl, bulk, ring, plain, swz); break;
-    case DType::f16: launch_dims<__half, __half>(p, grid, stream, pdl, bulk, ring, plain, swz); break;
-    case DType::f8e4m3: launch_dims<__half, E4m3>(p, grid, stream, pdl, false, ring, false, false); break;
-    case DType::i8: launch_dims<__half, int8_t>(p, grid, stream, pdl, false, ring, false, false); break;
+    case DType::bf16: launch_dims<__nv_bfloat16, __nv_bfloat16>(p, grid, stream, pdl, bulk, ring); break;
+    case DType::f16: launch_dims<__half, __half>(p, grid, stream, pdl, bulk, ring); break;
+    case DType::f8e4m3: launch_dims<__half, E4m3>(p, grid, stream, pdl, false, ring); break;
+    case DType::i8: launch_dims<__half, int8_t>(p, grid, stream, pdl, false, ring); break;
     default: throw Error("cache.k_cache.dtype", "ioattn: the mma decode kernel takes bf16/f16/f8e4m3/i8 caches");
   }
 }
