@@ -397,7 +397,7 @@ if want ncudec && command -v ncu >/dev/null; then
   done
   if cmake --build "$BUILD" --target ioattn_cuda_readbw -j "$JOBS" >>"$OUT/ncu_dec_probe.log" 2>&1; then
     for m in 0 1 2 3; do  # kvloop forms: 0 plain, 1 per warp, 2 zero-fill form, 3 padded shared rows
-      timeout 100 ncu --clock-control none --kernel-name-base demangled -k "regex:read_kvloop<$m>" -c 1 \
+      timeout 100 ncu --clock-control none --kernel-name-base demangled -k "regex:read_kvloop<\\(int\\)$m>" -c 1 \
         --section SpeedOfLight --section MemoryWorkloadAnalysis "$BUILD/ioattn_cuda_readbw" --gib 2 --ctas-per-sm 2 \
         --kvloop-spins 0 >>"$OUT/ncu_dec_probe.log" 2>&1
     done

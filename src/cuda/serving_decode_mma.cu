@@ -44,9 +44,13 @@
 // V. With one visible range per CTA, every key inside [klo, khi) is visible to every real row and
 // keys outside are zero-filled, so the CPU semantics hold exactly. Other shapes use the FMA kernel.
 //
-// Shared memory: K and V tiles of 64 rows with a pitch of D * 2 + 16 bytes (an odd number of
-// 16-byte units, so every 8-row ldmatrix phase hits 8 bank groups); 4 / 3 / 2 stages for D = 64 /
-// 128 / 256 (72 / 102 / 132 KiB). The warps' accumulators are merged through the same memory.
+// Shared memory: K and V tiles of 64 unpadded rows, 16-byte chunk c of row r stored at chunk
+// c ^ swz(r) (MmaTraits), so every 8-row ldmatrix phase hits 8 bank groups; 4 / 3 / 2 stages for
+// D = 64 / 128 / 256 (64 / 96 / 128 KiB at 16 bits). The warps' accumulators are merged through the
+// same memory. Until session 14 the rows were padded to D * 2 + 16 bytes instead: a cp.async whose
+// shared row starts 16 bytes off a 32-byte boundary (every odd row) made the L2 serve 1.5x the
+// sectors of the bytes read (ncu: 34% L2 hits, 96% of L2 throughput at 88% DRAM), and the
+// swizzled rows took b16 x 32k from 4.17 to 4.54 TB/s (docs/PERF.md, session 14).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
