@@ -117,8 +117,7 @@ __global__ void __launch_bounds__(kThreads) decode_kernel(const DecodeParams p) 
   const int sq = p.seqlen_q;
 
   // ---- rows: visible range within the split, pre-scaled Q --------------------------------
-  const float k_scale = p.k_scale ? p.k_scale[hk] : 1.0f;
-  const float q_mul = p.scale * k_scale * kLog2e;
+  const float q_mul = p.scale * w.k_scale * kLog2e;
   float qr[kRows][kElems];
   int lo[kRows], hi[kRows];
   float slope[kRows], diag[kRows];

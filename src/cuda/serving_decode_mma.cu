@@ -487,7 +487,7 @@ __global__ void __launch_bounds__(kThreads) decode_mma_kernel(const DecodeParams
   // Score scale per (n-tile, row 2t + e): scale, log2(e), k_scale (8-bit caches), 2^s (bf16 q).
   float smul[NT][2];
   {
-    const float base = p.scale * kLog2e * (k8 && p.k_scale ? p.k_scale[w.hk] : 1.0f);
+    const float base = p.scale * kLog2e * (k8 ? w.k_scale : 1.0f);
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt) smul[nt][0] = base * rscale[nt][0], smul[nt][1] = base * rscale[nt][1];
   }
