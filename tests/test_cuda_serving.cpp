@@ -461,6 +461,21 @@ TEST(CudaDecode, FiveStageRingEqualsDefaultBitwise) {
                              });
 }
 
+// IOATTN_DECODE_PAGEPAIR=1 (the mma kernel's paged loader, an experiment): a pair of a thread's rows
+// in one page shares the page entry. Same bytes, same arithmetic: bitwise equal to the default on
+// pages 1 / 16 / 64 (1: never paired) with partial tiles, splits and a bad page entry; contiguous
+// caches are untouched.
+TEST(CudaDecode, PagePairEqualsDefaultBitwise) {
+  SKIP_WITHOUT_GPU();
+  expect_env_variant_bitwise("IOATTN_DECODE_PAGEPAIR", "1", {1500, 0, 63, 64, 65, 1, 129, 700}, 47,
+                             [](const KernelChoice& k) { EXPECT_EQ(k.kernel.find("pagepair"), std::string::npos) << k.kernel; },
+                             [](const KernelChoice& k) {
+                               const bool paged = k.kernel.find(" contiguous") == std::string::npos;
+                               EXPECT_EQ(k.kernel.find(" mma pagepair") != std::string::npos, paged) << k.kernel;
+                             });
+  expect_env_rejected("IOATTN_DECODE_PAGEPAIR", "2");
+}
+
 // ---- 8-bit KV --------------------------------------------------------------------------------
 
 // As DecodeQuant.EightBitWithinQuantisationBound (test_serving.cpp): at fp32 level against the
