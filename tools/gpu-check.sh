@@ -42,7 +42,8 @@
 #      GPU_CHECK_WARM_S s of its own calls, GPU_CHECK_ROUNDS rounds, GPU_CHECK_INTERLEAVE_DISTS, per
 #      mode in GPU_CHECK_INTERLEAVE_MODES (fwd, fwdbwd = forward+backward; default fwd) ->
 #      interleave_*.csv, tables and SM clock / power per implementation in the summary.
-#   sm90qregs (not in the default stages; ~2 min): forward A/Bs: the test cases per switch, then
+#   sm90qregs (not in the default stages; ~2 min): forward A/Bs: the test cases per switch (GPU_CHECK_QREGS_TESTS,
+#      default "IOATTN_SM90_QREGS=0 IOATTN_SM90_MAX_CTAS=3"), then
 #      ioattn_cuda_bench grid per mode (off = no Q in registers, on = defaults, NAME:ENV=V,... any
 #      switches) -> sm90qregs.json and a table in the summary.
 #   sm90local (not in the default stages; ~2 min): the forward's kLocal rows (windows, sinks,
@@ -470,7 +471,7 @@ fi
 if want sm90qregs; then
   t0=$(stamp)
   rc=0
-  for envs in IOATTN_SM90_QREGS=0 IOATTN_SM90_MAX_CTAS=3; do
+  for envs in ${GPU_CHECK_QREGS_TESTS:-IOATTN_SM90_QREGS=0 IOATTN_SM90_MAX_CTAS=3}; do
     echo "## $envs" >>"$OUT/sm90qregs_test.log"
     env $envs timeout 300 "$BUILD/test_cuda_kernels" --gtest_filter='*tiles_*:*1023x1024*:*seq17*:*bhsd*:*hdim*:*causal*' \
       >>"$OUT/sm90qregs_test.log" 2>&1 || rc=1

@@ -74,6 +74,7 @@ IOATTN_SM90_V3_EXTERN(Hdim128Bf16, false)
 IOATTN_SM90_V3_EXTERN(Hdim128F16, false)
 IOATTN_SM90_V3_EXTERN(Hdim128Bf16Causal, true)
 IOATTN_SM90_V3_EXTERN(Hdim128F16Causal, true)
+IOATTN_SM90_V3_EXTERN(Hdim128Bf16Causal, false)  // IOATTN_SM90_V3_BLOCKN=128: 128x128 tiles without a mask
 using Fp8Hdim128Bf16 = Fp8Traits128<__nv_bfloat16>;
 using Fp8Hdim128F16 = Fp8Traits128<__half>;
 IOATTN_SM90_FP8_EXTERN(Fp8Hdim128Bf16, false)
@@ -158,6 +159,10 @@ using detail::Strides3;
 
 bool env_flag(const char* name);  // "1" (below)
 int env_bool(const char* name);   // -1 unset, else 0 / 1 (below)
+bool v3_blockn_128() {
+  const char* e = std::getenv("IOATTN_SM90_V3_BLOCKN");
+  return e != nullptr && std::string(e) == "128";
+}
 
 // One dispatch-table row: what the tile is, why, and how to check / launch it.
 struct Row {
@@ -211,9 +216,18 @@ Row row_for_dtype(int64_t hdim, bool causal, bool wg3, bool v3) {
                       : make_row<Sm90Traits3<T, false>, false>(Sm90Tile3<false>::kWhy);
       return causal ? make_row<64, T, true>() : make_row<64, T, false>();
     case 128:
-      if (v3)
+      if (v3) {
+        // IOATTN_SM90_V3_BLOCKN=128 (bf16, an experiment): the non-causal v3 body on 128x128 tiles.
+        // 128x176 pays a partial last key block: ceil(sk / 176) * 176 / sk = 1.031 at 2k and 4k (1.010
+        // at 8k and 16k), the rows where it trails cuDNN (0.97-0.99x, sessions 11-13).
+        if constexpr (std::is_same_v<T, __nv_bfloat16>)
+          if (!causal && v3_blockn_128())
+            return make_row_v3<Sm90Traits<128, T, true>, false>(
+                "hdim128 (IOATTN_SM90_V3_BLOCKN=128): 128x128, no partial last key block at lengths that are "
+                "multiples of 128 (128x176 computes 3.1% more keys than 2k and 4k hold)");
         return causal ? make_row_v3<Sm90Traits<128, T, true>, true>(Sm90Tile<128, true>::kWhy)
                       : make_row_v3<Sm90Traits<128, T, false>, false>(Sm90Tile<128, false>::kWhy);
+      }
       // Q K^T's Q in registers: the causal rows' default (session 10: +4% on average over the same
       // tile without, three interleaved A/Bs, docs/PERF.md); IOATTN_SM90_QREGS=0 turns it off. (Without
       // a mask, 128x128 / 128x144 with it measured 0.94-1.02x the v3 body's 128x176: not kept.)
