@@ -476,6 +476,45 @@ TEST(CudaDecode, PagePairEqualsDefaultBitwise) {
   expect_env_rejected("IOATTN_DECODE_PAGEPAIR", "2");
 }
 
+// IOATTN_DECODE_UPFRONT=1 (the mma kernel's 2-stage ring, an experiment): a contiguous CTA whose
+// tiles all fit the ring asks for every tile at once. Same bytes, same arithmetic: bitwise equal to
+// the default for one short sequence (the 2-stage ring's case) at split counts that leave 1, 2 and
+// more tiles per CTA, 8 and 16 rows per CTA, bf16 and f16.
+TEST(CudaDecode, UpfrontEqualsDefaultBitwise) {
+  SKIP_WITHOUT_GPU();
+  for (DType t : {DType::bf16, DType::f16})
+    for (int64_t hq : {32, 64})
+      for (int32_t len : {3000, 700, 100, 1}) {
+        Spec c = on_cuda(mk("upfront", t));
+        c.hq = hq;
+        c.hkv = hq == 32 ? 8 : 4;
+        c.d = 128;
+        c.lens = {len};
+        const Values vals = make_values(c, 53);
+        for (int splits : {1, 16, 32, 48}) {
+          Built base(c, vals), var(c, vals);
+          KernelChoice kb, kv;
+          {
+            ScopedEnv e("IOATTN_DECODE_UPFRONT", nullptr);
+            kb = base.run(splits);
+          }
+          {
+            ScopedEnv e("IOATTN_DECODE_UPFRONT", "1");
+            kv = var.run(splits);
+          }
+          const std::string what = std::string("upfront ") + dtype_name(t) + " hq " + std::to_string(hq) + " len " +
+                                   std::to_string(len) + " splits " + std::to_string(splits);
+          EXPECT_NE(kb.kernel.find(" stages2"), std::string::npos) << what << ": " << kb.kernel;
+          EXPECT_EQ(kb.kernel.find(" upfront"), std::string::npos) << what << ": " << kb.kernel;
+          EXPECT_NE(kv.kernel.find(" mma upfront"), std::string::npos) << what << ": " << kv.kernel;
+          EXPECT_TRUE(bitwise_equal(var.outputs(), base.outputs()))
+              << what << ": max diff " << max_diff(var.outputs(), base.outputs());
+          expect_matches_reference(var, what);
+        }
+      }
+  expect_env_rejected("IOATTN_DECODE_UPFRONT", "2");
+}
+
 // ---- 8-bit KV --------------------------------------------------------------------------------
 
 // As DecodeQuant.EightBitWithinQuantisationBound (test_serving.cpp): at fp32 level against the

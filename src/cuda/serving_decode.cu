@@ -492,6 +492,14 @@ bool page_pair_switch() {
   return e != nullptr && std::strcmp(e, "1") == 0;
 }
 
+// IOATTN_DECODE_UPFRONT=1: the mma kernel's 2-stage ring (a few short sequences) asks for every
+// tile of a contiguous CTA at once when they all fit the ring (serving_decode_mma.cu, all_up; an
+// experiment; bitwise equal).
+bool upfront_switch() {
+  const char* e = std::getenv("IOATTN_DECODE_UPFRONT");
+  return e != nullptr && std::strcmp(e, "1") == 0;
+}
+
 // The device's arch is asked for only when the bulk loader was requested (arch_of: device -> arch).
 template <class ArchOf>
 bool use_bulk_loader(const detail::DecodeProblem& p, ArchOf arch_of) {
@@ -548,6 +556,9 @@ CudaSelection cuda_decode_select(const DecodeProblem& p, int arch) {
   const char* pair_env = std::getenv("IOATTN_DECODE_PAGEPAIR");
   if (pair_env != nullptr && *pair_env != '\0' && std::strcmp(pair_env, "0") != 0 && std::strcmp(pair_env, "1") != 0)
     return no(std::string("IOATTN_DECODE_PAGEPAIR must be 0 or 1 (or unset), got '") + pair_env + "'");
+  const char* up_env = std::getenv("IOATTN_DECODE_UPFRONT");
+  if (up_env != nullptr && *up_env != '\0' && std::strcmp(up_env, "0") != 0 && std::strcmp(up_env, "1") != 0)
+    return no(std::string("IOATTN_DECODE_UPFRONT must be 0 or 1 (or unset), got '") + up_env + "'");
   const char* stages_env = std::getenv("IOATTN_DECODE_STAGES");
   if (stages_env != nullptr && *stages_env != '\0' && std::strcmp(stages_env, "2") != 0 &&
       std::strcmp(stages_env, "3") != 0 && std::strcmp(stages_env, "5") != 0)
@@ -567,7 +578,10 @@ CudaSelection cuda_decode_select(const DecodeProblem& p, int arch) {
     // the 3-stage ring, the cp.async loader, a paged cache.
     const bool pair = page_pair_switch() && p.paged() && !bulk && stages == 3 && p.head_dim == 128 &&
                       p.cache_dtype == p.dtype && dtype_size(p.cache_dtype) == 2;
-    return {"cuda/splitkv sm" + std::to_string(arch) + " mma" + (bulk ? " bulk" : "") + (pair ? " pagepair" : "") +
+    // IOATTN_DECODE_UPFRONT=1's instances: the same, with the 2-stage ring and a contiguous cache.
+    const bool upfront = upfront_switch() && !p.paged() && !bulk && stages == 2 && p.head_dim == 128 &&
+                         p.cache_dtype == p.dtype && dtype_size(p.cache_dtype) == 2;
+    return {"cuda/splitkv sm" + std::to_string(arch) + " mma" + (bulk ? " bulk" : "") + (pair ? " pagepair" : "") + (upfront ? " upfront" : "") +
                 (!bulk && stages != 3 && p.head_dim == 128 && dtype_size(p.cache_dtype) == 2
                      ? " stages" + std::to_string(stages)
                      : ""),
@@ -579,7 +593,9 @@ CudaSelection cuda_decode_select(const DecodeProblem& p, int arch) {
                 std::to_string(stages) + "-stage " + loader_why + (bulk ? "" : " into XOR-swizzled unpadded shared rows") +
                 (p.paged() ? ", (page, slot) of each key prefetched into shared memory" : "") +
                 (pair ? " (IOATTN_DECODE_PAGEPAIR=1: one entry per pair of a thread's rows where the pages allow)"
-                      : "")};
+                      : "") +
+                (upfront ? " (IOATTN_DECODE_UPFRONT=1: every tile asked for at once when a CTA's tiles fit the ring)"
+                         : "")};
   }
   const int txl = tx_log2_for(std::max(p.head_dim, p.head_dim_v));
   const int TX = 1 << txl;
@@ -712,6 +728,7 @@ void cuda_decode(const DecodeProblem& p) {
   dp.page_size = p.paged() ? static_cast<int>(p.page_size) : 0;
   dp.page_shift = -1;
   dp.page_pair = page_pair_switch() ? 1 : 0;
+  dp.upfront = upfront_switch() ? 1 : 0;
   for (int sh = 0; sh < 31 && p.paged(); ++sh)
     if ((int64_t{1} << sh) == p.page_size) dp.page_shift = sh;
   dp.num_pages = p.num_pages;

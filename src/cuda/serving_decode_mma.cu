@@ -188,8 +188,10 @@ __device__ __forceinline__ uint32_t code2_to_f16x2(uint32_t w) {
 #endif
 
 // One CTA: (sequence, kv head, split, block of 8 * NT query rows); see the file comment.
-// kPagePair (IOATTN_DECODE_PAGEPAIR=1, an experiment): pair_rows below.
-template <typename T, typename CT, int D, int NT, bool kBulk = false, int kStagesOpt = 0, bool kPagePair = false>
+// kPagePair (IOATTN_DECODE_PAGEPAIR=1, an experiment): pair_rows below. kUpfront
+// (IOATTN_DECODE_UPFRONT=1, an experiment): all_up below.
+template <typename T, typename CT, int D, int NT, bool kBulk = false, int kStagesOpt = 0, bool kPagePair = false,
+          bool kUpfront = false>
 __global__ void __launch_bounds__(kThreads) decode_mma_kernel(const DecodeParams p) {
   // 8-bit caches: codes become f16 in registers (T = __half); q (bf16 or f16) is loaded as f16.
   constexpr bool k8 = std::is_same_v<CT, E4m3> || std::is_same_v<CT, int8_t>;
@@ -436,6 +438,12 @@ __global__ void __launch_bounds__(kThreads) decode_mma_kernel(const DecodeParams
     if (paged && s > 0) __syncthreads();
     issue(s);
   }
+  // kUpfront: a contiguous CTA whose tiles all fit the ring (b1 x 4k: 2 tiles of 128 keys in the
+  // 2-stage ring) asks for every tile now instead of tile t + STAGES - 1 after tile t landed (trace:
+  // ~1,260 cycles waiting for tile 1 after tile 0's arithmetic). Every iteration then waits with one
+  // more group allowed in flight (the prologue committed STAGES groups, each iteration one empty one).
+  const bool all_up = kUpfront && !kBulk && !paged && ntiles <= STAGES;
+  if (all_up) issue(STAGES - 1);
   DEC_TRACE(2);
 
   // The query rows and the per-row constants only now, with the first tiles' loads in flight: the
@@ -534,9 +542,15 @@ __global__ void __launch_bounds__(kThreads) decode_mma_kernel(const DecodeParams
   const float cap = p.softcap * kLog2e, inv_cap = p.softcap > 0.0f ? 1.0f / cap : 0.0f;
 
   for (int tile = 0; tile < ntiles; ++tile) {
-    ptx::cp_async_wait<STAGES - 2>();
+    if (kUpfront && all_up)
+      ptx::cp_async_wait<STAGES - 1>();
+    else
+      ptx::cp_async_wait<STAGES - 2>();
     __syncthreads();
-    issue(tile + STAGES - 1);
+    if (kUpfront && all_up)
+      ptx::cp_async_commit();  // (every tile is in flight already: an empty group keeps the count)
+    else
+      issue(tile + STAGES - 1);
 #if IOATTN_DECODE_BULK_ENABLED
     // Experimental path: a wrong byte count traps (a launch error) instead of hanging the GPU.
     if constexpr (kBulk) sm90::mbarrier_wait_or_trap(&full_bar[tile % STAGES], static_cast<uint32_t>((tile / STAGES) & 1));
@@ -775,13 +789,14 @@ void print_decode_trace(int64_t grid, const char* name) {
 }
 #endif
 
-template <typename T, typename CT, int D, int NT, bool kBulk = false, int kStagesOpt = 0, bool kPagePair = false>
+template <typename T, typename CT, int D, int NT, bool kBulk = false, int kStagesOpt = 0, bool kPagePair = false,
+          bool kUpfront = false>
 void launch(const DecodeParams& p, int64_t grid, cudaStream_t stream, bool pdl) {
   constexpr int smem = MmaTraits<D, std::is_same_v<CT, T> ? 2 : 1, kStagesOpt, !kBulk>::kSmem;
   static_assert(smem >= 4 * 8 * NT * D * 4, "the warp merge reuses [4][ROWS][D] fp32 of the ring");
   static std::atomic<uint64_t> smem_set{0};
-  launch_decode_grid(&decode_mma_kernel<T, CT, D, NT, kBulk, kStagesOpt, kPagePair>, smem_set, p, grid, smem, stream,
-                     pdl);
+  launch_decode_grid(&decode_mma_kernel<T, CT, D, NT, kBulk, kStagesOpt, kPagePair, kUpfront>, smem_set, p, grid, smem,
+                     stream, pdl);
 #if IOATTN_DECODE_TRACE
   // Eager launches only (a graph capture calls this once per captured call): zero the stamps
   // before the 40th, print after it.
@@ -857,6 +872,11 @@ void launch_dims(const DecodeParams& p, int64_t grid, cudaStream_t stream, bool 
   }
   if constexpr (std::is_same_v<T, CT>) {
     if (p.d == 128 && ring == MmaTraits<128, 2, 2>::kStages) {
+      if (p.upfront && !p.block_table) {  // IOATTN_DECODE_UPFRONT=1 (the 2-stage ring, contiguous caches)
+        two ? launch<T, CT, 128, 2, false, 2, false, true>(p, grid, stream, pdl)
+            : launch<T, CT, 128, 1, false, 2, false, true>(p, grid, stream, pdl);
+        return;
+      }
       two ? launch<T, CT, 128, 2, false, 2>(p, grid, stream, pdl) : launch<T, CT, 128, 1, false, 2>(p, grid, stream, pdl);
       return;
     }
