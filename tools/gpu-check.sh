@@ -588,11 +588,32 @@ if want dectrace; then
   grep -E '^## batch|^decode trace|"impl"' "$OUT/dectrace.log" | sed -E 's/"heads_q".*"impl"/"impl"/' | tee -a "$SUMMARY"
 fi
 
-# ---- the paged loader's row pairs, A/B (optional stage pagepair) ------------------------------------
+# ---- the paged loader's row pairs and the up-front ring, A/B (optional stage pagepair) ----------------
+# ab_table LOG TITLE: the decode bench's JSON lines of LOG, each tagged "variant": 0 | 1 and "pass",
+# as a table of TB/s per pass, off | on | on/off, per (batch, kv, page, splits) -> the summary.
+ab_table() {
+  python3 - "$1" "$2" <<'PY' | tee -a "$SUMMARY"
+import json, sys, collections
+rows = collections.defaultdict(dict)
+for line in open(sys.argv[1]):
+    try:
+        r = json.loads(line)
+    except ValueError:
+        continue
+    rows[(r["batch"], r["kv_len"], r["page_size"], r["splits"])].setdefault(r["variant"], []).append(r["tbps"])
+print(sys.argv[2] + " A/B, TB/s per pass: batch kv page splits | off | on | on/off")
+for k in sorted(rows):
+    off, on = rows[k].get(0, []), rows[k].get(1, [])
+    ratio = (sum(on) / len(on)) / (sum(off) / len(off)) if on and off else float("nan")
+    print(" ".join(str(x) for x in k), "|", " / ".join(f"{x:.3f}" for x in off), "|",
+          " / ".join(f"{x:.3f}" for x in on), "|", f"{ratio:.3f}")
+PY
+}
 # IOATTN_DECODE_PAGEPAIR=1 (session 14, not yet measured): its bitwise test, then ioattn alone
 # A-B-A-B (0 / 1) on paged 16-bit caches at batch 16 and 64, unsplit and at the heuristic's splits
-# (a paged CTA alone on its SM read ~8% slower than a contiguous one) -> pagepair.log, a table in the
-# summary (TB/s per pass).
+# (a paged CTA alone on its SM read ~8% slower than a contiguous one) -> pagepair.log.
+# IOATTN_DECODE_UPFRONT=1 (session 14, not yet measured): its bitwise test, then A-B x3 at batch 1
+# (the 2-stage ring's case: every CTA's 1-2 tiles asked for at once) -> upfront.log.
 if want pagepair && [[ -x $BUILD/test_cuda_serving ]]; then
   if bounded_test "pagepair test" 180 "$BUILD/test_cuda_serving" 'CudaDecode.PagePair*' "$OUT/pagepair_test.log"; then
     t0=$(stamp)
@@ -601,55 +622,22 @@ if want pagepair && [[ -x $BUILD/test_cuda_serving ]]; then
         for sp in 0 1; do
           IOATTN_DECODE_PAGEPAIR=$v timeout 120 "$BUILD/ioattn_cuda_decode_bench" --batch 16,64 --kv 4096,32768,131072 \
             --pages 16,64 --caches bf16 --eager 0 --copy 0 --splits "$sp" 2>&1 | grep '"impl"' |
-            sed "s/^{/{\"pass\": $pass, \"pagepair\": $v, /" >>"$OUT/pagepair.log"
+            sed "s/^{/{\"pass\": $pass, \"variant\": $v, /" >>"$OUT/pagepair.log"
         done
       done
     done
     note "pagepair   $(( $(stamp) - t0 )) s  (pagepair.log)"
-    python3 - "$OUT/pagepair.log" <<'PY' | tee -a "$SUMMARY"
-import json, sys, collections
-rows = collections.defaultdict(dict)
-for line in open(sys.argv[1]):
-    try:
-        r = json.loads(line)
-    except ValueError:
-        continue
-    key = (r["batch"], r["kv_len"], r["page_size"], r["splits"])
-    rows[key].setdefault(r["pagepair"], []).append(r["tbps"])
-print("pagepair A/B, TB/s per pass: batch kv page splits | off | on | on/off")
-for k in sorted(rows):
-    off, on = rows[k].get(0, []), rows[k].get(1, [])
-    ratio = (sum(on) / len(on)) / (sum(off) / len(off)) if on and off else float("nan")
-    print(" ".join(str(x) for x in k), "|", " / ".join(f"{x:.2f}" for x in off), "|",
-          " / ".join(f"{x:.2f}" for x in on), "|", f"{ratio:.3f}")
-PY
+    ab_table "$OUT/pagepair.log" pagepair
   fi
-  # IOATTN_DECODE_UPFRONT=1 (session 14, not yet measured): its bitwise test, then A-B-A-B at batch 1
-  # (the 2-stage ring's case: every CTA's 1-2 tiles asked for at once) -> upfront.log, a table.
   if bounded_test "upfront test " 180 "$BUILD/test_cuda_serving" 'CudaDecode.Upfront*' "$OUT/upfront_test.log"; then
     for pass in 1 2 3; do
       for v in 0 1; do
         IOATTN_DECODE_UPFRONT=$v timeout 60 "$BUILD/ioattn_cuda_decode_bench" --batch 1 --kv 1024,2048,4096 --pages 0 \
           --caches bf16 --eager 0 --copy 0 2>&1 | grep '"impl"' |
-          sed "s/^{/{\"pass\": $pass, \"pagepair\": $v, /" >>"$OUT/upfront.log"
+          sed "s/^{/{\"pass\": $pass, \"variant\": $v, /" >>"$OUT/upfront.log"
       done
     done
-    python3 - "$OUT/upfront.log" <<'PY' | sed 's/pagepair A\/B/upfront A\/B/' | tee -a "$SUMMARY"
-import json, sys, collections
-rows = collections.defaultdict(dict)
-for line in open(sys.argv[1]):
-    try:
-        r = json.loads(line)
-    except ValueError:
-        continue
-    rows[(r["batch"], r["kv_len"], r["page_size"], r["splits"])].setdefault(r["pagepair"], []).append(r["tbps"])
-print("pagepair A/B, TB/s per pass: batch kv page splits | off | on | on/off")
-for k in sorted(rows):
-    off, on = rows[k].get(0, []), rows[k].get(1, [])
-    ratio = (sum(on) / len(on)) / (sum(off) / len(off)) if on and off else float("nan")
-    print(" ".join(str(x) for x in k), "|", " / ".join(f"{x:.3f}" for x in off), "|",
-          " / ".join(f"{x:.3f}" for x in on), "|", f"{ratio:.3f}")
-PY
+    ab_table "$OUT/upfront.log" upfront
   fi
 fi
 
