@@ -258,12 +258,14 @@ __global__ void __launch_bounds__(kThreads) decode_mma_kernel(const DecodeParams
   const bool kv_same = p.k_sp == p.v_sp && p.k_ss == p.v_ss;
   const uint32_t pages_u32 = static_cast<uint32_t>(min(p.num_pages, int64_t{1} << 31));
   // IOATTN_DECODE_PAGEPAIR=1 (an experiment, kPagePair): a thread's rows of iterations 2m and 2m + 1
-  // (j_step tokens apart) lie in one page when pages are a power of two >= 2 j_step tokens and every
-  // tile starts on a min(page, 64)-token boundary (klo so aligned: tiles are 64 keys): the odd row
-  // then takes the even row's page entry and offset + j_step slots, halving the entry reads and
-  // 64-bit offset products (a paged CTA alone on its SM read ~8% slower than a contiguous one).
+  // are tile rows 2m j_step + j_ld0 and that + j_step (j_ld0 < j_step): both in one aligned block of
+  // 2 j_step tokens when every tile starts on a 2 j_step-token boundary (klo so aligned: tiles are 64
+  // keys), so in one page when pages are a power of two >= 2 j_step tokens. The odd row then takes the
+  // even row's page entry and offset + j_step slots, halving the entry reads and 64-bit offset
+  // products (a paged CTA alone on its SM read ~8% slower than a contiguous one).
+  static_assert((2 * j_step_c & (2 * j_step_c - 1)) == 0 && kBK % (2 * j_step_c) == 0, "pair blocks tile the tile");
   const bool pair_rows = kPagePair && paged && Tr::kLoadIters % 2 == 0 && p.page_shift >= 0 &&
-                         p.page_size >= 2 * j_step_c && (static_cast<int>(klo) & (min(p.page_size, kBK) - 1)) == 0;
+                         p.page_size >= 2 * j_step_c && (static_cast<int>(klo) & (2 * j_step_c - 1)) == 0;
   const uint32_t ring = ptx::smem_u32(smem) + j_ld0 * Tr::kPitch;  // + the chunk: chunk_at(it)
   auto chunk_at = [&](int it) { return static_cast<uint32_t>((kSwz ? c_sw ^ swz_it(it) : c_ld) * 16); };
   const int khi32 = static_cast<int>(khi);  // keys < 2^31 (checked on the host)
@@ -438,7 +440,7 @@ __global__ void __launch_bounds__(kThreads) decode_mma_kernel(const DecodeParams
     if (paged && s > 0) __syncthreads();
     issue(s);
   }
-  // kUpfront: a contiguous CTA whose tiles all fit the ring (b1 x 4k: 2 tiles of 128 keys in the
+  // kUpfront: a contiguous CTA whose tiles all fit the ring (b1 x 4k: 128 keys, 2 tiles, in the
   // 2-stage ring) asks for every tile now instead of tile t + STAGES - 1 after tile t landed (trace:
   // ~1,260 cycles waiting for tile 1 after tile 0's arithmetic). Every iteration then waits with one
   // more group allowed in flight (the prologue committed STAGES groups, each iteration one empty one).
