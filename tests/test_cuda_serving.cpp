@@ -312,15 +312,17 @@ TEST(CudaDecode, OutOfRangeLengthsAndPagesGiveNaNForThatSequenceOnly) {
 
 // A decode variant chosen by an environment variable (same tiles, same arithmetic) against the
 // default, bitwise: bf16 / f16, head_dim 128, 8 and 16 rows per CTA (GQA 4 and 16), contiguous and
-// paged (page 1 / 16 / 64) caches of the given lengths, 1 and 3 splits, and (paged) a block-table
-// entry outside the cache (NaN for that sequence only); check_base / check_variant look at the two
-// kernel choices.
+// paged (page 1 / 16 / 64) caches of the given lengths, 1 and 3 splits (or the page sizes and split
+// counts given), and (paged) a block-table entry outside the cache (NaN for that sequence only);
+// check_base / check_variant look at the two kernel choices.
 template <class CheckBase, class CheckVariant>
 void expect_env_variant_bitwise(const char* env, const char* value, const std::vector<int32_t>& lens, uint64_t seed,
-                                CheckBase check_base, CheckVariant check_variant) {
+                                CheckBase check_base, CheckVariant check_variant,
+                                const std::vector<int64_t>& page_sizes = {0, 1, 16, 64},
+                                const std::vector<int>& split_counts = {1, 3}) {
   for (DType t : {DType::bf16, DType::f16})
     for (int64_t hq : {32, 64})  // 4 and 8 rows per kv head: 8-row CTAs; 64/4 = 16 rows: two n-tiles
-      for (int64_t ps : {0, 1, 16, 64}) {
+      for (int64_t ps : page_sizes) {
         Spec c = on_cuda(mk(std::string(env) + "_" + value, t));
         c.hq = hq;
         c.hkv = hq == 32 ? 8 : 4;
@@ -328,7 +330,7 @@ void expect_env_variant_bitwise(const char* env, const char* value, const std::v
         c.lens = lens;
         c.page_size = ps;
         const Values vals = make_values(c, seed);
-        for (int splits : {1, 3}) {
+        for (int splits : split_counts) {
           for (int bad_page = 0; bad_page < (ps ? 2 : 1); ++bad_page) {
             Built base(c, vals), var(c, vals);
             if (bad_page) {
@@ -482,36 +484,15 @@ TEST(CudaDecode, PagePairEqualsDefaultBitwise) {
 // more tiles per CTA, 8 and 16 rows per CTA, bf16 and f16.
 TEST(CudaDecode, UpfrontEqualsDefaultBitwise) {
   SKIP_WITHOUT_GPU();
-  for (DType t : {DType::bf16, DType::f16})
-    for (int64_t hq : {32, 64})
-      for (int32_t len : {3000, 700, 100, 1}) {
-        Spec c = on_cuda(mk("upfront", t));
-        c.hq = hq;
-        c.hkv = hq == 32 ? 8 : 4;
-        c.d = 128;
-        c.lens = {len};
-        const Values vals = make_values(c, 53);
-        for (int splits : {1, 16, 32, 48}) {
-          Built base(c, vals), var(c, vals);
-          KernelChoice kb, kv;
-          {
-            ScopedEnv e("IOATTN_DECODE_UPFRONT", nullptr);
-            kb = base.run(splits);
-          }
-          {
-            ScopedEnv e("IOATTN_DECODE_UPFRONT", "1");
-            kv = var.run(splits);
-          }
-          const std::string what = std::string("upfront ") + dtype_name(t) + " hq " + std::to_string(hq) + " len " +
-                                   std::to_string(len) + " splits " + std::to_string(splits);
-          EXPECT_NE(kb.kernel.find(" stages2"), std::string::npos) << what << ": " << kb.kernel;
-          EXPECT_EQ(kb.kernel.find(" upfront"), std::string::npos) << what << ": " << kb.kernel;
-          EXPECT_NE(kv.kernel.find(" mma upfront"), std::string::npos) << what << ": " << kv.kernel;
-          EXPECT_TRUE(bitwise_equal(var.outputs(), base.outputs()))
-              << what << ": max diff " << max_diff(var.outputs(), base.outputs());
-          expect_matches_reference(var, what);
-        }
-      }
+  for (int32_t len : {3000, 700, 100, 1})
+    expect_env_variant_bitwise(
+        "IOATTN_DECODE_UPFRONT", "1", {len}, 53,
+        [](const KernelChoice& k) {
+          EXPECT_NE(k.kernel.find(" stages2"), std::string::npos) << k.kernel;
+          EXPECT_EQ(k.kernel.find(" upfront"), std::string::npos) << k.kernel;
+        },
+        [](const KernelChoice& k) { EXPECT_NE(k.kernel.find(" mma upfront"), std::string::npos) << k.kernel; }, {0},
+        {1, 16, 32, 48});
   expect_env_rejected("IOATTN_DECODE_UPFRONT", "2");
 }
 

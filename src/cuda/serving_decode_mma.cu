@@ -398,17 +398,17 @@ __global__ void __launch_bounds__(kThreads) decode_mma_kernel(const DecodeParams
   // ldmatrix lane offsets within a stage: K as the A operand of S^T (keys 0-7 | 8-15, dims +0 |
   // +8), V through .trans as the A operand of O^T (dims +0 | +8, keys 0-7 | 8-15).
   // 8-bit: K and V both by plain ldmatrix (16 keys x two 16-byte chunks per x4, as K).
-  const int k_lane = (warp * 16 + (lane & 15)) * Tr::kPitch + (lane >> 4) * 16;
-  const int v_lane = k8 ? k_lane : (warp * 16 + (lane & 7) + ((lane >> 4) << 3)) * Tr::kPitch + ((lane >> 3) & 1) * 16;
-  // kSwz: the lane's chunk pair m (chunks 2m + half, half = the lane's 0 / 1 above) of its row r sits
-  // at byte 128 (m / 4) + sw[m % 4], sw[b] = r * pitch + 16 ((2b + half) ^ swz(r)) (swz(r) < 8 touches
-  // the low 3 bits of the chunk only): the m / 4 part is an immediate offset. 8-bit: V as K.
+  // The lane's K row and 16-byte half (chunk 0 / 1 of a pair), and V's (8-bit: V as K).
+  const int kr = warp * 16 + (lane & 15), kh = lane >> 4;
+  const int vr = k8 ? kr : warp * 16 + (lane & 7) + ((lane >> 4) << 3), vh = k8 ? kh : (lane >> 3) & 1;
+  const int k_lane = kr * Tr::kPitch + kh * 16, v_lane = vr * Tr::kPitch + vh * 16;
+  // kSwz: the lane's chunk pair m (chunks 2m + half) of its row r sits at byte 128 (m / 4) + sw[m % 4],
+  // sw[b] = r * pitch + 16 ((2b + half) ^ swz(r)) (swz(r) < 8 touches the low 3 bits of the chunk
+  // only): the m / 4 part is an immediate offset.
   int k_sw[4], v_sw[4];
 #pragma unroll
   for (int b = 0; b < 4; ++b) {
-    const int kr = warp * 16 + (lane & 15), vr = k8 ? kr : warp * 16 + (lane & 7) + ((lane >> 4) << 3);
-    const int vh = k8 ? lane >> 4 : (lane >> 3) & 1;
-    k_sw[b] = kr * Tr::kPitch + 16 * ((2 * b + (lane >> 4)) ^ ((kr / Tr::kSwzDiv) & Tr::kSwzMask));
+    k_sw[b] = kr * Tr::kPitch + 16 * ((2 * b + kh) ^ ((kr / Tr::kSwzDiv) & Tr::kSwzMask));
     v_sw[b] = vr * Tr::kPitch + 16 * ((2 * b + vh) ^ ((vr / Tr::kSwzDiv) & Tr::kSwzMask));
   }
   auto k_at = [&](uint32_t kv, int m) { return kSwz ? kv + k_sw[m & 3] + (m >> 2) * 128 : kv + k_lane + m * 32; };
@@ -544,12 +544,12 @@ __global__ void __launch_bounds__(kThreads) decode_mma_kernel(const DecodeParams
   const float cap = p.softcap * kLog2e, inv_cap = p.softcap > 0.0f ? 1.0f / cap : 0.0f;
 
   for (int tile = 0; tile < ntiles; ++tile) {
-    if (kUpfront && all_up)
+    if (all_up)
       ptx::cp_async_wait<STAGES - 1>();
     else
       ptx::cp_async_wait<STAGES - 2>();
     __syncthreads();
-    if (kUpfront && all_up)
+    if (all_up)
       ptx::cp_async_commit();  // (every tile is in flight already: an empty group keeps the count)
     else
       issue(tile + STAGES - 1);
