@@ -312,17 +312,15 @@ TEST(CudaDecode, OutOfRangeLengthsAndPagesGiveNaNForThatSequenceOnly) {
 
 // A decode variant chosen by an environment variable (same tiles, same arithmetic) against the
 // default, bitwise: bf16 / f16, head_dim 128, 8 and 16 rows per CTA (GQA 4 and 16), contiguous and
-// paged (page 1 / 16 / 64) caches of the given lengths, 1 and 3 splits (or the page sizes and split
-// counts given), and (paged) a block-table entry outside the cache (NaN for that sequence only);
-// check_base / check_variant look at the two kernel choices.
+// paged (page 1 / 16 / 64) caches of the given lengths, 1 and 3 splits, and (paged) a block-table
+// entry outside the cache (NaN for that sequence only); check_base / check_variant look at the two
+// kernel choices.
 template <class CheckBase, class CheckVariant>
 void expect_env_variant_bitwise(const char* env, const char* value, const std::vector<int32_t>& lens, uint64_t seed,
-                                CheckBase check_base, CheckVariant check_variant,
-                                const std::vector<int64_t>& page_sizes = {0, 1, 16, 64},
-                                const std::vector<int>& split_counts = {1, 3}) {
+                                CheckBase check_base, CheckVariant check_variant) {
   for (DType t : {DType::bf16, DType::f16})
     for (int64_t hq : {32, 64})  // 4 and 8 rows per kv head: 8-row CTAs; 64/4 = 16 rows: two n-tiles
-      for (int64_t ps : page_sizes) {
+      for (int64_t ps : {0, 1, 16, 64}) {
         Spec c = on_cuda(mk(std::string(env) + "_" + value, t));
         c.hq = hq;
         c.hkv = hq == 32 ? 8 : 4;
@@ -330,7 +328,7 @@ void expect_env_variant_bitwise(const char* env, const char* value, const std::v
         c.lens = lens;
         c.page_size = ps;
         const Values vals = make_values(c, seed);
-        for (int splits : split_counts) {
+        for (int splits : {1, 3}) {
           for (int bad_page = 0; bad_page < (ps ? 2 : 1); ++bad_page) {
             Built base(c, vals), var(c, vals);
             if (bad_page) {
@@ -461,39 +459,6 @@ TEST(CudaDecode, FiveStageRingEqualsDefaultBitwise) {
                                EXPECT_NE(k.kernel.find(" mma stages5"), std::string::npos) << k.kernel;
                                EXPECT_NE(k.reason.find("5-stage cp.async ring"), std::string::npos) << k.reason;
                              });
-}
-
-// IOATTN_DECODE_PAGEPAIR=1 (the mma kernel's paged loader, an experiment): a pair of a thread's rows
-// in one page shares the page entry. Same bytes, same arithmetic: bitwise equal to the default on
-// pages 1 / 16 / 64 (1: never paired) with partial tiles, splits and a bad page entry; contiguous
-// caches are untouched.
-TEST(CudaDecode, PagePairEqualsDefaultBitwise) {
-  SKIP_WITHOUT_GPU();
-  expect_env_variant_bitwise("IOATTN_DECODE_PAGEPAIR", "1", {1500, 0, 63, 64, 65, 1, 129, 700}, 47,
-                             [](const KernelChoice& k) { EXPECT_EQ(k.kernel.find("pagepair"), std::string::npos) << k.kernel; },
-                             [](const KernelChoice& k) {
-                               const bool paged = k.kernel.find(" contiguous") == std::string::npos;
-                               EXPECT_EQ(k.kernel.find(" mma pagepair") != std::string::npos, paged) << k.kernel;
-                             });
-  expect_env_rejected("IOATTN_DECODE_PAGEPAIR", "2");
-}
-
-// IOATTN_DECODE_UPFRONT=1 (the mma kernel's 2-stage ring, an experiment): a contiguous CTA whose
-// tiles all fit the ring asks for every tile at once. Same bytes, same arithmetic: bitwise equal to
-// the default for one short sequence (the 2-stage ring's case) at split counts that leave 1, 2 and
-// more tiles per CTA, 8 and 16 rows per CTA, bf16 and f16.
-TEST(CudaDecode, UpfrontEqualsDefaultBitwise) {
-  SKIP_WITHOUT_GPU();
-  for (int32_t len : {3000, 700, 100, 1})
-    expect_env_variant_bitwise(
-        "IOATTN_DECODE_UPFRONT", "1", {len}, 53,
-        [](const KernelChoice& k) {
-          EXPECT_NE(k.kernel.find(" stages2"), std::string::npos) << k.kernel;
-          EXPECT_EQ(k.kernel.find(" upfront"), std::string::npos) << k.kernel;
-        },
-        [](const KernelChoice& k) { EXPECT_NE(k.kernel.find(" mma upfront"), std::string::npos) << k.kernel; }, {0},
-        {1, 16, 32, 48});
-  expect_env_rejected("IOATTN_DECODE_UPFRONT", "2");
 }
 
 // ---- 8-bit KV --------------------------------------------------------------------------------

@@ -30,10 +30,6 @@
 #      stall reasons per issued instruction, pipes, memory, L2 hit rate -> ncu_dec_ours.log,
 #      ncu_dec_probe.log, ncu_dec_cudnn.log, a full report of ours with its per-instruction source page
 #      (ncu_dec_ours_full.ncu-rep, ncu_dec_ours_source.csv) and the deciding lines in the summary.
-#   pagepair (not in the default stages; ~3 min): IOATTN_DECODE_PAGEPAIR's bitwise test, then an A-B-A-B of
-#      the decode bench on paged bf16 caches (batch 16 / 64, 4k-128k, pages 16 / 64, unsplit and the
-#      heuristic's splits) -> pagepair.log; IOATTN_DECODE_UPFRONT's test and A-B x3 at batch 1 (1k-4k)
-#      -> upfront.log; tables in the summary.
 #   ncufwd (not in the default stages; ~1-2 min): Nsight Compute on one launch each of the sm90 forward's
 #      hdim-128 bf16 kernels (v3 body non-causal, v4 body causal, 8k) and the fp8 kernel -> ncu_fwd.log.
 #   GPU_CHECK_POWER=1 (with stage sm90): SM clock / power / throttle reasons sampled through ours and
@@ -586,59 +582,6 @@ if want dectrace; then
   done
   note "dectrace   rc=$?  $(( $(stamp) - t0 )) s  (dectrace.log)"
   grep -E '^## batch|^decode trace|"impl"' "$OUT/dectrace.log" | sed -E 's/"heads_q".*"impl"/"impl"/' | tee -a "$SUMMARY"
-fi
-
-# ---- the paged loader's row pairs and the up-front ring, A/B (optional stage pagepair) ----------------
-# ab_table LOG TITLE: the decode bench's JSON lines of LOG, each tagged "variant": 0 | 1 and "pass",
-# as a table of TB/s per pass, off | on | on/off, per (batch, kv, page, splits) -> the summary.
-ab_table() {
-  python3 - "$1" "$2" <<'PY' | tee -a "$SUMMARY"
-import json, sys, collections
-rows = collections.defaultdict(dict)
-for line in open(sys.argv[1]):
-    try:
-        r = json.loads(line)
-    except ValueError:
-        continue
-    rows[(r["batch"], r["kv_len"], r["page_size"], r["splits"])].setdefault(r["variant"], []).append(r["tbps"])
-print(sys.argv[2] + " A/B, TB/s per pass: batch kv page splits | off | on | on/off")
-for k in sorted(rows):
-    off, on = rows[k].get(0, []), rows[k].get(1, [])
-    ratio = (sum(on) / len(on)) / (sum(off) / len(off)) if on and off else float("nan")
-    print(" ".join(str(x) for x in k), "|", " / ".join(f"{x:.3f}" for x in off), "|",
-          " / ".join(f"{x:.3f}" for x in on), "|", f"{ratio:.3f}")
-PY
-}
-# IOATTN_DECODE_PAGEPAIR=1 (session 14, not yet measured): its bitwise test, then ioattn alone
-# A-B-A-B (0 / 1) on paged 16-bit caches at batch 16 and 64, unsplit and at the heuristic's splits
-# (a paged CTA alone on its SM read ~8% slower than a contiguous one) -> pagepair.log.
-# IOATTN_DECODE_UPFRONT=1 (session 14, not yet measured): its bitwise test, then A-B x3 at batch 1
-# (the 2-stage ring's case: every CTA's 1-2 tiles asked for at once) -> upfront.log.
-if want pagepair && [[ -x $BUILD/test_cuda_serving ]]; then
-  if bounded_test "pagepair test" 180 "$BUILD/test_cuda_serving" 'CudaDecode.PagePair*' "$OUT/pagepair_test.log"; then
-    t0=$(stamp)
-    for pass in 1 2; do
-      for v in 0 1; do
-        for sp in 0 1; do
-          IOATTN_DECODE_PAGEPAIR=$v timeout 120 "$BUILD/ioattn_cuda_decode_bench" --batch 16,64 --kv 4096,32768,131072 \
-            --pages 16,64 --caches bf16 --eager 0 --copy 0 --splits "$sp" 2>&1 | grep '"impl"' |
-            sed "s/^{/{\"pass\": $pass, \"variant\": $v, /" >>"$OUT/pagepair.log"
-        done
-      done
-    done
-    note "pagepair   $(( $(stamp) - t0 )) s  (pagepair.log)"
-    ab_table "$OUT/pagepair.log" pagepair
-  fi
-  if bounded_test "upfront test " 180 "$BUILD/test_cuda_serving" 'CudaDecode.Upfront*' "$OUT/upfront_test.log"; then
-    for pass in 1 2 3; do
-      for v in 0 1; do
-        IOATTN_DECODE_UPFRONT=$v timeout 60 "$BUILD/ioattn_cuda_decode_bench" --batch 1 --kv 1024,2048,4096 --pages 0 \
-          --caches bf16 --eager 0 --copy 0 2>&1 | grep '"impl"' |
-          sed "s/^{/{\"pass\": $pass, \"variant\": $v, /" >>"$OUT/upfront.log"
-      done
-    done
-    ab_table "$OUT/upfront.log" upfront
-  fi
 fi
 
 # ---- decode vs PyTorch SDPA cudnn / flash (enable_gqa), same run ----------------------------------

@@ -485,21 +485,6 @@ std::string forced_loader() {
   return e ? std::string(e) : std::string();
 }
 
-// IOATTN_DECODE_PAGEPAIR=1: the mma kernel's paged loader reads one page entry per pair of a
-// thread's rows where pages allow (serving_decode_mma.cu, pair_rows; an experiment; bitwise equal).
-bool page_pair_switch() {
-  const char* e = std::getenv("IOATTN_DECODE_PAGEPAIR");
-  return e != nullptr && std::strcmp(e, "1") == 0;
-}
-
-// IOATTN_DECODE_UPFRONT=1: the mma kernel's 2-stage ring (a few short sequences) asks for every
-// tile of a contiguous CTA at once when they all fit the ring (serving_decode_mma.cu, all_up; an
-// experiment; bitwise equal).
-bool upfront_switch() {
-  const char* e = std::getenv("IOATTN_DECODE_UPFRONT");
-  return e != nullptr && std::strcmp(e, "1") == 0;
-}
-
 // The device's arch is asked for only when the bulk loader was requested (arch_of: device -> arch).
 template <class ArchOf>
 bool use_bulk_loader(const detail::DecodeProblem& p, ArchOf arch_of) {
@@ -553,12 +538,6 @@ CudaSelection cuda_decode_select(const DecodeProblem& p, int arch) {
   const std::string loader = forced_loader();
   if (!loader.empty() && loader != "bulk" && loader != "cp.async")
     return no("IOATTN_DECODE_LOADER must be bulk or cp.async (or unset), got '" + loader + "'");
-  const char* pair_env = std::getenv("IOATTN_DECODE_PAGEPAIR");
-  if (pair_env != nullptr && *pair_env != '\0' && std::strcmp(pair_env, "0") != 0 && std::strcmp(pair_env, "1") != 0)
-    return no(std::string("IOATTN_DECODE_PAGEPAIR must be 0 or 1 (or unset), got '") + pair_env + "'");
-  const char* up_env = std::getenv("IOATTN_DECODE_UPFRONT");
-  if (up_env != nullptr && *up_env != '\0' && std::strcmp(up_env, "0") != 0 && std::strcmp(up_env, "1") != 0)
-    return no(std::string("IOATTN_DECODE_UPFRONT must be 0 or 1 (or unset), got '") + up_env + "'");
   const char* stages_env = std::getenv("IOATTN_DECODE_STAGES");
   if (stages_env != nullptr && *stages_env != '\0' && std::strcmp(stages_env, "2") != 0 &&
       std::strcmp(stages_env, "3") != 0 && std::strcmp(stages_env, "5") != 0)
@@ -574,14 +553,7 @@ CudaSelection cuda_decode_select(const DecodeProblem& p, int arch) {
                    "cp.async ring";
     const int64_t rbm = row_blocks_of(p.heads_q, p.heads_kv, p.seqlen_q, rows);
     const int stages = mma_ring_of(p, bulk);
-    // IOATTN_DECODE_PAGEPAIR=1's instances (launch_dims): 16-bit q and cache of one dtype, head_dim 128,
-    // the 3-stage ring, the cp.async loader, a paged cache.
-    const bool pair = page_pair_switch() && p.paged() && !bulk && stages == 3 && p.head_dim == 128 &&
-                      p.cache_dtype == p.dtype && dtype_size(p.cache_dtype) == 2;
-    // IOATTN_DECODE_UPFRONT=1's instances: the same, with the 2-stage ring and a contiguous cache.
-    const bool upfront = upfront_switch() && !p.paged() && !bulk && stages == 2 && p.head_dim == 128 &&
-                         p.cache_dtype == p.dtype && dtype_size(p.cache_dtype) == 2;
-    return {"cuda/splitkv sm" + std::to_string(arch) + " mma" + (bulk ? " bulk" : "") + (pair ? " pagepair" : "") + (upfront ? " upfront" : "") +
+    return {"cuda/splitkv sm" + std::to_string(arch) + " mma" + (bulk ? " bulk" : "") +
                 (!bulk && stages != 3 && p.head_dim == 128 && dtype_size(p.cache_dtype) == 2
                      ? " stages" + std::to_string(stages)
                      : ""),
@@ -591,11 +563,7 @@ CudaSelection cuda_decode_select(const DecodeProblem& p, int arch) {
                 std::to_string(rows) + " query rows per CTA (" + std::to_string(p.rows_per_group()) +
                 " rows per kv head: " + std::to_string(rbm) + (rbm == 1 ? " block" : " blocks") + "), " +
                 std::to_string(stages) + "-stage " + loader_why + (bulk ? "" : " into XOR-swizzled unpadded shared rows") +
-                (p.paged() ? ", (page, slot) of each key prefetched into shared memory" : "") +
-                (pair ? " (IOATTN_DECODE_PAGEPAIR=1: one entry per pair of a thread's rows where the pages allow)"
-                      : "") +
-                (upfront ? " (IOATTN_DECODE_UPFRONT=1: every tile asked for at once when a CTA's tiles fit the ring)"
-                         : "")};
+                (p.paged() ? ", (page, slot) of each key prefetched into shared memory" : "")};
   }
   const int txl = tx_log2_for(std::max(p.head_dim, p.head_dim_v));
   const int TX = 1 << txl;
@@ -727,8 +695,6 @@ void cuda_decode(const DecodeProblem& p) {
   dp.bt_sb = p.bt_stride_batch, dp.bt_sp = p.bt_stride_page;
   dp.page_size = p.paged() ? static_cast<int>(p.page_size) : 0;
   dp.page_shift = -1;
-  dp.page_pair = page_pair_switch() ? 1 : 0;
-  dp.upfront = upfront_switch() ? 1 : 0;
   for (int sh = 0; sh < 31 && p.paged(); ++sh)
     if ((int64_t{1} << sh) == p.page_size) dp.page_shift = sh;
   dp.num_pages = p.num_pages;

@@ -37,8 +37,6 @@ struct DecodeParams {
   int64_t bt_sb, bt_sp;
   int page_size;
   int page_shift;  // log2(page_size) when it is a power of two, else -1 (a division per row)
-  int page_pair;   // IOATTN_DECODE_PAGEPAIR=1: the mma kernel's kPagePair instances (16-bit, hdim 128, 3 stages)
-  int upfront;     // IOATTN_DECODE_UPFRONT=1: the mma kernel's kUpfront instances (16-bit, hdim 128, 2 stages)
   int64_t num_pages;
   const int32_t* seqlens;
   int64_t bound;  // largest accepted cache_seqlens entry

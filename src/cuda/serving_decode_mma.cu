@@ -188,10 +188,7 @@ __device__ __forceinline__ uint32_t code2_to_f16x2(uint32_t w) {
 #endif
 
 // One CTA: (sequence, kv head, split, block of 8 * NT query rows); see the file comment.
-// kPagePair (IOATTN_DECODE_PAGEPAIR=1, an experiment): pair_rows below. kUpfront
-// (IOATTN_DECODE_UPFRONT=1, an experiment): all_up below.
-template <typename T, typename CT, int D, int NT, bool kBulk = false, int kStagesOpt = 0, bool kPagePair = false,
-          bool kUpfront = false>
+template <typename T, typename CT, int D, int NT, bool kBulk = false, int kStagesOpt = 0>
 __global__ void __launch_bounds__(kThreads) decode_mma_kernel(const DecodeParams p) {
   // 8-bit caches: codes become f16 in registers (T = __half); q (bf16 or f16) is loaded as f16.
   constexpr bool k8 = std::is_same_v<CT, E4m3> || std::is_same_v<CT, int8_t>;
@@ -257,15 +254,6 @@ __global__ void __launch_bounds__(kThreads) decode_mma_kernel(const DecodeParams
   // layout; the head strides may differ); an int32 entry e is valid iff (uint32) e < pages_u32.
   const bool kv_same = p.k_sp == p.v_sp && p.k_ss == p.v_ss;
   const uint32_t pages_u32 = static_cast<uint32_t>(min(p.num_pages, int64_t{1} << 31));
-  // IOATTN_DECODE_PAGEPAIR=1 (an experiment, kPagePair): a thread's rows of iterations 2m and 2m + 1
-  // are tile rows 2m j_step + j_ld0 and that + j_step (j_ld0 < j_step): both in one aligned block of
-  // 2 j_step tokens when every tile starts on a 2 j_step-token boundary (klo so aligned: tiles are 64
-  // keys), so in one page when pages are a power of two >= 2 j_step tokens. The odd row then takes the
-  // even row's page entry and offset + j_step slots, halving the entry reads and 64-bit offset
-  // products (a paged CTA alone on its SM read ~8% slower than a contiguous one).
-  static_assert((2 * j_step_c & (2 * j_step_c - 1)) == 0 && kBK % (2 * j_step_c) == 0, "pair blocks tile the tile");
-  const bool pair_rows = kPagePair && paged && Tr::kLoadIters % 2 == 0 && p.page_shift >= 0 &&
-                         p.page_size >= 2 * j_step_c && (static_cast<int>(klo) & (2 * j_step_c - 1)) == 0;
   const uint32_t ring = ptx::smem_u32(smem) + j_ld0 * Tr::kPitch;  // + the chunk: chunk_at(it)
   auto chunk_at = [&](int it) { return static_cast<uint32_t>((kSwz ? c_sw ^ swz_it(it) : c_ld) * 16); };
   const int khi32 = static_cast<int>(khi);  // keys < 2^31 (checked on the host)
@@ -333,38 +321,6 @@ __global__ void __launch_bounds__(kThreads) decode_mma_kernel(const DecodeParams
       // reads behind the earlier cp.async), ~8 serial load latencies per tile that one warp per
       // scheduler (one CTA per SM, batch 16 unsplit) could not hide.
       const int2* pgs = pg_ring[tile % STAGES] + j_ld0;
-      if constexpr (kPagePair) {
-        if (pair_rows) {  // the even rows' entries only; the odd rows take the even row's page
-          int2 pse[Tr::kLoadIters / 2];
-#pragma unroll
-          for (int it = 0; it < Tr::kLoadIters; it += 2) pse[it / 2] = pgs[it * j_step];
-          auto rows = [&](auto same_tag) {
-            constexpr bool kSame = decltype(same_tag)::value;
-#pragma unroll
-            for (int it = 0; it < Tr::kLoadIters; it += 2) {
-              const int2 ps = pse[it / 2];
-              const bool in0 = t0 + it * j_step < khi32, in1 = t0 + (it + 1) * j_step < khi32;
-              const bool valid = static_cast<uint32_t>(ps.x) < pages_u32;
-              const bool ok0 = in0 && valid, ok1 = in1 && valid;
-              pg_bad |= ((in0 && !ok0) || (in1 && !ok1)) ? 1 : 0;
-              const uint64_t page = static_cast<uint32_t>(valid ? ps.x : 0), slot = static_cast<uint32_t>(ps.y);
-              const uint64_t koff = page * p.k_sp + slot * p.k_ss;
-              const uint64_t voff = kSame ? koff : page * p.v_sp + slot * p.v_ss;
-              const uint32_t dst = dst0 + it * j_step * Tr::kPitch + chunk_at(it);
-              const uint32_t dst1 = dst0 + (it + 1) * j_step * Tr::kPitch + chunk_at(it + 1);
-              ptx::cp_async_16_zfill(dst, kbase + koff, ok0);
-              ptx::cp_async_16_zfill(dst + Tr::kTileBytes, vbase + voff, ok0);
-              ptx::cp_async_16_zfill(dst1, kbase + koff + k_it, ok1);
-              ptx::cp_async_16_zfill(dst1 + Tr::kTileBytes, vbase + voff + v_it, ok1);
-            }
-          };
-          if (kv_same)
-            rows(std::true_type{});
-          else
-            rows(std::false_type{});
-          return;
-        }
-      }
       int2 pse[Tr::kLoadIters];
 #pragma unroll
       for (int it = 0; it < Tr::kLoadIters; ++it) pse[it] = pgs[it * j_step];
@@ -440,12 +396,6 @@ __global__ void __launch_bounds__(kThreads) decode_mma_kernel(const DecodeParams
     if (paged && s > 0) __syncthreads();
     issue(s);
   }
-  // kUpfront: a contiguous CTA whose tiles all fit the ring (b1 x 4k: 128 keys, 2 tiles, in the
-  // 2-stage ring) asks for every tile now instead of tile t + STAGES - 1 after tile t landed (trace:
-  // ~1,260 cycles waiting for tile 1 after tile 0's arithmetic). Every iteration then waits with one
-  // more group allowed in flight (the prologue committed STAGES groups, each iteration one empty one).
-  const bool all_up = kUpfront && !kBulk && !paged && ntiles <= STAGES;
-  if (all_up) issue(STAGES - 1);
   DEC_TRACE(2);
 
   // The query rows and the per-row constants only now, with the first tiles' loads in flight: the
@@ -544,15 +494,9 @@ __global__ void __launch_bounds__(kThreads) decode_mma_kernel(const DecodeParams
   const float cap = p.softcap * kLog2e, inv_cap = p.softcap > 0.0f ? 1.0f / cap : 0.0f;
 
   for (int tile = 0; tile < ntiles; ++tile) {
-    if (all_up)
-      ptx::cp_async_wait<STAGES - 1>();
-    else
-      ptx::cp_async_wait<STAGES - 2>();
+    ptx::cp_async_wait<STAGES - 2>();
     __syncthreads();
-    if (all_up)
-      ptx::cp_async_commit();  // (every tile is in flight already: an empty group keeps the count)
-    else
-      issue(tile + STAGES - 1);
+    issue(tile + STAGES - 1);
 #if IOATTN_DECODE_BULK_ENABLED
     // Experimental path: a wrong byte count traps (a launch error) instead of hanging the GPU.
     if constexpr (kBulk) sm90::mbarrier_wait_or_trap(&full_bar[tile % STAGES], static_cast<uint32_t>((tile / STAGES) & 1));
@@ -791,14 +735,12 @@ void print_decode_trace(int64_t grid, const char* name) {
 }
 #endif
 
-template <typename T, typename CT, int D, int NT, bool kBulk = false, int kStagesOpt = 0, bool kPagePair = false,
-          bool kUpfront = false>
+template <typename T, typename CT, int D, int NT, bool kBulk = false, int kStagesOpt = 0>
 void launch(const DecodeParams& p, int64_t grid, cudaStream_t stream, bool pdl) {
   constexpr int smem = MmaTraits<D, std::is_same_v<CT, T> ? 2 : 1, kStagesOpt, !kBulk>::kSmem;
   static_assert(smem >= 4 * 8 * NT * D * 4, "the warp merge reuses [4][ROWS][D] fp32 of the ring");
   static std::atomic<uint64_t> smem_set{0};
-  launch_decode_grid(&decode_mma_kernel<T, CT, D, NT, kBulk, kStagesOpt, kPagePair, kUpfront>, smem_set, p, grid, smem,
-                     stream, pdl);
+  launch_decode_grid(&decode_mma_kernel<T, CT, D, NT, kBulk, kStagesOpt>, smem_set, p, grid, smem, stream, pdl);
 #if IOATTN_DECODE_TRACE
   // Eager launches only (a graph capture calls this once per captured call): zero the stamps
   // before the 40th, print after it.
@@ -863,10 +805,6 @@ template <typename T, typename CT>
 void launch_dims(const DecodeParams& p, int64_t grid, cudaStream_t stream, bool pdl, bool bulk, int ring) {
   const bool two = mma_rows_per_cta(p.rows, p.d) == 16;
   if constexpr (std::is_same_v<T, CT>) {
-    if (p.page_pair && p.block_table && !bulk && p.d == 128 && ring == MmaTraits<128, 2>::kStages) {
-      two ? launch<T, CT, 128, 2, false, 0, true>(p, grid, stream, pdl) : launch<T, CT, 128, 1, false, 0, true>(p, grid, stream, pdl);
-      return;
-    }
     if (bulk) {  // the caller checked mma_bulk_supported: head_dim 128, sm_90
       two ? launch<T, CT, 128, 2, true>(p, grid, stream, pdl) : launch<T, CT, 128, 1, true>(p, grid, stream, pdl);
       return;
@@ -874,11 +812,6 @@ void launch_dims(const DecodeParams& p, int64_t grid, cudaStream_t stream, bool 
   }
   if constexpr (std::is_same_v<T, CT>) {
     if (p.d == 128 && ring == MmaTraits<128, 2, 2>::kStages) {
-      if (p.upfront && !p.block_table) {  // IOATTN_DECODE_UPFRONT=1 (the 2-stage ring, contiguous caches)
-        two ? launch<T, CT, 128, 2, false, 2, false, true>(p, grid, stream, pdl)
-            : launch<T, CT, 128, 1, false, 2, false, true>(p, grid, stream, pdl);
-        return;
-      }
       two ? launch<T, CT, 128, 2, false, 2>(p, grid, stream, pdl) : launch<T, CT, 128, 1, false, 2>(p, grid, stream, pdl);
       return;
     }

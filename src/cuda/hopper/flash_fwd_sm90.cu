@@ -74,13 +74,18 @@ IOATTN_SM90_V3_EXTERN(Hdim128Bf16, false)
 IOATTN_SM90_V3_EXTERN(Hdim128F16, false)
 IOATTN_SM90_V3_EXTERN(Hdim128Bf16Causal, true)
 IOATTN_SM90_V3_EXTERN(Hdim128F16Causal, true)
-IOATTN_SM90_V3_EXTERN(Hdim128Bf16Causal, false)  // IOATTN_SM90_V3_BLOCKN=128: 128x128 tiles without a mask
 using Fp8Hdim128Bf16 = Fp8Traits128<__nv_bfloat16>;
 using Fp8Hdim128F16 = Fp8Traits128<__half>;
 IOATTN_SM90_FP8_EXTERN(Fp8Hdim128Bf16, false)
 IOATTN_SM90_FP8_EXTERN(Fp8Hdim128Bf16, true)
 IOATTN_SM90_FP8_EXTERN(Fp8Hdim128F16, false)
 IOATTN_SM90_FP8_EXTERN(Fp8Hdim128F16, true)
+using Fp8Hdim128N192Bf16 = Fp8Traits192<__nv_bfloat16>;
+using Fp8Hdim128N192F16 = Fp8Traits192<__half>;
+IOATTN_SM90_FP8_EXTERN(Fp8Hdim128N192Bf16, false)
+IOATTN_SM90_FP8_EXTERN(Fp8Hdim128N192Bf16, true)
+IOATTN_SM90_FP8_EXTERN(Fp8Hdim128N192F16, false)
+IOATTN_SM90_FP8_EXTERN(Fp8Hdim128N192F16, true)
 
 // cuTensorMapEncodeTiled from the driver, looked up once (declared in ptx_sm90.cuh; the backward's
 // dQ map uses it too).
@@ -159,10 +164,6 @@ using detail::Strides3;
 
 bool env_flag(const char* name);  // "1" (below)
 int env_bool(const char* name);   // -1 unset, else 0 / 1 (below)
-bool v3_blockn_128() {
-  const char* e = std::getenv("IOATTN_SM90_V3_BLOCKN");
-  return e != nullptr && std::string(e) == "128";
-}
 
 // One dispatch-table row: what the tile is, why, and how to check / launch it.
 struct Row {
@@ -217,14 +218,8 @@ Row row_for_dtype(int64_t hdim, bool causal, bool wg3, bool v3) {
       return causal ? make_row<64, T, true>() : make_row<64, T, false>();
     case 128:
       if (v3) {
-        // IOATTN_SM90_V3_BLOCKN=128 (bf16, an experiment): the non-causal v3 body on 128x128 tiles.
-        // 128x176 pays a partial last key block: ceil(sk / 176) * 176 / sk = 1.031 at 2k and 4k (1.010
-        // at 8k and 16k), the rows where it trails cuDNN (0.97-0.99x, sessions 11-13).
-        if constexpr (std::is_same_v<T, __nv_bfloat16>)
-          if (!causal && v3_blockn_128())
-            return make_row_v3<Sm90Traits<128, T, true>, false>(
-                "hdim128 (IOATTN_SM90_V3_BLOCKN=128): 128x128, no partial last key block at lengths that are "
-                "multiples of 128 (128x176 computes 3.1% more keys than 2k and 4k hold)");
+        // (The v3 body on 128x128 without a mask, no partial last key block at 2k / 4k: 0.96-1.02x
+        // of 128x176, session 15, docs/PERF.md; not kept.)
         return causal ? make_row_v3<Sm90Traits<128, T, true>, true>(Sm90Tile<128, true>::kWhy)
                       : make_row_v3<Sm90Traits<128, T, false>, false>(Sm90Tile<128, false>::kWhy);
       }
@@ -297,15 +292,26 @@ struct Fp8Row {
 };
 template <class Tr, bool kCausal>
 Fp8Row make_fp8_row() {
-  return Fp8Row{Tr::kBlockM, Tr::kBlockN, Tr::kStages, Fp8Tile128::kWhy, &flash_fwd_sm90_fp8_present<Tr, kCausal>,
+  const char* why = Tr::kBlockN == Fp8Tile192::kBlockN ? Fp8Tile192::kWhy : Fp8Tile128::kWhy;
+  return Fp8Row{Tr::kBlockM, Tr::kBlockN, Tr::kStages, why, &flash_fwd_sm90_fp8_present<Tr, kCausal>,
                 &flash_fwd_sm90_fp8_launch<Tr, kCausal>};
+}
+// IOATTN_SM90_FP8_BLOCKN=192: the 128x192 candidate (flash_fwd_sm90_fp8.cuh) instead of 128x128.
+bool fp8_blockn_192() {
+  const char* e = std::getenv("IOATTN_SM90_FP8_BLOCKN");
+  return e != nullptr && std::string(e) == "192";
 }
 Fp8Row fp8_table_row(const FwdProblem& p) {
   if (p.head_dim != 128) return Fp8Row{};
-  if (p.fp8_out == DType::bf16)
+  const bool n192 = fp8_blockn_192();
+  if (p.fp8_out == DType::bf16) {
+    if (n192) return p.causal ? make_fp8_row<Fp8Hdim128N192Bf16, true>() : make_fp8_row<Fp8Hdim128N192Bf16, false>();
     return p.causal ? make_fp8_row<Fp8Hdim128Bf16, true>() : make_fp8_row<Fp8Hdim128Bf16, false>();
-  if (p.fp8_out == DType::f16)
+  }
+  if (p.fp8_out == DType::f16) {
+    if (n192) return p.causal ? make_fp8_row<Fp8Hdim128N192F16, true>() : make_fp8_row<Fp8Hdim128N192F16, false>();
     return p.causal ? make_fp8_row<Fp8Hdim128F16, true>() : make_fp8_row<Fp8Hdim128F16, false>();
+  }
   return Fp8Row{};
 }
 

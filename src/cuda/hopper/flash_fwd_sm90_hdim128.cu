@@ -25,5 +25,4 @@ IOATTN_SM90_V3_INSTANTIATE(Hdim128Bf16, false)
 IOATTN_SM90_V3_INSTANTIATE(Hdim128F16, false)
 IOATTN_SM90_V3_INSTANTIATE(Hdim128Bf16Causal, true)
 IOATTN_SM90_V3_INSTANTIATE(Hdim128F16Causal, true)
-IOATTN_SM90_V3_INSTANTIATE(Hdim128Bf16Causal, false)  // IOATTN_SM90_V3_BLOCKN=128 (the causal tile, no mask)
 }  // namespace ioattn::cuda::sm90
