@@ -13,22 +13,16 @@ namespace {
 __global__ void __launch_bounds__(128) fp8_transpose_v(const Fp8TransposeArgs a) {
   const int lane = threadIdx.x % 32;
   const int64_t warp = static_cast<int64_t>(blockIdx.x) * 4 + threadIdx.x / 32;
-  // Warp order (kv head fastest, then the 128-dim chunk, the key group, the batch): consecutive
-  // warps read the neighbouring 128-byte pieces of the same token rows (all heads of a token are
-  // one contiguous row of v in the usual layouts), so DRAM pages are read whole. 1.18x faster than
-  // key groups fastest (session 15, ncu: 37.9 -> ... us for 32 MB), see docs/PERF.md.
+  // Warp order: key groups fastest, then 128-dim chunks, then (batch, kv head). (Kv heads fastest,
+  // so that neighbouring warps read neighbouring 128-byte pieces of a token row, measured slower:
+  // 40.1-41.6 vs 37.3-38.0 us for 32 MB, session 15.)
   const int dchunks = (a.head_dim + 127) / 128, groups = a.skp / 32;
-  const int64_t batch = a.batch_heads / a.heads_kv;
-  const int64_t h = warp % a.heads_kv;
-  int64_t rest = warp / a.heads_kv;
-  const int dc = static_cast<int>(rest % dchunks);
-  rest /= dchunks;
-  const int g = static_cast<int>(rest % groups);
-  const int64_t b = rest / groups;
-  if (b >= batch) return;
-  const int x0 = dc * 128 + 4 * lane;
+  const int64_t bh = warp / (static_cast<int64_t>(groups) * dchunks);
+  if (bh >= a.batch_heads) return;
+  const int rest = static_cast<int>(warp % (static_cast<int64_t>(groups) * dchunks));
+  const int g = rest / dchunks, x0 = (rest % dchunks) * 128 + 4 * lane;
   if (x0 >= a.head_dim) return;
-  const int64_t bh = b * a.heads_kv + h;
+  const int64_t b = bh / a.heads_kv, h = bh % a.heads_kv;
   const uint8_t* src = a.v + b * a.v_batch + h * a.v_head + x0;
   uint32_t w[32];
 #pragma unroll

@@ -83,8 +83,8 @@ struct Fp8Tile128 {
 };
 template <typename Out>
 using Fp8Traits128 = Fp8Traits<128, Fp8Tile128::kBlockN, Fp8Tile128::kStages, Out>;
-// Candidate (session 15, IOATTN_SM90_FP8_BLOCKN=192): 128x192 tiles, FlashAttention-3's direction
-// for fp8 (it uses 128x224): the per-block fixed work (row max shuffles, corr, barriers, waits,
+// The default row since session 15 (IOATTN_SM90_FP8_BLOCKN=128 selects the one above): 128x192
+// tiles, FlashAttention-3's direction for fp8 (it uses 128x224): the per-block fixed work (row max shuffles, corr, barriers, waits,
 // descriptors) spread over 1.5x the scores. S 96 + P 24 + O 64 registers; 3 stages of 24 KB K +
 // 32 KB V^T (the second V^T column block loaded whole) + 16 KB Q = 184 KB.
 struct Fp8Tile192 {

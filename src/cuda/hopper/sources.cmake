@@ -46,7 +46,10 @@ function(ioattn_sm90_extras)
   add_test(NAME sm90_check_dynamic COMMAND ioattn_sm90_check --check-only)
   set_tests_properties(sm90_check_dynamic PROPERTIES ENVIRONMENT
     "IOATTN_SM90_GRID=dynamic;IOATTN_SM90_MAX_CTAS=3;IOATTN_SM90_RESCALE_SKIP=1;IOATTN_SM90_WG3=1;IOATTN_SM90_BODY=v4")
-  set_tests_properties(ptx_sm90 sm90_check sm90_check_3ctas sm90_check_dynamic PROPERTIES
+  # The fp8 forward's 128x128 row (the default is 128x192 since session 15).
+  add_test(NAME sm90_check_fp8n128 COMMAND ioattn_sm90_check --check-only --fp8-only)
+  set_tests_properties(sm90_check_fp8n128 PROPERTIES ENVIRONMENT "IOATTN_SM90_FP8_BLOCKN=128")
+  set_tests_properties(ptx_sm90 sm90_check sm90_check_3ctas sm90_check_dynamic sm90_check_fp8n128 PROPERTIES
     SKIP_REGULAR_EXPRESSION "skipped: ")
   # Not a test: the wgmma rate per shape and operand source (gpu-check stage wgmmarate).
   add_executable(ioattn_sm90_wgmma_rate ${IOATTN_SM90_DIR}/bench_wgmma_sm90.cu)
