@@ -291,10 +291,13 @@ struct Fp8Row {
   void (*launch)(const Fp8Launch&) = nullptr;
 };
 template <class Tr, bool kCausal>
-Fp8Row make_fp8_row() {
-  const char* why = Tr::kBlockN == Fp8Tile192::kBlockN ? Fp8Tile192::kWhy : Fp8Tile128::kWhy;
+Fp8Row make_fp8_row(const char* why) {
   return Fp8Row{Tr::kBlockM, Tr::kBlockN, Tr::kStages, why, &flash_fwd_sm90_fp8_present<Tr, kCausal>,
                 &flash_fwd_sm90_fp8_launch<Tr, kCausal>};
+}
+template <class Tr>
+Fp8Row make_fp8_row(bool causal, const char* why) {
+  return causal ? make_fp8_row<Tr, true>(why) : make_fp8_row<Tr, false>(why);
 }
 // 128x192 is the default since session 15 (three interleaved A/Bs on the H200: 16k tokens +2.5%
 // without a mask and +4.5% causal at 16k, 4k and 8k within the run-to-run spread, docs/PERF.md);
@@ -303,17 +306,15 @@ bool fp8_blockn_192() {
   const char* e = std::getenv("IOATTN_SM90_FP8_BLOCKN");
   return e == nullptr || std::string(e) != "128";
 }
+template <typename Out>
+Fp8Row fp8_row_for_out(bool causal) {
+  if (fp8_blockn_192()) return make_fp8_row<Fp8Traits192<Out>>(causal, Fp8Tile192::kWhy);
+  return make_fp8_row<Fp8Traits128<Out>>(causal, Fp8Tile128::kWhy);
+}
 Fp8Row fp8_table_row(const FwdProblem& p) {
   if (p.head_dim != 128) return Fp8Row{};
-  const bool n192 = fp8_blockn_192();
-  if (p.fp8_out == DType::bf16) {
-    if (n192) return p.causal ? make_fp8_row<Fp8Hdim128N192Bf16, true>() : make_fp8_row<Fp8Hdim128N192Bf16, false>();
-    return p.causal ? make_fp8_row<Fp8Hdim128Bf16, true>() : make_fp8_row<Fp8Hdim128Bf16, false>();
-  }
-  if (p.fp8_out == DType::f16) {
-    if (n192) return p.causal ? make_fp8_row<Fp8Hdim128N192F16, true>() : make_fp8_row<Fp8Hdim128N192F16, false>();
-    return p.causal ? make_fp8_row<Fp8Hdim128F16, true>() : make_fp8_row<Fp8Hdim128F16, false>();
-  }
+  if (p.fp8_out == DType::bf16) return fp8_row_for_out<__nv_bfloat16>(p.causal);
+  if (p.fp8_out == DType::f16) return fp8_row_for_out<__half>(p.causal);
   return Fp8Row{};
 }
 

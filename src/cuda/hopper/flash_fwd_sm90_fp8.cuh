@@ -72,9 +72,9 @@ struct Fp8Traits {
   static_assert(kSmemBytes <= 227 * 1024, "shared memory per block");
 };
 
-// The one fp8 row: hdim 128, 128x128 tiles (S 64 + P 16 + O 64 registers per consumer thread;
-// 16 KB Q + 4 stages x (16 KB K + 16 KB V^T) = 144 KB). kBlockN = 128 keeps V^T tiles one
-// 128-byte column block; a longer key block (192/256) would need S of 96-128 registers.
+// The 128x128 row (IOATTN_SM90_FP8_BLOCKN=128): hdim 128, S 64 + P 16 + O 64 registers per
+// consumer thread; 16 KB Q + 4 stages x (16 KB K + 16 KB V^T) = 144 KB; each V^T tile is one
+// 128-byte column block.
 struct Fp8Tile128 {
   static constexpr int kBlockN = 128, kStages = 4;
   static constexpr const char* kWhy =
@@ -84,9 +84,10 @@ struct Fp8Tile128 {
 template <typename Out>
 using Fp8Traits128 = Fp8Traits<128, Fp8Tile128::kBlockN, Fp8Tile128::kStages, Out>;
 // The default row since session 15 (IOATTN_SM90_FP8_BLOCKN=128 selects the one above): 128x192
-// tiles, FlashAttention-3's direction for fp8 (it uses 128x224): the per-block fixed work (row max shuffles, corr, barriers, waits,
-// descriptors) spread over 1.5x the scores. S 96 + P 24 + O 64 registers; 3 stages of 24 KB K +
-// 32 KB V^T (the second V^T column block loaded whole) + 16 KB Q = 184 KB.
+// tiles, FlashAttention-3's direction for fp8 (it uses 128x224): the per-block fixed work (row max
+// shuffles, corr, barriers, waits, descriptors) spread over 1.5x the scores. S 96 + P 24 + O 64
+// registers; 3 stages of 24 KB K + 32 KB V^T (the second V^T column block loaded whole) + 16 KB Q
+// = 184 KB.
 struct Fp8Tile192 {
   static constexpr int kBlockN = 192, kStages = 3;
   static constexpr const char* kWhy =
@@ -334,7 +335,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         // interleaved with its exponentials. With the softmax in both arms (as flash_fwd_sm90.cuh
         // does), the wait stays after it: softmax_i overlaps P_{i-1} V_{i-1}, the packing follows
         // the wait. Measured (session 15, H200, 16k tokens, two passes each): the overlap form is
-        // 3-10% faster causal (4k 0.401 vs 0.424-0.461 ms) and 1-5% slower without a mask (16k
+        // 3-13% faster causal (4k 0.401 vs 0.424-0.461 ms) and 1-5% slower without a mask (16k
         // 2.89-2.96 vs 2.76-2.77 ms), so each mode keeps the form that wins.
         auto mask_and_softmax = [&](int n) {
           if constexpr (kCausal) {
