@@ -27,6 +27,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <cstdio>
 
 #include "cuda/check.cuh"
 #include "cuda/hopper/flash_fwd_sm90.cuh"
@@ -34,6 +35,43 @@
 #include "cuda/hopper/sched_sm90.cuh"
 
 namespace ioattn::cuda::sm90 {
+
+// IOATTN_FP8_TRACE (a diagnostic build only, -DIOATTN_FP8_TRACE=1): SM clock stamps at the phases
+// of the steady-state steps of the first tile of the first kTrBlocks CTAs, both consumer
+// warpgroups (thread 0 of each), printed by the host after the 10th launch at a given seqlen
+// (fp8_trace_print: mean cycles per phase, the step period, the two warpgroups' offset and the SM
+// clock from %globaltimer).
+#ifndef IOATTN_FP8_TRACE
+#define IOATTN_FP8_TRACE 0
+#endif
+#if IOATTN_FP8_TRACE
+namespace fp8_trace {
+constexpr int kBlocks = 16, kSteps = 48, kPoints = 11;
+static __device__ unsigned g_stamp[kBlocks][2][kSteps][kPoints];
+static __device__ unsigned long long g_clock[kBlocks][2][2][2];  // (clock64, globaltimer) at step 2 and the last step
+}  // namespace fp8_trace
+#define FP8_TRACE(step, k)                                                                         \
+  do {                                                                                             \
+    if ((threadIdx.x & 127) == 0 && round == 0 && blockIdx.x < fp8_trace::kBlocks && (step) < fp8_trace::kSteps) \
+      fp8_trace::g_stamp[blockIdx.x][cw][(step)][(k)] = static_cast<unsigned>(clock64());           \
+  } while (0)
+#define FP8_TRACE_TIME(slot)                                                                       \
+  do {                                                                                             \
+    if ((threadIdx.x & 127) == 0 && round == 0 && blockIdx.x < fp8_trace::kBlocks) {                \
+      uint64_t gt;                                                                                 \
+      asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(gt));                                       \
+      fp8_trace::g_clock[blockIdx.x][cw][(slot)][0] = clock64();                                   \
+      fp8_trace::g_clock[blockIdx.x][cw][(slot)][1] = gt;                                          \
+    }                                                                                              \
+  } while (0)
+#else
+#define FP8_TRACE(step, k) \
+  do {                     \
+  } while (0)
+#define FP8_TRACE_TIME(slot) \
+  do {                       \
+  } while (0)
+#endif
 
 // The v4 parameters plus the descales (null = 1; element strides of [batch, heads_kv]).
 struct Fp8Params {
@@ -388,22 +426,35 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
 
         // ---- steady state: S_i = Q K_i^T issued with O += P_{i-1} V_{i-1} ----
         for (int i = 1; i < n_blocks; ++i) {
+          if (i == 2) FP8_TRACE_TIME(0);
+          if (i == n_blocks - 1) FP8_TRACE_TIME(1);
+          FP8_TRACE(i, 0);
           const uint32_t st = ring_stage(ring + i, kStages), prev = ring_stage(ring + i - 1, kStages);
           mbarrier_wait(&full_k[st], ring_phase(ring + i, kStages));
+          FP8_TRACE(i, 1);
           named_barrier_sync(sched_mine, 256);
+          FP8_TRACE(i, 2);
           issue_qk(st);
+          FP8_TRACE(i, 3);
           rescale_o();
+          FP8_TRACE(i, 4);
           mbarrier_wait(&full_v[prev], ring_phase(ring + i - 1, kStages));
+          FP8_TRACE(i, 5);
           issue_pv(prev);
           named_barrier_arrive(sched_other, 256);
+          FP8_TRACE(i, 6);
           wgmma_wait<1>();
           fence_s();
           release(&empty_k[st]);
+          FP8_TRACE(i, 7);
           mask_and_softmax(key_block(i, n_blocks, rot));
+          FP8_TRACE(i, 8);
           wgmma_wait<0>();
           fence_o();
           release(&empty_v[prev]);
+          FP8_TRACE(i, 9);
           convert_p();
+          FP8_TRACE(i, 10);
         }
         release(&empty_q);
 
@@ -473,6 +524,51 @@ struct Fp8Launch {
   cudaStream_t stream = nullptr;
 };
 
+#if IOATTN_FP8_TRACE
+// Per phase (stamp k - stamp k-1; phase 0 from the previous step's last stamp) the mean cycles over
+// the traced steps 2.. of the traced CTAs, per warpgroup; the step period; warpgroup 1's issue
+// (stamp 2) after warpgroup 0's in the same step; the SM clock (cycles / ns between the two
+// timer stamps).
+inline void fp8_trace_print(int block_n, bool causal, int seqlen, unsigned grid) {
+  using namespace fp8_trace;
+  IOATTN_CUDA_CHECK(cudaDeviceSynchronize());
+  static unsigned h[kBlocks][2][kSteps][kPoints];
+  static unsigned long long c[kBlocks][2][2][2];
+  IOATTN_CUDA_CHECK(cudaMemcpyFromSymbol(h, g_stamp, sizeof(h)));
+  IOATTN_CUDA_CHECK(cudaMemcpyFromSymbol(c, g_clock, sizeof(c)));
+  const char* names[kPoints] = {"top",      "wait K",  "sched bar", "issue QK",  "rescale O", "wait V",
+                                "issue PV", "wait S",  "softmax",   "wait PV",   "pack P"};
+  const int nb = static_cast<int>(grid < static_cast<unsigned>(kBlocks) ? grid : kBlocks);
+  for (int wg = 0; wg < 2; ++wg) {
+    double sum[kPoints] = {}, period = 0;
+    int n = 0;
+    for (int b = 0; b < nb; ++b)
+      for (int st = 3; st < kSteps; ++st) {
+        if (h[b][wg][st][10] == 0 || h[b][wg][st - 1][10] == 0) continue;
+        for (int k = 0; k < kPoints; ++k)
+          sum[k] += static_cast<double>(h[b][wg][st][k] - (k == 0 ? h[b][wg][st - 1][10] : h[b][wg][st][k - 1]));
+        period += static_cast<double>(h[b][wg][st][10] - h[b][wg][st - 1][10]);
+        ++n;
+      }
+    std::fprintf(stderr, "fp8 trace 128x%d %s seqlen %d wg %d (%d steps):", block_n, causal ? "causal" : "no-mask", seqlen, wg, n);
+    for (int k = 0; k < kPoints; ++k) std::fprintf(stderr, " %s %.0f |", names[k], n ? sum[k] / n : 0.0);
+    std::fprintf(stderr, " period %.0f\n", n ? period / n : 0.0);
+  }
+  double off = 0, mhz = 0;
+  int n = 0, nm = 0;
+  for (int b = 0; b < nb; ++b) {
+    for (int st = 3; st < kSteps; ++st)
+      if (h[b][0][st][2] && h[b][1][st][2]) off += static_cast<double>(static_cast<int>(h[b][1][st][2] - h[b][0][st][2])), ++n;
+    for (int wg = 0; wg < 2; ++wg) {
+      const double dc = static_cast<double>(c[b][wg][1][0] - c[b][wg][0][0]), dt = static_cast<double>(c[b][wg][1][1] - c[b][wg][0][1]);
+      if (dt > 0) mhz += dc / dt * 1e3, ++nm;
+    }
+  }
+  std::fprintf(stderr, "fp8 trace 128x%d %s seqlen %d: wg1 issue - wg0 issue %.0f cycles; SM clock %.0f MHz\n", block_n,
+               causal ? "causal" : "no-mask", seqlen, n ? off / n : 0.0, nm ? mhz / nm : 0.0);
+}
+#endif
+
 template <class Tr, bool kCausal>
 bool flash_fwd_sm90_fp8_present() {
   cudaFuncAttributes attr{};
@@ -488,8 +584,20 @@ template <class Tr, bool kCausal>
 void flash_fwd_sm90_fp8_launch(const Fp8Launch& l) {
   auto kernel = flash_fwd_sm90_fp8_kernel<Tr, kCausal>;
   IOATTN_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Tr::kSmemBytes));
+#if IOATTN_FP8_TRACE
+  static int calls = 0, last_seqlen = -1;
+  if (l.params.f.seqlen_q != last_seqlen) last_seqlen = l.params.f.seqlen_q, calls = 0;
+  if (++calls == 10) {
+    void* sym = nullptr;
+    IOATTN_CUDA_CHECK(cudaGetSymbolAddress(&sym, fp8_trace::g_stamp));
+    IOATTN_CUDA_CHECK(cudaMemsetAsync(sym, 0, sizeof(fp8_trace::g_stamp), l.stream));
+  }
+#endif
   kernel<<<l.grid, Tr::kThreads, Tr::kSmemBytes, l.stream>>>(l.q, l.k, l.vt, l.params);
   IOATTN_CUDA_CHECK_LAUNCH("flash_fwd_sm90_fp8_kernel");
+#if IOATTN_FP8_TRACE
+  if (calls == 10) fp8_trace_print(Tr::kBlockN, kCausal, l.params.f.seqlen_q, l.grid);
+#endif
 }
 
 // The pre-pass (compiled once, in flash_fwd_sm90_fp8.cu).
