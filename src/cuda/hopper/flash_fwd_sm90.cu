@@ -20,6 +20,7 @@
 #include <cstring>
 #include <memory>
 #include <string>
+#include <type_traits>
 
 #include "cuda/check.cuh"
 #include "cuda/hopper/flash_fwd_sm90.cuh"
@@ -86,6 +87,18 @@ IOATTN_SM90_FP8_EXTERN(Fp8Hdim128N192Bf16, false)
 IOATTN_SM90_FP8_EXTERN(Fp8Hdim128N192Bf16, true)
 IOATTN_SM90_FP8_EXTERN(Fp8Hdim128N192F16, false)
 IOATTN_SM90_FP8_EXTERN(Fp8Hdim128N192F16, true)
+IOATTN_SM90_FP8_EXTERN(Fp8VarTraits<1>, false)
+IOATTN_SM90_FP8_EXTERN(Fp8VarTraits<1>, true)
+IOATTN_SM90_FP8_EXTERN(Fp8VarTraits<6>, false)
+IOATTN_SM90_FP8_EXTERN(Fp8VarTraits<6>, true)
+IOATTN_SM90_FP8_EXTERN(Fp8VarTraits<14>, false)
+IOATTN_SM90_FP8_EXTERN(Fp8VarTraits<14>, true)
+IOATTN_SM90_FP8_EXTERN(Fp8VarTraits<15>, false)
+IOATTN_SM90_FP8_EXTERN(Fp8VarTraits<15>, true)
+IOATTN_SM90_FP8_EXTERN(Fp8VarTraits<22>, false)
+IOATTN_SM90_FP8_EXTERN(Fp8VarTraits<22>, true)
+IOATTN_SM90_FP8_EXTERN(Fp8VarTraits<31>, false)
+IOATTN_SM90_FP8_EXTERN(Fp8VarTraits<31>, true)
 
 // cuTensorMapEncodeTiled from the driver, looked up once (declared in ptx_sm90.cuh; the backward's
 // dQ map uses it too).
@@ -308,6 +321,17 @@ bool fp8_blockn_192() {
 }
 template <typename Out>
 Fp8Row fp8_row_for_out(bool causal) {
+  if constexpr (std::is_same_v<Out, __nv_bfloat16>) {
+    if (const char* v = std::getenv("IOATTN_SM90_FP8_VARIANT"); v != nullptr && fp8_blockn_192()) {
+      const std::string var(v);
+      if (var == "1") return make_fp8_row<Fp8VarTraits<1>>(causal, "fp8 variant 1");
+      if (var == "6") return make_fp8_row<Fp8VarTraits<6>>(causal, "fp8 variant 6");
+      if (var == "14") return make_fp8_row<Fp8VarTraits<14>>(causal, "fp8 variant 14");
+      if (var == "15") return make_fp8_row<Fp8VarTraits<15>>(causal, "fp8 variant 15");
+      if (var == "22") return make_fp8_row<Fp8VarTraits<22>>(causal, "fp8 variant 22");
+      if (var == "31") return make_fp8_row<Fp8VarTraits<31>>(causal, "fp8 variant 31");
+    }
+  }
   if (fp8_blockn_192()) return make_fp8_row<Fp8Traits192<Out>>(causal, Fp8Tile192::kWhy);
   return make_fp8_row<Fp8Traits128<Out>>(causal, Fp8Tile128::kWhy);
 }
