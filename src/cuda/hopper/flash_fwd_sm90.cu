@@ -99,6 +99,8 @@ IOATTN_SM90_FP8_EXTERN(Fp8VarTraits<22>, false)
 IOATTN_SM90_FP8_EXTERN(Fp8VarTraits<22>, true)
 IOATTN_SM90_FP8_EXTERN(Fp8VarTraits<31>, false)
 IOATTN_SM90_FP8_EXTERN(Fp8VarTraits<31>, true)
+IOATTN_SM90_FP8_EXTERN(Fp8VarTraits<54>, false)
+IOATTN_SM90_FP8_EXTERN(Fp8VarTraits<54>, true)
 
 // cuTensorMapEncodeTiled from the driver, looked up once (declared in ptx_sm90.cuh; the backward's
 // dQ map uses it too).
@@ -330,6 +332,7 @@ Fp8Row fp8_row_for_out(bool causal) {
       if (var == "15") return make_fp8_row<Fp8VarTraits<15>>(causal, "fp8 variant 15");
       if (var == "22") return make_fp8_row<Fp8VarTraits<22>>(causal, "fp8 variant 22");
       if (var == "31") return make_fp8_row<Fp8VarTraits<31>>(causal, "fp8 variant 31");
+      if (var == "54") return make_fp8_row<Fp8VarTraits<54>>(causal, "fp8 variant 54");
     }
   }
   if (fp8_blockn_192()) return make_fp8_row<Fp8Traits192<Out>>(causal, Fp8Tile192::kWhy);

@@ -86,5 +86,7 @@ IOATTN_SM90_FP8_INSTANTIATE(Fp8VarTraits<22>, false)
 IOATTN_SM90_FP8_INSTANTIATE(Fp8VarTraits<22>, true)
 IOATTN_SM90_FP8_INSTANTIATE(Fp8VarTraits<31>, false)
 IOATTN_SM90_FP8_INSTANTIATE(Fp8VarTraits<31>, true)
+IOATTN_SM90_FP8_INSTANTIATE(Fp8VarTraits<54>, false)
+IOATTN_SM90_FP8_INSTANTIATE(Fp8VarTraits<54>, true)
 
 }  // namespace ioattn::cuda::sm90

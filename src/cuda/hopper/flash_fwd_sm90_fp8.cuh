@@ -89,6 +89,7 @@ struct Fp8Params {
 //   4  O *= corr right after the P V wait, beside the packing of P (not between the two issues)
 //   8  row max by a tree (pairs, then pairs of pairs) instead of one serial chain per row
 //   16 the wait for V_{i-1} before the tensor-core turn (beside the wait for K_i), not inside it
+//   32 row sums after the exponentials, four partial sums per row (not one chain beside them)
 template <int kHeadDim_, int kBlockN_, int kStages_, typename Out_, int kVariant_ = 0>
 struct Fp8Traits {
   using Out = Out_;
@@ -386,13 +387,24 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
             corr[r] = exp2_approx(row_max[r] * scale_log2 - m_scaled);
             row_max[r] = mx;
             float sum = 0.0f;
+            if constexpr ((Tr::kVariant & 32) != 0) {
 #pragma unroll
-            for (int i = 0; i < kBlockN / 8; ++i) {
+              for (int i = 0; i < kBlockN / 8; ++i)
 #pragma unroll
-              for (int e = 0; e < 2; ++e) {
-                float& x = s[4 * i + 2 * r + e];
-                x = exp2_approx(fmaf(x, scale_log2, -m_scaled));
-                sum += x;
+                for (int e = 0; e < 2; ++e) s[4 * i + 2 * r + e] = exp2_approx(fmaf(s[4 * i + 2 * r + e], scale_log2, -m_scaled));
+              float part[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+              for (int i = 0; i < kBlockN / 8; ++i) part[i % 2 * 2] += s[4 * i + 2 * r], part[i % 2 * 2 + 1] += s[4 * i + 2 * r + 1];
+              sum = (part[0] + part[1]) + (part[2] + part[3]);
+            } else {
+#pragma unroll
+              for (int i = 0; i < kBlockN / 8; ++i) {
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                  float& x = s[4 * i + 2 * r + e];
+                  x = exp2_approx(fmaf(x, scale_log2, -m_scaled));
+                  sum += x;
+                }
               }
             }
             row_sum[r] = row_sum[r] * corr[r] + sum;
