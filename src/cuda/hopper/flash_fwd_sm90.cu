@@ -101,6 +101,10 @@ IOATTN_SM90_FP8_EXTERN(Fp8VarTraits<31>, false)
 IOATTN_SM90_FP8_EXTERN(Fp8VarTraits<31>, true)
 IOATTN_SM90_FP8_EXTERN(Fp8VarTraits<54>, false)
 IOATTN_SM90_FP8_EXTERN(Fp8VarTraits<54>, true)
+IOATTN_SM90_FP8_EXTERN(Fp8VarTraits<65>, false)
+IOATTN_SM90_FP8_EXTERN(Fp8VarTraits<65>, true)
+IOATTN_SM90_FP8_EXTERN(Fp8VarTraits<87>, false)
+IOATTN_SM90_FP8_EXTERN(Fp8VarTraits<87>, true)
 
 // cuTensorMapEncodeTiled from the driver, looked up once (declared in ptx_sm90.cuh; the backward's
 // dQ map uses it too).
@@ -333,6 +337,8 @@ Fp8Row fp8_row_for_out(bool causal) {
       if (var == "22") return make_fp8_row<Fp8VarTraits<22>>(causal, "fp8 variant 22");
       if (var == "31") return make_fp8_row<Fp8VarTraits<31>>(causal, "fp8 variant 31");
       if (var == "54") return make_fp8_row<Fp8VarTraits<54>>(causal, "fp8 variant 54");
+      if (var == "65") return make_fp8_row<Fp8VarTraits<65>>(causal, "fp8 variant 65");
+      if (var == "87") return make_fp8_row<Fp8VarTraits<87>>(causal, "fp8 variant 87");
     }
   }
   if (fp8_blockn_192()) return make_fp8_row<Fp8Traits192<Out>>(causal, Fp8Tile192::kWhy);

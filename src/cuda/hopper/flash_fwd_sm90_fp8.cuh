@@ -90,6 +90,7 @@ struct Fp8Params {
 //   8  row max by a tree (pairs, then pairs of pairs) instead of one serial chain per row
 //   16 the wait for V_{i-1} before the tensor-core turn (beside the wait for K_i), not inside it
 //   32 row sums after the exponentials, four partial sums per row (not one chain beside them)
+//   64 row sums after the P V wait (gated on O), the exponentials one MUFU stream
 template <int kHeadDim_, int kBlockN_, int kStages_, typename Out_, int kVariant_ = 0>
 struct Fp8Traits {
   using Out = Out_;
@@ -362,6 +363,25 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         auto needs_mask = [&](int n) {
           return (n + 1) * kBlockN > p.seqlen_k || (kCausal && (n + 1) * kBlockN - 1 > m0 + off);
         };
+        // Variant 64: ptxas puts each exponential's first reader (the row-sum FADD) 17 cycles after
+        // its MUFU, its latency model; when the MUFU queue is longer, the warp stalls there, in order,
+        // and the next MUFUs wait. The row sums go after the P V wait instead (their addend gated by
+        // an FFMA on O, which ptxas cannot hoist above the wgmma wait), so the exponentials issue as
+        // one stream. Only useful where the softmax precedes that wait (kCausal or variant bit 1).
+        constexpr bool kLateSums = (Tr::kVariant & 64) != 0;
+        auto row_sums = [&]() {
+          float one;
+          asm("fma.rn.f32 %0, %1, 0f00000000, 0f3F800000;" : "=f"(one) : "f"(o[0]));
+#pragma unroll
+          for (int r = 0; r < 2; ++r) {
+            float part[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+            for (int i = 0; i < kBlockN / 8; ++i)
+#pragma unroll
+              for (int e = 0; e < 2; ++e) part[i % 2 * 2 + e] = fmaf(s[4 * i + 2 * r + e], one, part[i % 2 * 2 + e]);
+            row_sum[r] = row_sum[r] * corr[r] + ((part[0] + part[1]) + (part[2] + part[3]));
+          }
+        };
         auto softmax = [&]() {
           bool changed = false;
 #pragma unroll
@@ -387,7 +407,13 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
             corr[r] = exp2_approx(row_max[r] * scale_log2 - m_scaled);
             row_max[r] = mx;
             float sum = 0.0f;
-            if constexpr ((Tr::kVariant & 32) != 0) {
+            if constexpr (kLateSums) {
+#pragma unroll
+              for (int i = 0; i < kBlockN / 8; ++i)
+#pragma unroll
+                for (int e = 0; e < 2; ++e) s[4 * i + 2 * r + e] = exp2_approx(fmaf(s[4 * i + 2 * r + e], scale_log2, -m_scaled));
+              continue;  // row_sums() after the P V wait
+            } else if constexpr ((Tr::kVariant & 32) != 0) {
 #pragma unroll
               for (int i = 0; i < kBlockN / 8; ++i)
 #pragma unroll
@@ -468,6 +494,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
           release(&empty_k[st]);
           mask_and_softmax(key_block(0, n_blocks, rot));
           if (p.rescale_skip) rescale = false;  // O is still all zeros
+          if constexpr (kLateSums) row_sums();
           convert_p();
         }
 
@@ -502,6 +529,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
           release(&empty_v[prev]);
           FP8_TRACE(i, 9);
           if constexpr (kRescaleLate) rescale_o();
+          if constexpr (kLateSums) row_sums();
           convert_p();
           FP8_TRACE(i, 10);
         }
