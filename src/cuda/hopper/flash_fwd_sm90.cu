@@ -75,6 +75,8 @@ IOATTN_SM90_V3_EXTERN(Hdim128Bf16, false)
 IOATTN_SM90_V3_EXTERN(Hdim128F16, false)
 IOATTN_SM90_V3_EXTERN(Hdim128Bf16Causal, true)
 IOATTN_SM90_V3_EXTERN(Hdim128F16Causal, true)
+using Hdim128Bf16Late = FwdTraits<128, Sm90Tile<128, false>::kBlockN, Sm90Tile<128, false>::kStages, __nv_bfloat16, 0, 2, 1>;
+IOATTN_SM90_V3_EXTERN(Hdim128Bf16Late, false)
 using Fp8Hdim128Bf16 = Fp8Traits128<__nv_bfloat16>;
 using Fp8Hdim128F16 = Fp8Traits128<__half>;
 IOATTN_SM90_FP8_EXTERN(Fp8Hdim128Bf16, false)
@@ -239,6 +241,10 @@ Row row_for_dtype(int64_t hdim, bool causal, bool wg3, bool v3) {
       if (v3) {
         // (The v3 body on 128x128 without a mask, no partial last key block at 2k / 4k: 0.96-1.02x
         // of 128x176, session 15, docs/PERF.md; not kept.)
+        if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+          if (!causal && env_flag("IOATTN_SM90_LATE_SUMS"))
+            return make_row_v3<Hdim128Bf16Late, false>("v3 body, row sums after the P V wait (experiment)");
+        }
         return causal ? make_row_v3<Sm90Traits<128, T, true>, true>(Sm90Tile<128, true>::kWhy)
                       : make_row_v3<Sm90Traits<128, T, false>, false>(Sm90Tile<128, false>::kWhy);
       }
