@@ -206,6 +206,91 @@ Timed launch_timed(void (*k)(long long*, float*), int threads, int sms, long lon
   return t;
 }
 
+// MUFU.EX2 throughput beside the tensor core (session 16: the fp8 forward's softmax takes ~1,800
+// cycles for 96 exponentials per thread, where 8 cycles per warp instruction and scheduler give
+// 768). Warpgroup 0 streams ex2 (16 independent chains per thread, kMufuRounds x 16 per thread).
+// kMode 0: alone (128 threads). 1: warpgroup 1 issues fp8 wgmmas (ss m64n192k32, one commit group
+// of 4, at most two in flight) until warpgroup 0 is done. 2: warpgroup 1 streams ex2 too. 3:
+// warpgroup 0 alone, but each round of 96 ex2 beside its own 6 rs m64n128k32 fp8 wgmmas issued
+// before them and waited for after them (the forward's P V under the softmax). Reported: cycles
+// per ex2 warp instruction of warpgroup 0 (ideal 8), and for mode 3 per round (ideal max(768, 384)).
+constexpr int kMufuRounds = 256;
+template <int kMode>
+__global__ void __launch_bounds__(256, 1) mufu_kernel(long long* cycles, float* sink) {
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  extern __shared__ __align__(1024) uint8_t smem[];
+  __shared__ volatile int s_done;
+  const int tid = threadIdx.x, wg = tid / 128;
+  if (tid == 0) s_done = 0;
+  const uint32_t base = zeroed_tiles(smem);
+  __syncthreads();
+  if (wg == 1 && kMode == 1) {  // the tensor-core load: fp8 Q K^T-shaped wgmmas until told to stop
+    float acc[96];
+#pragma unroll
+    for (int i = 0; i < 96; ++i) acc[i] = 0.f;
+    while (s_done == 0) {
+      wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < 4; ++kk)
+        WgmmaFp8<192>::ss(acc, make_desc_sw128(base + kk * 32, 16, 1024), make_desc_sw128(base + 65536 + kk * 32, 16, 1024), 1);
+      wgmma_commit();
+      wgmma_wait<1>();
+    }
+    wgmma_wait<0>();
+    float t = 0.f;
+#pragma unroll
+    for (int i = 0; i < 96; ++i) t += acc[i];
+    if (t != 0.f) sink[blockIdx.x * blockDim.x + tid] = t;
+    return;
+  }
+  float x[16];
+#pragma unroll
+  for (int i = 0; i < 16; ++i) x[i] = 0.25f + 0.01f * (i + (tid & 7));
+  float o[64];
+#pragma unroll
+  for (int i = 0; i < 64; ++i) o[i] = 0.f;
+  const uint32_t a_reg[4] = {0u, 0u, 0u, 0u};
+  const long long t0 = clock64();
+  for (int r = 0; r < kMufuRounds; ++r) {
+    if constexpr (kMode == 3) {
+      if (r % 6 == 0) {
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < 6; ++kk) WgmmaFp8<128>::rs(o, a_reg, make_desc_sw128(base + 65536 + (kk % 4) * 32, 16, 1024), 1);
+        wgmma_commit();
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < 16; ++i) x[i] = exp2_approx(-x[i]);
+    if constexpr (kMode == 3) {
+      if (r % 6 == 5) {
+        wgmma_wait<0>();
+#pragma unroll
+        for (int i = 0; i < 64; ++i) reg_fence(o[i]);
+      }
+    }
+  }
+  if constexpr (kMode == 3) wgmma_wait<0>();
+  const long long t1 = clock64();
+  if (tid == 0) cycles[blockIdx.x] = t1 - t0;
+  if (wg == 0 && tid % 128 == 0) s_done = 1;
+  float t = 0.f;
+#pragma unroll
+  for (int i = 0; i < 16; ++i) t += x[i];
+#pragma unroll
+  for (int i = 0; i < 64; ++i) t += o[i];
+  if (t == 12345.f) sink[blockIdx.x * blockDim.x + tid] = t;  // never (keeps x and o live)
+#endif
+}
+
+template <int kMode>
+void run_mufu(const char* name, int sms, long long* d_cycles, float* d_sink) {
+  const double mean = launch_timed(&mufu_kernel<kMode>, kMode == 0 || kMode == 3 ? 128 : 256, sms, d_cycles, d_sink).cycles;
+  const double per = mean / (kMufuRounds * 16.0);
+  std::printf("{\"config\": \"mufu ex2 %s\", \"cycles_per_ex2_warp_instruction\": %.2f, \"ideal\": 8, "
+              "\"cycles_per_96\": %.0f}\n", name, per, per * 96);
+}
+
 void run_bwd_step(int sms, long long* d_cycles, float* d_sink) {
   const double mean = launch_timed(&bwd_step_kernel, 256, sms, d_cycles, d_sink).cycles;
   std::printf("{\"config\": \"bwd step hdim128 (wgmmas only)\", \"cycles_per_step\": %.0f, \"ideal\": 2560, "
@@ -336,6 +421,10 @@ int main() {
   run_bwd_step(sms, d_cycles, d_sink);
   run_fwd_step<false>(sms, d_cycles, d_sink);
   run_fwd_step<true>(sms, d_cycles, d_sink);
+  run_mufu<0>("alone", sms, d_cycles, d_sink);
+  run_mufu<1>("beside fp8 wgmmas of the other warpgroup", sms, d_cycles, d_sink);
+  run_mufu<2>("beside ex2 of the other warpgroup", sms, d_cycles, d_sink);
+  run_mufu<3>("beside its own rs fp8 wgmmas (6 per 96 ex2)", sms, d_cycles, d_sink);
   CHECK_CUDA(cudaFree(d_cycles));
   CHECK_CUDA(cudaFree(d_sink));
   return 0;
