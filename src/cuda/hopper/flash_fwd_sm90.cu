@@ -20,7 +20,6 @@
 #include <cstring>
 #include <memory>
 #include <string>
-#include <type_traits>
 
 #include "cuda/check.cuh"
 #include "cuda/hopper/flash_fwd_sm90.cuh"
@@ -75,8 +74,6 @@ IOATTN_SM90_V3_EXTERN(Hdim128Bf16, false)
 IOATTN_SM90_V3_EXTERN(Hdim128F16, false)
 IOATTN_SM90_V3_EXTERN(Hdim128Bf16Causal, true)
 IOATTN_SM90_V3_EXTERN(Hdim128F16Causal, true)
-using Hdim128Bf16Late = FwdTraits<128, Sm90Tile<128, false>::kBlockN, Sm90Tile<128, false>::kStages, __nv_bfloat16, 0, 2, 1>;
-IOATTN_SM90_V3_EXTERN(Hdim128Bf16Late, false)
 using Fp8Hdim128Bf16 = Fp8Traits128<__nv_bfloat16>;
 using Fp8Hdim128F16 = Fp8Traits128<__half>;
 IOATTN_SM90_FP8_EXTERN(Fp8Hdim128Bf16, false)
@@ -89,24 +86,6 @@ IOATTN_SM90_FP8_EXTERN(Fp8Hdim128N192Bf16, false)
 IOATTN_SM90_FP8_EXTERN(Fp8Hdim128N192Bf16, true)
 IOATTN_SM90_FP8_EXTERN(Fp8Hdim128N192F16, false)
 IOATTN_SM90_FP8_EXTERN(Fp8Hdim128N192F16, true)
-IOATTN_SM90_FP8_EXTERN(Fp8VarTraits<1>, false)
-IOATTN_SM90_FP8_EXTERN(Fp8VarTraits<1>, true)
-IOATTN_SM90_FP8_EXTERN(Fp8VarTraits<6>, false)
-IOATTN_SM90_FP8_EXTERN(Fp8VarTraits<6>, true)
-IOATTN_SM90_FP8_EXTERN(Fp8VarTraits<14>, false)
-IOATTN_SM90_FP8_EXTERN(Fp8VarTraits<14>, true)
-IOATTN_SM90_FP8_EXTERN(Fp8VarTraits<15>, false)
-IOATTN_SM90_FP8_EXTERN(Fp8VarTraits<15>, true)
-IOATTN_SM90_FP8_EXTERN(Fp8VarTraits<22>, false)
-IOATTN_SM90_FP8_EXTERN(Fp8VarTraits<22>, true)
-IOATTN_SM90_FP8_EXTERN(Fp8VarTraits<31>, false)
-IOATTN_SM90_FP8_EXTERN(Fp8VarTraits<31>, true)
-IOATTN_SM90_FP8_EXTERN(Fp8VarTraits<54>, false)
-IOATTN_SM90_FP8_EXTERN(Fp8VarTraits<54>, true)
-IOATTN_SM90_FP8_EXTERN(Fp8VarTraits<65>, false)
-IOATTN_SM90_FP8_EXTERN(Fp8VarTraits<65>, true)
-IOATTN_SM90_FP8_EXTERN(Fp8VarTraits<87>, false)
-IOATTN_SM90_FP8_EXTERN(Fp8VarTraits<87>, true)
 
 // cuTensorMapEncodeTiled from the driver, looked up once (declared in ptx_sm90.cuh; the backward's
 // dQ map uses it too).
@@ -241,10 +220,6 @@ Row row_for_dtype(int64_t hdim, bool causal, bool wg3, bool v3) {
       if (v3) {
         // (The v3 body on 128x128 without a mask, no partial last key block at 2k / 4k: 0.96-1.02x
         // of 128x176, session 15, docs/PERF.md; not kept.)
-        if constexpr (std::is_same_v<T, __nv_bfloat16>) {
-          if (!causal && env_flag("IOATTN_SM90_LATE_SUMS"))
-            return make_row_v3<Hdim128Bf16Late, false>("v3 body, row sums after the P V wait (experiment)");
-        }
         return causal ? make_row_v3<Sm90Traits<128, T, true>, true>(Sm90Tile<128, true>::kWhy)
                       : make_row_v3<Sm90Traits<128, T, false>, false>(Sm90Tile<128, false>::kWhy);
       }
@@ -333,20 +308,6 @@ bool fp8_blockn_192() {
 }
 template <typename Out>
 Fp8Row fp8_row_for_out(bool causal) {
-  if constexpr (std::is_same_v<Out, __nv_bfloat16>) {
-    if (const char* v = std::getenv("IOATTN_SM90_FP8_VARIANT"); v != nullptr && fp8_blockn_192()) {
-      const std::string var(v);
-      if (var == "1") return make_fp8_row<Fp8VarTraits<1>>(causal, "fp8 variant 1");
-      if (var == "6") return make_fp8_row<Fp8VarTraits<6>>(causal, "fp8 variant 6");
-      if (var == "14") return make_fp8_row<Fp8VarTraits<14>>(causal, "fp8 variant 14");
-      if (var == "15") return make_fp8_row<Fp8VarTraits<15>>(causal, "fp8 variant 15");
-      if (var == "22") return make_fp8_row<Fp8VarTraits<22>>(causal, "fp8 variant 22");
-      if (var == "31") return make_fp8_row<Fp8VarTraits<31>>(causal, "fp8 variant 31");
-      if (var == "54") return make_fp8_row<Fp8VarTraits<54>>(causal, "fp8 variant 54");
-      if (var == "65") return make_fp8_row<Fp8VarTraits<65>>(causal, "fp8 variant 65");
-      if (var == "87") return make_fp8_row<Fp8VarTraits<87>>(causal, "fp8 variant 87");
-    }
-  }
   if (fp8_blockn_192()) return make_fp8_row<Fp8Traits192<Out>>(causal, Fp8Tile192::kWhy);
   return make_fp8_row<Fp8Traits128<Out>>(causal, Fp8Tile128::kWhy);
 }

@@ -135,12 +135,9 @@ __device__ __forceinline__ TileSpan tile_span(int b, const FwdParams& p, const L
 
 // Tiling parameters of one kernel instance. "should not affect results, only speed".
 template <int kHeadDim_, int kBlockN_, int kStages_, typename Element_, int kExp2PolyEvery_ = 0,
-          int kConsumerWGs_ = 2, int kLateSums_ = 0>
+          int kConsumerWGs_ = 2>
 struct FwdTraits {
   using Element = Element_;
-  // Row sums after the P V wait (v3 body; an experiment, IOATTN_SM90_LATE_SUMS=1): see the fp8
-  // kernel's variant bit 64 (flash_fwd_sm90_fp8.cuh).
-  static constexpr bool kLateSums = kLateSums_ != 0;
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kConsumerWGs = kConsumerWGs_;  // 2 (ping-pong) or 3 (round robin)
   static constexpr int kBlockM = 64 * kConsumerWGs;   // 64 query rows per consumer warpgroup

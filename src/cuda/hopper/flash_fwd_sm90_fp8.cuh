@@ -83,18 +83,9 @@ struct Fp8Params {
 };
 
 // Tiling of the fp8 kernel. Out: the O dtype (__nv_bfloat16 or __half).
-// kVariant_ (experiments, bits; 0 = the shipped kernel):
-//   1  softmax in both arms of the mask branch without a mask too (softmax_i before the P_{i-1} V_{i-1} wait)
-//   2  descriptors built once per tile and stepped by desc_advance (no mask / shift chain per wgmma)
-//   4  O *= corr right after the P V wait, beside the packing of P (not between the two issues)
-//   8  row max by a tree (pairs, then pairs of pairs) instead of one serial chain per row
-//   16 the wait for V_{i-1} before the tensor-core turn (beside the wait for K_i), not inside it
-//   32 row sums after the exponentials, four partial sums per row (not one chain beside them)
-//   64 row sums after the P V wait (gated on O), the exponentials one MUFU stream
-template <int kHeadDim_, int kBlockN_, int kStages_, typename Out_, int kVariant_ = 0>
+template <int kHeadDim_, int kBlockN_, int kStages_, typename Out_>
 struct Fp8Traits {
   using Out = Out_;
-  static constexpr int kVariant = kVariant_;
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kConsumerWGs = 2;
   static constexpr int kBlockM = 128;
@@ -143,9 +134,6 @@ struct Fp8Tile192 {
 };
 template <typename Out>
 using Fp8Traits192 = Fp8Traits<128, Fp8Tile192::kBlockN, Fp8Tile192::kStages, Out>;
-// Experiments: the 128x192 bf16-O row with kVariant bits (IOATTN_SM90_FP8_VARIANT=V).
-template <int V>
-using Fp8VarTraits = Fp8Traits<128, Fp8Tile192::kBlockN, Fp8Tile192::kStages, __nv_bfloat16, V>;
 
 template <class Tr, bool kCausal>
 __global__ void __launch_bounds__(Tr::kThreads, 1)
@@ -300,25 +288,15 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         bool rescale = true;
 
         // S = Q K^T: kHeadDim / 32 k-steps of 32 bytes, both operands K-major.
-        constexpr bool kDescStep = (Tr::kVariant & 2) != 0;
-        const uint64_t q_desc0 = make_desc_sw128(q_base, 16, 1024);
-        const uint64_t k_desc0 = make_desc_sw128(k_base, 16, 1024);
-        const uint64_t v_desc0 = make_desc_sw128(v_base, 16, 1024);
         auto issue_qk = [&](uint32_t st) {
           wgmma_fence();
 #pragma unroll
           for (int kk = 0; kk < kHeadDim / 32; ++kk) {
             const uint32_t col = kk / 4, byte_in_row = (kk % 4) * 32;
-            if constexpr (kDescStep) {
-              const uint64_t a = desc_advance(q_desc0, col * kBlockM * 128 + byte_in_row);
-              const uint64_t bd = desc_advance(k_desc0, st * Tr::kKVBytes + col * kBlockN * 128 + byte_in_row);
-              WgmmaFp8<kBlockN>::ss(s, a, bd, kk > 0 ? 1 : 0);
-            } else {
-              const uint64_t a = make_desc_sw128(q_base + col * kBlockM * 128 + byte_in_row, 16, 1024);
-              const uint64_t bd =
-                  make_desc_sw128(k_base + st * Tr::kKVBytes + col * kBlockN * 128 + byte_in_row, 16, 1024);
-              WgmmaFp8<kBlockN>::ss(s, a, bd, kk > 0 ? 1 : 0);
-            }
+            const uint64_t a = make_desc_sw128(q_base + col * kBlockM * 128 + byte_in_row, 16, 1024);
+            const uint64_t bd =
+                make_desc_sw128(k_base + st * Tr::kKVBytes + col * kBlockN * 128 + byte_in_row, 16, 1024);
+            WgmmaFp8<kBlockN>::ss(s, a, bd, kk > 0 ? 1 : 0);
           }
           wgmma_commit();
         };
@@ -329,8 +307,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
           for (int kk = 0; kk < kBlockN / 32; ++kk) {
             const uint32_t col = kk / 4, byte_in_row = (kk % 4) * 32;
             const uint64_t bd =
-                kDescStep ? desc_advance(v_desc0, st * Tr::kVBytes + col * kHeadDim * 128 + byte_in_row)
-                          : make_desc_sw128(v_base + st * Tr::kVBytes + col * kHeadDim * 128 + byte_in_row, 16, 1024);
+                make_desc_sw128(v_base + st * Tr::kVBytes + col * kHeadDim * 128 + byte_in_row, 16, 1024);
             const uint32_t a[4] = {pf[4 * kk], pf[4 * kk + 1], pf[4 * kk + 2], pf[4 * kk + 3]};
             WgmmaFp8<kHeadDim>::rs(o, a, bd, 1);
           }
@@ -363,43 +340,13 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         auto needs_mask = [&](int n) {
           return (n + 1) * kBlockN > p.seqlen_k || (kCausal && (n + 1) * kBlockN - 1 > m0 + off);
         };
-        // Variant 64: ptxas puts each exponential's first reader (the row-sum FADD) 17 cycles after
-        // its MUFU, its latency model; when the MUFU queue is longer, the warp stalls there, in order,
-        // and the next MUFUs wait. The row sums go after the P V wait instead (their addend gated by
-        // an FFMA on O, which ptxas cannot hoist above the wgmma wait), so the exponentials issue as
-        // one stream. Only useful where the softmax precedes that wait (kCausal or variant bit 1).
-        constexpr bool kLateSums = (Tr::kVariant & 64) != 0;
-        auto row_sums = [&]() {
-          float one;
-          asm("fma.rn.f32 %0, %1, 0f00000000, 0f3F800000;" : "=f"(one) : "f"(o[0]));
-#pragma unroll
-          for (int r = 0; r < 2; ++r) {
-            float part[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-#pragma unroll
-            for (int i = 0; i < kBlockN / 8; ++i)
-#pragma unroll
-              for (int e = 0; e < 2; ++e) part[i % 2 * 2 + e] = fmaf(s[4 * i + 2 * r + e], one, part[i % 2 * 2 + e]);
-            row_sum[r] = row_sum[r] * corr[r] + ((part[0] + part[1]) + (part[2] + part[3]));
-          }
-        };
         auto softmax = [&]() {
           bool changed = false;
 #pragma unroll
           for (int r = 0; r < 2; ++r) {
             float mx = row_max[r];
-            if constexpr ((Tr::kVariant & 8) != 0) {
-              float m[kBlockN / 8];
 #pragma unroll
-              for (int i = 0; i < kBlockN / 8; ++i) m[i] = fmaxf(s[4 * i + 2 * r], s[4 * i + 2 * r + 1]);
-#pragma unroll
-              for (int w = 1; w < kBlockN / 8; w *= 2)
-#pragma unroll
-                for (int i = 0; i + w < kBlockN / 8; i += 2 * w) m[i] = fmaxf(m[i], m[i + w]);
-              mx = fmaxf(mx, m[0]);
-            } else {
-#pragma unroll
-              for (int i = 0; i < kBlockN / 8; ++i) mx = fmaxf(mx, fmaxf(s[4 * i + 2 * r], s[4 * i + 2 * r + 1]));
-            }
+            for (int i = 0; i < kBlockN / 8; ++i) mx = fmaxf(mx, fmaxf(s[4 * i + 2 * r], s[4 * i + 2 * r + 1]));
             mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
             mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
             changed |= mx != row_max[r];
@@ -407,30 +354,13 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
             corr[r] = exp2_approx(row_max[r] * scale_log2 - m_scaled);
             row_max[r] = mx;
             float sum = 0.0f;
-            if constexpr (kLateSums) {
 #pragma unroll
-              for (int i = 0; i < kBlockN / 8; ++i)
+            for (int i = 0; i < kBlockN / 8; ++i) {
 #pragma unroll
-                for (int e = 0; e < 2; ++e) s[4 * i + 2 * r + e] = exp2_approx(fmaf(s[4 * i + 2 * r + e], scale_log2, -m_scaled));
-              continue;  // row_sums() after the P V wait
-            } else if constexpr ((Tr::kVariant & 32) != 0) {
-#pragma unroll
-              for (int i = 0; i < kBlockN / 8; ++i)
-#pragma unroll
-                for (int e = 0; e < 2; ++e) s[4 * i + 2 * r + e] = exp2_approx(fmaf(s[4 * i + 2 * r + e], scale_log2, -m_scaled));
-              float part[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-#pragma unroll
-              for (int i = 0; i < kBlockN / 8; ++i) part[i % 2 * 2] += s[4 * i + 2 * r], part[i % 2 * 2 + 1] += s[4 * i + 2 * r + 1];
-              sum = (part[0] + part[1]) + (part[2] + part[3]);
-            } else {
-#pragma unroll
-              for (int i = 0; i < kBlockN / 8; ++i) {
-#pragma unroll
-                for (int e = 0; e < 2; ++e) {
-                  float& x = s[4 * i + 2 * r + e];
-                  x = exp2_approx(fmaf(x, scale_log2, -m_scaled));
-                  sum += x;
-                }
+              for (int e = 0; e < 2; ++e) {
+                float& x = s[4 * i + 2 * r + e];
+                x = exp2_approx(fmaf(x, scale_log2, -m_scaled));
+                sum += x;
               }
             }
             row_sum[r] = row_sum[r] * corr[r] + sum;
@@ -446,7 +376,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         // 3-13% faster causal (4k 0.401 vs 0.424-0.461 ms) and 1-5% slower without a mask (16k
         // 2.89-2.96 vs 2.76-2.77 ms), so each mode keeps the form that wins.
         auto mask_and_softmax = [&](int n) {
-          if constexpr (kCausal || (Tr::kVariant & 1) != 0) {
+          if constexpr (kCausal) {
             if (needs_mask(n)) {
               apply_mask(n);
               softmax();
@@ -458,9 +388,6 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
             softmax();
           }
         };
-        // Variant 4: O *= corr_i right after P_{i-1} V_{i-1} has landed (the step's wait<0>), so
-        // the next step issues P_i V_i onto an O already at max_i; the first block needs none (O = 0).
-        constexpr bool kRescaleLate = (Tr::kVariant & 4) != 0;
         auto rescale_o = [&]() {
           if (!rescale) return;
 #pragma unroll
@@ -494,7 +421,6 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
           release(&empty_k[st]);
           mask_and_softmax(key_block(0, n_blocks, rot));
           if (p.rescale_skip) rescale = false;  // O is still all zeros
-          if constexpr (kLateSums) row_sums();
           convert_p();
         }
 
@@ -505,15 +431,14 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
           FP8_TRACE(i, 0);
           const uint32_t st = ring_stage(ring + i, kStages), prev = ring_stage(ring + i - 1, kStages);
           mbarrier_wait(&full_k[st], ring_phase(ring + i, kStages));
-          if constexpr ((Tr::kVariant & 16) != 0) mbarrier_wait(&full_v[prev], ring_phase(ring + i - 1, kStages));
           FP8_TRACE(i, 1);
           named_barrier_sync(sched_mine, 256);
           FP8_TRACE(i, 2);
           issue_qk(st);
           FP8_TRACE(i, 3);
-          if constexpr (!kRescaleLate) rescale_o();
+          rescale_o();
           FP8_TRACE(i, 4);
-          if constexpr ((Tr::kVariant & 16) == 0) mbarrier_wait(&full_v[prev], ring_phase(ring + i - 1, kStages));
+          mbarrier_wait(&full_v[prev], ring_phase(ring + i - 1, kStages));
           FP8_TRACE(i, 5);
           issue_pv(prev);
           named_barrier_arrive(sched_other, 256);
@@ -528,8 +453,6 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
           fence_o();
           release(&empty_v[prev]);
           FP8_TRACE(i, 9);
-          if constexpr (kRescaleLate) rescale_o();
-          if constexpr (kLateSums) row_sums();
           convert_p();
           FP8_TRACE(i, 10);
         }
@@ -540,7 +463,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
           const uint32_t prev = ring_stage(ring + n_blocks - 1, kStages);
           mbarrier_wait(&full_v[prev], ring_phase(ring + n_blocks - 1, kStages));
           named_barrier_sync(sched_mine, 256);
-          if constexpr (!kRescaleLate) rescale_o();
+          rescale_o();
           issue_pv(prev);
           named_barrier_arrive(sched_other, 256);
           wgmma_wait<0>();

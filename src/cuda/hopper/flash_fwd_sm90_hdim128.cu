@@ -25,7 +25,4 @@ IOATTN_SM90_V3_INSTANTIATE(Hdim128Bf16, false)
 IOATTN_SM90_V3_INSTANTIATE(Hdim128F16, false)
 IOATTN_SM90_V3_INSTANTIATE(Hdim128Bf16Causal, true)
 IOATTN_SM90_V3_INSTANTIATE(Hdim128F16Causal, true)
-// Experiment (IOATTN_SM90_LATE_SUMS=1): the v3 body with the row sums after the P V wait.
-using Hdim128Bf16Late = FwdTraits<128, Sm90Tile<128, false>::kBlockN, Sm90Tile<128, false>::kStages, __nv_bfloat16, 0, 2, 1>;
-IOATTN_SM90_V3_INSTANTIATE(Hdim128Bf16Late, false)
 }  // namespace ioattn::cuda::sm90

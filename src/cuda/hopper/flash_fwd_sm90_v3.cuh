@@ -194,19 +194,6 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         // Online softmax on S of one key block: new row max, corr = exp(old max - new max),
         // S <- exp(scale (S - max)), row_sum <- row_sum * corr + sum. Rows stay -inf-safe.
         // kPoly: every kExp2PolyEvery-th group of 8 columns uses exp2_poly3 (no masked scores).
-        auto row_sums = [&]() {  // Tr::kLateSums: after the P V wait, gated on O (see FwdTraits)
-          float one;
-          asm("fma.rn.f32 %0, %1, 0f00000000, 0f3F800000;" : "=f"(one) : "f"(o[0]));
-#pragma unroll
-          for (int r = 0; r < 2; ++r) {
-            float part[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-#pragma unroll
-            for (int i = 0; i < kBlockN / 8; ++i)
-#pragma unroll
-              for (int e = 0; e < 2; ++e) part[i % 2 * 2 + e] = fmaf(s[4 * i + 2 * r + e], one, part[i % 2 * 2 + e]);
-            row_sum[r] = row_sum[r] * corr[r] + ((part[0] + part[1]) + (part[2] + part[3]));
-          }
-        };
         auto softmax = [&](auto poly_tag) {
           constexpr bool kPoly = decltype(poly_tag)::value;
 #pragma unroll
@@ -219,7 +206,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
             const float m_scaled = mx == -INFINITY ? 0.0f : mx * p.scale_log2;
             corr[r] = exp2_approx(row_max[r] * p.scale_log2 - m_scaled);  // old max -inf -> 0
             row_max[r] = mx;
-            [[maybe_unused]] float sum = 0.0f;
+            float sum = 0.0f;
 #pragma unroll
             for (int i = 0; i < kBlockN / 8; ++i) {
 #pragma unroll
@@ -230,10 +217,10 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
                   x = exp2_poly3(arg);
                 else
                   x = exp2_approx(arg);
-                if constexpr (!Tr::kLateSums) sum += x;
+                sum += x;
               }
             }
-            if constexpr (!Tr::kLateSums) row_sum[r] = row_sum[r] * corr[r] + sum;
+            row_sum[r] = row_sum[r] * corr[r] + sum;
           }
         };
         auto mask_and_softmax = [&](int n) {
@@ -270,7 +257,6 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
           fence_s();
           release(&empty_k[st]);
           mask_and_softmax(key_block(0, n_blocks, rot));
-          if constexpr (Tr::kLateSums) row_sums();
           convert_p();
         }
 
@@ -291,7 +277,6 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
           wgmma_wait<0>();  // P_{i-1} V_{i-1} done: pf and the V slot are free
           fence_o();
           release(&empty_v[prev]);
-          if constexpr (Tr::kLateSums) row_sums();
           convert_p();
         }
         release(&empty_q);  // every Q K^T of this tile has completed: the producer may load the next Q
