@@ -30,8 +30,10 @@
 #      stall reasons per issued instruction, pipes, memory, L2 hit rate -> ncu_dec_ours.log,
 #      ncu_dec_probe.log, ncu_dec_cudnn.log, a full report of ours with its per-instruction source page
 #      (ncu_dec_ours_full.ncu-rep, ncu_dec_ours_source.csv) and the deciding lines in the summary.
-#   ncufwd (not in the default stages; ~1-2 min): Nsight Compute on one launch each of the sm90 forward's
-#      hdim-128 bf16 kernels (v3 body non-causal, v4 body causal, 8k) and the fp8 kernel -> ncu_fwd.log.
+#   ncufwd (not in the default stages; ~2-3 min): Nsight Compute on one launch each of the sm90 forward's
+#      hdim-128 bf16 kernels (v3 body non-causal, v4 body causal, 8k) and the fp8 kernel -> ncu_fwd.log;
+#      a full report of one fp8 launch (16k) with its per-instruction source page -> ncu_fp8_full.ncu-rep,
+#      ncu_fp8_source.csv.
 #   GPU_CHECK_POWER=1 (with stage sm90): SM clock / power / throttle reasons sampled through ours and
 #      the peers' runs -> power.csv and one line per phase in the summary.
 #   interleave (~3 min per mode and distribution; the like-for-like peer table): ioattn through its Python
@@ -49,6 +51,9 @@
 #   bwdtrace (not in the default stages; ~1.5 min incl. its own build in BUILD-trace): the wgmma
 #      backward's step timeline, mean SM cycles per phase per warpgroup (IOATTN_BWD_TRACE=1 build),
 #      per variant in GPU_CHECK_TRACE_VARIANTS and seqlen in GPU_CHECK_TRACE_SEQLENS -> summary.
+#   fp8trace (not in the default stages; ~1 min incl. its own build in BUILD-fp8trace): the fp8
+#      forward's consumer-loop phases, mean SM cycles per phase per warpgroup (IOATTN_FP8_TRACE=1
+#      build), 128x192 and 128x128 (GPU_CHECK_FP8TRACE_BLOCKN) -> summary.
 #   dectrace (not in the default stages; ~1.5 min incl. its own build in BUILD-dtrace): the mma decode
 #      kernel's phases (IOATTN_DECODE_TRACE=1 build), SM cycles per phase over the CTAs of a launch,
 #      per cell in GPU_CHECK_DECTRACE_CELLS -> summary.
@@ -451,6 +456,15 @@ if want ncufwd && command -v ncu >/dev/null; then
   [[ -x $BUILD/ioattn_sm90_check ]] && timeout 240 ncu "${NCU_FWD[@]}" -k regex:flash_fwd_sm90_fp8_kernel \
     "$BUILD/ioattn_sm90_check" --bench-only --fp8-only >>"$OUT/ncu_fwd.log" 2>&1
   note "ncu fwd    rc=$?  $(( $(stamp) - t0 )) s  (ncu_fwd.log)"
+  # Session 16: the fp8 softmax takes ~1,600-2,000 cycles per step for 772 of MUFU work. A full
+  # report of one fp8 launch (16k, no mask: the bench's 113th fp8 launch) and its source page
+  # (per-SASS-instruction stall reasons and warp-state samples) as CSV.
+  [[ -x $BUILD/ioattn_sm90_check ]] && timeout 240 ncu --clock-control none -c 1 --launch-skip 112 --set full \
+    --import-source no -k regex:flash_fwd_sm90_fp8_kernel -o "$OUT/ncu_fp8_full" -f \
+    "$BUILD/ioattn_sm90_check" --bench-only --fp8-only >>"$OUT/ncu_fwd.log" 2>&1 &&
+    ncu --import "$OUT/ncu_fp8_full.ncu-rep" --page source --print-source sass --csv \
+      >"$OUT/ncu_fp8_source.csv" 2>>"$OUT/ncu_fwd.log"
+  note "ncu fp8 full rc=$?  (ncu_fp8_full.ncu-rep, ncu_fp8_source.csv: per-instruction)"
   grep -E 'flash_fwd_sm90|Duration|pipe_(tensor|alu|fma|xu|fmaheavy)_cycles|inst_executed|stalled_(wait|dispatch_stall|mio_throttle|long_scoreboard|short_scoreboard|barrier|gmma|math_pipe_throttle|no_instruction)_per|Eligible Warps|Issued Warp' \
     "$OUT/ncu_fwd.log" | grep -v '^==' | sed -E 's/  +/ /g; s/^ //' | cut -c1-150 | tee -a "$SUMMARY"
 fi
@@ -563,6 +577,22 @@ if want bwdtrace; then
   done
   note "bwdtrace   rc=$?  $(( $(stamp) - t0 )) s  (bwdtrace.log)"
   grep -E '^## variant|^bwd trace' "$OUT/bwdtrace.log" | tee -a "$SUMMARY"
+fi
+
+# ---- the fp8 forward's consumer-loop phases (optional stage fp8trace) ------------------------------
+# A second build with -DIOATTN_FP8_TRACE=1 (flash_fwd_sm90_fp8.cuh: SM clock stamps per phase of the
+# steady-state steps, both consumer warpgroups); ioattn_sm90_check's fp8 bench prints the trace after
+# the 10th launch of each seqlen, per tile width in GPU_CHECK_FP8TRACE_BLOCKN (default "192 128").
+if want fp8trace; then
+  t0=$(stamp)
+  FBUILD="$BUILD-fp8trace"
+  { configure "$FBUILD" -DCMAKE_CUDA_FLAGS=-DIOATTN_FP8_TRACE=1 &&
+      ninja -C "$FBUILD" -j "$JOBS" ioattn_sm90_check; } >"$OUT/fp8trace.log" 2>&1
+  for bn in ${GPU_CHECK_FP8TRACE_BLOCKN:-192 128}; do
+    IOATTN_SM90_FP8_BLOCKN=$bn timeout 120 "$FBUILD/ioattn_sm90_check" --bench-only --fp8-only >>"$OUT/fp8trace.log" 2>&1
+  done
+  note "fp8trace   rc=$?  $(( $(stamp) - t0 )) s  (fp8trace.log)"
+  grep -E '^fp8 trace' "$OUT/fp8trace.log" | tee -a "$SUMMARY"
 fi
 
 # ---- the mma decode kernel's phases (optional stage dectrace) ---------------------------------------
