@@ -49,7 +49,8 @@ __device__ __forceinline__ uint32_t zeroed_tiles(uint8_t* smem) {
 }
 
 // kMode 0: ss, A and B K-major (S^T = K Q^T); 1: ss, A MN-major (transposed), B MN-major (dQ = dS K
-// from dS^T); 2: rs, B MN-major (dV += P^T dO).
+// from dS^T); 2: rs, B MN-major (dV += P^T dO); 3 / 4: e4m3 m64nNk32 ss / rs, K-major (the fp8
+// forward's wgmmas; the same N / 2 cycles ideal as bf16 k16).
 template <int N, int kMode, int kWGs, bool kTraffic>
 __global__ void __launch_bounds__((kWGs + kTraffic) * 128, 1) rate_kernel(long long* cycles, float* sink) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -93,8 +94,12 @@ __global__ void __launch_bounds__((kWGs + kTraffic) * 128, 1) rate_kernel(long l
       } else if constexpr (kMode == 1) {
         Wgmma<N, __nv_bfloat16>::template ss<1, 1>(acc, make_desc_sw128(a_base + kk * 2048, 128 * 128, 1024),
                                                    make_desc_sw128(b_base + kk * 2048, 128 * 128, 1024), 1);
-      } else {
+      } else if constexpr (kMode == 2) {
         Wgmma<N, __nv_bfloat16>::template rs<1>(acc, a_reg, make_desc_sw128(b_base + kk * 2048, 64 * 128, 1024), 1);
+      } else if constexpr (kMode == 3) {  // e4m3 m64nNk32, both K-major (the fp8 forward's Q K^T)
+        WgmmaFp8<N>::ss(acc, make_desc_sw128(a_base + kk * 32, 16, 1024), make_desc_sw128(b_base + kk * 32, 16, 1024), 1);
+      } else {  // e4m3 rs, B K-major (the fp8 forward's P V on V^T)
+        WgmmaFp8<N>::rs(acc, a_reg, make_desc_sw128(b_base + kk * 32, 16, 1024), 1);
       }
     }
     wgmma_commit();
@@ -209,11 +214,26 @@ Timed launch_timed(void (*k)(long long*, float*), int threads, int sms, long lon
 // MUFU.EX2 throughput beside the tensor core (session 16: the fp8 forward's softmax takes ~1,800
 // cycles for 96 exponentials per thread, where 8 cycles per warp instruction and scheduler give
 // 768). Warpgroup 0 streams ex2 (16 independent chains per thread, kMufuRounds x 16 per thread).
-// kMode 0: alone (128 threads). 1: warpgroup 1 issues fp8 wgmmas (ss m64n192k32, one commit group
-// of 4, at most two in flight) until warpgroup 0 is done. 2: warpgroup 1 streams ex2 too. 3:
+// kMode 0: alone (128 threads). 1: warpgroup 1 issues fp8 wgmmas (ss m64n192k32, commit groups of
+// 8, one in flight) until warpgroup 0 is done. 2: warpgroup 1 streams ex2 too. 3:
 // warpgroup 0 alone, but each round of 96 ex2 beside its own 6 rs m64n128k32 fp8 wgmmas issued
-// before them and waited for after them (the forward's P V under the softmax). Reported: cycles
-// per ex2 warp instruction of warpgroup 0 (ideal 8), and for mode 3 per round (ideal max(768, 384)).
+// before them and waited for after them (the forward's P V under the softmax). 4: as 1 with
+// warpgroup 1's wgmmas rs m64n128k32 (its P V; groups of 12). 5: as 3 with 4 ss m64n192k32 (a Q K^T
+// of the same warpgroup writing register accumulators, FA3's order). 6: alone, 4 of the 16 chains
+// on the FMA pipe (exp2_fma, a degree-3 polynomial: FlashAttention-4's MUFU offload). 7: 6 beside
+// warpgroup 1's ss wgmmas (as 1). Reported: cycles per exponential warp instruction of warpgroup 0
+// (ideal 8; 6 for modes 6-7 if the MUFU alone bounds them), and per 96.
+// 2^x for x <= 0 on the FMA / ALU pipes: x = n + f (n = round(x) by the 1.5 * 2^23 trick, f in
+// [-0.5, 0.5]), 2^f by a degree-3 polynomial (relative error < 1e-4), n added into the exponent
+// bits. x is clamped at -126 (2^-126 ~ 1e-38: far below the P values that matter).
+__device__ __forceinline__ float exp2_fma(float x) {
+  x = fmaxf(x, -126.0f);
+  const float t = x + 12582912.0f;  // 1.5 * 2^23: round(x) in the low mantissa bits
+  const float f = x - (t - 12582912.0f);
+  float p = fmaf(fmaf(fmaf(0.0555041087f, f, 0.240226507f), f, 0.693147182f), f, 1.0f);
+  return __int_as_float(__float_as_int(p) + (__float_as_int(t) << 23));
+}
+
 constexpr int kMufuRounds = 256;
 template <int kMode>
 __global__ void __launch_bounds__(256, 1) mufu_kernel(long long* cycles, float* sink) {
@@ -224,17 +244,29 @@ __global__ void __launch_bounds__(256, 1) mufu_kernel(long long* cycles, float* 
   if (tid == 0) s_done = 0;
   const uint32_t base = zeroed_tiles(smem);
   __syncthreads();
-  if (wg == 1 && kMode == 1) {  // the tensor-core load: fp8 Q K^T-shaped wgmmas until told to stop
+  if (wg == 1 && (kMode == 1 || kMode == 4 || kMode == 7)) {  // the tensor-core load until told to stop
     float acc[96];
 #pragma unroll
     for (int i = 0; i < 96; ++i) acc[i] = 0.f;
+    const uint32_t a_reg[4] = {0u, 0u, 0u, 0u};
     while (s_done == 0) {
       wgmma_fence();
+      // One group of ~768 tensor cycles per iteration, waited for before the next: with two groups
+      // in flight on one accumulator (wait<1>) ptxas serialises every wgmma (C7514), which left
+      // session 16's mode-1 rows with a half-idle tensor core.
+      if constexpr (kMode == 4) {  // P V-shaped: rs m64n128k32
+        float(&acc64)[64] = *reinterpret_cast<float(*)[64]>(acc);
 #pragma unroll
-      for (int kk = 0; kk < 4; ++kk)
-        WgmmaFp8<192>::ss(acc, make_desc_sw128(base + kk * 32, 16, 1024), make_desc_sw128(base + 65536 + kk * 32, 16, 1024), 1);
+        for (int kk = 0; kk < 12; ++kk)
+          WgmmaFp8<128>::rs(acc64, a_reg, make_desc_sw128(base + 65536 + (kk % 4) * 32, 16, 1024), 1);
+      } else {  // Q K^T-shaped: ss m64n192k32
+#pragma unroll
+        for (int kk = 0; kk < 8; ++kk)
+          WgmmaFp8<192>::ss(acc, make_desc_sw128(base + (kk % 4) * 32, 16, 1024),
+                            make_desc_sw128(base + 65536 + (kk % 4) * 32, 16, 1024), 1);
+      }
       wgmma_commit();
-      wgmma_wait<1>();
+      wgmma_wait<0>();
     }
     wgmma_wait<0>();
     float t = 0.f;
@@ -246,31 +278,46 @@ __global__ void __launch_bounds__(256, 1) mufu_kernel(long long* cycles, float* 
   float x[16];
 #pragma unroll
   for (int i = 0; i < 16; ++i) x[i] = 0.25f + 0.01f * (i + (tid & 7));
-  float o[64];
+  constexpr bool kOwn = kMode == 3 || kMode == 5;
+  constexpr int kAcc = kMode == 5 ? 96 : 64;
+  float o[kAcc];
 #pragma unroll
-  for (int i = 0; i < 64; ++i) o[i] = 0.f;
+  for (int i = 0; i < kAcc; ++i) o[i] = 0.f;
   const uint32_t a_reg[4] = {0u, 0u, 0u, 0u};
   const long long t0 = clock64();
   for (int r = 0; r < kMufuRounds; ++r) {
-    if constexpr (kMode == 3) {
+    if constexpr (kOwn) {
       if (r % 6 == 0) {
         wgmma_fence();
+        if constexpr (kMode == 3) {
+          float(&o64)[64] = *reinterpret_cast<float(*)[64]>(o);
 #pragma unroll
-        for (int kk = 0; kk < 6; ++kk) WgmmaFp8<128>::rs(o, a_reg, make_desc_sw128(base + 65536 + (kk % 4) * 32, 16, 1024), 1);
+          for (int kk = 0; kk < 6; ++kk) WgmmaFp8<128>::rs(o64, a_reg, make_desc_sw128(base + 65536 + (kk % 4) * 32, 16, 1024), 1);
+        } else {
+          float(&o96)[96] = *reinterpret_cast<float(*)[96]>(o);
+#pragma unroll
+          for (int kk = 0; kk < 4; ++kk)
+            WgmmaFp8<192>::ss(o96, make_desc_sw128(base + kk * 32, 16, 1024), make_desc_sw128(base + 65536 + kk * 32, 16, 1024), 1);
+        }
         wgmma_commit();
       }
     }
+    if constexpr (kMode == 6 || kMode == 7) {
 #pragma unroll
-    for (int i = 0; i < 16; ++i) x[i] = exp2_approx(-x[i]);
-    if constexpr (kMode == 3) {
+      for (int i = 0; i < 16; ++i) x[i] = i % 4 == 3 ? exp2_fma(-x[i]) : exp2_approx(-x[i]);
+    } else {
+#pragma unroll
+      for (int i = 0; i < 16; ++i) x[i] = exp2_approx(-x[i]);
+    }
+    if constexpr (kOwn) {
       if (r % 6 == 5) {
         wgmma_wait<0>();
 #pragma unroll
-        for (int i = 0; i < 64; ++i) reg_fence(o[i]);
+        for (int i = 0; i < kAcc; ++i) reg_fence(o[i]);
       }
     }
   }
-  if constexpr (kMode == 3) wgmma_wait<0>();
+  if constexpr (kOwn) wgmma_wait<0>();
   const long long t1 = clock64();
   if (tid == 0) cycles[blockIdx.x] = t1 - t0;
   if (wg == 0 && tid % 128 == 0) s_done = 1;
@@ -278,14 +325,14 @@ __global__ void __launch_bounds__(256, 1) mufu_kernel(long long* cycles, float* 
 #pragma unroll
   for (int i = 0; i < 16; ++i) t += x[i];
 #pragma unroll
-  for (int i = 0; i < 64; ++i) t += o[i];
+  for (int i = 0; i < kAcc; ++i) t += o[i];
   if (t == 12345.f) sink[blockIdx.x * blockDim.x + tid] = t;  // never (keeps x and o live)
 #endif
 }
 
 template <int kMode>
 void run_mufu(const char* name, int sms, long long* d_cycles, float* d_sink) {
-  const double mean = launch_timed(&mufu_kernel<kMode>, kMode == 0 || kMode == 3 ? 128 : 256, sms, d_cycles, d_sink).cycles;
+  const double mean = launch_timed(&mufu_kernel<kMode>, kMode == 0 || kMode == 3 || kMode == 5 || kMode == 6 ? 128 : 256, sms, d_cycles, d_sink).cycles;
   const double per = mean / (kMufuRounds * 16.0);
   std::printf("{\"config\": \"mufu ex2 %s\", \"cycles_per_ex2_warp_instruction\": %.2f, \"ideal\": 8, "
               "\"cycles_per_96\": %.0f}\n", name, per, per * 96);
@@ -414,6 +461,9 @@ int main() {
   run<128, 2, 2>("rs b mn-major", sms, d_cycles, d_sink);
   run<256, 2, 2>("rs b mn-major", sms, d_cycles, d_sink);
   run<64, 0, 3>("ss kmajor", sms, d_cycles, d_sink);
+  run<192, 3, 1>("fp8 ss kmajor", sms, d_cycles, d_sink);
+  run<192, 3, 2>("fp8 ss kmajor", sms, d_cycles, d_sink);
+  run<128, 4, 2>("fp8 rs kmajor", sms, d_cycles, d_sink);
   run<64, 0, 2, true>("ss kmajor", sms, d_cycles, d_sink);
   run<64, 1, 2, true>("ss a,b mn-major", sms, d_cycles, d_sink);
   run<128, 0, 2, true>("ss kmajor", sms, d_cycles, d_sink);
@@ -425,6 +475,10 @@ int main() {
   run_mufu<1>("beside fp8 wgmmas of the other warpgroup", sms, d_cycles, d_sink);
   run_mufu<2>("beside ex2 of the other warpgroup", sms, d_cycles, d_sink);
   run_mufu<3>("beside its own rs fp8 wgmmas (6 per 96 ex2)", sms, d_cycles, d_sink);
+  run_mufu<4>("beside rs fp8 wgmmas of the other warpgroup", sms, d_cycles, d_sink);
+  run_mufu<5>("beside its own ss fp8 wgmmas (4 m64n192k32 per 96 ex2)", sms, d_cycles, d_sink);
+  run_mufu<6>("alone, 1 in 4 on the FMA pipe", sms, d_cycles, d_sink);
+  run_mufu<7>("1 in 4 on the FMA pipe, beside ss fp8 wgmmas of the other warpgroup", sms, d_cycles, d_sink);
   CHECK_CUDA(cudaFree(d_cycles));
   CHECK_CUDA(cudaFree(d_sink));
   return 0;
