@@ -338,6 +338,51 @@ void run_mufu(const char* name, int sms, long long* d_cycles, float* d_sink) {
               "\"cycles_per_96\": %.0f}\n", name, per, per * 96);
 }
 
+// The e4m3 packing's conversion (cvt.rn.satfinite.e4m3x2.f32: F2FP.SATFINITE.E4M3.F32.PACK_AB in
+// SASS, two fp32 -> two e4m3) beside the exponentials: the fp8 forward packs P with 48 of them per
+// 96 exponentials, and its packing phase takes ~190-400 cycles per step (session 17). Warpgroup 0
+// alone; kMode 0: 16 independent cvts per round; 1: 16 ex2 per round; 2: 16 ex2 + 8 cvts per round
+// (the forward's ratio). Reported: cycles per round (ex2 alone: 128 at 8 cycles each).
+template <int kMode>
+__global__ void __launch_bounds__(128, 1) cvt_kernel(long long* cycles, float* sink) {
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  const int tid = threadIdx.x;
+  float x[16];
+#pragma unroll
+  for (int i = 0; i < 16; ++i) x[i] = 0.25f + 0.01f * (i + (tid & 7));
+  uint32_t acc = 0;
+  __syncthreads();
+  const long long t0 = clock64();
+  for (int r = 0; r < kMufuRounds; ++r) {
+    if constexpr (kMode != 0) {
+#pragma unroll
+      for (int i = 0; i < 16; ++i) x[i] = exp2_approx(-x[i]);
+    }
+    if constexpr (kMode != 1) {
+#pragma unroll
+      for (int i = 0; i < (kMode == 0 ? 16 : 8); ++i) {
+        uint16_t h;
+        asm volatile("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(h) : "f"(x[i]), "f"(x[(i + 8) % 16]));
+        acc ^= h;
+      }
+    }
+  }
+  const long long t1 = clock64();
+  if (tid == 0) cycles[blockIdx.x] = t1 - t0;
+  float t = static_cast<float>(acc);
+#pragma unroll
+  for (int i = 0; i < 16; ++i) t += x[i];
+  if (t == 12345.f) sink[blockIdx.x * blockDim.x + tid] = t;
+#endif
+}
+
+template <int kMode>
+void run_cvt(const char* name, int sms, long long* d_cycles, float* d_sink) {
+  const double mean = launch_timed(&cvt_kernel<kMode>, 128, sms, d_cycles, d_sink).cycles;
+  std::printf("{\"config\": \"e4m3 cvt %s\", \"cycles_per_round\": %.1f, \"ex2_alone_ideal\": 128}\n", name,
+              mean / kMufuRounds);
+}
+
 void run_bwd_step(int sms, long long* d_cycles, float* d_sink) {
   const double mean = launch_timed(&bwd_step_kernel, 256, sms, d_cycles, d_sink).cycles;
   std::printf("{\"config\": \"bwd step hdim128 (wgmmas only)\", \"cycles_per_step\": %.0f, \"ideal\": 2560, "
@@ -479,6 +524,9 @@ int main() {
   run_mufu<5>("beside its own ss fp8 wgmmas (4 m64n192k32 per 96 ex2)", sms, d_cycles, d_sink);
   run_mufu<6>("alone, 1 in 4 on the FMA pipe", sms, d_cycles, d_sink);
   run_mufu<7>("1 in 4 on the FMA pipe, beside ss fp8 wgmmas of the other warpgroup", sms, d_cycles, d_sink);
+  run_cvt<0>("16 cvt e4m3x2.f32 alone", sms, d_cycles, d_sink);
+  run_cvt<1>("16 ex2 alone", sms, d_cycles, d_sink);
+  run_cvt<2>("16 ex2 + 8 cvt e4m3x2.f32", sms, d_cycles, d_sink);
   CHECK_CUDA(cudaFree(d_cycles));
   CHECK_CUDA(cudaFree(d_sink));
   return 0;
