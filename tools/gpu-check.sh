@@ -54,6 +54,10 @@
 #   fp8trace (not in the default stages; ~1 min incl. its own build in BUILD-fp8trace): the fp8
 #      forward's consumer-loop phases, mean SM cycles per phase per warpgroup (IOATTN_FP8_TRACE=1
 #      build), 128x192 and 128x128 (GPU_CHECK_FP8TRACE_BLOCKN) -> summary.
+#   fp8ab (not in the default stages; ~15 s per mode and pass): A/B of the fp8 forward's switches:
+#      per mode of GPU_CHECK_FP8AB_MODES (NAME:ENV=V[,ENV=V...], or "default"; default "default
+#      n128:IOATTN_SM90_FP8_BLOCKN=128") the 22 fp8 correctness cases, then GPU_CHECK_FP8AB_PASSES
+#      (default 2) interleaved passes of the fp8 bench -> fp8ab.log, ms per mode and row in the summary.
 #   dectrace (not in the default stages; ~1.5 min incl. its own build in BUILD-dtrace): the mma decode
 #      kernel's phases (IOATTN_DECODE_TRACE=1 build), SM cycles per phase over the CTAs of a launch,
 #      per cell in GPU_CHECK_DECTRACE_CELLS -> summary.
@@ -593,6 +597,56 @@ if want fp8trace; then
   done
   note "fp8trace   rc=$?  $(( $(stamp) - t0 )) s  (fp8trace.log)"
   grep -E '^fp8 trace' "$OUT/fp8trace.log" | tee -a "$SUMMARY"
+fi
+
+# ---- A/B of the fp8 forward's switches (optional stage fp8ab) ---------------------------------------
+# Session 17's calls as a stage: each mode's correctness (ioattn_sm90_check --check-only --fp8-only,
+# 22 cases) and its fp8 ms (--bench-only --fp8-only: 16k tokens, 16 heads, hdim 128, bf16 O; the V^T
+# pre-pass included) over interleaved passes; a mode that fails its checks is not timed.
+if want fp8ab && [[ -x $BUILD/ioattn_sm90_check ]]; then
+  t0=$(stamp)
+  declare -A FP8AB_ENV=()
+  FP8AB_MODES=()
+  for mode in ${GPU_CHECK_FP8AB_MODES:-default n128:IOATTN_SM90_FP8_BLOCKN=128}; do
+    case $mode in
+      default) envs="" ;;
+      *:*) envs=${mode#*:}; envs=${envs//,/ }; mode=${mode%%:*} ;;
+      *) note "fp8ab: unknown mode '$mode' (default, NAME:ENV=V,...): skipped"; continue ;;
+    esac
+    echo "## check $mode ($envs)" >>"$OUT/fp8ab.log"
+    if env $envs timeout 120 "$BUILD/ioattn_sm90_check" --check-only --fp8-only >>"$OUT/fp8ab.log" 2>&1; then
+      FP8AB_ENV[$mode]=$envs
+      FP8AB_MODES+=("$mode")
+    fi
+    note "fp8ab check $mode: $(grep 'fp8 correctness' "$OUT/fp8ab.log" | tail -1)"
+  done
+  for pass in $(seq 1 "${GPU_CHECK_FP8AB_PASSES:-2}"); do
+    for mode in "${FP8AB_MODES[@]}"; do
+      echo "## bench $mode pass $pass" >>"$OUT/fp8ab.log"
+      env ${FP8AB_ENV[$mode]} timeout 120 "$BUILD/ioattn_sm90_check" --bench-only --fp8-only 2>&1 |
+        awk -v m="$mode" '/^[0-9]+ +(no|yes) /{print "fp8ab_row", m, $1, $2, $3, $5} {print}' >>"$OUT/fp8ab.log"
+    done
+  done
+  note "fp8ab      $(( $(stamp) - t0 )) s  (fp8ab.log)"
+  python3 - "$OUT/fp8ab.log" <<'PY' | tee -a "$SUMMARY"
+import sys, collections
+ms = collections.defaultdict(lambda: collections.defaultdict(list))
+bf = collections.defaultdict(list)
+modes = []
+for line in open(sys.argv[1]):
+    f = line.split()
+    if len(f) == 6 and f[0] == "fp8ab_row":
+        mode, key = f[1], (int(f[2]), f[3])
+        ms[key][mode].append(float(f[5]))
+        bf[key].append(float(f[4]))
+        if mode not in modes: modes.append(mode)
+if not modes:
+    print("fp8ab: no rows"); sys.exit(0)
+print("fp8ab: seqlen causal | bf16 ms | " + " | ".join(f"{m} fp8 ms (passes)" for m in modes))
+for k in sorted(ms):
+    cells = [" / ".join(f"{x:.3f}" for x in ms[k].get(m, [])) or "-" for m in modes]
+    print(f"fp8ab: {k[0]:6d} {k[1]:5s} | {min(bf[k]):.3f} | " + " | ".join(cells))
+PY
 fi
 
 # ---- the mma decode kernel's phases (optional stage dectrace) ---------------------------------------
