@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <array>
 #include <functional>
 #include <limits>
 
@@ -162,6 +163,53 @@ TEST(Validation, SelectNamesKernelAndLogs) {
   EXPECT_TRUE(s.outputs_untouched());
   s.ctx.backend = Backend::naive;
   EXPECT_NE(select_forward(s.qv, s.kv, s.vv, s.ov, s.lv, s.prm, s.ctx).kernel.find("cpu/naive"), std::string::npos);
+}
+
+// Empty tensors as frameworks hand them over (DLPack, contiguous views of a zero-size dim: every
+// stride 0): seqlen_q = 0 or batch = 0 is a no-op, seqlen_k = 0 gives O = 0 and LSE = -inf (no row
+// sees a key), and head_dim = 0 is an error naming head_dim, not a stride. Both backends.
+TEST(Validation, EmptyTensorsWithZeroStrides) {
+  for (Backend be : {Backend::flash, Backend::naive}) {
+    for (const auto& dims : std::vector<std::array<int64_t, 3>>{{2, 0, 5}, {0, 3, 5}, {2, 3, 0}}) {
+      const int64_t b = dims[0], sq = dims[1], sk = dims[2];
+      detail::Buffer q{DType::f32, 2 * 3 * 4 * 32}, k{DType::f32, 2 * 5 * 2 * 32}, o{DType::f32, 2 * 3 * 4 * 32},
+          lse{DType::f32, 2 * 4 * 3};
+      std::mt19937_64 rng(5);
+      q.fill_random(rng);
+      k.fill_random(rng);
+      o.poison();
+      lse.poison();
+      auto view = [](detail::Buffer& buf, std::initializer_list<int64_t> shape) {
+        TensorView t = TensorView::contiguous(buf.data(), DType::f32, shape);
+        for (int i = 0; i < t.ndim; ++i)
+          if (t.numel() == 0) t.stride[i] = 0;  // as DLPack reports an empty tensor
+        return t;
+      };
+      const TensorView qv = view(q, {b, sq, 4, 32}), kv = view(k, {b, sk, 2, 32}), ov = view(o, {b, sq, 4, 32}),
+                       lv = view(lse, {b, 4, sq});
+      Context ctx;
+      ctx.backend = be;
+      AttnParams prm;
+      prm.causal = sk > 0 && sq > 0;
+      ASSERT_NO_THROW(forward(qv, kv, kv, ov, lv, prm, ctx)) << "b " << b << " sq " << sq << " sk " << sk;
+      for (int64_t i = 0; i < b * sq * 4 * 32; ++i) ASSERT_EQ(o.get(i), 0.0f) << i;
+      for (int64_t i = 0; i < b * 4 * sq; ++i) ASSERT_TRUE(std::isinf(lse.get(i)) && lse.get(i) < 0) << lse.get(i);
+      for (int64_t i = b * sq * 4 * 32; i < o.count(); ++i) ASSERT_TRUE(std::isnan(o.get(i)));  // past the view
+    }
+    detail::Buffer q{DType::f32, 8}, o{DType::f32, 8};
+    o.poison();
+    const TensorView qv = TensorView::contiguous(q.data(), DType::f32, {2, 3, 4, 0});
+    const TensorView ov = TensorView::contiguous(o.data(), DType::f32, {2, 3, 4, 0});
+    const TensorView kv = TensorView::contiguous(q.data(), DType::f32, {2, 5, 2, 0});
+    Context ctx;
+    ctx.backend = be;
+    try {
+      forward(qv, kv, kv, ov, TensorView{}, AttnParams{}, ctx);
+      FAIL() << "head_dim 0 accepted";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("q.shape[3]"), std::string::npos) << e.what();
+    }
+  }
 }
 
 TEST(Validation, CudaTensorsWithoutCudaAreAClearError) {

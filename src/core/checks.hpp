@@ -33,7 +33,9 @@ inline void check_view(const TensorView& t, const char* name, int ndim, const Te
       fail(std::string(name) + ".stride[" + std::to_string(i) + "]", "a non-negative stride",
            std::to_string(t.stride[i]));
   }
-  if (t.stride[ndim - 1] != 1 && t.shape[ndim - 1] > 1)
+  // An empty tensor's strides are arbitrary (DLPack producers report 0 for them): checked only when
+  // it holds elements.
+  if (t.stride[ndim - 1] != 1 && t.shape[ndim - 1] > 1 && t.numel() > 0)
     fail(std::string(name) + ".stride[" + std::to_string(ndim - 1) + "]", "1 (unit stride on the last dim)",
          std::to_string(t.stride[ndim - 1]));
   if (t.data == nullptr && t.numel() > 0) fail(name, "a non-null data pointer", "null");
@@ -61,8 +63,10 @@ inline void check_dim(const char* name, int dim, int64_t got, int64_t want, cons
          std::to_string(want) + " (" + what + ")", std::to_string(got));
 }
 
-// Outputs must not have stride 0 in a dim of size > 1 (two rows would land on one address).
+// Outputs must not have stride 0 in a dim of size > 1 (two rows would land on one address); an
+// empty output is never written.
 inline void check_writable(const TensorView& t, const char* name) {
+  if (t.numel() == 0) return;
   for (int i = 0; i < t.ndim; ++i)
     if (t.shape[i] > 1 && t.stride[i] == 0)
       fail(std::string(name) + ".stride[" + std::to_string(i) + "]",
