@@ -81,6 +81,23 @@ def test_rows_without_keys_are_zero_and_neg_inf():
     np.testing.assert_allclose(lse[0, :, :5], np.array([[1.5] * 5, [-2.0] * 5]), rtol=1e-6)
 
 
+@pytest.mark.parametrize("backend", ["flash", "naive"])
+def test_empty_tensors(backend):
+    # Zero-size arrays (their strides are arbitrary): seqlen_q = 0 and batch = 0 are no-ops, seqlen_k = 0
+    # leaves every row without a key (O = 0, LSE = -inf), head_dim = 0 is an error naming head_dim.
+    rng = np.random.default_rng(4)
+    q = rand(rng, (2, 3, 4, 16), "float32")
+    k = rand(rng, (2, 5, 2, 16), "float32")
+    o, lse = ioattn.attention(q[:, :0], k, k, causal=True, return_lse=True, backend=backend)
+    assert o.shape == (2, 0, 4, 16) and lse.shape == (2, 4, 0)
+    o = ioattn.attention(q[:0], k[:0], k[:0], backend=backend)
+    assert o.shape == (0, 3, 4, 16)
+    o, lse = ioattn.attention(q, k[:, :0], k[:, :0], return_lse=True, backend=backend)
+    assert np.all(o == 0) and np.all(np.isneginf(lse))
+    with pytest.raises(ValueError, match=r"q\.shape\[3\]"):
+        ioattn.attention(q[..., :0], k[..., :0], k[..., :0], backend=backend)
+
+
 def test_returns_only_o_without_return_lse():
     rng = np.random.default_rng(3)
     q = rand(rng, (1, 5, 2, 8), "float32")
