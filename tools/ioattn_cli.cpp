@@ -50,6 +50,7 @@ using namespace ioattn;
 struct Args {
   std::string command;
   std::map<std::string, std::string> kv;
+  std::string missing;  // a last option given without its value (reported after the unknown-option check)
   bool has(const std::string& k) const { return kv.count(k) != 0; }
   std::string str(const std::string& k, const std::string& def) const {
     auto it = kv.find(k);
@@ -93,7 +94,11 @@ Args parse(int argc, char** argv) {
       const bool valued = i + 1 < argc && std::strncmp(argv[i + 1], "--", 2) != 0;
       a.kv[s] = valued ? argv[++i] : "1";
     } else {
-      if (i + 1 >= argc) throw Error(s, "ioattn: option '--" + s + "' needs a value");
+      if (i + 1 >= argc) {
+        a.missing = s;
+        a.kv[s] = "";
+        continue;
+      }
       a.kv[s] = argv[++i];
     }
   }
@@ -106,6 +111,7 @@ void check_known(const Args& a, std::initializer_list<const char*> known) {
     for (const char* k : known) ok |= kv.first == k;
     if (!ok) throw Error(kv.first, "ioattn: unknown option '--" + kv.first + "' for '" + a.command + "'");
   }
+  if (!a.missing.empty()) throw Error(a.missing, "ioattn: option '--" + a.missing + "' needs a value");
 }
 
 DType parse_dtype(const std::string& s, const char* opt) {
