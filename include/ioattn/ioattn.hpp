@@ -8,7 +8,9 @@
 //  * Layout: q [batch, seqlen_q, heads_q, head_dim], k [batch, seqlen_k, heads_kv, head_dim],
 //    v [batch, seqlen_k, heads_kv, head_dim_v], o [batch, seqlen_q, heads_q, head_dim_v].
 //    Any int64 strides are accepted as long as the last dimension has unit stride, so a
-//    [batch, heads, seqlen, dim] buffer is passed by permuting the strides.
+//    [batch, heads, seqlen, dim] buffer is passed by permuting the strides. Empty tensors (a size-0
+//    dim; their strides are not checked) are fine: batch = 0 or seqlen_q = 0 writes nothing,
+//    seqlen_k = 0 makes every row one with no visible key (below); head_dim must be >= 1.
 //    Varlen: q [total_q, heads_q, head_dim] with int32 cu_seqlens_q of length batch+1.
 //  * LSE: fp32, natural log, [batch, heads_q, seqlen_q] (varlen: [heads_q, total_q]).
 //  * Masks are aligned bottom-right: with off = seqlen_k - seqlen_q, causal keeps
