@@ -425,6 +425,17 @@ std::vector<Case> flash_cases() {
     c.bhsd = true;
     v.push_back(c);
   }
+  // Dense empty dims (session 17: validation admits empty tensors whatever their strides): no keys
+  // at all (every row O = 0, LSE = -inf) on the Hopper rows (hdim 64 / 128) and the mma.sync one
+  // (hdim 96), and no queries (nothing written).
+  v.push_back(mk("dense_no_keys", bf, 2, 65, 0, 4, 2, 128));
+  {
+    Case c = mk("dense_no_keys_causal_d64_f16", hf, 1, 33, 0, 2, 1, 64);
+    c.causal = true;
+    v.push_back(c);
+  }
+  v.push_back(mk("dense_no_keys_d96", bf, 1, 17, 0, 2, 2, 96));
+  v.push_back(mk("dense_no_queries", bf, 2, 0, 40, 4, 2, 128));
   {
     Case c = mk("varlen_empty_seq", bf, 0, 0, 0, 4, 2, 128);
     c.lens_q = {5, 0, 130, 64, 200};
