@@ -140,6 +140,7 @@ CudaSelection cuda_flash_select(const FwdProblem& p, int arch) {
 }
 
 void cuda_flash_forward(const FwdProblem& p) {
+  if (!p.varlen() && (p.batch == 0 || p.seqlen_q == 0 || p.heads_q == 0)) return;  // no output element
   const int arch = cuda_device_arch(p.device_index);
   if (arch == 90 && sm90_flash_select(p, nullptr, nullptr)) {
     sm90_flash_forward(p);

@@ -487,6 +487,7 @@ bool select_fp8(const FwdProblem& p, std::string* kernel, std::string* why) {
   if (p.heads_kv <= 0 || p.heads_q % p.heads_kv != 0) return fail(why, "heads_q is not a multiple of heads_kv");
   constexpr int64_t kMaxInt = 2147483647;
   if (p.seqlen_q > kMaxInt - 256 || p.seqlen_k > (int64_t(65535) * 64 - 256)) return fail(why, "fp8: seqlen_q >= 2^31 or seqlen_k > 4M");
+  if (p.seqlen_k == 0) return fail(why, "fp8: seqlen_k = 0 (a tensor map needs every dim >= 1)");
   const int64_t m_blocks = (p.seqlen_q + 127) / 128;
   if (m_blocks * p.heads_q * p.batch > kMaxInt) return fail(why, "more than 2^31-1 query tiles");
   if (p.batch * p.heads_kv * 2 > kMaxInt) return fail(why, "fp8: batch * heads_kv too large for the transpose grid");
@@ -544,6 +545,9 @@ bool select_impl(const FwdProblem& p, std::string* kernel, std::string* why) {
   if (p.heads_kv <= 0 || p.heads_q % p.heads_kv != 0) return fail(why, "heads_q is not a multiple of heads_kv");
   constexpr int64_t kMaxInt = 2147483647;
   if (p.seqlen_q > kMaxInt - 256 || p.seqlen_k > kMaxInt - 256) return fail(why, "seqlen >= 2^31");
+  if (!p.varlen() && (p.seqlen_k == 0 || p.seqlen_q == 0 || p.batch == 0))  // a tensor map needs every dim >= 1
+    return fail(why, "an empty dim (batch, seqlen_q or seqlen_k = 0; a tensor map needs every dim >= 1): the mma.sync "
+                     "path writes nothing, or O = 0 and LSE = -inf when seqlen_k = 0");
   const int64_t m_blocks = (p.seqlen_q + 127) / 128;
   if (m_blocks * p.heads_q * p.batch > kMaxInt) return fail(why, "more than 2^31-1 query tiles");
   if (p.varlen() && (p.cu_seqlens_q_host == nullptr || p.cu_seqlens_k_host == nullptr))
