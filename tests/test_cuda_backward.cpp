@@ -385,6 +385,10 @@ std::vector<Case> cases() {
     { Case c = mk("hdim200_padded_varlen_window_" + ts, 0, 0, 200, t); c.batch = 3; c.varlen_q = {5, 0, 70};
       c.varlen_k = {9, 3, 100}; c.window_left = 20; c.window_right = 3; v.push_back(c); }
   }
+  // Dense empty dims (session 17; not yet run on a GPU): no keys (dQ = 0; the wgmma rows refuse, a
+  // tensor map needs every dim >= 1) and no queries (dK = dV = 0).
+  v.push_back(mk("dense_no_keys_bf16", 40, 0, 128));
+  v.push_back(mk("dense_no_queries_bf16", 0, 50, 64));
   { Case c = mk("all_features_bf16", 150, 270, 96, DType::bf16); c.heads_q = 6; c.heads_kv = 2; c.causal = true;
     c.window_left = 50; c.softcap = 10.0f; c.alibi = true; c.sinks = true; c.bhsd = true; c.batch = 2; v.push_back(c); }
   { Case c = mk("all_features_hdim256_f16", 100, 170, 256, DType::f16); c.heads_q = 4; c.heads_kv = 1; c.causal = true;

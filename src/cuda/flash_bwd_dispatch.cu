@@ -93,6 +93,8 @@ std::string sm90_bwd_refusal(const detail::BwdProblem& bp, int arch, int optin, 
     if (v != nullptr && std::string(v) != "lag") return "varlen: variant lag only, IOATTN_BWD_SM90_VARIANT is " + std::string(v);
   }
   if (p.softcap > 0.f || p.alibi_slopes != nullptr) return "no softcap or ALiBi";
+  if (!p.varlen() && (p.batch == 0 || p.seqlen_q == 0 || p.seqlen_k == 0))  // a tensor map needs every dim >= 1
+    return "an empty dim (batch, seqlen_q or seqlen_k = 0; a tensor map needs every dim >= 1)";
   if (cudaFuncGetAttributes(attr, p.dtype == DType::bf16 ? info.dkdv_bf16 : info.dkdv_f16) !=
           cudaSuccess ||
       attr->ptxVersion < 90) {
