@@ -140,7 +140,7 @@ CudaSelection cuda_flash_select(const FwdProblem& p, int arch) {
 }
 
 void cuda_flash_forward(const FwdProblem& p) {
-  if (!p.varlen() && (p.batch == 0 || p.seqlen_q == 0 || p.heads_q == 0)) return;  // no output element
+  if (p.batch == 0 || p.seqlen_q == 0 || p.heads_q == 0) return;  // no output element (varlen: seqlen_q = the longest)
   const int arch = cuda_device_arch(p.device_index);
   if (arch == 90 && sm90_flash_select(p, nullptr, nullptr)) {
     sm90_flash_forward(p);
@@ -179,7 +179,6 @@ void cuda_flash_forward(const FwdProblem& p) {
   fp.window_right = cuda::clamp_window(p.window_right, total_len);
   fp.alibi_slopes = p.alibi_slopes;
   fp.sinks = p.sinks;
-  if (p.batch == 0 || p.seqlen_q == 0 || p.heads_q == 0) return;
   pk.info->launch(fp, p.dtype == DType::bf16, static_cast<cudaStream_t>(p.stream));
 }
 

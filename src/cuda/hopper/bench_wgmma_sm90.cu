@@ -211,6 +211,17 @@ Timed launch_timed(void (*k)(long long*, float*), int threads, int sms, long lon
   return t;
 }
 
+// 2^x for x <= 0 on the FMA / ALU pipes: x = n + f (n = round(x) by the 1.5 * 2^23 trick, f in
+// [-0.5, 0.5]), 2^f by a degree-3 polynomial (relative error < 1e-4), n added into the exponent
+// bits. x is clamped at -126 (2^-126 ~ 1e-38: far below the P values that matter).
+__device__ __forceinline__ float exp2_fma(float x) {
+  x = fmaxf(x, -126.0f);
+  const float t = x + 12582912.0f;  // 1.5 * 2^23: round(x) in the low mantissa bits
+  const float f = x - (t - 12582912.0f);
+  float p = fmaf(fmaf(fmaf(0.0555041087f, f, 0.240226507f), f, 0.693147182f), f, 1.0f);
+  return __int_as_float(__float_as_int(p) + (__float_as_int(t) << 23));
+}
+
 // MUFU.EX2 throughput beside the tensor core (session 16: the fp8 forward's softmax takes ~1,800
 // cycles for 96 exponentials per thread, where 8 cycles per warp instruction and scheduler give
 // 768). Warpgroup 0 streams ex2 (16 independent chains per thread, kMufuRounds x 16 per thread).
@@ -223,18 +234,9 @@ Timed launch_timed(void (*k)(long long*, float*), int threads, int sms, long lon
 // on the FMA pipe (exp2_fma, a degree-3 polynomial: FlashAttention-4's MUFU offload). 7: 6 beside
 // warpgroup 1's ss wgmmas (as 1). Reported: cycles per exponential warp instruction of warpgroup 0
 // (ideal 8; 6 for modes 6-7 if the MUFU alone bounds them), and per 96.
-// 2^x for x <= 0 on the FMA / ALU pipes: x = n + f (n = round(x) by the 1.5 * 2^23 trick, f in
-// [-0.5, 0.5]), 2^f by a degree-3 polynomial (relative error < 1e-4), n added into the exponent
-// bits. x is clamped at -126 (2^-126 ~ 1e-38: far below the P values that matter).
-__device__ __forceinline__ float exp2_fma(float x) {
-  x = fmaxf(x, -126.0f);
-  const float t = x + 12582912.0f;  // 1.5 * 2^23: round(x) in the low mantissa bits
-  const float f = x - (t - 12582912.0f);
-  float p = fmaf(fmaf(fmaf(0.0555041087f, f, 0.240226507f), f, 0.693147182f), f, 1.0f);
-  return __int_as_float(__float_as_int(p) + (__float_as_int(t) << 23));
-}
-
 constexpr int kMufuRounds = 256;
+// Whether warpgroup 1 takes part (its wgmma load or, mode 2, its own ex2 stream): 256 threads, else 128.
+constexpr bool mufu_uses_wg1(int mode) { return mode == 1 || mode == 2 || mode == 4 || mode == 7; }
 template <int kMode>
 __global__ void __launch_bounds__(256, 1) mufu_kernel(long long* cycles, float* sink) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -244,7 +246,7 @@ __global__ void __launch_bounds__(256, 1) mufu_kernel(long long* cycles, float* 
   if (tid == 0) s_done = 0;
   const uint32_t base = zeroed_tiles(smem);
   __syncthreads();
-  if (wg == 1 && (kMode == 1 || kMode == 4 || kMode == 7)) {  // the tensor-core load until told to stop
+  if (wg == 1 && kMode != 2) {  // the tensor-core load until told to stop (mode 2: ex2 below)
     float acc[96];
 #pragma unroll
     for (int i = 0; i < 96; ++i) acc[i] = 0.f;
@@ -332,7 +334,7 @@ __global__ void __launch_bounds__(256, 1) mufu_kernel(long long* cycles, float* 
 
 template <int kMode>
 void run_mufu(const char* name, int sms, long long* d_cycles, float* d_sink) {
-  const double mean = launch_timed(&mufu_kernel<kMode>, kMode == 0 || kMode == 3 || kMode == 5 || kMode == 6 ? 128 : 256, sms, d_cycles, d_sink).cycles;
+  const double mean = launch_timed(&mufu_kernel<kMode>, mufu_uses_wg1(kMode) ? 256 : 128, sms, d_cycles, d_sink).cycles;
   const double per = mean / (kMufuRounds * 16.0);
   std::printf("{\"config\": \"mufu ex2 %s\", \"cycles_per_ex2_warp_instruction\": %.2f, \"ideal\": 8, "
               "\"cycles_per_96\": %.0f}\n", name, per, per * 96);
