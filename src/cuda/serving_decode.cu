@@ -734,6 +734,10 @@ void cuda_decode(const DecodeProblem& p) {
   }
 
   const bool pdl = use_pdl(p.device_index);
+  {  // the merge grid's launch trigger at the CTAs' start (DecodeParams::early_trigger)
+    const char* e = std::getenv("IOATTN_DECODE_EARLY_TRIGGER");
+    dp.early_trigger = S > 1 && !(e && std::strcmp(e, "0") == 0) ? 1 : 0;
+  }
   if (mma) {
     const bool bulk = use_bulk_loader(p, [&] { return detail::cuda_device_arch(p.device_index); });
     const int ring = mma_ring_of(p, bulk);

@@ -222,6 +222,49 @@ __device__ __forceinline__ void named_barrier_arrive(int id, int threads) {
   asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
 
+
+// ---- thread-block clusters: rank, barrier, distributed shared memory (sm_90) ---------------
+// No kernel uses these at present: session 18 merged the decode's splits inside a cluster with
+// them (each CTA's partial left in its shared memory, read by the others with ld.shared::cluster
+// after a cluster barrier) and measured it slower than the merge kernel (docs/PERF.md, session 18);
+// kept, tested, for cluster designs to come (e.g. a backward pair of CTAs sharing Q / dO). Plain
+// sm_90 features (no "a"): callers guard with __CUDA_ARCH__ >= 900 and launch with
+// cudaLaunchAttributeClusterDimension.
+
+// %cluster_ctarank: this CTA's rank in its cluster, 0 .. cluster size - 1.
+__device__ __forceinline__ uint32_t cluster_ctarank() {
+  uint32_t r;
+  asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(r));
+  return r;
+}
+
+// barrier.cluster.arrive.release + wait.acquire, by every thread of every CTA of the cluster: the
+// shared-memory writes of any thread before it are visible to ld.shared::cluster of any thread of
+// the cluster after it (it is also a barrier among the CTA's own threads). A CTA whose shared
+// memory others read must pass one more of these after their reads before it exits.
+__device__ __forceinline__ void cluster_sync() {
+  asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+}
+
+// mapa.shared::cluster: the shared::cluster address of the same shared-memory location (32-bit
+// shared-window address, smem_u32) in the cluster's CTA `rank`.
+__device__ __forceinline__ uint32_t mapa_shared(uint32_t smem_addr, uint32_t rank) {
+  uint32_t r;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(r) : "r"(smem_addr), "r"(rank));
+  return r;
+}
+
+// ld.shared::cluster.f32 / .s32: one value from a shared::cluster address (mapa_shared's answer).
+__device__ __forceinline__ float ld_shared_cluster_f32(uint32_t cluster_addr) {
+  float v;
+  asm volatile("ld.shared::cluster.f32 %0, [%1];\n" : "=f"(v) : "r"(cluster_addr) : "memory");
+  return v;
+}
+__device__ __forceinline__ int ld_shared_cluster_s32(uint32_t cluster_addr) {
+  int v;
+  asm volatile("ld.shared::cluster.s32 %0, [%1];\n" : "=r"(v) : "r"(cluster_addr) : "memory");
+  return v;
+}
 // ---- global reductions -------------------------------------------------------------------------
 
 // red.global.add.v2.f32 [p], {a, b} under a predicate, as one predicated instruction (no branch

@@ -1502,6 +1502,77 @@ void test_tma_reduce() {
   CHECK_CUDA(cudaFree(d));
 }
 
+
+// ---------------------------------------------------------------- cluster: rank, barrier, DSMEM
+// Two clusters of n CTAs (n = 4, and 16 through the non-portable size where the device allows
+// it): every CTA writes rank * 1000 + thread into a shared array and rank + 7 into a shared int,
+// passes cluster_sync, reads its right neighbour's ((rank + 1) % n) entries through mapa_shared +
+// ld.shared::cluster, then passes cluster_sync again before exiting (its own array is being read).
+__global__ void k_cluster(int n, int* out, float* outf) {
+#if IOATTN_SM90A_ENABLED
+  __shared__ float vals[128];
+  __shared__ int flag;
+  const uint32_t rank = cluster_ctarank();
+  vals[threadIdx.x] = static_cast<float>(rank) * 1000.f + static_cast<float>(threadIdx.x);
+  if (threadIdx.x == 0) flag = static_cast<int>(rank) + 7;
+  cluster_sync();
+  const uint32_t nb = (rank + 1) % static_cast<uint32_t>(n);
+  outf[blockIdx.x * 128 + threadIdx.x] = ld_shared_cluster_f32(mapa_shared(smem_u32(&vals[threadIdx.x]), nb));
+  if (threadIdx.x == 0) {
+    out[2 * blockIdx.x] = static_cast<int>(rank);
+    out[2 * blockIdx.x + 1] = ld_shared_cluster_s32(mapa_shared(smem_u32(&flag), nb));
+  }
+  cluster_sync();
+#endif
+}
+
+void test_cluster(int n) {
+  const std::string name = "cluster rank / barrier / ld.shared::cluster, n = " + std::to_string(n);
+  if (n > 8 && cudaFuncSetAttribute(k_cluster, cudaFuncAttributeNonPortableClusterSizeAllowed, 1) != cudaSuccess) {
+    cudaGetLastError();
+    std::printf("  (skipped %s: no non-portable cluster sizes)\n", name.c_str());
+    return;
+  }
+  const int ctas = 2 * n;
+  int* d;
+  float* f;
+  CHECK_CUDA(cudaMalloc(&d, 2 * ctas * sizeof(int)));
+  CHECK_CUDA(cudaMalloc(&f, ctas * 128 * sizeof(float)));
+  CHECK_CUDA(cudaMemset(d, 0xff, 2 * ctas * sizeof(int)));
+  CHECK_CUDA(cudaMemset(f, 0xff, ctas * 128 * sizeof(float)));
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(ctas);
+  cfg.blockDim = dim3(128);
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeClusterDimension;
+  attr[0].val.clusterDim.x = n;
+  attr[0].val.clusterDim.y = 1;
+  attr[0].val.clusterDim.z = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  CHECK_CUDA(cudaLaunchKernelEx(&cfg, k_cluster, n, d, f));
+  CHECK_CUDA(cudaDeviceSynchronize());
+  auto h = to_host(d, 2 * ctas);
+  auto hf = to_host(f, ctas * 128);
+  int bad = 0;
+  std::string detail;
+  for (int c = 0; c < ctas; ++c) {
+    const int rank = c % n, nb = (rank + 1) % n;
+    if (h[2 * c] != rank || h[2 * c + 1] != nb + 7) {
+      if (!bad) detail = "CTA " + std::to_string(c) + ": rank " + std::to_string(h[2 * c]) + ", neighbour flag " +
+                         std::to_string(h[2 * c + 1]);
+      ++bad;
+    }
+    for (int t = 0; t < 128; ++t)
+      if (hf[c * 128 + t] != static_cast<float>(nb) * 1000.f + static_cast<float>(t)) {
+        if (!bad) detail = "CTA " + std::to_string(c) + " thread " + std::to_string(t) + ": " + std::to_string(hf[c * 128 + t]);
+        ++bad;
+      }
+  }
+  report(name.c_str(), bad == 0, detail);
+  CHECK_CUDA(cudaFree(d));
+  CHECK_CUDA(cudaFree(f));
+}
 }  // namespace
 
 int main() {
@@ -1539,6 +1610,8 @@ int main() {
   test_exp2();
   test_red_if();
   test_tma_reduce();
+  test_cluster(4);
+  test_cluster(16);
   std::printf("\nptx_sm90: %d passed, %d failed\n", g_pass, g_fail);
   return g_fail == 0 ? 0 : 1;
 }
