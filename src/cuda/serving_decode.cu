@@ -7,7 +7,12 @@
 // serving case (bf16/f16, head_dim == head_dim_v in {64, 128, 256}, every row of a CTA seeing the
 // same keys: seqlen_q 1 or no causal/window mask) and is chosen there; IOATTN_DECODE_KERNEL=fma|mma
 // forces one (the log line says which and why). With more than one split, a second kernel merges
-// the partials (merge_splits_kernel, launched with programmatic dependent launch on sm90).
+// the partials (merge_splits_kernel, launched with programmatic dependent launch on sm90; the decode
+// CTAs trigger its launch right after their own dependency wait, DecodeParams::early_trigger).
+// Tried and measured slower (docs/PERF.md, session 18): the splits as one thread-block cluster
+// merging through distributed shared memory instead of the merge kernel (clusters must be resident
+// together in a GPC, so a grid sized to fill the machine no longer packs it: f8e4m3 b16 x 4k with 3
+// splits lost 30%).
 
 // Semantics: exactly those of the CPU backend (src/cpu/serving_cpu.cpp, whose file comment is the
 // specification): the same key range per split (decode_split_range), masks, softcap before ALiBi,
