@@ -26,13 +26,16 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <chrono>
+#include <climits>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <map>
 #include <memory>
+#include <new>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -68,9 +71,22 @@ struct Args {
   int64_t integer(const std::string& k, int64_t def) const {
     const double v = num(k, static_cast<double>(def));
     if (v != std::floor(v)) throw Error(k, "ioattn: option '--" + k + "': expected an integer, got " + str(k, ""));
+    // (beyond 2^53 a double no longer holds every integer, and the cast below would be undefined)
+    if (std::fabs(v) > 9007199254740992.0)
+      throw Error(k, "ioattn: option '--" + k + "': expected an integer of magnitude <= 2^53, got " + str(k, ""));
     return static_cast<int64_t>(v);
   }
 };
+
+// One integer of an option's value (e.g. each side of --window L,R): the whole text, in int64 range.
+int64_t parse_int(const std::string& text, const std::string& opt, const std::string& what) {
+  errno = 0;
+  char* end = nullptr;
+  const long long v = std::strtoll(text.c_str(), &end, 10);
+  if (text.empty() || end == text.c_str() || *end != '\0' || errno == ERANGE)
+    throw Error(opt, "ioattn: option '--" + opt + "': expected " + what + ", got '" + text + "'");
+  return v;
+}
 
 const char* const kFlags[] = {"causal", "alibi", "sinks", "no-check", "json", "help", "quiet"};
 
@@ -287,8 +303,30 @@ struct Workload {
   detail::Buffer q, k, v, o, lse, alibi, sinks;
   TensorView qv, kv, vv, ov, lv;
 
-  Workload(const Shape& shape, bool with_alibi, bool with_sinks, std::mt19937_64& rng)
-      : s(shape),
+  // The shape's buffers, in bytes (double: a product of option values can exceed int64), checked
+  // before anything is allocated: beyond 2^62 bytes, or with no memory for them, a clear error
+  // naming the options instead of an overflowed size or a bare std::bad_alloc.
+  static double bytes_of(const Shape& sh) {
+    const double b = static_cast<double>(sh.batch), e = static_cast<double>(dtype_size(sh.dtype));
+    const double q = b * static_cast<double>(sh.seqlen_q) * static_cast<double>(sh.heads_q);
+    const double kv = b * static_cast<double>(sh.seqlen_k) * static_cast<double>(sh.heads_kv);
+    return e * (q * static_cast<double>(sh.head_dim + sh.head_dim_v) +
+                kv * static_cast<double>(sh.head_dim + sh.head_dim_v)) + 4.0 * q;
+  }
+  [[noreturn]] static void too_big(const Shape& sh) {
+    char gb[64];
+    std::snprintf(gb, sizeof gb, "%.3g", bytes_of(sh) / 1e9);
+    throw Error("seqlen", std::string("ioattn: the workload's q, k, v, o and LSE need ") + gb + " GB of " +
+                              (sh.device == Device::cuda ? "device" : "host") +
+                              " memory, more than can be allocated here; lower --batch, --seqlen, --heads or --head-dim");
+  }
+  static const Shape& checked(const Shape& sh) {
+    if (bytes_of(sh) > 4.6e18) too_big(sh);  // 2^62
+    return sh;
+  }
+
+  Workload(const Shape& shape, bool with_alibi, bool with_sinks, std::mt19937_64& rng) try
+      : s(checked(shape)),
         q(s.dtype, s.batch * s.seqlen_q * s.heads_q * s.head_dim, s.device),
         k(s.dtype, s.batch * s.seqlen_k * s.heads_kv * s.head_dim, s.device),
         v(s.dtype, s.batch * s.seqlen_k * s.heads_kv * s.head_dim_v, s.device),
@@ -315,6 +353,8 @@ struct Workload {
     vv = view(v, s.seqlen_k, s.heads_kv, s.head_dim_v);
     ov = view(o, s.seqlen_q, s.heads_q, s.head_dim_v);
     lv = lse.view({s.batch, s.heads_q, s.seqlen_q});
+  } catch (const std::bad_alloc&) {
+    too_big(shape);
   }
   Workload(const Workload&) = delete;
   Workload& operator=(const Workload&) = delete;
@@ -467,7 +507,10 @@ int cmd_run(const Args& a) {
   sh.heads_kv = a.integer("heads-kv", sh.heads_q);
   sh.head_dim = a.integer("head-dim", 128);
   sh.head_dim_v = a.integer("head-dim-v", sh.head_dim);
-  const int repeats = static_cast<int>(std::max<int64_t>(1, a.integer("repeats", 5)));
+  const int64_t repeats_arg = a.integer("repeats", 5);
+  if (repeats_arg < 1 || repeats_arg > INT_MAX)
+    throw Error("repeats", "ioattn: option '--repeats': expected an integer >= 1, got " + std::to_string(repeats_arg));
+  const int repeats = static_cast<int>(repeats_arg);
   const std::string layout = a.str("layout", "bshd");
   if (layout != "bshd" && layout != "bhsd")
     throw Error("layout", "ioattn: option '--layout': expected bshd or bhsd, got '" + layout + "'");
@@ -486,8 +529,9 @@ int cmd_run(const Args& a) {
     const std::string win = a.str("window", "");
     const auto comma = win.find(',');
     if (comma == std::string::npos) throw Error("window", "ioattn: option '--window': expected L,R, got '" + win + "'");
-    prm.window_left = std::atoll(win.substr(0, comma).c_str());
-    prm.window_right = std::atoll(win.substr(comma + 1).c_str());
+    const std::string what = "L,R with integers L and R (-1 = unbounded)";
+    prm.window_left = parse_int(win.substr(0, comma), "window", what + " for L");
+    prm.window_right = parse_int(win.substr(comma + 1), "window", what + " for R");
   }
   const Device dev = sh.device;
   const int64_t B = sh.batch, Sq = sh.seqlen_q, Sk = sh.seqlen_k, Hq = sh.heads_q, Hk = sh.heads_kv;

@@ -148,3 +148,16 @@ def test_type_error_names_the_argument():
         ioattn.attention(Q, K, V, causal="yes")
     with pytest.raises(TypeError, match="argument 'window'"):
         ioattn.attention(Q, K, V, window=3)
+
+
+def test_naive_out_of_memory_is_an_error_not_a_crash():
+    # The naive backend materialises [seqlen_q, seqlen_k] float64 per (batch, head) and thread: at
+    # 15M tokens 1.8 PB, beyond a 47-bit address space. The allocation fails inside the OpenMP loop;
+    # it must come back as an error naming the backend (it used to terminate the process).
+    n = 15_000_000
+    q = np.zeros((1, n, 1, 1), np.float32)
+    with pytest.raises(ValueError, match=r"out of memory in the naive forward: .*\[15000000, 15000000\].*use backend flash"):
+        ioattn.attention(q, q, q, backend="naive")
+    lse = np.zeros((1, 1, n), np.float32)
+    with pytest.raises(ValueError, match=r"out of memory in the naive backward: it materialises 2 "):
+        ioattn.attention_backward(q, q, q, q, q, lse, backend="naive")

@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <new>
 
 #include "core/backends.hpp"
 #include "core/half.hpp"
@@ -51,9 +52,10 @@ RefGrads reference_backward(const BwdProblem& bp, RefPrecision prec, int64_t tot
 
   // One task per (batch, kv head): the query heads of the group run in order inside it, so the
   // GQA sums of dK and dV need no synchronisation and have a fixed order.
+  LoopError errors;
 #pragma omp parallel for schedule(dynamic) collapse(2)
   for (int64_t b = 0; b < p.batch; ++b) {
-    for (int64_t hk = 0; hk < hkv; ++hk) {
+    for (int64_t hk = 0; hk < hkv; ++hk) errors.run([&] {
       const SeqRange sr = seq_range(p, b);
       const int64_t sq = sr.q_len, sk = sr.k_len;
       const int64_t qrow0 = p.varlen() ? sr.q_start : b * p.seqlen_q;
@@ -164,8 +166,9 @@ RefGrads reference_backward(const BwdProblem& bp, RefPrecision prec, int64_t tot
         for (int64_t x = 0; x < d; ++x) r.dk[((krow0 + j) * hkv + hk) * d + x] = rnd(dKsum[j * d + x]);
         for (int64_t x = 0; x < dv; ++x) r.dv[((krow0 + j) * hkv + hk) * dv + x] = rnd(dVsum[j * dv + x]);
       }
-    }
+    });
   }
+  errors.rethrow();
   if (want_dsinks) {
     r.dsinks.assign(static_cast<size_t>(hq), 0.0);
     for (int64_t h = 0; h < hq; ++h)
@@ -179,7 +182,12 @@ RefGrads reference_backward(const BwdProblem& bp, RefPrecision prec, int64_t tot
 // The `naive` backward: the float64 reference, stored into the caller's strided outputs.
 void cpu_naive_backward(const BwdProblem& bp) {
   const FwdProblem& p = bp.f;
-  const RefGrads r = reference_backward(bp, RefPrecision::f64);
+  RefGrads r;
+  try {
+    r = reference_backward(bp, RefPrecision::f64);
+  } catch (const std::bad_alloc&) {
+    throw_naive_out_of_memory(p, "backward", 2);
+  }
   const int64_t hq = p.heads_q, hkv = p.heads_kv, d = p.head_dim, dv = p.head_dim_v;
   for (int64_t b = 0; b < p.batch; ++b) {
     const SeqRange sr = seq_range(p, b);

@@ -3,7 +3,9 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <limits>
+#include <new>
 
 #include "core/backends.hpp"
 #include "core/half.hpp"
@@ -63,12 +65,13 @@ RefResult reference_forward(const FwdProblem& p, RefPrecision prec, int64_t tota
   r.lse.assign(static_cast<size_t>(r.rows * hq), -std::numeric_limits<double>::infinity());
   const double ninf = -std::numeric_limits<double>::infinity();
 
+  LoopError errors;
 #pragma omp parallel for schedule(dynamic) collapse(2)
   for (int64_t b = 0; b < p.batch; ++b) {
-    for (int64_t h = 0; h < hq; ++h) {
+    for (int64_t h = 0; h < hq; ++h) errors.run([&] {
       const SeqRange sr = seq_range(p, b);
       const int64_t sq = sr.q_len, sk = sr.k_len, hk = h / p.group();
-      if (sq == 0) continue;
+      if (sq == 0) return;
       // Gather this head's Q, K (and later V) as contiguous double rows, so the inner loops are
       // plain dot products (emulated mode keeps q * scale rounded to the input dtype).
       std::vector<double> Q(static_cast<size_t>(sq * d)), K(static_cast<size_t>(sk * d));
@@ -150,14 +153,36 @@ RefResult reference_forward(const FwdProblem& p, RefPrecision prec, int64_t tota
         if (emu)
           for (int64_t x = 0; x < dv; ++x) orow[x] = round_to(p.out_dtype(), static_cast<float>(orow[x]));
       }
-    }
+    });
   }
+  errors.rethrow();
   return r;
+}
+
+void throw_naive_out_of_memory(const FwdProblem& p, const char* what, int matrices) {
+  int64_t sq = p.seqlen_q, sk = p.seqlen_k;
+  if (p.varlen())
+    for (int64_t b = 0; b < p.batch; ++b) {
+      sq = std::max<int64_t>(sq, p.cu_seqlens_q_host[b + 1] - p.cu_seqlens_q_host[b]);
+      sk = std::max<int64_t>(sk, p.cu_seqlens_k_host[b + 1] - p.cu_seqlens_k_host[b]);
+    }
+  char gb[32];
+  std::snprintf(gb, sizeof gb, "%.3g", static_cast<double>(matrices) * static_cast<double>(sq) *
+                                           static_cast<double>(sk) * 8.0 / 1e9);
+  throw Error("q", std::string("ioattn: out of memory in the naive ") + what + ": it materialises " +
+                       std::to_string(matrices) + " [seqlen_q, seqlen_k] = [" + std::to_string(sq) + ", " +
+                       std::to_string(sk) + "] float64 matri" + (matrices == 1 ? "x" : "ces") + " per (batch, head) and thread (" +
+                       gb + " GB); use backend flash (O(seqlen) extra memory)");
 }
 
 void cpu_naive_forward(const FwdProblem& p) {
   const int64_t total = p.varlen() ? p.cu_seqlens_q_host[p.batch] : -1;
-  const RefResult r = reference_forward(p, RefPrecision::f64, total);
+  RefResult r;
+  try {
+    r = reference_forward(p, RefPrecision::f64, total);
+  } catch (const std::bad_alloc&) {
+    throw_naive_out_of_memory(p, "forward", 1);
+  }
   const int64_t dv = p.head_dim_v;
   for_each_output_row(p, r, [&](int64_t ooff, int64_t ro, int64_t loff, int64_t rl) {
     for (int64_t x = 0; x < dv; ++x) store_float(p.o, p.out_dtype(), ooff + x, static_cast<float>(r.o[ro + x]));

@@ -5,6 +5,10 @@
 // that writes S and P to memory. Extra memory: one seqlen_q x seqlen_k matrix per thread.
 #pragma once
 
+#include <atomic>
+#include <exception>
+#include <mutex>
+#include <string>
 #include <vector>
 
 #include "core/problem.hpp"
@@ -31,6 +35,37 @@ struct RefResult {
 
 // total_q_rows: for varlen the packed token count of q (>= cu_seqlens_q[batch]).
 RefResult reference_forward(const FwdProblem& p, RefPrecision prec, int64_t total_q_rows = -1);
+
+// The first exception thrown by the iterations of an OpenMP loop, rethrown on the calling thread
+// after the loop (an exception that leaves an OpenMP region calls std::terminate; the S matrix of a
+// large problem throws std::bad_alloc there). Each iteration runs its body through run(); once one
+// has failed, the remaining ones skip theirs.
+class LoopError {
+ public:
+  template <class F>
+  void run(F&& body) noexcept {
+    if (stop_.load(std::memory_order_relaxed)) return;
+    try {
+      body();
+    } catch (...) {
+      std::lock_guard<std::mutex> lock(m_);
+      if (!first_) first_ = std::current_exception();
+      stop_.store(true, std::memory_order_relaxed);
+    }
+  }
+  void rethrow() const {
+    if (first_) std::rethrow_exception(first_);
+  }
+
+ private:
+  std::atomic<bool> stop_{false};
+  std::mutex m_;
+  std::exception_ptr first_;
+};
+
+// Out of memory in the naive backend (`what`: "forward" / "backward"), as an ioattn::Error on q
+// that says how much one (batch, head) materialises in float64 and what to use instead.
+[[noreturn]] void throw_naive_out_of_memory(const FwdProblem& p, const char* what, int matrices);
 
 // Visits every (query row, head) of p once, pairing where the backend's strided output lives with
 // where the contiguous RefResult holds it: f(o_off, ref_o_off, lse_off, ref_lse_off), offsets in
