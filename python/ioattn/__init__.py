@@ -95,6 +95,13 @@ def _check_array(name: str, x: object) -> None:
             f"DLPack producer), got {type_name(x)}")
 
 
+def _check_writable(name: str, x: object) -> None:
+    """An array the call writes in place: a read-only numpy array is an error naming it (the
+    extension would otherwise refuse the whole call with a TypeError listing its signature)."""
+    if isinstance(x, np.ndarray) and not x.flags.writeable:
+        fail(name, "a writable array (the call writes it in place)", "a read-only numpy array")
+
+
 class _Host:
     """Where one call's outputs are allocated (any framework but torch, which ioattn.torch
     handles): numpy for arrays on the CPU, CuPy for CuPy arrays on a CUDA device."""
@@ -543,6 +550,8 @@ def decode(q: Array, k_cache: Array, v_cache: Array, cache_seqlens: Array, *,
     num_splits = check_int("num_splits", num_splits)
     for name, x in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("cache_seqlens", cache_seqlens)):
         _check_array(name, x)
+    for name, x in (("out", out), ("lse_out", lse_out), ("workspace", workspace)):
+        _check_writable(name, x)
     call = _Call(q, k_cache, v_cache)
     qs, vs = _shape(q), _shape(v_cache)
     check_ndim("q", qs, 4)
@@ -584,6 +593,8 @@ def append_kv(k_new: Array, v_new: Array, slot_mapping: Array, k_cache: Array, v
     for name, x in (("k_new", k_new), ("v_new", v_new), ("slot_mapping", slot_mapping),
                     ("k_cache", k_cache), ("v_cache", v_cache)):
         _check_array(name, x)
+    _check_writable("k_cache", k_cache)
+    _check_writable("v_cache", v_cache)
     call = _Call(k_new, v_new, k_cache)
     with call.with_guard():
         _C.append_kv(call.arr(k_new), call.arr(v_new), call.arr(slot_mapping), call.arr(k_cache),

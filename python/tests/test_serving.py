@@ -104,6 +104,29 @@ def test_decode_errors_name_the_argument():
         ioattn.decode(q, k, v, [8, 3])
 
 
+def test_read_only_outputs_are_errors_naming_the_argument():
+    # Arrays written in place: a read-only numpy array is an ioattn.Error naming it (it used to be
+    # the extension's TypeError listing the whole signature); nothing is written.
+    rng = np.random.default_rng(5)
+    k, v = _contiguous(rng, 2, 8, 1, 16)
+    q = rng.uniform(-1, 1, (2, 1, 2, 16)).astype(np.float32)
+    lens = np.array([8, 3], dtype=np.int32)
+    for kw in ({"out": np.zeros((2, 1, 2, 16), np.float32)}, {"lse_out": np.zeros((2, 2, 1), np.float32)}):
+        name, arr = next(iter(kw.items()))
+        arr.setflags(write=False)
+        with pytest.raises(ioattn.Error, match=r"expected a writable array .*got a read-only numpy array") as e:
+            ioattn.decode(q, k, v, lens, **kw)
+        assert e.value.argument == name
+        assert np.all(arr == 0)
+    kc, vc = k.copy(), v.copy()
+    kc.setflags(write=False)
+    new = np.ones((1, 1, 16), np.float32)
+    with pytest.raises(ioattn.Error) as e:
+        ioattn.append_kv(new, new, np.array([0], np.int32), kc, vc)
+    assert e.value.argument == "k_cache"
+    assert np.array_equal(vc, v)
+
+
 def test_append_kv_then_decode_matches_reference():
     rng = np.random.default_rng(4)
     b, hq, hkv, d, ps, per_seq = 2, 4, 2, 16, 8, 3
