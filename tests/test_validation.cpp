@@ -272,6 +272,34 @@ TEST(Explain, BadInputIsAnError) {
   in.seqlen = 0;
   EXPECT_THROW(explain(in), Error);
   EXPECT_THROW(online_softmax_example({1, 2}, {1}, 1), Error);
+  auto arg_of = [](auto f) {
+    try {
+      f();
+    } catch (const Error& e) {
+      return e.argument();
+    }
+    return std::string("(no error)");
+  };
+  EXPECT_EQ(arg_of([] { online_softmax_example({}, {}, 1); }), "scores");
+  const double inf = std::numeric_limits<double>::infinity();
+  EXPECT_EQ(arg_of([&] { online_softmax_example({1, inf}, {1, 2}, 1); }), "scores[1]");
+  EXPECT_EQ(arg_of([&] { online_softmax_example({std::nan(""), 1}, {1, 2}, 1); }), "scores[0]");
+}
+
+// -inf scores are masked keys, as in the kernels: weight 0; a row with none visible gives 0, not NaN.
+TEST(Explain, OnlineSoftmaxMaskedKeys) {
+  const double ninf = -std::numeric_limits<double>::infinity();
+  const OnlineSoftmaxExample some = online_softmax_example({ninf, ninf, 1, ninf, 2}, {5, 6, 1, 7, 3}, 2);
+  const OnlineSoftmaxExample same = online_softmax_example({1, 2}, {1, 3}, 1);
+  EXPECT_NEAR(some.output, same.output, 1e-12);
+  EXPECT_NEAR(some.output_direct, same.output, 1e-12);
+  EXPECT_EQ(some.steps[0].sum_after, 0.0);
+  EXPECT_EQ(some.probabilities[0], 0.0);
+  const OnlineSoftmaxExample none = online_softmax_example({ninf, ninf, ninf}, {1, 2, 3}, 2);
+  EXPECT_EQ(none.output, 0.0);
+  EXPECT_EQ(none.output_direct, 0.0);
+  for (const OnlineSoftmaxStep& st : none.steps) EXPECT_FALSE(std::isnan(st.sum_after) || std::isnan(st.acc_after));
+  for (double p : none.probabilities) EXPECT_EQ(p, 0.0);
 }
 
 // ---- sampled check (ioattn bench on large problems) ------------------------------------------

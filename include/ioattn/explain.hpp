@@ -53,7 +53,8 @@ struct OnlineSoftmaxExample {
   double output;                      // sum p_j v_j
   double output_direct;               // the same by the two-pass softmax, for comparison
 };
-// Scores split into blocks of block_size; values are scalars (head_dim 1).
+// Scores split into blocks of block_size; values are scalars (head_dim 1). A score of -inf is a
+// masked key (weight 0; all masked: output 0, probabilities 0); NaN and +inf are errors.
 OnlineSoftmaxExample online_softmax_example(const std::vector<double>& scores,
                                             const std::vector<double>& values, int block_size);
 

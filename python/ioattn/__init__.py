@@ -38,7 +38,7 @@ from typing import Any, Dict, Optional, Sequence, Tuple, Union
 import numpy as np
 
 from . import _C
-from ._args import Options, call_backward, check_bool, check_int, check_ndim, fail, type_name
+from ._args import Options, call_backward, check_bool, check_float, check_int, check_ndim, fail, type_name
 from ._C import DecodePlan, Error
 
 __version__: str = _C.__version__
@@ -639,12 +639,31 @@ def explain(**kwargs: Any) -> Dict[str, float]:
     traffic_ratio, flops_per_head, flops_per_model, naive_traffic_seconds,
     flash_traffic_seconds, math_seconds and end_to_end_speedup.
     """
-    return _C.explain(**kwargs)
+    return _C.explain(**_explain_kwargs(kwargs))
 
 
 def explain_text(**kwargs: Any) -> str:
     """The same arithmetic as text, as `ioattn explain` prints it (same keyword arguments)."""
-    return _C.explain_text(**kwargs)
+    return _C.explain_text(**_explain_kwargs(kwargs))
+
+
+_EXPLAIN_INTS = ("seqlen", "head_dim", "heads", "layers", "dtype_bytes", "naive_passes")
+_EXPLAIN_FLOATS = ("bandwidth_Bps", "flops_per_s", "attention_share", "kernel_speedup")
+
+
+def _explain_kwargs(kwargs: Dict[str, Any]) -> Dict[str, Any]:
+    """explain()'s keyword arguments by name and Python type (TypeError naming the argument,
+    instead of the extension's listing of its whole signature)."""
+    out: Dict[str, Any] = {}
+    for name, x in kwargs.items():
+        if name in _EXPLAIN_INTS:
+            out[name] = check_int(name, x)
+        elif name in _EXPLAIN_FLOATS:
+            out[name] = check_float(name, x)
+        else:
+            raise TypeError(f"ioattn: explain() has no argument '{name}'; it takes "
+                            f"{', '.join(_EXPLAIN_INTS + _EXPLAIN_FLOATS)}")
+    return out
 
 
 def online_softmax_example(scores: Sequence[float], values: Sequence[float],

@@ -62,3 +62,21 @@ def test_info():
     assert info["cuda_devices"] == len(info["cuda_device_names"])
     if not info["cuda_compiled"]:
         assert info["cuda_devices"] == 0 and info["cuda_kernels"] == []
+
+
+def test_explain_arguments_are_checked_by_name_and_type():
+    with pytest.raises(TypeError, match=r"explain\(\) has no argument 'speedup'; it takes .*kernel_speedup"):
+        ioattn.explain(attention_share=0.3, speedup=2.0)
+    with pytest.raises(TypeError, match=r"argument 'seqlen' must be an int, got str"):
+        ioattn.explain_text(seqlen="8k")
+    assert ioattn.explain(seqlen=4096, bandwidth_Bps=4.8e12)["score_bytes_per_head"] == 4096 * 4096 * 2
+
+
+def test_online_softmax_example_masked_keys_and_bad_scores():
+    ninf = float("-inf")
+    ex = ioattn.online_softmax_example([ninf, ninf, ninf], [1.0, 2.0, 3.0])
+    assert ex["output"] == 0.0 and ex["output_direct"] == 0.0  # no visible key: 0, not NaN
+    with pytest.raises(ValueError, match=r"argument 'scores\[0\]': expected a finite score or -inf"):
+        ioattn.online_softmax_example([float("nan"), 1.0], [1.0, 2.0])
+    with pytest.raises(ValueError, match=r"argument 'scores': expected at least one score"):
+        ioattn.online_softmax_example([], [])

@@ -46,12 +46,22 @@ ExplainReport explain(const ExplainInput& in) {
 
 OnlineSoftmaxExample online_softmax_example(const std::vector<double>& scores,
                                             const std::vector<double>& values, int block_size) {
-  if (scores.empty() || scores.size() != values.size())
+  if (scores.empty()) throw Error("scores", "ioattn: argument 'scores': expected at least one score, got none");
+  if (scores.size() != values.size())
     throw Error("values", "ioattn: argument 'values': expected " + std::to_string(scores.size()) +
                               " values (one per score), got " + std::to_string(values.size()));
   if (block_size < 1) throw Error("block_size", "ioattn: argument 'block_size': expected >= 1, got " + std::to_string(block_size));
+  // -inf is a masked key (weight 0), as in the kernels; NaN and +inf would poison the row there,
+  // which a worked example has nothing to show about.
+  for (size_t j = 0; j < scores.size(); ++j)
+    if (std::isnan(scores[j]) || scores[j] == std::numeric_limits<double>::infinity())
+      throw Error("scores[" + std::to_string(j) + "]",
+                  "ioattn: argument 'scores[" + std::to_string(j) +
+                      "]': expected a finite score or -inf (a masked key), got " + std::to_string(scores[j]));
+  const double ninf = -std::numeric_limits<double>::infinity();
+  auto weight = [&](double s, double m_ref) { return s == ninf ? 0.0 : std::exp(s - m_ref); };
   OnlineSoftmaxExample ex;
-  double m = -std::numeric_limits<double>::infinity(), l = 0.0, acc = 0.0;
+  double m = ninf, l = 0.0, acc = 0.0;
   for (size_t start = 0; start < scores.size(); start += static_cast<size_t>(block_size)) {
     const size_t end = std::min(scores.size(), start + static_cast<size_t>(block_size));
     OnlineSoftmaxStep st;
@@ -62,7 +72,7 @@ OnlineSoftmaxExample online_softmax_example(const std::vector<double>& scores,
     l *= st.rescale;
     acc *= st.rescale;
     for (size_t j = start; j < end; ++j) {
-      const double e = std::exp(scores[j] - m_new);
+      const double e = weight(scores[j], m_new);
       l += e;
       acc += e * values[j];
     }
@@ -72,14 +82,14 @@ OnlineSoftmaxExample online_softmax_example(const std::vector<double>& scores,
     st.acc_after = acc;
     ex.steps.push_back(st);
   }
-  ex.output = acc / l;
+  ex.output = l > 0 ? acc / l : 0.0;  // no visible key: 0, as the kernels write
   // Two-pass softmax for comparison.
   const double mx = *std::max_element(scores.begin(), scores.end());
   double z = 0.0;
-  for (double s : scores) z += std::exp(s - mx);
+  for (double s : scores) z += weight(s, mx);
   ex.output_direct = 0.0;
   for (size_t j = 0; j < scores.size(); ++j) {
-    ex.probabilities.push_back(std::exp(scores[j] - mx) / z);
+    ex.probabilities.push_back(z > 0 ? weight(scores[j], mx) / z : 0.0);
     ex.output_direct += ex.probabilities.back() * values[j];
   }
   return ex;
