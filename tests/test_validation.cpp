@@ -281,6 +281,25 @@ TEST(Explain, BadInputIsAnError) {
     return std::string("(no error)");
   };
   EXPECT_EQ(arg_of([] { online_softmax_example({}, {}, 1); }), "scores");
+  for (auto [field, name] : {std::pair{&ExplainInput::heads, "heads"}, {&ExplainInput::layers, "layers"},
+                             {&ExplainInput::naive_passes, "naive_passes"}}) {
+    ExplainInput bad;
+    bad.*field = 0;
+    EXPECT_EQ(arg_of([&] { explain(bad); }), name);
+  }
+  for (auto [field, name] : {std::pair{&ExplainInput::bandwidth_Bps, "bandwidth_Bps"},
+                             {&ExplainInput::flops_per_s, "flops_per_s"}, {&ExplainInput::kernel_speedup, "kernel_speedup"}}) {
+    ExplainInput bad;
+    bad.*field = -1;
+    EXPECT_EQ(arg_of([&] { explain(bad); }), name);
+    bad.*field = std::numeric_limits<double>::infinity();
+    EXPECT_EQ(arg_of([&] { explain(bad); }), name);
+  }
+  {
+    ExplainInput bad;
+    bad.attention_share = std::nan("");
+    EXPECT_EQ(arg_of([&] { explain(bad); }), "attention_share");
+  }
   const double inf = std::numeric_limits<double>::infinity();
   EXPECT_EQ(arg_of([&] { online_softmax_example({1, inf}, {1, 2}, 1); }), "scores[1]");
   EXPECT_EQ(arg_of([&] { online_softmax_example({std::nan(""), 1}, {1, 2}, 1); }), "scores[0]");

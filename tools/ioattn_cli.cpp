@@ -168,6 +168,10 @@ int cmd_explain(const Args& a) {
   in.layers = a.integer("layers", in.layers);
   in.dtype_bytes = dtype_size(parse_dtype(a.str("dtype", "f16"), "dtype"));
   in.naive_passes = a.integer("passes", in.naive_passes);
+  // The rates in the options' own units (TB/s, TFLOP/s) before they become ExplainInput's.
+  for (const char* opt : {"bandwidth", "flops", "speedup"})
+    if (a.has(opt) && !(a.num(opt, 1.0) > 0 && std::isfinite(a.num(opt, 1.0))))
+      throw Error(opt, std::string("ioattn: option '--") + opt + "': expected a finite number > 0, got " + a.str(opt, ""));
   in.bandwidth_Bps = a.num("bandwidth", 3.0) * 1e12;
   in.flops_per_s = a.num("flops", 500.0) * 1e12;
   in.attention_share = a.num("attention-share", 0.0);

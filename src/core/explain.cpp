@@ -15,12 +15,17 @@ ExplainReport explain(const ExplainInput& in) {
   if (in.seqlen < 1) throw Error("seqlen", "ioattn: argument 'seqlen': expected >= 1, got " + std::to_string(in.seqlen));
   if (in.head_dim < 1) throw Error("head_dim", "ioattn: argument 'head_dim': expected >= 1, got " + std::to_string(in.head_dim));
   if (in.dtype_bytes < 1) throw Error("dtype_bytes", "ioattn: argument 'dtype_bytes': expected >= 1, got " + std::to_string(in.dtype_bytes));
-  if (!(in.bandwidth_Bps > 0)) throw Error("bandwidth", "ioattn: argument 'bandwidth': expected > 0, got " + std::to_string(in.bandwidth_Bps));
-  if (!(in.flops_per_s > 0)) throw Error("flops", "ioattn: argument 'flops': expected > 0, got " + std::to_string(in.flops_per_s));
-  if (in.attention_share < 0 || in.attention_share > 1)
+  for (auto [name, v] : {std::pair{"heads", in.heads}, {"layers", in.layers}, {"naive_passes", in.naive_passes}})
+    if (v < 1) throw Error(name, std::string("ioattn: argument '") + name + "': expected >= 1, got " + std::to_string(v));
+  // (named as ExplainInput's fields; `ioattn explain` checks its own --bandwidth / --flops / --speedup first)
+  if (!(in.bandwidth_Bps > 0) || std::isinf(in.bandwidth_Bps))
+    throw Error("bandwidth_Bps", "ioattn: argument 'bandwidth_Bps': expected finite bytes/s > 0, got " + std::to_string(in.bandwidth_Bps));
+  if (!(in.flops_per_s > 0) || std::isinf(in.flops_per_s))
+    throw Error("flops_per_s", "ioattn: argument 'flops_per_s': expected finite FLOP/s > 0, got " + std::to_string(in.flops_per_s));
+  if (!(in.attention_share >= 0 && in.attention_share <= 1))
     throw Error("attention_share", "ioattn: argument 'attention_share': expected in [0, 1], got " + std::to_string(in.attention_share));
-  if (!(in.kernel_speedup > 0))
-    throw Error("speedup", "ioattn: argument 'speedup': expected > 0, got " + std::to_string(in.kernel_speedup));
+  if (!(in.kernel_speedup > 0) || std::isinf(in.kernel_speedup))
+    throw Error("kernel_speedup", "ioattn: argument 'kernel_speedup': expected finite > 0, got " + std::to_string(in.kernel_speedup));
   const double n = static_cast<double>(in.seqlen), d = static_cast<double>(in.head_dim);
   const double bytes = static_cast<double>(in.dtype_bytes);
   ExplainReport r{};
