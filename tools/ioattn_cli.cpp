@@ -490,6 +490,20 @@ Backend parse_backend(const std::string& s, const char* opt) {
 
 constexpr double kDefaultCheckFlops = 2e9;  // float64 reference budget per point (~1-2 s on one core)
 
+// --threads (0 = all) and --check-flops, shared by run and bench: errors name the option.
+int threads_option(const Args& a) {
+  const int64_t t = a.integer("threads", 0);
+  if (t < 0 || t > INT_MAX)
+    throw Error("threads", "ioattn: option '--threads': expected an integer >= 0 (0 = all), got " + a.str("threads", ""));
+  return static_cast<int>(t);
+}
+double check_flops_option(const Args& a) {
+  const double f = a.num("check-flops", kDefaultCheckFlops);
+  if (!(f >= 0) || std::isinf(f))
+    throw Error("check-flops", "ioattn: option '--check-flops': expected a finite number >= 0, got " + a.str("check-flops", ""));
+  return f;
+}
+
 // ---- run --------------------------------------------------------------------------------
 int cmd_run(const Args& a) {
   check_known(a, {"device", "backend", "dtype", "batch", "seqlen", "seqlen-q", "seqlen-k", "heads", "heads-kv",
@@ -501,7 +515,7 @@ int cmd_run(const Args& a) {
   sh.device = parse_device(dev_s);
   Context ctx;
   ctx.backend = parse_backend(a.str("backend", "auto"), "backend");
-  ctx.num_threads = static_cast<int>(a.integer("threads", 0));
+  ctx.num_threads = threads_option(a);
   sh.dtype = parse_dtype(a.str("dtype", "f32"), "dtype");
   sh.batch = a.integer("batch", 2);
   const int64_t S = a.integer("seqlen", 1024);
@@ -559,7 +573,7 @@ int cmd_run(const Args& a) {
   bool pass = true;
   std::string scope = "none";
   if (!a.has("no-check")) {
-    const Check ck = check_workload(w, ctx, a.num("check-flops", kDefaultCheckFlops));
+    const Check ck = check_workload(w, ctx, check_flops_option(a));
     err_o = ck.c.o.max_abs;
     err_lse = ck.c.lse.max_abs;
     err_naive = ck.c.naive_o.max_abs;
@@ -702,9 +716,9 @@ int cmd_bench(const Args& a) {
     throw Error(repeats < 0 ? "repeats" : "warmup", "ioattn: option '--" + std::string(repeats < 0 ? "repeats" : "warmup") +
                                                         "': expected >= 0, got " + std::to_string(std::min(repeats, warmup)));
   const bool check = !a.has("no-check");
-  const double check_flops = a.num("check-flops", kDefaultCheckFlops);
+  const double check_flops = check_flops_option(a);
   Context ctx;
-  ctx.num_threads = static_cast<int>(a.integer("threads", 0));
+  ctx.num_threads = threads_option(a);
   const int threads = ctx.num_threads > 0 ? ctx.num_threads : build_info().cpu_threads;
 
   FILE* out = stdout;
