@@ -169,9 +169,11 @@ int cmd_explain(const Args& a) {
   in.dtype_bytes = dtype_size(parse_dtype(a.str("dtype", "f16"), "dtype"));
   in.naive_passes = a.integer("passes", in.naive_passes);
   // The rates in the options' own units (TB/s, TFLOP/s) before they become ExplainInput's.
-  for (const char* opt : {"bandwidth", "flops", "speedup"})
-    if (a.has(opt) && !(a.num(opt, 1.0) > 0 && std::isfinite(a.num(opt, 1.0))))
+  for (const char* opt : {"bandwidth", "flops", "speedup"}) {
+    const double v = a.num(opt, 1.0);
+    if (!(v > 0 && std::isfinite(v)))
       throw Error(opt, std::string("ioattn: option '--") + opt + "': expected a finite number > 0, got " + a.str(opt, ""));
+  }
   in.bandwidth_Bps = a.num("bandwidth", 3.0) * 1e12;
   in.flops_per_s = a.num("flops", 500.0) * 1e12;
   in.attention_share = a.num("attention-share", 0.0);
@@ -620,12 +622,10 @@ std::vector<std::string> split_list(const std::string& s) {
 
 std::vector<int64_t> int_list(const Args& a, const std::string& key, const std::string& def, int64_t min_value) {
   std::vector<int64_t> out;
+  const std::string what = "a comma-separated list of integers >= " + std::to_string(min_value);
   for (const std::string& x : split_list(a.str(key, def))) {
-    char* end = nullptr;
-    const long long v = std::strtoll(x.c_str(), &end, 10);
-    if (end == x.c_str() || *end != '\0' || v < min_value)
-      throw Error(key, "ioattn: option '--" + key + "': expected a comma-separated list of integers >= " +
-                           std::to_string(min_value) + ", got '" + x + "'");
+    const int64_t v = parse_int(x, key, what);
+    if (v < min_value) throw Error(key, "ioattn: option '--" + key + "': expected " + what + ", got '" + x + "'");
     out.push_back(v);
   }
   if (out.empty()) throw Error(key, "ioattn: option '--" + key + "': expected at least one value, got none");

@@ -474,6 +474,16 @@ bool use_pdl(int device) {
   return major >= 9;
 }
 
+// The merge grid's launch triggered at the decode CTAs' start (DecodeParams::early_trigger), unless
+// IOATTN_DECODE_EARLY_TRIGGER=0 (read once, as use_pdl's switch).
+bool early_trigger_on() {
+  static const bool on = [] {
+    const char* e = std::getenv("IOATTN_DECODE_EARLY_TRIGGER");
+    return !(e && std::strcmp(e, "0") == 0);
+  }();
+  return on;
+}
+
 int64_t row_blocks_of(int64_t heads_q, int64_t heads_kv, int64_t seqlen_q, int rows_per_cta = kRows) {
   return (heads_q / heads_kv * seqlen_q + rows_per_cta - 1) / rows_per_cta;
 }
@@ -739,10 +749,7 @@ void cuda_decode(const DecodeProblem& p) {
   }
 
   const bool pdl = use_pdl(p.device_index);
-  {  // the merge grid's launch trigger at the CTAs' start (DecodeParams::early_trigger)
-    const char* e = std::getenv("IOATTN_DECODE_EARLY_TRIGGER");
-    dp.early_trigger = S > 1 && !(e && std::strcmp(e, "0") == 0) ? 1 : 0;
-  }
+  dp.early_trigger = S > 1 && early_trigger_on() ? 1 : 0;
   if (mma) {
     const bool bulk = use_bulk_loader(p, [&] { return detail::cuda_device_arch(p.device_index); });
     const int ring = mma_ring_of(p, bulk);
