@@ -595,6 +595,70 @@ TEST_P(CudaBackwardSm90Varlen, MatchesFloat64Reference) {
 INSTANTIATE_TEST_SUITE_P(Cases, CudaBackwardSm90Varlen, ::testing::ValuesIn(sm90_varlen_cases()),
                          [](const auto& info) { return info.param.name; });
 
+// The hdim-256 wgmma backward (session 19: 64 keys per CTA, the head dim split over the two
+// warpgroups; sm_90's default at hdim 256 except varlen, softcap and ALiBi): odd shapes, rows and
+// key blocks no one sees, GQA / MQA, windows, sinks, [b, h, s, d] strides, several (head, batch)
+// planes of the dQ workspace with tail blocks, and two long cases (many steps: both Q / dO stages
+// and both P / dS buffers turn over many times); atomic and deterministic dQ. The mma.sync table
+// runs each case too (IOATTN_BWD_KERNEL=mma), so that row stays covered on sm_90.
+std::vector<Case> sm90_d256_cases() {
+  std::vector<Case> v;
+  for (DType t : {DType::bf16, DType::f16}) {
+    const std::string ts = dtype_name(t);
+    v.push_back(mk("d256_len1_" + ts, 1, 1, 256, t));
+    v.push_back(mk("d256_len17_" + ts, 17, 17, 256, t));
+    { Case c = mk("d256_q113_k203_causal_" + ts, 113, 203, 256, t); c.causal = true; v.push_back(c); }
+    { Case c = mk("d256_q203_k113_causal_norows_" + ts, 203, 113, 256, t); c.causal = true; v.push_back(c); }
+    { Case c = mk("d256_q1023_k1024_causal_" + ts, 1023, 1024, 256, t); c.causal = true; c.heads_q = c.heads_kv = 1;
+      v.push_back(c); }
+    { Case c = mk("d256_gqa4_causal_long_" + ts, 333, 390, 256, t); c.heads_q = 4; c.heads_kv = 1; c.causal = true;
+      v.push_back(c); }
+    { Case c = mk("d256_mqa8_" + ts, 40, 177, 256, t); c.heads_q = 8; c.heads_kv = 1; v.push_back(c); }
+    { Case c = mk("d256_bhsd_batch2_" + ts, 65, 300, 256, t); c.bhsd = true; c.batch = 2; v.push_back(c); }
+    { Case c = mk("d256_scale_negative_" + ts, 50, 70, 256, t); c.scale = -0.2f; v.push_back(c); }
+    { Case c = mk("d256_gqa2_batch3_causal_" + ts, 100, 150, 256, t); c.heads_q = 4; c.heads_kv = 2; c.batch = 3;
+      c.causal = true; v.push_back(c); }
+    // Key blocks that no row sees (steps == 0: dK = dV = 0), a left window with causal and GQA, sinks.
+    { Case c = mk("d256_window_l20_r5_" + ts, 100, 300, 256, t); c.window_left = 20; c.window_right = 5; v.push_back(c); }
+    { Case c = mk("d256_window_l50_causal_gqa2_sinks_" + ts, 333, 290, 256, t); c.heads_q = 4; c.heads_kv = 2;
+      c.causal = true; c.window_left = 50; c.sinks = true; v.push_back(c); }
+    { Case c = mk("d256_window_r7_only_q300_k100_" + ts, 300, 100, 256, t); c.window_right = 7; v.push_back(c); }
+  }
+  { Case c = mk("d256_long_q2048_k2048_gqa2_causal_bf16", 2048, 2048, 256, DType::bf16); c.heads_q = 2; c.heads_kv = 1;
+    c.causal = true; v.push_back(c); }
+  { Case c = mk("d256_long_q1500_k1300_f16", 1500, 1300, 256, DType::f16); v.push_back(c); }
+  return v;
+}
+
+class CudaBackwardSm90D256 : public ::testing::TestWithParam<Case> {};
+
+TEST_P(CudaBackwardSm90D256, MatchesFloat64Reference) {
+  SKIP_WITHOUT_GPU();
+  if (detail::cuda_device_arch(0) != 90) GTEST_SKIP() << "skipped: the wgmma backward needs sm_90";
+  const Case& c = GetParam();
+  BwdRun s(c, 29 + c.name.size());
+  const Refs r = references(s);
+  {
+    BwdKernelEnv env(nullptr);
+    for (bool det : {false, true}) {
+      s.poison_grads();
+      const KernelChoice kc = s.backward_device(det);
+      EXPECT_NE(kc.kernel.find("sm90 wgmma"), std::string::npos) << kc.kernel << ": " << kc.reason;
+      EXPECT_NE(kc.kernel.find("hdim256"), std::string::npos) << kc.kernel;
+      EXPECT_NE(kc.kernel.find(det ? "dq deterministic" : "variant dsplit"), std::string::npos) << kc.kernel;
+      check_grads(s, r, c.name + (det ? " (sm90 wgmma hdim 256, deterministic)" : " (sm90 wgmma hdim 256)"));
+    }
+  }
+  BwdKernelEnv env("mma");
+  s.poison_grads();
+  const KernelChoice kc = s.backward_device(false);
+  EXPECT_NE(kc.kernel.find("mma.sync"), std::string::npos) << kc.kernel;
+  check_grads(s, r, c.name + " (IOATTN_BWD_KERNEL=mma)");
+}
+
+INSTANTIATE_TEST_SUITE_P(Cases, CudaBackwardSm90D256, ::testing::ValuesIn(sm90_d256_cases()),
+                         [](const auto& info) { return info.param.name; });
+
 TEST(CudaBackwardSm90Select, SaysWhenItDoesNotApply) {
   SKIP_WITHOUT_GPU();
   if (detail::cuda_device_arch(0) != 90) GTEST_SKIP() << "skipped: the wgmma backward needs sm_90";
@@ -635,7 +699,28 @@ TEST(CudaBackwardSm90Select, SaysWhenItDoesNotApply) {
     BwdRun s96(mk("default_d96", 40, 50, 96), 5);
     const KernelChoice k96 = s96.backward_device(false);
     EXPECT_NE(k96.kernel.find("mma.sync"), std::string::npos) << k96.kernel;
-    EXPECT_NE(k96.reason.find("head_dim 64 or 128 only, got 96"), std::string::npos) << k96.reason;
+    EXPECT_NE(k96.reason.find("head_dim 64, 128 or 256 only, got 96"), std::string::npos) << k96.reason;
+  }
+  {  // hdim 256: the wgmma row by default; varlen and IOATTN_BWD_SM90_D256=0 go to the mma.sync table
+    BwdKernelEnv env(nullptr);
+    BwdRun s(mk("default_d256", 40, 50, 256), 5);
+    const KernelChoice kc = s.backward_device(false);
+    EXPECT_NE(kc.kernel.find("sm90 wgmma"), std::string::npos) << kc.kernel;
+    EXPECT_NE(kc.kernel.find("variant dsplit"), std::string::npos) << kc.kernel;
+    {
+      ScopedEnv off("IOATTN_BWD_SM90_D256", "0");
+      const KernelChoice k = s.backward_device(false);
+      EXPECT_NE(k.kernel.find("mma.sync"), std::string::npos) << k.kernel;
+      EXPECT_NE(k.reason.find("IOATTN_BWD_SM90_D256=0"), std::string::npos) << k.reason;
+    }
+    Case c = mk("varlen_d256", 0, 0, 256);
+    c.batch = 2;
+    c.varlen_q = {5, 30};
+    c.varlen_k = {7, 20};
+    BwdRun sv(c, 5);
+    const KernelChoice kv = sv.backward_device(false);
+    EXPECT_NE(kv.kernel.find("mma.sync"), std::string::npos) << kv.kernel;
+    EXPECT_NE(kv.reason.find("no varlen at hdim 256"), std::string::npos) << kv.reason;
   }
   {
     BwdKernelEnv env(nullptr);

@@ -37,11 +37,12 @@ const std::array<BwdKernelInfo, 4>& bwd_table() {
   return table;
 }
 
-// The wgmma rows (sm_90's default where they apply): hdim 128 and hdim 64.
+// The wgmma rows (sm_90's default where they apply): hdim 64, 128 and 256.
 const BwdKernelInfo& sm90_bwd_info(int64_t head_dim) {
   static const BwdKernelInfo d128 = bwd_info_sm90_hdim128();
   static const BwdKernelInfo d64 = bwd_info_sm90_hdim64();
-  return head_dim == 64 ? d64 : d128;
+  static const BwdKernelInfo d256 = bwd_info_sm90_hdim256();
+  return head_dim == 64 ? d64 : head_dim == 256 ? d256 : d128;
 }
 
 constexpr int kVecElems = 8;  // cp.async / vector stores move 16 bytes = 8 f16/bf16 elements
@@ -67,7 +68,7 @@ struct Pick {
   detail::CudaSelection sel;
 };
 
-// IOATTN_BWD_KERNEL unset: on sm_90 the wgmma kernel (hopper/flash_bwd_sm90.cu) where it applies,
+// IOATTN_BWD_KERNEL unset: on sm_90 the wgmma kernels (hopper/flash_bwd_sm90.cu) where they apply,
 // else the mma.sync table; sm90: the same, with the refusal named as the env's; mma: the mma.sync
 // table everywhere (for A/B runs and for testing that table on an H200).
 std::string forced_bwd_kernel() {
@@ -80,8 +81,16 @@ std::string forced_bwd_kernel() {
 std::string sm90_bwd_refusal(const detail::BwdProblem& bp, int arch, int optin, cudaFuncAttributes* attr) {
   const detail::FwdProblem& p = bp.f;
   if (arch != 90) return "needs sm_90, device is sm" + std::to_string(arch);
-  if (p.head_dim != 128 && p.head_dim != 64) return "head_dim 64 or 128 only, got " + std::to_string(p.head_dim);
+  if (p.head_dim != 128 && p.head_dim != 64 && p.head_dim != 256)
+    return "head_dim 64, 128 or 256 only, got " + std::to_string(p.head_dim);
   const BwdKernelInfo& info = sm90_bwd_info(p.head_dim);
+  // hdim 256 (session 19): no varlen instance (the mma.sync table runs varlen at hdim 256);
+  // IOATTN_BWD_SM90_D256=0 sends hdim 256 to the mma.sync table.
+  if (p.head_dim == 256) {
+    const char* e = std::getenv("IOATTN_BWD_SM90_D256");
+    if (e != nullptr && std::string(e) == "0") return "hdim 256 switched off (IOATTN_BWD_SM90_D256=0)";
+    if (p.varlen()) return "no varlen at hdim 256";
+  }
   if (p.varlen()) {
     // Verified on the H200 in session 8 (test CudaBackwardSm90Varlen); IOATTN_BWD_SM90_VARLEN=0
     // sends varlen to the mma.sync table.

@@ -150,9 +150,10 @@ BwdKernelInfo bwd_info_hdim64();
 BwdKernelInfo bwd_info_hdim128();
 BwdKernelInfo bwd_info_hdim256();
 BwdKernelInfo bwd_info_hdim256_wide();
-// The wgmma kernel (hopper/flash_bwd_sm90.cu): sm_90's default at hdim 64 and 128.
+// The wgmma kernels (hopper/flash_bwd_sm90.cu): sm_90's default at hdim 64, 128 and 256.
 BwdKernelInfo bwd_info_sm90_hdim128();
 BwdKernelInfo bwd_info_sm90_hdim64();
+BwdKernelInfo bwd_info_sm90_hdim256();
 
 // The backward's launch sequence on bp's stream with the kernels of `info` (flash_bwd_dispatch.cu):
 // BwdParams from the validated problem, the stream-ordered workspace, preprocess, dsinks,

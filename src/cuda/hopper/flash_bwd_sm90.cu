@@ -684,6 +684,263 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_sm90_kernel(const BwdPa
 #endif
 }
 
+// ---- hdim 256 -----------------------------------------------------------------------------------
+// At hdim 256 the order above does not fit: dK and dV of 64 keys x 256 dims are 256 fp32 registers
+// per thread of one warpgroup. Here a CTA owns 64 keys and its two warpgroups split the head dim of
+// every output: warpgroup c accumulates dV[:, 128c..], dK[:, 128c..] (64 + 64 registers) and
+// computes dQ[:, 128c..]. The two score-sized GEMMs of a step are one per warpgroup (rows = the
+// step's 64 query rows, keys = the CTA's 64 keys, k = the 256 dims):
+//   warpgroup 0: S  = Q K^T  -> P  = exp2(S·scale·log2e − LSE·log2e), masked to 0     ss m64n64, K-major
+//   warpgroup 1: dP = dO V^T -> dS = P ∘ (dP − D), P read back from shared memory    ss m64n64, K-major
+// P and dS go to shared memory row-major ([64 rows x 64 keys], one SW128 atom column, 8 KB each,
+// two buffers alternating per step), from where both warpgroups' output GEMMs read them:
+//   dQ_c  = dS K[:, 128c..]      ss m64n128, A = dS K-major,               B = K MN-major
+//   dV_c += P^T dO[:, 128c..]    ss m64n128, A = P read transposed (MN-major), B = dO MN-major
+//   dK_c += dS^T Q[:, 128c..]    ss m64n128, A = dS read transposed,        B = Q MN-major
+// dQ_c goes to the fp32 workspace by red.global.add.v2 while dV and dK run. Shared memory per step:
+// 128 KB read by S / dP (the 128 B/clock limit of an ss m64n64: 1,024 cycles, as their tensor time),
+// 144 KB by the output GEMMs (1,536 tensor cycles), 64 KB of Q / dO landing, 16 KB of P / dS.
+// Q and dO by TMA ([64 rows x 64 dims] boxes, rows past seqlen_q zero-filled), two stages, issued a
+// step ahead by thread 128 once both warpgroups released the stage (empty: one arrival per warp);
+// K, V once per CTA by cp.async. LSE / D: each thread's two rows (16w + g, +8) straight from the
+// workspace into registers. Shared memory: K, V 64 KB, Q / dO 2 x 64 KB, P / dS 2 x 16 KB = 224 KB.
+// kDq false: the deterministic mode's dK/dV-only instance (no dQ wgmma; dQ by the mma.sync table's
+// atomic-free pass).
+namespace d256 {
+constexpr int kD = 256, kBN = 64, kBM = 64;
+constexpr int kTile = 64 * kD * 2;   // 32 KB: K, V, or one stage of Q / dO ([64 rows x 256 dims])
+constexpr int kTileP = 64 * 64 * 2;  // 8 KB: P or dS ([64 rows x 64 keys])
+constexpr int kSmem = 6 * kTile + 4 * kTileP + 32 + 1024;  // + 4 mbarriers, + alignment slack
+}  // namespace d256
+
+template <typename T, bool kDq>
+__global__ void __launch_bounds__(kThreads, 1) flash_bwd_sm90_d256_kernel(const BwdParams p,
+                                                                          const __grid_constant__ CUtensorMap q_map,
+                                                                          const __grid_constant__ CUtensorMap do_map) {
+#if IOATTN_SM90A_ENABLED
+  using namespace sm90;
+  using d256::kBM;
+  using d256::kBN;
+  using d256::kD;
+  using d256::kTile;
+  using d256::kTileP;
+  extern __shared__ uint8_t raw[];
+  uint8_t* base = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(raw) + 1023) & ~uintptr_t{1023});
+  uint8_t* sk = base;
+  uint8_t* sv = sk + kTile;
+  uint8_t* sq = sv + kTile;         // [2 stages]
+  uint8_t* sdo = sq + 2 * kTile;    // [2 stages]
+  uint8_t* sp = sdo + 2 * kTile;    // [2 parities]
+  uint8_t* sds = sp + 2 * kTileP;   // [2 parities]
+  uint64_t* full = reinterpret_cast<uint64_t*>(sds + 2 * kTileP);  // Q, dO of a stage landed
+  uint64_t* empty = full + 2;                                       // both warpgroups done with a stage
+
+  const int tid = threadIdx.x, wg = tid >> 7, wtid = tid & 127, w = wtid >> 5, lane = tid & 31;
+  const int g = lane >> 2, t = lane & 3;
+  const int nb = blockIdx.x % p.num_n_blocks;
+  const int hk = (blockIdx.x / p.num_n_blocks) % p.heads_kv;
+  const int b = blockIdx.x / (p.num_n_blocks * p.heads_kv);
+  const int n0 = nb * kBN;
+  const int sq_len = p.seqlen_q, sk_len = p.seqlen_k, off = sk_len - sq_len;
+  constexpr int es = static_cast<int>(sizeof(T));
+
+  {  // K, V of the block, once
+    const auto* kp = static_cast<const uint8_t*>(p.k) + (b * p.k_batch + static_cast<int64_t>(n0) * p.k_seq + hk * p.k_head) * es;
+    const auto* vp = static_cast<const uint8_t*>(p.v) + (b * p.v_batch + static_cast<int64_t>(n0) * p.v_seq + hk * p.v_head) * es;
+    load_rows<kBN, kD>(smem_u32(sk), kp, p.k_seq * es, sk_len - n0);
+    load_rows<kBN, kD>(smem_u32(sv), vp, p.v_seq * es, sk_len - n0);
+    ptx::cp_async_commit();
+  }
+  // Query rows that see a key of [n0, n_end), as in the kernel above.
+  const int n_end = min(n0 + kBN, sk_len);
+  const int i_begin = p.window_right >= 0 ? max(0, n0 - off - p.window_right) : 0;
+  const int i_end = p.window_left >= 0 ? min(sq_len, n_end - off + p.window_left) : sq_len;
+  const int m_first = i_begin / kBM;
+  const int per_head = i_end > i_begin ? (i_end + kBM - 1) / kBM - m_first : 0;
+  const int steps = per_head * p.group;
+
+  if (tid == 0) {
+    mbarrier_init(&full[0], 1), mbarrier_init(&full[1], 1);
+    mbarrier_init(&empty[0], kThreads / 32), mbarrier_init(&empty[1], kThreads / 32);
+    fence_mbarrier_init();
+  }
+  // Q, dO of `step` into stage step & 1 (thread 128 only; called for 0, 1, 2, ... in order): once
+  // both warpgroups are done with step - 2, the stage's previous user.
+  int iss_h = 0, iss_m = 0;
+  auto issue = [&](int step) {
+    if (step >= steps) return;
+    const int h = hk * p.group + iss_h, m0 = (m_first + iss_m) * kBM, st = step & 1;
+    if (++iss_m == per_head) iss_m = 0, ++iss_h;
+    if (step >= 2) mbarrier_wait_or_trap(&empty[st], ((step - 2) >> 1) & 1);
+    mbarrier_arrive_expect_tx(&full[st], 2 * kTile);
+#pragma unroll
+    for (int cb = 0; cb < kD / 64; ++cb) {
+      tma_load_4d(sq + st * kTile + cb * kBM * 128, &q_map, &full[st], cb * 64, m0, h, b);
+      tma_load_4d(sdo + st * kTile + cb * kBM * 128, &do_map, &full[st], cb * 64, m0, h, b);
+    }
+  };
+  ptx::cp_async_wait<0>();
+  fence_proxy_async();  // K, V (this thread's cp.async writes) for the wgmma reads
+  __syncthreads();      // ... everyone's, and the barriers initialised
+  if (tid == 128) issue(0), issue(1);
+
+  float dv[kD / 4], dk[kD / 4];  // this warpgroup's 128 columns
+#pragma unroll
+  for (int i = 0; i < kD / 4; ++i) dv[i] = 0.f, dk[i] = 0.f;
+
+  // Descriptors, built once and stepped by constants. S / dP: A = Q or dO stage 0, B = K or V, all
+  // K-major. Output GEMMs: B = this warpgroup's 128 columns of dO / Q / K (MN-major; column blocks
+  // 2c and 2c + 1, 8 KB apart); A = P / dS buffer 0, transposed (MN-major) for dV / dK, K-major for dQ.
+  const uint64_t a_sdp = make_desc_sw128(smem_u32(wg == 0 ? sq : sdo), 16, 1024);
+  const uint64_t b_sdp = make_desc_sw128(smem_u32(wg == 0 ? sk : sv), 16, 1024);
+  const uint64_t do_mn = make_desc_sw128(smem_u32(sdo) + wg * 2 * kBM * 128, kBM * 128, 1024);
+  const uint64_t q_mn = make_desc_sw128(smem_u32(sq) + wg * 2 * kBM * 128, kBM * 128, 1024);
+  const uint64_t k_mn = make_desc_sw128(smem_u32(sk) + wg * 2 * kBN * 128, kBN * 128, 1024);
+  const uint64_t p_mn = make_desc_sw128(smem_u32(sp), kBM * 128, 1024);
+  const uint64_t ds_mn = make_desc_sw128(smem_u32(sds), kBM * 128, 1024);
+  const uint64_t ds_k = make_desc_sw128(smem_u32(sds), 16, 1024);
+  // This thread's rows of every fragment: r0 = 16w + g and r0 + 8 (both warpgroups hold the same rows).
+  const int r0 = 16 * w + g;
+
+  int cur_h = 0, cur_m = 0;
+  for (int step = 0; step < steps; ++step) {
+    const int st = step & 1, h = hk * p.group + cur_h, m0 = (m_first + cur_m) * kBM;
+    if (++cur_m == per_head) cur_m = 0, ++cur_h;
+    if (tid == 128 && step >= 1) issue(step + 1);  // a step ahead (its empty wait: step - 1, done by now)
+    // LSE·log2e (warpgroup 0) or D (warpgroup 1) of rows r0, r0 + 8, loaded before the wait that
+    // precedes their use; rows past the end: LSE +inf (P = 0), D 0.
+    float x[2];
+    {
+      const float* src = wg == 0 ? p.ws_lse : p.ws_d;
+      const float fill = wg == 0 ? kPosInf : 0.f;
+      const int64_t wrow = static_cast<int64_t>(h) * p.rows_q + static_cast<int64_t>(b) * sq_len + m0 + r0;
+      x[0] = m0 + r0 < sq_len ? src[wrow] : fill;
+      x[1] = m0 + r0 + 8 < sq_len ? src[wrow + 8] : fill;
+    }
+    mbarrier_wait_or_trap(&full[st], (step >> 1) & 1);
+
+    // S (warpgroup 0) or dP (warpgroup 1): 64 rows x 64 keys over 256 dims.
+    float acc[kBN / 2];
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < kD / 16; ++kk) {
+      const uint32_t at = (kk / 4) * 64 * 128 + (kk % 4) * 32;  // column block kk / 4, 32 bytes per k-step
+      Wgmma<kBN, T>::template ss<0>(acc, desc_advance(a_sdp, st * kTile + at), desc_advance(b_sdp, at), kk > 0);
+    }
+    wgmma_commit();
+    wgmma_wait<0>();
+#pragma unroll
+    for (int i = 0; i < kBN / 2; ++i) reg_fence(acc[i]);
+
+    // Fragment element e: row r0 + 8 ((e >> 1) & 1), key 8 (e >> 2) + 2t + (e & 1); the pair
+    // (2j, 2j + 1) is one 32-bit word of the row-major [rows x keys] SW128 tile: row r, 16-byte
+    // chunk (e >> 2) ^ (r % 8) (r % 8 = g), bytes 4t.
+    const uint32_t pbuf = smem_u32(sp + st * kTileP), dsbuf = smem_u32(sds + st * kTileP);
+    auto word = [&](uint32_t buf, int j) {
+      const int r = r0 + 8 * (j & 1), c = j >> 1;
+      return buf + static_cast<uint32_t>(r * 128 + ((c ^ g) << 4) + 4 * t);
+    };
+    if (wg == 0) {
+      const bool needs_mask = n0 + kBN > sk_len || m0 + kBM > sq_len ||
+                              (p.window_right >= 0 && n0 + kBN - 1 - m0 - off > p.window_right) ||
+                              (p.window_left >= 0 && n0 - (m0 + kBM - 1) - off < -p.window_left);
+#pragma unroll
+      for (int e = 0; e < kBN / 2; ++e) {
+        const int rh = (e >> 1) & 1;
+        acc[e] = ptx::exp2_approx(acc[e] * p.scale_log2 - x[rh]);
+        if (needs_mask && !bwd_detail::visible(m0 + r0 + 8 * rh, n0 + 8 * (e >> 2) + 2 * t + (e & 1), sq_len, sk_len, off,
+                                               p.window_left, p.window_right))
+          acc[e] = 0.f;
+      }
+#pragma unroll
+      for (int j = 0; j < kBN / 4; ++j)
+        asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(word(pbuf, j)), "r"(ptx::pack2<T>(acc[2 * j], acc[2 * j + 1]))
+                     : "memory");
+      fence_proxy_async();           // P for the wgmmas (async proxy) ...
+      named_barrier_arrive(1, kThreads);  // ... and for warpgroup 1's dS
+    } else {
+      named_barrier_sync(1, kThreads);
+#pragma unroll
+      for (int j = 0; j < kBN / 4; ++j) {
+        uint32_t pw;
+        asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(pw) : "r"(word(pbuf, j)) : "memory");
+        float p0, p1;
+        unpack2<T>(pw, p0, p1);
+        const uint32_t dw = ptx::pack2<T>(p0 * (acc[2 * j] - x[j & 1]), p1 * (acc[2 * j + 1] - x[j & 1]));
+        asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(word(dsbuf, j)), "r"(dw) : "memory");
+      }
+      fence_proxy_async();
+    }
+    __syncthreads();  // P and dS of this step for both warpgroups' wgmmas
+
+    // dQ first (its output runs while dV and dK are on the tensor cores), then dV, dK.
+    [[maybe_unused]] float dq[kD / 4];
+    wgmma_fence();
+    if constexpr (kDq) {
+#pragma unroll
+      for (int kk = 0; kk < kBN / 16; ++kk)
+        Wgmma<kD / 2, T>::template ss<1>(dq, desc_advance(ds_k, st * kTileP + kk * 32), desc_advance(k_mn, kk * 2048), kk > 0);
+      wgmma_commit();
+    }
+#pragma unroll
+    for (int kk = 0; kk < kBM / 16; ++kk)
+      Wgmma<kD / 2, T>::template ss<1, 1>(dv, desc_advance(p_mn, st * kTileP + kk * 2048),
+                                          desc_advance(do_mn, st * kTile + kk * 2048), 1);
+    wgmma_commit();
+#pragma unroll
+    for (int kk = 0; kk < kBM / 16; ++kk)
+      Wgmma<kD / 2, T>::template ss<1, 1>(dk, desc_advance(ds_mn, st * kTileP + kk * 2048),
+                                          desc_advance(q_mn, st * kTile + kk * 2048), 1);
+    wgmma_commit();
+    if constexpr (kDq) {
+      wgmma_wait<2>();  // dQ (dV, dK may still run)
+#pragma unroll
+      for (int i = 0; i < kD / 4; ++i) reg_fence(dq[i]);
+      // rows m0 + r0 (+8), columns 128c + 8i + 2t (+1) of the fp32 workspace; rows past the end skipped
+      float* ws = pin_ptr(p.ws_dq + (static_cast<int64_t>(h) * p.rows_q + static_cast<int64_t>(b) * sq_len + m0 + r0) * kD +
+                          (kD / 2) * wg + 2 * t);
+      if (m0 + kBM <= sq_len) {
+#pragma unroll
+        for (int i = 0; i < kD / 16; ++i) {
+          ptx::red_add_v2_f32(ws + 8 * i, dq[4 * i], dq[4 * i + 1]);
+          ptx::red_add_v2_f32(ws + 8 * kD + 8 * i, dq[4 * i + 2], dq[4 * i + 3]);
+        }
+      } else {
+        const int valid = sq_len - m0 - r0;
+#pragma unroll
+        for (int i = 0; i < kD / 16; ++i) {
+          red_add_v2_f32_if(ws + 8 * i, dq[4 * i], dq[4 * i + 1], valid > 0);
+          red_add_v2_f32_if(ws + 8 * kD + 8 * i, dq[4 * i + 2], dq[4 * i + 3], valid > 8);
+        }
+      }
+    }
+    wgmma_wait<0>();  // nothing stays in flight across iterations
+#pragma unroll
+    for (int i = 0; i < kD / 4; ++i) reg_fence(dv[i]), reg_fence(dk[i]);
+    __syncwarp();
+    if (lane == 0) mbarrier_arrive(&empty[st]);  // this warp is done with stage st
+  }
+
+  // dK (scaled), dV: keys n0 + r0 (+8), dims 128c + 8i + 2t (+1).
+  T* dkp = static_cast<T*>(p.dk) + b * p.dk_batch + hk * p.dk_head;
+  T* dvp = static_cast<T*>(p.dv) + b * p.dv_batch + hk * p.dv_head;
+#pragma unroll
+  for (int i = 0; i < kD / 16; ++i)
+#pragma unroll
+    for (int rh = 0; rh < 2; ++rh) {
+      const int j = n0 + r0 + 8 * rh;
+      if (j >= sk_len) continue;
+      const int d = (kD / 2) * wg + 8 * i + 2 * t;
+      *reinterpret_cast<uint32_t*>(dkp + static_cast<int64_t>(j) * p.dk_seq + d) =
+          ptx::pack2<T>(dk[4 * i + 2 * rh] * p.scale, dk[4 * i + 2 * rh + 1] * p.scale);
+      *reinterpret_cast<uint32_t*>(dvp + static_cast<int64_t>(j) * p.dv_seq + d) =
+          ptx::pack2<T>(dv[4 * i + 2 * rh], dv[4 * i + 2 * rh + 1]);
+    }
+#elif defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  __trap();  // an sm_90 image without the "a" features (wgmma): never silently write nothing
+#endif
+}
+
 // IOATTN_BWD_SM90_VARIANT: lag (dQ one step late, by TMA reduce-add) | tmald (lag with Q / dO
 // loaded by TMA: kTmaLoad) | redlag (one step late, by red.global) | split (in its own step, by TMA
 // reduce-add) | red (in its own step, by red.global: session 5's kernel) | pp (tmald without CTA
@@ -751,8 +1008,8 @@ CUtensorMap make_row_map(const void* ptr, const detail::Strides3& s, const BwdPa
 // every key block in order), whose tile run_flash_backward sized num_m_blocks for (info_for()
 // copies the row's dQ fields).
 const BwdKernelInfo& mma_row(int head_dim) {
-  static const BwdKernelInfo d64 = bwd_info_hdim64(), d128 = bwd_info_hdim128();
-  return head_dim == 64 ? d64 : d128;
+  static const BwdKernelInfo d64 = bwd_info_hdim64(), d128 = bwd_info_hdim128(), d256 = bwd_info_hdim256();
+  return head_dim == 64 ? d64 : head_dim == 128 ? d128 : d256;
 }
 
 template <typename T, int kD>
@@ -926,8 +1183,68 @@ BwdKernelInfo info_for() {
   return info;
 }
 
+// hdim 256 (flash_bwd_sm90_d256_kernel): one variant, "dsplit" (the head dim split over the two
+// warpgroups); IOATTN_BWD_SM90_VARIANT names the hdim-64/128 kernel's variants and is only checked.
+template <typename T>
+void launch_d256_typed(const BwdParams& p, cudaStream_t stream) {
+  (void)variant_bits(256, p.seqlen_q, p.cu_seqlens_q != nullptr);  // a bad value is an error here too
+  const bool det = p.ws_dq == nullptr;
+  const int64_t grid = static_cast<int64_t>(p.num_n_blocks) * p.heads_kv * p.batch;
+  if (grid > 0) {
+    auto* kernel = det ? &flash_bwd_sm90_d256_kernel<T, false> : &flash_bwd_sm90_d256_kernel<T, true>;
+    const CUtensorMap q_map = make_row_map<T, 256>(p.q, {p.q_batch, p.q_seq, p.q_head}, p, "q");
+    const CUtensorMap do_map = make_row_map<T, 256>(p.dout, {p.do_batch, p.do_seq, p.do_head}, p, "dout");
+    IOATTN_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, d256::kSmem));
+    kernel<<<static_cast<unsigned>(grid), kThreads, d256::kSmem, stream>>>(p, q_map, do_map);
+    IOATTN_CUDA_CHECK_LAUNCH("flash_bwd_sm90_d256_kernel");
+  }
+  if (det) {
+    const BwdKernelInfo& row = mma_row(256);
+    launch_flash_bwd_dq_pass(p, std::is_same_v<T, __nv_bfloat16> ? row.dq_bf16 : row.dq_f16, row.dq_warps * 32,
+                             row.dq_smem_bytes, stream);
+  }
+}
+
+void launch_d256(const BwdParams& p, bool is_bf16, cudaStream_t stream) {
+  if (is_bf16)
+    launch_d256_typed<__nv_bfloat16>(p, stream);
+  else
+    launch_d256_typed<__half>(p, stream);
+}
+
+const char* variant_d256(int64_t, bool) { return "dsplit"; }
+
+BwdKernelInfo info_d256() {
+  BwdKernelInfo info{};
+  info.head_dim = 256;
+  info.block_m = d256::kBM;
+  info.block_n = d256::kBN;
+  info.warps = kThreads / 32;
+  const BwdKernelInfo& row = mma_row(256);  // deterministic mode's dQ pass
+  info.dq_block_m = row.dq_block_m;
+  info.dq_block_n = row.dq_block_n;
+  info.dq_warps = row.dq_warps;
+  info.col_splits = 1;
+  info.reason =
+      "wgmma, 64 keys per CTA, the head dim split over 2 warpgroups (each holds dK, dV and computes dQ for 128 of "
+      "the 256 columns), 64-row steps: S = Q K^T on warpgroup 0 and dP = dO V^T on warpgroup 1 (ss m64n64), P and dS "
+      "row-major in shared memory, dQ = dS K, dV += P^T dO, dK += dS^T Q (ss m64n128), Q/dO by TMA a step ahead, "
+      "fp32 dQ by red.global under the dV/dK wgmmas";
+  info.smem_bytes = d256::kSmem;
+  info.smem_bytes_det = d256::kSmem;
+  info.dq_smem_bytes = row.dq_smem_bytes;
+  info.dkdv_bf16 = reinterpret_cast<const void*>(&flash_bwd_sm90_d256_kernel<__nv_bfloat16, true>);
+  info.dkdv_f16 = reinterpret_cast<const void*>(&flash_bwd_sm90_d256_kernel<__half, true>);
+  info.dq_bf16 = row.dq_bf16;
+  info.dq_f16 = row.dq_f16;
+  info.launch = &launch_d256;
+  info.variant = &variant_d256;
+  return info;
+}
+
 }  // namespace sm90_bwd
 
+BwdKernelInfo bwd_info_sm90_hdim256() { return sm90_bwd::info_d256(); }
 BwdKernelInfo bwd_info_sm90_hdim128() { return sm90_bwd::info_for<128>(); }
 BwdKernelInfo bwd_info_sm90_hdim64() { return sm90_bwd::info_for<64>(); }
 
