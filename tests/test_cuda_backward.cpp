@@ -334,8 +334,11 @@ void run_case(const Case& c, uint64_t seed) {
     s.poison_grads();
     const KernelChoice kc = s.backward_device(det);
     EXPECT_NE(kc.kernel.find("cuda/flash-backward"), std::string::npos) << kc.kernel;
-    EXPECT_NE(kc.kernel.find(det ? "dq deterministic" : "dq atomic"), std::string::npos) << kc.kernel;
-    check_grads(s, r, c.name + (det ? " (deterministic)" : " (atomic dq)"));
+    // (the hdim-256 wgmma row's default runs its atomic-free dQ pass: "dq pass")
+    EXPECT_TRUE(det ? kc.kernel.find("dq deterministic") != std::string::npos
+                    : kc.kernel.find("dq atomic") != std::string::npos || kc.kernel.find("dq pass") != std::string::npos)
+        << kc.kernel;
+    check_grads(s, r, c.name + (det ? " (deterministic)" : " (default dq)"));
     wgmma_ran = wgmma_ran || kc.kernel.find("sm90 wgmma") != std::string::npos;
   }
   if (wgmma_ran) {
@@ -645,8 +648,17 @@ TEST_P(CudaBackwardSm90D256, MatchesFloat64Reference) {
       const KernelChoice kc = s.backward_device(det);
       EXPECT_NE(kc.kernel.find("sm90 wgmma"), std::string::npos) << kc.kernel << ": " << kc.reason;
       EXPECT_NE(kc.kernel.find("hdim256"), std::string::npos) << kc.kernel;
-      EXPECT_NE(kc.kernel.find(det ? "dq deterministic" : "variant dsplit"), std::string::npos) << kc.kernel;
+      EXPECT_NE(kc.kernel.find(det ? "dq deterministic" : "dq pass variant dsplit-pass"), std::string::npos) << kc.kernel;
       check_grads(s, r, c.name + (det ? " (sm90 wgmma hdim 256, deterministic)" : " (sm90 wgmma hdim 256)"));
+    }
+    // dQ by red.global.add.v2 / .v4 (lanes swap a pair each) from the dK/dV kernel
+    for (const char* mode : {"red", "v4"}) {
+      ScopedEnv dq("IOATTN_BWD_SM90_D256_DQ", mode);
+      s.poison_grads();
+      const KernelChoice kc = s.backward_device(false);
+      EXPECT_NE(kc.kernel.find(std::string("dq atomic variant dsplit") + (mode[0] == 'v' ? "-v4" : "")), std::string::npos)
+          << kc.kernel;
+      check_grads(s, r, c.name + " (sm90 wgmma hdim 256, IOATTN_BWD_SM90_D256_DQ=" + mode + ")");
     }
   }
   BwdKernelEnv env("mma");

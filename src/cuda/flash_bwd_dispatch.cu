@@ -174,12 +174,13 @@ Pick pick(const detail::BwdProblem& bp, int arch) {
                    std::to_string(info.head_dim) + " " + detail::mask_name(p) + " tile " + std::to_string(info.block_m) +
                    "x" + std::to_string(info.block_n) + " warpgroups " + std::to_string(info.warps / 4) +
                    (bp.deterministic ? std::string(" dq deterministic")
+                    : (info.wants_dq_workspace != nullptr && !info.wants_dq_workspace()) ? std::string(" dq pass variant ") + info.variant(p.seqlen_q, p.varlen())
                                      : std::string(" dq atomic variant ") + info.variant(p.seqlen_q, p.varlen())),
                std::string(info.reason) + "; " +
                    (bp.deterministic
                         ? "deterministic: its dK/dV-only instance (no dQ wgmma, " +
                               std::to_string(info.smem_bytes_det / 1024) +
-                              " KB smem), then the mma.sync table's atomic-free dQ pass (" +
+                              " KB smem), then " + std::string(info.head_dim == 256 ? "its wgmma" : "the mma.sync table's") + " atomic-free dQ pass (" +
                               std::to_string(info.dq_block_m) + "x" + std::to_string(info.dq_block_n) + " tiles, " +
                               std::to_string(info.dq_smem_bytes / 1024) + " KB smem)"
                         : std::to_string(info.smem_bytes / 1024) + " KB smem, " + std::to_string(a.numRegs) +
@@ -317,7 +318,8 @@ void run_flash_backward(const detail::BwdProblem& bp, const BwdKernelInfo& info)
   const int64_t hr = p.heads_q * bw.rows_q;
   const size_t lse_bytes = round_up(static_cast<size_t>(hr) * 4, 256);
   const size_t sink_bytes = bp.dsinks ? round_up(static_cast<size_t>(p.heads_q) * bw.num_pre_blocks * 4, 256) : 0;
-  const size_t dq_bytes = bp.deterministic ? 0 : static_cast<size_t>(hr) * info.head_dim * 4;
+  const bool dq_pass = bp.deterministic || (info.wants_dq_workspace != nullptr && !info.wants_dq_workspace());
+  const size_t dq_bytes = dq_pass ? 0 : static_cast<size_t>(hr) * info.head_dim * 4;
   StreamBuffer ws(2 * lse_bytes + sink_bytes + dq_bytes, stream);
   unsigned char* base = ws.get();
   bw.ws_lse = reinterpret_cast<float*>(base);

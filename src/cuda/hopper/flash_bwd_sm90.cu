@@ -710,10 +710,112 @@ namespace d256 {
 constexpr int kD = 256, kBN = 64, kBM = 64;
 constexpr int kTile = 64 * kD * 2;   // 32 KB: K, V, or one stage of Q / dO ([64 rows x 256 dims])
 constexpr int kTileP = 64 * 64 * 2;  // 8 KB: P or dS ([64 rows x 64 keys])
-constexpr int kSmem = 6 * kTile + 4 * kTileP + 32 + 1024;  // + 4 mbarriers, + alignment slack
+constexpr int kSmem = 6 * kTile + 4 * kTileP + 64 + 1024;  // + mbarriers, + alignment slack
+
+// S = Q K^T (warpgroup 0) or dP = dO V^T (warpgroup 1): 64 rows x 64 keys over 256 dims, both
+// operands K-major in [64 x 256] SW128 tiles (column block kk / 4, 32 bytes per k-step); one commit
+// group, not waited (the caller retires the previous step's group first, then this one).
+template <typename T>
+__device__ __forceinline__ void issue_scores(float (&acc)[32], uint64_t a_desc, uint64_t b_desc) {
+  using namespace sm90;
+  wgmma_fence();
+#pragma unroll
+  for (int kk = 0; kk < kD / 16; ++kk) {
+    const uint32_t at = (kk / 4) * 64 * 128 + (kk % 4) * 32;
+    Wgmma<kBN, T>::template ss<0>(acc, desc_advance(a_desc, at), desc_advance(b_desc, at), kk > 0);
+  }
+  wgmma_commit();
+}
+
+// Byte address of the 32-bit word holding fragment elements (2j, 2j + 1) in a row-major [64 rows x
+// 64 keys] SW128 tile: element e is row r0 + 8 ((e >> 1) & 1), key 8 (e >> 2) + 2t + (e & 1), so
+// the pair is row r0 + 8 (j & 1), 16-byte chunk (j >> 1) ^ (row % 8) (row % 8 = g), bytes 4t.
+__device__ __forceinline__ uint32_t pds_word(uint32_t buf, int r0, int g, int t, int j) {
+  const int r = r0 + 8 * (j & 1), c = j >> 1;
+  return buf + static_cast<uint32_t>(r * 128 + ((c ^ g) << 4) + 4 * t);
+}
+
+// Warpgroup 0: P = exp2(S·scale·log2e − x) (x = its rows' LSE·log2e), masked to 0 outside the band
+// and the sequences, into buffer pbuf, then handed to warpgroup 1 (named barrier 1). Warpgroup 1:
+// dS = P ∘ (dP − x) (x = its rows' D), P read back from pbuf, into dsbuf. Both buffers fenced for
+// the async proxy; the caller's barrier then publishes them to both warpgroups' wgmmas.
+template <typename T>
+__device__ __forceinline__ void p_ds(float (&acc)[32], const float (&x)[2], int wg, int r0, int g, int t,
+                                     uint32_t pbuf, uint32_t dsbuf, bool needs_mask, int m0, int n0,
+                                     const BwdParams& p, int sq_len, int sk_len, [[maybe_unused]] int step) {
+  using namespace sm90;
+  [[maybe_unused]] const int wtid = threadIdx.x & 127;  // (BWD_TRACE)
+  if (wg == 0) {
+    auto exps = [&](auto mask_tag) {  // the mask test only where a block needs it (no branch per score)
+#pragma unroll
+      for (int e = 0; e < kBN / 2; ++e) {
+        const int rh = (e >> 1) & 1;
+        acc[e] = ptx::exp2_approx(acc[e] * p.scale_log2 - x[rh]);
+        if (decltype(mask_tag)::value &&
+            !bwd_detail::visible(m0 + r0 + 8 * rh, n0 + 8 * (e >> 2) + 2 * t + (e & 1), sq_len, sk_len,
+                                 sk_len - sq_len, p.window_left, p.window_right))
+          acc[e] = 0.f;
+      }
+    };
+    if (needs_mask)
+      exps(std::true_type{});
+    else
+      exps(std::false_type{});
+    BWD_TRACE(step, 11);
+#pragma unroll
+    for (int j = 0; j < kBN / 4; ++j)
+      asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(pds_word(pbuf, r0, g, t, j)),
+                   "r"(ptx::pack2<T>(acc[2 * j], acc[2 * j + 1]))
+                   : "memory");
+    BWD_TRACE(step, 12);
+    fence_proxy_async();                 // P for the wgmmas (async proxy) ...
+    BWD_TRACE(step, 13);
+    named_barrier_arrive(1, kThreads);  // ... and for warpgroup 1's dS
+  } else {
+    named_barrier_sync(1, kThreads);
+    BWD_TRACE(step, 11);
+    uint32_t pw[kBN / 4];  // all 16 loads first, so their latencies overlap
+#pragma unroll
+    for (int j = 0; j < kBN / 4; ++j)
+      asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(pw[j]) : "r"(pds_word(pbuf, r0, g, t, j)) : "memory");
+#pragma unroll
+    for (int j = 0; j < kBN / 4; ++j) {
+      float p0, p1;
+      unpack2<T>(pw[j], p0, p1);
+      const uint32_t dw = ptx::pack2<T>(p0 * (acc[2 * j] - x[j & 1]), p1 * (acc[2 * j + 1] - x[j & 1]));
+      asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(pds_word(dsbuf, r0, g, t, j)), "r"(dw) : "memory");
+    }
+    BWD_TRACE(step, 12);
+    fence_proxy_async();
+    BWD_TRACE(step, 13);
+  }
+}
+
+// A block of 64 rows x 64 keys needs the mask unless it lies inside both sequences and wholly
+// inside the window band.
+__device__ __forceinline__ bool block_needs_mask(const BwdParams& p, int m0, int n0, int sq_len, int sk_len) {
+  const int off = sk_len - sq_len;
+  return n0 + kBN > sk_len || m0 + kBM > sq_len || (p.window_right >= 0 && n0 + kBN - 1 - m0 - off > p.window_right) ||
+         (p.window_left >= 0 && n0 - (m0 + kBM - 1) - off < -p.window_left);
+}
+
+// This thread's two rows (r0, r0 + 8 past m0) of LSE·log2e (warpgroup 0) or D (warpgroup 1) from
+// the workspace; rows past the end: LSE +inf (P = 0), D 0.
+__device__ __forceinline__ void load_x(float (&x)[2], const BwdParams& p, int wg, int h, int b, int m0, int r0,
+                                       int sq_len) {
+  const float* src = wg == 0 ? p.ws_lse : p.ws_d;
+  const float fill = wg == 0 ? kPosInf : 0.f;
+  const int64_t wrow = static_cast<int64_t>(h) * p.rows_q + static_cast<int64_t>(b) * sq_len + m0 + r0;
+  x[0] = m0 + r0 < sq_len ? src[wrow] : fill;
+  x[1] = m0 + r0 + 8 < sq_len ? src[wrow + 8] : fill;
+}
 }  // namespace d256
 
-template <typename T, bool kDq>
+// kNoRed (IOATTN_BWD_TRACE builds only, IOATTN_BWD_D256_NORED=1): a timing probe that computes dQ
+// and drops it (no red.global): wrong dQ, never selected otherwise.
+// kRedV4 (IOATTN_BWD_SM90_D256_DQ=v4): dQ by red.global.add.v4 (half the reductions): lanes t and
+// t ^ 1 swap one pair each, so an even lane adds 4 columns of row r0 and an odd lane 4 of r0 + 8.
+template <typename T, bool kDq, bool kNoRed = false, bool kRedV4 = false>
 __global__ void __launch_bounds__(kThreads, 1) flash_bwd_sm90_d256_kernel(const BwdParams p,
                                                                           const __grid_constant__ CUtensorMap q_map,
                                                                           const __grid_constant__ CUtensorMap do_map) {
@@ -784,9 +886,10 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_sm90_d256_kernel(const 
   __syncthreads();      // ... everyone's, and the barriers initialised
   if (tid == 128) issue(0), issue(1);
 
-  float dv[kD / 4], dk[kD / 4];  // this warpgroup's 128 columns
-#pragma unroll
-  for (int i = 0; i < kD / 4; ++i) dv[i] = 0.f, dk[i] = 0.f;
+  // This warpgroup's 128 columns; the first step's wgmmas overwrite them (no zeroing instructions:
+  // with dV / dK in flight across iterations, ptxas serialises every wgmma (C7515) if ordinary
+  // instructions define their registers anywhere in the loop's reach). steps == 0: zeros stored.
+  float dv[kD / 4], dk[kD / 4];
 
   // Descriptors, built once and stepped by constants. S / dP: A = Q or dO stage 0, B = K or V, all
   // K-major. Output GEMMs: B = this warpgroup's 128 columns of dO / Q / K (MN-major; column blocks
@@ -806,72 +909,34 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_sm90_d256_kernel(const 
   for (int step = 0; step < steps; ++step) {
     const int st = step & 1, h = hk * p.group + cur_h, m0 = (m_first + cur_m) * kBM;
     if (++cur_m == per_head) cur_m = 0, ++cur_h;
-    if (tid == 128 && step >= 1) issue(step + 1);  // a step ahead (its empty wait: step - 1, done by now)
     // LSE·log2e (warpgroup 0) or D (warpgroup 1) of rows r0, r0 + 8, loaded before the wait that
     // precedes their use; rows past the end: LSE +inf (P = 0), D 0.
     float x[2];
-    {
-      const float* src = wg == 0 ? p.ws_lse : p.ws_d;
-      const float fill = wg == 0 ? kPosInf : 0.f;
-      const int64_t wrow = static_cast<int64_t>(h) * p.rows_q + static_cast<int64_t>(b) * sq_len + m0 + r0;
-      x[0] = m0 + r0 < sq_len ? src[wrow] : fill;
-      x[1] = m0 + r0 + 8 < sq_len ? src[wrow + 8] : fill;
-    }
+    d256::load_x(x, p, wg, h, b, m0, r0, sq_len);
+    BWD_TRACE(step, 10);
     mbarrier_wait_or_trap(&full[st], (step >> 1) & 1);
+    BWD_TRACE(step, 9);
 
-    // S (warpgroup 0) or dP (warpgroup 1): 64 rows x 64 keys over 256 dims.
+    // S (warpgroup 0) or dP (warpgroup 1) behind the previous step's dV / dK on the tensor cores; once
+    // those are retired, the previous step's stage is released (and thread 128 refills it with step
+    // + 1: its empty wait is for step - 1) and its P / dS buffers are free. Then P / dS.
     float acc[kBN / 2];
-    wgmma_fence();
-#pragma unroll
-    for (int kk = 0; kk < kD / 16; ++kk) {
-      const uint32_t at = (kk / 4) * 64 * 128 + (kk % 4) * 32;  // column block kk / 4, 32 bytes per k-step
-      Wgmma<kBN, T>::template ss<0>(acc, desc_advance(a_sdp, st * kTile + at), desc_advance(b_sdp, at), kk > 0);
+    d256::issue_scores<T>(acc, desc_advance(a_sdp, st * kTile), b_sdp);
+    if (step > 0) {
+      wgmma_wait<1>();  // (dv, dk are read by nothing but wgmmas until after the loop: no register fence)
+      __syncwarp();
+      if (lane == 0) mbarrier_arrive(&empty[st ^ 1]);  // this warp is done with stage st ^ 1
+      if (tid == 128) issue(step + 1);
     }
-    wgmma_commit();
     wgmma_wait<0>();
 #pragma unroll
     for (int i = 0; i < kBN / 2; ++i) reg_fence(acc[i]);
-
-    // Fragment element e: row r0 + 8 ((e >> 1) & 1), key 8 (e >> 2) + 2t + (e & 1); the pair
-    // (2j, 2j + 1) is one 32-bit word of the row-major [rows x keys] SW128 tile: row r, 16-byte
-    // chunk (e >> 2) ^ (r % 8) (r % 8 = g), bytes 4t.
-    const uint32_t pbuf = smem_u32(sp + st * kTileP), dsbuf = smem_u32(sds + st * kTileP);
-    auto word = [&](uint32_t buf, int j) {
-      const int r = r0 + 8 * (j & 1), c = j >> 1;
-      return buf + static_cast<uint32_t>(r * 128 + ((c ^ g) << 4) + 4 * t);
-    };
-    if (wg == 0) {
-      const bool needs_mask = n0 + kBN > sk_len || m0 + kBM > sq_len ||
-                              (p.window_right >= 0 && n0 + kBN - 1 - m0 - off > p.window_right) ||
-                              (p.window_left >= 0 && n0 - (m0 + kBM - 1) - off < -p.window_left);
-#pragma unroll
-      for (int e = 0; e < kBN / 2; ++e) {
-        const int rh = (e >> 1) & 1;
-        acc[e] = ptx::exp2_approx(acc[e] * p.scale_log2 - x[rh]);
-        if (needs_mask && !bwd_detail::visible(m0 + r0 + 8 * rh, n0 + 8 * (e >> 2) + 2 * t + (e & 1), sq_len, sk_len, off,
-                                               p.window_left, p.window_right))
-          acc[e] = 0.f;
-      }
-#pragma unroll
-      for (int j = 0; j < kBN / 4; ++j)
-        asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(word(pbuf, j)), "r"(ptx::pack2<T>(acc[2 * j], acc[2 * j + 1]))
-                     : "memory");
-      fence_proxy_async();           // P for the wgmmas (async proxy) ...
-      named_barrier_arrive(1, kThreads);  // ... and for warpgroup 1's dS
-    } else {
-      named_barrier_sync(1, kThreads);
-#pragma unroll
-      for (int j = 0; j < kBN / 4; ++j) {
-        uint32_t pw;
-        asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(pw) : "r"(word(pbuf, j)) : "memory");
-        float p0, p1;
-        unpack2<T>(pw, p0, p1);
-        const uint32_t dw = ptx::pack2<T>(p0 * (acc[2 * j] - x[j & 1]), p1 * (acc[2 * j + 1] - x[j & 1]));
-        asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(word(dsbuf, j)), "r"(dw) : "memory");
-      }
-      fence_proxy_async();
-    }
+    BWD_TRACE(step, 0);
+    d256::p_ds<T>(acc, x, wg, r0, g, t, smem_u32(sp + st * kTileP), smem_u32(sds + st * kTileP),
+                  d256::block_needs_mask(p, m0, n0, sq_len, sk_len), m0, n0, p, sq_len, sk_len, step);
+    BWD_TRACE(step, 1);
     __syncthreads();  // P and dS of this step for both warpgroups' wgmmas
+    BWD_TRACE(step, 2);
 
     // dQ first (its output runs while dV and dK are on the tensor cores), then dV, dK.
     [[maybe_unused]] float dq[kD / 4];
@@ -885,21 +950,39 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_sm90_d256_kernel(const 
 #pragma unroll
     for (int kk = 0; kk < kBM / 16; ++kk)
       Wgmma<kD / 2, T>::template ss<1, 1>(dv, desc_advance(p_mn, st * kTileP + kk * 2048),
-                                          desc_advance(do_mn, st * kTile + kk * 2048), 1);
+                                          desc_advance(do_mn, st * kTile + kk * 2048), step > 0 || kk > 0);
     wgmma_commit();
 #pragma unroll
     for (int kk = 0; kk < kBM / 16; ++kk)
       Wgmma<kD / 2, T>::template ss<1, 1>(dk, desc_advance(ds_mn, st * kTileP + kk * 2048),
-                                          desc_advance(q_mn, st * kTile + kk * 2048), 1);
+                                          desc_advance(q_mn, st * kTile + kk * 2048), step > 0 || kk > 0);
     wgmma_commit();
+    BWD_TRACE(step, 3);
     if constexpr (kDq) {
       wgmma_wait<2>();  // dQ (dV, dK may still run)
 #pragma unroll
       for (int i = 0; i < kD / 4; ++i) reg_fence(dq[i]);
+      BWD_TRACE(step, 4);
       // rows m0 + r0 (+8), columns 128c + 8i + 2t (+1) of the fp32 workspace; rows past the end skipped
       float* ws = pin_ptr(p.ws_dq + (static_cast<int64_t>(h) * p.rows_q + static_cast<int64_t>(b) * sq_len + m0 + r0) * kD +
                           (kD / 2) * wg + 2 * t);
-      if (m0 + kBM <= sq_len) {
+      if (kNoRed) {
+      } else if (kRedV4) {
+        // even t: row r0, columns 8i + 2t .. + 3 (its pair, then its partner's row-r0 pair); odd t:
+        // row r0 + 8, columns 8i + 2(t - 1) .. + 3 (its partner's row-(r0 + 8) pair, then its own)
+        const bool odd = t & 1;
+        float* w4 = ws + (odd ? 8 * kD - 2 : 0);
+        const bool ok = sq_len - m0 - r0 > (odd ? 8 : 0);
+#pragma unroll
+        for (int i = 0; i < kD / 16; ++i) {
+          const float s0 = odd ? dq[4 * i] : dq[4 * i + 2], s1 = odd ? dq[4 * i + 1] : dq[4 * i + 3];
+          const float r0v = __shfl_xor_sync(0xffffffffu, s0, 1), r1v = __shfl_xor_sync(0xffffffffu, s1, 1);
+          if (odd)
+            red_add_v4_f32_if(w4 + 8 * i, r0v, r1v, dq[4 * i + 2], dq[4 * i + 3], ok);
+          else
+            red_add_v4_f32_if(w4 + 8 * i, dq[4 * i], dq[4 * i + 1], r0v, r1v, ok);
+        }
+      } else if (m0 + kBM <= sq_len) {
 #pragma unroll
         for (int i = 0; i < kD / 16; ++i) {
           ptx::red_add_v2_f32(ws + 8 * i, dq[4 * i], dq[4 * i + 1]);
@@ -914,12 +997,12 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_sm90_d256_kernel(const 
         }
       }
     }
-    wgmma_wait<0>();  // nothing stays in flight across iterations
-#pragma unroll
-    for (int i = 0; i < kD / 4; ++i) reg_fence(dv[i]), reg_fence(dk[i]);
-    __syncwarp();
-    if (lane == 0) mbarrier_arrive(&empty[st]);  // this warp is done with stage st
+    BWD_TRACE(step, 5);
+    BWD_TRACE(step, 6);  // (dV, dK stay in flight into the next step)
   }
+  wgmma_wait<0>();
+#pragma unroll
+  for (int i = 0; i < kD / 4; ++i) reg_fence(dv[i]), reg_fence(dk[i]);
 
   // dK (scaled), dV: keys n0 + r0 (+8), dims 128c + 8i + 2t (+1).
   T* dkp = static_cast<T*>(p.dk) + b * p.dk_batch + hk * p.dk_head;
@@ -931,11 +1014,140 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_sm90_d256_kernel(const 
       const int j = n0 + r0 + 8 * rh;
       if (j >= sk_len) continue;
       const int d = (kD / 2) * wg + 8 * i + 2 * t;
+      const bool any = steps > 0;  // no step: dK = dV = 0 (the registers were never written)
       *reinterpret_cast<uint32_t*>(dkp + static_cast<int64_t>(j) * p.dk_seq + d) =
-          ptx::pack2<T>(dk[4 * i + 2 * rh] * p.scale, dk[4 * i + 2 * rh + 1] * p.scale);
+          ptx::pack2<T>(any ? dk[4 * i + 2 * rh] * p.scale : 0.f, any ? dk[4 * i + 2 * rh + 1] * p.scale : 0.f);
       *reinterpret_cast<uint32_t*>(dvp + static_cast<int64_t>(j) * p.dv_seq + d) =
-          ptx::pack2<T>(dv[4 * i + 2 * rh], dv[4 * i + 2 * rh + 1]);
+          ptx::pack2<T>(any ? dv[4 * i + 2 * rh] : 0.f, any ? dv[4 * i + 2 * rh + 1] : 0.f);
     }
+#elif defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  __trap();  // an sm_90 image without the "a" features (wgmma): never silently write nothing
+#endif
+}
+
+// The hdim-256 dQ pass (deterministic mode, and IOATTN_BWD_SM90_D256_DQ=pass): no atomics. CTA =
+// (batch, query head, block of 64 rows), longest blocks first; it walks the key blocks its rows
+// see in ascending order, recomputing S (warpgroup 0) and dP (warpgroup 1) exactly as the dK/dV
+// kernel does (d256::scores, d256::p_ds: the same P and dS bits), and accumulates
+// dQ[:, 128c..] += dS K[:, 128c..] on warpgroup c (ss m64n128, A = dS K-major, B = K MN-major) in
+// registers; dQ = scale · acc is written once, in the input dtype. Q, dO once by TMA; K, V by TMA in
+// two stages, a block ahead (thread 128; empty: one arrival per warp). Costs S and dP a second time
+// (3 of the backward's 5 GEMMs here, 7 in all) to avoid the fp32 reductions: at hdim 256 a 64-key
+// CTA adds 64 KB of dQ per 64-row step, twice the hdim-128 kernel's bytes per FLOP.
+template <typename T>
+__global__ void __launch_bounds__(kThreads, 1) flash_bwd_sm90_d256_dq_kernel(const BwdParams p,
+                                                                             const __grid_constant__ CUtensorMap q_map,
+                                                                             const __grid_constant__ CUtensorMap do_map,
+                                                                             const __grid_constant__ CUtensorMap k_map,
+                                                                             const __grid_constant__ CUtensorMap v_map) {
+#if IOATTN_SM90A_ENABLED
+  using namespace sm90;
+  using d256::kBM;
+  using d256::kBN;
+  using d256::kD;
+  using d256::kTile;
+  using d256::kTileP;
+  extern __shared__ uint8_t raw[];
+  uint8_t* base = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(raw) + 1023) & ~uintptr_t{1023});
+  uint8_t* sq = base;
+  uint8_t* sdo = sq + kTile;
+  uint8_t* sk = sdo + kTile;       // [2 stages]
+  uint8_t* sv = sk + 2 * kTile;    // [2 stages]
+  uint8_t* sp = sv + 2 * kTile;    // [2 parities]
+  uint8_t* sds = sp + 2 * kTileP;  // [2 parities]
+  uint64_t* full = reinterpret_cast<uint64_t*>(sds + 2 * kTileP);  // K, V of a stage landed
+  uint64_t* empty = full + 2;                                       // both warpgroups done with a stage
+  uint64_t* qbar = full + 4;                                        // Q, dO landed
+
+  const int tid = threadIdx.x, wg = tid >> 7, wtid = tid & 127, w = wtid >> 5, lane = tid & 31;
+  const int g = lane >> 2, t = lane & 3, r0 = 16 * w + g;
+  const int m_block = p.num_m_blocks - 1 - static_cast<int>(blockIdx.x % p.num_m_blocks);
+  const int bh = static_cast<int>(blockIdx.x / p.num_m_blocks);
+  const int h = bh % p.heads_q, b = bh / p.heads_q, hk = h / p.group;
+  const int sq_len = p.seqlen_q, sk_len = p.seqlen_k, off = sk_len - sq_len;
+  const int m0 = m_block * kBM, m_end = min(m0 + kBM, sq_len);
+  // Key blocks that intersect the band of rows [m0, m_end), ascending (as flash_bwd_dq_kernel).
+  int n_lo = 0, n_hi = sk_len;
+  if (p.window_left >= 0) n_lo = max(0, m0 + off - p.window_left);
+  if (p.window_right >= 0) n_hi = min(sk_len, m_end - 1 + off + p.window_right + 1);
+  const int nb_lo = n_lo / kBN;
+  const int n_blocks = n_hi > n_lo ? (n_hi + kBN - 1) / kBN - nb_lo : 0;
+
+  if (tid == 0) {
+    mbarrier_init(&full[0], 1), mbarrier_init(&full[1], 1), mbarrier_init(qbar, 1);
+    mbarrier_init(&empty[0], kThreads / 32), mbarrier_init(&empty[1], kThreads / 32);
+    fence_mbarrier_init();
+  }
+  __syncthreads();
+  auto issue = [&](int j) {  // K, V of key block j into stage j & 1 (thread 128 only, j = 0, 1, 2, ...)
+    if (j >= n_blocks) return;
+    const int st = j & 1, n0 = (nb_lo + j) * kBN;
+    if (j >= 2) mbarrier_wait_or_trap(&empty[st], ((j - 2) >> 1) & 1);
+    mbarrier_arrive_expect_tx(&full[st], 2 * kTile);
+#pragma unroll
+    for (int cb = 0; cb < kD / 64; ++cb) {
+      tma_load_4d(sk + st * kTile + cb * kBN * 128, &k_map, &full[st], cb * 64, n0, hk, b);
+      tma_load_4d(sv + st * kTile + cb * kBN * 128, &v_map, &full[st], cb * 64, n0, hk, b);
+    }
+  };
+  if (tid == 128 && n_blocks > 0) {
+    mbarrier_arrive_expect_tx(qbar, 2 * kTile);
+#pragma unroll
+    for (int cb = 0; cb < kD / 64; ++cb) {
+      tma_load_4d(sq + cb * kBM * 128, &q_map, qbar, cb * 64, m0, h, b);
+      tma_load_4d(sdo + cb * kBM * 128, &do_map, qbar, cb * 64, m0, h, b);
+    }
+    issue(0), issue(1);
+  }
+  float x[2];
+  d256::load_x(x, p, wg, h, b, m0, r0, sq_len);
+  float dq[kD / 4];  // overwritten by the first block's wgmmas (no zeroing: see the dK/dV kernel)
+  const uint64_t a_sdp = make_desc_sw128(smem_u32(wg == 0 ? sq : sdo), 16, 1024);
+  const uint64_t b_sdp = make_desc_sw128(smem_u32(wg == 0 ? sk : sv), 16, 1024);
+  const uint64_t k_mn = make_desc_sw128(smem_u32(sk) + wg * 2 * kBN * 128, kBN * 128, 1024);
+  const uint64_t ds_k = make_desc_sw128(smem_u32(sds), 16, 1024);
+  if (n_blocks > 0) mbarrier_wait_or_trap(qbar, 0);
+  for (int j = 0; j < n_blocks; ++j) {
+    const int st = j & 1, n0 = (nb_lo + j) * kBN;
+    mbarrier_wait_or_trap(&full[st], (j >> 1) & 1);
+    // S / dP behind the previous block's dQ wgmmas; those retired, the previous stage is released
+    // (thread 128 then refills it with block j + 1).
+    float acc[kBN / 2];
+    d256::issue_scores<T>(acc, a_sdp, desc_advance(b_sdp, st * kTile));
+    if (j > 0) {
+      wgmma_wait<1>();
+      __syncwarp();
+      if (lane == 0) mbarrier_arrive(&empty[st ^ 1]);  // this warp is done with stage st ^ 1
+      if (tid == 128) issue(j + 1);
+    }
+    wgmma_wait<0>();
+#pragma unroll
+    for (int i = 0; i < kBN / 2; ++i) reg_fence(acc[i]);
+    d256::p_ds<T>(acc, x, wg, r0, g, t, smem_u32(sp + st * kTileP), smem_u32(sds + st * kTileP),
+                  d256::block_needs_mask(p, m0, n0, sq_len, sk_len), m0, n0, p, sq_len, sk_len, j);
+    __syncthreads();  // dS of this block for both warpgroups' wgmmas
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < kBN / 16; ++kk)
+      Wgmma<kD / 2, T>::template ss<1>(dq, desc_advance(ds_k, st * kTileP + kk * 32),
+                                       desc_advance(k_mn, st * kTile + kk * 2048), j > 0 || kk > 0);
+    wgmma_commit();  // (in flight into the next block)
+  }
+  wgmma_wait<0>();
+#pragma unroll
+  for (int i = 0; i < kD / 4; ++i) reg_fence(dq[i]);
+  // dQ = scale · acc: rows m0 + r0 (+8), columns 128c + 8i + 2t (+1); rows with no visible key get 0.
+  T* gdq = static_cast<T*>(p.dq) + b * p.dq_batch + static_cast<int64_t>(h) * p.dq_head;
+#pragma unroll
+  for (int rh = 0; rh < 2; ++rh) {
+    const int r = m0 + r0 + 8 * rh;
+    if (r >= sq_len) continue;
+    T* q_row = gdq + static_cast<int64_t>(r) * p.dq_seq + (kD / 2) * wg + 2 * t;
+#pragma unroll
+    for (int i = 0; i < kD / 16; ++i)
+      *reinterpret_cast<uint32_t*>(q_row + 8 * i) =
+          n_blocks > 0 ? ptx::pack2<T>(dq[4 * i + 2 * rh] * p.scale, dq[4 * i + 2 * rh + 1] * p.scale) : 0u;
+  }
 #elif defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   __trap();  // an sm_90 image without the "a" features (wgmma): never silently write nothing
 #endif
@@ -1008,8 +1220,8 @@ CUtensorMap make_row_map(const void* ptr, const detail::Strides3& s, const BwdPa
 // every key block in order), whose tile run_flash_backward sized num_m_blocks for (info_for()
 // copies the row's dQ fields).
 const BwdKernelInfo& mma_row(int head_dim) {
-  static const BwdKernelInfo d64 = bwd_info_hdim64(), d128 = bwd_info_hdim128(), d256 = bwd_info_hdim256();
-  return head_dim == 64 ? d64 : head_dim == 128 ? d128 : d256;
+  static const BwdKernelInfo d64 = bwd_info_hdim64(), d128 = bwd_info_hdim128();
+  return head_dim == 64 ? d64 : d128;
 }
 
 template <typename T, int kD>
@@ -1083,6 +1295,47 @@ void print_trace(int64_t grid) {
       if (m >= 0) std::fprintf(stderr, " %s %.0f |", x.name, m);
     }
     std::fprintf(stderr, "\n");
+  }
+}
+#endif
+
+#if IOATTN_BWD_TRACE
+// The hdim-256 kernel's phases (after the 20th launch): mean cycles over steps 2..kTrSteps-2.
+void print_trace_d256(int64_t grid) {
+  static int calls = 0;
+  if (++calls != 20) return;
+  IOATTN_CUDA_CHECK(cudaDeviceSynchronize());
+  static unsigned h[kTrBlocks][2][kTrSteps][kTrPoints];
+  IOATTN_CUDA_CHECK(cudaMemcpyFromSymbol(h, g_bwd_trace, sizeof(h)));
+  const int order[9] = {10, 9, 0, 1, 2, 3, 4, 5, 6};
+  const char* names[9] = {"top (LSE/D, issue)", "Q/dO wait", "S|dP wgmma", "P|dS", "barrier", "issue dQ/dV/dK",
+                          "wait dQ", "red dQ", "wait dV/dK"};
+  const int nb = static_cast<int>(grid < kTrBlocks ? grid : kTrBlocks);
+  for (int wg = 0; wg < 2; ++wg) {
+    std::fprintf(stderr, "d256 trace wg %d (mean cycles, steps 2..%d, %d CTAs):", wg, kTrSteps - 2, nb);
+    double total = 0;
+    for (int k = 0; k < 9; ++k) {
+      double sum = 0;
+      int n = 0;
+      for (int b = 0; b < nb; ++b)
+        for (int st = 2; st < kTrSteps - 1; ++st) {
+          const unsigned cur = h[b][wg][st][order[k]];
+          const unsigned prev = k == 0 ? h[b][wg][st - 1][6] : h[b][wg][st][order[k - 1]];
+          sum += static_cast<double>(cur - prev), ++n;
+        }
+      std::fprintf(stderr, " %s %.0f |", names[k], sum / n);
+      total += sum / n;
+    }
+    std::fprintf(stderr, " step %.0f\n", total);
+    // inside P|dS: 0 -> 11 (warpgroup 0: exponentials; 1: wait for P), 11 -> 12 (stores), 12 -> 13 (fence)
+    double f[3] = {0, 0, 0};
+    const int pts[4] = {0, 11, 12, 13};
+    int n = 0;
+    for (int b = 0; b < nb; ++b)
+      for (int st = 2; st < kTrSteps - 1; ++st, ++n)
+        for (int k = 0; k < 3; ++k) f[k] += static_cast<double>(h[b][wg][st][pts[k + 1]] - h[b][wg][st][pts[k]]);
+    std::fprintf(stderr, "d256 trace wg %d finer: %s %.0f | stores %.0f | fence %.0f\n", wg, wg == 0 ? "exps" : "P wait",
+                 f[0] / n, f[1] / n, f[2] / n);
   }
 }
 #endif
@@ -1183,25 +1436,67 @@ BwdKernelInfo info_for() {
   return info;
 }
 
-// hdim 256 (flash_bwd_sm90_d256_kernel): one variant, "dsplit" (the head dim split over the two
-// warpgroups); IOATTN_BWD_SM90_VARIANT names the hdim-64/128 kernel's variants and is only checked.
+// IOATTN_BWD_SM90_D256_DQ: how the hdim-256 backward gets dQ: pass (the default: the dK/dV kernel
+// without dQ, then the wgmma dQ pass; no atomics, S and dP computed twice) | red (red.global.add.v2
+// from the dK/dV kernel) | v4 (red.global.add.v4). Deterministic mode always runs the pass. Session
+// 19 (H200): the fp32 reductions of all SMs together top out at ~1.44 TB/s (1.06 with the fragment's
+// 8-row x 32-byte pattern; TMA bulk reduce-adds no faster), and a 64-key CTA adds 64 KB per 64-row
+// step, so red spent ~45% of its step in the reductions; pass ran 1.05-1.12x red.
+enum DqModeD256 { kDqRed = 0, kDqV4 = 1, kDqPass = 2 };
+int dq_mode_d256() {
+  const char* e = std::getenv("IOATTN_BWD_SM90_D256_DQ");
+  if (e == nullptr || *e == '\0' || std::strcmp(e, "pass") == 0) return kDqPass;
+  if (std::strcmp(e, "red") == 0) return kDqRed;
+  if (std::strcmp(e, "v4") == 0) return kDqV4;
+  throw Error("IOATTN_BWD_SM90_D256_DQ",
+              std::string("IOATTN_BWD_SM90_D256_DQ must be pass, red or v4, got '") + e + "'");
+}
+
+// K or V [batch, seqlen_k, heads_kv, 256] as a 4-D map with [64 rows x 64 dims] SW128 boxes (the dQ
+// pass's stages); rows past seqlen_k read as zeros.
+template <typename T>
+CUtensorMap make_kv_map(const void* ptr, const detail::Strides3& s, const BwdParams& p, const char* name) {
+  std::string why;
+  if (!sm90::tma_compatible(ptr, s, p.batch, p.seqlen_k, p.heads_kv, name, &why))
+    throw Error(name, "the hdim-256 wgmma dQ pass: " + why);
+  return sm90::make_tensor_map(ptr, std::is_same_v<T, __nv_bfloat16> ? DType::bf16 : DType::f16, 256, p.seqlen_k,
+                               p.heads_kv, p.batch, s, d256::kBN, name);
+}
+
+// hdim 256: the dK/dV kernel (with dQ by reductions, or without), then in deterministic mode or
+// mode pass the wgmma dQ pass (p.ws_dq is null then: run_flash_backward allocates no workspace
+// when wants_dq_workspace says so). IOATTN_BWD_SM90_VARIANT names the hdim-64/128 kernel's
+// variants and is only checked here.
 template <typename T>
 void launch_d256_typed(const BwdParams& p, cudaStream_t stream) {
   (void)variant_bits(256, p.seqlen_q, p.cu_seqlens_q != nullptr);  // a bad value is an error here too
-  const bool det = p.ws_dq == nullptr;
+  const int mode = dq_mode_d256();
+  const bool pass = p.ws_dq == nullptr;  // deterministic mode or mode pass
   const int64_t grid = static_cast<int64_t>(p.num_n_blocks) * p.heads_kv * p.batch;
+  const CUtensorMap q_map = make_row_map<T, 256>(p.q, {p.q_batch, p.q_seq, p.q_head}, p, "q");
+  const CUtensorMap do_map = make_row_map<T, 256>(p.dout, {p.do_batch, p.do_seq, p.do_head}, p, "dout");
   if (grid > 0) {
-    auto* kernel = det ? &flash_bwd_sm90_d256_kernel<T, false> : &flash_bwd_sm90_d256_kernel<T, true>;
-    const CUtensorMap q_map = make_row_map<T, 256>(p.q, {p.q_batch, p.q_seq, p.q_head}, p, "q");
-    const CUtensorMap do_map = make_row_map<T, 256>(p.dout, {p.do_batch, p.do_seq, p.do_head}, p, "dout");
+    auto* kernel = pass ? &flash_bwd_sm90_d256_kernel<T, false>
+                        : mode == kDqV4 ? &flash_bwd_sm90_d256_kernel<T, true, false, true> : &flash_bwd_sm90_d256_kernel<T, true>;
+#if IOATTN_BWD_TRACE
+    const char* nr = std::getenv("IOATTN_BWD_D256_NORED");
+    if (!pass && nr != nullptr && std::string(nr) == "1") kernel = &flash_bwd_sm90_d256_kernel<T, true, true>;
+#endif
     IOATTN_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, d256::kSmem));
     kernel<<<static_cast<unsigned>(grid), kThreads, d256::kSmem, stream>>>(p, q_map, do_map);
     IOATTN_CUDA_CHECK_LAUNCH("flash_bwd_sm90_d256_kernel");
+#if IOATTN_BWD_TRACE
+    print_trace_d256(grid);
+#endif
   }
-  if (det) {
-    const BwdKernelInfo& row = mma_row(256);
-    launch_flash_bwd_dq_pass(p, std::is_same_v<T, __nv_bfloat16> ? row.dq_bf16 : row.dq_f16, row.dq_warps * 32,
-                             row.dq_smem_bytes, stream);
+  const int64_t grid_q = static_cast<int64_t>(p.num_m_blocks) * p.heads_q * p.batch;
+  if (pass && grid_q > 0) {
+    auto* kernel = &flash_bwd_sm90_d256_dq_kernel<T>;
+    const CUtensorMap k_map = make_kv_map<T>(p.k, {p.k_batch, p.k_seq, p.k_head}, p, "k");
+    const CUtensorMap v_map = make_kv_map<T>(p.v, {p.v_batch, p.v_seq, p.v_head}, p, "v");
+    IOATTN_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, d256::kSmem));
+    kernel<<<static_cast<unsigned>(grid_q), kThreads, d256::kSmem, stream>>>(p, q_map, do_map, k_map, v_map);
+    IOATTN_CUDA_CHECK_LAUNCH("flash_bwd_sm90_d256_dq_kernel");
   }
 }
 
@@ -1212,7 +1507,11 @@ void launch_d256(const BwdParams& p, bool is_bf16, cudaStream_t stream) {
     launch_d256_typed<__half>(p, stream);
 }
 
-const char* variant_d256(int64_t, bool) { return "dsplit"; }
+const char* variant_d256(int64_t, bool) {
+  const int m = dq_mode_d256();
+  return m == kDqPass ? "dsplit-pass" : m == kDqV4 ? "dsplit-v4" : "dsplit";
+}
+bool wants_dq_workspace_d256() { return dq_mode_d256() != kDqPass; }
 
 BwdKernelInfo info_d256() {
   BwdKernelInfo info{};
@@ -1220,25 +1519,27 @@ BwdKernelInfo info_d256() {
   info.block_m = d256::kBM;
   info.block_n = d256::kBN;
   info.warps = kThreads / 32;
-  const BwdKernelInfo& row = mma_row(256);  // deterministic mode's dQ pass
-  info.dq_block_m = row.dq_block_m;
-  info.dq_block_n = row.dq_block_n;
-  info.dq_warps = row.dq_warps;
+  info.dq_block_m = d256::kBM;  // the wgmma dQ pass (deterministic mode, mode pass)
+  info.dq_block_n = d256::kBN;
+  info.dq_warps = kThreads / 32;
   info.col_splits = 1;
   info.reason =
       "wgmma, 64 keys per CTA, the head dim split over 2 warpgroups (each holds dK, dV and computes dQ for 128 of "
       "the 256 columns), 64-row steps: S = Q K^T on warpgroup 0 and dP = dO V^T on warpgroup 1 (ss m64n64), P and dS "
-      "row-major in shared memory, dQ = dS K, dV += P^T dO, dK += dS^T Q (ss m64n128), Q/dO by TMA a step ahead, "
-      "fp32 dQ by red.global under the dV/dK wgmmas";
+      "row-major in shared memory, dV += P^T dO, dK += dS^T Q (ss m64n128), Q/dO by TMA a step ahead, the next "
+      "step's S/dP queued behind dV/dK; dQ by a second wgmma pass over key blocks per 64-row block (S and dP "
+      "again, dQ = dS K in registers: no atomics; IOATTN_BWD_SM90_D256_DQ=red adds it from this kernel by "
+      "red.global instead)";
   info.smem_bytes = d256::kSmem;
   info.smem_bytes_det = d256::kSmem;
-  info.dq_smem_bytes = row.dq_smem_bytes;
+  info.dq_smem_bytes = d256::kSmem;
   info.dkdv_bf16 = reinterpret_cast<const void*>(&flash_bwd_sm90_d256_kernel<__nv_bfloat16, true>);
   info.dkdv_f16 = reinterpret_cast<const void*>(&flash_bwd_sm90_d256_kernel<__half, true>);
-  info.dq_bf16 = row.dq_bf16;
-  info.dq_f16 = row.dq_f16;
+  info.dq_bf16 = reinterpret_cast<const void*>(&flash_bwd_sm90_d256_dq_kernel<__nv_bfloat16>);
+  info.dq_f16 = reinterpret_cast<const void*>(&flash_bwd_sm90_d256_dq_kernel<__half>);
   info.launch = &launch_d256;
   info.variant = &variant_d256;
+  info.wants_dq_workspace = &wants_dq_workspace_d256;
   return info;
 }
 

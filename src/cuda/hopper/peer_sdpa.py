@@ -74,6 +74,7 @@ def main():
                     help="seconds of back-to-back calls before each timing (sustained state under the power cap)")
     ap.add_argument("--fwdbwd", action="store_true",
                     help="time forward+backward (torch.autograd.grad with a fixed dO; FLOPs = 3.5x the forward's)")
+    ap.add_argument("--hdims", default="64,128,256", help="head dims of the grid, comma-separated")
     args = ap.parse_args()
     impls = [("cudnn", SDPBackend.CUDNN_ATTENTION), ("flash", SDPBackend.FLASH_ATTENTION)]
     if args.ioattn:
@@ -82,7 +83,7 @@ def main():
     print(f"torch {torch.__version__}, cuDNN {torch.backends.cudnn.version()}, {torch.cuda.get_device_name()}, "
           f"inputs {'N(0, 1)' if args.dist == 'normal' else 'U(-1, 1)'}")
     rows = []
-    grid = [(d, s, c) for d in (64, 128, 256) for s in (2048, 4096, 8192, 16384) for c in (False, True)]
+    grid = [(d, s, c) for d in (int(x) for x in args.hdims.split(",")) for s in (2048, 4096, 8192, 16384) for c in (False, True)]
     for rnd in range(args.rounds):
         for i, (d, s, causal) in enumerate(grid):
             b, h = TOKENS // s, HIDDEN // d

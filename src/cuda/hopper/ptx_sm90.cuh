@@ -278,6 +278,15 @@ __device__ __forceinline__ void red_add_v2_f32_if(float* p, float a, float b, bo
       : "memory");
 }
 
+// red.global.add.v4.f32 [p], {a, b, c, d} (16-byte aligned p) under a predicate: four adjacent
+// fp32 values in one reduction (sm_90; PTX ISA 8.1).
+__device__ __forceinline__ void red_add_v4_f32_if(float* p, float a, float b, float c, float d, bool pred) {
+  asm volatile(
+      "{\n .reg .pred q;\n setp.ne.b32 q, %5, 0;\n @q red.global.add.v4.f32 [%0], {%1, %2, %3, %4};\n}\n" ::"l"(p),
+      "f"(a), "f"(b), "f"(c), "f"(d), "r"(static_cast<int>(pred))
+      : "memory");
+}
+
 // Makes p opaque to the optimiser (it cannot be rematerialised from its inputs afterwards).
 template <typename P>
 __device__ __forceinline__ P* pin_ptr(P* p) {
