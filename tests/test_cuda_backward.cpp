@@ -871,11 +871,22 @@ TEST(CudaBackwardSelect, RefusesWithAReason) {
   p.head_dim = 64, p.head_dim_v = 32;
   EXPECT_TRUE(detail::cuda_backward_select(bp, arch).kernel.empty());
   EXPECT_FALSE(detail::cuda_backward_select(bp, 75).reason.empty());
-  // Supported problems are accepted and named (hdim256 splits its columns over 2 CTAs).
+  // Supported problems are accepted and named: hdim 256 runs the wgmma row with its dQ pass on sm_90,
+  // and elsewhere (or with IOATTN_BWD_KERNEL=mma) the mma.sync row that splits its columns over 2 CTAs.
   p.head_dim = p.head_dim_v = 256;
   sel = detail::cuda_backward_select(bp, arch);
   EXPECT_NE(sel.kernel.find("hdim256"), std::string::npos) << sel.reason;
-  EXPECT_NE(sel.kernel.find("column splits"), std::string::npos) << sel.kernel;
+  if (arch == 90) {
+    EXPECT_NE(sel.kernel.find("sm90 wgmma"), std::string::npos) << sel.kernel;
+    EXPECT_NE(sel.kernel.find("dq pass"), std::string::npos) << sel.kernel;
+  } else {
+    EXPECT_NE(sel.kernel.find("column splits"), std::string::npos) << sel.kernel;
+  }
+  {
+    ScopedEnv mma("IOATTN_BWD_KERNEL", "mma");
+    sel = detail::cuda_backward_select(bp, arch);
+    EXPECT_NE(sel.kernel.find("column splits"), std::string::npos) << sel.kernel;
+  }
   p.head_dim = p.head_dim_v = 128;
   sel = detail::cuda_backward_select(bp, arch);
   EXPECT_NE(sel.kernel.find("hdim128"), std::string::npos) << sel.reason;

@@ -60,6 +60,10 @@ function(ioattn_cuda_extras)
     set_target_properties(ioattn_cuda_readbw PROPERTIES CUDA_ARCHITECTURES 90a)
     target_link_libraries(ioattn_cuda_readbw PRIVATE CUDA::cudart_static)
     target_include_directories(ioattn_cuda_readbw PRIVATE ${PROJECT_SOURCE_DIR}/src ${PROJECT_SOURCE_DIR}/include)
+    # fp32 global-reduction ceiling (the backward's dQ); src/cuda/bench_redbw.cu says what it times.
+    add_executable(ioattn_cuda_redbw EXCLUDE_FROM_ALL ${PROJECT_SOURCE_DIR}/src/cuda/bench_redbw.cu)
+    set_target_properties(ioattn_cuda_redbw PROPERTIES CUDA_ARCHITECTURES 90a)
+    target_link_libraries(ioattn_cuda_redbw PRIVATE CUDA::cudart_static)
     # Decode benchmark (JSON lines; bench/peer_decode.py runs it next to torch SDPA).
     add_executable(ioattn_cuda_decode_bench ${PROJECT_SOURCE_DIR}/src/cuda/bench_decode_cuda.cu)
     target_link_libraries(ioattn_cuda_decode_bench PRIVATE ioattn::ioattn CUDA::cudart_static)
