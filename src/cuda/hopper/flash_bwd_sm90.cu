@@ -1,5 +1,6 @@
-// flash_bwd_sm90.cu — the Hopper (wgmma) dK/dV/dQ kernel of the backward, bf16/f16: the
-// dispatcher's default on sm_90 at hdim 64 and 128 wherever it applies (IOATTN_BWD_KERNEL=mma
+// flash_bwd_sm90.cu — the Hopper (wgmma) dK/dV/dQ kernels of the backward, bf16/f16: the
+// dispatcher's default on sm_90 at hdim 64, 128 and 256 wherever they apply (hdim 256: its own two
+// kernels, "---- hdim 256" below) (IOATTN_BWD_KERNEL=mma
 // selects the mma.sync kernel of flash_bwd.cuh instead; flash_bwd_dispatch.cu says why when it
 // does not apply).
 // The preprocess (D, LSE·log2e), the fp32 dQ workspace and its conversion are run_flash_backward's,
@@ -26,8 +27,8 @@
 // Sinks need nothing here: the forward's LSE includes them, and their gradient comes from the
 // preprocess (run_flash_backward). Deterministic mode: dK/dV here (kDq false: no dQ wgmma, no dS^T
 // in shared memory), then the mma.sync table's atomic-free dQ pass (launch_deterministic). Not
-// covered (the selector says so): softcap, ALiBi, head dims other than 64 and 128, varlen in
-// deterministic mode.
+// covered (the selector says so): softcap, ALiBi, head dims other than 64, 128 and 256, varlen in
+// deterministic mode and at hdim 256.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -687,25 +688,28 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_sm90_kernel(const BwdPa
 // ---- hdim 256 -----------------------------------------------------------------------------------
 // At hdim 256 the order above does not fit: dK and dV of 64 keys x 256 dims are 256 fp32 registers
 // per thread of one warpgroup. Here a CTA owns 64 keys and its two warpgroups split the head dim of
-// every output: warpgroup c accumulates dV[:, 128c..], dK[:, 128c..] (64 + 64 registers) and
-// computes dQ[:, 128c..]. The two score-sized GEMMs of a step are one per warpgroup (rows = the
-// step's 64 query rows, keys = the CTA's 64 keys, k = the 256 dims):
+// every output: warpgroup c accumulates dV[:, 128c..], dK[:, 128c..] (64 + 64 registers). The two
+// score-sized GEMMs of a step are one per warpgroup (rows = the step's 64 query rows, keys = the
+// CTA's 64 keys, k = the 256 dims):
 //   warpgroup 0: S  = Q K^T  -> P  = exp2(S·scale·log2e − LSE·log2e), masked to 0     ss m64n64, K-major
 //   warpgroup 1: dP = dO V^T -> dS = P ∘ (dP − D), P read back from shared memory    ss m64n64, K-major
 // P and dS go to shared memory row-major ([64 rows x 64 keys], one SW128 atom column, 8 KB each,
 // two buffers alternating per step), from where both warpgroups' output GEMMs read them:
-//   dQ_c  = dS K[:, 128c..]      ss m64n128, A = dS K-major,               B = K MN-major
 //   dV_c += P^T dO[:, 128c..]    ss m64n128, A = P read transposed (MN-major), B = dO MN-major
 //   dK_c += dS^T Q[:, 128c..]    ss m64n128, A = dS read transposed,        B = Q MN-major
-// dQ_c goes to the fp32 workspace by red.global.add.v2 while dV and dK run. Shared memory per step:
-// 128 KB read by S / dP (the 128 B/clock limit of an ss m64n64: 1,024 cycles, as their tensor time),
-// 144 KB by the output GEMMs (1,536 tensor cycles), 64 KB of Q / dO landing, 16 KB of P / dS.
+// dV / dK stay on the tensor cores into the next step: its S / dP is queued behind them, and the
+// step's stage and buffers are released once they retire (wgmma_wait<1> after the next issue).
+// dQ: by default (and in deterministic mode) from the second kernel below, flash_bwd_sm90_d256_dq_kernel
+// (no atomics); with kDq (IOATTN_BWD_SM90_D256_DQ=red|v4) this kernel also computes
+//   dQ_c  = dS K[:, 128c..]      ss m64n128, A = dS K-major,               B = K MN-major
+// and adds it to the fp32 workspace by red.global while dV and dK run — which session 19 measured
+// spending ~45% of the step in the reductions (docs/PERF.md). Shared memory per step: 128 KB read by
+// S / dP (the 128 B/clock limit of an ss m64n64: 1,024 cycles, as their tensor time), 96-144 KB by
+// the output GEMMs, 64 KB of Q / dO landing, 16 KB of P / dS.
 // Q and dO by TMA ([64 rows x 64 dims] boxes, rows past seqlen_q zero-filled), two stages, issued a
 // step ahead by thread 128 once both warpgroups released the stage (empty: one arrival per warp);
 // K, V once per CTA by cp.async. LSE / D: each thread's two rows (16w + g, +8) straight from the
 // workspace into registers. Shared memory: K, V 64 KB, Q / dO 2 x 64 KB, P / dS 2 x 16 KB = 224 KB.
-// kDq false: the deterministic mode's dK/dV-only instance (no dQ wgmma; dQ by the mma.sync table's
-// atomic-free pass).
 namespace d256 {
 constexpr int kD = 256, kBN = 64, kBM = 64;
 constexpr int kTile = 64 * kD * 2;   // 32 KB: K, V, or one stage of Q / dO ([64 rows x 256 dims])
