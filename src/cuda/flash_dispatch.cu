@@ -191,6 +191,8 @@ std::vector<std::string> cuda_compiled_kernels() {
                      std::to_string(k.warps) + (k.q_in_regs ? " q-in-regs" : ""));
   rows.push_back("cuda/flash sm90 wgmma+tma bf16/f16 hdim 64/128/256, f8e4m3 hdim 128 (in sm_90a images)");
   rows.push_back("cuda/flash-backward mma.sync bf16/f16 hdim 64/128/256 (others padded up to 256), dQ atomic or deterministic");
+  rows.push_back("cuda/flash-backward sm90 wgmma bf16/f16 hdim 64/128 (dQ by TMA reduce-add) and 256 (dQ by a second "
+                 "wgmma pass, no atomics), deterministic too (in sm_90a images)");
   rows.push_back("cuda/decode split-KV mma.sync (bf16/f16 hdim 64/128/256) and fma (any dtype incl. f8e4m3/i8 KV), paged or contiguous");
   rows.push_back("cuda/naive cublas f32/f16/bf16 any head_dim (S fp32 and P materialised in HBM)");
   return rows;
