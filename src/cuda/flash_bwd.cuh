@@ -850,6 +850,9 @@ struct BwdKernelInfo {
   // Whether the default (non-deterministic) mode wants the fp32 dQ workspace (nullptr: yes); a row
   // whose launch runs an atomic-free dQ pass instead says no (the hdim-256 wgmma row's mode pass).
   bool (*wants_dq_workspace)();
+  // Whose atomic-free dQ pass the wgmma rows run (deterministic mode, and where
+  // wants_dq_workspace says no), for the selector's reason.
+  const char* dq_pass_name;
 };
 
 }  // namespace ioattn::cuda

@@ -59,6 +59,12 @@ bool strides_ok(const detail::Strides3& s, const detail::FwdProblem& p, int64_t 
 
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
+// The row's launch runs an atomic-free dQ pass (no fp32 dQ workspace): deterministic mode, or a row
+// whose default mode is such a pass.
+bool dq_by_pass(const BwdKernelInfo& info, bool deterministic) {
+  return deterministic || (info.wants_dq_workspace != nullptr && !info.wants_dq_workspace());
+}
+
 int64_t rows_q_of(const detail::FwdProblem& p) {
   return p.varlen() ? p.cu_seqlens_q_host[p.batch] : p.batch * p.seqlen_q;
 }
@@ -173,14 +179,14 @@ Pick pick(const detail::BwdProblem& bp, int arch) {
       r.sel = {"cuda/flash-backward sm90 wgmma " + std::string(dtype_name(p.dtype)) + " hdim" +
                    std::to_string(info.head_dim) + " " + detail::mask_name(p) + " tile " + std::to_string(info.block_m) +
                    "x" + std::to_string(info.block_n) + " warpgroups " + std::to_string(info.warps / 4) +
-                   (bp.deterministic ? std::string(" dq deterministic")
-                    : (info.wants_dq_workspace != nullptr && !info.wants_dq_workspace()) ? std::string(" dq pass variant ") + info.variant(p.seqlen_q, p.varlen())
-                                     : std::string(" dq atomic variant ") + info.variant(p.seqlen_q, p.varlen())),
+                   (bp.deterministic            ? std::string(" dq deterministic")
+                    : dq_by_pass(info, false) ? std::string(" dq pass variant ") + info.variant(p.seqlen_q, p.varlen())
+                                              : std::string(" dq atomic variant ") + info.variant(p.seqlen_q, p.varlen())),
                std::string(info.reason) + "; " +
                    (bp.deterministic
                         ? "deterministic: its dK/dV-only instance (no dQ wgmma, " +
                               std::to_string(info.smem_bytes_det / 1024) +
-                              " KB smem), then " + std::string(info.head_dim == 256 ? "its wgmma" : "the mma.sync table's") + " atomic-free dQ pass (" +
+                              " KB smem), then " + info.dq_pass_name + " atomic-free dQ pass (" +
                               std::to_string(info.dq_block_m) + "x" + std::to_string(info.dq_block_n) + " tiles, " +
                               std::to_string(info.dq_smem_bytes / 1024) + " KB smem)"
                         : std::to_string(info.smem_bytes / 1024) + " KB smem, " + std::to_string(a.numRegs) +
@@ -318,8 +324,7 @@ void run_flash_backward(const detail::BwdProblem& bp, const BwdKernelInfo& info)
   const int64_t hr = p.heads_q * bw.rows_q;
   const size_t lse_bytes = round_up(static_cast<size_t>(hr) * 4, 256);
   const size_t sink_bytes = bp.dsinks ? round_up(static_cast<size_t>(p.heads_q) * bw.num_pre_blocks * 4, 256) : 0;
-  const bool dq_pass = bp.deterministic || (info.wants_dq_workspace != nullptr && !info.wants_dq_workspace());
-  const size_t dq_bytes = dq_pass ? 0 : static_cast<size_t>(hr) * info.head_dim * 4;
+  const size_t dq_bytes = dq_by_pass(info, bp.deterministic) ? 0 : static_cast<size_t>(hr) * info.head_dim * 4;
   StreamBuffer ws(2 * lse_bytes + sink_bytes + dq_bytes, stream);
   unsigned char* base = ws.get();
   bw.ws_lse = reinterpret_cast<float*>(base);

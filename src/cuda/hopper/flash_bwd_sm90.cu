@@ -1,8 +1,7 @@
 // flash_bwd_sm90.cu — the Hopper (wgmma) dK/dV/dQ kernels of the backward, bf16/f16: the
-// dispatcher's default on sm_90 at hdim 64, 128 and 256 wherever they apply (hdim 256: its own two
-// kernels, "---- hdim 256" below) (IOATTN_BWD_KERNEL=mma
-// selects the mma.sync kernel of flash_bwd.cuh instead; flash_bwd_dispatch.cu says why when it
-// does not apply).
+// dispatcher's default on sm_90 at hdim 64, 128 and 256 wherever they apply; hdim 256 has its own
+// two kernels ("---- hdim 256" below). IOATTN_BWD_KERNEL=mma selects the mma.sync kernel of
+// flash_bwd.cuh instead; flash_bwd_dispatch.cu says why when they do not apply.
 // The preprocess (D, LSE·log2e), the fp32 dQ workspace and its conversion are run_flash_backward's,
 // unchanged; this kernel replaces flash_bwd_dkdv_kernel.
 //
@@ -33,6 +32,7 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <climits>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -1029,10 +1029,10 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_sm90_d256_kernel(const 
 #endif
 }
 
-// The hdim-256 dQ pass (deterministic mode, and IOATTN_BWD_SM90_D256_DQ=pass): no atomics. CTA =
-// (batch, query head, block of 64 rows), longest blocks first; it walks the key blocks its rows
-// see in ascending order, recomputing S (warpgroup 0) and dP (warpgroup 1) exactly as the dK/dV
-// kernel does (d256::scores, d256::p_ds: the same P and dS bits), and accumulates
+// The hdim-256 dQ pass (the default, IOATTN_BWD_SM90_D256_DQ=pass, and deterministic mode): no
+// atomics. CTA = (batch, query head, block of 64 rows), longest blocks first; it walks the key blocks
+// its rows see in ascending order, recomputing S (warpgroup 0) and dP (warpgroup 1) exactly as the
+// dK/dV kernel does (d256::issue_scores, d256::p_ds: the same P and dS bits), and accumulates
 // dQ[:, 128c..] += dS K[:, 128c..] on warpgroup c (ss m64n128, A = dS K-major, B = K MN-major) in
 // registers; dQ = scale · acc is written once, in the input dtype. Q, dO once by TMA; K, V by TMA in
 // two stages, a block ahead (thread 128; empty: one arrival per warp). Costs S and dP a second time
@@ -1127,8 +1127,9 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_sm90_d256_dq_kernel(con
     wgmma_wait<0>();
 #pragma unroll
     for (int i = 0; i < kBN / 2; ++i) reg_fence(acc[i]);
+    // (trace step INT_MAX: no stamps; IOATTN_BWD_TRACE builds trace the dK/dV kernel's steps only)
     d256::p_ds<T>(acc, x, wg, r0, g, t, smem_u32(sp + st * kTileP), smem_u32(sds + st * kTileP),
-                  d256::block_needs_mask(p, m0, n0, sq_len, sk_len), m0, n0, p, sq_len, sk_len, j);
+                  d256::block_needs_mask(p, m0, n0, sq_len, sk_len), m0, n0, p, sq_len, sk_len, INT_MAX);
     __syncthreads();  // dS of this block for both warpgroups' wgmmas
     wgmma_fence();
 #pragma unroll
@@ -1437,6 +1438,7 @@ BwdKernelInfo info_for() {
   info.dq_f16 = row.dq_f16;
   info.launch = &launch<kD>;
   info.variant = &variant_of<kD>;
+  info.dq_pass_name = "the mma.sync table's";
   return info;
 }
 
@@ -1544,6 +1546,7 @@ BwdKernelInfo info_d256() {
   info.launch = &launch_d256;
   info.variant = &variant_d256;
   info.wants_dq_workspace = &wants_dq_workspace_d256;
+  info.dq_pass_name = "its wgmma";
   return info;
 }
 
