@@ -602,7 +602,8 @@ INSTANTIATE_TEST_SUITE_P(Cases, CudaBackwardSm90Varlen, ::testing::ValuesIn(sm90
 // warpgroups; sm_90's default at hdim 256 except varlen, softcap and ALiBi): odd shapes, rows and
 // key blocks no one sees, GQA / MQA, windows, sinks, [b, h, s, d] strides, several (head, batch)
 // planes of the dQ workspace with tail blocks, and two long cases (many steps: both Q / dO stages
-// and both P / dS buffers turn over many times); atomic and deterministic dQ. The mma.sync table
+// and both P / dS buffers turn over many times); dQ by the default pass, in deterministic mode, and
+// by red.global (red, v4) from the dK/dV kernel. The mma.sync table
 // runs each case too (IOATTN_BWD_KERNEL=mma), so that row stays covered on sm_90.
 std::vector<Case> sm90_d256_cases() {
   std::vector<Case> v;
