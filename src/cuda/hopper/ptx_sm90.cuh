@@ -265,6 +265,19 @@ __device__ __forceinline__ int ld_shared_cluster_s32(uint32_t cluster_addr) {
   asm volatile("ld.shared::cluster.s32 %0, [%1];\n" : "=r"(v) : "r"(cluster_addr) : "memory");
   return v;
 }
+// ---- matrix stores ----------------------------------------------------------------------------
+
+// stmatrix.sync.aligned.m8n8.x4.shared.b16 (sm_90): the warp stores four 8x8 matrices of 16-bit
+// values, matrix j from register r[j] of every lane in the mma accumulator layout (lane l holds
+// row l / 4, columns 2 (l % 4) and + 1, low half first); lane l gives the shared address of row
+// l % 8 of matrix l / 8 (16 contiguous bytes). One instruction for 512 bytes where st.shared.b32
+// needs four.
+__device__ __forceinline__ void stmatrix_x4(uint32_t row_addr, uint32_t r0, uint32_t r1, uint32_t r2, uint32_t r3) {
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(row_addr), "r"(r0), "r"(r1),
+               "r"(r2), "r"(r3)
+               : "memory");
+}
+
 // ---- global reductions -------------------------------------------------------------------------
 
 // red.global.add.v2.f32 [p], {a, b} under a predicate, as one predicated instruction (no branch

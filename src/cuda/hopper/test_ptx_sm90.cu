@@ -1436,6 +1436,50 @@ void test_red_if() {
   CHECK_CUDA(cudaFree(d));
 }
 
+// ---------------------------------------------------------------- stmatrix
+// One warp stores four 8x8 matrices of 16-bit values with stmatrix_x4 into a [32 rows x 8 cols]
+// shared tile whose rows are scattered (row r of matrix j at shared row 8 j + (5 r + 3) % 8, 16
+// bytes each): lane l's register j holds matrix j's (row l / 4, cols 2 (l % 4), + 1) as
+// (1000 j + 10 row + col) in the low / high halves. The tile is copied out and every value checked.
+__global__ void k_stmatrix(uint16_t* out) {
+#if IOATTN_SM90A_ENABLED
+  __shared__ __align__(16) uint16_t tile[32 * 8];
+  const int lane = threadIdx.x;
+  uint32_t r[4];
+  for (int j = 0; j < 4; ++j) {
+    const int row = lane / 4, col = 2 * (lane % 4);
+    r[j] = static_cast<uint32_t>(1000 * j + 10 * row + col) | (static_cast<uint32_t>(1000 * j + 10 * row + col + 1) << 16);
+  }
+  const int mj = lane / 8, mr = lane % 8;
+  stmatrix_x4(smem_u32(tile) + static_cast<uint32_t>((8 * mj + (5 * mr + 3) % 8) * 16), r[0], r[1], r[2], r[3]);
+  __syncwarp();
+  for (int i = lane; i < 32 * 8; i += 32) out[i] = tile[i];
+#endif
+}
+
+void test_stmatrix() {
+  uint16_t* d;
+  CHECK_CUDA(cudaMalloc(&d, 32 * 8 * 2));
+  CHECK_CUDA(cudaMemset(d, 0xFF, 32 * 8 * 2));
+  k_stmatrix<<<1, 32>>>(d);
+  CHECK_CUDA(cudaGetLastError());
+  CHECK_CUDA(cudaDeviceSynchronize());
+  std::vector<uint16_t> h(32 * 8);
+  CHECK_CUDA(cudaMemcpy(h.data(), d, h.size() * 2, cudaMemcpyDeviceToHost));
+  int bad = 0;
+  std::string detail;
+  for (int j = 0; j < 4; ++j)
+    for (int row = 0; row < 8; ++row)
+      for (int col = 0; col < 8; ++col) {
+        const int want = 1000 * j + 10 * row + col, got = h[(8 * j + (5 * row + 3) % 8) * 8 + col];
+        if (got != want && bad++ == 0)
+          detail = "matrix " + std::to_string(j) + " (" + std::to_string(row) + ", " + std::to_string(col) +
+                   "): " + std::to_string(got) + " want " + std::to_string(want);
+      }
+  report("stmatrix_x4", bad == 0, detail);
+  CHECK_CUDA(cudaFree(d));
+}
+
 // ---------------------------------------------------------------- TMA reduce-add (fp32)
 // Every CTA adds two [64 rows x 32 cols] fp32 boxes, written by its threads in the SW128 layout,
 // into plane 1 of a [2 planes][70 rows][64 cols] tensor: box A at (cols 0.., rows 40..) — rows
@@ -1609,6 +1653,7 @@ int main() {
   test_claim();
   test_exp2();
   test_red_if();
+  test_stmatrix();
   test_tma_reduce();
   test_cluster(4);
   test_cluster(16);
