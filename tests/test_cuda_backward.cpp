@@ -15,6 +15,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <initializer_list>
 #include <limits>
 #include <random>
 #include <string>
@@ -497,18 +498,19 @@ INSTANTIATE_TEST_SUITE_P(Cases, CudaBackwardSm90, ::testing::ValuesIn(sm90_cases
 // session 8, where pp took its place in session 9): its own suite (written before it had run on a GPU, so a trap there gated nothing else).
 class CudaBackwardSm90Tmald : public ::testing::TestWithParam<Case> {};
 
-// One variant's own suite: case c through the wgmma backward with IOATTN_BWD_SM90_VARIANT=variant.
-void run_sm90_variant_case(const Case& c, const char* variant) {
+// One variant's own suite: case c through the wgmma backward with IOATTN_BWD_SM90_VARIANT set to
+// each of the variants in turn.
+void run_sm90_variant_case(const Case& c, std::initializer_list<const char*> variants) {
   BwdRun s(c, 11 + c.name.size());
   const Refs r = references(s);
   BwdKernelEnv env("sm90");
-  check_sm90_variant(s, r, c, variant);
+  for (const char* variant : variants) check_sm90_variant(s, r, c, variant);
 }
 
 TEST_P(CudaBackwardSm90Tmald, MatchesFloat64Reference) {
   SKIP_WITHOUT_GPU();
   if (detail::cuda_device_arch(0) != 90) GTEST_SKIP() << "skipped: the wgmma backward needs sm_90";
-  run_sm90_variant_case(GetParam(), "tmald");
+  run_sm90_variant_case(GetParam(), {"tmald"});
 }
 
 INSTANTIATE_TEST_SUITE_P(Cases, CudaBackwardSm90Tmald, ::testing::ValuesIn(sm90_cases()),
@@ -534,7 +536,7 @@ class CudaBackwardSm90PingPong : public ::testing::TestWithParam<Case> {};
 TEST_P(CudaBackwardSm90PingPong, MatchesFloat64Reference) {
   SKIP_WITHOUT_GPU();
   if (detail::cuda_device_arch(0) != 90) GTEST_SKIP() << "skipped: the wgmma backward needs sm_90";
-  run_sm90_variant_case(GetParam(), "pp");
+  run_sm90_variant_case(GetParam(), {"pp"});
 }
 
 INSTANTIATE_TEST_SUITE_P(Cases, CudaBackwardSm90PingPong, ::testing::ValuesIn(sm90_pp_cases()),
@@ -547,7 +549,7 @@ class CudaBackwardSm90PingPongWarp : public ::testing::TestWithParam<Case> {};
 TEST_P(CudaBackwardSm90PingPongWarp, MatchesFloat64Reference) {
   SKIP_WITHOUT_GPU();
   if (detail::cuda_device_arch(0) != 90) GTEST_SKIP() << "skipped: the wgmma backward needs sm_90";
-  run_sm90_variant_case(GetParam(), "ppw");
+  run_sm90_variant_case(GetParam(), {"ppw"});
 }
 
 INSTANTIATE_TEST_SUITE_P(Cases, CudaBackwardSm90PingPongWarp, ::testing::ValuesIn(sm90_pp_cases()),
@@ -568,11 +570,7 @@ class CudaBackwardSm90PingPongDefer : public ::testing::TestWithParam<Case> {};
 TEST_P(CudaBackwardSm90PingPongDefer, MatchesFloat64Reference) {
   SKIP_WITHOUT_GPU();
   if (detail::cuda_device_arch(0) != 90) GTEST_SKIP() << "skipped: the wgmma backward needs sm_90";
-  const Case& c = GetParam();
-  BwdRun s(c, 11 + c.name.size());
-  const Refs r = references(s);
-  BwdKernelEnv env("sm90");
-  for (const char* variant : {"ppd", "ppd2"}) check_sm90_variant(s, r, c, variant);
+  run_sm90_variant_case(GetParam(), {"ppd", "ppd2"});
 }
 
 INSTANTIATE_TEST_SUITE_P(Cases, CudaBackwardSm90PingPongDefer, ::testing::ValuesIn(sm90_pp_d128_cases()),
