@@ -15,7 +15,6 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
-#include <initializer_list>
 #include <limits>
 #include <random>
 #include <string>
@@ -498,19 +497,18 @@ INSTANTIATE_TEST_SUITE_P(Cases, CudaBackwardSm90, ::testing::ValuesIn(sm90_cases
 // session 8, where pp took its place in session 9): its own suite (written before it had run on a GPU, so a trap there gated nothing else).
 class CudaBackwardSm90Tmald : public ::testing::TestWithParam<Case> {};
 
-// One variant's own suite: case c through the wgmma backward with IOATTN_BWD_SM90_VARIANT set to
-// each of the variants in turn.
-void run_sm90_variant_case(const Case& c, std::initializer_list<const char*> variants) {
+// One variant's own suite: case c through the wgmma backward with IOATTN_BWD_SM90_VARIANT=variant.
+void run_sm90_variant_case(const Case& c, const char* variant) {
   BwdRun s(c, 11 + c.name.size());
   const Refs r = references(s);
   BwdKernelEnv env("sm90");
-  for (const char* variant : variants) check_sm90_variant(s, r, c, variant);
+  check_sm90_variant(s, r, c, variant);
 }
 
 TEST_P(CudaBackwardSm90Tmald, MatchesFloat64Reference) {
   SKIP_WITHOUT_GPU();
   if (detail::cuda_device_arch(0) != 90) GTEST_SKIP() << "skipped: the wgmma backward needs sm_90";
-  run_sm90_variant_case(GetParam(), {"tmald"});
+  run_sm90_variant_case(GetParam(), "tmald");
 }
 
 INSTANTIATE_TEST_SUITE_P(Cases, CudaBackwardSm90Tmald, ::testing::ValuesIn(sm90_cases()),
@@ -536,7 +534,7 @@ class CudaBackwardSm90PingPong : public ::testing::TestWithParam<Case> {};
 TEST_P(CudaBackwardSm90PingPong, MatchesFloat64Reference) {
   SKIP_WITHOUT_GPU();
   if (detail::cuda_device_arch(0) != 90) GTEST_SKIP() << "skipped: the wgmma backward needs sm_90";
-  run_sm90_variant_case(GetParam(), {"pp"});
+  run_sm90_variant_case(GetParam(), "pp");
 }
 
 INSTANTIATE_TEST_SUITE_P(Cases, CudaBackwardSm90PingPong, ::testing::ValuesIn(sm90_pp_cases()),
@@ -549,31 +547,10 @@ class CudaBackwardSm90PingPongWarp : public ::testing::TestWithParam<Case> {};
 TEST_P(CudaBackwardSm90PingPongWarp, MatchesFloat64Reference) {
   SKIP_WITHOUT_GPU();
   if (detail::cuda_device_arch(0) != 90) GTEST_SKIP() << "skipped: the wgmma backward needs sm_90";
-  run_sm90_variant_case(GetParam(), {"ppw"});
+  run_sm90_variant_case(GetParam(), "ppw");
 }
 
 INSTANTIATE_TEST_SUITE_P(Cases, CudaBackwardSm90PingPongWarp, ::testing::ValuesIn(sm90_pp_cases()),
-                         [](const auto& info) { return info.param.name; });
-
-// Variants ppd / ppd2 (pp at hdim 128 with each step's dQ piece stored at the top of the step
-// after next, under its S^T / dP^T wgmmas, instead of beside its own dV / dK; ppd2 adds it after
-// S^T retired; session 20): the pp suite's hdim-128 cases.
-std::vector<Case> sm90_pp_d128_cases() {
-  std::vector<Case> v;
-  for (const Case& c : sm90_pp_cases())
-    if (c.head_dim == 128) v.push_back(c);
-  return v;
-}
-
-class CudaBackwardSm90PingPongDefer : public ::testing::TestWithParam<Case> {};
-
-TEST_P(CudaBackwardSm90PingPongDefer, MatchesFloat64Reference) {
-  SKIP_WITHOUT_GPU();
-  if (detail::cuda_device_arch(0) != 90) GTEST_SKIP() << "skipped: the wgmma backward needs sm_90";
-  run_sm90_variant_case(GetParam(), {"ppd", "ppd2"});
-}
-
-INSTANTIATE_TEST_SUITE_P(Cases, CudaBackwardSm90PingPongDefer, ::testing::ValuesIn(sm90_pp_d128_cases()),
                          [](const auto& info) { return info.param.name; });
 
 // Varlen on the wgmma backward (its kVarlen instance, the default since session 8;
@@ -757,18 +734,6 @@ TEST(CudaBackwardSm90Select, SaysWhenItDoesNotApply) {
     const KernelChoice kv = sv.backward_device(false);
     EXPECT_NE(kv.kernel.find("mma.sync"), std::string::npos) << kv.kernel;
     EXPECT_NE(kv.reason.find("no varlen at hdim 256"), std::string::npos) << kv.reason;
-  }
-  {  // the hdim-128 variants ppd / ppd2 at hdim 64: an error naming the variable and the head dim
-    BwdKernelEnv env("sm90");
-    ScopedEnv var("IOATTN_BWD_SM90_VARIANT", "ppd");
-    BwdRun s(mk("ppd_d64", 10, 10, 64), 4);
-    try {
-      s.backward_device(false);
-      ADD_FAILURE() << "IOATTN_BWD_SM90_VARIANT=ppd accepted at head_dim 64";
-    } catch (const Error& e) {
-      EXPECT_NE(std::string(e.what()).find("IOATTN_BWD_SM90_VARIANT=ppd"), std::string::npos) << e.what();
-      EXPECT_NE(std::string(e.what()).find("head_dim 64"), std::string::npos) << e.what();
-    }
   }
   {
     BwdKernelEnv env(nullptr);

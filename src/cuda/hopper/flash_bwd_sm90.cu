@@ -188,7 +188,7 @@ __device__ __forceinline__ void load_rows(uint32_t dst, const uint8_t* src, int6
 // with dV and dK, after dS^T (dQ first: its output then runs under them), so the wait for the other
 // warpgroup's half comes half a step after that half was written.
 template <typename T, int kD, bool kTmaDq, bool kLag, bool kDq = true, bool kTmaLoad = false, bool kVarlen = false,
-          bool kPingPong = false, bool kWarpDq = false, int kDqDefer = 0>
+          bool kPingPong = false, bool kWarpDq = false>
 __global__ void __launch_bounds__(kThreads, 1) flash_bwd_sm90_kernel(const BwdParams p,
                                                                      const __grid_constant__ CUtensorMap dq_map,
                                                                      const __grid_constant__ CUtensorMap q_map,
@@ -202,7 +202,6 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_sm90_kernel(const BwdPa
   static_assert(!kPingPong || kTmaLoad, "ping-pong: a tmald variant");
   static_assert(!kWarpDq || kPingPong, "per-warp dQ reduce-adds: a pp variant");
   constexpr bool kDqWithDkv = kPingPong && kD == 128;  // the dQ wgmmas issued with dV / dK
-  static_assert(!kDqDefer || (kDqWithDkv && !kWarpDq), "deferred dQ output: variant pp at hdim 128");
   constexpr int kTileQ = Cfg<kD>::kTileQ, kTileK = Cfg<kD>::kTileK;
   extern __shared__ uint8_t raw[];
   uint8_t* base = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(raw) + 1023) & ~uintptr_t{1023});
@@ -380,10 +379,7 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_sm90_kernel(const BwdPa
   };
   // dQ partial of the step at (query head ph, rows pm0..) into the fp32 workspace; pbuf = its dS^T
   // buffer parity (kTmaDq: also its piece buffer).
-  // add false (kDqDefer's first two steps): the piece is stored but not added (an empty bulk group).
-  // parts: 1 the stores and the proxy fence, 2 the barrier and the reduce-adds (kDqDefer runs them
-  // apart), 3 both.
-  auto put_dq = [&](const float(&dq)[kBM / 2], int ph, int pm0, int pbuf, bool add = true, int parts = 3) {
+  auto put_dq = [&](const float(&dq)[kBM / 2], int ph, int pm0, int pbuf) {
     // dQ partial (rows 16w + g (+8), dims c0 + 8i + 2t (+1); c0 = 64wg at hdim 128, 0 at 64) into
     // the fp32 workspace.
     constexpr int kDqCols = kD == 128 ? 64 : 0;  // column offset per warpgroup
@@ -396,14 +392,13 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_sm90_kernel(const BwdPa
       for (int i = 0; i < 8; ++i)
 #pragma unroll
         for (int rh = 0; rh < 2; ++rh) {
-          if ((dq_probe & 16) || !(parts & 1)) continue;
+          if (dq_probe & 16) continue;
           const uint32_t addr = smem_u32(piece) + dq_piece_off(16 * w + g + 8 * rh, 8 * i + 2 * t);
           asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(addr), "f"(dq[4 * i + 2 * rh]),
                        "f"(dq[4 * i + 2 * rh + 1])
                        : "memory");
         }
-      if (parts & 1) fence_proxy_async();
-      if (!(parts & 2)) return;
+      fence_proxy_async();
       if constexpr (kWarpDq) {
         // Variant ppw: a warp stores and reads back only its own 16 rows of the piece, so its lane 0
         // adds them itself (the host's dq_map has [16 rows x 32 floats] boxes; a box at a multiple of
@@ -432,7 +427,7 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_sm90_kernel(const BwdPa
                   : "memory");
           } else
 #endif
-          if (add) {
+          {
             tma_reduce_add_3d(&dq_map, piece, kDqCols * wg, prow, plane);
             tma_reduce_add_3d(&dq_map, piece + kBM * 128, kDqCols * wg + 32, prow, plane);
           }
@@ -444,15 +439,6 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_sm90_kernel(const BwdPa
     }
   };
   int cur_h = 0, cur_m = 0, prev_h = 0, prev_m0 = 0;
-  // kDqDefer (variant ppd): the dQ computed in step j (of step j - 1) stays in registers and goes
-  // out at the top of step j + 1, after its S^T / dP^T issue, while this warpgroup would otherwise
-  // wait for S^T (put_dq's stores, fence and barrier leave the tail of step j, beside dV / dK).
-  [[maybe_unused]] float dq_kept[kBM / 2];
-  [[maybe_unused]] int def_h = 0, def_m0 = 0;
-  if constexpr (kDqDefer) {
-#pragma unroll
-    for (int i = 0; i < kBM / 2; ++i) dq_kept[i] = 0.f;
-  }
   // The thread that issues (and so waits for) this thread's dQ reduce-adds: one per warpgroup, or
   // (ppw) one per warp.
   const bool dq_issuer = kWarpDq ? lane == 0 : wtid == 0;
@@ -521,13 +507,6 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_sm90_kernel(const BwdPa
         named_barrier_arrive(6, 256);
       else if (step + 1 < steps)
         named_barrier_arrive(5, 256);
-      // kDqDefer: step - 2's dQ (computed in step - 1) into piece buffer (step - 2) & 1 = st, freed
-      // by the wait and barrier at the top
-      // (stored every step, added from step 2)
-      if constexpr (kDqDefer) {
-        wgmma_wait<2>();  // (a no-op: S^T and dP^T are the only groups in flight)
-        put_dq(dq_kept, def_h, def_m0, st, step >= 2, kDqDefer == 2 ? 1 : 3);
-      }
     } else {
       issue(step + 1);  // stage (step + 1) & 1 was last read by step - 1's wgmmas, all complete
       ptx::cp_async_commit();
@@ -632,8 +611,6 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_sm90_kernel(const BwdPa
     wgmma_wait<1>();  // S^T (dP^T may still run)
 #pragma unroll
     for (int i = 0; i < kBM / 2; ++i) reg_fence(s[i]);
-    // kDqDefer 2 (variant ppd2): the piece stored at the top is added only now, after S^T retired
-    if constexpr (kDqDefer == 2) put_dq(dq_kept, def_h, def_m0, st, step >= 2, 2);
     BWD_TRACE(step, 4);
     if (needs_mask)
       p_part(std::true_type{});
@@ -677,12 +654,7 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_sm90_kernel(const BwdPa
       BWD_TRACE(step, 13);
       __syncwarp();  // this warp's reads of dS^T buffer st ^ 1 are done
       if (lane == 0) mbarrier_arrive(&ds_empty[st ^ 1]);
-      if constexpr (kDqDefer) {  // out at the top of step + 1, from ordinary registers (a loop-carried
-#pragma unroll                // wgmma accumulator would need ordinary definitions: C7515 / C7518)
-        for (int i = 0; i < kBM / 2; ++i) dq_kept[i] = dq[i];
-        def_h = prev_h, def_m0 = prev_m0;
-      } else if (step > 0)
-        put_dq(dq, prev_h, prev_m0, st ^ 1);
+      if (step > 0) put_dq(dq, prev_h, prev_m0, st ^ 1);
       prev_h = h, prev_m0 = m0;
       BWD_TRACE(step, 14);
     }
@@ -719,13 +691,6 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_sm90_kernel(const BwdPa
   }
   if constexpr (kDq && kLag) {  // the last step's dQ
     if (steps > 0) {
-      if constexpr (kDqDefer) {  // step steps - 2's, still in registers
-        if (steps >= 2) {
-          if (dq_issuer) bulk_wait_group_read<1>();
-          named_barrier_sync(3 + wg, 128);
-          put_dq(dq_kept, def_h, def_m0, steps & 1);
-        }
-      }
       if (kTmaDq && dq_issuer) bulk_wait_group_read<1>();
       if constexpr (kPingPong) {
         named_barrier_sync(3 + wg, 128);  // the piece buffer; hdim 64: this warpgroup's own dS^T rows
@@ -1247,8 +1212,7 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_sm90_d256_dq_kernel(con
 // H200: tmald +8-15% at hdim 64, +3-10% at hdim 128 from 4k over lag, -15% at 1k causal hdim 128;
 // session 9: pp over tmald +1-7% at hdim 64, +0-4% at hdim 128 from 4k). Session 8's "dqlate" (the
 // lagged dQ wgmmas after S^T / dP^T) lost 8-23% to tmald in session 9 and was removed.
-constexpr int kVariantTmaLoad = 4, kVariantPingPong = 5, kVariantPingPongWarpDq = 6, kVariantPingPongDefer = 7,
-              kVariantPingPongDefer2 = 8;
+constexpr int kVariantTmaLoad = 4, kVariantPingPong = 5, kVariantPingPongWarpDq = 6;
 int variant_bits(int head_dim, int64_t seqlen_q, bool varlen) {
   const char* e = std::getenv("IOATTN_BWD_SM90_VARIANT");
   if (e == nullptr || *e == '\0')
@@ -1260,15 +1224,8 @@ int variant_bits(int head_dim, int64_t seqlen_q, bool varlen) {
   if (std::strcmp(e, "tmald") == 0) return kVariantTmaLoad;
   if (std::strcmp(e, "pp") == 0) return kVariantPingPong;
   if (std::strcmp(e, "ppw") == 0) return kVariantPingPongWarpDq;
-  if (std::strcmp(e, "ppd") == 0 || std::strcmp(e, "ppd2") == 0) {
-    if (head_dim != 128)
-      throw Error("IOATTN_BWD_SM90_VARIANT", std::string("IOATTN_BWD_SM90_VARIANT=") + e +
-                                                 " is a head_dim 128 variant, got head_dim " + std::to_string(head_dim));
-    return e[3] == '2' ? kVariantPingPongDefer2 : kVariantPingPongDefer;
-  }
   throw Error("IOATTN_BWD_SM90_VARIANT",
-              std::string("IOATTN_BWD_SM90_VARIANT must be split, red, lag, redlag, tmald, pp, ppw, ppd or ppd2, got '") + e +
-                  "'");
+              std::string("IOATTN_BWD_SM90_VARIANT must be split, red, lag, redlag, tmald, pp or ppw, got '") + e + "'");
 }
 
 // The fp32 dQ workspace [heads_q, batch·seqlen_q, kD] as a 3-D map (kD, seqlen_q, heads_q·batch) —
@@ -1453,16 +1410,13 @@ void launch_typed(const BwdParams& p, cudaStream_t stream) {
     return;
   }
   using Kernel = void (*)(const BwdParams, const CUtensorMap, const CUtensorMap, const CUtensorMap);
-  const Kernel kernels[9] = {&flash_bwd_sm90_kernel<T, kD, true, false>,
+  const Kernel kernels[7] = {&flash_bwd_sm90_kernel<T, kD, true, false>,
                              &flash_bwd_sm90_kernel<T, kD, false, false>,
                              &flash_bwd_sm90_kernel<T, kD, true, true>,
                              &flash_bwd_sm90_kernel<T, kD, false, true>,
                              &flash_bwd_sm90_kernel<T, kD, true, true, true, true>,
                              &flash_bwd_sm90_kernel<T, kD, true, true, true, true, false, true>,
-                             &flash_bwd_sm90_kernel<T, kD, true, true, true, true, false, true, true>,
-                             // ppd, ppd2 (hdim 128 only; variant_bits refuses them at 64)
-                             &flash_bwd_sm90_kernel<T, kD, true, true, true, true, false, true, false, kD == 128 ? 1 : 0>,
-                             &flash_bwd_sm90_kernel<T, kD, true, true, true, true, false, true, false, kD == 128 ? 2 : 0>};
+                             &flash_bwd_sm90_kernel<T, kD, true, true, true, true, false, true, true>};
   auto* kernel = kernels[v];
   const int smem = tma_load ? Cfg<kD>::kSmemTmaLoad : Cfg<kD>::smem(tma_dq);
   const CUtensorMap map = tma_dq ? make_dq_map<kD>(p, v == kVariantPingPongWarpDq ? 16 : kBM) : CUtensorMap{};
@@ -1502,8 +1456,6 @@ const char* variant_name(int head_dim, int64_t seqlen_q, bool varlen) {
     case kVariantTmaLoad: return "tmald";
     case kVariantPingPong: return "pp";
     case kVariantPingPongWarpDq: return "ppw";
-    case kVariantPingPongDefer: return "ppd";
-    case kVariantPingPongDefer2: return "ppd2";
     default: return "lag";
   }
 }
