@@ -63,16 +63,19 @@ __device__ unsigned g_bwd_trace[kTrBlocks][2][kTrSteps][kTrPoints];
     if (wtid == 0 && blockIdx.x < kTrBlocks && (step) < kTrSteps)                                \
       g_bwd_trace[blockIdx.x][wg][(step)][(k)] = static_cast<unsigned>(clock64());               \
   } while (0)
-// Timing probes of the hdim-64/128 kernel (IOATTN_BWD_DQ_PROBE, bits, read by the host once):
-// bits 0-1 the dQ piece: 0 TMA reduce-add (as shipped), 1 dropped, 2 a plain TMA store in its place
-// (every key block overwrites), 3 red.global from the registers (no shared-memory piece); 4 dS^T by
-// stmatrix (pp at hdim 128); 8 no dS^T stores; 16 no dQ piece stores. Wrong results by design
-// (except 3 and 4): trace builds only.
+// Timing probes (IOATTN_BWD_DQ_PROBE, bits, copied to the device once by set_dq_probe): bits 0-1
+// the dQ output: 0 as shipped, 1 dropped (both kernels: hdim 64/128 store the piece but add
+// nothing, hdim 256's red form computes dQ and adds nothing), 2 a plain TMA store in place of the
+// reduce-add (every key block overwrites), 3 red.global from the registers (no shared-memory
+// piece); 4 dS^T by stmatrix (pp at hdim 128); 8 no dS^T stores; 16 no dQ piece stores (bits 2-4:
+// hdim 64/128). Wrong results by design (except 3 and 4): trace builds only.
 __device__ int g_bwd_dq_probe;
+__device__ __forceinline__ int dq_probe_bits() { return g_bwd_dq_probe; }
 #else
 #define BWD_TRACE(step, k) \
   do {                     \
   } while (0)
+__device__ __forceinline__ constexpr int dq_probe_bits() { return 0; }
 #endif
 
 constexpr int kBN = 128;       // keys per CTA (64 per consumer warpgroup)
@@ -222,11 +225,7 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_sm90_kernel(const BwdPa
 
   const int tid = threadIdx.x, wg = tid >> 7, wtid = tid & 127, w = wtid >> 5, lane = tid & 31;
   const int g = lane >> 2, t = lane & 3;
-#if IOATTN_BWD_TRACE
-  const int dq_probe = g_bwd_dq_probe;
-#else
-  constexpr int dq_probe = 0;
-#endif
+  const int dq_probe = dq_probe_bits();
   const int nb = blockIdx.x % p.num_n_blocks;
   const int hk = (blockIdx.x / p.num_n_blocks) % p.heads_kv;
   const int b = blockIdx.x / (p.num_n_blocks * p.heads_kv);
@@ -860,11 +859,9 @@ __device__ __forceinline__ void load_x(float (&x)[2], const BwdParams& p, int wg
 }
 }  // namespace d256
 
-// kNoRed (IOATTN_BWD_TRACE builds only, IOATTN_BWD_D256_NORED=1): a timing probe that computes dQ
-// and drops it (no red.global): wrong dQ, never selected otherwise.
 // kRedV4 (IOATTN_BWD_SM90_D256_DQ=v4): dQ by red.global.add.v4 (half the reductions): lanes t and
 // t ^ 1 swap one pair each, so an even lane adds 4 columns of row r0 and an odd lane 4 of r0 + 8.
-template <typename T, bool kDq, bool kNoRed = false, bool kRedV4 = false>
+template <typename T, bool kDq, bool kRedV4 = false>
 __global__ void __launch_bounds__(kThreads, 1) flash_bwd_sm90_d256_kernel(const BwdParams p,
                                                                           const __grid_constant__ CUtensorMap q_map,
                                                                           const __grid_constant__ CUtensorMap do_map) {
@@ -1015,7 +1012,7 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_sm90_d256_kernel(const 
       // rows m0 + r0 (+8), columns 128c + 8i + 2t (+1) of the fp32 workspace; rows past the end skipped
       float* ws = pin_ptr(p.ws_dq + (static_cast<int64_t>(h) * p.rows_q + static_cast<int64_t>(b) * sq_len + m0 + r0) * kD +
                           (kD / 2) * wg + 2 * t);
-      if (kNoRed) {
+      if ((dq_probe_bits() & 3) == 1) {  // a timing probe (IOATTN_BWD_TRACE builds): dQ dropped
       } else if (kRedV4) {
         // even t: row r0, columns 8i + 2t .. + 3 (its pair, then its partner's row-r0 pair); odd t:
         // row r0 + 8, columns 8i + 2(t - 1) .. + 3 (its partner's row-(r0 + 8) pair, then its own)
@@ -1390,6 +1387,20 @@ void print_trace_d256(int64_t grid) {
 }
 #endif
 
+// IOATTN_BWD_TRACE builds: IOATTN_BWD_DQ_PROBE into g_bwd_dq_probe, once per process (on the first
+// launch, before any graph capture); nothing otherwise.
+void set_dq_probe() {
+#if IOATTN_BWD_TRACE
+  static const bool done = [] {
+    const char* e = std::getenv("IOATTN_BWD_DQ_PROBE");
+    const int probe = e != nullptr ? std::atoi(e) : 0;
+    IOATTN_CUDA_CHECK(cudaMemcpyToSymbol(g_bwd_dq_probe, &probe, sizeof(int)));
+    return true;
+  }();
+  (void)done;
+#endif
+}
+
 template <typename T, int kD>
 void launch_typed(const BwdParams& p, cudaStream_t stream) {
   // (also rejects a bad value, in deterministic mode too)
@@ -1424,15 +1435,7 @@ void launch_typed(const BwdParams& p, cudaStream_t stream) {
   const CUtensorMap do_map =
       tma_load ? make_row_map<T, kD>(p.dout, {p.do_batch, p.do_seq, p.do_head}, p, "dout") : CUtensorMap{};
   IOATTN_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-#if IOATTN_BWD_TRACE
-  static const bool probe_set = [] {  // once, before any graph capture
-    const char* e = std::getenv("IOATTN_BWD_DQ_PROBE");
-    const int probe = e != nullptr ? std::atoi(e) : 0;
-    IOATTN_CUDA_CHECK(cudaMemcpyToSymbol(g_bwd_dq_probe, &probe, sizeof(int)));
-    return true;
-  }();
-  (void)probe_set;
-#endif
+  set_dq_probe();
   kernel<<<static_cast<unsigned>(grid), kThreads, smem, stream>>>(p, map, q_map, do_map);
   IOATTN_CUDA_CHECK_LAUNCH("flash_bwd_sm90_kernel");
 #if IOATTN_BWD_TRACE
@@ -1537,12 +1540,9 @@ void launch_d256_typed(const BwdParams& p, cudaStream_t stream) {
   const CUtensorMap do_map = make_row_map<T, 256>(p.dout, {p.do_batch, p.do_seq, p.do_head}, p, "dout");
   if (grid > 0) {
     auto* kernel = pass ? &flash_bwd_sm90_d256_kernel<T, false>
-                        : mode == kDqV4 ? &flash_bwd_sm90_d256_kernel<T, true, false, true> : &flash_bwd_sm90_d256_kernel<T, true>;
-#if IOATTN_BWD_TRACE
-    const char* nr = std::getenv("IOATTN_BWD_D256_NORED");
-    if (!pass && nr != nullptr && std::string(nr) == "1") kernel = &flash_bwd_sm90_d256_kernel<T, true, true>;
-#endif
+                        : mode == kDqV4 ? &flash_bwd_sm90_d256_kernel<T, true, true> : &flash_bwd_sm90_d256_kernel<T, true>;
     IOATTN_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, d256::kSmem));
+    set_dq_probe();
     kernel<<<static_cast<unsigned>(grid), kThreads, d256::kSmem, stream>>>(p, q_map, do_map);
     IOATTN_CUDA_CHECK_LAUNCH("flash_bwd_sm90_d256_kernel");
 #if IOATTN_BWD_TRACE

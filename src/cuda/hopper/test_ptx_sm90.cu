@@ -1464,8 +1464,7 @@ void test_stmatrix() {
   k_stmatrix<<<1, 32>>>(d);
   CHECK_CUDA(cudaGetLastError());
   CHECK_CUDA(cudaDeviceSynchronize());
-  std::vector<uint16_t> h(32 * 8);
-  CHECK_CUDA(cudaMemcpy(h.data(), d, h.size() * 2, cudaMemcpyDeviceToHost));
+  const auto h = to_host(d, 32 * 8);
   int bad = 0;
   std::string detail;
   for (int j = 0; j < 4; ++j)
