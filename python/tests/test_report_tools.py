@@ -75,6 +75,18 @@ def test_parse_ncu_csv_sums_units_and_thousands_separators():
     assert (r["measured_ratio"], r["model_ratio"], r["n_over_d"]) == (32.0, 16.0, 16.0)
 
 
+def test_sm90_csv_rows_are_the_bf16_grid_only(tmp_path):
+    common = _module("common")
+    c = tmp_path / "sm90.csv"
+    c.write_text("impl,hdim,seqlen,causal,batch,heads,ms,tflops\n"
+                 "ioattn_sm90,128,4096,0,4,16,0.81,650\n"
+                 "ioattn_sm90_bf16_vs_fp8,256,4096,0,4,8,0.74,744\n"
+                 "ioattn_sm90_fp8,256,4096,0,4,8,0.59,931\n"
+                 "ioattn_sm90_fp8_prepass,256,4096,0,4,8,0.04,0\n")
+    rows = common.sm90_grid_rows(common.load_records(str(c))[1])
+    assert [(r["impl"], r["hdim"], r["tflops"]) for r in rows] == [("ioattn_sm90", "128", "650")]
+
+
 def test_charts_from_the_sample(tmp_path):
     pytest.importorskip("matplotlib")
     s = SAMPLE

@@ -24,7 +24,7 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import load_records, num, truthy  # noqa: E402
+from common import load_records, num, sm90_grid_rows, truthy  # noqa: E402
 
 import matplotlib  # noqa: E402
 
@@ -93,7 +93,7 @@ def forward_series(args):
     _, ours = load_records(args.sm90)
     _, peers = load_records(args.peer_sm90)
     names = {"cudnn": "cuDNN (SDPA)", "flash": "FA2 (SDPA)"}
-    for r in ours:
+    for r in sm90_grid_rows(ours):
         put("ioattn", r["hdim"], r["seqlen"], truthy(r["causal"]), num(r.get("tflops")))
     for r in peers:
         if r.get("impl") in names:

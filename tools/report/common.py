@@ -65,6 +65,12 @@ def num(x):
         return None
 
 
+def sm90_grid_rows(records):
+    """The bf16 forward grid's rows of an `ioattn_sm90_check --csv` file (impl ioattn_sm90): the
+    same file also holds the fp8 comparison's rows (ioattn_sm90_fp8, _prepass, _bf16_vs_fp8)."""
+    return [r for r in records if r.get("impl") == "ioattn_sm90"]
+
+
 def truthy(x):
     """causal flags come as true/false, 1/0 or '1'/'0' depending on the writer."""
     if isinstance(x, str):

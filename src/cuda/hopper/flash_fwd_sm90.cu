@@ -86,6 +86,12 @@ IOATTN_SM90_FP8_EXTERN(Fp8Hdim128N192Bf16, false)
 IOATTN_SM90_FP8_EXTERN(Fp8Hdim128N192Bf16, true)
 IOATTN_SM90_FP8_EXTERN(Fp8Hdim128N192F16, false)
 IOATTN_SM90_FP8_EXTERN(Fp8Hdim128N192F16, true)
+using Fp8Hdim256Bf16 = Fp8Traits256<__nv_bfloat16>;
+using Fp8Hdim256F16 = Fp8Traits256<__half>;
+IOATTN_SM90_FP8_EXTERN(Fp8Hdim256Bf16, false)
+IOATTN_SM90_FP8_EXTERN(Fp8Hdim256Bf16, true)
+IOATTN_SM90_FP8_EXTERN(Fp8Hdim256F16, false)
+IOATTN_SM90_FP8_EXTERN(Fp8Hdim256F16, true)
 
 // cuTensorMapEncodeTiled from the driver, looked up once (declared in ptx_sm90.cuh; the backward's
 // dQ map uses it too).
@@ -283,7 +289,7 @@ Row table_row(const FwdProblem& p, bool wg3, bool v3) {
 
 const char* dtype_str(DType t) { return dtype_name(t); }
 
-// The fp8 dispatch table: one row per (O dtype, causal) at hdim 128 (flash_fwd_sm90_fp8.cuh).
+// The fp8 dispatch table: one row per (head dim 128 / 256, O dtype, causal) (flash_fwd_sm90_fp8.cuh).
 struct Fp8Row {
   int block_m = 0, block_n = 0, stages = 0;
   const char* why = "";
@@ -307,14 +313,15 @@ bool fp8_blockn_192() {
   return e == nullptr || std::string(e) != "128";
 }
 template <typename Out>
-Fp8Row fp8_row_for_out(bool causal) {
+Fp8Row fp8_row_for_out(int64_t hdim, bool causal) {
+  if (hdim == 256) return make_fp8_row<Fp8Traits256<Out>>(causal, Fp8Tile256::kWhy);
   if (fp8_blockn_192()) return make_fp8_row<Fp8Traits192<Out>>(causal, Fp8Tile192::kWhy);
   return make_fp8_row<Fp8Traits128<Out>>(causal, Fp8Tile128::kWhy);
 }
 Fp8Row fp8_table_row(const FwdProblem& p) {
-  if (p.head_dim != 128) return Fp8Row{};
-  if (p.fp8_out == DType::bf16) return fp8_row_for_out<__nv_bfloat16>(p.causal);
-  if (p.fp8_out == DType::f16) return fp8_row_for_out<__half>(p.causal);
+  if (p.head_dim != 128 && p.head_dim != 256) return Fp8Row{};
+  if (p.fp8_out == DType::bf16) return fp8_row_for_out<__nv_bfloat16>(p.head_dim, p.causal);
+  if (p.fp8_out == DType::f16) return fp8_row_for_out<__half>(p.head_dim, p.causal);
   return Fp8Row{};
 }
 
@@ -469,11 +476,12 @@ int64_t grid_ctas(int device, int64_t tiles, bool persistent) {
   return n;
 }
 
-// The fp8 rows: hdim 128, the plain causal mask or none, GQA; a V^T workspace in stream order.
+// The fp8 rows: hdim 128 or 256, the plain causal mask or none, GQA; a V^T workspace in stream order.
 bool select_fp8(const FwdProblem& p, std::string* kernel, std::string* why) {
   if (p.head_dim != p.head_dim_v)
     return fail(why, "fp8: head_dim_v " + std::to_string(p.head_dim_v) + " != head_dim " + std::to_string(p.head_dim));
-  if (p.head_dim != 128) return fail(why, "fp8: head_dim " + std::to_string(p.head_dim) + " (fp8 wgmma kernel: 128)");
+  if (p.head_dim != 128 && p.head_dim != 256)
+    return fail(why, "fp8: head_dim " + std::to_string(p.head_dim) + " (fp8 wgmma kernel: 128 or 256)");
   if (p.fp8_out != DType::bf16 && p.fp8_out != DType::f16)
     return fail(why, std::string("fp8: output dtype ") + dtype_str(p.fp8_out) + " (bf16, f16)");
   if (p.varlen()) return fail(why, "fp8: varlen (cu_seqlens) is not supported by the fp8 wgmma kernel");
@@ -504,7 +512,8 @@ bool select_fp8(const FwdProblem& p, std::string* kernel, std::string* why) {
   const Fp8Row row = fp8_table_row(p);
   if (row.present == nullptr) return fail(why, "fp8: no table row");
   if (!row.present()) return fail(why, "this build has no sm_90a image of the fp8 wgmma kernel (CUDA archs lack 90a)");
-  *kernel = std::string("cuda/flash sm90 wgmma+tma f8e4m3->") + dtype_str(p.fp8_out) + " hdim128" +
+  *kernel = std::string("cuda/flash sm90 wgmma+tma f8e4m3->") + dtype_str(p.fp8_out) + " hdim" +
+            std::to_string(p.head_dim) +
             (p.causal ? " causal" : "") + " tile " + std::to_string(row.block_m) + "x" + std::to_string(row.block_n) +
             " stages " + std::to_string(row.stages) + " ws 2 consumer WGs pingpong" + grid_str(pol.grid) +
             (pol.rescale_skip ? " rescale-skip" : "") + " +V^T pre-pass" +

@@ -6,7 +6,8 @@
 // static or dynamic schedule, tile hand-over through tile_slot + full_q, O-rescale skip); what
 // differs for 8-bit inputs:
 //   * wgmma m64nNk32 e4m3 (WgmmaFp8, ptx_sm90.cuh): 32 keys / dims per k-step, one 128-byte
-//     swizzled row = 128 elements, so a hdim-128 Q or K tile is a single column block.
+//     swizzled row = 128 elements, so a hdim-128 Q or K tile is a single column block (hdim 256:
+//     two).
 //   * 8-bit wgmma takes only K-major shared-memory operands. Q K^T: Q and K are K-major as stored.
 //     P V: B must be V^T [d x keys]. A pre-pass kernel (fp8_transpose_v below) writes
 //     V^T [batch, heads_kv, d, seqlen_k padded to kBlockN] into a workspace (cudaMallocAsync on the
@@ -16,7 +17,7 @@
 //     32-key group; the pre-pass writes V^T in that same order (fp8_p_key), so P V is exact.
 //   * Descales: scale * q_descale * k_descale goes into the softmax scale (and the LSE), v_descale
 //     into the final 1 / rowsum; read once per tile from [batch, heads_kv] f32 arrays.
-// Assumes (the fp8 rows of sm90_flash_select check it): head_dim = head_dim_v = 128; q/k 16-byte
+// Assumes (the fp8 rows of sm90_flash_select check it): head_dim = head_dim_v = 128 or 256; q/k 16-byte
 // aligned with 16-byte-multiple strides; o 4-byte aligned with even strides; no window / softcap /
 // alibi / sinks / varlen; scale > 0, descales > 0.
 #pragma once
@@ -134,6 +135,16 @@ struct Fp8Tile192 {
 };
 template <typename Out>
 using Fp8Traits192 = Fp8Traits<128, Fp8Tile192::kBlockN, Fp8Tile192::kStages, Out>;
+// hdim 256 (session 21): O alone is 128 registers, so 128x128 (S 64 + P 16 + O 128, no spills, every
+// wgmma asynchronous in ptxas's report); Q 32 KB + 3 stages of 32 KB K + 32 KB V^T = 224 KB.
+struct Fp8Tile256 {
+  static constexpr int kBlockN = 128, kStages = 3;
+  static constexpr const char* kWhy =
+      "fp8 hdim256: 128x128 (S 64 + P 16 + O 128 registers), 3 stages of K + V^T (224 KB smem); wgmma k32 "
+      "e4m3, V^T from a transpose pre-pass";
+};
+template <typename Out>
+using Fp8Traits256 = Fp8Traits<256, Fp8Tile256::kBlockN, Fp8Tile256::kStages, Out>;
 
 template <class Tr, bool kCausal>
 __global__ void __launch_bounds__(Tr::kThreads, 1)

@@ -17,10 +17,11 @@
 //
 // Build: nvcc -gencode=arch=compute_90a,code=sm_90a -O3 -std=c++17 -I include -I src
 //        src/cuda/hopper/sm90_check.cu src/cuda/hopper/flash_fwd_sm90*.cu -o ioattn_sm90_check
-// FP8 (e4m3 q/k/v with descales, bf16/f16 O): checked on the same odd shapes at hdim 128 against
-// the float64 reference of the dequantised inputs, with a naive fp8 attention (P in e4m3) as the
-// error baseline (run_fp8_checks); timed next to the bf16 kernel at hdim 128, 4k-16k, with the
-// ratio and the V^T pre-pass time (run_fp8_bench). --fp8-only runs only these.
+// FP8 (e4m3 q/k/v with descales, bf16/f16 O): checked on the same odd shapes at hdim 128 (and a
+// subset at hdim 256) against the float64 reference of the dequantised inputs, with a naive fp8
+// attention (P in e4m3) as the error baseline (run_fp8_checks); timed next to the bf16 kernel at
+// hdim 128 and 256, 4k-16k, with the ratio and the V^T pre-pass time (run_fp8_bench). --fp8-only
+// runs only these.
 //
 // Run:   ioattn_sm90_check [--check-only | --bench-only] [--fp8-only] [--csv FILE]
 // Exit 0 = all checks passed (or no CUDA device: prints "skipped: no CUDA device").
@@ -309,12 +310,14 @@ struct Fp8Case {
   int64_t b, hq, hkv, sq, sk;
   bool causal, bhsd, descale;
   DType out;
+  int64_t d = 128;  // head dim: 128 or 256
 };
 
 std::string fp8_case_name(const Fp8Case& c) {
   char buf[160];
-  std::snprintf(buf, sizeof buf, "f8e4m3->%s d128 b%lld hq%lld hkv%lld %lldx%lld %s%s%s",
-                c.out == DType::bf16 ? "bf16" : "f16", (long long)c.b, (long long)c.hq, (long long)c.hkv,
+  std::snprintf(buf, sizeof buf, "f8e4m3->%s d%lld b%lld hq%lld hkv%lld %lldx%lld %s%s%s",
+                c.out == DType::bf16 ? "bf16" : "f16", (long long)c.d, (long long)c.b, (long long)c.hq,
+                (long long)c.hkv,
                 (long long)c.sq, (long long)c.sk, c.causal ? "causal" : "full", c.bhsd ? " bhsd" : "",
                 c.descale ? "" : " no-descale");
   return buf;
@@ -322,7 +325,7 @@ std::string fp8_case_name(const Fp8Case& c) {
 
 bool run_fp8_case(const Fp8Case& c, std::mt19937_64& rng, bool verbose) {
   using namespace ioattn::detail;
-  constexpr int64_t d = 128;
+  const int64_t d = c.d;
   const Case shape{c.b, c.hq, c.hkv, c.sq, c.sk, d, DType::bf16, c.causal, c.bhsd};
   const int64_t nq = c.b * c.sq * c.hq * d, nk = c.b * c.sk * c.hkv * d;
   std::vector<uint8_t> q(nq), k(nk), v(nk);
@@ -516,6 +519,16 @@ int run_fp8_checks() {
     (run_fp8_case({2, 4, 1, 113, 203, causal, false, true, DType::f16}, rng, true) ? pass : fail)++;
     (run_fp8_case({1, 4, 2, 1023, 1024, causal, true, false, DType::bf16}, rng, true) ? pass : fail)++;
   }
+  // hdim 256 (its own 128x128 row): a subset of the shapes, f16 output, no descales.
+  const Shape shapes256[] = {
+      {1, 2, 2, 1, 1, false}, {2, 4, 1, 113, 203, false}, {2, 4, 1, 203, 113, true},
+      {1, 4, 2, 1023, 1024, false}, {1, 2, 2, 4097, 4097, true}, {1, 2, 1, 300, 10, false},
+  };
+  for (bool causal : {false, true}) {
+    for (const Shape& s : shapes256)
+      (run_fp8_case({s.b, s.hq, s.hkv, s.sq, s.sk, causal, s.bhsd, true, DType::bf16, 256}, rng, true) ? pass : fail)++;
+    (run_fp8_case({2, 4, 1, 113, 203, causal, false, false, DType::f16, 256}, rng, true) ? pass : fail)++;
+  }
   std::printf("\nsm90 fp8 correctness: %d passed, %d failed\n", pass, fail);
   return fail == 0 ? 0 : 1;
 }
@@ -551,11 +564,34 @@ void time_median(F f, int reps, cudaEvent_t* ev, double* med, double* lo, double
   *hi = ms[reps - 1];
 }
 
-// FP8 vs bf16 at hdim 128, 16k tokens, hidden 2048 (16 heads), seqlen 4k/8k/16k, causal and not,
+// The timed bf16 problem of the benches: BSHD, b x s tokens, h heads of dim d, no GQA, LSE out.
+FwdProblem bench_problem(void* q, void* k, void* v, void* o, float* lse, int64_t b, int64_t h, int64_t s, int64_t d,
+                         bool causal) {
+  FwdProblem p;
+  p.q = q;
+  p.k = k;
+  p.v = v;
+  p.o = o;
+  p.lse = lse;
+  p.q_stride = p.k_stride = p.v_stride = p.o_stride = {s * h * d, h * d, d};
+  p.lse_stride = {h * s, 1, s};
+  p.dtype = DType::bf16;
+  p.device = ioattn::Device::cuda;
+  p.batch = b;
+  p.heads_q = p.heads_kv = h;
+  p.seqlen_q = p.seqlen_k = s;
+  p.head_dim = p.head_dim_v = d;
+  p.scale = static_cast<float>(1.0 / std::sqrt(double(d)));
+  p.causal = causal;
+  p.window_right = causal ? 0 : -1;
+  return p;
+}
+
+// FP8 vs bf16 at hdim 128 and 256, 16k tokens, hidden 2048 (16 / 8 heads), seqlen 4k/8k/16k, causal and not,
 // in one run: bf16 kernel, fp8 kernel (V^T pre-pass included, as a caller sees it), and the
 // pre-pass alone. Ratio = fp8 TFLOP/s / bf16 TFLOP/s (the issue's target: >= 1.5 at >= 4k).
 int run_fp8_bench(FILE* csv, int reps) {
-  constexpr int64_t kTokens = 16384, kHidden = 2048, d = 128, h = kHidden / d;
+  constexpr int64_t kTokens = 16384, kHidden = 2048;
   const int64_t n = kTokens * kHidden;
   void *q16, *k16, *v16, *q8, *k8, *v8, *o;
   float *lse, *ds;
@@ -566,7 +602,7 @@ int run_fp8_bench(FILE* csv, int reps) {
   CHECK_CUDA(cudaMalloc(&k8, n));
   CHECK_CUDA(cudaMalloc(&v8, n));
   CHECK_CUDA(cudaMalloc(&o, n * 2));
-  CHECK_CUDA(cudaMalloc(&lse, kTokens * h * 4));
+  CHECK_CUDA(cudaMalloc(&lse, kTokens * (kHidden / 128) * 4));  // the most heads (hdim 128)
   CHECK_CUDA(cudaMalloc(&ds, 3 * kTokens * 4));  // descales: >= batch * heads_kv each
   fill_uniform<<<1024, 256>>>(static_cast<__nv_bfloat16*>(q16), n, 1);
   fill_uniform<<<1024, 256>>>(static_cast<__nv_bfloat16*>(k16), n, 2);
@@ -582,60 +618,51 @@ int run_fp8_bench(FILE* csv, int reps) {
   CHECK_CUDA(cudaDeviceSynchronize());
   std::vector<cudaEvent_t> ev(2 * reps);
   for (auto& e : ev) CHECK_CUDA(cudaEventCreate(&e));
-  std::printf("\nfp8 vs bf16, hdim 128 (16k tokens, 16 heads; fp8 includes its V^T pre-pass)\n");
-  std::printf("%-6s %-7s %10s %9s %10s %9s %7s %12s  %s\n", "seqlen", "causal", "bf16 ms", "TFLOP/s", "fp8 ms", "TFLOP/s",
-              "ratio", "pre-pass ms", "fp8 kernel");
-  for (int64_t s : {4096, 8192, 16384})
-    for (bool causal : {false, true}) {
-      const int64_t b = kTokens / s;
-      FwdProblem p;
-      p.q = q16;
-      p.k = k16;
-      p.v = v16;
-      p.o = o;
-      p.lse = lse;
-      p.q_stride = p.k_stride = p.v_stride = p.o_stride = {s * h * d, h * d, d};
-      p.lse_stride = {h * s, 1, s};
-      p.dtype = DType::bf16;
-      p.device = ioattn::Device::cuda;
-      p.batch = b;
-      p.heads_q = p.heads_kv = h;
-      p.seqlen_q = p.seqlen_k = s;
-      p.head_dim = p.head_dim_v = d;
-      p.scale = static_cast<float>(1.0 / std::sqrt(double(d)));
-      p.causal = causal;
-      p.window_right = causal ? 0 : -1;
-      FwdProblem p8 = p;
-      p8.q = q8;
-      p8.k = k8;
-      p8.v = v8;
-      p8.dtype = DType::f8e4m3;
-      p8.fp8_out = DType::bf16;
-      p8.q_descale = {ds, h, 1};
-      p8.k_descale = {ds + kTokens, h, 1};
-      p8.v_descale = {ds + 2 * kTokens, h, 1};
-      std::string k16name, k8name, why;
-      if (!ioattn::detail::sm90_flash_select(p, &k16name, &why) || !ioattn::detail::sm90_flash_select(p8, &k8name, &why)) {
-        std::printf("seqlen %lld not selected: %s\n", (long long)s, why.c_str());
-        continue;
+  // hdim 128 first (its rows start with the seqlen: tools/gpu-check.sh's fp8ab stage parses them), then
+  // hdim 256 (8 heads; rows prefixed "d256").
+  for (const int64_t d : {int64_t(128), int64_t(256)}) {
+    const int64_t h = kHidden / d;
+    const char* prefix = d == 128 ? "" : "d256 ";
+    std::printf("\nfp8 vs bf16, hdim %lld (16k tokens, %lld heads; fp8 includes its V^T pre-pass)\n", (long long)d,
+                (long long)h);
+    std::printf("%s%-6s %-7s %10s %9s %10s %9s %7s %12s  %s\n", prefix, "seqlen", "causal", "bf16 ms", "TFLOP/s",
+                "fp8 ms", "TFLOP/s", "ratio", "pre-pass ms", "fp8 kernel");
+    for (int64_t s : {4096, 8192, 16384})
+      for (bool causal : {false, true}) {
+        const int64_t b = kTokens / s;
+        FwdProblem p = bench_problem(q16, k16, v16, o, lse, b, h, s, d, causal);
+        FwdProblem p8 = p;
+        p8.q = q8;
+        p8.k = k8;
+        p8.v = v8;
+        p8.dtype = DType::f8e4m3;
+        p8.fp8_out = DType::bf16;
+        p8.q_descale = {ds, h, 1};
+        p8.k_descale = {ds + kTokens, h, 1};
+        p8.v_descale = {ds + 2 * kTokens, h, 1};
+        std::string k16name, k8name, why;
+        if (!ioattn::detail::sm90_flash_select(p, &k16name, &why) || !ioattn::detail::sm90_flash_select(p8, &k8name, &why)) {
+          std::printf("seqlen %lld not selected: %s\n", (long long)s, why.c_str());
+          continue;
+        }
+        double t16, t16lo, t16hi, t8, t8lo, t8hi, tt, ttlo, tthi;
+        time_median([&] { ioattn::detail::sm90_flash_forward(p); }, reps, ev.data(), &t16, &t16lo, &t16hi);
+        time_median([&] { ioattn::detail::sm90_flash_forward(p8); }, reps, ev.data(), &t8, &t8lo, &t8hi);
+        time_median([&] { ioattn::detail::sm90_fp8_transpose_only(p8); }, reps, ev.data(), &tt, &ttlo, &tthi);
+        const double flops = 4.0 * b * h * double(s) * s * d / (causal ? 2.0 : 1.0);
+        const double tf16 = flops / (t16 * 1e-3) / 1e12, tf8 = flops / (t8 * 1e-3) / 1e12;
+        std::printf("%s%-6lld %-7s %10.3f %9.1f %10.3f %9.1f %7.2f %12.4f  %s\n", prefix, (long long)s, causal ? "yes" : "no",
+                    t16, tf16, t8, tf8, tf8 / tf16, tt, k8name.c_str());
+        if (csv) {
+          std::fprintf(csv, "ioattn_sm90_bf16_vs_fp8,%lld,%lld,%d,%lld,%lld,%.4f,%.2f\n", (long long)d, (long long)s, causal ? 1 : 0,
+                       (long long)b, (long long)h, t16, tf16);
+          std::fprintf(csv, "ioattn_sm90_fp8,%lld,%lld,%d,%lld,%lld,%.4f,%.2f\n", (long long)d, (long long)s,
+                       causal ? 1 : 0, (long long)b, (long long)h, t8, tf8);
+          std::fprintf(csv, "ioattn_sm90_fp8_prepass,%lld,%lld,%d,%lld,%lld,%.4f,0\n", (long long)d, (long long)s,
+                       causal ? 1 : 0, (long long)b, (long long)h, tt);
+        }
       }
-      double t16, t16lo, t16hi, t8, t8lo, t8hi, tt, ttlo, tthi;
-      time_median([&] { ioattn::detail::sm90_flash_forward(p); }, reps, ev.data(), &t16, &t16lo, &t16hi);
-      time_median([&] { ioattn::detail::sm90_flash_forward(p8); }, reps, ev.data(), &t8, &t8lo, &t8hi);
-      time_median([&] { ioattn::detail::sm90_fp8_transpose_only(p8); }, reps, ev.data(), &tt, &ttlo, &tthi);
-      const double flops = 4.0 * b * h * double(s) * s * d / (causal ? 2.0 : 1.0);
-      const double tf16 = flops / (t16 * 1e-3) / 1e12, tf8 = flops / (t8 * 1e-3) / 1e12;
-      std::printf("%-6lld %-7s %10.3f %9.1f %10.3f %9.1f %7.2f %12.4f  %s\n", (long long)s, causal ? "yes" : "no", t16,
-                  tf16, t8, tf8, tf8 / tf16, tt, k8name.c_str());
-      if (csv) {
-        std::fprintf(csv, "ioattn_sm90_bf16_vs_fp8,%lld,%lld,%d,%lld,%lld,%.4f,%.2f\n", (long long)d, (long long)s, causal ? 1 : 0,
-                     (long long)b, (long long)h, t16, tf16);
-        std::fprintf(csv, "ioattn_sm90_fp8,%lld,%lld,%d,%lld,%lld,%.4f,%.2f\n", (long long)d, (long long)s,
-                     causal ? 1 : 0, (long long)b, (long long)h, t8, tf8);
-        std::fprintf(csv, "ioattn_sm90_fp8_prepass,%lld,%lld,%d,%lld,%lld,%.4f,0\n", (long long)d, (long long)s,
-                     causal ? 1 : 0, (long long)b, (long long)h, tt);
-      }
-    }
+  }
   for (auto& e : ev) CHECK_CUDA(cudaEventDestroy(e));
   for (void* ptr : {q16, k16, v16, q8, k8, v8, o, static_cast<void*>(lse), static_cast<void*>(ds)}) CHECK_CUDA(cudaFree(ptr));
   return 0;
@@ -676,23 +703,7 @@ int run_bench(const char* csv_path, bool fp8_only) {
     for (int64_t s : {2048, 4096, 8192, 16384})
       for (bool causal : {false, true}) {
         const int64_t b = kTokens / s, h = kHidden / d;
-        FwdProblem p;
-        p.q = q;
-        p.k = k;
-        p.v = v;
-        p.o = o;
-        p.lse = lse;
-        p.q_stride = p.k_stride = p.v_stride = p.o_stride = {s * h * d, h * d, d};
-        p.lse_stride = {h * s, 1, s};
-        p.dtype = DType::bf16;
-        p.device = ioattn::Device::cuda;
-        p.batch = b;
-        p.heads_q = p.heads_kv = h;
-        p.seqlen_q = p.seqlen_k = s;
-        p.head_dim = p.head_dim_v = d;
-        p.scale = static_cast<float>(1.0 / std::sqrt(double(d)));
-        p.causal = causal;
-        p.window_right = causal ? 0 : -1;
+        FwdProblem p = bench_problem(q, k, v, o, lse, b, h, s, d, causal);
         std::string kernel, why;
         if (!ioattn::detail::sm90_flash_select(p, &kernel, &why)) {
           std::printf("hdim %lld not selected: %s\n", (long long)d, why.c_str());
