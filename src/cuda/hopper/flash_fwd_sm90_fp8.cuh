@@ -540,7 +540,7 @@ struct Fp8Launch {
 // the traced steps 2.. of the traced CTAs, per warpgroup; the step period; warpgroup 1's issue
 // (stamp 2) after warpgroup 0's in the same step; the SM clock (cycles / ns between the two
 // timer stamps).
-inline void fp8_trace_print(int block_n, bool causal, int seqlen, unsigned grid) {
+inline void fp8_trace_print(int head_dim, int block_n, bool causal, int seqlen, unsigned grid) {
   using namespace fp8_trace;
   IOATTN_CUDA_CHECK(cudaDeviceSynchronize());
   static unsigned h[kBlocks][2][kSteps][kPoints];
@@ -561,7 +561,8 @@ inline void fp8_trace_print(int block_n, bool causal, int seqlen, unsigned grid)
         period += static_cast<double>(h[b][wg][st][10] - h[b][wg][st - 1][10]);
         ++n;
       }
-    std::fprintf(stderr, "fp8 trace 128x%d %s seqlen %d wg %d (%d steps):", block_n, causal ? "causal" : "no-mask", seqlen, wg, n);
+    std::fprintf(stderr, "fp8 trace d%d 128x%d %s seqlen %d wg %d (%d steps):", head_dim, block_n,
+                 causal ? "causal" : "no-mask", seqlen, wg, n);
     for (int k = 0; k < kPoints; ++k) std::fprintf(stderr, " %s %.0f |", names[k], n ? sum[k] / n : 0.0);
     std::fprintf(stderr, " period %.0f\n", n ? period / n : 0.0);
   }
@@ -575,8 +576,8 @@ inline void fp8_trace_print(int block_n, bool causal, int seqlen, unsigned grid)
       if (dt > 0) mhz += dc / dt * 1e3, ++nm;
     }
   }
-  std::fprintf(stderr, "fp8 trace 128x%d %s seqlen %d: wg1 issue - wg0 issue %.0f cycles; SM clock %.0f MHz\n", block_n,
-               causal ? "causal" : "no-mask", seqlen, n ? off / n : 0.0, nm ? mhz / nm : 0.0);
+  std::fprintf(stderr, "fp8 trace d%d 128x%d %s seqlen %d: wg1 issue - wg0 issue %.0f cycles; SM clock %.0f MHz\n", head_dim,
+               block_n, causal ? "causal" : "no-mask", seqlen, n ? off / n : 0.0, nm ? mhz / nm : 0.0);
 }
 #endif
 
@@ -607,7 +608,7 @@ void flash_fwd_sm90_fp8_launch(const Fp8Launch& l) {
   kernel<<<l.grid, Tr::kThreads, Tr::kSmemBytes, l.stream>>>(l.q, l.k, l.vt, l.params);
   IOATTN_CUDA_CHECK_LAUNCH("flash_fwd_sm90_fp8_kernel");
 #if IOATTN_FP8_TRACE
-  if (calls == 10) fp8_trace_print(Tr::kBlockN, kCausal, l.params.f.seqlen_q, l.grid);
+  if (calls == 10) fp8_trace_print(Tr::kHeadDim, Tr::kBlockN, kCausal, l.params.f.seqlen_q, l.grid);
 #endif
 }
 

@@ -519,9 +519,11 @@ int run_fp8_checks() {
     (run_fp8_case({2, 4, 1, 113, 203, causal, false, true, DType::f16}, rng, true) ? pass : fail)++;
     (run_fp8_case({1, 4, 2, 1023, 1024, causal, true, false, DType::bf16}, rng, true) ? pass : fail)++;
   }
-  // hdim 256 (its own 128x128 row): a subset of the shapes, f16 output, no descales.
+  // hdim 256 (its own 128x128 row): a subset of the shapes (bf16 output, descales), then f16 output
+  // without descales.
   const Shape shapes256[] = {
       {1, 2, 2, 1, 1, false}, {2, 4, 1, 113, 203, false}, {2, 4, 1, 203, 113, true},
+      {1, 24, 6, 777, 1500, false},  // 168 tiles > 132 SMs: CTAs that walk more than one tile
       {1, 4, 2, 1023, 1024, false}, {1, 2, 2, 4097, 4097, true}, {1, 2, 1, 300, 10, false},
   };
   for (bool causal : {false, true}) {
