@@ -615,13 +615,12 @@ CUtensorMap make_map_u8(const void* ptr, const int64_t (&dims)[4], const int64_t
   return map;
 }
 
-// Keys of the V^T workspace per (batch, kv head, dim) row: seqlen_k rounded up to the key block
-// (at least one block, so the map is valid when there are no keys).
-// V^T is padded to whole 128-key column blocks (the TMA box); every fp8 row's key block is a
-// multiple of it or reads the rest as out-of-bounds zeros (128x192: the second block loaded whole).
-static_assert(Fp8Tile128::kBlockN == 128 && Fp8Tile256::kBlockN % 128 == 0, "V^T padding vs the fp8 key blocks");
+// Keys of the V^T workspace per (batch, kv head, dim) row: seqlen_k rounded up to whole column
+// blocks of the V^T TMA box (kColBlock keys; at least one, so the map is valid when there are no
+// keys). Every row's key blocks load whole column blocks; what lies past the padding is the map's
+// out-of-bounds zeros (128x192: the second column block of the last key block).
 int64_t fp8_padded_keys(const FwdProblem& p) {
-  const int64_t n = Fp8Tile128::kBlockN;
+  const int64_t n = Fp8Traits128<__nv_bfloat16>::kColBlock;
   return std::max<int64_t>((p.seqlen_k + n - 1) / n * n, n);
 }
 

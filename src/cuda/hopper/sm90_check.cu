@@ -317,8 +317,7 @@ std::string fp8_case_name(const Fp8Case& c) {
   char buf[160];
   std::snprintf(buf, sizeof buf, "f8e4m3->%s d%lld b%lld hq%lld hkv%lld %lldx%lld %s%s%s",
                 c.out == DType::bf16 ? "bf16" : "f16", (long long)c.d, (long long)c.b, (long long)c.hq,
-                (long long)c.hkv,
-                (long long)c.sq, (long long)c.sk, c.causal ? "causal" : "full", c.bhsd ? " bhsd" : "",
+                (long long)c.hkv, (long long)c.sq, (long long)c.sk, c.causal ? "causal" : "full", c.bhsd ? " bhsd" : "",
                 c.descale ? "" : " no-descale");
   return buf;
 }
