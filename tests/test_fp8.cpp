@@ -207,16 +207,17 @@ TEST_P(Fp8Forward, MatchesReference) {
   if (c.sk > 1 && !c.causal) EXPECT_GT(naive_o, 1e-4);
 }
 
-// CUDA: the public API on a device. sm90: the fp8 wgmma kernel is chosen (hdim 128 and 256) and
+// CUDA: the public API on a device. sm90: the fp8 wgmma kernel is chosen (hdim 64, 128 and 256) and
 // matches the reference by the rule above (O and LSE). An fp8 problem the kernel cannot take
-// (hdim 64) fails with the reason.
+// (hdim 96) fails with the reason.
 // Other archs: fp8 fails with a reason naming the sm90 kernel.
 TEST(Fp8Cuda, ApiOnDevice) {
   if (detail::cuda_device_count() == 0) GTEST_SKIP() << "skipped: no CUDA device";
   const int arch = detail::cuda_device_arch(0);
   for (const Fp8Case& c : {Fp8Case{"a", 2, 113, 203, 4, 1, 128, false}, Fp8Case{"b", 1, 300, 300, 2, 2, 128, true},
                            Fp8Case{"c", 1, 64, 64, 2, 2, 64, false}, Fp8Case{"d", 2, 77, 130, 4, 2, 256, false},
-                           Fp8Case{"e", 1, 130, 130, 2, 1, 256, true}}) {
+                           Fp8Case{"e", 1, 130, 130, 2, 1, 256, true}, Fp8Case{"f", 2, 300, 277, 4, 2, 64, true},
+                           Fp8Case{"g", 1, 40, 40, 2, 2, 96, false}}) {
     Fp8Problem h(c);  // host copies: inputs for the reference, and the bytes we upload
     auto dev = [](const void* src, DType t, int64_t n) {
       detail::Buffer b(t, n, Device::cuda);
@@ -239,13 +240,13 @@ TEST(Fp8Cuda, ApiOnDevice) {
     const TensorView qv = q.view({c.b, c.sq, c.hq, c.d}), kv = k.view({c.b, c.sk, c.hkv, c.d}),
                      vv = v.view({c.b, c.sk, c.hkv, c.d}), ov = o.view({c.b, c.sq, c.hq, c.d}),
                      lv = l.view({c.b, c.hq, c.sq});
-    if (arch != 90 || (c.d != 128 && c.d != 256)) {
+    if (arch != 90 || (c.d != 64 && c.d != 128 && c.d != 256)) {
       try {
         forward(qv, kv, vv, ov, lv, prm);
         ADD_FAILURE() << c.name << ": fp8 ran on sm" << arch << " hdim" << c.d;
       } catch (const Error& e) {
         const std::string msg = e.what();
-        EXPECT_NE(msg.find(arch == 90 ? "fp8: head_dim 64" : "sm90"), std::string::npos) << msg;
+        EXPECT_NE(msg.find(arch == 90 ? "fp8: head_dim 96" : "sm90"), std::string::npos) << msg;
       }
       continue;
     }

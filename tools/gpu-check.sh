@@ -56,9 +56,10 @@
 #      build), 128x192 and 128x128 (GPU_CHECK_FP8TRACE_BLOCKN) -> summary.
 #   fp8ab (not in the default stages; ~30 s per mode and pass): A/B of the fp8 forward's switches:
 #      per mode of GPU_CHECK_FP8AB_MODES (NAME:ENV=V[,ENV=V...], or "default"; default "default
-#      n128:IOATTN_SM90_FP8_BLOCKN=128") the fp8 correctness cases (hdim 128 and 256), then
+#      n128:IOATTN_SM90_FP8_BLOCKN=128") the fp8 correctness cases (hdim 64, 128 and 256), then
 #      GPU_CHECK_FP8AB_PASSES (default 2) interleaved passes of the fp8 bench -> fp8ab.log, ms per
-#      mode and hdim-128 row in the summary (the bench's hdim-256 rows, prefixed "d256", are in the log).
+#      mode and hdim-128 row in the summary (the bench's hdim-64 / 256 rows, prefixed "d64" / "d256", are in
+#      the log).
 #   dectrace (not in the default stages; ~1.5 min incl. its own build in BUILD-dtrace): the mma decode
 #      kernel's phases (IOATTN_DECODE_TRACE=1 build), SM cycles per phase over the CTAs of a launch,
 #      per cell in GPU_CHECK_DECTRACE_CELLS -> summary.
@@ -602,7 +603,7 @@ fi
 
 # ---- A/B of the fp8 forward's switches (optional stage fp8ab) ---------------------------------------
 # Session 17's calls as a stage: each mode's correctness (ioattn_sm90_check --check-only --fp8-only,
-# hdim 128 and 256 cases) and its fp8 ms (--bench-only --fp8-only: 16k tokens, bf16 O, the V^T
+# hdim 64, 128 and 256 cases) and its fp8 ms (--bench-only --fp8-only: 16k tokens, bf16 O, the V^T
 # pre-pass included; the summary takes the hdim-128 rows, 16 heads) over interleaved passes; a mode
 # that fails its checks is not timed.
 if want fp8ab && [[ -x $BUILD/ioattn_sm90_check ]]; then

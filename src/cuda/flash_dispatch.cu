@@ -189,7 +189,7 @@ std::vector<std::string> cuda_compiled_kernels() {
       rows.push_back("cuda/flash mma.sync " + std::string(dt) + " hdim" + std::to_string(k.head_dim) + " tile " +
                      std::to_string(k.block_m) + "x" + std::to_string(k.block_n) + " warps " +
                      std::to_string(k.warps) + (k.q_in_regs ? " q-in-regs" : ""));
-  rows.push_back("cuda/flash sm90 wgmma+tma bf16/f16 hdim 64/128/256, f8e4m3 hdim 128/256 (in sm_90a images)");
+  rows.push_back("cuda/flash sm90 wgmma+tma bf16/f16 hdim 64/128/256, f8e4m3 hdim 64/128/256 (in sm_90a images)");
   rows.push_back("cuda/flash-backward mma.sync bf16/f16 hdim 64/128/256 (others padded up to 256), dQ atomic or deterministic");
   rows.push_back("cuda/flash-backward sm90 wgmma bf16/f16 hdim 64/128 (dQ by TMA reduce-add) and 256 (dQ by a second "
                  "wgmma pass, no atomics), deterministic too (in sm_90a images)");

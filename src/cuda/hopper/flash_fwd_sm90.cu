@@ -86,6 +86,12 @@ IOATTN_SM90_FP8_EXTERN(Fp8Hdim128N192Bf16, false)
 IOATTN_SM90_FP8_EXTERN(Fp8Hdim128N192Bf16, true)
 IOATTN_SM90_FP8_EXTERN(Fp8Hdim128N192F16, false)
 IOATTN_SM90_FP8_EXTERN(Fp8Hdim128N192F16, true)
+using Fp8Hdim64Bf16 = Fp8Traits64<__nv_bfloat16>;
+using Fp8Hdim64F16 = Fp8Traits64<__half>;
+IOATTN_SM90_FP8_EXTERN(Fp8Hdim64Bf16, false)
+IOATTN_SM90_FP8_EXTERN(Fp8Hdim64Bf16, true)
+IOATTN_SM90_FP8_EXTERN(Fp8Hdim64F16, false)
+IOATTN_SM90_FP8_EXTERN(Fp8Hdim64F16, true)
 using Fp8Hdim256Bf16 = Fp8Traits256<__nv_bfloat16>;
 using Fp8Hdim256F16 = Fp8Traits256<__half>;
 IOATTN_SM90_FP8_EXTERN(Fp8Hdim256Bf16, false)
@@ -289,7 +295,7 @@ Row table_row(const FwdProblem& p, bool wg3, bool v3) {
 
 const char* dtype_str(DType t) { return dtype_name(t); }
 
-// The fp8 dispatch table: one row per (head dim 128 / 256, O dtype, causal) (flash_fwd_sm90_fp8.cuh).
+// The fp8 dispatch table: one row per (head dim 64 / 128 / 256, O dtype, causal) (flash_fwd_sm90_fp8.cuh).
 struct Fp8Row {
   int block_m = 0, block_n = 0, stages = 0;
   const char* why = "";
@@ -315,11 +321,12 @@ bool fp8_blockn_192() {
 template <typename Out>
 Fp8Row fp8_row_for_out(int64_t hdim, bool causal) {
   if (hdim == 256) return make_fp8_row<Fp8Traits256<Out>>(causal, Fp8Tile256::kWhy);
+  if (hdim == 64) return make_fp8_row<Fp8Traits64<Out>>(causal, Fp8Tile64::kWhy);
   if (fp8_blockn_192()) return make_fp8_row<Fp8Traits192<Out>>(causal, Fp8Tile192::kWhy);
   return make_fp8_row<Fp8Traits128<Out>>(causal, Fp8Tile128::kWhy);
 }
 Fp8Row fp8_table_row(const FwdProblem& p) {
-  if (p.head_dim != 128 && p.head_dim != 256) return Fp8Row{};
+  if (p.head_dim != 64 && p.head_dim != 128 && p.head_dim != 256) return Fp8Row{};
   if (p.fp8_out == DType::bf16) return fp8_row_for_out<__nv_bfloat16>(p.head_dim, p.causal);
   if (p.fp8_out == DType::f16) return fp8_row_for_out<__half>(p.head_dim, p.causal);
   return Fp8Row{};
@@ -476,12 +483,12 @@ int64_t grid_ctas(int device, int64_t tiles, bool persistent) {
   return n;
 }
 
-// The fp8 rows: hdim 128 or 256, the plain causal mask or none, GQA; a V^T workspace in stream order.
+// The fp8 rows: hdim 64, 128 or 256, the plain causal mask or none, GQA; a V^T workspace in stream order.
 bool select_fp8(const FwdProblem& p, std::string* kernel, std::string* why) {
   if (p.head_dim != p.head_dim_v)
     return fail(why, "fp8: head_dim_v " + std::to_string(p.head_dim_v) + " != head_dim " + std::to_string(p.head_dim));
-  if (p.head_dim != 128 && p.head_dim != 256)
-    return fail(why, "fp8: head_dim " + std::to_string(p.head_dim) + " (fp8 wgmma kernel: 128 or 256)");
+  if (p.head_dim != 64 && p.head_dim != 128 && p.head_dim != 256)
+    return fail(why, "fp8: head_dim " + std::to_string(p.head_dim) + " (fp8 wgmma kernel: 64, 128 or 256)");
   if (p.fp8_out != DType::bf16 && p.fp8_out != DType::f16)
     return fail(why, std::string("fp8: output dtype ") + dtype_str(p.fp8_out) + " (bf16, f16)");
   if (p.varlen()) return fail(why, "fp8: varlen (cu_seqlens) is not supported by the fp8 wgmma kernel");
@@ -592,7 +599,8 @@ bool select_impl(const FwdProblem& p, std::string* kernel, std::string* why) {
 constexpr int64_t kL2SectionBytes = 24ll << 20;
 
 // 4D uint8 map (e4m3 codes): dims innermost first, strides of dims 1..3 in bytes, box (box0,
-// box1, 1, 1), 128-byte swizzle (box0 = 128 bytes: one swizzled column block per box row).
+// box1, 1, 1), swizzled to box0-byte rows: box0 = 128 (SWIZZLE_128B) or 64 (SWIZZLE_64B, fp8 Q / K
+// at hdim 64), one swizzled row per box row.
 CUtensorMap make_map_u8(const void* ptr, const int64_t (&dims)[4], const int64_t (&strides)[3], int box0, int box1,
                         const char* name) {
   cuuint64_t d[4];
@@ -605,9 +613,12 @@ CUtensorMap make_map_u8(const void* ptr, const int64_t (&dims)[4], const int64_t
   }
   const cuuint32_t box[4] = {static_cast<cuuint32_t>(box0), static_cast<cuuint32_t>(box1), 1, 1};
   const cuuint32_t elem_strides[4] = {1, 1, 1, 1};
+  if (box0 != 64 && box0 != 128)
+    throw Error(name, "ioattn: make_map_u8: box rows of 64 or 128 bytes, got " + std::to_string(box0));
+  const CUtensorMapSwizzle swizzle = box0 == 64 ? CU_TENSOR_MAP_SWIZZLE_64B : CU_TENSOR_MAP_SWIZZLE_128B;
   CUtensorMap map{};
   const CUresult r = tensor_map_encoder()(&map, CU_TENSOR_MAP_DATA_TYPE_UINT8, 4, const_cast<void*>(ptr), d, st, box,
-                                          elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                                          elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, swizzle,
                                           CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   if (r != CUDA_SUCCESS)
     throw Error("cuda", std::string("ioattn: cuTensorMapEncodeTiled failed for ") + name + " (CUresult " +
@@ -665,10 +676,11 @@ void fp8_forward(const FwdProblem& p, const Policy& pol) {
   fp8_transpose(p, vt.ptr, skp, stream);
 
   Fp8Launch l;
-  l.q = make_map_u8(p.q, {d, p.seqlen_q, p.heads_q, p.batch}, {p.q_stride.seq, p.q_stride.head, p.q_stride.batch}, 128,
-                    row.block_m, "q");
+  const int qk_row = static_cast<int>(std::min<int64_t>(d, 128));  // Fp8Traits::kQKRow
+  l.q = make_map_u8(p.q, {d, p.seqlen_q, p.heads_q, p.batch}, {p.q_stride.seq, p.q_stride.head, p.q_stride.batch},
+                    qk_row, row.block_m, "q");
   l.k = make_map_u8(p.k, {d, p.seqlen_k, p.heads_kv, p.batch}, {p.k_stride.seq, p.k_stride.head, p.k_stride.batch},
-                    128, row.block_n, "k");
+                    qk_row, row.block_n, "k");
   l.vt = make_map_u8(vt.ptr, {skp, d, p.heads_kv, p.batch}, {skp, d * skp, p.heads_kv * d * skp}, 128,
                      static_cast<int>(d), "v^T");
   Fp8Params& pp = l.params;

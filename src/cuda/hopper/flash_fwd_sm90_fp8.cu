@@ -1,4 +1,4 @@
-// Dispatch-table rows of the sm90 FP8 forward (hdim 128 and 256, bf16 or f16 O; causal or not) and the
+// Dispatch-table rows of the sm90 FP8 forward (hdim 64, 128 and 256, bf16 or f16 O; causal or not) and the
 // V transpose pre-pass. See flash_fwd_sm90_fp8.cuh.
 #include "cuda/hopper/flash_fwd_sm90_fp8.cuh"
 
@@ -73,6 +73,12 @@ IOATTN_SM90_FP8_INSTANTIATE(Fp8Hdim128N192Bf16, false)
 IOATTN_SM90_FP8_INSTANTIATE(Fp8Hdim128N192Bf16, true)
 IOATTN_SM90_FP8_INSTANTIATE(Fp8Hdim128N192F16, false)
 IOATTN_SM90_FP8_INSTANTIATE(Fp8Hdim128N192F16, true)
+using Fp8Hdim64Bf16 = Fp8Traits64<__nv_bfloat16>;
+using Fp8Hdim64F16 = Fp8Traits64<__half>;
+IOATTN_SM90_FP8_INSTANTIATE(Fp8Hdim64Bf16, false)
+IOATTN_SM90_FP8_INSTANTIATE(Fp8Hdim64Bf16, true)
+IOATTN_SM90_FP8_INSTANTIATE(Fp8Hdim64F16, false)
+IOATTN_SM90_FP8_INSTANTIATE(Fp8Hdim64F16, true)
 using Fp8Hdim256Bf16 = Fp8Traits256<__nv_bfloat16>;
 using Fp8Hdim256F16 = Fp8Traits256<__half>;
 IOATTN_SM90_FP8_INSTANTIATE(Fp8Hdim256Bf16, false)

@@ -7,7 +7,8 @@
 // differs for 8-bit inputs:
 //   * wgmma m64nNk32 e4m3 (WgmmaFp8, ptx_sm90.cuh): 32 keys / dims per k-step, one 128-byte
 //     swizzled row = 128 elements, so a hdim-128 Q or K tile is a single column block (hdim 256:
-//     two).
+//     two). At hdim 64 Q and K rows are 64 bytes: TMA SWIZZLE_64B and make_desc_sw64 (two k-steps
+//     per row); V^T keeps 128-byte rows (128 keys) at every head dim.
 //   * 8-bit wgmma takes only K-major shared-memory operands. Q K^T: Q and K are K-major as stored.
 //     P V: B must be V^T [d x keys]. A pre-pass kernel (fp8_transpose_v below) writes
 //     V^T [batch, heads_kv, d, seqlen_k padded to kBlockN] into a workspace (cudaMallocAsync on the
@@ -17,7 +18,7 @@
 //     32-key group; the pre-pass writes V^T in that same order (fp8_p_key), so P V is exact.
 //   * Descales: scale * q_descale * k_descale goes into the softmax scale (and the LSE), v_descale
 //     into the final 1 / rowsum; read once per tile from [batch, heads_kv] f32 arrays.
-// Assumes (the fp8 rows of sm90_flash_select check it): head_dim = head_dim_v = 128 or 256; q/k 16-byte
+// Assumes (the fp8 rows of sm90_flash_select check it): head_dim = head_dim_v = 64, 128 or 256; q/k 16-byte
 // aligned with 16-byte-multiple strides; o 4-byte aligned with even strides; no window / softcap /
 // alibi / sinks / varlen; scale > 0, descales > 0.
 #pragma once
@@ -94,8 +95,10 @@ struct Fp8Traits {
   static constexpr int kStages = kStages_;
   static constexpr int kThreads = 384;
   static constexpr int kConsumerWarps = 8;
-  static constexpr int kColBlock = 128;                     // e4m3 elements in one 128-byte swizzle row
-  static constexpr int kQColBlocks = kHeadDim / kColBlock;  // of Q and K (along d)
+  static constexpr int kColBlock = 128;  // e4m3 elements in one 128-byte swizzle row (V^T: keys)
+  // Bytes (= dims) in one swizzled row of Q and K: 128 (SW128), or 64 at hdim 64 (SW64).
+  static constexpr int kQKRow = kHeadDim < kColBlock ? kHeadDim : kColBlock;
+  static constexpr int kQColBlocks = kHeadDim / kQKRow;  // of Q and K (along d)
   // V^T column blocks (128 keys each) per key block; a partial last one (kBlockN = 192) is loaded
   // whole (its other keys belong to the next block or lie past the end: TMA zeros) and only its
   // first kBlockN % 128 keys are read.
@@ -106,7 +109,8 @@ struct Fp8Traits {
   static constexpr int kSmemBytes = kQBytes + kStages * (kKVBytes + kVBytes) + 1024;
   static constexpr int kProducerRegs = 24;
   static constexpr int kConsumerRegs = 240;
-  static_assert(kHeadDim % kColBlock == 0 && kBlockN % 64 == 0, "fp8 tile shape (128-byte rows, 32-key k-steps)");
+  static_assert((kHeadDim == 64 || kHeadDim % kColBlock == 0) && kBlockN % 64 == 0,
+                "fp8 tile shape (64- or 128-byte Q / K rows, 32-key k-steps)");
   static_assert(kHeadDim <= 256 && kBlockN <= 256, "wgmma N and TMA box rows <= 256");
   static_assert(kSmemBytes <= 227 * 1024, "shared memory per block");
 };
@@ -146,6 +150,24 @@ struct Fp8Tile256 {
 template <typename Out>
 using Fp8Traits256 = Fp8Traits<256, Fp8Tile256::kBlockN, Fp8Tile256::kStages, Out>;
 
+// hdim 64 (session 22): Q and K rows of 64 bytes (SW64). O is only 32 registers, so 128x256 tiles
+// (S 128 + P 32 + O 32) fit where hdim 128 could not; Q 8 KB + 4 stages x (16 KB K + 16 KB V^T).
+struct Fp8Tile64 {
+  static constexpr int kBlockN = 256, kStages = 4;
+  static constexpr const char* kWhy =
+      "fp8 hdim64: 128x256 (S 128 + P 32 + O 32 registers), 4 stages of K + V^T (136 KB smem); wgmma k32 "
+      "e4m3, Q / K with the 64-byte swizzle, V^T from a transpose pre-pass";
+};
+template <typename Out>
+using Fp8Traits64 = Fp8Traits<64, Fp8Tile64::kBlockN, Fp8Tile64::kStages, Out>;
+
+// Descriptor of a K-major Q or K operand: rows of kQKRow bytes, 8-row groups 8 * kQKRow apart.
+template <int kQKRow>
+__device__ __forceinline__ uint64_t fp8_qk_desc(uint32_t smem_addr) {
+  static_assert(kQKRow == 64 || kQKRow == 128, "fp8 Q / K rows are 64 or 128 bytes");
+  return kQKRow == 64 ? make_desc_sw64(smem_addr, 16, 512) : make_desc_sw128(smem_addr, 16, 1024);
+}
+
 template <class Tr, bool kCausal>
 __global__ void __launch_bounds__(Tr::kThreads, 1)
     flash_fwd_sm90_fp8_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_k,
@@ -153,7 +175,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
 #if IOATTN_SM90A_ENABLED
   using Out = typename Tr::Out;
   constexpr int kBlockM = Tr::kBlockM, kBlockN = Tr::kBlockN, kHeadDim = Tr::kHeadDim;
-  constexpr int kStages = Tr::kStages;
+  constexpr int kStages = Tr::kStages, kQKRow = Tr::kQKRow;
   const FwdParams& p = pp.f;
 
   __shared__ uint64_t full_q, empty_q;
@@ -162,8 +184,8 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
   __shared__ int tile_slot;
   extern __shared__ uint8_t smem_raw[];
   uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
-  uint8_t* s_q = smem;                          // (kQColBlocks, kBlockM, 128 B)
-  uint8_t* s_k = smem + Tr::kQBytes;            // (kStages, kQColBlocks, kBlockN, 128 B)
+  uint8_t* s_q = smem;                          // (kQColBlocks, kBlockM, kQKRow B)
+  uint8_t* s_k = smem + Tr::kQBytes;            // (kStages, kQColBlocks, kBlockN, kQKRow B)
   uint8_t* s_v = s_k + kStages * Tr::kKVBytes;  // (kStages, kVColBlocks, kHeadDim, 128 B): V^T, kVBytes a stage
 
   if (threadIdx.x == 0) {
@@ -211,7 +233,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         mbarrier_arrive_expect_tx(&full_q, Tr::kQBytes);
 #pragma unroll
         for (int c = 0; c < Tr::kQColBlocks; ++c)
-          tma_load_4d(s_q + c * kBlockM * 128, &tm_q, &full_q, c * 128, m0, tc.h, tc.b);
+          tma_load_4d(s_q + c * kBlockM * kQKRow, &tm_q, &full_q, c * kQKRow, m0, tc.h, tc.b);
         // K tile i: [kBlockN keys x d] at (d, key); V^T tile i: [d x kBlockN keys] at (key, d).
         auto load_k = [&](int i) {
           const uint32_t st = ring_stage(ring + i, kStages);
@@ -221,7 +243,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
           uint8_t* dst = s_k + st * Tr::kKVBytes;
 #pragma unroll
           for (int c = 0; c < Tr::kQColBlocks; ++c)
-            tma_load_4d(dst + c * kBlockN * 128, &tm_k, &full_k[st], c * 128, n0, hk, tc.b);
+            tma_load_4d(dst + c * kBlockN * kQKRow, &tm_k, &full_k[st], c * kQKRow, n0, hk, tc.b);
         };
         auto load_v = [&](int i) {
           const uint32_t st = ring_stage(ring + i, kStages);
@@ -254,7 +276,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     const int sched_mine = static_cast<int>(NamedBarrier::kSchedWG0) + cw;
     const int sched_other = static_cast<int>(NamedBarrier::kSchedWG0) + (cw + 1) % Tr::kConsumerWGs;
     if (cw == Tr::kConsumerWGs - 1) named_barrier_arrive(static_cast<int>(NamedBarrier::kSchedWG0), 256);
-    const uint32_t q_base = smem_u32(s_q) + cw * 64 * 128;
+    const uint32_t q_base = smem_u32(s_q) + cw * 64 * kQKRow;
     const uint32_t k_base = smem_u32(s_k);
     const uint32_t v_base = smem_u32(s_v);
     auto release = [&](uint64_t* empty) {
@@ -303,10 +325,10 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
           wgmma_fence();
 #pragma unroll
           for (int kk = 0; kk < kHeadDim / 32; ++kk) {
-            const uint32_t col = kk / 4, byte_in_row = (kk % 4) * 32;
-            const uint64_t a = make_desc_sw128(q_base + col * kBlockM * 128 + byte_in_row, 16, 1024);
-            const uint64_t bd =
-                make_desc_sw128(k_base + st * Tr::kKVBytes + col * kBlockN * 128 + byte_in_row, 16, 1024);
+            constexpr int kStepsPerRow = kQKRow / 32;
+            const uint32_t col = kk / kStepsPerRow, byte_in_row = (kk % kStepsPerRow) * 32;
+            const uint64_t a = fp8_qk_desc<kQKRow>(q_base + col * kBlockM * kQKRow + byte_in_row);
+            const uint64_t bd = fp8_qk_desc<kQKRow>(k_base + st * Tr::kKVBytes + col * kBlockN * kQKRow + byte_in_row);
             WgmmaFp8<kBlockN>::ss(s, a, bd, kk > 0 ? 1 : 0);
           }
           wgmma_commit();
@@ -529,7 +551,8 @@ struct Fp8TransposeArgs {
 // ---- host side ---------------------------------------------------------------------------------
 
 struct Fp8Launch {
-  CUtensorMap q, k, vt;  // 4D: q/k (d, seq, heads, batch) box (128, rows); vt (skp, d, heads_kv, batch) box (kBlockN, d)
+  // 4D: q/k (d, seq, heads, batch) box (kQKRow, rows); vt (skp, d, heads_kv, batch) box (128, d)
+  CUtensorMap q, k, vt;
   Fp8Params params;
   unsigned grid = 0;
   cudaStream_t stream = nullptr;

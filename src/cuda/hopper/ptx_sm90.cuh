@@ -351,6 +351,16 @@ __device__ __forceinline__ uint64_t make_desc_sw128(uint32_t smem_addr, uint32_t
          static_cast<uint64_t>((sbo_bytes & 0x3FFFF) >> 4) << 32 | 1ull << 62;
 }
 
+// The 64-byte swizzle (swizzle mode 2 in bits 62-63; same fields otherwise), for K-major operands
+// whose rows are 64 bytes (fp8 Q / K at head dim 64): the 16-byte chunk c of row r sits at chunk
+// position c ^ ((r / 2) % 4) (Swizzle<2,4,3> on byte addresses, what TMA SWIZZLE_64B writes),
+// 8-row groups `sbo` = 512 bytes apart, tiles 512-byte aligned, LBO unused (1). Step k by 32 bytes
+// (one e4m3 k32 step, two per row): start address + 32.
+__device__ __forceinline__ uint64_t make_desc_sw64(uint32_t smem_addr, uint32_t lbo_bytes, uint32_t sbo_bytes) {
+  return static_cast<uint64_t>((smem_addr & 0x3FFFF) >> 4) | static_cast<uint64_t>((lbo_bytes & 0x3FFFF) >> 4) << 16 |
+         static_cast<uint64_t>((sbo_bytes & 0x3FFFF) >> 4) << 32 | 2ull << 62;
+}
+
 // A descriptor moved by `bytes` (a multiple of 16): the start-address field is bits 0-13 (address
 // >> 4), so adding bytes >> 4 to the 64-bit value gives make_desc_sw128(addr + bytes, lbo, sbo) as
 // long as addr + bytes stays below 256 KB, which every shared-memory address of a CTA does. A

@@ -18,9 +18,9 @@
 // Build: nvcc -gencode=arch=compute_90a,code=sm_90a -O3 -std=c++17 -I include -I src
 //        src/cuda/hopper/sm90_check.cu src/cuda/hopper/flash_fwd_sm90*.cu -o ioattn_sm90_check
 // FP8 (e4m3 q/k/v with descales, bf16/f16 O): checked on the same odd shapes at hdim 128 (and a
-// subset at hdim 256) against the float64 reference of the dequantised inputs, with a naive fp8
+// subset at hdim 64 and 256) against the float64 reference of the dequantised inputs, with a naive fp8
 // attention (P in e4m3) as the error baseline (run_fp8_checks); timed next to the bf16 kernel at
-// hdim 128 and 256, 4k-16k, with the ratio and the V^T pre-pass time (run_fp8_bench). --fp8-only
+// hdim 128, 64 and 256, 4k-16k, with the ratio and the V^T pre-pass time (run_fp8_bench). --fp8-only
 // runs only these.
 //
 // Run:   ioattn_sm90_check [--check-only | --bench-only] [--fp8-only] [--csv FILE]
@@ -80,6 +80,35 @@ ioattn::detail::Strides3 strides(const Case& c, int64_t s, int64_t h) {
   return {s * h * c.d, h * c.d, c.d};
 }
 
+// The forward problem of a case on device buffers: q / o and k / v share strides, LSE [b, h, s]
+// (batch, seq, head strides), scale 1 / sqrt(d), the plain causal mask or none.
+FwdProblem case_problem(const Case& c, void* q, void* k, void* v, void* o, float* lse) {
+  FwdProblem p;
+  p.q = q;
+  p.k = k;
+  p.v = v;
+  p.o = o;
+  p.lse = lse;
+  p.q_stride = strides(c, c.sq, c.hq);
+  p.k_stride = strides(c, c.sk, c.hkv);
+  p.v_stride = p.k_stride;
+  p.o_stride = p.q_stride;
+  p.lse_stride = {c.hq * c.sq, 1, c.sq};
+  p.dtype = c.dt;
+  p.device = ioattn::Device::cuda;
+  p.batch = c.b;
+  p.heads_q = c.hq;
+  p.heads_kv = c.hkv;
+  p.seqlen_q = c.sq;
+  p.seqlen_k = c.sk;
+  p.head_dim = p.head_dim_v = c.d;
+  p.scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(c.d)));
+  p.causal = c.causal;
+  p.window_left = -1;
+  p.window_right = c.causal ? 0 : -1;
+  return p;
+}
+
 template <typename F>
 void parallel_for(int64_t n, F f) {
   const int threads = std::max(1u, std::thread::hardware_concurrency());
@@ -124,29 +153,7 @@ bool run_case(const Case& c, std::mt19937_64& rng, bool verbose) {
   CHECK_CUDA(cudaMemcpy(dout, o.data(), nq * 2, cudaMemcpyHostToDevice));
   CHECK_CUDA(cudaMemcpy(dlse, lse.data(), lse.size() * 4, cudaMemcpyHostToDevice));
 
-  FwdProblem p;
-  p.q = dq;
-  p.k = dk;
-  p.v = dv;
-  p.o = dout;
-  p.lse = dlse;
-  p.q_stride = strides(c, c.sq, c.hq);
-  p.k_stride = strides(c, c.sk, c.hkv);
-  p.v_stride = p.k_stride;
-  p.o_stride = p.q_stride;
-  p.lse_stride = {c.hq * c.sq, 1, c.sq};  // [b, h, s]: batch, seq, head
-  p.dtype = c.dt;
-  p.device = ioattn::Device::cuda;
-  p.batch = c.b;
-  p.heads_q = c.hq;
-  p.heads_kv = c.hkv;
-  p.seqlen_q = c.sq;
-  p.seqlen_k = c.sk;
-  p.head_dim = p.head_dim_v = c.d;
-  p.scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(c.d)));
-  p.causal = c.causal;
-  p.window_left = -1;
-  p.window_right = c.causal ? 0 : -1;
+  const FwdProblem p = case_problem(c, dq, dk, dv, dout, dlse);
 
   std::string kernel, why;
   std::printf("%-52s ", case_name(c).c_str());
@@ -310,7 +317,7 @@ struct Fp8Case {
   int64_t b, hq, hkv, sq, sk;
   bool causal, bhsd, descale;
   DType out;
-  int64_t d = 128;  // head dim: 128 or 256
+  int64_t d = 128;  // head dim: 64, 128 or 256
 };
 
 std::string fp8_case_name(const Fp8Case& c) {
@@ -358,30 +365,9 @@ bool run_fp8_case(const Fp8Case& c, std::mt19937_64& rng, bool verbose) {
   CHECK_CUDA(cudaMemcpy(dds + qd.size(), kd.data(), qd.size() * 4, cudaMemcpyHostToDevice));
   CHECK_CUDA(cudaMemcpy(dds + 2 * qd.size(), vd.data(), qd.size() * 4, cudaMemcpyHostToDevice));
 
-  FwdProblem p;
-  p.q = dq;
-  p.k = dk;
-  p.v = dv;
-  p.o = dout;
-  p.lse = dlse;
-  p.q_stride = strides(shape, c.sq, c.hq);
-  p.k_stride = strides(shape, c.sk, c.hkv);
-  p.v_stride = p.k_stride;
-  p.o_stride = p.q_stride;
-  p.lse_stride = {c.hq * c.sq, 1, c.sq};
+  FwdProblem p = case_problem(shape, dq, dk, dv, dout, dlse);
   p.dtype = DType::f8e4m3;
   p.fp8_out = c.out;
-  p.device = ioattn::Device::cuda;
-  p.batch = c.b;
-  p.heads_q = c.hq;
-  p.heads_kv = c.hkv;
-  p.seqlen_q = c.sq;
-  p.seqlen_k = c.sk;
-  p.head_dim = p.head_dim_v = d;
-  p.scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(d)));
-  p.causal = c.causal;
-  p.window_left = -1;
-  p.window_right = c.causal ? 0 : -1;
   if (c.descale) {
     p.q_descale = {dds, c.hkv, 1};
     p.k_descale = {dds + qd.size(), c.hkv, 1};
@@ -518,18 +504,19 @@ int run_fp8_checks() {
     (run_fp8_case({2, 4, 1, 113, 203, causal, false, true, DType::f16}, rng, true) ? pass : fail)++;
     (run_fp8_case({1, 4, 2, 1023, 1024, causal, true, false, DType::bf16}, rng, true) ? pass : fail)++;
   }
-  // hdim 256 (its own 128x128 row): a subset of the shapes (bf16 output, descales), then f16 output
-  // without descales.
-  const Shape shapes256[] = {
+  // hdim 64 (128x256, 64-byte swizzled Q / K) and hdim 256 (128x128): a subset of the shapes (bf16
+  // output, descales), then f16 output without descales.
+  const Shape shapes_d[] = {
       {1, 2, 2, 1, 1, false}, {2, 4, 1, 113, 203, false}, {2, 4, 1, 203, 113, true},
       {1, 24, 6, 777, 1500, false},  // 168 tiles > 132 SMs: CTAs that walk more than one tile
       {1, 4, 2, 1023, 1024, false}, {1, 2, 2, 4097, 4097, true}, {1, 2, 1, 300, 10, false},
   };
-  for (bool causal : {false, true}) {
-    for (const Shape& s : shapes256)
-      (run_fp8_case({s.b, s.hq, s.hkv, s.sq, s.sk, causal, s.bhsd, true, DType::bf16, 256}, rng, true) ? pass : fail)++;
-    (run_fp8_case({2, 4, 1, 113, 203, causal, false, false, DType::f16, 256}, rng, true) ? pass : fail)++;
-  }
+  for (const int64_t d : {int64_t(64), int64_t(256)})
+    for (bool causal : {false, true}) {
+      for (const Shape& s : shapes_d)
+        (run_fp8_case({s.b, s.hq, s.hkv, s.sq, s.sk, causal, s.bhsd, true, DType::bf16, d}, rng, true) ? pass : fail)++;
+      (run_fp8_case({2, 4, 1, 113, 203, causal, false, false, DType::f16, d}, rng, true) ? pass : fail)++;
+    }
   std::printf("\nsm90 fp8 correctness: %d passed, %d failed\n", pass, fail);
   return fail == 0 ? 0 : 1;
 }
@@ -603,7 +590,7 @@ int run_fp8_bench(FILE* csv, int reps) {
   CHECK_CUDA(cudaMalloc(&k8, n));
   CHECK_CUDA(cudaMalloc(&v8, n));
   CHECK_CUDA(cudaMalloc(&o, n * 2));
-  CHECK_CUDA(cudaMalloc(&lse, kTokens * (kHidden / 128) * 4));  // the most heads (hdim 128)
+  CHECK_CUDA(cudaMalloc(&lse, kTokens * (kHidden / 64) * 4));  // the most heads (hdim 64)
   CHECK_CUDA(cudaMalloc(&ds, 3 * kTokens * 4));  // descales: >= batch * heads_kv each
   fill_uniform<<<1024, 256>>>(static_cast<__nv_bfloat16*>(q16), n, 1);
   fill_uniform<<<1024, 256>>>(static_cast<__nv_bfloat16*>(k16), n, 2);
@@ -620,10 +607,10 @@ int run_fp8_bench(FILE* csv, int reps) {
   std::vector<cudaEvent_t> ev(2 * reps);
   for (auto& e : ev) CHECK_CUDA(cudaEventCreate(&e));
   // hdim 128 first (its rows start with the seqlen: tools/gpu-check.sh's fp8ab stage parses them), then
-  // hdim 256 (8 heads; rows prefixed "d256").
-  for (const int64_t d : {int64_t(128), int64_t(256)}) {
+  // hdim 64 (32 heads; rows prefixed "d64") and hdim 256 (8 heads; "d256").
+  for (const int64_t d : {int64_t(128), int64_t(64), int64_t(256)}) {
     const int64_t h = kHidden / d;
-    const char* prefix = d == 128 ? "" : "d256 ";
+    const char* prefix = d == 128 ? "" : d == 64 ? "d64 " : "d256 ";
     std::printf("\nfp8 vs bf16, hdim %lld (16k tokens, %lld heads; fp8 includes its V^T pre-pass)\n", (long long)d,
                 (long long)h);
     std::printf("%s%-6s %-7s %10s %9s %10s %9s %7s %12s  %s\n", prefix, "seqlen", "causal", "bf16 ms", "TFLOP/s",

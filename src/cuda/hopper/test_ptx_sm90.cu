@@ -26,8 +26,9 @@
 //   exp2_approx   against exp2
 //   pack4_e4m3    cvt.rn.satfinite.e4m3x2.f32 x2: byte order, rounding, saturation vs the host encoder
 //   fp8_p_key     a permutation of 0..31
-//   wgmma fp8     S = Q K^T (WgmmaFp8 ss, Q by a UINT8 TMA map), P = e4m3 by fp8_p_fragment, O = P V
-//                 (WgmmaFp8 rs, V^T K-major in the fp8_p_key order): the fp8 kernel's data path
+//   wgmma fp8     S = Q K^T (WgmmaFp8 ss, Q and K by UINT8 TMA maps, SW128 at hdim 128, SW64 +
+//                 make_desc_sw64 at hdim 64), P = e4m3 by fp8_p_fragment, O = P V (WgmmaFp8 rs,
+//                 V^T K-major in the fp8_p_key order): the fp8 kernel's data path
 // Prints "ok"/"FAIL" per test and "N passed, M failed"; exit 1 on any failure.
 // Without a CUDA device it prints "skipped: no CUDA device" and exits 0.
 #include <cuda.h>
@@ -1047,21 +1048,23 @@ void test_fp8_p_key() {
   report("fp8_p_key permutation", ok);
 }
 
-// The fp8 flash data path on one warpgroup:
-//   S (64 x 128) = Q K^T: WgmmaFp8<128>::ss, Q by TMA (UINT8 map, SW128, box 128 x 64), K by threads;
+// The fp8 flash data path on one warpgroup, at head dim kD = 128 (128-byte rows, SW128) or 64
+// (64-byte rows: TMA SWIZZLE_64B and make_desc_sw64, two k32 steps per row):
+//   S (64 x 128) = Q K^T: WgmmaFp8<128>::ss, Q and K by TMA (UINT8 maps, box kD x rows);
 //   P = e4m3(S * p_scale) in registers by fp8_p_fragment (no shuffles, keys permuted per 32);
-//   O (64 x 128) = P V: WgmmaFp8<128>::rs with B = V^T [128 dims x 128 keys] K-major, written by
-//   the threads in the fp8_p_key order (as the kernel's pre-pass writes it).
+//   O (64 x kD) = P V: WgmmaFp8<kD>::rs with B = V^T [kD dims x 128 keys] K-major (128-byte rows,
+//   SW128), written by the threads in the fp8_p_key order (as the kernel's pre-pass writes it).
 // The host recomputes O from the GPU's own S, rounded to e4m3 by the host encoder in natural key
-// order, so a wrong fragment layout or permutation shows as a large O error.
-__global__ void k_fp8_chain(const __grid_constant__ CUtensorMap map_q, const uint8_t* k, const uint8_t* vt_perm,
-                            float p_scale, float* out_s, float* out_o) {
+// order, so a wrong fragment layout, swizzle or permutation shows as a large S or O error.
+template <int kD>
+__global__ void k_fp8_chain(const __grid_constant__ CUtensorMap map_q, const __grid_constant__ CUtensorMap map_k,
+                            const uint8_t* vt_perm, float p_scale, float* out_s, float* out_o) {
 #if IOATTN_SM90A_ENABLED
-  constexpr int kD = 128, kN = 128;
+  constexpr int kN = 128;
   extern __shared__ uint8_t raw[];
-  uint8_t* sq = align1024(raw);  // [64 x 128 B]
-  uint8_t* sk = sq + 64 * kD;    // [128 keys x 128 B]
-  uint8_t* sv = sk + kN * kD;    // [128 dims x 128 B (keys)]
+  uint8_t* sq = align1024(raw);  // [64 x kD B]
+  uint8_t* sk = sq + 64 * kD;    // [128 keys x kD B]
+  uint8_t* sv = sk + kN * kD;    // [kD dims x 128 B (keys)]
   __shared__ uint64_t bar;
   if (threadIdx.x == 0) {
     mbarrier_init(&bar, 1);
@@ -1069,23 +1072,21 @@ __global__ void k_fp8_chain(const __grid_constant__ CUtensorMap map_q, const uin
   }
   __syncthreads();
   if (threadIdx.x == 0) {
-    mbarrier_arrive_expect_tx(&bar, 64 * kD);
+    mbarrier_arrive_expect_tx(&bar, (64 + kN) * kD);
     tma_load_2d(sq, &map_q, &bar, 0, 0);
+    tma_load_2d(sk, &map_k, &bar, 0, 0);
   }
-  for (int i = threadIdx.x; i < kN * kD; i += blockDim.x) {
-    const int r = i / 128, c = i % 128;
-    sk[swz8(r, c)] = k[i];
-    sv[swz8(r, c)] = vt_perm[i];
-  }
+  for (int i = threadIdx.x; i < kD * kN; i += blockDim.x) sv[swz8(i / 128, i % 128)] = vt_perm[i];
   fence_proxy_async();
   __syncthreads();
   mbarrier_wait(&bar, 0);
+  auto qk_desc = [](const uint8_t* base, int kk) {
+    return kD == 64 ? make_desc_sw64(smem_u32(base) + kk * 32, 16, 512) : make_desc_sw128(smem_u32(base) + kk * 32, 16, 1024);
+  };
   float s[kN / 2];
   wgmma_fence();
 #pragma unroll
-  for (int kk = 0; kk < kD / 32; ++kk)
-    WgmmaFp8<kN>::ss(s, make_desc_sw128(smem_u32(sq) + kk * 32, 16, 1024), make_desc_sw128(smem_u32(sk) + kk * 32, 16, 1024),
-                     kk > 0);
+  for (int kk = 0; kk < kD / 32; ++kk) WgmmaFp8<kN>::ss(s, qk_desc(sq, kk), qk_desc(sk, kk), kk > 0);
   wgmma_commit();
   wgmma_wait<0>();
 #pragma unroll
@@ -1119,33 +1120,40 @@ __global__ void k_fp8_chain(const __grid_constant__ CUtensorMap map_q, const uin
 #endif
 }
 
-void test_fp8_chain() {
-  constexpr int kD = 128, kN = 128;
+// 2-D uint8 map of a dense [rows x kD] e4m3 matrix, box kD x rows, swizzled to kD-byte rows.
+template <int kD>
+CUtensorMap fp8_rows_map(const void* ptr, int rows) {
+  CUtensorMap m{};
+  const cuuint64_t dims[2] = {kD, static_cast<cuuint64_t>(rows)}, strides[1] = {kD};
+  const cuuint32_t box[2] = {kD, static_cast<cuuint32_t>(rows)}, es[2] = {1, 1};
+  const CUresult r = encoder()(&m, CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, const_cast<void*>(ptr), dims, strides, box, es,
+                               CU_TENSOR_MAP_INTERLEAVE_NONE,
+                               kD == 64 ? CU_TENSOR_MAP_SWIZZLE_64B : CU_TENSOR_MAP_SWIZZLE_128B,
+                               CU_TENSOR_MAP_L2_PROMOTION_NONE, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  if (r != CUDA_SUCCESS) {
+    std::printf("FAIL cuTensorMapEncodeTiled (uint8, %d-byte rows): %d\n", kD, (int)r);
+    std::exit(1);
+  }
+  return m;
+}
+
+template <int kD>
+void test_fp8_chain(const char* name) {
+  constexpr int kN = 128;
   auto q = random_e4m3(64 * kD, 2.0f, 41), k = random_e4m3(kN * kD, 2.0f, 42), v = random_e4m3(kN * kD, 2.0f, 43);
   // V^T in the P fragment's key order: vt[x][32 j + c] = v[32 j + fp8_p_key(c)][x].
   std::vector<uint8_t> vt(kD * kN);
   for (int x = 0; x < kD; ++x)
     for (int c = 0; c < kN; ++c) vt[x * kN + c] = v[((c & ~31) + fp8_p_key(c & 31)) * kD + x];
   auto *dq = to_device(q), *dk = to_device(k), *dvt = to_device(vt);
-  CUtensorMap mq{};
-  {
-    const cuuint64_t dims[2] = {kD, 64}, strides[1] = {kD};
-    const cuuint32_t box[2] = {128, 64}, es[2] = {1, 1};
-    const CUresult r = encoder()(&mq, CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, dq, dims, strides, box, es,
-                                 CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
-                                 CU_TENSOR_MAP_L2_PROMOTION_NONE, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-    if (r != CUDA_SUCCESS) {
-      std::printf("FAIL cuTensorMapEncodeTiled (uint8): %d\n", (int)r);
-      std::exit(1);
-    }
-  }
+  const CUtensorMap mq = fp8_rows_map<kD>(dq, 64), mk = fp8_rows_map<kD>(dk, kN);
   float *ds, *dout;
   CHECK_CUDA(cudaMalloc(&ds, 64 * kN * 4));
   CHECK_CUDA(cudaMalloc(&dout, 64 * kD * 4));
   const int smem = (64 + 2 * kN) * kD + 1024;
   const float p_scale = 1.0f / 16.0f;  // |S| <= 128 * 4: |P| <= 32, normals and subnormals of e4m3
-  CHECK_CUDA(cudaFuncSetAttribute(k_fp8_chain, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-  k_fp8_chain<<<1, 128, smem>>>(mq, dk, dvt, p_scale, ds, dout);
+  CHECK_CUDA(cudaFuncSetAttribute(k_fp8_chain<kD>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  k_fp8_chain<kD><<<1, 128, smem>>>(mq, mk, dvt, p_scale, ds, dout);
   CHECK_CUDA(cudaGetLastError());
   CHECK_CUDA(cudaDeviceSynchronize());
   auto s = to_host(ds, 64 * kN);
@@ -1170,7 +1178,7 @@ void test_fp8_chain() {
   }
   char buf[112];
   std::snprintf(buf, sizeof buf, "S max |err| %.2e, O max |err| %.2e (|O| <= %.1f)", max_s, max_o, ref_scale);
-  report("wgmma fp8 ss->p_fragment->rs", max_s < 1e-3 * (1 + s_scale) && max_o < 1e-3 * (1 + ref_scale), buf);
+  report(name, max_s < 1e-3 * (1 + s_scale) && max_o < 1e-3 * (1 + ref_scale), buf);
   CHECK_CUDA(cudaFree(dq));
   CHECK_CUDA(cudaFree(dk));
   CHECK_CUDA(cudaFree(dvt));
@@ -1646,7 +1654,8 @@ int main() {
   test_wgmma_rs();
   test_pack4();
   test_fp8_p_key();
-  test_fp8_chain();
+  test_fp8_chain<128>("wgmma fp8 ss->p_fragment->rs, hdim 128 (SW128 Q/K)");
+  test_fp8_chain<64>("wgmma fp8 ss->p_fragment->rs, hdim 64 (SW64 Q/K)");
   test_pingpong();
   test_roundrobin();
   test_claim();
