@@ -92,6 +92,10 @@ IOATTN_SM90_FP8_EXTERN(Fp8Hdim64Bf16, false)
 IOATTN_SM90_FP8_EXTERN(Fp8Hdim64Bf16, true)
 IOATTN_SM90_FP8_EXTERN(Fp8Hdim64F16, false)
 IOATTN_SM90_FP8_EXTERN(Fp8Hdim64F16, true)
+using Fp8Hdim128W3Bf16 = Fp8Traits128W3<__nv_bfloat16>;
+using Fp8Hdim128W3F16 = Fp8Traits128W3<__half>;
+IOATTN_SM90_FP8_EXTERN(Fp8Hdim128W3Bf16, false)
+IOATTN_SM90_FP8_EXTERN(Fp8Hdim128W3F16, false)
 using Fp8Hdim256Bf16 = Fp8Traits256<__nv_bfloat16>;
 using Fp8Hdim256F16 = Fp8Traits256<__half>;
 IOATTN_SM90_FP8_EXTERN(Fp8Hdim256Bf16, false)
@@ -297,14 +301,14 @@ const char* dtype_str(DType t) { return dtype_name(t); }
 
 // The fp8 dispatch table: one row per (head dim 64 / 128 / 256, O dtype, causal) (flash_fwd_sm90_fp8.cuh).
 struct Fp8Row {
-  int block_m = 0, block_n = 0, stages = 0;
+  int block_m = 0, block_n = 0, stages = 0, consumer_wgs = 0;
   const char* why = "";
   bool (*present)() = nullptr;
   void (*launch)(const Fp8Launch&) = nullptr;
 };
 template <class Tr, bool kCausal>
 Fp8Row make_fp8_row(const char* why) {
-  return Fp8Row{Tr::kBlockM, Tr::kBlockN, Tr::kStages, why, &flash_fwd_sm90_fp8_present<Tr, kCausal>,
+  return Fp8Row{Tr::kBlockM, Tr::kBlockN, Tr::kStages, Tr::kConsumerWGs, why, &flash_fwd_sm90_fp8_present<Tr, kCausal>,
                 &flash_fwd_sm90_fp8_launch<Tr, kCausal>};
 }
 template <class Tr>
@@ -318,12 +322,20 @@ bool fp8_blockn_192() {
   const char* e = std::getenv("IOATTN_SM90_FP8_BLOCKN");
   return e == nullptr || std::string(e) != "128";
 }
+// hdim 128 without a mask: 3 consumer warpgroups (192x96) since session 22 (+2-7% over 128x192,
+// three interleaved A/Bs; causal lost 3-6% and keeps 128x192); IOATTN_SM90_FP8_WG3=0 selects 128x192
+// (ctest sm90_check_fp8_2wg).
+bool fp8_wg3() {
+  const char* e = std::getenv("IOATTN_SM90_FP8_WG3");
+  return e == nullptr || std::string(e) != "0";
+}
 template <typename Out>
 Fp8Row fp8_row_for_out(int64_t hdim, bool causal) {
   if (hdim == 256) return make_fp8_row<Fp8Traits256<Out>>(causal, Fp8Tile256::kWhy);
   if (hdim == 64) return make_fp8_row<Fp8Traits64<Out>>(causal, Fp8Tile64::kWhy);
-  if (fp8_blockn_192()) return make_fp8_row<Fp8Traits192<Out>>(causal, Fp8Tile192::kWhy);
-  return make_fp8_row<Fp8Traits128<Out>>(causal, Fp8Tile128::kWhy);
+  if (!fp8_blockn_192()) return make_fp8_row<Fp8Traits128<Out>>(causal, Fp8Tile128::kWhy);
+  if (!causal && fp8_wg3()) return make_fp8_row<Fp8Traits128W3<Out>, false>(Fp8Tile128W3::kWhy);
+  return make_fp8_row<Fp8Traits192<Out>>(causal, Fp8Tile192::kWhy);
 }
 Fp8Row fp8_table_row(const FwdProblem& p) {
   if (p.head_dim != 64 && p.head_dim != 128 && p.head_dim != 256) return Fp8Row{};
@@ -522,7 +534,8 @@ bool select_fp8(const FwdProblem& p, std::string* kernel, std::string* why) {
   *kernel = std::string("cuda/flash sm90 wgmma+tma f8e4m3->") + dtype_str(p.fp8_out) + " hdim" +
             std::to_string(p.head_dim) +
             (p.causal ? " causal" : "") + " tile " + std::to_string(row.block_m) + "x" + std::to_string(row.block_n) +
-            " stages " + std::to_string(row.stages) + " ws 2 consumer WGs pingpong" + grid_str(pol.grid) +
+            " stages " + std::to_string(row.stages) + " ws " + std::to_string(row.consumer_wgs) + " consumer WGs " +
+            (row.consumer_wgs == 2 ? "pingpong" : "round-robin") + grid_str(pol.grid) +
             (pol.rescale_skip ? " rescale-skip" : "") + " +V^T pre-pass" +
             (p.q_descale.defined() || p.k_descale.defined() || p.v_descale.defined() ? " descale" : "");
   *why = row.why;

@@ -49,7 +49,11 @@ function(ioattn_sm90_extras)
   # The fp8 forward's 128x128 row (the default is 128x192 since session 15).
   add_test(NAME sm90_check_fp8n128 COMMAND ioattn_sm90_check --check-only --fp8-only)
   set_tests_properties(sm90_check_fp8n128 PROPERTIES ENVIRONMENT "IOATTN_SM90_FP8_BLOCKN=128")
-  set_tests_properties(ptx_sm90 sm90_check sm90_check_3ctas sm90_check_dynamic sm90_check_fp8n128 PROPERTIES
+  # The fp8 hdim-128 non-causal 2-warpgroup row (128x192; the default is 3 warpgroups since session 22).
+  add_test(NAME sm90_check_fp8_2wg COMMAND ioattn_sm90_check --check-only --fp8-only)
+  set_tests_properties(sm90_check_fp8_2wg PROPERTIES ENVIRONMENT "IOATTN_SM90_FP8_WG3=0")
+  set_tests_properties(ptx_sm90 sm90_check sm90_check_3ctas sm90_check_dynamic sm90_check_fp8n128 sm90_check_fp8_2wg
+    PROPERTIES
     SKIP_REGULAR_EXPRESSION "skipped: ")
   # Not a test: the wgmma rate per shape and operand source (gpu-check stage wgmmarate).
   add_executable(ioattn_sm90_wgmma_rate ${IOATTN_SM90_DIR}/bench_wgmma_sm90.cu)
