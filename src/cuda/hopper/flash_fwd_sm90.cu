@@ -74,34 +74,7 @@ IOATTN_SM90_V3_EXTERN(Hdim128Bf16, false)
 IOATTN_SM90_V3_EXTERN(Hdim128F16, false)
 IOATTN_SM90_V3_EXTERN(Hdim128Bf16Causal, true)
 IOATTN_SM90_V3_EXTERN(Hdim128F16Causal, true)
-using Fp8Hdim128Bf16 = Fp8Traits128<__nv_bfloat16>;
-using Fp8Hdim128F16 = Fp8Traits128<__half>;
-IOATTN_SM90_FP8_EXTERN(Fp8Hdim128Bf16, false)
-IOATTN_SM90_FP8_EXTERN(Fp8Hdim128Bf16, true)
-IOATTN_SM90_FP8_EXTERN(Fp8Hdim128F16, false)
-IOATTN_SM90_FP8_EXTERN(Fp8Hdim128F16, true)
-using Fp8Hdim128N192Bf16 = Fp8Traits192<__nv_bfloat16>;
-using Fp8Hdim128N192F16 = Fp8Traits192<__half>;
-IOATTN_SM90_FP8_EXTERN(Fp8Hdim128N192Bf16, false)
-IOATTN_SM90_FP8_EXTERN(Fp8Hdim128N192Bf16, true)
-IOATTN_SM90_FP8_EXTERN(Fp8Hdim128N192F16, false)
-IOATTN_SM90_FP8_EXTERN(Fp8Hdim128N192F16, true)
-using Fp8Hdim64Bf16 = Fp8Traits64<__nv_bfloat16>;
-using Fp8Hdim64F16 = Fp8Traits64<__half>;
-IOATTN_SM90_FP8_EXTERN(Fp8Hdim64Bf16, false)
-IOATTN_SM90_FP8_EXTERN(Fp8Hdim64Bf16, true)
-IOATTN_SM90_FP8_EXTERN(Fp8Hdim64F16, false)
-IOATTN_SM90_FP8_EXTERN(Fp8Hdim64F16, true)
-using Fp8Hdim128W3Bf16 = Fp8Traits128W3<__nv_bfloat16>;
-using Fp8Hdim128W3F16 = Fp8Traits128W3<__half>;
-IOATTN_SM90_FP8_EXTERN(Fp8Hdim128W3Bf16, false)
-IOATTN_SM90_FP8_EXTERN(Fp8Hdim128W3F16, false)
-using Fp8Hdim256Bf16 = Fp8Traits256<__nv_bfloat16>;
-using Fp8Hdim256F16 = Fp8Traits256<__half>;
-IOATTN_SM90_FP8_EXTERN(Fp8Hdim256Bf16, false)
-IOATTN_SM90_FP8_EXTERN(Fp8Hdim256Bf16, true)
-IOATTN_SM90_FP8_EXTERN(Fp8Hdim256F16, false)
-IOATTN_SM90_FP8_EXTERN(Fp8Hdim256F16, true)
+IOATTN_SM90_FP8_ROWS(IOATTN_SM90_FP8_EXTERN)
 
 // cuTensorMapEncodeTiled from the driver, looked up once (declared in ptx_sm90.cuh; the backward's
 // dQ map uses it too).

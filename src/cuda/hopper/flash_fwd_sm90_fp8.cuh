@@ -54,7 +54,8 @@ static __device__ unsigned long long g_clock[kBlocks][2][2][2];  // (clock64, gl
 }  // namespace fp8_trace
 #define FP8_TRACE(step, k)                                                                         \
   do {                                                                                             \
-    if ((threadIdx.x & 127) == 0 && cw < 2 && round == 0 && blockIdx.x < fp8_trace::kBlocks && (step) < fp8_trace::kSteps) \
+    if ((threadIdx.x & 127) == 0 && cw < 2 && round == 0 && blockIdx.x < fp8_trace::kBlocks &&    \
+        (step) < fp8_trace::kSteps)                                                                \
       fp8_trace::g_stamp[blockIdx.x][cw][(step)][(k)] = static_cast<unsigned>(clock64());           \
   } while (0)
 #define FP8_TRACE_TIME(slot)                                                                       \
@@ -665,5 +666,17 @@ void fp8_transpose_v_launch(const Fp8TransposeArgs& a, int64_t batch, cudaStream
 #define IOATTN_SM90_FP8_EXTERN(TR, CAUSAL)                       \
   extern template bool flash_fwd_sm90_fp8_present<TR, CAUSAL>(); \
   extern template void flash_fwd_sm90_fp8_launch<TR, CAUSAL>(const Fp8Launch& l);
+
+// Every (traits, causal) instance the fp8 dispatch table can launch (flash_fwd_sm90.cu's
+// fp8_row_for_out), listed once: X = IOATTN_SM90_FP8_INSTANTIATE in flash_fwd_sm90_fp8.cu,
+// IOATTN_SM90_FP8_EXTERN where the table is. The hdim-128 3-warpgroup row is non-causal only.
+#define IOATTN_SM90_FP8_ROWS_OF(X, TR) \
+  X(TR<__nv_bfloat16>, false) X(TR<__nv_bfloat16>, true) X(TR<__half>, false) X(TR<__half>, true)
+#define IOATTN_SM90_FP8_ROWS(X)                   \
+  IOATTN_SM90_FP8_ROWS_OF(X, Fp8Traits128)        \
+  IOATTN_SM90_FP8_ROWS_OF(X, Fp8Traits192)        \
+  IOATTN_SM90_FP8_ROWS_OF(X, Fp8Traits64)         \
+  IOATTN_SM90_FP8_ROWS_OF(X, Fp8Traits256)        \
+  X(Fp8Traits128W3<__nv_bfloat16>, false) X(Fp8Traits128W3<__half>, false)
 
 }  // namespace ioattn::cuda::sm90
