@@ -2,7 +2,8 @@
 // (batch, kv head) descale factors, fp32 accumulation, bf16/f16 O, fp32 LSE.
 //
 // The structure is the v4 kernel's (flash_fwd_sm90.cuh: producer warpgroup with one TMA thread,
-// two consumer warpgroups in ping-pong, S_{j+1} issued with P_j V_j, persistent grid with the
+// two consumer warpgroups in ping-pong (three in round robin for the softmax-bound rows: hdim 64,
+// hdim 128 without a mask), S_{j+1} issued with P_j V_j, persistent grid with the
 // static or dynamic schedule, tile hand-over through tile_slot + full_q, O-rescale skip); what
 // differs for 8-bit inputs:
 //   * wgmma m64nNk32 e4m3 (WgmmaFp8, ptx_sm90.cuh): 32 keys / dims per k-step, one 128-byte
@@ -11,8 +12,9 @@
 //     per row); V^T keeps 128-byte rows (128 keys) at every head dim.
 //   * 8-bit wgmma takes only K-major shared-memory operands. Q K^T: Q and K are K-major as stored.
 //     P V: B must be V^T [d x keys]. A pre-pass kernel (fp8_transpose_v below) writes
-//     V^T [batch, heads_kv, d, seqlen_k padded to kBlockN] into a workspace (cudaMallocAsync on the
-//     call's stream), zero past seqlen_k, and TMA loads [d x kBlockN] tiles of it.
+//     V^T [batch, heads_kv, d, seqlen_k padded to 128] into a workspace (cudaMallocAsync on the
+//     call's stream), zero past seqlen_k, and TMA loads [d x 128 keys] boxes of it (kBlockN / 128
+//     of them per key block, rounded up; past the padding the map's zeros).
 //   * P (fp32 D fragment of S) becomes the e4m3 A fragment of P V in registers with no shuffles:
 //     fp8_p_fragment keeps each value in its thread and permutes the key order inside every
 //     32-key group; the pre-pass writes V^T in that same order (fp8_p_key), so P V is exact.
@@ -585,7 +587,8 @@ struct Fp8Launch {
 // the traced steps 2.. of the traced CTAs, per warpgroup; the step period; warpgroup 1's issue
 // (stamp 2) after warpgroup 0's in the same step; the SM clock (cycles / ns between the two
 // timer stamps).
-inline void fp8_trace_print(int head_dim, int block_n, bool causal, int seqlen, unsigned grid) {
+// (3-warpgroup rows: warpgroups 0 and 1 only.)
+inline void fp8_trace_print(int head_dim, int block_m, int block_n, bool causal, int seqlen, unsigned grid) {
   using namespace fp8_trace;
   IOATTN_CUDA_CHECK(cudaDeviceSynchronize());
   static unsigned h[kBlocks][2][kSteps][kPoints];
@@ -606,7 +609,7 @@ inline void fp8_trace_print(int head_dim, int block_n, bool causal, int seqlen, 
         period += static_cast<double>(h[b][wg][st][10] - h[b][wg][st - 1][10]);
         ++n;
       }
-    std::fprintf(stderr, "fp8 trace d%d 128x%d %s seqlen %d wg %d (%d steps):", head_dim, block_n,
+    std::fprintf(stderr, "fp8 trace d%d %dx%d %s seqlen %d wg %d (%d steps):", head_dim, block_m, block_n,
                  causal ? "causal" : "no-mask", seqlen, wg, n);
     for (int k = 0; k < kPoints; ++k) std::fprintf(stderr, " %s %.0f |", names[k], n ? sum[k] / n : 0.0);
     std::fprintf(stderr, " period %.0f\n", n ? period / n : 0.0);
@@ -621,7 +624,8 @@ inline void fp8_trace_print(int head_dim, int block_n, bool causal, int seqlen, 
       if (dt > 0) mhz += dc / dt * 1e3, ++nm;
     }
   }
-  std::fprintf(stderr, "fp8 trace d%d 128x%d %s seqlen %d: wg1 issue - wg0 issue %.0f cycles; SM clock %.0f MHz\n", head_dim,
+  std::fprintf(stderr, "fp8 trace d%d %dx%d %s seqlen %d: wg1 issue - wg0 issue %.0f cycles; SM clock %.0f MHz\n",
+               head_dim, block_m,
                block_n, causal ? "causal" : "no-mask", seqlen, n ? off / n : 0.0, nm ? mhz / nm : 0.0);
 }
 #endif
@@ -653,7 +657,7 @@ void flash_fwd_sm90_fp8_launch(const Fp8Launch& l) {
   kernel<<<l.grid, Tr::kThreads, Tr::kSmemBytes, l.stream>>>(l.q, l.k, l.vt, l.params);
   IOATTN_CUDA_CHECK_LAUNCH("flash_fwd_sm90_fp8_kernel");
 #if IOATTN_FP8_TRACE
-  if (calls == 10) fp8_trace_print(Tr::kHeadDim, Tr::kBlockN, kCausal, l.params.f.seqlen_q, l.grid);
+  if (calls == 10) fp8_trace_print(Tr::kHeadDim, Tr::kBlockM, Tr::kBlockN, kCausal, l.params.f.seqlen_q, l.grid);
 #endif
 }
 

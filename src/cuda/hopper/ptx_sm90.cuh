@@ -477,7 +477,7 @@ __device__ __forceinline__ uint32_t pack2<__half>(float lo, float hi) {
 // 8-bit wgmma reads 32 elements of K per instruction (m64nNk32) and only K-major operands from
 // shared memory (no transpose flag for 8-bit types): a row of the SW128 tile convention above is
 // 128 e4m3 elements, one k-step is still 32 bytes (start address + 32), so the Q K^T descriptors
-// are the 16-bit ones. P V needs V K-major along the keys, i.e. V^T tiles [d rows x keys].
+// are the 16-bit ones (at hdim 64, 64-byte rows: make_desc_sw64 above). P V needs V K-major along the keys, i.e. V^T tiles [d rows x keys].
 // A fragment (64 x 32, 8-bit) in registers, 4 x b32 of 4 elements each, low byte first (PTX ISA,
 // wgmma k32 / mma.m16n8k32 8-bit A layout; w, g, t as above):
 //   a0: row 16w+g,   cols 4t..4t+3        a1: row 16w+g+8, cols 4t..4t+3
