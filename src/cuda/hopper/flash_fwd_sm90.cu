@@ -275,14 +275,15 @@ const char* dtype_str(DType t) { return dtype_name(t); }
 // The fp8 dispatch table: one row per (head dim 64 / 128 / 256, O dtype, causal) (flash_fwd_sm90_fp8.cuh).
 struct Fp8Row {
   int block_m = 0, block_n = 0, stages = 0, consumer_wgs = 0;
+  int qk_row = 0;  // bytes per swizzled Q / K row = the Q and K maps' box width (Fp8Traits::kQKRow)
   const char* why = "";
   bool (*present)() = nullptr;
   void (*launch)(const Fp8Launch&) = nullptr;
 };
 template <class Tr, bool kCausal>
 Fp8Row make_fp8_row(const char* why) {
-  return Fp8Row{Tr::kBlockM, Tr::kBlockN, Tr::kStages, Tr::kConsumerWGs, why, &flash_fwd_sm90_fp8_present<Tr, kCausal>,
-                &flash_fwd_sm90_fp8_launch<Tr, kCausal>};
+  return Fp8Row{Tr::kBlockM, Tr::kBlockN, Tr::kStages, Tr::kConsumerWGs, Tr::kQKRow, why,
+                &flash_fwd_sm90_fp8_present<Tr, kCausal>, &flash_fwd_sm90_fp8_launch<Tr, kCausal>};
 }
 template <class Tr>
 Fp8Row make_fp8_row(bool causal, const char* why) {
@@ -298,10 +299,7 @@ bool fp8_blockn_192() {
 // hdim 128 without a mask: 3 consumer warpgroups (192x96) since session 22 (+2-7% over 128x192,
 // three interleaved A/Bs; causal lost 3-6% and keeps 128x192); IOATTN_SM90_FP8_WG3=0 selects 128x192
 // (ctest sm90_check_fp8_2wg).
-bool fp8_wg3() {
-  const char* e = std::getenv("IOATTN_SM90_FP8_WG3");
-  return e == nullptr || std::string(e) != "0";
-}
+bool fp8_wg3() { return env_bool("IOATTN_SM90_FP8_WG3") != 0; }
 template <typename Out>
 Fp8Row fp8_row_for_out(int64_t hdim, bool causal) {
   if (hdim == 256) return make_fp8_row<Fp8Traits256<Out>>(causal, Fp8Tile256::kWhy);
@@ -662,11 +660,10 @@ void fp8_forward(const FwdProblem& p, const Policy& pol) {
   fp8_transpose(p, vt.ptr, skp, stream);
 
   Fp8Launch l;
-  const int qk_row = static_cast<int>(std::min<int64_t>(d, 128));  // Fp8Traits::kQKRow
   l.q = make_map_u8(p.q, {d, p.seqlen_q, p.heads_q, p.batch}, {p.q_stride.seq, p.q_stride.head, p.q_stride.batch},
-                    qk_row, row.block_m, "q");
+                    row.qk_row, row.block_m, "q");
   l.k = make_map_u8(p.k, {d, p.seqlen_k, p.heads_kv, p.batch}, {p.k_stride.seq, p.k_stride.head, p.k_stride.batch},
-                    qk_row, row.block_n, "k");
+                    row.qk_row, row.block_n, "k");
   l.vt = make_map_u8(vt.ptr, {skp, d, p.heads_kv, p.batch}, {skp, d * skp, p.heads_kv * d * skp}, 128,
                      static_cast<int>(d), "v^T");
   Fp8Params& pp = l.params;

@@ -338,27 +338,33 @@ __device__ __forceinline__ void wgmma_wait() {
 __device__ __forceinline__ void reg_fence(float& r) { asm volatile("" : "+f"(r)::"memory"); }
 __device__ __forceinline__ void reg_fence(uint32_t& r) { asm volatile("" : "+r"(r)::"memory"); }
 
-// Shared-memory matrix descriptor (PTX ISA "matrix descriptor format"), 128-byte swizzle:
+// Shared-memory matrix descriptor (PTX ISA "matrix descriptor format"):
 //   bits 0-13 start address >> 4, 16-29 leading byte offset >> 4, 32-45 stride byte offset >> 4,
-//   49-51 base offset (0: tiles are 1024-byte aligned), 62-63 swizzle mode (1 = 128B).
+//   49-51 base offset (0: tiles aligned to the swizzle pattern), 62-63 swizzle mode (1 = 128B,
+//   2 = 64B).
+__device__ __forceinline__ uint64_t make_desc(uint32_t smem_addr, uint32_t lbo_bytes, uint32_t sbo_bytes,
+                                              uint64_t swizzle_mode) {
+  return static_cast<uint64_t>((smem_addr & 0x3FFFF) >> 4) | static_cast<uint64_t>((lbo_bytes & 0x3FFFF) >> 4) << 16 |
+         static_cast<uint64_t>((sbo_bytes & 0x3FFFF) >> 4) << 32 | swizzle_mode << 62;
+}
+
+// The 128-byte swizzle (tiles 1024-byte aligned):
 // K-major operand (K contiguous, e.g. Q or K for S = Q K^T): rows of 128 bytes, 8-row groups
 //   `sbo` = 1024 bytes apart, LBO unused (1). Step k by 16 elements: start address + 32 bytes.
 // MN-major operand (N contiguous, e.g. V [keys x dims] for O = P V): each 8 K-rows x 64 N-values
 //   atom is 1024 bytes; `sbo` = 1024 = next 8 K-rows, `lbo` = distance to the next 64 N-values
 //   (the next column block). Step k by 16 rows: start address + 2048 bytes.
 __device__ __forceinline__ uint64_t make_desc_sw128(uint32_t smem_addr, uint32_t lbo_bytes, uint32_t sbo_bytes) {
-  return static_cast<uint64_t>((smem_addr & 0x3FFFF) >> 4) | static_cast<uint64_t>((lbo_bytes & 0x3FFFF) >> 4) << 16 |
-         static_cast<uint64_t>((sbo_bytes & 0x3FFFF) >> 4) << 32 | 1ull << 62;
+  return make_desc(smem_addr, lbo_bytes, sbo_bytes, 1);
 }
 
-// The 64-byte swizzle (swizzle mode 2 in bits 62-63; same fields otherwise), for K-major operands
+// The 64-byte swizzle (swizzle mode 2), for K-major operands
 // whose rows are 64 bytes (fp8 Q / K at head dim 64): the 16-byte chunk c of row r sits at chunk
 // position c ^ ((r / 2) % 4) (Swizzle<2,4,3> on byte addresses, what TMA SWIZZLE_64B writes),
 // 8-row groups `sbo` = 512 bytes apart, tiles 512-byte aligned, LBO unused (1). Step k by 32 bytes
 // (one e4m3 k32 step, two per row): start address + 32.
 __device__ __forceinline__ uint64_t make_desc_sw64(uint32_t smem_addr, uint32_t lbo_bytes, uint32_t sbo_bytes) {
-  return static_cast<uint64_t>((smem_addr & 0x3FFFF) >> 4) | static_cast<uint64_t>((lbo_bytes & 0x3FFFF) >> 4) << 16 |
-         static_cast<uint64_t>((sbo_bytes & 0x3FFFF) >> 4) << 32 | 2ull << 62;
+  return make_desc(smem_addr, lbo_bytes, sbo_bytes, 2);
 }
 
 // A descriptor moved by `bytes` (a multiple of 16): the start-address field is bits 0-13 (address

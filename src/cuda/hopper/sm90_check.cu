@@ -557,24 +557,7 @@ void time_median(F f, int reps, cudaEvent_t* ev, double* med, double* lo, double
 // The timed bf16 problem of the benches: BSHD, b x s tokens, h heads of dim d, no GQA, LSE out.
 FwdProblem bench_problem(void* q, void* k, void* v, void* o, float* lse, int64_t b, int64_t h, int64_t s, int64_t d,
                          bool causal) {
-  FwdProblem p;
-  p.q = q;
-  p.k = k;
-  p.v = v;
-  p.o = o;
-  p.lse = lse;
-  p.q_stride = p.k_stride = p.v_stride = p.o_stride = {s * h * d, h * d, d};
-  p.lse_stride = {h * s, 1, s};
-  p.dtype = DType::bf16;
-  p.device = ioattn::Device::cuda;
-  p.batch = b;
-  p.heads_q = p.heads_kv = h;
-  p.seqlen_q = p.seqlen_k = s;
-  p.head_dim = p.head_dim_v = d;
-  p.scale = static_cast<float>(1.0 / std::sqrt(double(d)));
-  p.causal = causal;
-  p.window_right = causal ? 0 : -1;
-  return p;
+  return case_problem(Case{b, h, h, s, s, d, DType::bf16, causal, false}, q, k, v, o, lse);
 }
 
 // FP8 vs bf16 at hdim 128, 64 and 256, 16k tokens, hidden 2048 (16 / 32 / 8 heads), seqlen 4k/8k/16k, causal and not,
