@@ -16,6 +16,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <limits>
+#include <optional>
 #include <random>
 #include <string>
 #include <vector>
@@ -553,6 +554,33 @@ TEST_P(CudaBackwardSm90PingPongWarp, MatchesFloat64Reference) {
 INSTANTIATE_TEST_SUITE_P(Cases, CudaBackwardSm90PingPongWarp, ::testing::ValuesIn(sm90_pp_cases()),
                          [](const auto& info) { return info.param.name; });
 
+// Variant ppwide (pp at hdim 64 with 128-row steps, the dQ split by rows over the warpgroups;
+// written in session 23): the pp suite's hdim-64 cases, plus tails of every length mod 128 that
+// matters (a step half past the end, one row past a half) and a GQA case with many steps.
+std::vector<Case> sm90_ppwide_cases() {
+  std::vector<Case> v;
+  for (const Case& c : sm90_pp_cases())
+    if (c.head_dim == 64) v.push_back(c);
+  for (DType t : {DType::bf16, DType::f16}) {
+    const std::string ts = dtype_name(t);
+    { Case c = mk("d64_q65_k129_" + ts, 65, 129, 64, t); v.push_back(c); }
+    { Case c = mk("d64_q191_k300_causal_" + ts, 191, 300, 64, t); c.causal = true; v.push_back(c); }
+    { Case c = mk("d64_q1000_k777_gqa3_" + ts, 1000, 777, 64, t); c.heads_q = 6; c.heads_kv = 2; v.push_back(c); }
+  }
+  return v;
+}
+
+class CudaBackwardSm90PingPongWide : public ::testing::TestWithParam<Case> {};
+
+TEST_P(CudaBackwardSm90PingPongWide, MatchesFloat64Reference) {
+  SKIP_WITHOUT_GPU();
+  if (detail::cuda_device_arch(0) != 90) GTEST_SKIP() << "skipped: the wgmma backward needs sm_90";
+  run_sm90_variant_case(GetParam(), "ppwide");
+}
+
+INSTANTIATE_TEST_SUITE_P(Cases, CudaBackwardSm90PingPongWide, ::testing::ValuesIn(sm90_ppwide_cases()),
+                         [](const auto& info) { return info.param.name; });
+
 // Varlen on the wgmma backward (its kVarlen instance, the default since session 8;
 // IOATTN_BWD_SM90_VARLEN=0 switches it off): packed sequences with empty ones on either side,
 // causal and not, GQA with a window, sinks; hdim 128 and 64.
@@ -708,7 +736,19 @@ TEST(CudaBackwardSm90Select, SaysWhenItDoesNotApply) {
     const KernelChoice kc = s.backward_device(false);
     EXPECT_NE(kc.kernel.find("sm90 wgmma"), std::string::npos) << kc.kernel;
     EXPECT_NE(kc.kernel.find("hdim64"), std::string::npos) << kc.kernel;
-    EXPECT_NE(kc.kernel.find("variant pp"), std::string::npos) << kc.kernel;
+    // variant ppwide (128-row steps) since session 23, and the kernel string says so
+    EXPECT_NE(kc.kernel.find("tile 128x128"), std::string::npos) << kc.kernel;
+    EXPECT_NE(kc.kernel.find("variant ppwide"), std::string::npos) << kc.kernel;
+    {  // asked at hdim 128: a clear error naming the switch
+      ScopedEnv var("IOATTN_BWD_SM90_VARIANT", "ppwide");
+      BwdRun s128(mk("ppwide_d128", 40, 50, 128), 5);
+      try {
+        s128.backward_device(false);
+        ADD_FAILURE() << "IOATTN_BWD_SM90_VARIANT=ppwide accepted at hdim 128";
+      } catch (const Error& e) {
+        EXPECT_NE(std::string(e.what()).find("hdim-64 variant, got head_dim 128"), std::string::npos) << e.what();
+      }
+    }
     BwdRun s96(mk("default_d96", 40, 50, 96), 5);
     const KernelChoice k96 = s96.backward_device(false);
     EXPECT_NE(k96.kernel.find("mma.sync"), std::string::npos) << k96.kernel;
@@ -803,7 +843,15 @@ TEST(CudaBackwardDeterministic, BitwiseEqualOver100Runs) {
       ASSERT_TRUE(same_bytes(s.dv, dv0)) << c.name << ": dv differs in run " << run;
       ASSERT_TRUE(same_bytes(s.dsinks, ds0)) << c.name << ": dsinks differs in run " << run;
     }
-    // dK, dV and dsinks never use atomics: the default mode gives the same bits for them.
+    // dK, dV and dsinks never use atomics: the atomic-dQ mode gives the same bits for them. (At hdim
+    // 64 the default variant, ppwide, forms dS from the bf16 P that its dV product reads, as pp does
+    // at hdim 128 from 2048 rows, where these kernels use the fp32 P: there dV and dsinks are the
+    // same bits and dK matches within rounding; variant lag is the deterministic instance's order.)
+    s.poison_grads();
+    s.backward_device(false);
+    EXPECT_TRUE(same_bytes(s.dv, dv0)) << c.name << ": dv of the default mode differs";
+    std::optional<ScopedEnv> lag;
+    if (d == 64) lag.emplace("IOATTN_BWD_SM90_VARIANT", "lag");
     s.poison_grads();
     s.backward_device(false);
     EXPECT_TRUE(same_bytes(s.dk, dk0)) << c.name << ": dk of the atomic-dq mode differs";

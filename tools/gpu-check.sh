@@ -336,7 +336,8 @@ if want backward; then
   # first (bounded), then ioattn alone on the same grid per IOATTN_BWD_SM90_VARIANT ->
   # bwd_sm90_<v>.json (lag: dQ one step late by TMA reduce-add, the default below 2048 query rows at
   # hdim 128 and for varlen; tmald: lag with Q / dO by TMA; pp: tmald without CTA barriers in the
-  # step loop, the default elsewhere since session 9; ppw: pp with per-warp dQ reduce-adds;
+  # step loop, the default at hdim 128 from 2048 rows since session 9; ppw: pp with per-warp dQ
+  # reduce-adds; ppwide: pp with 128-row steps, hdim 64's default since session 23;
   # GPU_CHECK_BWD_OLD=1 adds the older redlag, split and red)
   # and with IOATTN_BWD_KERNEL=mma (the mma.sync table) -> bwd_sm90_mma.json, beside bwd.json's peers.
   # The two head dims' tests run as separate processes: a fault or hang in one must not take the
@@ -364,12 +365,15 @@ if want backward; then
     bounded_test "bwd tmald test" 300 "$BUILD/test_cuda_backward" '*CudaBackwardSm90Tmald*' "$OUT/bwd_tmald.log" &&
       { bwd_ab tmald 128 IOATTN_BWD_SM90_VARIANT=tmald; bwd_ab d64_tmald 64 IOATTN_BWD_SM90_VARIANT=tmald; }
     bounded_test "bwd varlen test" 200 "$BUILD/test_cuda_backward" '*CudaBackwardSm90Varlen*' "$OUT/bwd_varlen.log"
-    # Variant pp (the default at hdim 64 and from 2048 query rows at hdim 128 since session 9).
+    # Variant pp (the default from 2048 query rows at hdim 128 since session 9; at hdim 64 until session 23).
     bounded_test "bwd pp test" 300 "$BUILD/test_cuda_backward" '*CudaBackwardSm90PingPong.*' "$OUT/bwd_pp.log" &&
       { bwd_ab pp 128 IOATTN_BWD_SM90_VARIANT=pp; bwd_ab d64_pp 64 IOATTN_BWD_SM90_VARIANT=pp; }
     # Variant ppw (pp with per-warp dQ reduce-adds, no warpgroup barrier before them; session 12).
     bounded_test "bwd ppw test" 300 "$BUILD/test_cuda_backward" '*CudaBackwardSm90PingPongWarp*' "$OUT/bwd_ppw.log" &&
       { bwd_ab ppw 128 IOATTN_BWD_SM90_VARIANT=ppw; bwd_ab d64_ppw 64 IOATTN_BWD_SM90_VARIANT=ppw; }
+    # Variant ppwide (pp with 128-row steps at hdim 64; its default since session 23).
+    bounded_test "bwd ppwide test" 300 "$BUILD/test_cuda_backward" '*CudaBackwardSm90PingPongWide*' \
+      "$OUT/bwd_ppwide.log" && bwd_ab d64_ppwide 64 IOATTN_BWD_SM90_VARIANT=ppwide
   fi
 fi
 

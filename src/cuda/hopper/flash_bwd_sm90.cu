@@ -22,7 +22,8 @@
 // 2 stages x [64 x d] (column blocks of 64 dims = 128-byte rows), dS^T 2 x [128 x 128 B]
 // (alternating per block so one barrier per block suffices), LSE and D 2 stages x 64 floats,
 // dQ pieces 2 x 2 warpgroups x [64 x 64] fp32: 224 KB (hdim 128) or 160 KB (hdim 64), + 1 KB
-// alignment.
+// alignment. hdim 64's default, variant ppwide, steps over 128 query rows instead of 64 (see
+// kWide below): Q, dO 2 stages x [128 x 64], dS^T 2 x [128 keys x 256 B]: hdim 128's 224 KB.
 // Sinks need nothing here: the forward's LSE includes them, and their gradient comes from the
 // preprocess (run_flash_backward). Deterministic mode: dK/dV here (kDq false: no dQ wgmma, no dS^T
 // in shared memory), then the mma.sync table's atomic-free dQ pass (launch_deterministic). Not
@@ -79,9 +80,8 @@ __device__ __forceinline__ constexpr int dq_probe_bits() { return 0; }
 #endif
 
 constexpr int kBN = 128;       // keys per CTA (64 per consumer warpgroup)
-constexpr int kBM = 64;        // query rows per step
+constexpr int kBM = 64;        // query rows per step (variant ppwide: 2 kBM) and of a dQ piece
 constexpr int kThreads = 256;  // 2 warpgroups
-constexpr int kTileDs = kBN * kBM * 2;  // 16 KB: dS^T [128 keys x 64 rows]
 
 // Head dim kD (128 or 64).
 // Tiles are column blocks of 64 dims (128-byte swizzled rows): two at hdim 128, one at 64.
@@ -90,11 +90,18 @@ constexpr int kTileDs = kBN * kBM * 2;  // 16 KB: dS^T [128 keys x 64 rows]
 //   hdim 64:  dQ_wg = dS[:, keys of wg] K[keys of wg, :] (own dS^T only: a warpgroup barrier),
 //             both warpgroups reduce into every element.
 constexpr int kDqPiece = kBM * 64 * 4;  // 16 KB: one warpgroup's dQ piece, two SW128 boxes of 32 dims
-template <int kD>
+// kM: query rows per step (kBM; variant ppwide at hdim 64: 2 kBM).
+template <int kD, int kM = kBM>
 struct Cfg {
-  static constexpr int kTileQ = kBM * kD * 2;  // Q or dO block
+  static constexpr int kTileQ = kM * kD * 2;  // Q or dO block
   static constexpr int kTileK = kBN * kD * 2;  // K or V
-  static constexpr int kSmemRed = 2 * kTileK + 4 * kTileQ + 2 * kTileDs + 1024;
+  static constexpr int kTileDsM = kBN * kM * 2;  // dS^T [128 keys x kM rows]
+  // Slack for aligning the tiles to 1024 bytes. ppwide (hdim 64, 128-row steps) needs the same
+  // 229,440 bytes of tiles, pieces and barriers as hdim 128 plus 2 KB of static LSE / D (1 KB
+  // more), so it keeps 960 bytes of slack to stay within the 232,448 an sm_90 CTA may have; the
+  // kernel traps if its dynamic memory ever starts further than that from a 1024-byte boundary.
+  static constexpr int kSlack = kM == kBM ? 1024 : 960;
+  static constexpr int kSmemRed = 2 * kTileK + 4 * kTileQ + 2 * kTileDsM + kSlack;
   // kTmaDq: + 2 buffers x 2 warpgroups x [64 rows x 64 dims] fp32 dQ pieces (hdim 128, with the
   // TMA-load variants' 64 bytes of mbarriers and the static LSE/D arrays: 231,488 bytes of the
   // 232,448 an sm_90 CTA may have; 960 left).
@@ -190,8 +197,16 @@ __device__ __forceinline__ void load_rows(uint32_t dst, const uint8_t* src, int6
 // once its dQ wgmmas that read b retired) before b is stored again; and the lagged dQ wgmmas go out
 // with dV and dK, after dS^T (dQ first: its output then runs under them), so the wait for the other
 // warpgroup's half comes half a step after that half was written.
+// kWide (variant "ppwide", pp at hdim 64): 128 query rows per step instead of 64, so a step has the
+// hdim-128 step's tensor work (5 GEMMs of 128 x 128 x 64) and every per-step fixed cost (barriers,
+// waits, wgmma latency chains) is paid once per 128 rows: S^T and dP^T are m64n128 per warpgroup,
+// dV / dK k-steps run over 128 rows, dS^T is [128 keys x 128 rows] in two column blocks of 64
+// rows, and the dQ is split by rows as hdim 128 splits it by dims: warpgroup c computes rows
+// 64c..64c+63 of the step over all 128 keys (dS^T column block c, both warpgroups' halves: the
+// hdim-128 pp's ds_full / ds_empty order), so its accumulators are the hdim-128 kernel's count
+// (S^T 64 + dP^T 64 + dV 32 + dK 32 + dQ 32 per thread) and its shared memory the same.
 template <typename T, int kD, bool kTmaDq, bool kLag, bool kDq = true, bool kTmaLoad = false, bool kVarlen = false,
-          bool kPingPong = false, bool kWarpDq = false>
+          bool kPingPong = false, bool kWarpDq = false, bool kWide = false>
 __global__ void __launch_bounds__(kThreads, 1) flash_bwd_sm90_kernel(const BwdParams p,
                                                                      const __grid_constant__ CUtensorMap dq_map,
                                                                      const __grid_constant__ CUtensorMap q_map,
@@ -204,24 +219,30 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_sm90_kernel(const BwdPa
   static_assert(!kVarlen || (kTmaDq && kLag && kDq && !kTmaLoad), "varlen: the lag + TMA dQ instance only");
   static_assert(!kPingPong || kTmaLoad, "ping-pong: a tmald variant");
   static_assert(!kWarpDq || kPingPong, "per-warp dQ reduce-adds: a pp variant");
-  constexpr bool kDqWithDkv = kPingPong && kD == 128;  // the dQ wgmmas issued with dV / dK
-  constexpr int kTileQ = Cfg<kD>::kTileQ, kTileK = Cfg<kD>::kTileK;
+  static_assert(!kWide || (kPingPong && !kWarpDq && kD == 64), "128-row steps: variant pp at hdim 64");
+  constexpr int kM = kWide ? 2 * kBM : kBM;  // query rows per step
+  constexpr bool kDqWithDkv = kPingPong && (kD == 128 || kWide);  // the dQ wgmmas issued with dV / dK
+  using C = Cfg<kD, kM>;
+  constexpr int kTileQ = C::kTileQ, kTileK = C::kTileK, kTileDsM = C::kTileDsM;
   extern __shared__ uint8_t raw[];
   uint8_t* base = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(raw) + 1023) & ~uintptr_t{1023});
+  if constexpr (C::kSlack < 1024) {  // see Cfg: never run on memory past the allocation
+    if (base - raw > C::kSlack) __trap();
+  }
   uint8_t* sk = base;
   uint8_t* sv = sk + kTileK;
   uint8_t* sq = sv + kTileK;       // [2 stages]
   uint8_t* sdo = sq + 2 * kTileQ;  // [2 stages]
   uint8_t* sds = sdo + 2 * kTileQ; // [2 parities]
-  uint8_t* sdq = sds + 2 * kTileDs; // kTmaDq: [2 parities][2 warpgroups] dQ pieces
+  uint8_t* sdq = sds + 2 * kTileDsM; // kTmaDq: [2 parities][2 warpgroups] dQ pieces
   // kTmaLoad: the two Q/dO stages' mbarriers (full; kPingPong: and empty, and at hdim 128 the dS^T
   // buffers' ds_full / ds_empty), after the dQ pieces (Cfg::kSmemTmaLoad adds 64 bytes).
   [[maybe_unused]] uint64_t* full_qdo = reinterpret_cast<uint64_t*>(sdq + 4 * kDqPiece);
   [[maybe_unused]] uint64_t* empty_qdo = full_qdo + 2;  // kPingPong
   [[maybe_unused]] uint64_t* ds_full = full_qdo + 4;    // kPingPong at hdim 128
   [[maybe_unused]] uint64_t* ds_empty = full_qdo + 6;
-  __shared__ __align__(16) float s_lse[2][kBM];
-  __shared__ __align__(16) float s_d[2][kBM];
+  __shared__ __align__(16) float s_lse[2][kM];
+  __shared__ __align__(16) float s_d[2][kM];
 
   const int tid = threadIdx.x, wg = tid >> 7, wtid = tid & 127, w = wtid >> 5, lane = tid & 31;
   const int g = lane >> 2, t = lane & 3;
@@ -256,8 +277,8 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_sm90_kernel(const BwdPa
   const int n_end = min(n0 + kBN, sk_len);
   const int i_begin = p.window_right >= 0 ? max(0, n0 - off - p.window_right) : 0;
   const int i_end = p.window_left >= 0 ? min(sq_len, n_end - off + p.window_left) : sq_len;
-  const int m_first = i_begin / kBM;
-  const int per_head = i_end > i_begin ? (i_end + kBM - 1) / kBM - m_first : 0;
+  const int m_first = i_begin / kM;
+  const int per_head = i_end > i_begin ? (i_end + kM - 1) / kM - m_first : 0;
   const int steps = per_head * p.group;
 
   // Steps walk (query head of the group, query block) in order; the issuing and the computing
@@ -265,7 +286,7 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_sm90_kernel(const BwdPa
   int iss_h = 0, iss_m = 0;
   auto issue = [&](int step) {  // Q, dO, LSE, D of step into stage step & 1; called for 0, 1, 2, ...
     if (step >= steps) return;
-    const int h = hk * p.group + iss_h, m0 = (m_first + iss_m) * kBM, st = step & 1;
+    const int h = hk * p.group + iss_h, m0 = (m_first + iss_m) * kM, st = step & 1;
     if (++iss_m == per_head) iss_m = 0, ++iss_h;
     const auto* qp = static_cast<const uint8_t*>(p.q) +
                      (b * p.q_batch + static_cast<int64_t>(q_start + m0) * p.q_seq + h * p.q_head) * es;
@@ -275,7 +296,7 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_sm90_kernel(const BwdPa
     // warpgroups are done with the step that used the stage last.
     constexpr int kLoader = kPingPong ? 128 : 0;
     if constexpr (kPingPong) {
-      if (tid >= kLoader && tid < kLoader + kBM && step >= 2) mbarrier_wait_or_trap(&empty_qdo[st], ((step - 2) >> 1) & 1);
+      if (tid >= kLoader && tid < kLoader + kM && step >= 2) mbarrier_wait_or_trap(&empty_qdo[st], ((step - 2) >> 1) & 1);
     }
     if constexpr (kTmaLoad) {
       (void)qp, (void)dp;
@@ -283,16 +304,16 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_sm90_kernel(const BwdPa
         mbarrier_arrive_expect_tx(&full_qdo[st], 2 * kTileQ);
 #pragma unroll
         for (int cb = 0; cb < kD / 64; ++cb) {
-          tma_load_4d(sq + st * kTileQ + cb * kBM * 128, &q_map, &full_qdo[st], cb * 64, m0, h, b);
-          tma_load_4d(sdo + st * kTileQ + cb * kBM * 128, &do_map, &full_qdo[st], cb * 64, m0, h, b);
+          tma_load_4d(sq + st * kTileQ + cb * kM * 128, &q_map, &full_qdo[st], cb * 64, m0, h, b);
+          tma_load_4d(sdo + st * kTileQ + cb * kM * 128, &do_map, &full_qdo[st], cb * 64, m0, h, b);
         }
       }
     } else {
-      load_rows<kBM, kD>(smem_u32(sq + st * kTileQ), qp, p.q_seq * es, sq_len - m0);
-      load_rows<kBM, kD>(smem_u32(sdo + st * kTileQ), dp, p.do_seq * es, sq_len - m0);
+      load_rows<kM, kD>(smem_u32(sq + st * kTileQ), qp, p.q_seq * es, sq_len - m0);
+      load_rows<kM, kD>(smem_u32(sdo + st * kTileQ), dp, p.do_seq * es, sq_len - m0);
     }
     // (written so that the other variants compile to exactly the instructions measured before)
-    if (kPingPong ? (tid >= kLoader && tid < kLoader + kBM) : tid < kBM) {  // same cp.async group as the tiles
+    if (kPingPong ? (tid >= kLoader && tid < kLoader + kM) : tid < kM) {  // same cp.async group as the tiles
       const int r = tid - kLoader, i = m0 + r;
       const int64_t wrow = static_cast<int64_t>(h) * p.rows_q +
                            (kVarlen ? static_cast<int64_t>(q_start) : static_cast<int64_t>(b) * sq_len) + i;
@@ -315,8 +336,8 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_sm90_kernel(const BwdPa
   if constexpr (kTmaLoad) {
     if (tid == 0) {
       // kPingPong: + one arrival per LSE / D thread; empty: one per warp
-      mbarrier_init(&full_qdo[0], kPingPong ? 1 + kBM : 1);
-      mbarrier_init(&full_qdo[1], kPingPong ? 1 + kBM : 1);
+      mbarrier_init(&full_qdo[0], kPingPong ? 1 + kM : 1);
+      mbarrier_init(&full_qdo[1], kPingPong ? 1 + kM : 1);
       if (kPingPong) mbarrier_init(&empty_qdo[0], kThreads / 32), mbarrier_init(&empty_qdo[1], kThreads / 32);
       if (kDqWithDkv) mbarrier_init(&ds_full[0], kThreads), mbarrier_init(&ds_full[1], kThreads);
       if (kDqWithDkv) mbarrier_init(&ds_empty[0], kThreads / 32), mbarrier_init(&ds_empty[1], kThreads / 32);
@@ -339,18 +360,21 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_sm90_kernel(const BwdPa
   const uint64_t k_desc = make_desc_sw128(smem_u32(sk) + wg * 64 * 128, 16, 1024);
   const uint64_t v_desc = make_desc_sw128(smem_u32(sv) + wg * 64 * 128, 16, 1024);
   const uint64_t q_kdesc = make_desc_sw128(smem_u32(sq), 16, 1024), do_kdesc = make_desc_sw128(smem_u32(sdo), 16, 1024);
-  const uint64_t q_mdesc = make_desc_sw128(smem_u32(sq), kBM * 128, 1024);
-  const uint64_t do_mdesc = make_desc_sw128(smem_u32(sdo), kBM * 128, 1024);
+  const uint64_t q_mdesc = make_desc_sw128(smem_u32(sq), kM * 128, 1024);
+  const uint64_t do_mdesc = make_desc_sw128(smem_u32(sdo), kM * 128, 1024);
   // dQ wgmmas (see Cfg) of the step whose dS^T is in buffer `buf` (issue only): hdim 128,
   // dQ[:, 64wg..] = dS K[:, 64wg..] over both warpgroups' keys; hdim 64, dQ_wg = dS[:, own keys]
   // K[own keys, :]. A = dS^T (MN-major, transposed), B = K (MN-major).
-  const uint64_t ds_desc = make_desc_sw128(smem_u32(sds) + (kD == 128 ? 0 : wg * 8192), kBN * 128, 1024);
-  const uint64_t kdq_desc = make_desc_sw128(smem_u32(sk) + wg * (kD == 128 ? kBN * 128 : 8192), kBN * 128, 1024);
+  // kWide: dQ[rows 64wg.., :] = dS[rows 64wg.., all keys] K: A = dS^T column block wg, B = all of K.
+  const uint64_t ds_desc =
+      make_desc_sw128(smem_u32(sds) + (kWide ? wg * kBN * 128 : kD == 128 ? 0 : wg * 8192), kBN * 128, 1024);
+  const uint64_t kdq_desc =
+      make_desc_sw128(smem_u32(sk) + (kWide ? 0 : wg * (kD == 128 ? kBN * 128 : 8192)), kBN * 128, 1024);
   auto gemm_dq = [&](float(&dq)[kBM / 2], int buf) {
-    const uint64_t ds_d = desc_advance(ds_desc, buf * kTileDs);
+    const uint64_t ds_d = desc_advance(ds_desc, buf * kTileDsM);
     wgmma_fence();
 #pragma unroll
-    for (int kk = 0; kk < (kD == 128 ? kBN : kBN / 2) / 16; ++kk)
+    for (int kk = 0; kk < (kD == 128 || kWide ? kBN : kBN / 2) / 16; ++kk)
       Wgmma<kBM, T>::template ss<1, 1>(dq, desc_advance(ds_d, kk * 2048), desc_advance(kdq_desc, kk * 2048), kk > 0);
   };
   // dQ partial by red.global (the variants without kTmaDq; probe 3).
@@ -385,7 +409,7 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_sm90_kernel(const BwdPa
     if constexpr (kTmaDq) {
       // Into this step's piece (conflict-free: the 8 rows g of a store hit 8 different chunks),
       // then one thread of the warpgroup adds it with two reduce-adds (32 dims each).
-      if ((dq_probe & 3) == 3) return red_dq(dq, ph, pm0);
+      if (!kWide && (dq_probe & 3) == 3) return red_dq(dq, ph, pm0);
       uint8_t* piece = sdq + (pbuf * 2 + wg) * kDqPiece;
 #pragma unroll
       for (int i = 0; i < 8; ++i)
@@ -413,7 +437,8 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_sm90_kernel(const BwdPa
         named_barrier_sync(1 + wg, 128);
         if (wtid == 0) {
           // the workspace's [heads_q, batch, seqlen_q] rows (varlen: [heads_q, total_q])
-          const int plane = kVarlen ? ph : ph * p.batch + b, prow = kVarlen ? q_start + pm0 : pm0;
+          const int plane = kVarlen ? ph : ph * p.batch + b;
+          const int prow = kVarlen ? q_start + pm0 : kWide ? pm0 + 64 * wg : pm0;
 #if IOATTN_BWD_TRACE
           if ((dq_probe & 3) == 1) {
           } else if ((dq_probe & 3) == 2) {
@@ -470,20 +495,20 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_sm90_kernel(const BwdPa
       __syncthreads();  // stage step & 1 landed for everyone; everyone is done with step - 1
     }
     BWD_TRACE(step, 0);
-    const int st = step & 1, h = hk * p.group + cur_h, m0 = (m_first + cur_m) * kBM;
+    const int st = step & 1, h = hk * p.group + cur_h, m0 = (m_first + cur_m) * kM;
     if (++cur_m == per_head) cur_m = 0, ++cur_h;
     const uint64_t q_sk = desc_advance(q_kdesc, st * kTileQ), do_sk = desc_advance(do_kdesc, st * kTileQ);
     const uint64_t q_sm = desc_advance(q_mdesc, st * kTileQ), do_sm = desc_advance(do_mdesc, st * kTileQ);
 
     // S^T and dP^T (64 keys x 64 rows each) in two commit groups, so P^T (and the dV wgmmas that
     // need only P^T) start while dP^T is still on the tensor cores.
-    float s[kBM / 2], dp[kBM / 2];
-    auto gemm_sdp = [&](float(&acc)[kBM / 2], uint64_t a_desc, uint64_t b_desc) {
+    float s[kM / 2], dp[kM / 2];
+    auto gemm_sdp = [&](float(&acc)[kM / 2], uint64_t a_desc, uint64_t b_desc) {
 #pragma unroll
       for (int kk = 0; kk < kD / 16; ++kk) {
         const uint32_t col = kk / 4, byte = (kk % 4) * 32;
-        Wgmma<kBM, T>::template ss<0>(acc, desc_advance(a_desc, col * kBN * 128 + byte),
-                                      desc_advance(b_desc, col * kBM * 128 + byte), kk > 0);
+        Wgmma<kM, T>::template ss<0>(acc, desc_advance(a_desc, col * kBN * 128 + byte),
+                                      desc_advance(b_desc, col * kM * 128 + byte), kk > 0);
       }
     };
     // kLag: first the previous step's dQ wgmmas (its dS^T is in the other buffer, published by the
@@ -529,51 +554,60 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_sm90_kernel(const BwdPa
     // e % 4 >= 2), row 8(e/4) + 2t + e%2. Blocks inside both sequences and wholly inside the
     // window band skip the mask (as the mma.sync kernel's needs_mask); masked elements get P = 0
     // and so dS = 0.
-    uint32_t pa[kBM / 4], da[kBM / 4];
-    uint8_t* ds_buf = sds + st * kTileDs;
+    uint32_t pa[kM / 4], da[kM / 4];
+    uint8_t* ds_buf = sds + st * kTileDsM;
     const uint32_t ds_s = smem_u32(ds_buf);
     const int key_l = 64 * wg + 16 * w + g;
-    const bool needs_mask = n0 + kBN > sk_len || m0 + kBM > sq_len ||
+    const bool needs_mask = n0 + kBN > sk_len || m0 + kM > sq_len ||
                             (p.window_right >= 0 && n0 + kBN - 1 - m0 - off > p.window_right) ||
-                            (p.window_left >= 0 && n0 - (m0 + kBM - 1) - off < -p.window_left);
+                            (p.window_left >= 0 && n0 - (m0 + kM - 1) - off < -p.window_left);
     // LSE and D of this thread's 16 rows: rows 8k + 2t and 8k + 2t + 1 as one 8-byte load each,
-    // issued before the wait for the scores that use them.
-    float2 lse2[kBM / 8], d2[kBM / 8];
-    auto load_rows2 = [&](float2(&dst)[kBM / 8], const float* src) {
+    // issued before the wait for the scores that use them. kWide (32 rows): read where used
+    // instead (64 more live registers beside S^T / dP^T spilled).
+    constexpr int kPre = kWide ? 1 : kM / 8;
+    float2 lse2[kPre], d2[kPre];
+    auto load_rows2 = [&](float2(&dst)[kPre], const float* src) {
+      if constexpr (!kWide) {
 #pragma unroll
-      for (int k = 0; k < kBM / 8; ++k) dst[k] = *reinterpret_cast<const float2*>(src + 8 * k + 2 * t);
+        for (int k = 0; k < kM / 8; ++k) dst[k] = *reinterpret_cast<const float2*>(src + 8 * k + 2 * t);
+      }
     };
-    auto pick = [](const float2(&v)[kBM / 8], int e) { return (e % 2) ? v[e / 4].y : v[e / 4].x; };
+    auto pick_at = [&](const float2(&v)[kPre], const float* src, int e) {
+      if constexpr (kWide) return src[8 * (e / 4) + 2 * t + (e % 2)];
+      else return (e % 2) ? v[e / 4].y : v[e / 4].x;
+    };
     auto p_part = [&](auto mask_tag) {
       constexpr bool kMask = decltype(mask_tag)::value;
 #pragma unroll
-      for (int e = 0; e < kBM / 2; ++e) {
+      for (int e = 0; e < kM / 2; ++e) {
         const int r = 8 * (e / 4) + 2 * t + (e % 2), kl = key_l + ((e % 4) >= 2 ? 8 : 0);
-        s[e] = ptx::exp2_approx(s[e] * p.scale_log2 - pick(lse2, e));
+        s[e] = ptx::exp2_approx(s[e] * p.scale_log2 - pick_at(lse2, s_lse[st], e));
         if (kMask && !bwd_detail::visible(m0 + r, n0 + kl, sq_len, sk_len, off, p.window_left, p.window_right))
           s[e] = 0.f;
         if (kDqWithDkv && (e % 2) == 1) pa[e / 2] = ptx::pack2<T>(s[e - 1], s[e]);  // s dies
       }
       if constexpr (!kDqWithDkv) {
 #pragma unroll
-        for (int j = 0; j < kBM / 4; ++j) pa[j] = ptx::pack2<T>(s[2 * j], s[2 * j + 1]);
+        for (int j = 0; j < kM / 4; ++j) pa[j] = ptx::pack2<T>(s[2 * j], s[2 * j + 1]);
       }
     };
     // dS^T as the MN-major A of dQ = dS K: (key, row) at row `key`, 16-bit column `row`; the pair
     // (rows r, r + 1; r even) of da[j] (`word`) is one aligned 32-bit word of the swizzled row.
     auto store_ds = [&](int j, uint32_t word) {
-      const int e = 2 * j, r = 8 * (e / 4) + 2 * t, kl = key_l + ((e % 4) >= 2 ? 8 : 0);
-      const uint32_t addr =
-          ds_s + static_cast<uint32_t>(kl * 128 + ((((r * 2) >> 4) ^ (kl & 7)) << 4) + ((r * 2) & 15));
+      const int e = 2 * j, kl = key_l + ((e % 4) >= 2 ? 8 : 0);
+      // kWide: rows 64.. in the second column block ([128 keys x 64 rows] each)
+      const int rb = kWide ? (e / 4) / 8 : 0, r = 8 * (e / 4 - 8 * rb) + 2 * t;
+      const uint32_t addr = ds_s + static_cast<uint32_t>(rb * kBN * 128 + kl * 128 +
+                                                         ((((r * 2) >> 4) ^ (kl & 7)) << 4) + ((r * 2) & 15));
       asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(addr), "r"(word) : "memory");
     };
     auto ds_part = [&]() {
 #pragma unroll
-      for (int j = 0; j < kBM / 4; ++j) {
+      for (int j = 0; j < kM / 4; ++j) {
         const int e = 2 * j;
         float p0 = s[e], p1 = s[e + 1];
         if constexpr (kDqWithDkv) unpack2<T>(pa[j], p0, p1);  // P^T as dV sees it (s is dead)
-        da[j] = ptx::pack2<T>(p0 * (dp[e] - pick(d2, e)), p1 * (dp[e + 1] - pick(d2, e + 1)));
+        da[j] = ptx::pack2<T>(p0 * (dp[e] - pick_at(d2, s_d[st], e)), p1 * (dp[e + 1] - pick_at(d2, s_d[st], e + 1)));
         if constexpr (kDq && !kDqWithDkv) store_ds(j, da[j]);
       }
       // kDqWithDkv: buffer st is stored only now, after the arithmetic: its last readers were both
@@ -582,26 +616,26 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_sm90_kernel(const BwdPa
       if constexpr (kDqWithDkv) {
         if (step >= 1) mbarrier_wait_or_trap(&ds_empty[st], ((step - 1) >> 1) & 1);
         if (dq_probe & 8) {
-        } else if (dq_probe & 4) {
+        } else if (!kWide && (dq_probe & 4)) {
           // stmatrix: registers da[4m..4m+3] are the 8x8 (keys x rows) matrices (keys +0 / +8) x
           // (rows 16m.. / 16m + 8..); lane l addresses key row l % 8 of matrix l / 8.
           const int q = lane >> 3, kl = 64 * wg + 16 * w + 8 * (q & 1) + (lane & 7);
 #pragma unroll
-          for (int m = 0; m < kBM / 16; ++m) {
+          for (int m = 0; m < kM / 16; ++m) {
             const int i = 2 * m + (q >> 1);
             stmatrix_x4(ds_s + static_cast<uint32_t>(kl * 128 + ((i ^ (lane & 7)) << 4)), da[4 * m], da[4 * m + 1],
                         da[4 * m + 2], da[4 * m + 3]);
           }
         } else {
 #pragma unroll
-          for (int j = 0; j < kBM / 4; ++j) store_ds(j, da[j]);
+          for (int j = 0; j < kM / 4; ++j) store_ds(j, da[j]);
         }
       }
     };
     // dV += P^T dO, dK += dS^T Q (k-steps of 16 query rows; B MN-major).
-    auto gemm_dkv = [&](float(&acc)[kD / 2], const uint32_t(&a)[kBM / 4], uint64_t b_desc) {
+    auto gemm_dkv = [&](float(&acc)[kD / 2], const uint32_t(&a)[kM / 4], uint64_t b_desc) {
 #pragma unroll
-      for (int kk = 0; kk < kBM / 16; ++kk) {
+      for (int kk = 0; kk < kM / 16; ++kk) {
         const uint32_t af[4] = {a[4 * kk], a[4 * kk + 1], a[4 * kk + 2], a[4 * kk + 3]};
         Wgmma<kD, T>::template rs<1>(acc, af, desc_advance(b_desc, kk * 2048), 1);
       }
@@ -609,7 +643,7 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_sm90_kernel(const BwdPa
     load_rows2(lse2, s_lse[st]);
     wgmma_wait<1>();  // S^T (dP^T may still run)
 #pragma unroll
-    for (int i = 0; i < kBM / 2; ++i) reg_fence(s[i]);
+    for (int i = 0; i < kM / 2; ++i) reg_fence(s[i]);
     BWD_TRACE(step, 4);
     if (needs_mask)
       p_part(std::true_type{});
@@ -624,7 +658,7 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_sm90_kernel(const BwdPa
     load_rows2(d2, s_d[st]);
     wgmma_wait<kDqWithDkv ? 0 : 1>();  // dP^T (dV may still run; kDqWithDkv: nothing)
 #pragma unroll
-    for (int i = 0; i < kBM / 2; ++i) reg_fence(dp[i]);
+    for (int i = 0; i < kM / 2; ++i) reg_fence(dp[i]);
     BWD_TRACE(step, 6);
     ds_part();
     wgmma_fence();
@@ -1209,11 +1243,11 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_sm90_d256_dq_kernel(con
 // H200: tmald +8-15% at hdim 64, +3-10% at hdim 128 from 4k over lag, -15% at 1k causal hdim 128;
 // session 9: pp over tmald +1-7% at hdim 64, +0-4% at hdim 128 from 4k). Session 8's "dqlate" (the
 // lagged dQ wgmmas after S^T / dP^T) lost 8-23% to tmald in session 9 and was removed.
-constexpr int kVariantTmaLoad = 4, kVariantPingPong = 5, kVariantPingPongWarpDq = 6;
+constexpr int kVariantTmaLoad = 4, kVariantPingPong = 5, kVariantPingPongWarpDq = 6, kVariantPingPongWide = 7;
 int variant_bits(int head_dim, int64_t seqlen_q, bool varlen) {
   const char* e = std::getenv("IOATTN_BWD_SM90_VARIANT");
   if (e == nullptr || *e == '\0')
-    return !varlen && (head_dim == 64 || seqlen_q >= 2048) ? kVariantPingPong : 2;
+    return varlen ? 2 : head_dim == 64 ? kVariantPingPongWide : seqlen_q >= 2048 ? kVariantPingPong : 2;
   if (std::strcmp(e, "lag") == 0) return 2;
   if (std::strcmp(e, "split") == 0) return 0;
   if (std::strcmp(e, "red") == 0) return 1;
@@ -1221,8 +1255,15 @@ int variant_bits(int head_dim, int64_t seqlen_q, bool varlen) {
   if (std::strcmp(e, "tmald") == 0) return kVariantTmaLoad;
   if (std::strcmp(e, "pp") == 0) return kVariantPingPong;
   if (std::strcmp(e, "ppw") == 0) return kVariantPingPongWarpDq;
+  if (std::strcmp(e, "ppwide") == 0) {
+    if (head_dim != 64)
+      throw Error("IOATTN_BWD_SM90_VARIANT", "IOATTN_BWD_SM90_VARIANT=ppwide (128-row steps) is a hdim-64 variant, got "
+                                             "head_dim " + std::to_string(head_dim));
+    return kVariantPingPongWide;
+  }
   throw Error("IOATTN_BWD_SM90_VARIANT",
-              std::string("IOATTN_BWD_SM90_VARIANT must be split, red, lag, redlag, tmald, pp or ppw, got '") + e + "'");
+              std::string("IOATTN_BWD_SM90_VARIANT must be split, red, lag, redlag, tmald, pp, ppw or ppwide, got '") +
+                  e + "'");
 }
 
 // The fp32 dQ workspace [heads_q, batch·seqlen_q, kD] as a 3-D map (kD, seqlen_q, heads_q·batch) —
@@ -1254,12 +1295,13 @@ CUtensorMap make_dq_map(const BwdParams& p, int box_rows = kBM) {
 // 64 dims] SW128 boxes, the layout of a stage's column blocks. TMA's alignment / stride rules
 // unmet: an error naming the tensor (the variant is an explicit choice, so no silent fallback).
 template <typename T, int kD>
-CUtensorMap make_row_map(const void* ptr, const detail::Strides3& s, const BwdParams& p, const char* name) {
+CUtensorMap make_row_map(const void* ptr, const detail::Strides3& s, const BwdParams& p, const char* name,
+                         int box_rows = kBM) {
   std::string why;
   if (!sm90::tma_compatible(ptr, s, p.batch, p.seqlen_q, p.heads_q, name, &why))
     throw Error(name, "the wgmma backward's TMA-load variants (tmald, pp): " + why);
   return sm90::make_tensor_map(ptr, std::is_same_v<T, __nv_bfloat16> ? DType::bf16 : DType::f16, kD, p.seqlen_q,
-                               p.heads_q, p.batch, s, kBM, name);
+                               p.heads_q, p.batch, s, box_rows, name);
 }
 
 // Deterministic mode (no dQ workspace): this kernel for dK/dV only, then the mma.sync table's
@@ -1401,6 +1443,15 @@ void set_dq_probe() {
 #endif
 }
 
+// Variant ppwide's instance (hdim 64 only).
+template <typename T, int kD>
+auto wide_kernel() {
+  if constexpr (kD == 64)
+    return &flash_bwd_sm90_kernel<T, kD, true, true, true, true, false, true, false, true>;
+  else
+    return decltype(&flash_bwd_sm90_kernel<T, kD, true, false>){nullptr};
+}
+
 template <typename T, int kD>
 void launch_typed(const BwdParams& p, cudaStream_t stream) {
   // (also rejects a bad value, in deterministic mode too)
@@ -1421,19 +1472,23 @@ void launch_typed(const BwdParams& p, cudaStream_t stream) {
     return;
   }
   using Kernel = void (*)(const BwdParams, const CUtensorMap, const CUtensorMap, const CUtensorMap);
-  const Kernel kernels[7] = {&flash_bwd_sm90_kernel<T, kD, true, false>,
+  const Kernel kernels[8] = {&flash_bwd_sm90_kernel<T, kD, true, false>,
                              &flash_bwd_sm90_kernel<T, kD, false, false>,
                              &flash_bwd_sm90_kernel<T, kD, true, true>,
                              &flash_bwd_sm90_kernel<T, kD, false, true>,
                              &flash_bwd_sm90_kernel<T, kD, true, true, true, true>,
                              &flash_bwd_sm90_kernel<T, kD, true, true, true, true, false, true>,
-                             &flash_bwd_sm90_kernel<T, kD, true, true, true, true, false, true, true>};
+                             &flash_bwd_sm90_kernel<T, kD, true, true, true, true, false, true, true>,
+                             wide_kernel<T, kD>()};
   auto* kernel = kernels[v];
-  const int smem = tma_load ? Cfg<kD>::kSmemTmaLoad : Cfg<kD>::smem(tma_dq);
+  const bool wide = v == kVariantPingPongWide;
+  const int smem = wide ? Cfg<kD, 2 * kBM>::kSmemTmaLoad : tma_load ? Cfg<kD>::kSmemTmaLoad : Cfg<kD>::smem(tma_dq);
+  const int rows = wide ? 2 * kBM : kBM;  // query rows per step
   const CUtensorMap map = tma_dq ? make_dq_map<kD>(p, v == kVariantPingPongWarpDq ? 16 : kBM) : CUtensorMap{};
-  const CUtensorMap q_map = tma_load ? make_row_map<T, kD>(p.q, {p.q_batch, p.q_seq, p.q_head}, p, "q") : CUtensorMap{};
+  const CUtensorMap q_map =
+      tma_load ? make_row_map<T, kD>(p.q, {p.q_batch, p.q_seq, p.q_head}, p, "q", rows) : CUtensorMap{};
   const CUtensorMap do_map =
-      tma_load ? make_row_map<T, kD>(p.dout, {p.do_batch, p.do_seq, p.do_head}, p, "dout") : CUtensorMap{};
+      tma_load ? make_row_map<T, kD>(p.dout, {p.do_batch, p.do_seq, p.do_head}, p, "dout", rows) : CUtensorMap{};
   IOATTN_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   set_dq_probe();
   kernel<<<static_cast<unsigned>(grid), kThreads, smem, stream>>>(p, map, q_map, do_map);
@@ -1459,12 +1514,17 @@ const char* variant_name(int head_dim, int64_t seqlen_q, bool varlen) {
     case kVariantTmaLoad: return "tmald";
     case kVariantPingPong: return "pp";
     case kVariantPingPongWarpDq: return "ppw";
+    case kVariantPingPongWide: return "ppwide";
     default: return "lag";
   }
 }
 template <int kD>
 const char* variant_of(int64_t seqlen_q, bool varlen) {
   return variant_name(kD, seqlen_q, varlen);
+}
+template <int kD>
+int step_rows_of(int64_t seqlen_q, bool varlen) {
+  return variant_bits(kD, seqlen_q, varlen) == kVariantPingPongWide ? 2 * kBM : kBM;
 }
 
 template <int kD>
@@ -1479,22 +1539,34 @@ BwdKernelInfo info_for() {
   info.dq_block_n = row.dq_block_n;
   info.dq_warps = row.dq_warps;
   info.col_splits = 1;
-  info.reason = kD == 128
-                    ? "wgmma, keys as M (S^T = K Q^T, dP^T = V dO^T, dV += P^T dO, dK += dS^T Q, dQ = dS K from dS^T "
-                      "in shared memory), 2 warpgroups x 64 keys, 64-row steps, cp.async one block ahead issued under "
-                      "the S^T/dP^T wgmmas, P^T and dV overlapping dP^T, dQ one step late (its output under the next "
-                      "S^T/dP^T), fp32 dQ by TMA reduce-add"
-                    : "wgmma, keys as M, 2 warpgroups x 64 keys, 64-row steps, each warpgroup's dQ from its own keys, "
-                      "dQ one step late (its output under the next S^T/dP^T), fp32 dQ by TMA reduce-add";
-  info.smem_bytes = Cfg<kD>::kSmemTmaLoad;  // the largest instance (the tmald / pp stages' barriers)
+  info.reason =
+      kD == 128
+          ? "wgmma, keys as M (S^T = K Q^T, dP^T = V dO^T, dV += P^T dO, dK += dS^T Q, dQ = dS K from dS^T in shared "
+            "memory), 2 warpgroups x 64 keys, 64-row steps; from 2048 query rows variant pp (Q/dO by TMA, the "
+            "warpgroups' wgmma issue alternating, dS^T halves ordered by mbarriers), else and for varlen variant lag "
+            "(cp.async one block ahead under the S^T/dP^T wgmmas); P^T and dV overlapping dP^T, dQ one step late, "
+            "fp32 dQ by TMA reduce-add"
+          : "wgmma, keys as M, 2 warpgroups x 64 keys; variant ppwide (the default but for varlen): 128-row steps, "
+            "Q/dO by TMA, the warpgroups' wgmma issue alternating, each warpgroup's dQ rows over both warpgroups' "
+            "dS^T; varlen: variant lag, 64-row steps, each warpgroup's dQ from its own keys; dQ one step late, fp32 "
+            "dQ by TMA reduce-add";
+  // the largest instance (hdim 64: ppwide's 128-row stages; else the tmald / pp stages' barriers)
+  info.smem_bytes = kD == 64 ? Cfg<kD, 2 * kBM>::kSmemTmaLoad : Cfg<kD>::kSmemTmaLoad;
   info.smem_bytes_det = Cfg<kD>::kSmemRed;
   info.dq_smem_bytes = row.dq_smem_bytes;
-  info.dkdv_bf16 = reinterpret_cast<const void*>(&flash_bwd_sm90_kernel<__nv_bfloat16, kD, true, true>);
-  info.dkdv_f16 = reinterpret_cast<const void*>(&flash_bwd_sm90_kernel<__half, kD, true, true>);
+  // (registers and static shared memory as reported: hdim 64's ppwide instance, else lag's)
+  if constexpr (kD == 64) {
+    info.dkdv_bf16 = reinterpret_cast<const void*>(wide_kernel<__nv_bfloat16, kD>());
+    info.dkdv_f16 = reinterpret_cast<const void*>(wide_kernel<__half, kD>());
+  } else {
+    info.dkdv_bf16 = reinterpret_cast<const void*>(&flash_bwd_sm90_kernel<__nv_bfloat16, kD, true, true>);
+    info.dkdv_f16 = reinterpret_cast<const void*>(&flash_bwd_sm90_kernel<__half, kD, true, true>);
+  }
   info.dq_bf16 = row.dq_bf16;
   info.dq_f16 = row.dq_f16;
   info.launch = &launch<kD>;
   info.variant = &variant_of<kD>;
+  info.step_rows = &step_rows_of<kD>;
   info.dq_pass_name = "the mma.sync table's";
   return info;
 }
