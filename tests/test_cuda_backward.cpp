@@ -736,9 +736,15 @@ TEST(CudaBackwardSm90Select, SaysWhenItDoesNotApply) {
     const KernelChoice kc = s.backward_device(false);
     EXPECT_NE(kc.kernel.find("sm90 wgmma"), std::string::npos) << kc.kernel;
     EXPECT_NE(kc.kernel.find("hdim64"), std::string::npos) << kc.kernel;
-    // variant ppwide (128-row steps) since session 23, and the kernel string says so
-    EXPECT_NE(kc.kernel.find("tile 128x128"), std::string::npos) << kc.kernel;
-    EXPECT_NE(kc.kernel.find("variant ppwide"), std::string::npos) << kc.kernel;
+    // below 256 query rows variant pp (64-row steps), from 256 ppwide (128-row steps, session 23),
+    // and the kernel string says which
+    EXPECT_NE(kc.kernel.find("tile 64x128"), std::string::npos) << kc.kernel;
+    EXPECT_NE(kc.kernel.find("variant pp"), std::string::npos) << kc.kernel;
+    EXPECT_EQ(kc.kernel.find("variant ppwide"), std::string::npos) << kc.kernel;
+    BwdRun s256(mk("default_d64_256", 256, 50, 64), 5);
+    const KernelChoice k256 = s256.backward_device(false);
+    EXPECT_NE(k256.kernel.find("tile 128x128"), std::string::npos) << k256.kernel;
+    EXPECT_NE(k256.kernel.find("variant ppwide"), std::string::npos) << k256.kernel;
     {  // asked at hdim 128: a clear error naming the switch
       ScopedEnv var("IOATTN_BWD_SM90_VARIANT", "ppwide");
       BwdRun s128(mk("ppwide_d128", 40, 50, 128), 5);
@@ -844,7 +850,7 @@ TEST(CudaBackwardDeterministic, BitwiseEqualOver100Runs) {
       ASSERT_TRUE(same_bytes(s.dsinks, ds0)) << c.name << ": dsinks differs in run " << run;
     }
     // dK, dV and dsinks never use atomics: the atomic-dQ mode gives the same bits for them. (At hdim
-    // 64 the default variant, ppwide, forms dS from the bf16 P that its dV product reads, as pp does
+    // 64 the default variant from 256 rows, ppwide, forms dS from the bf16 P that its dV product reads, as pp does
     // at hdim 128 from 2048 rows, where these kernels use the fp32 P: there dV and dsinks are the
     // same bits and dK matches within rounding; variant lag is the deterministic instance's order.)
     s.poison_grads();

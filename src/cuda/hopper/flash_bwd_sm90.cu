@@ -1247,7 +1247,12 @@ constexpr int kVariantTmaLoad = 4, kVariantPingPong = 5, kVariantPingPongWarpDq 
 int variant_bits(int head_dim, int64_t seqlen_q, bool varlen) {
   const char* e = std::getenv("IOATTN_BWD_SM90_VARIANT");
   if (e == nullptr || *e == '\0')
-    return varlen ? 2 : head_dim == 64 ? kVariantPingPongWide : seqlen_q >= 2048 ? kVariantPingPong : 2;
+    // hdim 64: ppwide from 256 query rows (session 23: +6-26% at 1k-16k, even at 256, 5-25% slower
+    // at 32-128 rows, where a 128-row step is mostly padding)
+    return varlen                ? 2
+           : head_dim == 64      ? (seqlen_q >= 256 ? kVariantPingPongWide : kVariantPingPong)
+           : seqlen_q >= 2048    ? kVariantPingPong
+                                 : 2;
   if (std::strcmp(e, "lag") == 0) return 2;
   if (std::strcmp(e, "split") == 0) return 0;
   if (std::strcmp(e, "red") == 0) return 1;
@@ -1546,15 +1551,15 @@ BwdKernelInfo info_for() {
             "warpgroups' wgmma issue alternating, dS^T halves ordered by mbarriers), else and for varlen variant lag "
             "(cp.async one block ahead under the S^T/dP^T wgmmas); P^T and dV overlapping dP^T, dQ one step late, "
             "fp32 dQ by TMA reduce-add"
-          : "wgmma, keys as M, 2 warpgroups x 64 keys; variant ppwide (the default but for varlen): 128-row steps, "
-            "Q/dO by TMA, the warpgroups' wgmma issue alternating, each warpgroup's dQ rows over both warpgroups' "
-            "dS^T; varlen: variant lag, 64-row steps, each warpgroup's dQ from its own keys; dQ one step late, fp32 "
-            "dQ by TMA reduce-add";
+          : "wgmma, keys as M, 2 warpgroups x 64 keys; from 256 query rows variant ppwide: 128-row steps, Q/dO by "
+            "TMA, the warpgroups' wgmma issue alternating, each warpgroup's dQ rows over both warpgroups' dS^T; "
+            "below that variant pp, 64-row steps, each warpgroup's dQ from its own keys; varlen: variant lag "
+            "(cp.async loads); dQ one step late, fp32 dQ by TMA reduce-add";
   // the largest instance (hdim 64: ppwide's 128-row stages; else the tmald / pp stages' barriers)
   info.smem_bytes = kD == 64 ? Cfg<kD, 2 * kBM>::kSmemTmaLoad : Cfg<kD>::kSmemTmaLoad;
   info.smem_bytes_det = Cfg<kD>::kSmemRed;
   info.dq_smem_bytes = row.dq_smem_bytes;
-  // (registers and static shared memory as reported: hdim 64's ppwide instance, else lag's)
+  // (registers and static shared memory as reported: hdim 64's ppwide instance, the largest; else lag's)
   if constexpr (kD == 64) {
     info.dkdv_bf16 = reinterpret_cast<const void*>(wide_kernel<__nv_bfloat16, kD>());
     info.dkdv_f16 = reinterpret_cast<const void*>(wide_kernel<__half, kD>());
