@@ -626,6 +626,44 @@ TEST_P(CudaBackwardSm90Varlen, MatchesFloat64Reference) {
 INSTANTIATE_TEST_SUITE_P(Cases, CudaBackwardSm90Varlen, ::testing::ValuesIn(sm90_varlen_cases()),
                          [](const auto& info) { return info.param.name; });
 
+// Varlen through variants pp and ppwide (session 23, written without a GPU: Q / dO by TMA over the
+// packed tokens, a tail step's rows past its sequence read from the next sequence and masked): the
+// varlen cases plus sequences of many steps with tails of every kind.
+std::vector<Case> sm90_varlen_pp_cases() {
+  std::vector<Case> v = sm90_varlen_cases();
+  for (DType t : {DType::bf16, DType::f16})
+    for (int64_t d : {128, 64}) {
+      const std::string ds = "d" + std::to_string(d) + "_" + dtype_name(t);
+      Case c = mk("varlen_long_gqa2_" + ds, 0, 0, d, t);
+      c.batch = 4;
+      c.heads_q = 4;
+      c.heads_kv = 2;
+      c.varlen_q = {700, 129, 1, 1000};
+      c.varlen_k = {650, 300, 64, 1000};
+      v.push_back(c);
+      c.name = "varlen_long_gqa2_causal_" + ds;
+      c.causal = true;
+      v.push_back(c);
+    }
+  return v;
+}
+
+class CudaBackwardSm90VarlenPingPong : public ::testing::TestWithParam<Case> {};
+
+TEST_P(CudaBackwardSm90VarlenPingPong, MatchesFloat64Reference) {
+  SKIP_WITHOUT_GPU();
+  if (detail::cuda_device_arch(0) != 90) GTEST_SKIP() << "skipped: the wgmma backward needs sm_90";
+  const Case& c = GetParam();
+  BwdRun s(c, 23 + c.name.size());
+  const Refs r = references(s);
+  BwdKernelEnv env("sm90");
+  for (const char* variant : {"pp", "ppwide"})
+    if (c.head_dim == 64 || std::string(variant) == "pp") check_sm90_variant(s, r, c, variant);
+}
+
+INSTANTIATE_TEST_SUITE_P(Cases, CudaBackwardSm90VarlenPingPong, ::testing::ValuesIn(sm90_varlen_pp_cases()),
+                         [](const auto& info) { return info.param.name; });
+
 // The hdim-256 wgmma backward (session 19: 64 keys per CTA, the head dim split over the two
 // warpgroups; sm_90's default at hdim 256 except varlen, softcap and ALiBi): odd shapes, rows and
 // key blocks no one sees, GQA / MQA, windows, sinks, [b, h, s, d] strides, several (head, batch)

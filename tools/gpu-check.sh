@@ -364,7 +364,14 @@ if want backward; then
     # Pieces with their own suites (a failure gates only their own A/B): variant tmald, varlen.
     bounded_test "bwd tmald test" 300 "$BUILD/test_cuda_backward" '*CudaBackwardSm90Tmald*' "$OUT/bwd_tmald.log" &&
       { bwd_ab tmald 128 IOATTN_BWD_SM90_VARIANT=tmald; bwd_ab d64_tmald 64 IOATTN_BWD_SM90_VARIANT=tmald; }
-    bounded_test "bwd varlen test" 200 "$BUILD/test_cuda_backward" '*CudaBackwardSm90Varlen*' "$OUT/bwd_varlen.log"
+    bounded_test "bwd varlen test" 200 "$BUILD/test_cuda_backward" '*CudaBackwardSm90Varlen.*' "$OUT/bwd_varlen.log"
+    # Varlen through pp / ppwide (session 23, on request only): its suite, then varlen A/B per variant.
+    bounded_test "bwd varlen pp test" 300 "$BUILD/test_cuda_backward" '*CudaBackwardSm90VarlenPingPong*' \
+      "$OUT/bwd_varlen_pp.log" && for v in lag pp ppwide; do
+      env IOATTN_BWD_SM90_VARIANT=$v timeout 300 "$BUILD/ioattn_cuda_bench" bwd --varlen 1 --hdims 64 \
+        --seqlens ${GPU_CHECK_BWD_SEQLENS:-1024,4096,16384} | grep '^{' >"$OUT/bwd_sm90_varlen_d64_$v.json"
+      note "bwd varlen bench d64 $v  (bwd_sm90_varlen_d64_$v.json)"
+    done
     # Variant pp (the default from 2048 query rows at hdim 128 since session 9; at hdim 64 until session 23).
     bounded_test "bwd pp test" 300 "$BUILD/test_cuda_backward" '*CudaBackwardSm90PingPong.*' "$OUT/bwd_pp.log" &&
       { bwd_ab pp 128 IOATTN_BWD_SM90_VARIANT=pp; bwd_ab d64_pp 64 IOATTN_BWD_SM90_VARIANT=pp; }

@@ -6,10 +6,11 @@
 //       FlashAttention's benchmark grid: batch·seqlen = tokens, heads = hidden / hdim, causal and
 //       not; f16 only for --f16-hdims. One line per (config): ms, TFLOP/s, the selected kernel.
 //   ioattn_cuda_bench bwd   [--hdims 64,128,256] [--seqlens 512,...,16384] [--tokens 16384] [--hidden 2048]
-//                           [--dtypes bf16] [--repeats 10] [--deterministic 0|1]
+//                           [--dtypes bf16] [--repeats 10] [--deterministic 0|1] [--varlen 0|1]
 //       forward + backward through the public API on the same grid, causal and not: fwd+bwd ms and
 //       TFLOP/s (FLOPs = fwd + 2.5·fwd, FlashAttention's convention), the backward alone, and both
-//       kernels' names. dO uniform in [-1, 1); the forward's O and LSE feed the backward.
+//       kernels' names. dO uniform in [-1, 1); the forward's O and LSE feed the backward. --varlen 1:
+//       the same tokens as packed sequences (forward_varlen / backward_varlen; impl "..._varlen").
 //   ioattn_cuda_bench local [--hdims 64,128,256] [--seqlens 4096,16384] [--tokens 16384] [--hidden 2048]
 //                           [--window 1024] [--features window,sinks,softcap,alibi,varlen] [--repeats 15]
 //       bf16 forward with one extra feature per line on top of causal: a causal sliding window of
@@ -200,6 +201,9 @@ void run_bwd(int argc, char** argv) {
   const int repeats = std::stoi(arg(argc, argv, "--repeats", "10"));
   const std::string dtypes = arg(argc, argv, "--dtypes", "bf16");
   const bool deterministic = arg(argc, argv, "--deterministic", "0") == "1";
+  // --varlen 1: the same tokens as b packed sequences of s tokens each (forward_varlen /
+  // backward_varlen over [b*s, h, d] views of the same memory, LSE [h, b*s]).
+  const bool varlen = arg(argc, argv, "--varlen", "0") == "1";
   for (int64_t d : hdims)
     for (int64_t s : seqlens)
       for (const char* dts : {"bf16", "f16"}) {
@@ -220,34 +224,54 @@ void run_bwd(int argc, char** argv) {
         const auto lse = TensorView::contiguous(buf.lse, DType::f32, {b, h, s}, Device::cuda);
         Gradients g;
         g.dq = view(dq), g.dk = view(dk), g.dv = view(dv);
+        auto packed = [&](void* p) { return TensorView::contiguous(p, dt, {b * s, h, d}, Device::cuda); };
+        Gradients gp;
+        gp.dq = packed(dq), gp.dk = packed(dk), gp.dv = packed(dv);
+        const auto lsep = TensorView::contiguous(buf.lse, DType::f32, {h, b * s}, Device::cuda);
+        std::vector<int32_t> cu(static_cast<size_t>(b + 1));
+        for (int64_t i = 0; i <= b; ++i) cu[static_cast<size_t>(i)] = static_cast<int32_t>(i * s);
+        void* cu_dev = nullptr;
+        IOATTN_CUDA_CHECK(cudaMalloc(&cu_dev, (b + 1) * 4));
+        IOATTN_CUDA_CHECK(cudaMemcpy(cu_dev, cu.data(), (b + 1) * 4, cudaMemcpyHostToDevice));
+        Varlen vl;
+        vl.cu_seqlens_q = vl.cu_seqlens_k = TensorView::contiguous(cu_dev, DType::i32, {b + 1}, Device::cuda);
+        vl.max_seqlen_q = vl.max_seqlen_k = s;
         for (bool causal : {false, true}) {
           AttnParams prm;
           prm.causal = causal;
           Context ctx;
           ctx.backend = Backend::flash;
           ctx.deterministic = deterministic;
-          const KernelChoice kf = forward(q, k, v, o, lse, prm, ctx);
-          const KernelChoice kb = backward(q, k, v, o, dov, lse, g, prm, ctx);
-          auto fwd_bwd = [&] {
-            forward(q, k, v, o, lse, prm, ctx);
-            backward(q, k, v, o, dov, lse, g, prm, ctx);
+          auto fwd = [&] {
+            return varlen ? forward_varlen(packed(buf.q), packed(buf.k), packed(buf.v), packed(buf.o), lsep, vl, prm, ctx)
+                          : forward(q, k, v, o, lse, prm, ctx);
           };
-          auto bwd = [&] { backward(q, k, v, o, dov, lse, g, prm, ctx); };
+          auto bwd = [&] {
+            return varlen ? backward_varlen(packed(buf.q), packed(buf.k), packed(buf.v), packed(buf.o), packed(dout),
+                                            lsep, gp, vl, prm, ctx)
+                          : backward(q, k, v, o, dov, lse, g, prm, ctx);
+          };
+          const KernelChoice kf = fwd();
+          const KernelChoice kb = bwd();
+          auto fwd_bwd = [&] {
+            fwd();
+            bwd();
+          };
           const double one = cb::time_ms(fwd_bwd, 1, 1, 1);
           const double ms = cb::time_ms(fwd_bwd, 1, repeats, cb::inner_for(one));
           const double ms_bwd = cb::time_ms(bwd, 1, repeats, cb::inner_for(one));
           const double fwd_flops = cb::attn_flops(b, h, s, s, d, causal);
           std::printf(
-              "{\"impl\": \"ioattn_flash_fwdbwd\", \"dtype\": \"%s\", \"hdim\": %lld, \"seqlen\": %lld, "
+              "{\"impl\": \"ioattn_flash_fwdbwd%s\", \"dtype\": \"%s\", \"hdim\": %lld, \"seqlen\": %lld, "
               "\"batch\": %lld, \"heads\": %lld, \"causal\": %s, \"deterministic\": %s, \"ms\": %.5f, "
               "\"tflops\": %.2f, \"bwd_ms\": %.5f, \"bwd_tflops\": %.2f, \"kernel\": \"%s\", "
               "\"bwd_kernel\": \"%s\"}\n",
-              dts, (long long)d, (long long)s, (long long)b, (long long)h, causal ? "true" : "false",
-              deterministic ? "true" : "false", ms, 3.5 * fwd_flops / (ms * 1e-3) / 1e12, ms_bwd,
+              varlen ? "_varlen" : "", dts, (long long)d, (long long)s, (long long)b, (long long)h,
+              causal ? "true" : "false", deterministic ? "true" : "false", ms, 3.5 * fwd_flops / (ms * 1e-3) / 1e12, ms_bwd,
               2.5 * fwd_flops / (ms_bwd * 1e-3) / 1e12, kf.kernel.c_str(), kb.kernel.c_str());
           std::fflush(stdout);
         }
-        for (void* p : {dout, dq, dk, dv}) cudaFree(p);
+        for (void* p : {dout, dq, dk, dv, cu_dev}) cudaFree(p);
       }
 }
 

@@ -179,6 +179,12 @@ __device__ __forceinline__ void load_rows(uint32_t dst, const uint8_t* src, int6
 // lengths, workspace rows q_start + i, and the dQ map over [heads_q, total_q, d] (plane = head,
 // row = q_start + m0). A tail block's dQ piece rows past the sequence are exact zeros (P = 0 there:
 // LSE +inf, dO zero-filled), so the reduce-add that reaches the next sequence's rows adds 0.
+// kVarlen with kPingPong (variants pp and ppwide on varlen, session 23, written without a GPU; not
+// the default): Q / dO by TMA through maps over the packed [total_q, heads, d] tokens (row
+// q_start + m0), as the forward's varlen rows read them. A tail step's rows past its sequence are
+// then the next sequence's tokens (zeros past the last one): the step masks them (P = 0, so
+// dS = 0) and every product they enter is 0 x a finite value, so dK / dV get exact zeros from
+// them, as from the zero-filled rows of lag — provided the neighbouring tokens are finite.
 // kPingPong (variant "pp", with kTmaLoad; session 8, compiled, not yet run on a GPU): no
 // CTA barrier in the loop, so the two warpgroups stop walking the step in lockstep. At hdim 64 a
 // step's wgmmas are ~1,280 cycles of a ~3,700-cycle step (342 TFLOP/s): the rest is the chain
@@ -216,7 +222,8 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_sm90_kernel(const BwdPa
   static_assert(kD == 64 || kD == 128, "hdim 64 or 128");
   static_assert(kDq || (!kTmaDq && !kLag), "the dK/dV-only kernel (deterministic mode) has no dQ path");
   static_assert(!kTmaLoad || (kTmaDq && kLag), "TMA loads: the lag + TMA dQ variant only");
-  static_assert(!kVarlen || (kTmaDq && kLag && kDq && !kTmaLoad), "varlen: the lag + TMA dQ instance only");
+  static_assert(!kVarlen || (kTmaDq && kLag && kDq && (!kTmaLoad || kPingPong) && !kWarpDq),
+                "varlen: the lag + TMA dQ instance, or pp / ppwide");
   static_assert(!kPingPong || kTmaLoad, "ping-pong: a tmald variant");
   static_assert(!kWarpDq || kPingPong, "per-warp dQ reduce-adds: a pp variant");
   static_assert(!kWide || (kPingPong && !kWarpDq && kD == 64), "128-row steps: variant pp at hdim 64");
@@ -304,8 +311,10 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_sm90_kernel(const BwdPa
         mbarrier_arrive_expect_tx(&full_qdo[st], 2 * kTileQ);
 #pragma unroll
         for (int cb = 0; cb < kD / 64; ++cb) {
-          tma_load_4d(sq + st * kTileQ + cb * kM * 128, &q_map, &full_qdo[st], cb * 64, m0, h, b);
-          tma_load_4d(sdo + st * kTileQ + cb * kM * 128, &do_map, &full_qdo[st], cb * 64, m0, h, b);
+          // (varlen: the maps' rows are the packed tokens, one batch)
+          const int row = kVarlen ? q_start + m0 : m0, bb = kVarlen ? 0 : b;
+          tma_load_4d(sq + st * kTileQ + cb * kM * 128, &q_map, &full_qdo[st], cb * 64, row, h, bb);
+          tma_load_4d(sdo + st * kTileQ + cb * kM * 128, &do_map, &full_qdo[st], cb * 64, row, h, bb);
         }
       }
     } else {
@@ -438,7 +447,7 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_sm90_kernel(const BwdPa
         if (wtid == 0) {
           // the workspace's [heads_q, batch, seqlen_q] rows (varlen: [heads_q, total_q])
           const int plane = kVarlen ? ph : ph * p.batch + b;
-          const int prow = kVarlen ? q_start + pm0 : kWide ? pm0 + 64 * wg : pm0;
+          const int prow = (kVarlen ? q_start : 0) + pm0 + (kWide ? 64 * wg : 0);
 #if IOATTN_BWD_TRACE
           if ((dq_probe & 3) == 1) {
           } else if ((dq_probe & 3) == 2) {
@@ -1299,14 +1308,18 @@ CUtensorMap make_dq_map(const BwdParams& p, int box_rows = kBM) {
 // Variant "tmald": Q or dO [batch, seqlen_q, heads_q, kD] as the forward's 4-D map with [64 rows x
 // 64 dims] SW128 boxes, the layout of a stage's column blocks. TMA's alignment / stride rules
 // unmet: an error naming the tensor (the variant is an explicit choice, so no silent fallback).
+// Varlen: one batch of the packed tokens (rows_q = total_q; the tokens past the last sequence, if
+// the tensor has any, are out of bounds: zeros).
 template <typename T, int kD>
 CUtensorMap make_row_map(const void* ptr, const detail::Strides3& s, const BwdParams& p, const char* name,
                          int box_rows = kBM) {
+  const bool varlen = p.cu_seqlens_q != nullptr;
+  const int64_t rows = varlen ? p.rows_q : p.seqlen_q, batch = varlen ? 1 : p.batch;
   std::string why;
-  if (!sm90::tma_compatible(ptr, s, p.batch, p.seqlen_q, p.heads_q, name, &why))
-    throw Error(name, "the wgmma backward's TMA-load variants (tmald, pp): " + why);
-  return sm90::make_tensor_map(ptr, std::is_same_v<T, __nv_bfloat16> ? DType::bf16 : DType::f16, kD, p.seqlen_q,
-                               p.heads_q, p.batch, s, box_rows, name);
+  if (!sm90::tma_compatible(ptr, s, batch, rows, p.heads_q, name, &why))
+    throw Error(name, "the wgmma backward's TMA-load variants (tmald, pp, ppwide): " + why);
+  return sm90::make_tensor_map(ptr, std::is_same_v<T, __nv_bfloat16> ? DType::bf16 : DType::f16, kD, rows, p.heads_q,
+                               batch, s, box_rows, name);
 }
 
 // Deterministic mode (no dQ workspace): this kernel for dK/dV only, then the mma.sync table's
@@ -1448,6 +1461,27 @@ void set_dq_probe() {
 #endif
 }
 
+// Varlen with variant pp or ppwide (hdim 64): Q / dO by TMA over the packed tokens.
+template <typename T, int kD>
+void launch_varlen_pp(const BwdParams& p, int v, int64_t grid, cudaStream_t stream) {
+  using Kernel = void (*)(const BwdParams, const CUtensorMap, const CUtensorMap, const CUtensorMap);
+  Kernel kernel = &flash_bwd_sm90_kernel<T, kD, true, true, true, true, true, true>;
+  int smem = Cfg<kD>::kSmemTmaLoad, rows = kBM;
+  if constexpr (kD == 64) {
+    if (v == kVariantPingPongWide) {
+      kernel = &flash_bwd_sm90_kernel<T, kD, true, true, true, true, true, true, false, true>;
+      smem = Cfg<kD, 2 * kBM>::kSmemTmaLoad, rows = 2 * kBM;
+    }
+  }
+  const CUtensorMap map = make_dq_map<kD>(p);
+  const CUtensorMap q_map = make_row_map<T, kD>(p.q, {p.q_batch, p.q_seq, p.q_head}, p, "q", rows);
+  const CUtensorMap do_map = make_row_map<T, kD>(p.dout, {p.do_batch, p.do_seq, p.do_head}, p, "dout", rows);
+  IOATTN_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  set_dq_probe();
+  kernel<<<static_cast<unsigned>(grid), kThreads, smem, stream>>>(p, map, q_map, do_map);
+  IOATTN_CUDA_CHECK_LAUNCH("flash_bwd_sm90_kernel (varlen, pp)");
+}
+
 // Variant ppwide's instance (hdim 64 only).
 template <typename T, int kD>
 auto wide_kernel() {
@@ -1465,9 +1499,11 @@ void launch_typed(const BwdParams& p, cudaStream_t stream) {
   const int64_t grid = static_cast<int64_t>(p.num_n_blocks) * p.heads_kv * p.batch;
   const bool tma_load = v >= kVariantTmaLoad, tma_dq = tma_load || (v & 1) == 0;
   if (grid == 0) return;
-  if (p.cu_seqlens_q != nullptr) {  // varlen: the kVarlen instance (lag, TMA dQ) only
+  if (p.cu_seqlens_q != nullptr) {  // varlen: the kVarlen instances (lag, the default; pp, ppwide)
+    if (v == kVariantPingPong || v == kVariantPingPongWide) return launch_varlen_pp<T, kD>(p, v, grid, stream);
     if (v != 2)
-      throw Error("IOATTN_BWD_SM90_VARIANT", "the wgmma backward's varlen instance is the default variant (lag) only");
+      throw Error("IOATTN_BWD_SM90_VARIANT",
+                  "the wgmma backward's varlen instances are variants lag (the default), pp and ppwide only");
     auto* kernel = &flash_bwd_sm90_kernel<T, kD, true, true, true, false, true>;
     const int smem = Cfg<kD>::smem(true);
     const CUtensorMap map = make_dq_map<kD>(p);
