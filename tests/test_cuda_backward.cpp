@@ -783,6 +783,9 @@ TEST(CudaBackwardSm90Select, SaysWhenItDoesNotApply) {
     const KernelChoice k256 = s256.backward_device(false);
     EXPECT_NE(k256.kernel.find("tile 128x128"), std::string::npos) << k256.kernel;
     EXPECT_NE(k256.kernel.find("variant ppwide"), std::string::npos) << k256.kernel;
+    // deterministic mode: the dK/dV-only instance, 64-row steps
+    const KernelChoice k256det = s256.backward_device(true);
+    EXPECT_NE(k256det.kernel.find("tile 64x128"), std::string::npos) << k256det.kernel;
     {  // asked at hdim 128: a clear error naming the switch
       ScopedEnv var("IOATTN_BWD_SM90_VARIANT", "ppwide");
       BwdRun s128(mk("ppwide_d128", 40, 50, 128), 5);

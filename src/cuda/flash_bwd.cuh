@@ -847,7 +847,8 @@ struct BwdKernelInfo {
   void (*launch)(const BwdParams& p, bool is_bf16, cudaStream_t stream);
   // The wgmma rows' variant for a problem (the name the kernel string carries), nullptr elsewhere.
   const char* (*variant)(int64_t seqlen_q, bool varlen);
-  // The wgmma rows' query rows per step for a problem where the variant sets it (nullptr: block_m).
+  // The wgmma rows' query rows per step for a problem where the variant sets it (nullptr, and
+  // deterministic mode's dK/dV-only instance: block_m).
   int (*step_rows)(int64_t seqlen_q, bool varlen);
   // Whether the default (non-deterministic) mode wants the fp32 dQ workspace (nullptr: yes); a row
   // whose launch runs an atomic-free dQ pass instead says no (the hdim-256 wgmma row's mode pass).

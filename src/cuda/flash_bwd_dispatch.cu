@@ -179,7 +179,9 @@ Pick pick(const detail::BwdProblem& bp, int arch) {
       r.info = &info;
       r.sel = {"cuda/flash-backward sm90 wgmma " + std::string(dtype_name(p.dtype)) + " hdim" +
                    std::to_string(info.head_dim) + " " + detail::mask_name(p) + " tile " +
-                   std::to_string(info.step_rows ? info.step_rows(p.seqlen_q, p.varlen()) : info.block_m) + "x" + std::to_string(info.block_n) + " warpgroups " + std::to_string(info.warps / 4) +
+                   std::to_string(info.step_rows && !bp.deterministic ? info.step_rows(p.seqlen_q, p.varlen())
+                                                                     : info.block_m) +
+                   "x" + std::to_string(info.block_n) + " warpgroups " + std::to_string(info.warps / 4) +
                    (bp.deterministic            ? std::string(" dq deterministic")
                     : dq_by_pass(info, false) ? std::string(" dq pass variant ") + info.variant(p.seqlen_q, p.varlen())
                                               : std::string(" dq atomic variant ") + info.variant(p.seqlen_q, p.varlen())),
