@@ -664,6 +664,46 @@ TEST_P(CudaBackwardSm90VarlenPingPong, MatchesFloat64Reference) {
 INSTANTIATE_TEST_SUITE_P(Cases, CudaBackwardSm90VarlenPingPong, ::testing::ValuesIn(sm90_varlen_pp_cases()),
                          [](const auto& info) { return info.param.name; });
 
+// Varlen on the hdim-256 wgmma backward (session 23, written without a GPU; on request with
+// IOATTN_BWD_SM90_D256_VARLEN=1 until it has run on one): packed sequences with empty ones, GQA with
+// a window, sinks, causal, and long ones whose tails border the next sequence.
+std::vector<Case> sm90_d256_varlen_cases() {
+  std::vector<Case> v;
+  for (DType t : {DType::bf16, DType::f16}) {
+    const std::string ts = dtype_name(t);
+    { Case c = mk("d256_varlen_empty_" + ts, 0, 0, 256, t); c.batch = 5; c.varlen_q = {5, 0, 130, 64, 200};
+      c.varlen_k = {7, 3, 200, 0, 150}; v.push_back(c); c.name = "d256_varlen_empty_causal_" + ts; c.causal = true;
+      v.push_back(c); }
+    { Case c = mk("d256_varlen_gqa2_window_" + ts, 0, 0, 256, t); c.batch = 3; c.heads_q = 4; c.heads_kv = 2;
+      c.varlen_q = {1, 300, 65}; c.varlen_k = {1, 310, 64}; c.window_left = 64; c.window_right = 16; v.push_back(c); }
+    { Case c = mk("d256_varlen_sinks_causal_" + ts, 0, 0, 256, t); c.batch = 3; c.varlen_q = {17, 170, 2};
+      c.varlen_k = {17, 100, 230}; c.causal = true; c.sinks = true; v.push_back(c); }
+    { Case c = mk("d256_varlen_long_gqa2_causal_" + ts, 0, 0, 256, t); c.batch = 3; c.heads_q = 4; c.heads_kv = 2;
+      c.varlen_q = {700, 129, 400}; c.varlen_k = {650, 300, 400}; c.causal = true; v.push_back(c); }
+  }
+  return v;
+}
+
+class CudaBackwardSm90D256Varlen : public ::testing::TestWithParam<Case> {};
+
+TEST_P(CudaBackwardSm90D256Varlen, MatchesFloat64Reference) {
+  SKIP_WITHOUT_GPU();
+  if (detail::cuda_device_arch(0) != 90) GTEST_SKIP() << "skipped: the wgmma backward needs sm_90";
+  const Case& c = GetParam();
+  BwdRun s(c, 29 + c.name.size());
+  const Refs r = references(s);
+  BwdKernelEnv env(nullptr);
+  ScopedEnv on("IOATTN_BWD_SM90_D256_VARLEN", "1");
+  s.poison_grads();
+  const KernelChoice kc = s.backward_device(false);
+  EXPECT_NE(kc.kernel.find("sm90 wgmma"), std::string::npos) << kc.kernel << ": " << kc.reason;
+  EXPECT_NE(kc.kernel.find("hdim256"), std::string::npos) << kc.kernel;
+  check_grads(s, r, c.name + " (sm90 wgmma hdim-256 varlen)");
+}
+
+INSTANTIATE_TEST_SUITE_P(Cases, CudaBackwardSm90D256Varlen, ::testing::ValuesIn(sm90_d256_varlen_cases()),
+                         [](const auto& info) { return info.param.name; });
+
 // The hdim-256 wgmma backward (session 19: 64 keys per CTA, the head dim split over the two
 // warpgroups; sm_90's default at hdim 256 except varlen, softcap and ALiBi): odd shapes, rows and
 // key blocks no one sees, GQA / MQA, windows, sinks, [b, h, s, d] strides, several (head, batch)

@@ -103,6 +103,7 @@ struct BwdParams {
   int num_n_blocks = 0;            // key blocks per (batch, kv head) of the dK/dV kernel
   int num_m_blocks = 0;            // query blocks per (batch, head) of the deterministic dQ kernel
   int64_t rows_q = 0;              // workspace rows per head: batch·seqlen_q, or total_q (varlen)
+  int64_t rows_k = 0;              // key rows: batch·seqlen_k, or total_k (varlen; the hdim-256 TMA maps)
   const int32_t* cu_seqlens_q = nullptr;  // varlen, on the device
   const int32_t* cu_seqlens_k = nullptr;
   float scale = 1.f;

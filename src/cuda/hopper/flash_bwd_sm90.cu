@@ -892,11 +892,12 @@ __device__ __forceinline__ bool block_needs_mask(const BwdParams& p, int m0, int
 
 // This thread's two rows (r0, r0 + 8 past m0) of LSE·log2e (warpgroup 0) or D (warpgroup 1) from
 // the workspace; rows past the end: LSE +inf (P = 0), D 0.
-__device__ __forceinline__ void load_x(float (&x)[2], const BwdParams& p, int wg, int h, int b, int m0, int r0,
-                                       int sq_len) {
+// row0: the workspace row of the sequence's first query (b·seqlen_q; varlen: its cu_seqlens_q entry).
+__device__ __forceinline__ void load_x(float (&x)[2], const BwdParams& p, int wg, int h, int64_t row0, int m0,
+                                       int r0, int sq_len) {
   const float* src = wg == 0 ? p.ws_lse : p.ws_d;
   const float fill = wg == 0 ? kPosInf : 0.f;
-  const int64_t wrow = static_cast<int64_t>(h) * p.rows_q + static_cast<int64_t>(b) * sq_len + m0 + r0;
+  const int64_t wrow = static_cast<int64_t>(h) * p.rows_q + row0 + m0 + r0;
   x[0] = m0 + r0 < sq_len ? src[wrow] : fill;
   x[1] = m0 + r0 + 8 < sq_len ? src[wrow + 8] : fill;
 }
@@ -904,7 +905,11 @@ __device__ __forceinline__ void load_x(float (&x)[2], const BwdParams& p, int wg
 
 // kRedV4 (IOATTN_BWD_SM90_D256_DQ=v4): dQ by red.global.add.v4 (half the reductions): lanes t and
 // t ^ 1 swap one pair each, so an even lane adds 4 columns of row r0 and an odd lane 4 of r0 + 8.
-template <typename T, bool kDq, bool kRedV4 = false>
+// kVarlen (session 23, written without a GPU; IOATTN_BWD_SM90_D256_VARLEN=1 until verified): packed
+// sequences (bwd_detail::seq_info), Q / dO by TMA through maps over the packed tokens (row q_start +
+// m0: a tail step's rows past the sequence are the next one's tokens, masked: P = dS = 0, and 0 x a
+// finite value adds nothing), K / V and dK / dV at k_start; dQ by the pass only (no reductions).
+template <typename T, bool kDq, bool kRedV4 = false, bool kVarlen = false>
 __global__ void __launch_bounds__(kThreads, 1) flash_bwd_sm90_d256_kernel(const BwdParams p,
                                                                           const __grid_constant__ CUtensorMap q_map,
                                                                           const __grid_constant__ CUtensorMap do_map) {
@@ -932,12 +937,22 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_sm90_d256_kernel(const 
   const int hk = (blockIdx.x / p.num_n_blocks) % p.heads_kv;
   const int b = blockIdx.x / (p.num_n_blocks * p.heads_kv);
   const int n0 = nb * kBN;
-  const int sq_len = p.seqlen_q, sk_len = p.seqlen_k, off = sk_len - sq_len;
+  static_assert(!kVarlen || !kDq, "varlen: dQ by the pass");
+  int sq_len = p.seqlen_q, sk_len = p.seqlen_k, q_start = 0, k_start = 0;
+  if constexpr (kVarlen) {
+    const bwd_detail::SeqInfo si = bwd_detail::seq_info(p, b);
+    sq_len = si.sq, sk_len = si.sk, q_start = si.q_start, k_start = si.k_start;
+    if (n0 >= sk_len) return;  // this sequence has fewer keys (nothing issued yet)
+  }
+  const int off = sk_len - sq_len;
+  const int64_t row0 = kVarlen ? static_cast<int64_t>(q_start) : static_cast<int64_t>(b) * sq_len;
   constexpr int es = static_cast<int>(sizeof(T));
 
   {  // K, V of the block, once
-    const auto* kp = static_cast<const uint8_t*>(p.k) + (b * p.k_batch + static_cast<int64_t>(n0) * p.k_seq + hk * p.k_head) * es;
-    const auto* vp = static_cast<const uint8_t*>(p.v) + (b * p.v_batch + static_cast<int64_t>(n0) * p.v_seq + hk * p.v_head) * es;
+    const auto* kp = static_cast<const uint8_t*>(p.k) +
+                     (b * p.k_batch + static_cast<int64_t>(k_start + n0) * p.k_seq + hk * p.k_head) * es;
+    const auto* vp = static_cast<const uint8_t*>(p.v) +
+                     (b * p.v_batch + static_cast<int64_t>(k_start + n0) * p.v_seq + hk * p.v_head) * es;
     load_rows<kBN, kD>(smem_u32(sk), kp, p.k_seq * es, sk_len - n0);
     load_rows<kBN, kD>(smem_u32(sv), vp, p.v_seq * es, sk_len - n0);
     ptx::cp_async_commit();
@@ -964,10 +979,11 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_sm90_d256_kernel(const 
     if (++iss_m == per_head) iss_m = 0, ++iss_h;
     if (step >= 2) mbarrier_wait_or_trap(&empty[st], ((step - 2) >> 1) & 1);
     mbarrier_arrive_expect_tx(&full[st], 2 * kTile);
+    const int row = q_start + m0, bb = kVarlen ? 0 : b;  // (varlen: the maps' rows are the packed tokens)
 #pragma unroll
     for (int cb = 0; cb < kD / 64; ++cb) {
-      tma_load_4d(sq + st * kTile + cb * kBM * 128, &q_map, &full[st], cb * 64, m0, h, b);
-      tma_load_4d(sdo + st * kTile + cb * kBM * 128, &do_map, &full[st], cb * 64, m0, h, b);
+      tma_load_4d(sq + st * kTile + cb * kBM * 128, &q_map, &full[st], cb * 64, row, h, bb);
+      tma_load_4d(sdo + st * kTile + cb * kBM * 128, &do_map, &full[st], cb * 64, row, h, bb);
     }
   };
   ptx::cp_async_wait<0>();
@@ -1001,7 +1017,7 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_sm90_d256_kernel(const 
     // LSE·log2e (warpgroup 0) or D (warpgroup 1) of rows r0, r0 + 8, loaded before the wait that
     // precedes their use; rows past the end: LSE +inf (P = 0), D 0.
     float x[2];
-    d256::load_x(x, p, wg, h, b, m0, r0, sq_len);
+    d256::load_x(x, p, wg, h, row0, m0, r0, sq_len);
     BWD_TRACE(step, 10);
     mbarrier_wait_or_trap(&full[st], (step >> 1) & 1);
     BWD_TRACE(step, 9);
@@ -1094,8 +1110,8 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_sm90_d256_kernel(const 
   for (int i = 0; i < kD / 4; ++i) reg_fence(dv[i]), reg_fence(dk[i]);
 
   // dK (scaled), dV: keys n0 + r0 (+8), dims 128c + 8i + 2t (+1).
-  T* dkp = static_cast<T*>(p.dk) + b * p.dk_batch + hk * p.dk_head;
-  T* dvp = static_cast<T*>(p.dv) + b * p.dv_batch + hk * p.dv_head;
+  T* dkp = static_cast<T*>(p.dk) + b * p.dk_batch + static_cast<int64_t>(k_start) * p.dk_seq + hk * p.dk_head;
+  T* dvp = static_cast<T*>(p.dv) + b * p.dv_batch + static_cast<int64_t>(k_start) * p.dv_seq + hk * p.dv_head;
 #pragma unroll
   for (int i = 0; i < kD / 16; ++i)
 #pragma unroll
@@ -1123,7 +1139,9 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_sm90_d256_kernel(const 
 // two stages, a block ahead (thread 128; empty: one arrival per warp). Costs S and dP a second time
 // (3 of the backward's 5 GEMMs here, 7 in all) to avoid the fp32 reductions: at hdim 256 a 64-key
 // CTA adds 64 KB of dQ per 64-row step, twice the hdim-128 kernel's bytes per FLOP.
-template <typename T>
+// kVarlen: as the dK/dV kernel's (K / V by TMA over the packed keys too; a block past the
+// sequence's keys reads the next sequence's, masked); query blocks past a shorter sequence exit.
+template <typename T, bool kVarlen = false>
 __global__ void __launch_bounds__(kThreads, 1) flash_bwd_sm90_d256_dq_kernel(const BwdParams p,
                                                                              const __grid_constant__ CUtensorMap q_map,
                                                                              const __grid_constant__ CUtensorMap do_map,
@@ -1153,8 +1171,16 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_sm90_d256_dq_kernel(con
   const int m_block = p.num_m_blocks - 1 - static_cast<int>(blockIdx.x % p.num_m_blocks);
   const int bh = static_cast<int>(blockIdx.x / p.num_m_blocks);
   const int h = bh % p.heads_q, b = bh / p.heads_q, hk = h / p.group;
-  const int sq_len = p.seqlen_q, sk_len = p.seqlen_k, off = sk_len - sq_len;
+  int sq_len = p.seqlen_q, sk_len = p.seqlen_k, q_start = 0, k_start = 0;
+  if constexpr (kVarlen) {
+    const bwd_detail::SeqInfo si = bwd_detail::seq_info(p, b);
+    sq_len = si.sq, sk_len = si.sk, q_start = si.q_start, k_start = si.k_start;
+    if (m_block * kBM >= sq_len) return;  // this sequence has fewer rows (nothing issued yet)
+  }
+  const int off = sk_len - sq_len;
   const int m0 = m_block * kBM, m_end = min(m0 + kBM, sq_len);
+  const int64_t row0 = kVarlen ? static_cast<int64_t>(q_start) : static_cast<int64_t>(b) * sq_len;
+  const int bb = kVarlen ? 0 : b;  // the maps' batch (varlen: the packed tokens are one)
   // Key blocks that intersect the band of rows [m0, m_end), ascending (as flash_bwd_dq_kernel).
   int n_lo = 0, n_hi = sk_len;
   if (p.window_left >= 0) n_lo = max(0, m0 + off - p.window_left);
@@ -1175,21 +1201,21 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_sm90_d256_dq_kernel(con
     mbarrier_arrive_expect_tx(&full[st], 2 * kTile);
 #pragma unroll
     for (int cb = 0; cb < kD / 64; ++cb) {
-      tma_load_4d(sk + st * kTile + cb * kBN * 128, &k_map, &full[st], cb * 64, n0, hk, b);
-      tma_load_4d(sv + st * kTile + cb * kBN * 128, &v_map, &full[st], cb * 64, n0, hk, b);
+      tma_load_4d(sk + st * kTile + cb * kBN * 128, &k_map, &full[st], cb * 64, k_start + n0, hk, bb);
+      tma_load_4d(sv + st * kTile + cb * kBN * 128, &v_map, &full[st], cb * 64, k_start + n0, hk, bb);
     }
   };
   if (tid == 128 && n_blocks > 0) {
     mbarrier_arrive_expect_tx(qbar, 2 * kTile);
 #pragma unroll
     for (int cb = 0; cb < kD / 64; ++cb) {
-      tma_load_4d(sq + cb * kBM * 128, &q_map, qbar, cb * 64, m0, h, b);
-      tma_load_4d(sdo + cb * kBM * 128, &do_map, qbar, cb * 64, m0, h, b);
+      tma_load_4d(sq + cb * kBM * 128, &q_map, qbar, cb * 64, q_start + m0, h, bb);
+      tma_load_4d(sdo + cb * kBM * 128, &do_map, qbar, cb * 64, q_start + m0, h, bb);
     }
     issue(0), issue(1);
   }
   float x[2];
-  d256::load_x(x, p, wg, h, b, m0, r0, sq_len);
+  d256::load_x(x, p, wg, h, row0, m0, r0, sq_len);
   float dq[kD / 4];  // overwritten by the first block's wgmmas (no zeroing: see the dK/dV kernel)
   const uint64_t a_sdp = make_desc_sw128(smem_u32(wg == 0 ? sq : sdo), 16, 1024);
   const uint64_t b_sdp = make_desc_sw128(smem_u32(wg == 0 ? sk : sv), 16, 1024);
@@ -1227,7 +1253,8 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_sm90_d256_dq_kernel(con
 #pragma unroll
   for (int i = 0; i < kD / 4; ++i) reg_fence(dq[i]);
   // dQ = scale · acc: rows m0 + r0 (+8), columns 128c + 8i + 2t (+1); rows with no visible key get 0.
-  T* gdq = static_cast<T*>(p.dq) + b * p.dq_batch + static_cast<int64_t>(h) * p.dq_head;
+  T* gdq = static_cast<T*>(p.dq) + b * p.dq_batch + static_cast<int64_t>(q_start) * p.dq_seq +
+           static_cast<int64_t>(h) * p.dq_head;
 #pragma unroll
   for (int rh = 0; rh < 2; ++rh) {
     const int r = m0 + r0 + 8 * rh;
@@ -1630,13 +1657,16 @@ int dq_mode_d256() {
 
 // K or V [batch, seqlen_k, heads_kv, 256] as a 4-D map with [64 rows x 64 dims] SW128 boxes (the dQ
 // pass's stages); rows past seqlen_k read as zeros.
+// Varlen: one batch of the packed keys (rows_k = total_k).
 template <typename T>
 CUtensorMap make_kv_map(const void* ptr, const detail::Strides3& s, const BwdParams& p, const char* name) {
+  const bool varlen = p.cu_seqlens_k != nullptr;
+  const int64_t rows = varlen ? p.rows_k : p.seqlen_k, batch = varlen ? 1 : p.batch;
   std::string why;
-  if (!sm90::tma_compatible(ptr, s, p.batch, p.seqlen_k, p.heads_kv, name, &why))
+  if (!sm90::tma_compatible(ptr, s, batch, rows, p.heads_kv, name, &why))
     throw Error(name, "the hdim-256 wgmma dQ pass: " + why);
-  return sm90::make_tensor_map(ptr, std::is_same_v<T, __nv_bfloat16> ? DType::bf16 : DType::f16, 256, p.seqlen_k,
-                               p.heads_kv, p.batch, s, d256::kBN, name);
+  return sm90::make_tensor_map(ptr, std::is_same_v<T, __nv_bfloat16> ? DType::bf16 : DType::f16, 256, rows,
+                               p.heads_kv, batch, s, d256::kBN, name);
 }
 
 // hdim 256: the dK/dV kernel (with dQ by reductions, or without), then in deterministic mode or
@@ -1651,9 +1681,14 @@ void launch_d256_typed(const BwdParams& p, cudaStream_t stream) {
   const int64_t grid = static_cast<int64_t>(p.num_n_blocks) * p.heads_kv * p.batch;
   const CUtensorMap q_map = make_row_map<T, 256>(p.q, {p.q_batch, p.q_seq, p.q_head}, p, "q");
   const CUtensorMap do_map = make_row_map<T, 256>(p.dout, {p.do_batch, p.do_seq, p.do_head}, p, "dout");
+  const bool varlen = p.cu_seqlens_q != nullptr;
+  if (varlen && !pass)
+    throw Error("IOATTN_BWD_SM90_D256_DQ", "the hdim-256 wgmma backward's varlen instances take dQ by the pass only");
   if (grid > 0) {
-    auto* kernel = pass ? &flash_bwd_sm90_d256_kernel<T, false>
-                        : mode == kDqV4 ? &flash_bwd_sm90_d256_kernel<T, true, true> : &flash_bwd_sm90_d256_kernel<T, true>;
+    auto* kernel = varlen ? &flash_bwd_sm90_d256_kernel<T, false, false, true>
+                   : pass ? &flash_bwd_sm90_d256_kernel<T, false>
+                   : mode == kDqV4 ? &flash_bwd_sm90_d256_kernel<T, true, true>
+                                   : &flash_bwd_sm90_d256_kernel<T, true>;
     IOATTN_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, d256::kSmem));
     set_dq_probe();
     kernel<<<static_cast<unsigned>(grid), kThreads, d256::kSmem, stream>>>(p, q_map, do_map);
@@ -1664,7 +1699,7 @@ void launch_d256_typed(const BwdParams& p, cudaStream_t stream) {
   }
   const int64_t grid_q = static_cast<int64_t>(p.num_m_blocks) * p.heads_q * p.batch;
   if (pass && grid_q > 0) {
-    auto* kernel = &flash_bwd_sm90_d256_dq_kernel<T>;
+    auto* kernel = varlen ? &flash_bwd_sm90_d256_dq_kernel<T, true> : &flash_bwd_sm90_d256_dq_kernel<T>;
     const CUtensorMap k_map = make_kv_map<T>(p.k, {p.k_batch, p.k_seq, p.k_head}, p, "k");
     const CUtensorMap v_map = make_kv_map<T>(p.v, {p.v_batch, p.v_seq, p.v_head}, p, "v");
     IOATTN_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, d256::kSmem));
