@@ -494,10 +494,6 @@ TEST_P(CudaBackwardSm90, MatchesFloat64Reference) {
 INSTANTIATE_TEST_SUITE_P(Cases, CudaBackwardSm90, ::testing::ValuesIn(sm90_cases()),
                          [](const auto& info) { return info.param.name; });
 
-// Variant tmald (Q / dO by TMA; the default at hdim 64 and from 2048 query rows at hdim 128 in
-// session 8, where pp took its place in session 9): its own suite (written before it had run on a GPU, so a trap there gated nothing else).
-class CudaBackwardSm90Tmald : public ::testing::TestWithParam<Case> {};
-
 // One variant's own suite: case c through the wgmma backward with IOATTN_BWD_SM90_VARIANT=variant.
 void run_sm90_variant_case(const Case& c, const char* variant) {
   BwdRun s(c, 11 + c.name.size());
@@ -506,18 +502,26 @@ void run_sm90_variant_case(const Case& c, const char* variant) {
   check_sm90_variant(s, r, c, variant);
 }
 
-TEST_P(CudaBackwardSm90Tmald, MatchesFloat64Reference) {
-  SKIP_WITHOUT_GPU();
-  if (detail::cuda_device_arch(0) != 90) GTEST_SKIP() << "skipped: the wgmma backward needs sm_90";
-  run_sm90_variant_case(GetParam(), "tmald");
-}
+// A variant's suite: every case of cases() through run_sm90_variant_case (sm_90 only).
+#define IOATTN_SM90_VARIANT_SUITE(Suite, cases, variant)                                                   \
+  class Suite : public ::testing::TestWithParam<Case> {};                                                  \
+  TEST_P(Suite, MatchesFloat64Reference) {                                                                 \
+    SKIP_WITHOUT_GPU();                                                                                    \
+    if (detail::cuda_device_arch(0) != 90) GTEST_SKIP() << "skipped: the wgmma backward needs sm_90";     \
+    run_sm90_variant_case(GetParam(), variant);                                                            \
+  }                                                                                                        \
+  INSTANTIATE_TEST_SUITE_P(Cases, Suite, ::testing::ValuesIn(cases()),                                    \
+                           [](const auto& info) { return info.param.name; })
 
-INSTANTIATE_TEST_SUITE_P(Cases, CudaBackwardSm90Tmald, ::testing::ValuesIn(sm90_cases()),
-                         [](const auto& info) { return info.param.name; });
+// Variant tmald (Q / dO by TMA; the default at hdim 64 and from 2048 query rows at hdim 128 in
+// session 8, where pp took its place in session 9): its own suite (written before it had run on a
+// GPU, so a trap there gated nothing else).
+IOATTN_SM90_VARIANT_SUITE(CudaBackwardSm90Tmald, sm90_cases, "tmald");
 
 // Variant pp (no CTA barrier in the loop, the two warpgroups' wgmma issue alternating; at hdim 128
-// the dS^T halves ordered by mbarriers; written in session 8, the default at hdim 64 and from 2048
-// query rows at hdim 128 since session 9): its own suite, with two long cases (many steps: the warpgroups drift apart, every buffer turns over).
+// the dS^T halves ordered by mbarriers; written in session 8, the default from 2048 query rows at
+// hdim 128 since session 9, and at hdim 64 below 256 rows since session 23): its own suite, with two
+// long cases (many steps: the warpgroups drift apart, every buffer turns over).
 std::vector<Case> sm90_pp_cases() {
   std::vector<Case> v = sm90_cases();
   for (int64_t d : {64, 128}) {
@@ -530,29 +534,11 @@ std::vector<Case> sm90_pp_cases() {
   return v;
 }
 
-class CudaBackwardSm90PingPong : public ::testing::TestWithParam<Case> {};
-
-TEST_P(CudaBackwardSm90PingPong, MatchesFloat64Reference) {
-  SKIP_WITHOUT_GPU();
-  if (detail::cuda_device_arch(0) != 90) GTEST_SKIP() << "skipped: the wgmma backward needs sm_90";
-  run_sm90_variant_case(GetParam(), "pp");
-}
-
-INSTANTIATE_TEST_SUITE_P(Cases, CudaBackwardSm90PingPong, ::testing::ValuesIn(sm90_pp_cases()),
-                         [](const auto& info) { return info.param.name; });
+IOATTN_SM90_VARIANT_SUITE(CudaBackwardSm90PingPong, sm90_pp_cases, "pp");
 
 // Variant ppw (pp with each warp adding its own 16 rows of the dQ piece by TMA reduce-add: no
 // warpgroup barrier before the reduce-adds; written in session 12 without a GPU): the pp suite.
-class CudaBackwardSm90PingPongWarp : public ::testing::TestWithParam<Case> {};
-
-TEST_P(CudaBackwardSm90PingPongWarp, MatchesFloat64Reference) {
-  SKIP_WITHOUT_GPU();
-  if (detail::cuda_device_arch(0) != 90) GTEST_SKIP() << "skipped: the wgmma backward needs sm_90";
-  run_sm90_variant_case(GetParam(), "ppw");
-}
-
-INSTANTIATE_TEST_SUITE_P(Cases, CudaBackwardSm90PingPongWarp, ::testing::ValuesIn(sm90_pp_cases()),
-                         [](const auto& info) { return info.param.name; });
+IOATTN_SM90_VARIANT_SUITE(CudaBackwardSm90PingPongWarp, sm90_pp_cases, "ppw");
 
 // Variant ppwide (pp at hdim 64 with 128-row steps, the dQ split by rows over the warpgroups;
 // written in session 23): the pp suite's hdim-64 cases, plus tails of every length mod 128 that
@@ -570,25 +556,16 @@ std::vector<Case> sm90_ppwide_cases() {
   return v;
 }
 
-class CudaBackwardSm90PingPongWide : public ::testing::TestWithParam<Case> {};
-
-TEST_P(CudaBackwardSm90PingPongWide, MatchesFloat64Reference) {
-  SKIP_WITHOUT_GPU();
-  if (detail::cuda_device_arch(0) != 90) GTEST_SKIP() << "skipped: the wgmma backward needs sm_90";
-  run_sm90_variant_case(GetParam(), "ppwide");
-}
-
-INSTANTIATE_TEST_SUITE_P(Cases, CudaBackwardSm90PingPongWide, ::testing::ValuesIn(sm90_ppwide_cases()),
-                         [](const auto& info) { return info.param.name; });
+IOATTN_SM90_VARIANT_SUITE(CudaBackwardSm90PingPongWide, sm90_ppwide_cases, "ppwide");
 
 // Varlen on the wgmma backward (its kVarlen instance, the default since session 8;
 // IOATTN_BWD_SM90_VARLEN=0 switches it off): packed sequences with empty ones on either side,
 // causal and not, GQA with a window, sinks; hdim 128 and 64.
-std::vector<Case> sm90_varlen_cases() {
+std::vector<Case> sm90_varlen_cases(const std::vector<int64_t>& hdims = {128, 64}) {
   std::vector<Case> v;
   for (DType t : {DType::bf16, DType::f16}) {
     const std::string ts = dtype_name(t);
-    for (int64_t d : {128, 64}) {
+    for (int64_t d : hdims) {
       const std::string ds = "d" + std::to_string(d) + "_";
       { Case c = mk("varlen_empty_" + ds + ts, 0, 0, d, t); c.batch = 5; c.varlen_q = {5, 0, 130, 64, 200};
         c.varlen_k = {7, 3, 200, 0, 150}; v.push_back(c); c.name = "varlen_empty_causal_" + ds + ts; c.causal = true;
@@ -629,10 +606,11 @@ INSTANTIATE_TEST_SUITE_P(Cases, CudaBackwardSm90Varlen, ::testing::ValuesIn(sm90
 // Varlen through variants pp and ppwide (session 23, written without a GPU: Q / dO by TMA over the
 // packed tokens, a tail step's rows past its sequence read from the next sequence and masked): the
 // varlen cases plus sequences of many steps with tails of every kind.
-std::vector<Case> sm90_varlen_pp_cases() {
-  std::vector<Case> v = sm90_varlen_cases();
+// Long packed sequences (many steps; tails that border the next sequence), causal and not.
+std::vector<Case> varlen_long_cases(const std::vector<int64_t>& hdims) {
+  std::vector<Case> v;
   for (DType t : {DType::bf16, DType::f16})
-    for (int64_t d : {128, 64}) {
+    for (int64_t d : hdims) {
       const std::string ds = "d" + std::to_string(d) + "_" + dtype_name(t);
       Case c = mk("varlen_long_gqa2_" + ds, 0, 0, d, t);
       c.batch = 4;
@@ -645,6 +623,12 @@ std::vector<Case> sm90_varlen_pp_cases() {
       c.causal = true;
       v.push_back(c);
     }
+  return v;
+}
+
+std::vector<Case> sm90_varlen_pp_cases() {
+  std::vector<Case> v = sm90_varlen_cases(), l = varlen_long_cases({128, 64});
+  v.insert(v.end(), l.begin(), l.end());
   return v;
 }
 
@@ -668,19 +652,8 @@ INSTANTIATE_TEST_SUITE_P(Cases, CudaBackwardSm90VarlenPingPong, ::testing::Value
 // IOATTN_BWD_SM90_D256_VARLEN=1 until it has run on one): packed sequences with empty ones, GQA with
 // a window, sinks, causal, and long ones whose tails border the next sequence.
 std::vector<Case> sm90_d256_varlen_cases() {
-  std::vector<Case> v;
-  for (DType t : {DType::bf16, DType::f16}) {
-    const std::string ts = dtype_name(t);
-    { Case c = mk("d256_varlen_empty_" + ts, 0, 0, 256, t); c.batch = 5; c.varlen_q = {5, 0, 130, 64, 200};
-      c.varlen_k = {7, 3, 200, 0, 150}; v.push_back(c); c.name = "d256_varlen_empty_causal_" + ts; c.causal = true;
-      v.push_back(c); }
-    { Case c = mk("d256_varlen_gqa2_window_" + ts, 0, 0, 256, t); c.batch = 3; c.heads_q = 4; c.heads_kv = 2;
-      c.varlen_q = {1, 300, 65}; c.varlen_k = {1, 310, 64}; c.window_left = 64; c.window_right = 16; v.push_back(c); }
-    { Case c = mk("d256_varlen_sinks_causal_" + ts, 0, 0, 256, t); c.batch = 3; c.varlen_q = {17, 170, 2};
-      c.varlen_k = {17, 100, 230}; c.causal = true; c.sinks = true; v.push_back(c); }
-    { Case c = mk("d256_varlen_long_gqa2_causal_" + ts, 0, 0, 256, t); c.batch = 3; c.heads_q = 4; c.heads_kv = 2;
-      c.varlen_q = {700, 129, 400}; c.varlen_k = {650, 300, 400}; c.causal = true; v.push_back(c); }
-  }
+  std::vector<Case> v = sm90_varlen_cases({256}), l = varlen_long_cases({256});
+  v.insert(v.end(), l.begin(), l.end());
   return v;
 }
 
