@@ -365,8 +365,10 @@ if want backward; then
     bounded_test "bwd tmald test" 300 "$BUILD/test_cuda_backward" '*CudaBackwardSm90Tmald*' "$OUT/bwd_tmald.log" &&
       { bwd_ab tmald 128 IOATTN_BWD_SM90_VARIANT=tmald; bwd_ab d64_tmald 64 IOATTN_BWD_SM90_VARIANT=tmald; }
     bounded_test "bwd varlen test" 200 "$BUILD/test_cuda_backward" '*CudaBackwardSm90Varlen.*' "$OUT/bwd_varlen.log"
-    # Varlen through pp / ppwide (session 23, on request only): its suite, then varlen A/B per variant.
-    bounded_test "bwd varlen pp test" 300 "$BUILD/test_cuda_backward" '*CudaBackwardSm90VarlenPingPong*' \
+    # Varlen through pp / ppwide and at hdim 256 (session 23, on request only): their suites, then a
+    # varlen A/B per variant at hdim 64.
+    bounded_test "bwd varlen pp test" 300 "$BUILD/test_cuda_backward" \
+      '*CudaBackwardSm90VarlenPingPong*:*CudaBackwardSm90D256Varlen*' \
       "$OUT/bwd_varlen_pp.log" && for v in lag pp ppwide; do
       env IOATTN_BWD_SM90_VARIANT=$v timeout 300 "$BUILD/ioattn_cuda_bench" bwd --varlen 1 --hdims 64 \
         --seqlens ${GPU_CHECK_BWD_SEQLENS:-1024,4096,16384} | grep '^{' >"$OUT/bwd_sm90_varlen_d64_$v.json"

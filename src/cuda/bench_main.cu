@@ -225,6 +225,7 @@ void run_bwd(int argc, char** argv) {
         Gradients g;
         g.dq = view(dq), g.dk = view(dk), g.dv = view(dv);
         auto packed = [&](void* p) { return TensorView::contiguous(p, dt, {b * s, h, d}, Device::cuda); };
+        const auto qp = packed(buf.q), kp = packed(buf.k), vp = packed(buf.v), op = packed(buf.o), dop = packed(dout);
         Gradients gp;
         gp.dq = packed(dq), gp.dk = packed(dk), gp.dv = packed(dv);
         const auto lsep = TensorView::contiguous(buf.lse, DType::f32, {h, b * s}, Device::cuda);
@@ -243,12 +244,10 @@ void run_bwd(int argc, char** argv) {
           ctx.backend = Backend::flash;
           ctx.deterministic = deterministic;
           auto fwd = [&] {
-            return varlen ? forward_varlen(packed(buf.q), packed(buf.k), packed(buf.v), packed(buf.o), lsep, vl, prm, ctx)
-                          : forward(q, k, v, o, lse, prm, ctx);
+            return varlen ? forward_varlen(qp, kp, vp, op, lsep, vl, prm, ctx) : forward(q, k, v, o, lse, prm, ctx);
           };
           auto bwd = [&] {
-            return varlen ? backward_varlen(packed(buf.q), packed(buf.k), packed(buf.v), packed(buf.o), packed(dout),
-                                            lsep, gp, vl, prm, ctx)
+            return varlen ? backward_varlen(qp, kp, vp, op, dop, lsep, gp, vl, prm, ctx)
                           : backward(q, k, v, o, dov, lse, g, prm, ctx);
           };
           const KernelChoice kf = fwd();
@@ -267,7 +266,8 @@ void run_bwd(int argc, char** argv) {
               "\"tflops\": %.2f, \"bwd_ms\": %.5f, \"bwd_tflops\": %.2f, \"kernel\": \"%s\", "
               "\"bwd_kernel\": \"%s\"}\n",
               varlen ? "_varlen" : "", dts, (long long)d, (long long)s, (long long)b, (long long)h,
-              causal ? "true" : "false", deterministic ? "true" : "false", ms, 3.5 * fwd_flops / (ms * 1e-3) / 1e12, ms_bwd,
+              causal ? "true" : "false", deterministic ? "true" : "false", ms, 3.5 * fwd_flops / (ms * 1e-3) / 1e12,
+              ms_bwd,
               2.5 * fwd_flops / (ms_bwd * 1e-3) / 1e12, kf.kernel.c_str(), kb.kernel.c_str());
           std::fflush(stdout);
         }

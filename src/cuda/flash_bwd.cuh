@@ -197,6 +197,14 @@ __device__ __forceinline__ SeqInfo seq_info(const BwdParams& p, int b) {
   return s;
 }
 
+// seq_info for a kernel that knows at compile time whether it runs varlen: its dense instances get
+// the fixed lengths without a branch on cu_seqlens_q.
+template <bool kVarlen>
+__device__ __forceinline__ SeqInfo seq_info_t(const BwdParams& p, int b) {
+  if constexpr (kVarlen) return seq_info(p, b);
+  return SeqInfo{0, 0, p.seqlen_q, p.seqlen_k, static_cast<int64_t>(b) * p.seqlen_q};
+}
+
 // Workspace row -> (batch, position in the q/o/dq tensors): varlen rows are packed token
 // indices (batch stride 0); fixed-length rows are b·seqlen_q + i.
 __device__ __forceinline__ void ws_row_to_pos(const BwdParams& p, int64_t row, int64_t* b, int64_t* pos) {

@@ -68,6 +68,9 @@ bool dq_by_pass(const BwdKernelInfo& info, bool deterministic) {
 int64_t rows_q_of(const detail::FwdProblem& p) {
   return p.varlen() ? p.cu_seqlens_q_host[p.batch] : p.batch * p.seqlen_q;
 }
+int64_t rows_k_of(const detail::FwdProblem& p) {
+  return p.varlen() ? p.cu_seqlens_k_host[p.batch] : p.batch * p.seqlen_k;
+}
 
 struct Pick {
   const BwdKernelInfo* info = nullptr;
@@ -310,7 +313,7 @@ void run_flash_backward(const detail::BwdProblem& bp, const BwdKernelInfo& info)
   bw.num_n_blocks = static_cast<int>(ceil_div(p.seqlen_k, info.block_n));
   bw.num_m_blocks = static_cast<int>(ceil_div(p.seqlen_q, info.dq_block_m));
   bw.rows_q = rows_q_of(p);
-  bw.rows_k = p.varlen() ? p.cu_seqlens_k_host[p.batch] : p.batch * p.seqlen_k;
+  bw.rows_k = rows_k_of(p);
   bw.cu_seqlens_q = p.cu_seqlens_q;
   bw.cu_seqlens_k = p.cu_seqlens_k;
   bw.scale = p.scale;

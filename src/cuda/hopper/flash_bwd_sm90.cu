@@ -258,13 +258,9 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_sm90_kernel(const BwdPa
   const int hk = (blockIdx.x / p.num_n_blocks) % p.heads_kv;
   const int b = blockIdx.x / (p.num_n_blocks * p.heads_kv);
   const int n0 = nb * kBN;
-  int sq_len = p.seqlen_q, sk_len = p.seqlen_k, q_start = 0, k_start = 0;
-  if constexpr (kVarlen) {
-    const bwd_detail::SeqInfo si = bwd_detail::seq_info(p, b);
-    sq_len = si.sq, sk_len = si.sk, q_start = si.q_start, k_start = si.k_start;
-    if (n0 >= sk_len) return;  // this sequence has fewer keys (nothing issued yet)
-  }
-  const int off = sk_len - sq_len;
+  const bwd_detail::SeqInfo si = bwd_detail::seq_info_t<kVarlen>(p, b);
+  const int sq_len = si.sq, sk_len = si.sk, q_start = si.q_start, k_start = si.k_start, off = sk_len - sq_len;
+  if (kVarlen && n0 >= sk_len) return;  // this sequence has fewer keys (nothing issued yet)
   constexpr int es = static_cast<int>(sizeof(T));
 
   // K, V of the block, once.
@@ -303,7 +299,8 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_sm90_kernel(const BwdPa
     // warpgroups are done with the step that used the stage last.
     constexpr int kLoader = kPingPong ? 128 : 0;
     if constexpr (kPingPong) {
-      if (tid >= kLoader && tid < kLoader + kM && step >= 2) mbarrier_wait_or_trap(&empty_qdo[st], ((step - 2) >> 1) & 1);
+      if (tid >= kLoader && tid < kLoader + kM && step >= 2)
+        mbarrier_wait_or_trap(&empty_qdo[st], ((step - 2) >> 1) & 1);
     }
     if constexpr (kTmaLoad) {
       (void)qp, (void)dp;
@@ -938,13 +935,9 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_sm90_d256_kernel(const 
   const int b = blockIdx.x / (p.num_n_blocks * p.heads_kv);
   const int n0 = nb * kBN;
   static_assert(!kVarlen || !kDq, "varlen: dQ by the pass");
-  int sq_len = p.seqlen_q, sk_len = p.seqlen_k, q_start = 0, k_start = 0;
-  if constexpr (kVarlen) {
-    const bwd_detail::SeqInfo si = bwd_detail::seq_info(p, b);
-    sq_len = si.sq, sk_len = si.sk, q_start = si.q_start, k_start = si.k_start;
-    if (n0 >= sk_len) return;  // this sequence has fewer keys (nothing issued yet)
-  }
-  const int off = sk_len - sq_len;
+  const bwd_detail::SeqInfo si = bwd_detail::seq_info_t<kVarlen>(p, b);
+  const int sq_len = si.sq, sk_len = si.sk, q_start = si.q_start, k_start = si.k_start, off = sk_len - sq_len;
+  if (kVarlen && n0 >= sk_len) return;  // this sequence has fewer keys (nothing issued yet)
   const int64_t row0 = kVarlen ? static_cast<int64_t>(q_start) : static_cast<int64_t>(b) * sq_len;
   constexpr int es = static_cast<int>(sizeof(T));
 
@@ -1171,14 +1164,10 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_sm90_d256_dq_kernel(con
   const int m_block = p.num_m_blocks - 1 - static_cast<int>(blockIdx.x % p.num_m_blocks);
   const int bh = static_cast<int>(blockIdx.x / p.num_m_blocks);
   const int h = bh % p.heads_q, b = bh / p.heads_q, hk = h / p.group;
-  int sq_len = p.seqlen_q, sk_len = p.seqlen_k, q_start = 0, k_start = 0;
-  if constexpr (kVarlen) {
-    const bwd_detail::SeqInfo si = bwd_detail::seq_info(p, b);
-    sq_len = si.sq, sk_len = si.sk, q_start = si.q_start, k_start = si.k_start;
-    if (m_block * kBM >= sq_len) return;  // this sequence has fewer rows (nothing issued yet)
-  }
-  const int off = sk_len - sq_len;
+  const bwd_detail::SeqInfo si = bwd_detail::seq_info_t<kVarlen>(p, b);
+  const int sq_len = si.sq, sk_len = si.sk, q_start = si.q_start, k_start = si.k_start, off = sk_len - sq_len;
   const int m0 = m_block * kBM, m_end = min(m0 + kBM, sq_len);
+  if (kVarlen && m0 >= sq_len) return;  // this sequence has fewer rows (nothing issued yet)
   const int64_t row0 = kVarlen ? static_cast<int64_t>(q_start) : static_cast<int64_t>(b) * sq_len;
   const int bb = kVarlen ? 0 : b;  // the maps' batch (varlen: the packed tokens are one)
   // Key blocks that intersect the band of rows [m0, m_end), ascending (as flash_bwd_dq_kernel).
@@ -1488,32 +1477,11 @@ void set_dq_probe() {
 #endif
 }
 
-// Varlen with variant pp or ppwide (hdim 64): Q / dO by TMA over the packed tokens.
-template <typename T, int kD>
-void launch_varlen_pp(const BwdParams& p, int v, int64_t grid, cudaStream_t stream) {
-  using Kernel = void (*)(const BwdParams, const CUtensorMap, const CUtensorMap, const CUtensorMap);
-  Kernel kernel = &flash_bwd_sm90_kernel<T, kD, true, true, true, true, true, true>;
-  int smem = Cfg<kD>::kSmemTmaLoad, rows = kBM;
-  if constexpr (kD == 64) {
-    if (v == kVariantPingPongWide) {
-      kernel = &flash_bwd_sm90_kernel<T, kD, true, true, true, true, true, true, false, true>;
-      smem = Cfg<kD, 2 * kBM>::kSmemTmaLoad, rows = 2 * kBM;
-    }
-  }
-  const CUtensorMap map = make_dq_map<kD>(p);
-  const CUtensorMap q_map = make_row_map<T, kD>(p.q, {p.q_batch, p.q_seq, p.q_head}, p, "q", rows);
-  const CUtensorMap do_map = make_row_map<T, kD>(p.dout, {p.do_batch, p.do_seq, p.do_head}, p, "dout", rows);
-  IOATTN_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-  set_dq_probe();
-  kernel<<<static_cast<unsigned>(grid), kThreads, smem, stream>>>(p, map, q_map, do_map);
-  IOATTN_CUDA_CHECK_LAUNCH("flash_bwd_sm90_kernel (varlen, pp)");
-}
-
-// Variant ppwide's instance (hdim 64 only).
-template <typename T, int kD>
+// Variant ppwide's instance (hdim 64 only; kVarlen: over packed sequences).
+template <typename T, int kD, bool kVarlen>
 auto wide_kernel() {
   if constexpr (kD == 64)
-    return &flash_bwd_sm90_kernel<T, kD, true, true, true, true, false, true, false, true>;
+    return &flash_bwd_sm90_kernel<T, kD, true, true, true, true, kVarlen, true, false, true>;
   else
     return decltype(&flash_bwd_sm90_kernel<T, kD, true, false>){nullptr};
 }
@@ -1526,19 +1494,6 @@ void launch_typed(const BwdParams& p, cudaStream_t stream) {
   const int64_t grid = static_cast<int64_t>(p.num_n_blocks) * p.heads_kv * p.batch;
   const bool tma_load = v >= kVariantTmaLoad, tma_dq = tma_load || (v & 1) == 0;
   if (grid == 0) return;
-  if (p.cu_seqlens_q != nullptr) {  // varlen: the kVarlen instances (lag, the default; pp, ppwide)
-    if (v == kVariantPingPong || v == kVariantPingPongWide) return launch_varlen_pp<T, kD>(p, v, grid, stream);
-    if (v != 2)
-      throw Error("IOATTN_BWD_SM90_VARIANT",
-                  "the wgmma backward's varlen instances are variants lag (the default), pp and ppwide only");
-    auto* kernel = &flash_bwd_sm90_kernel<T, kD, true, true, true, false, true>;
-    const int smem = Cfg<kD>::smem(true);
-    const CUtensorMap map = make_dq_map<kD>(p);
-    IOATTN_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-    kernel<<<static_cast<unsigned>(grid), kThreads, smem, stream>>>(p, map, CUtensorMap{}, CUtensorMap{});
-    IOATTN_CUDA_CHECK_LAUNCH("flash_bwd_sm90_kernel (varlen)");
-    return;
-  }
   using Kernel = void (*)(const BwdParams, const CUtensorMap, const CUtensorMap, const CUtensorMap);
   const Kernel kernels[8] = {&flash_bwd_sm90_kernel<T, kD, true, false>,
                              &flash_bwd_sm90_kernel<T, kD, false, false>,
@@ -1547,8 +1502,19 @@ void launch_typed(const BwdParams& p, cudaStream_t stream) {
                              &flash_bwd_sm90_kernel<T, kD, true, true, true, true>,
                              &flash_bwd_sm90_kernel<T, kD, true, true, true, true, false, true>,
                              &flash_bwd_sm90_kernel<T, kD, true, true, true, true, false, true, true>,
-                             wide_kernel<T, kD>()};
-  auto* kernel = kernels[v];
+                             wide_kernel<T, kD, false>()};
+  Kernel kernel = kernels[v];
+  if (p.cu_seqlens_q != nullptr) {  // varlen: the kVarlen instances (lag, the default; pp, ppwide)
+    if (v == 2)
+      kernel = &flash_bwd_sm90_kernel<T, kD, true, true, true, false, true>;
+    else if (v == kVariantPingPong)
+      kernel = &flash_bwd_sm90_kernel<T, kD, true, true, true, true, true, true>;
+    else if (v == kVariantPingPongWide)
+      kernel = wide_kernel<T, kD, true>();
+    else
+      throw Error("IOATTN_BWD_SM90_VARIANT",
+                  "the wgmma backward's varlen instances are variants lag (the default), pp and ppwide only");
+  }
   const bool wide = v == kVariantPingPongWide;
   const int smem = wide ? Cfg<kD, 2 * kBM>::kSmemTmaLoad : tma_load ? Cfg<kD>::kSmemTmaLoad : Cfg<kD>::smem(tma_dq);
   const int rows = wide ? 2 * kBM : kBM;  // query rows per step
@@ -1624,8 +1590,8 @@ BwdKernelInfo info_for() {
   info.dq_smem_bytes = row.dq_smem_bytes;
   // (registers and static shared memory as reported: hdim 64's ppwide instance, the largest; else lag's)
   if constexpr (kD == 64) {
-    info.dkdv_bf16 = reinterpret_cast<const void*>(wide_kernel<__nv_bfloat16, kD>());
-    info.dkdv_f16 = reinterpret_cast<const void*>(wide_kernel<__half, kD>());
+    info.dkdv_bf16 = reinterpret_cast<const void*>(wide_kernel<__nv_bfloat16, kD, false>());
+    info.dkdv_f16 = reinterpret_cast<const void*>(wide_kernel<__half, kD, false>());
   } else {
     info.dkdv_bf16 = reinterpret_cast<const void*>(&flash_bwd_sm90_kernel<__nv_bfloat16, kD, true, true>);
     info.dkdv_f16 = reinterpret_cast<const void*>(&flash_bwd_sm90_kernel<__half, kD, true, true>);
