@@ -591,8 +591,17 @@ TEST_P(CudaBackwardSm90Varlen, MatchesFloat64Reference) {
   s.poison_grads();
   const KernelChoice kc = s.backward_device(false);
   EXPECT_NE(kc.kernel.find("sm90 wgmma"), std::string::npos) << kc.kernel << ": " << kc.reason;
-  EXPECT_NE(kc.kernel.find("variant lag"), std::string::npos) << kc.kernel;
-  check_grads(s, r, c.name + " (sm90 wgmma varlen)");
+  // The default's variant follows the dense rule on the longest sequence (session 24): ppwide at
+  // hdim 64 from 256 query rows, pp below; pp at hdim 128 from 2048, lag below. Lag is checked on
+  // request where it is not the default.
+  const int64_t longest = *std::max_element(c.varlen_q.begin(), c.varlen_q.end());
+  const std::string want = c.head_dim == 64 ? (longest >= 256 ? "ppwide" : "pp") : longest >= 2048 ? "pp" : "lag";
+  const std::string tail = " variant " + want;
+  const bool ends = kc.kernel.size() >= tail.size() &&
+                    kc.kernel.compare(kc.kernel.size() - tail.size(), tail.size(), tail) == 0;
+  EXPECT_TRUE(ends) << kc.kernel << " (want variant " << want << ")";
+  check_grads(s, r, c.name + " (sm90 wgmma varlen, variant " + want + ")");
+  if (want != "lag") check_sm90_variant(s, r, c, "lag");
   // Deterministic mode stays on the mma.sync table for varlen (its reason says so).
   s.poison_grads();
   const KernelChoice det = s.backward_device(true);
@@ -603,9 +612,10 @@ TEST_P(CudaBackwardSm90Varlen, MatchesFloat64Reference) {
 INSTANTIATE_TEST_SUITE_P(Cases, CudaBackwardSm90Varlen, ::testing::ValuesIn(sm90_varlen_cases()),
                          [](const auto& info) { return info.param.name; });
 
-// Varlen through variants pp and ppwide (session 23, written without a GPU: Q / dO by TMA over the
-// packed tokens, a tail step's rows past its sequence read from the next sequence and masked): the
-// varlen cases plus sequences of many steps with tails of every kind.
+// Varlen through variants pp and ppwide (session 23; verified and the defaults by the dense rule since
+// session 24: Q / dO by TMA over the packed tokens, a tail step's rows past its sequence read from
+// the next sequence and masked): the varlen cases plus sequences of many steps with tails of every
+// kind.
 // Long packed sequences (many steps; tails that border the next sequence), causal and not.
 std::vector<Case> varlen_long_cases(const std::vector<int64_t>& hdims) {
   std::vector<Case> v;
@@ -648,9 +658,9 @@ TEST_P(CudaBackwardSm90VarlenPingPong, MatchesFloat64Reference) {
 INSTANTIATE_TEST_SUITE_P(Cases, CudaBackwardSm90VarlenPingPong, ::testing::ValuesIn(sm90_varlen_pp_cases()),
                          [](const auto& info) { return info.param.name; });
 
-// Varlen on the hdim-256 wgmma backward (session 23, written without a GPU; on request with
-// IOATTN_BWD_SM90_D256_VARLEN=1 until it has run on one): packed sequences with empty ones, GQA with
-// a window, sinks, causal, and long ones whose tails border the next sequence.
+// Varlen on the hdim-256 wgmma backward (session 23; the default since session 24): packed sequences
+// with empty ones, GQA with a window, sinks, causal, and long ones whose tails border the next
+// sequence.
 std::vector<Case> sm90_d256_varlen_cases() {
   std::vector<Case> v = sm90_varlen_cases({256}), l = varlen_long_cases({256});
   v.insert(v.end(), l.begin(), l.end());
@@ -666,7 +676,6 @@ TEST_P(CudaBackwardSm90D256Varlen, MatchesFloat64Reference) {
   BwdRun s(c, 29 + c.name.size());
   const Refs r = references(s);
   BwdKernelEnv env(nullptr);
-  ScopedEnv on("IOATTN_BWD_SM90_D256_VARLEN", "1");
   s.poison_grads();
   const KernelChoice kc = s.backward_device(false);
   EXPECT_NE(kc.kernel.find("sm90 wgmma"), std::string::npos) << kc.kernel << ": " << kc.reason;
@@ -831,9 +840,9 @@ TEST(CudaBackwardSm90Select, SaysWhenItDoesNotApply) {
     c.varlen_q = {5, 30};
     c.varlen_k = {7, 20};
     BwdRun sv(c, 5);
-    const KernelChoice kv = sv.backward_device(false);
-    EXPECT_NE(kv.kernel.find("mma.sync"), std::string::npos) << kv.kernel;
-    EXPECT_NE(kv.reason.find("no varlen at hdim 256"), std::string::npos) << kv.reason;
+    const KernelChoice kv = sv.backward_device(false);  // varlen at hdim 256: wgmma (session 24)
+    EXPECT_NE(kv.kernel.find("sm90 wgmma"), std::string::npos) << kv.kernel << ": " << kv.reason;
+    EXPECT_NE(kv.kernel.find("hdim256 nomask+varlen"), std::string::npos) << kv.kernel;
   }
   {
     BwdKernelEnv env(nullptr);

@@ -173,14 +173,14 @@ __device__ __forceinline__ void load_rows(uint32_t dst, const uint8_t* src, int6
 // thread waits on) instead of 256 threads' cp.async; LSE / D stay cp.async (64 threads). Fewer
 // instructions and LSU queue entries per step (ncu, session 7: "mio throttle" 0.62 stalls per
 // issued instruction); rows past seqlen_q are the maps' out-of-bounds zeros, as cp.async's zfill.
-// kVarlen (with kLag and kTmaDq; the default for varlen since session 8, IOATTN_BWD_SM90_VARLEN=0
-// switches it off): packed
+// kVarlen (with kLag and kTmaDq; varlen's default at hdim 128 below 2048 query rows;
+// IOATTN_BWD_SM90_VARLEN=0 sends varlen to the mma.sync table): packed
 // sequences from cu_seqlens (bwd_detail::seq_info): this CTA's sequence's key / query starts and
 // lengths, workspace rows q_start + i, and the dQ map over [heads_q, total_q, d] (plane = head,
 // row = q_start + m0). A tail block's dQ piece rows past the sequence are exact zeros (P = 0 there:
 // LSE +inf, dO zero-filled), so the reduce-add that reaches the next sequence's rows adds 0.
-// kVarlen with kPingPong (variants pp and ppwide on varlen, session 23, written without a GPU; not
-// the default): Q / dO by TMA through maps over the packed [total_q, heads, d] tokens (row
+// kVarlen with kPingPong (variants pp and ppwide on varlen, session 23; the defaults by the dense
+// rule since session 24, verified on the H200): Q / dO by TMA through maps over the packed [total_q, heads, d] tokens (row
 // q_start + m0), as the forward's varlen rows read them. A tail step's rows past its sequence are
 // then the next sequence's tokens (zeros past the last one): the step masks them (P = 0, so
 // dS = 0) and every product they enter is 0 x a finite value, so dK / dV get exact zeros from
@@ -902,7 +902,7 @@ __device__ __forceinline__ void load_x(float (&x)[2], const BwdParams& p, int wg
 
 // kRedV4 (IOATTN_BWD_SM90_D256_DQ=v4): dQ by red.global.add.v4 (half the reductions): lanes t and
 // t ^ 1 swap one pair each, so an even lane adds 4 columns of row r0 and an odd lane 4 of r0 + 8.
-// kVarlen (session 23, written without a GPU; IOATTN_BWD_SM90_D256_VARLEN=1 until verified): packed
+// kVarlen (session 23; the default for varlen at hdim 256 since session 24, 2.1-2.4x mma.sync): packed
 // sequences (bwd_detail::seq_info), Q / dO by TMA through maps over the packed tokens (row q_start +
 // m0: a tail step's rows past the sequence are the next one's tokens, masked: P = dS = 0, and 0 x a
 // finite value adds nothing), K / V and dK / dV at k_start; dQ by the pass only (no reductions).
@@ -1264,20 +1264,24 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_sm90_d256_dq_kernel(con
 // reduce-add) | red (in its own step, by red.global: session 5's kernel) | pp (tmald without CTA
 // barriers in the loop, the warpgroups' wgmma issue alternating: kPingPong). Bits: 1 red, 2 lag;
 // tmald is 4, pp 5. Unset:
-// pp at hdim 64 and from 2048 query rows at hdim 128, lag below that and for varlen (session 8,
+// pp at hdim 64 and from 2048 query rows at hdim 128, lag below that (session 8,
 // H200: tmald +8-15% at hdim 64, +3-10% at hdim 128 from 4k over lag, -15% at 1k causal hdim 128;
 // session 9: pp over tmald +1-7% at hdim 64, +0-4% at hdim 128 from 4k). Session 8's "dqlate" (the
 // lagged dQ wgmmas after S^T / dP^T) lost 8-23% to tmald in session 9 and was removed.
 constexpr int kVariantTmaLoad = 4, kVariantPingPong = 5, kVariantPingPongWarpDq = 6, kVariantPingPongWide = 7;
 int variant_bits(int head_dim, int64_t seqlen_q, bool varlen) {
+  (void)varlen;  // (varlen has taken the dense rule since session 24)
   const char* e = std::getenv("IOATTN_BWD_SM90_VARIANT");
   if (e == nullptr || *e == '\0')
     // hdim 64: ppwide from 256 query rows (session 23: +6-26% at 1k-16k, even at 256, 5-25% slower
-    // at 32-128 rows, where a 128-row step is mostly padding)
-    return varlen                ? 2
-           : head_dim == 64      ? (seqlen_q >= 256 ? kVariantPingPongWide : kVariantPingPong)
-           : seqlen_q >= 2048    ? kVariantPingPong
-                                 : 2;
+    // at 32-128 rows, where a 128-row step is mostly padding). Varlen follows the same rule on its
+    // longest sequence (session 24, H200, packed batches of equal lengths: hdim 64 ppwide over lag
+    // +13-17% at 512, +20-25% at 1k, +29-38% at 4k; hdim 128 pp over lag 0-4% at 4k, 0-25% slower
+    // at 512). Q / dO by TMA needs nothing the dispatcher does not already require (16-byte
+    // aligned bases, strides multiples of 8 elements), so there is no case left for lag to catch.
+    return head_dim == 64     ? (seqlen_q >= 256 ? kVariantPingPongWide : kVariantPingPong)
+           : seqlen_q >= 2048 ? kVariantPingPong
+                              : 2;
   if (std::strcmp(e, "lag") == 0) return 2;
   if (std::strcmp(e, "split") == 0) return 0;
   if (std::strcmp(e, "red") == 0) return 1;
