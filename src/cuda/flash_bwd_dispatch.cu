@@ -107,9 +107,8 @@ std::string sm90_bwd_refusal(const detail::BwdProblem& bp, int arch, int optin, 
     if (bp.deterministic) return "no varlen in deterministic mode";
     if (rows_q_of(p) == 0) return "varlen with no query tokens (no dQ workspace)";
     const char* v = std::getenv("IOATTN_BWD_SM90_VARIANT");
-    if (v != nullptr && *v != '\0' && std::string(v) != "lag" && std::string(v) != "pp" &&
-        std::string(v) != "ppwide" && std::string(v) != "pp80")
-      return "varlen: variants lag, pp, ppwide and pp80 only, IOATTN_BWD_SM90_VARIANT is " + std::string(v);
+    if (v != nullptr && *v != '\0' && std::string(v) != "lag" && std::string(v) != "pp" && std::string(v) != "ppwide")
+      return "varlen: variants lag, pp and ppwide only, IOATTN_BWD_SM90_VARIANT is " + std::string(v);
   }
   if (p.softcap > 0.f || p.alibi_slopes != nullptr) return "no softcap or ALiBi";
   if (!p.varlen() && (p.batch == 0 || p.seqlen_q == 0 || p.seqlen_k == 0))  // a tensor map needs every dim >= 1

@@ -100,16 +100,12 @@ struct Cfg {
   // 229,440 bytes of tiles, pieces and barriers as hdim 128 plus 2 KB of static LSE / D (1 KB
   // more), so it keeps 960 bytes of slack to stay within the 232,448 an sm_90 CTA may have; the
   // kernel traps if its dynamic memory ever starts further than that from a 1024-byte boundary.
-  static constexpr int kSlack = kM == 2 * kBM ? 960 : 1024;
+  static constexpr int kSlack = kM == kBM ? 1024 : 960;
   static constexpr int kSmemRed = 2 * kTileK + 4 * kTileQ + 2 * kTileDsM + kSlack;
   // kTmaDq: + 2 buffers x 2 warpgroups x [64 rows x 64 dims] fp32 dQ pieces (hdim 128, with the
   // TMA-load variants' 64 bytes of mbarriers and the static LSE/D arrays: 231,488 bytes of the
-  // 232,448 an sm_90 CTA may have; 960 left). Variant pp80 (hdim 128, 80-row steps): one buffer
-  // x 2 warpgroups x [80 rows x 64 dims] (its 80-row Q / dO / dS tiles take the rest: 231,744).
-  static constexpr bool kRows80 = kD == 128 && kM == 80;
-  static constexpr int kDqPieceBytes = kRows80 ? kM * 64 * 4 : kDqPiece;
-  static constexpr int kDqBufs = kRows80 ? 1 : 2;
-  static constexpr int kSmemTma = kSmemRed + kDqBufs * 2 * kDqPieceBytes;
+  // 232,448 an sm_90 CTA may have; 960 left).
+  static constexpr int kSmemTma = kSmemRed + 2 * 2 * kDqPiece;
   static constexpr int kSmemTmaLoad = kSmemTma + 64;  // + mbarriers: Q/dO stages (full, empty), dS^T (pp)
   static constexpr int smem(bool tma_dq) { return tma_dq ? kSmemTma : kSmemRed; }
 };
@@ -216,7 +212,7 @@ __device__ __forceinline__ void load_rows(uint32_t dst, const uint8_t* src, int6
 // hdim-128 pp's ds_full / ds_empty order), so its accumulators are the hdim-128 kernel's count
 // (S^T 64 + dP^T 64 + dV 32 + dK 32 + dQ 32 per thread) and its shared memory the same.
 template <typename T, int kD, bool kTmaDq, bool kLag, bool kDq = true, bool kTmaLoad = false, bool kVarlen = false,
-          bool kPingPong = false, bool kWarpDq = false, bool kWide = false, bool kRows80 = false>
+          bool kPingPong = false, bool kWarpDq = false, bool kWide = false>
 __global__ void __launch_bounds__(kThreads, 1) flash_bwd_sm90_kernel(const BwdParams p,
                                                                      const __grid_constant__ CUtensorMap dq_map,
                                                                      const __grid_constant__ CUtensorMap q_map,
@@ -231,11 +227,8 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_sm90_kernel(const BwdPa
   static_assert(!kPingPong || kTmaLoad, "ping-pong: a tmald variant");
   static_assert(!kWarpDq || kPingPong, "per-warp dQ reduce-adds: a pp variant");
   static_assert(!kWide || (kPingPong && !kWarpDq && kD == 64), "128-row steps: variant pp at hdim 64");
-  static_assert(!kRows80 || (kPingPong && !kWarpDq && !kWide && kD == 128), "80-row steps: variant pp at hdim 128");
-  constexpr int kM = kWide ? 2 * kBM : kRows80 ? 80 : kBM;  // query rows per step
+  constexpr int kM = kWide ? 2 * kBM : kBM;  // query rows per step
   constexpr bool kDqWithDkv = kPingPong && (kD == 128 || kWide);  // the dQ wgmmas issued with dV / dK
-  constexpr int kDqN = kRows80 ? kM / 2 : kBM / 2;  // dQ accumulators per thread (kRows80: dQ^T m64n80)
-  constexpr bool kLseSmem = kWide || kRows80;     // LSE / D read from shared memory where used
   using C = Cfg<kD, kM>;
   constexpr int kTileQ = C::kTileQ, kTileK = C::kTileK, kTileDsM = C::kTileDsM;
   extern __shared__ uint8_t raw[];
@@ -251,7 +244,7 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_sm90_kernel(const BwdPa
   uint8_t* sdq = sds + 2 * kTileDsM; // kTmaDq: [2 parities][2 warpgroups] dQ pieces
   // kTmaLoad: the two Q/dO stages' mbarriers (full; kPingPong: and empty, and at hdim 128 the dS^T
   // buffers' ds_full / ds_empty), after the dQ pieces (Cfg::kSmemTmaLoad adds 64 bytes).
-  [[maybe_unused]] uint64_t* full_qdo = reinterpret_cast<uint64_t*>(sdq + C::kDqBufs * 2 * C::kDqPieceBytes);
+  [[maybe_unused]] uint64_t* full_qdo = reinterpret_cast<uint64_t*>(sdq + 4 * kDqPiece);
   [[maybe_unused]] uint64_t* empty_qdo = full_qdo + 2;  // kPingPong
   [[maybe_unused]] uint64_t* ds_full = full_qdo + 4;    // kPingPong at hdim 128
   [[maybe_unused]] uint64_t* ds_empty = full_qdo + 6;
@@ -383,23 +376,12 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_sm90_kernel(const BwdPa
       make_desc_sw128(smem_u32(sds) + (kWide ? wg * kBN * 128 : kD == 128 ? 0 : wg * 8192), kBN * 128, 1024);
   const uint64_t kdq_desc =
       make_desc_sw128(smem_u32(sk) + (kWide ? 0 : wg * (kD == 128 ? kBN * 128 : 8192)), kBN * 128, 1024);
-  // kRows80: dQ^T[64wg.. dims, 80 rows] = K^T dS^T (m64n80): A = K column block wg read MN-major
-  // (kdq_desc: M = dims), B = dS stored [80 rows x 128 keys] K-major (two column blocks of 64 keys).
-  [[maybe_unused]] const uint64_t dsk_desc = make_desc_sw128(smem_u32(sds), 16, 1024);
-  auto gemm_dq = [&](float(&dq)[kDqN], int buf) {
+  auto gemm_dq = [&](float(&dq)[kBM / 2], int buf) {
+    const uint64_t ds_d = desc_advance(ds_desc, buf * kTileDsM);
     wgmma_fence();
-    if constexpr (kRows80) {
-      const uint64_t ds_d = desc_advance(dsk_desc, buf * kTileDsM);
 #pragma unroll
-      for (int kk = 0; kk < kBN / 16; ++kk)
-        Wgmma<kM, T>::template ss<0, 1>(dq, desc_advance(kdq_desc, kk * 2048),
-                                        desc_advance(ds_d, (kk / 4) * kM * 128 + (kk % 4) * 32), kk > 0);
-    } else {
-      const uint64_t ds_d = desc_advance(ds_desc, buf * kTileDsM);
-#pragma unroll
-      for (int kk = 0; kk < (kD == 128 || kWide ? kBN : kBN / 2) / 16; ++kk)
-        Wgmma<kBM, T>::template ss<1, 1>(dq, desc_advance(ds_d, kk * 2048), desc_advance(kdq_desc, kk * 2048), kk > 0);
-    }
+    for (int kk = 0; kk < (kD == 128 || kWide ? kBN : kBN / 2) / 16; ++kk)
+      Wgmma<kBM, T>::template ss<1, 1>(dq, desc_advance(ds_d, kk * 2048), desc_advance(kdq_desc, kk * 2048), kk > 0);
   };
   // dQ partial by red.global (the variants without kTmaDq; probe 3).
   auto red_dq = [&](const float(&dq)[kBM / 2], int ph, int pm0) {
@@ -426,46 +408,14 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_sm90_kernel(const BwdPa
   };
   // dQ partial of the step at (query head ph, rows pm0..) into the fp32 workspace; pbuf = its dS^T
   // buffer parity (kTmaDq: also its piece buffer).
-  auto put_dq = [&](const float(&dq)[kDqN], int ph, int pm0, int pbuf) {
+  auto put_dq = [&](const float(&dq)[kBM / 2], int ph, int pm0, int pbuf) {
     // dQ partial (rows 16w + g (+8), dims c0 + 8i + 2t (+1); c0 = 64wg at hdim 128, 0 at 64) into
     // the fp32 workspace.
     constexpr int kDqCols = kD == 128 ? 64 : 0;  // column offset per warpgroup
-    if constexpr (kRows80) {
-      // dQ^T fragment: dim 64wg + 16w + g (+8), row 8i + 2t (+1), into this warpgroup's single
-      // piece ([80 rows x 32 floats] SW128 boxes, as dq_piece_off; conflict-free: a store's 8 dims
-      // x 4 rows hit 8 different 16-byte chunks). The piece is free once the reduce-adds issued
-      // from it a step ago have read it (the issuing thread waits, the barrier tells the others).
-      (void)pbuf;
-      uint8_t* piece = sdq + wg * C::kDqPieceBytes;
-      if (wtid == 0) bulk_wait_group_read<0>();
-      named_barrier_sync(1 + wg, 128);
-#pragma unroll
-      for (int i = 0; i < kM / 8; ++i)
-#pragma unroll
-        for (int rh = 0; rh < 2; ++rh)
-#pragma unroll
-          for (int c = 0; c < 2; ++c) {
-            const int dim = 16 * w + g + 8 * rh, row = 8 * i + 2 * t + c;
-            const uint32_t addr = smem_u32(piece) + static_cast<uint32_t>((dim >> 5) * (kM * 128) + row * 128 +
-                                                                          ((((dim & 31) >> 2) ^ (row & 7)) << 4) +
-                                                                          (dim & 3) * 4);
-            asm volatile("st.shared.f32 [%0], %1;\n" ::"r"(addr), "f"(dq[4 * i + 2 * rh + c]) : "memory");
-          }
-      fence_proxy_async();
-      named_barrier_sync(1 + wg, 128);
-      if (wtid == 0) {
-        const int plane = kVarlen ? ph : ph * p.batch + b;
-        const int prow = (kVarlen ? q_start : 0) + pm0;
-        tma_reduce_add_3d(&dq_map, piece, 64 * wg, prow, plane);
-        tma_reduce_add_3d(&dq_map, piece + kM * 128, 64 * wg + 32, prow, plane);
-        bulk_commit_group();
-      }
-    } else if constexpr (kTmaDq) {
+    if constexpr (kTmaDq) {
       // Into this step's piece (conflict-free: the 8 rows g of a store hit 8 different chunks),
       // then one thread of the warpgroup adds it with two reduce-adds (32 dims each).
-      if constexpr (!kWide) {
-        if ((dq_probe & 3) == 3) return red_dq(dq, ph, pm0);
-      }
+      if (!kWide && (dq_probe & 3) == 3) return red_dq(dq, ph, pm0);
       uint8_t* piece = sdq + (pbuf * 2 + wg) * kDqPiece;
 #pragma unroll
       for (int i = 0; i < 8; ++i)
@@ -515,7 +465,7 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_sm90_kernel(const BwdPa
         }
       }
     } else {
-      if constexpr (!kRows80) red_dq(dq, ph, pm0);
+      red_dq(dq, ph, pm0);
     }
   };
   int cur_h = 0, cur_m = 0, prev_h = 0, prev_m0 = 0;
@@ -524,7 +474,7 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_sm90_kernel(const BwdPa
   const bool dq_issuer = kWarpDq ? lane == 0 : wtid == 0;
   for (int step = 0; step < steps; ++step) {
     if constexpr (kPingPong) {
-      if (!kRows80 && dq_issuer) bulk_wait_group_read<1>();  // this step's dQ piece buffer (see below)
+      if (dq_issuer) bulk_wait_group_read<1>();  // this step's dQ piece buffer (see below)
       BWD_TRACE(step, 10);
       mbarrier_wait_or_trap(&full_qdo[step & 1], (step >> 1) & 1);  // Q, dO, LSE, D of this step
       BWD_TRACE(step, 9);
@@ -572,7 +522,7 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_sm90_kernel(const BwdPa
     // intentionally: the commit groups and waits are then the same every step, the result is
     // never read, and the read completes before step 1 writes that buffer), then S^T and dP^T;
     // the dQ output below runs while those are on the tensor cores.
-    float dq[kDqN];
+    float dq[kBM / 2];
     if constexpr (kLag && !kDqWithDkv) {
       gemm_dq(dq, st ^ 1);
       wgmma_commit();
@@ -620,16 +570,16 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_sm90_kernel(const BwdPa
     // LSE and D of this thread's 16 rows: rows 8k + 2t and 8k + 2t + 1 as one 8-byte load each,
     // issued before the wait for the scores that use them. kWide (32 rows): read where used
     // instead (64 more live registers beside S^T / dP^T spilled).
-    constexpr int kPre = kLseSmem ? 1 : kM / 8;
+    constexpr int kPre = kWide ? 1 : kM / 8;
     float2 lse2[kPre], d2[kPre];
     auto load_rows2 = [&](float2(&dst)[kPre], const float* src) {
-      if constexpr (!kLseSmem) {
+      if constexpr (!kWide) {
 #pragma unroll
         for (int k = 0; k < kM / 8; ++k) dst[k] = *reinterpret_cast<const float2*>(src + 8 * k + 2 * t);
       }
     };
     auto pick_at = [&](const float2(&v)[kPre], const float* src, int e) {
-      if constexpr (kLseSmem) return src[8 * (e / 4) + 2 * t + (e % 2)];
+      if constexpr (kWide) return src[8 * (e / 4) + 2 * t + (e % 2)];
       else return (e % 2) ? v[e / 4].y : v[e / 4].x;
     };
     auto p_part = [&](auto mask_tag) {
@@ -671,18 +621,7 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_sm90_kernel(const BwdPa
       // product), and the other warpgroup's may still be running.
       if constexpr (kDqWithDkv) {
         if (step >= 1) mbarrier_wait_or_trap(&ds_empty[st], ((step - 1) >> 1) & 1);
-        if constexpr (kRows80) {
-          // dS (not dS^T) as dQ^T's K-major B, [80 rows x 64 keys] per column block (block wg holds
-          // this warpgroup's keys): stmatrix.trans turns each 8x8 (keys x rows) register matrix
-          // into 8 rows of 8 keys; matrices (keys +0 / +8) x (rows 16m.. / 16m + 8..) as below.
-          const int q = lane >> 3, chunk = 2 * w + (q & 1);
-#pragma unroll
-          for (int m = 0; m < kM / 16; ++m) {
-            const int row = 16 * m + 8 * (q >> 1) + (lane & 7);
-            stmatrix_x4_trans(ds_s + static_cast<uint32_t>(wg * kM * 128 + row * 128 + ((chunk ^ (lane & 7)) << 4)),
-                              da[4 * m], da[4 * m + 1], da[4 * m + 2], da[4 * m + 3]);
-          }
-        } else if (dq_probe & 8) {
+        if (dq_probe & 8) {
         } else if (!kWide && (dq_probe & 4)) {
           // stmatrix: registers da[4m..4m+3] are the 8x8 (keys x rows) matrices (keys +0 / +8) x
           // (rows 16m.. / 16m + 8..); lane l addresses key row l % 8 of matrix l / 8.
@@ -750,7 +689,7 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_sm90_kernel(const BwdPa
     if constexpr (kDqWithDkv) {
       wgmma_wait<2>();  // the dQ wgmmas (dV and dK may still run): its output under them
 #pragma unroll
-      for (int i = 0; i < kDqN; ++i) reg_fence(dq[i]);
+      for (int i = 0; i < kBM / 2; ++i) reg_fence(dq[i]);
       BWD_TRACE(step, 13);
       __syncwarp();  // this warp's reads of dS^T buffer st ^ 1 are done
       if (lane == 0) mbarrier_arrive(&ds_empty[st ^ 1]);
@@ -798,12 +737,12 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_sm90_kernel(const BwdPa
       } else {
         __syncthreads();
       }
-      float dq[kDqN];
+      float dq[kBM / 2];
       gemm_dq(dq, (steps - 1) & 1);
       wgmma_commit();
       wgmma_wait<0>();
 #pragma unroll
-      for (int i = 0; i < kDqN; ++i) reg_fence(dq[i]);
+      for (int i = 0; i < kBM / 2; ++i) reg_fence(dq[i]);
       put_dq(dq, prev_h, prev_m0, (steps - 1) & 1);
     }
   }
@@ -1329,8 +1268,7 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_sm90_d256_dq_kernel(con
 // H200: tmald +8-15% at hdim 64, +3-10% at hdim 128 from 4k over lag, -15% at 1k causal hdim 128;
 // session 9: pp over tmald +1-7% at hdim 64, +0-4% at hdim 128 from 4k). Session 8's "dqlate" (the
 // lagged dQ wgmmas after S^T / dP^T) lost 8-23% to tmald in session 9 and was removed.
-constexpr int kVariantTmaLoad = 4, kVariantPingPong = 5, kVariantPingPongWarpDq = 6, kVariantPingPongWide = 7,
-              kVariantPp80 = 8;
+constexpr int kVariantTmaLoad = 4, kVariantPingPong = 5, kVariantPingPongWarpDq = 6, kVariantPingPongWide = 7;
 int variant_bits(int head_dim, int64_t seqlen_q, bool varlen) {
   (void)varlen;  // (varlen has taken the dense rule since session 24)
   const char* e = std::getenv("IOATTN_BWD_SM90_VARIANT");
@@ -1357,15 +1295,9 @@ int variant_bits(int head_dim, int64_t seqlen_q, bool varlen) {
                                              "head_dim " + std::to_string(head_dim));
     return kVariantPingPongWide;
   }
-  if (std::strcmp(e, "pp80") == 0) {
-    if (head_dim != 128)
-      throw Error("IOATTN_BWD_SM90_VARIANT", "IOATTN_BWD_SM90_VARIANT=pp80 (80-row steps) is a hdim-128 variant, got "
-                                             "head_dim " + std::to_string(head_dim));
-    return kVariantPp80;
-  }
   throw Error("IOATTN_BWD_SM90_VARIANT",
-              std::string("IOATTN_BWD_SM90_VARIANT must be split, red, lag, redlag, tmald, pp, ppw, ppwide or pp80, "
-                          "got '") + e + "'");
+              std::string("IOATTN_BWD_SM90_VARIANT must be split, red, lag, redlag, tmald, pp, ppw or ppwide, got '") +
+                  e + "'");
 }
 
 // The fp32 dQ workspace [heads_q, batch·seqlen_q, kD] as a 3-D map (kD, seqlen_q, heads_q·batch) —
@@ -1557,14 +1489,6 @@ auto wide_kernel() {
   else
     return decltype(&flash_bwd_sm90_kernel<T, kD, true, false>){nullptr};
 }
-// Variant pp80's instance (hdim 128 only).
-template <typename T, int kD, bool kVarlen>
-auto rows80_kernel() {
-  if constexpr (kD == 128)
-    return &flash_bwd_sm90_kernel<T, kD, true, true, true, true, kVarlen, true, false, false, true>;
-  else
-    return decltype(&flash_bwd_sm90_kernel<T, kD, true, false>){nullptr};
-}
 
 template <typename T, int kD>
 void launch_typed(const BwdParams& p, cudaStream_t stream) {
@@ -1575,15 +1499,14 @@ void launch_typed(const BwdParams& p, cudaStream_t stream) {
   const bool tma_load = v >= kVariantTmaLoad, tma_dq = tma_load || (v & 1) == 0;
   if (grid == 0) return;
   using Kernel = void (*)(const BwdParams, const CUtensorMap, const CUtensorMap, const CUtensorMap);
-  const Kernel kernels[9] = {&flash_bwd_sm90_kernel<T, kD, true, false>,
+  const Kernel kernels[8] = {&flash_bwd_sm90_kernel<T, kD, true, false>,
                              &flash_bwd_sm90_kernel<T, kD, false, false>,
                              &flash_bwd_sm90_kernel<T, kD, true, true>,
                              &flash_bwd_sm90_kernel<T, kD, false, true>,
                              &flash_bwd_sm90_kernel<T, kD, true, true, true, true>,
                              &flash_bwd_sm90_kernel<T, kD, true, true, true, true, false, true>,
                              &flash_bwd_sm90_kernel<T, kD, true, true, true, true, false, true, true>,
-                             wide_kernel<T, kD, false>(),
-                             rows80_kernel<T, kD, false>()};
+                             wide_kernel<T, kD, false>()};
   Kernel kernel = kernels[v];
   if (p.cu_seqlens_q != nullptr) {  // varlen: the kVarlen instances (lag, the default; pp, ppwide)
     if (v == 2)
@@ -1592,20 +1515,14 @@ void launch_typed(const BwdParams& p, cudaStream_t stream) {
       kernel = &flash_bwd_sm90_kernel<T, kD, true, true, true, true, true, true>;
     else if (v == kVariantPingPongWide)
       kernel = wide_kernel<T, kD, true>();
-    else if (v == kVariantPp80)
-      kernel = rows80_kernel<T, kD, true>();
     else
       throw Error("IOATTN_BWD_SM90_VARIANT",
-                  "the wgmma backward's varlen instances are variants lag, pp, ppwide and pp80 only");
+                  "the wgmma backward's varlen instances are variants lag (the default), pp and ppwide only");
   }
-  const bool wide = v == kVariantPingPongWide, rows80 = v == kVariantPp80;
-  const int smem = wide     ? Cfg<kD, 2 * kBM>::kSmemTmaLoad
-                   : rows80 ? Cfg<kD, 80>::kSmemTmaLoad
-                   : tma_load ? Cfg<kD>::kSmemTmaLoad
-                              : Cfg<kD>::smem(tma_dq);
-  const int rows = wide ? 2 * kBM : rows80 ? 80 : kBM;  // query rows per step
-  const CUtensorMap map =
-      tma_dq ? make_dq_map<kD>(p, v == kVariantPingPongWarpDq ? 16 : rows80 ? 80 : kBM) : CUtensorMap{};
+  const bool wide = v == kVariantPingPongWide;
+  const int smem = wide ? Cfg<kD, 2 * kBM>::kSmemTmaLoad : tma_load ? Cfg<kD>::kSmemTmaLoad : Cfg<kD>::smem(tma_dq);
+  const int rows = wide ? 2 * kBM : kBM;  // query rows per step
+  const CUtensorMap map = tma_dq ? make_dq_map<kD>(p, v == kVariantPingPongWarpDq ? 16 : kBM) : CUtensorMap{};
   const CUtensorMap q_map =
       tma_load ? make_row_map<T, kD>(p.q, {p.q_batch, p.q_seq, p.q_head}, p, "q", rows) : CUtensorMap{};
   const CUtensorMap do_map =
@@ -1636,7 +1553,6 @@ const char* variant_name(int head_dim, int64_t seqlen_q, bool varlen) {
     case kVariantPingPong: return "pp";
     case kVariantPingPongWarpDq: return "ppw";
     case kVariantPingPongWide: return "ppwide";
-    case kVariantPp80: return "pp80";
     default: return "lag";
   }
 }
@@ -1646,8 +1562,7 @@ const char* variant_of(int64_t seqlen_q, bool varlen) {
 }
 template <int kD>
 int step_rows_of(int64_t seqlen_q, bool varlen) {
-  const int v = variant_bits(kD, seqlen_q, varlen);
-  return v == kVariantPingPongWide ? 2 * kBM : v == kVariantPp80 ? 80 : kBM;
+  return variant_bits(kD, seqlen_q, varlen) == kVariantPingPongWide ? 2 * kBM : kBM;
 }
 
 template <int kD>

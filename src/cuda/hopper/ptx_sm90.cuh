@@ -278,16 +278,6 @@ __device__ __forceinline__ void stmatrix_x4(uint32_t row_addr, uint32_t r0, uint
                : "memory");
 }
 
-// The same with .trans: matrix j's row r (register view) lands in column r of the 8 shared rows,
-// i.e. lane l addresses shared row l % 8 of matrix l / 8, which receives register-view column
-// l % 8 (the backward's dS from dS^T fragments).
-__device__ __forceinline__ void stmatrix_x4_trans(uint32_t row_addr, uint32_t r0, uint32_t r1, uint32_t r2,
-                                                  uint32_t r3) {
-  asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(row_addr), "r"(r0),
-               "r"(r1), "r"(r2), "r"(r3)
-               : "memory");
-}
-
 // ---- global reductions -------------------------------------------------------------------------
 
 // red.global.add.v2.f32 [p], {a, b} under a predicate, as one predicated instruction (no branch
