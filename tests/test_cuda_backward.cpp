@@ -602,10 +602,12 @@ TEST_P(CudaBackwardSm90Varlen, MatchesFloat64Reference) {
   EXPECT_TRUE(ends) << kc.kernel << " (want variant " << want << ")";
   check_grads(s, r, c.name + " (sm90 wgmma varlen, variant " + want + ")");
   if (want != "lag") check_sm90_variant(s, r, c, "lag");
-  // Deterministic mode stays on the mma.sync table for varlen (its reason says so).
+  // Deterministic mode on varlen (session 24): the wgmma dK/dV-only kernel over packed sequences,
+  // then the atomic-free dQ pass.
   s.poison_grads();
   const KernelChoice det = s.backward_device(true);
-  EXPECT_EQ(det.kernel.find("sm90 wgmma"), std::string::npos) << det.kernel;
+  EXPECT_NE(det.kernel.find("sm90 wgmma"), std::string::npos) << det.kernel << ": " << det.reason;
+  EXPECT_NE(det.kernel.find("dq deterministic"), std::string::npos) << det.kernel;
   check_grads(s, r, c.name + " (deterministic)");
 }
 
@@ -926,6 +928,37 @@ TEST(CudaBackwardDeterministic, BitwiseEqualOver100Runs) {
     EXPECT_TRUE(same_bytes(s.dk, dk0)) << c.name << ": dk of the atomic-dq mode differs";
     EXPECT_TRUE(same_bytes(s.dv, dv0)) << c.name << ": dv of the atomic-dq mode differs";
     EXPECT_TRUE(same_bytes(s.dsinks, ds0)) << c.name << ": dsinks of the atomic-dq mode differs";
+  }
+}
+
+// Deterministic mode on packed sequences (the wgmma dK/dV-only kernel over cu_seqlens since session
+// 24, hdim 256 its dQ pass as always): 20 runs give bitwise-equal dq, dk, dv, dsinks.
+TEST(CudaBackwardDeterministic, VarlenBitwiseEqualOver20Runs) {
+  SKIP_WITHOUT_GPU();
+  for (int64_t d : {64, 128, 256}) {
+    Case c = mk("det_varlen_hdim" + std::to_string(d), 0, 0, d, DType::bf16);
+    c.batch = 4;
+    c.heads_q = 4;
+    c.heads_kv = 2;
+    c.causal = true;
+    c.sinks = true;
+    c.varlen_q = {300, 0, 129, 77};
+    c.varlen_k = {457, 5, 129, 200};
+    BwdRun s(c, 7);
+    const Refs r = references(s);
+    const KernelChoice kc = s.backward_device(true);
+    if (detail::cuda_device_arch(0) == 90)
+      EXPECT_NE(kc.kernel.find("sm90 wgmma"), std::string::npos) << kc.kernel << ": " << kc.reason;
+    check_grads(s, r, c.name);
+    const auto dq0 = bytes_of(s.dq), dk0 = bytes_of(s.dk), dv0 = bytes_of(s.dv), ds0 = bytes_of(s.dsinks);
+    for (int run = 1; run < 20; ++run) {
+      s.poison_grads();
+      s.backward_device(true);
+      ASSERT_TRUE(same_bytes(s.dq, dq0)) << c.name << ": dq differs in run " << run;
+      ASSERT_TRUE(same_bytes(s.dk, dk0)) << c.name << ": dk differs in run " << run;
+      ASSERT_TRUE(same_bytes(s.dv, dv0)) << c.name << ": dv differs in run " << run;
+      ASSERT_TRUE(same_bytes(s.dsinks, ds0)) << c.name << ": dsinks differs in run " << run;
+    }
   }
 }
 

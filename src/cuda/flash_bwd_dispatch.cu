@@ -104,7 +104,6 @@ std::string sm90_bwd_refusal(const detail::BwdProblem& bp, int arch, int optin, 
     // sends varlen to the mma.sync table.
     const char* e = std::getenv("IOATTN_BWD_SM90_VARLEN");
     if (e != nullptr && std::string(e) == "0") return "varlen switched off (IOATTN_BWD_SM90_VARLEN=0)";
-    if (bp.deterministic) return "no varlen in deterministic mode";
     if (rows_q_of(p) == 0) return "varlen with no query tokens (no dQ workspace)";
     const char* v = std::getenv("IOATTN_BWD_SM90_VARIANT");
     if (v != nullptr && *v != '\0' && std::string(v) != "lag" && std::string(v) != "pp" && std::string(v) != "ppwide")

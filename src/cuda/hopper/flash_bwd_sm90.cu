@@ -222,8 +222,9 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_sm90_kernel(const BwdPa
   static_assert(kD == 64 || kD == 128, "hdim 64 or 128");
   static_assert(kDq || (!kTmaDq && !kLag), "the dK/dV-only kernel (deterministic mode) has no dQ path");
   static_assert(!kTmaLoad || (kTmaDq && kLag), "TMA loads: the lag + TMA dQ variant only");
-  static_assert(!kVarlen || (kTmaDq && kLag && kDq && (!kTmaLoad || kPingPong) && !kWarpDq),
-                "varlen: the lag + TMA dQ instance, or pp / ppwide");
+  static_assert(!kVarlen || (kTmaDq && kLag && kDq && (!kTmaLoad || kPingPong) && !kWarpDq) ||
+                    (!kDq && !kTmaLoad),
+                "varlen: the lag + TMA dQ instance, pp / ppwide, or the dK/dV-only one (deterministic mode)");
   static_assert(!kPingPong || kTmaLoad, "ping-pong: a tmald variant");
   static_assert(!kWarpDq || kPingPong, "per-warp dQ reduce-adds: a pp variant");
   static_assert(!kWide || (kPingPong && !kWarpDq && kD == 64), "128-row steps: variant pp at hdim 64");
@@ -1355,7 +1356,9 @@ template <typename T, int kD>
 void launch_deterministic(const BwdParams& p, cudaStream_t stream) {
   const int64_t grid = static_cast<int64_t>(p.num_n_blocks) * p.heads_kv * p.batch;
   if (grid > 0) {
-    auto* kernel = &flash_bwd_sm90_kernel<T, kD, false, false, false>;
+    // (varlen since session 24: the same kernel over packed sequences; the dQ pass takes varlen too)
+    auto* kernel = p.cu_seqlens_q != nullptr ? &flash_bwd_sm90_kernel<T, kD, false, false, false, false, true>
+                                             : &flash_bwd_sm90_kernel<T, kD, false, false, false>;
     const int smem = Cfg<kD>::smem(false);
     IOATTN_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
     kernel<<<static_cast<unsigned>(grid), kThreads, smem, stream>>>(p, CUtensorMap{}, CUtensorMap{}, CUtensorMap{});
