@@ -892,6 +892,20 @@ std::vector<uint8_t> bytes_of(const detail::Buffer& a) {
   return std::vector<uint8_t>(p, p + a.bytes());
 }
 
+// Deterministic mode from the gradients already in s: `runs` - 1 more runs, each poisoned first,
+// give the same bytes of dq, dk, dv and dsinks (a fatal failure names the first that differs).
+void expect_same_bits_over_runs(BwdRun& s, const std::string& name, int runs) {
+  const auto dq0 = bytes_of(s.dq), dk0 = bytes_of(s.dk), dv0 = bytes_of(s.dv), ds0 = bytes_of(s.dsinks);
+  for (int run = 1; run < runs; ++run) {
+    s.poison_grads();
+    s.backward_device(true);
+    ASSERT_TRUE(same_bytes(s.dq, dq0)) << name << ": dq differs in run " << run;
+    ASSERT_TRUE(same_bytes(s.dk, dk0)) << name << ": dk differs in run " << run;
+    ASSERT_TRUE(same_bytes(s.dv, dv0)) << name << ": dv differs in run " << run;
+    ASSERT_TRUE(same_bytes(s.dsinks, ds0)) << name << ": dsinks differs in run " << run;
+  }
+}
+
 // Deterministic mode: 100 runs give bitwise-equal dq, dk, dv, dsinks (GQA, causal, sinks,
 // several key blocks per query block and several query blocks per key block).
 TEST(CudaBackwardDeterministic, BitwiseEqualOver100Runs) {
@@ -906,14 +920,8 @@ TEST(CudaBackwardDeterministic, BitwiseEqualOver100Runs) {
     BwdRun s(c, 3);
     s.backward_device(true);
     const auto dq0 = bytes_of(s.dq), dk0 = bytes_of(s.dk), dv0 = bytes_of(s.dv), ds0 = bytes_of(s.dsinks);
-    for (int run = 1; run < 100; ++run) {
-      s.poison_grads();
-      s.backward_device(true);
-      ASSERT_TRUE(same_bytes(s.dq, dq0)) << c.name << ": dq differs in run " << run;
-      ASSERT_TRUE(same_bytes(s.dk, dk0)) << c.name << ": dk differs in run " << run;
-      ASSERT_TRUE(same_bytes(s.dv, dv0)) << c.name << ": dv differs in run " << run;
-      ASSERT_TRUE(same_bytes(s.dsinks, ds0)) << c.name << ": dsinks differs in run " << run;
-    }
+    expect_same_bits_over_runs(s, c.name, 100);
+    if (::testing::Test::HasFatalFailure()) return;
     // dK, dV and dsinks never use atomics: the atomic-dQ mode gives the same bits for them. (At hdim
     // 64 the default variant from 256 rows, ppwide, forms dS from the bf16 P that its dV product reads, as pp does
     // at hdim 128 from 2048 rows, where these kernels use the fp32 P: there dV and dsinks are the
@@ -950,15 +958,8 @@ TEST(CudaBackwardDeterministic, VarlenBitwiseEqualOver20Runs) {
     if (detail::cuda_device_arch(0) == 90)
       EXPECT_NE(kc.kernel.find("sm90 wgmma"), std::string::npos) << kc.kernel << ": " << kc.reason;
     check_grads(s, r, c.name);
-    const auto dq0 = bytes_of(s.dq), dk0 = bytes_of(s.dk), dv0 = bytes_of(s.dv), ds0 = bytes_of(s.dsinks);
-    for (int run = 1; run < 20; ++run) {
-      s.poison_grads();
-      s.backward_device(true);
-      ASSERT_TRUE(same_bytes(s.dq, dq0)) << c.name << ": dq differs in run " << run;
-      ASSERT_TRUE(same_bytes(s.dk, dk0)) << c.name << ": dk differs in run " << run;
-      ASSERT_TRUE(same_bytes(s.dv, dv0)) << c.name << ": dv differs in run " << run;
-      ASSERT_TRUE(same_bytes(s.dsinks, ds0)) << c.name << ": dsinks differs in run " << run;
-    }
+    expect_same_bits_over_runs(s, c.name, 20);
+    if (::testing::Test::HasFatalFailure()) return;
   }
 }
 
