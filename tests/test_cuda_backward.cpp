@@ -591,11 +591,17 @@ TEST_P(CudaBackwardSm90Varlen, MatchesFloat64Reference) {
   s.poison_grads();
   const KernelChoice kc = s.backward_device(false);
   EXPECT_NE(kc.kernel.find("sm90 wgmma"), std::string::npos) << kc.kernel << ": " << kc.reason;
-  // The default's variant follows the dense rule on the longest sequence (session 24): ppwide at
-  // hdim 64 from 256 query rows, pp below; pp at hdim 128 from 2048, lag below. Lag is checked on
-  // request where it is not the default.
-  const int64_t longest = *std::max_element(c.varlen_q.begin(), c.varlen_q.end());
-  const std::string want = c.head_dim == 64 ? (longest >= 256 ? "ppwide" : "pp") : longest >= 2048 ? "pp" : "lag";
+  // The default's variant follows the dense rule on the query length weighted by each sequence's
+  // work, sq·sk (session 24): ppwide at hdim 64 from 256 query rows, pp below; pp at hdim 128 from
+  // 2048, lag below. Lag is checked on request where it is not the default.
+  double work = 0, weighted = 0;
+  for (size_t i = 0; i < c.varlen_q.size(); ++i) {
+    work += double(c.varlen_q[i]) * double(c.varlen_k[i]);
+    weighted += double(c.varlen_q[i]) * double(c.varlen_q[i]) * double(c.varlen_k[i]);
+  }
+  const int64_t rows = work > 0 ? static_cast<int64_t>(weighted / work + 0.5)
+                                : *std::max_element(c.varlen_q.begin(), c.varlen_q.end());
+  const std::string want = c.head_dim == 64 ? (rows >= 256 ? "ppwide" : "pp") : rows >= 2048 ? "pp" : "lag";
   const std::string tail = " variant " + want;
   const bool ends = kc.kernel.size() >= tail.size() &&
                     kc.kernel.compare(kc.kernel.size() - tail.size(), tail.size(), tail) == 0;

@@ -6,11 +6,12 @@
 //       FlashAttention's benchmark grid: batch·seqlen = tokens, heads = hidden / hdim, causal and
 //       not; f16 only for --f16-hdims. One line per (config): ms, TFLOP/s, the selected kernel.
 //   ioattn_cuda_bench bwd   [--hdims 64,128,256] [--seqlens 512,...,16384] [--tokens 16384] [--hidden 2048]
-//                           [--dtypes bf16] [--repeats 10] [--deterministic 0|1] [--varlen 0|1]
+//                           [--dtypes bf16] [--repeats 10] [--deterministic 0|1] [--varlen 0|1] [--mix L]
 //       forward + backward through the public API on the same grid, causal and not: fwd+bwd ms and
 //       TFLOP/s (FLOPs = fwd + 2.5·fwd, FlashAttention's convention), the backward alone, and both
 //       kernels' names. dO uniform in [-1, 1); the forward's O and LSE feed the backward. --varlen 1:
-//       the same tokens as packed sequences (forward_varlen / backward_varlen; impl "..._varlen").
+//       the same tokens as packed sequences (forward_varlen / backward_varlen; impl "..._varlen");
+//       with --mix L one sequence of seqlen tokens and the rest in sequences of L (mixed lengths).
 //   ioattn_cuda_bench local [--hdims 64,128,256] [--seqlens 4096,16384] [--tokens 16384] [--hidden 2048]
 //                           [--window 1024] [--features window,sinks,softcap,alibi,varlen] [--repeats 15]
 //       bf16 forward with one extra feature per line on top of causal: a causal sliding window of
@@ -204,6 +205,7 @@ void run_bwd(int argc, char** argv) {
   // --varlen 1: the same tokens as b packed sequences of s tokens each (forward_varlen /
   // backward_varlen over [b*s, h, d] views of the same memory, LSE [h, b*s]).
   const bool varlen = arg(argc, argv, "--varlen", "0") == "1";
+  const int64_t mix = varlen ? std::stoll(arg(argc, argv, "--mix", "0")) : 0;
   for (int64_t d : hdims)
     for (int64_t s : seqlens)
       for (const char* dts : {"bf16", "f16"}) {
@@ -229,13 +231,21 @@ void run_bwd(int argc, char** argv) {
         Gradients gp;
         gp.dq = packed(dq), gp.dk = packed(dk), gp.dv = packed(dv);
         const auto lsep = TensorView::contiguous(buf.lse, DType::f32, {h, b * s}, Device::cuda);
-        std::vector<int32_t> cu(static_cast<size_t>(b + 1));
-        for (int64_t i = 0; i <= b; ++i) cu[static_cast<size_t>(i)] = static_cast<int32_t>(i * s);
+        // sequence starts: b of s tokens, or (--mix L) one of s, then sequences of L (the last one
+        // shorter if L does not divide the rest)
+        std::vector<int32_t> cu{0};
+        if (mix > 0 && b * s > s) {
+          cu.push_back(static_cast<int32_t>(s));
+          for (int64_t t = s; t < b * s; t += mix) cu.push_back(static_cast<int32_t>(std::min(t + mix, b * s)));
+        } else {
+          for (int64_t i = 1; i <= b; ++i) cu.push_back(static_cast<int32_t>(i * s));
+        }
+        const int64_t nseq = static_cast<int64_t>(cu.size()) - 1;
         void* cu_dev = nullptr;
-        IOATTN_CUDA_CHECK(cudaMalloc(&cu_dev, (b + 1) * 4));
-        IOATTN_CUDA_CHECK(cudaMemcpy(cu_dev, cu.data(), (b + 1) * 4, cudaMemcpyHostToDevice));
+        IOATTN_CUDA_CHECK(cudaMalloc(&cu_dev, (nseq + 1) * 4));
+        IOATTN_CUDA_CHECK(cudaMemcpy(cu_dev, cu.data(), (nseq + 1) * 4, cudaMemcpyHostToDevice));
         Varlen vl;
-        vl.cu_seqlens_q = vl.cu_seqlens_k = TensorView::contiguous(cu_dev, DType::i32, {b + 1}, Device::cuda);
+        vl.cu_seqlens_q = vl.cu_seqlens_k = TensorView::contiguous(cu_dev, DType::i32, {nseq + 1}, Device::cuda);
         vl.max_seqlen_q = vl.max_seqlen_k = s;
         for (bool causal : {false, true}) {
           AttnParams prm;
@@ -259,13 +269,18 @@ void run_bwd(int argc, char** argv) {
           const double one = cb::time_ms(fwd_bwd, 1, 1, 1);
           const double ms = cb::time_ms(fwd_bwd, 1, repeats, cb::inner_for(one));
           const double ms_bwd = cb::time_ms(bwd, 1, repeats, cb::inner_for(one));
-          const double fwd_flops = cb::attn_flops(b, h, s, s, d, causal);
+          double fwd_flops = 0;
+          for (int64_t i = 0; i < (varlen ? nseq : 1); ++i) {
+            const int64_t len = varlen ? cu[static_cast<size_t>(i + 1)] - cu[static_cast<size_t>(i)] : s;
+            fwd_flops += cb::attn_flops(varlen ? 1 : b, h, len, len, d, causal);
+          }
           std::printf(
               "{\"impl\": \"ioattn_flash_fwdbwd%s\", \"dtype\": \"%s\", \"hdim\": %lld, \"seqlen\": %lld, "
-              "\"batch\": %lld, \"heads\": %lld, \"causal\": %s, \"deterministic\": %s, \"ms\": %.5f, "
-              "\"tflops\": %.2f, \"bwd_ms\": %.5f, \"bwd_tflops\": %.2f, \"kernel\": \"%s\", "
+              "\"mix\": %lld, \"batch\": %lld, \"heads\": %lld, \"causal\": %s, \"deterministic\": %s, "
+              "\"ms\": %.5f, \"tflops\": %.2f, \"bwd_ms\": %.5f, \"bwd_tflops\": %.2f, \"kernel\": \"%s\", "
               "\"bwd_kernel\": \"%s\"}\n",
-              varlen ? "_varlen" : "", dts, (long long)d, (long long)s, (long long)b, (long long)h,
+              varlen ? "_varlen" : "", dts, (long long)d, (long long)s, (long long)mix,
+              (long long)(varlen ? nseq : b), (long long)h,
               causal ? "true" : "false", deterministic ? "true" : "false", ms, 3.5 * fwd_flops / (ms * 1e-3) / 1e12,
               ms_bwd,
               2.5 * fwd_flops / (ms_bwd * 1e-3) / 1e12, kf.kernel.c_str(), kb.kernel.c_str());

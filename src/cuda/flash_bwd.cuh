@@ -104,6 +104,7 @@ struct BwdParams {
   int num_m_blocks = 0;            // query blocks per (batch, head) of the deterministic dQ kernel
   int64_t rows_q = 0;              // workspace rows per head: batch·seqlen_q, or total_q (varlen)
   int64_t rows_k = 0;              // key rows: batch·seqlen_k, or total_k (varlen; the hdim-256 TMA maps)
+  int64_t variant_rows = 0;        // the wgmma backward's variant key: seqlen_q, or varlen's work-weighted length
   const int32_t* cu_seqlens_q = nullptr;  // varlen, on the device
   const int32_t* cu_seqlens_k = nullptr;
   float scale = 1.f;

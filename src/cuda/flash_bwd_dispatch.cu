@@ -72,6 +72,22 @@ int64_t rows_k_of(const detail::FwdProblem& p) {
   return p.varlen() ? p.cu_seqlens_k_host[p.batch] : p.batch * p.seqlen_k;
 }
 
+// The query length the wgmma backward picks its variant by (variant_bits): seqlen_q, or for varlen
+// the query lengths weighted by each sequence's work (sq·sk), so that a batch of many short
+// sequences beside one long one is sized by the short ones when they carry most of the work (the
+// 128-row steps of ppwide are mostly padding on them).
+int64_t variant_rows_of(const detail::FwdProblem& p) {
+  if (!p.varlen()) return p.seqlen_q;
+  double work = 0, weighted = 0;
+  for (int64_t b = 0; b < p.batch; ++b) {
+    const double sq = p.cu_seqlens_q_host[b + 1] - p.cu_seqlens_q_host[b];
+    const double sk = p.cu_seqlens_k_host[b + 1] - p.cu_seqlens_k_host[b];
+    work += sq * sk;
+    weighted += sq * sq * sk;
+  }
+  return work > 0 ? static_cast<int64_t>(weighted / work + 0.5) : p.seqlen_q;
+}
+
 struct Pick {
   const BwdKernelInfo* info = nullptr;
   detail::CudaSelection sel;
@@ -180,12 +196,12 @@ Pick pick(const detail::BwdProblem& bp, int arch) {
       r.info = &info;
       r.sel = {"cuda/flash-backward sm90 wgmma " + std::string(dtype_name(p.dtype)) + " hdim" +
                    std::to_string(info.head_dim) + " " + detail::mask_name(p) + " tile " +
-                   std::to_string(info.step_rows && !bp.deterministic ? info.step_rows(p.seqlen_q, p.varlen())
+                   std::to_string(info.step_rows && !bp.deterministic ? info.step_rows(variant_rows_of(p), p.varlen())
                                                                      : info.block_m) +
                    "x" + std::to_string(info.block_n) + " warpgroups " + std::to_string(info.warps / 4) +
                    (bp.deterministic            ? std::string(" dq deterministic")
-                    : dq_by_pass(info, false) ? std::string(" dq pass variant ") + info.variant(p.seqlen_q, p.varlen())
-                                              : std::string(" dq atomic variant ") + info.variant(p.seqlen_q, p.varlen())),
+                    : dq_by_pass(info, false) ? std::string(" dq pass variant ") + info.variant(variant_rows_of(p), p.varlen())
+                                              : std::string(" dq atomic variant ") + info.variant(variant_rows_of(p), p.varlen())),
                std::string(info.reason) + "; " +
                    (bp.deterministic
                         ? "deterministic: its dK/dV-only instance (no dQ wgmma, " +
@@ -309,6 +325,7 @@ void run_flash_backward(const detail::BwdProblem& bp, const BwdKernelInfo& info)
   bw.num_m_blocks = static_cast<int>(ceil_div(p.seqlen_q, info.dq_block_m));
   bw.rows_q = rows_q_of(p);
   bw.rows_k = rows_k_of(p);
+  bw.variant_rows = variant_rows_of(p);
   bw.cu_seqlens_q = p.cu_seqlens_q;
   bw.cu_seqlens_k = p.cu_seqlens_k;
   bw.scale = p.scale;

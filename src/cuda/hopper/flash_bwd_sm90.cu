@@ -1276,7 +1276,8 @@ int variant_bits(int head_dim, int64_t seqlen_q, bool varlen) {
   if (e == nullptr || *e == '\0')
     // hdim 64: ppwide from 256 query rows (session 23: +6-26% at 1k-16k, even at 256, 5-25% slower
     // at 32-128 rows, where a 128-row step is mostly padding). Varlen follows the same rule on its
-    // longest sequence (session 24, H200, packed batches of equal lengths: hdim 64 ppwide over lag
+    // work-weighted query length (BwdParams::variant_rows; session 24, H200, packed batches of
+    // equal lengths: hdim 64 ppwide over lag
     // +13-17% at 512, +20-25% at 1k, +29-38% at 4k; hdim 128 pp over lag 0-4% at 4k, 0-25% slower
     // at 512). Q / dO by TMA needs nothing the dispatcher does not already require (16-byte
     // aligned bases, strides multiples of 8 elements), so there is no case left for lag to catch.
@@ -1496,7 +1497,7 @@ auto wide_kernel() {
 template <typename T, int kD>
 void launch_typed(const BwdParams& p, cudaStream_t stream) {
   // (also rejects a bad value, in deterministic mode too)
-  const int v = variant_bits(kD, p.seqlen_q, p.cu_seqlens_q != nullptr);
+  const int v = variant_bits(kD, p.variant_rows, p.cu_seqlens_q != nullptr);
   if (p.ws_dq == nullptr) return launch_deterministic<T, kD>(p, stream);
   const int64_t grid = static_cast<int64_t>(p.num_n_blocks) * p.heads_kv * p.batch;
   const bool tma_load = v >= kVariantTmaLoad, tma_dq = tma_load || (v & 1) == 0;
