@@ -88,7 +88,7 @@ void run_grid(int argc, char** argv) {
     for (int64_t s : seqlens)
       for (const char* dts : {"bf16", "f16"}) {
         const bool bf16 = std::strcmp(dts, "bf16") == 0;
-        if (dtypes.find(dts) == std::string::npos) continue;
+        if (!cb::list_has(dtypes, dts)) continue;
         if (!bf16 && std::find(f16_hdims.begin(), f16_hdims.end(), d) == f16_hdims.end()) continue;
         const int64_t b = std::max<int64_t>(1, tokens / s), h = hidden / d;
         const Buffers buf(b * s * h * d, b * h * s, bf16);
@@ -209,7 +209,7 @@ void run_bwd(int argc, char** argv) {
   for (int64_t d : hdims)
     for (int64_t s : seqlens)
       for (const char* dts : {"bf16", "f16"}) {
-        if (dtypes.find(dts) == std::string::npos) continue;
+        if (!cb::list_has(dtypes, dts)) continue;
         const bool bf16 = std::strcmp(dts, "bf16") == 0;
         const int64_t b = std::max<int64_t>(1, tokens / s), h = hidden / d;
         const int64_t n = b * s * h * d;

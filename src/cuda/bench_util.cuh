@@ -29,6 +29,15 @@ inline std::vector<int64_t> parse_list(const std::string& s) {
   return v;
 }
 
+// Whether the comma-separated list s names item exactly ("bf16" does not name "f16").
+inline bool list_has(const std::string& s, const std::string& item) {
+  std::stringstream ss(s);
+  std::string x;
+  while (std::getline(ss, x, ','))
+    if (x == item) return true;
+  return false;
+}
+
 // Element i's 64-bit counter hash (splitmix64) for seed: the benchmarks' random inputs.
 __device__ __forceinline__ uint64_t splitmix64(uint64_t seed, int64_t i) {
   uint64_t z = seed + static_cast<uint64_t>(i) * 0x9e3779b97f4a7c15ull;
