@@ -1586,12 +1586,12 @@ BwdKernelInfo info_for() {
           ? "wgmma, keys as M (S^T = K Q^T, dP^T = V dO^T, dV += P^T dO, dK += dS^T Q, dQ = dS K from dS^T in shared "
             "memory), 2 warpgroups x 64 keys, 64-row steps; from 2048 query rows variant pp (Q/dO by TMA, the "
             "warpgroups' wgmma issue alternating, dS^T halves ordered by mbarriers), else variant lag "
-            "(cp.async one block ahead under the S^T/dP^T wgmmas; varlen: by its longest sequence); P^T and dV overlapping dP^T, dQ one step late, "
+            "(cp.async one block ahead under the S^T/dP^T wgmmas; varlen: by its work-weighted query length); P^T and dV overlapping dP^T, dQ one step late, "
             "fp32 dQ by TMA reduce-add"
           : "wgmma, keys as M, 2 warpgroups x 64 keys; from 256 query rows variant ppwide: 128-row steps, Q/dO by "
             "TMA, the warpgroups' wgmma issue alternating, each warpgroup's dQ rows over both warpgroups' dS^T; "
-            "below that variant pp, 64-row steps, each warpgroup's dQ from its own keys (varlen: by its longest "
-            "sequence); dQ one step late, fp32 dQ by TMA reduce-add";
+            "below that variant pp, 64-row steps, each warpgroup's dQ from its own keys (varlen: by its work-weighted "
+            "query length); dQ one step late, fp32 dQ by TMA reduce-add";
   // the largest instance (hdim 64: ppwide's 128-row stages; else the tmald / pp stages' barriers)
   info.smem_bytes = kD == 64 ? Cfg<kD, 2 * kBM>::kSmemTmaLoad : Cfg<kD>::kSmemTmaLoad;
   info.smem_bytes_det = Cfg<kD>::kSmemRed;
