@@ -408,7 +408,7 @@ INSTANTIATE_TEST_SUITE_P(Cases, CudaBackward, ::testing::ValuesIn(cases()),
                          [](const auto& info) { return info.param.name; });
 
 // The wgmma backward (sm_90's default where it applies: hdim 64 and 128, causal, sliding windows,
-// sinks, GQA; no varlen / softcap / ALiBi): the same reference checks, on an sm_90
+// sinks, GQA, varlen; no softcap / ALiBi): the same reference checks, on an sm_90
 // device, for each IOATTN_BWD_SM90_VARIANT (lag, the default, and redlag: dQ one step late; split
 // and red: in its own step; by TMA reduce-add or red.global); where it does not apply the mma.sync
 // row runs and says why.
@@ -695,7 +695,7 @@ INSTANTIATE_TEST_SUITE_P(Cases, CudaBackwardSm90D256Varlen, ::testing::ValuesIn(
                          [](const auto& info) { return info.param.name; });
 
 // The hdim-256 wgmma backward (session 19: 64 keys per CTA, the head dim split over the two
-// warpgroups; sm_90's default at hdim 256 except varlen, softcap and ALiBi): odd shapes, rows and
+// warpgroups; sm_90's default at hdim 256 except softcap and ALiBi): odd shapes, rows and
 // key blocks no one sees, GQA / MQA, windows, sinks, [b, h, s, d] strides, several (head, batch)
 // planes of the dQ workspace with tail blocks, and two long cases (many steps: both Q / dO stages
 // and both P / dS buffers turn over many times); dQ by the default pass, in deterministic mode, and
@@ -831,7 +831,7 @@ TEST(CudaBackwardSm90Select, SaysWhenItDoesNotApply) {
     EXPECT_NE(k96.kernel.find("mma.sync"), std::string::npos) << k96.kernel;
     EXPECT_NE(k96.reason.find("head_dim 64, 128 or 256 only, got 96"), std::string::npos) << k96.reason;
   }
-  {  // hdim 256: the wgmma row by default; varlen and IOATTN_BWD_SM90_D256=0 go to the mma.sync table
+  {  // hdim 256: the wgmma row by default, varlen too; IOATTN_BWD_SM90_D256=0 goes to the mma.sync table
     BwdKernelEnv env(nullptr);
     BwdRun s(mk("default_d256", 40, 50, 256), 5);
     const KernelChoice kc = s.backward_device(false);
@@ -851,6 +851,12 @@ TEST(CudaBackwardSm90Select, SaysWhenItDoesNotApply) {
     const KernelChoice kv = sv.backward_device(false);  // varlen at hdim 256: wgmma (session 24)
     EXPECT_NE(kv.kernel.find("sm90 wgmma"), std::string::npos) << kv.kernel << ": " << kv.reason;
     EXPECT_NE(kv.kernel.find("hdim256 nomask+varlen"), std::string::npos) << kv.kernel;
+    {  // its varlen instances take dQ by the pass only: reductions asked for go to the mma.sync table
+      ScopedEnv red("IOATTN_BWD_SM90_D256_DQ", "red");
+      const KernelChoice kr = sv.backward_device(false);
+      EXPECT_NE(kr.kernel.find("mma.sync"), std::string::npos) << kr.kernel;
+      EXPECT_NE(kr.reason.find("dQ by the wgmma pass only"), std::string::npos) << kr.reason;
+    }
   }
   {
     BwdKernelEnv env(nullptr);
@@ -925,7 +931,7 @@ TEST(CudaBackwardDeterministic, BitwiseEqualOver100Runs) {
     c.batch = 2;
     BwdRun s(c, 3);
     s.backward_device(true);
-    const auto dq0 = bytes_of(s.dq), dk0 = bytes_of(s.dk), dv0 = bytes_of(s.dv), ds0 = bytes_of(s.dsinks);
+    const auto dk0 = bytes_of(s.dk), dv0 = bytes_of(s.dv), ds0 = bytes_of(s.dsinks);
     expect_same_bits_over_runs(s, c.name, 100);
     if (::testing::Test::HasFatalFailure()) return;
     // dK, dV and dsinks never use atomics: the atomic-dQ mode gives the same bits for them. (At hdim

@@ -246,7 +246,7 @@ void run_bwd(int argc, char** argv) {
         IOATTN_CUDA_CHECK(cudaMemcpy(cu_dev, cu.data(), (nseq + 1) * 4, cudaMemcpyHostToDevice));
         Varlen vl;
         vl.cu_seqlens_q = vl.cu_seqlens_k = TensorView::contiguous(cu_dev, DType::i32, {nseq + 1}, Device::cuda);
-        vl.max_seqlen_q = vl.max_seqlen_k = s;
+        vl.max_seqlen_q = vl.max_seqlen_k = std::max(s, mix);
         for (bool causal : {false, true}) {
           AttnParams prm;
           prm.causal = causal;

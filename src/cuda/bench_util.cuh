@@ -29,12 +29,15 @@ inline std::vector<int64_t> parse_list(const std::string& s) {
   return v;
 }
 
-// Whether the comma-separated list s names item exactly ("bf16" does not name "f16").
+// Whether the comma-separated list s names item exactly ("bf16" does not name "f16"; spaces
+// around an item are ignored).
 inline bool list_has(const std::string& s, const std::string& item) {
   std::stringstream ss(s);
   std::string x;
-  while (std::getline(ss, x, ','))
-    if (x == item) return true;
+  while (std::getline(ss, x, ',')) {
+    const size_t a = x.find_first_not_of(' '), b = x.find_last_not_of(' ');
+    if (a != std::string::npos && x.substr(a, b - a + 1) == item) return true;
+  }
   return false;
 }
 

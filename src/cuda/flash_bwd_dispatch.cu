@@ -109,11 +109,14 @@ std::string sm90_bwd_refusal(const detail::BwdProblem& bp, int arch, int optin, 
   if (p.head_dim != 128 && p.head_dim != 64 && p.head_dim != 256)
     return "head_dim 64, 128 or 256 only, got " + std::to_string(p.head_dim);
   const BwdKernelInfo& info = sm90_bwd_info(p.head_dim);
-  // hdim 256 (session 19; varlen since session 24, verified on the H200: 2.1-2.4x the mma.sync
-  // table's varlen backward); IOATTN_BWD_SM90_D256=0 sends hdim 256 to the mma.sync table.
+  // hdim 256 (session 19; varlen since session 24, verified on the H200: 1.9-2.1x the mma.sync
+  // table's varlen backward, its dQ by the pass only); IOATTN_BWD_SM90_D256=0 sends hdim 256 to the
+  // mma.sync table.
   if (p.head_dim == 256) {
     const char* e = std::getenv("IOATTN_BWD_SM90_D256");
     if (e != nullptr && std::string(e) == "0") return "hdim 256 switched off (IOATTN_BWD_SM90_D256=0)";
+    if (p.varlen() && !bp.deterministic && info.wants_dq_workspace != nullptr && info.wants_dq_workspace())
+      return "hdim-256 varlen takes dQ by the wgmma pass only, IOATTN_BWD_SM90_D256_DQ asks for reductions";
   }
   if (p.varlen()) {
     // Verified on the H200 in session 8 (test CudaBackwardSm90Varlen); IOATTN_BWD_SM90_VARLEN=0

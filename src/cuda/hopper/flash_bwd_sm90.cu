@@ -27,8 +27,8 @@
 // Sinks need nothing here: the forward's LSE includes them, and their gradient comes from the
 // preprocess (run_flash_backward). Deterministic mode: dK/dV here (kDq false: no dQ wgmma, no dS^T
 // in shared memory), then the mma.sync table's atomic-free dQ pass (launch_deterministic). Not
-// covered (the selector says so): softcap, ALiBi, head dims other than 64, 128 and 256, varlen in
-// deterministic mode and at hdim 256.
+// covered (the selector says so): softcap, ALiBi, head dims other than 64, 128 and 256, varlen at
+// hdim 256 with dQ by reductions (IOATTN_BWD_SM90_D256_DQ=red|v4).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -185,7 +185,7 @@ __device__ __forceinline__ void load_rows(uint32_t dst, const uint8_t* src, int6
 // then the next sequence's tokens (zeros past the last one): the step masks them (P = 0, so
 // dS = 0) and every product they enter is 0 x a finite value, so dK / dV get exact zeros from
 // them, as from the zero-filled rows of lag — provided the neighbouring tokens are finite.
-// kPingPong (variant "pp", with kTmaLoad; session 8, compiled, not yet run on a GPU): no
+// kPingPong (variant "pp", with kTmaLoad; session 8, the default since session 9): no
 // CTA barrier in the loop, so the two warpgroups stop walking the step in lockstep. At hdim 64 a
 // step's wgmmas are ~1,280 cycles of a ~3,700-cycle step (342 TFLOP/s): the rest is the chain
 // S^T -> P^T -> dV, dP^T -> dS^T -> dK that both warpgroups wait through at the same time. Here
@@ -903,7 +903,7 @@ __device__ __forceinline__ void load_x(float (&x)[2], const BwdParams& p, int wg
 
 // kRedV4 (IOATTN_BWD_SM90_D256_DQ=v4): dQ by red.global.add.v4 (half the reductions): lanes t and
 // t ^ 1 swap one pair each, so an even lane adds 4 columns of row r0 and an odd lane 4 of r0 + 8.
-// kVarlen (session 23; the default for varlen at hdim 256 since session 24, 2.1-2.4x mma.sync): packed
+// kVarlen (session 23; the default for varlen at hdim 256 since session 24, 1.9-2.1x mma.sync): packed
 // sequences (bwd_detail::seq_info), Q / dO by TMA through maps over the packed tokens (row q_start +
 // m0: a tail step's rows past the sequence are the next one's tokens, masked: P = dS = 0, and 0 x a
 // finite value adds nothing), K / V and dK / dV at k_start; dQ by the pass only (no reductions).
@@ -1278,7 +1278,7 @@ int variant_bits(int head_dim, int64_t seqlen_q, bool varlen) {
     // at 32-128 rows, where a 128-row step is mostly padding). Varlen follows the same rule on its
     // work-weighted query length (BwdParams::variant_rows; session 24, H200, packed batches of
     // equal lengths: hdim 64 ppwide over lag
-    // +13-17% at 512, +20-25% at 1k, +29-38% at 4k; hdim 128 pp over lag 0-4% at 4k, 0-25% slower
+    // +5-17% at 512, +20-25% at 1k, +29-38% at 4k; hdim 128 pp over lag 0-4% at 4k, 0-25% slower
     // at 512). Q / dO by TMA needs nothing the dispatcher does not already require (16-byte
     // aligned bases, strides multiples of 8 elements), so there is no case left for lag to catch.
     return head_dim == 64     ? (seqlen_q >= 256 ? kVariantPingPongWide : kVariantPingPong)
@@ -1512,7 +1512,7 @@ void launch_typed(const BwdParams& p, cudaStream_t stream) {
                              &flash_bwd_sm90_kernel<T, kD, true, true, true, true, false, true, true>,
                              wide_kernel<T, kD, false>()};
   Kernel kernel = kernels[v];
-  if (p.cu_seqlens_q != nullptr) {  // varlen: the kVarlen instances (lag, the default; pp, ppwide)
+  if (p.cu_seqlens_q != nullptr) {  // varlen: the kVarlen instances (lag, pp, ppwide)
     if (v == 2)
       kernel = &flash_bwd_sm90_kernel<T, kD, true, true, true, false, true>;
     else if (v == kVariantPingPong)
@@ -1521,7 +1521,7 @@ void launch_typed(const BwdParams& p, cudaStream_t stream) {
       kernel = wide_kernel<T, kD, true>();
     else
       throw Error("IOATTN_BWD_SM90_VARIANT",
-                  "the wgmma backward's varlen instances are variants lag (the default), pp and ppwide only");
+                  "the wgmma backward's varlen instances are variants lag, pp and ppwide only");
   }
   const bool wide = v == kVariantPingPongWide;
   const int smem = wide ? Cfg<kD, 2 * kBM>::kSmemTmaLoad : tma_load ? Cfg<kD>::kSmemTmaLoad : Cfg<kD>::smem(tma_dq);
