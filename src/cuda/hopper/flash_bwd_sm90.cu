@@ -180,8 +180,8 @@ __device__ __forceinline__ void load_rows(uint32_t dst, const uint8_t* src, int6
 // row = q_start + m0). A tail block's dQ piece rows past the sequence are exact zeros (P = 0 there:
 // LSE +inf, dO zero-filled), so the reduce-add that reaches the next sequence's rows adds 0.
 // kVarlen with kPingPong (variants pp and ppwide on varlen, session 23; the defaults by the dense
-// rule since session 24, verified on the H200): Q / dO by TMA through maps over the packed [total_q, heads, d] tokens (row
-// q_start + m0), as the forward's varlen rows read them. A tail step's rows past its sequence are
+// rule since session 24, verified on the H200): Q / dO by TMA through maps over the packed
+// [total_q, heads, d] tokens (row q_start + m0), as the forward's varlen rows read them. A tail step's rows past its sequence are
 // then the next sequence's tokens (zeros past the last one): the step masks them (P = 0, so
 // dS = 0) and every product they enter is 0 x a finite value, so dK / dV get exact zeros from
 // them, as from the zero-filled rows of lag — provided the neighbouring tokens are finite.
@@ -1586,7 +1586,8 @@ BwdKernelInfo info_for() {
           ? "wgmma, keys as M (S^T = K Q^T, dP^T = V dO^T, dV += P^T dO, dK += dS^T Q, dQ = dS K from dS^T in shared "
             "memory), 2 warpgroups x 64 keys, 64-row steps; from 2048 query rows variant pp (Q/dO by TMA, the "
             "warpgroups' wgmma issue alternating, dS^T halves ordered by mbarriers), else variant lag "
-            "(cp.async one block ahead under the S^T/dP^T wgmmas; varlen: by its work-weighted query length); P^T and dV overlapping dP^T, dQ one step late, "
+            "(cp.async one block ahead under the S^T/dP^T wgmmas; varlen: by its work-weighted query length); "
+            "P^T and dV overlapping dP^T, dQ one step late, "
             "fp32 dQ by TMA reduce-add"
           : "wgmma, keys as M, 2 warpgroups x 64 keys; from 256 query rows variant ppwide: 128-row steps, Q/dO by "
             "TMA, the warpgroups' wgmma issue alternating, each warpgroup's dQ rows over both warpgroups' dS^T; "
