@@ -181,10 +181,11 @@ __device__ __forceinline__ void load_rows(uint32_t dst, const uint8_t* src, int6
 // LSE +inf, dO zero-filled), so the reduce-add that reaches the next sequence's rows adds 0.
 // kVarlen with kPingPong (variants pp and ppwide on varlen, session 23; the defaults by the dense
 // rule since session 24, verified on the H200): Q / dO by TMA through maps over the packed
-// [total_q, heads, d] tokens (row q_start + m0), as the forward's varlen rows read them. A tail step's rows past its sequence are
-// then the next sequence's tokens (zeros past the last one): the step masks them (P = 0, so
-// dS = 0) and every product they enter is 0 x a finite value, so dK / dV get exact zeros from
-// them, as from the zero-filled rows of lag — provided the neighbouring tokens are finite.
+// [total_q, heads, d] tokens (row q_start + m0), as the forward's varlen rows read them. A tail
+// step's rows past its sequence are then the next sequence's tokens (zeros past the last one): the
+// step masks them (P = 0, so dS = 0) and every product they enter is 0 x a finite value, so dK / dV
+// get exact zeros from them, as from the zero-filled rows of lag — provided the neighbouring
+// tokens are finite.
 // kPingPong (variant "pp", with kTmaLoad; session 8, the default since session 9): no
 // CTA barrier in the loop, so the two warpgroups stop walking the step in lockstep. At hdim 64 a
 // step's wgmmas are ~1,280 cycles of a ~3,700-cycle step (342 TFLOP/s): the rest is the chain
