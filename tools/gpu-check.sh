@@ -335,7 +335,7 @@ if want backward; then
   # The wgmma backward (sm_90's default at hdim 64 and 128): its reference test over every variant
   # first (bounded), then ioattn alone on the same grid per IOATTN_BWD_SM90_VARIANT ->
   # bwd_sm90_<v>.json (lag: dQ one step late by TMA reduce-add, the default below 2048 query rows at
-  # hdim 128 and for varlen; tmald: lag with Q / dO by TMA; pp: tmald without CTA barriers in the
+  # hdim 128; tmald: lag with Q / dO by TMA; pp: tmald without CTA barriers in the
   # step loop, the default at hdim 128 from 2048 rows since session 9; ppw: pp with per-warp dQ
   # reduce-adds; ppwide: pp with 128-row steps, hdim 64's default since session 23;
   # GPU_CHECK_BWD_OLD=1 adds the older redlag, split and red)
@@ -365,8 +365,8 @@ if want backward; then
     bounded_test "bwd tmald test" 300 "$BUILD/test_cuda_backward" '*CudaBackwardSm90Tmald*' "$OUT/bwd_tmald.log" &&
       { bwd_ab tmald 128 IOATTN_BWD_SM90_VARIANT=tmald; bwd_ab d64_tmald 64 IOATTN_BWD_SM90_VARIANT=tmald; }
     bounded_test "bwd varlen test" 200 "$BUILD/test_cuda_backward" '*CudaBackwardSm90Varlen.*' "$OUT/bwd_varlen.log"
-    # Varlen through pp / ppwide and at hdim 256 (session 23, on request only): their suites, then a
-    # varlen A/B per variant at hdim 64.
+    # Varlen through pp / ppwide and at hdim 256 (session 23; the defaults since session 24): their
+    # suites, then a varlen A/B per variant at hdim 64.
     bounded_test "bwd varlen pp test" 300 "$BUILD/test_cuda_backward" \
       '*CudaBackwardSm90VarlenPingPong*:*CudaBackwardSm90D256Varlen*' \
       "$OUT/bwd_varlen_pp.log" && for v in lag pp ppwide; do

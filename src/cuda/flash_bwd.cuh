@@ -856,10 +856,10 @@ struct BwdKernelInfo {
   // Launches the dK/dV kernel and then, in deterministic mode, the dQ kernel (p.ws_dq null).
   void (*launch)(const BwdParams& p, bool is_bf16, cudaStream_t stream);
   // The wgmma rows' variant for a problem (the name the kernel string carries), nullptr elsewhere.
-  const char* (*variant)(int64_t seqlen_q, bool varlen);
+  const char* (*variant)(int64_t rows);
   // The wgmma rows' query rows per step for a problem where the variant sets it (nullptr, and
   // deterministic mode's dK/dV-only instance: block_m).
-  int (*step_rows)(int64_t seqlen_q, bool varlen);
+  int (*step_rows)(int64_t rows);
   // Whether the default (non-deterministic) mode wants the fp32 dQ workspace (nullptr: yes); a row
   // whose launch runs an atomic-free dQ pass instead says no (the hdim-256 wgmma row's mode pass).
   bool (*wants_dq_workspace)();

@@ -200,12 +200,12 @@ Pick pick(const detail::BwdProblem& bp, int arch) {
       const int64_t vrows = variant_rows_of(p);
       r.sel = {"cuda/flash-backward sm90 wgmma " + std::string(dtype_name(p.dtype)) + " hdim" +
                    std::to_string(info.head_dim) + " " + detail::mask_name(p) + " tile " +
-                   std::to_string(info.step_rows && !bp.deterministic ? info.step_rows(vrows, p.varlen())
+                   std::to_string(info.step_rows && !bp.deterministic ? info.step_rows(vrows)
                                                                      : info.block_m) +
                    "x" + std::to_string(info.block_n) + " warpgroups " + std::to_string(info.warps / 4) +
                    (bp.deterministic            ? std::string(" dq deterministic")
-                    : dq_by_pass(info, false) ? std::string(" dq pass variant ") + info.variant(vrows, p.varlen())
-                                              : std::string(" dq atomic variant ") + info.variant(vrows, p.varlen())),
+                    : dq_by_pass(info, false) ? std::string(" dq pass variant ") + info.variant(vrows)
+                                              : std::string(" dq atomic variant ") + info.variant(vrows)),
                std::string(info.reason) + "; " +
                    (bp.deterministic
                         ? "deterministic: its dK/dV-only instance (no dQ wgmma, " +

@@ -1271,20 +1271,20 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_sm90_d256_dq_kernel(con
 // session 9: pp over tmald +1-7% at hdim 64, +0-4% at hdim 128 from 4k). Session 8's "dqlate" (the
 // lagged dQ wgmmas after S^T / dP^T) lost 8-23% to tmald in session 9 and was removed.
 constexpr int kVariantTmaLoad = 4, kVariantPingPong = 5, kVariantPingPongWarpDq = 6, kVariantPingPongWide = 7;
-int variant_bits(int head_dim, int64_t seqlen_q, bool varlen) {
-  (void)varlen;  // (varlen has taken the dense rule since session 24)
+// rows: BwdParams::variant_rows (seqlen_q; varlen: its work-weighted query length, the same rule
+// since session 24).
+int variant_bits(int head_dim, int64_t rows) {
   const char* e = std::getenv("IOATTN_BWD_SM90_VARIANT");
   if (e == nullptr || *e == '\0')
     // hdim 64: ppwide from 256 query rows (session 23: +6-26% at 1k-16k, even at 256, 5-25% slower
     // at 32-128 rows, where a 128-row step is mostly padding). Varlen follows the same rule on its
-    // work-weighted query length (BwdParams::variant_rows; session 24, H200, packed batches of
-    // equal lengths: hdim 64 ppwide over lag
-    // +5-17% at 512, +20-25% at 1k, +29-38% at 4k; hdim 128 pp over lag 0-4% at 4k, 0-25% slower
-    // at 512). Q / dO by TMA needs nothing the dispatcher does not already require (16-byte
-    // aligned bases, strides multiples of 8 elements), so there is no case left for lag to catch.
-    return head_dim == 64     ? (seqlen_q >= 256 ? kVariantPingPongWide : kVariantPingPong)
-           : seqlen_q >= 2048 ? kVariantPingPong
-                              : 2;
+    // work-weighted query length (session 24, H200, packed batches of equal lengths: hdim 64
+    // ppwide over lag +5-17% at 512, +20-25% at 1k, +29-38% at 4k; hdim 128 pp over lag 0-4% at 4k,
+    // 0-25% slower at 512). Q / dO by TMA needs nothing the dispatcher does not already require
+    // (16-byte aligned bases, strides multiples of 8 elements), so there is no case left for lag.
+    return head_dim == 64 ? (rows >= 256 ? kVariantPingPongWide : kVariantPingPong)
+           : rows >= 2048 ? kVariantPingPong
+                          : 2;
   if (std::strcmp(e, "lag") == 0) return 2;
   if (std::strcmp(e, "split") == 0) return 0;
   if (std::strcmp(e, "red") == 0) return 1;
@@ -1498,7 +1498,7 @@ auto wide_kernel() {
 template <typename T, int kD>
 void launch_typed(const BwdParams& p, cudaStream_t stream) {
   // (also rejects a bad value, in deterministic mode too)
-  const int v = variant_bits(kD, p.variant_rows, p.cu_seqlens_q != nullptr);
+  const int v = variant_bits(kD, p.variant_rows);
   if (p.ws_dq == nullptr) return launch_deterministic<T, kD>(p, stream);
   const int64_t grid = static_cast<int64_t>(p.num_n_blocks) * p.heads_kv * p.batch;
   const bool tma_load = v >= kVariantTmaLoad, tma_dq = tma_load || (v & 1) == 0;
@@ -1549,8 +1549,8 @@ void launch(const BwdParams& p, bool is_bf16, cudaStream_t stream) {
     launch_typed<__half, kD>(p, stream);
 }
 
-const char* variant_name(int head_dim, int64_t seqlen_q, bool varlen) {
-  switch (variant_bits(head_dim, seqlen_q, varlen)) {
+const char* variant_name(int head_dim, int64_t rows) {
+  switch (variant_bits(head_dim, rows)) {
     case 0: return "split";
     case 1: return "red";
     case 3: return "redlag";
@@ -1562,12 +1562,12 @@ const char* variant_name(int head_dim, int64_t seqlen_q, bool varlen) {
   }
 }
 template <int kD>
-const char* variant_of(int64_t seqlen_q, bool varlen) {
-  return variant_name(kD, seqlen_q, varlen);
+const char* variant_of(int64_t rows) {
+  return variant_name(kD, rows);
 }
 template <int kD>
-int step_rows_of(int64_t seqlen_q, bool varlen) {
-  return variant_bits(kD, seqlen_q, varlen) == kVariantPingPongWide ? 2 * kBM : kBM;
+int step_rows_of(int64_t rows) {
+  return variant_bits(kD, rows) == kVariantPingPongWide ? 2 * kBM : kBM;
 }
 
 template <int kD>
@@ -1651,7 +1651,7 @@ CUtensorMap make_kv_map(const void* ptr, const detail::Strides3& s, const BwdPar
 // variants and is only checked here.
 template <typename T>
 void launch_d256_typed(const BwdParams& p, cudaStream_t stream) {
-  (void)variant_bits(256, p.seqlen_q, p.cu_seqlens_q != nullptr);  // a bad value is an error here too
+  (void)variant_bits(256, p.variant_rows);  // a bad value is an error here too
   const int mode = dq_mode_d256();
   const bool pass = p.ws_dq == nullptr;  // deterministic mode or mode pass
   const int64_t grid = static_cast<int64_t>(p.num_n_blocks) * p.heads_kv * p.batch;
@@ -1691,7 +1691,7 @@ void launch_d256(const BwdParams& p, bool is_bf16, cudaStream_t stream) {
     launch_d256_typed<__half>(p, stream);
 }
 
-const char* variant_d256(int64_t, bool) {
+const char* variant_d256(int64_t) {
   const int m = dq_mode_d256();
   return m == kDqPass ? "dsplit-pass" : m == kDqV4 ? "dsplit-v4" : "dsplit";
 }
