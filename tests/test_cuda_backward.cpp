@@ -213,6 +213,18 @@ struct BwdRun {
     val.p.f = val.fwd.p;
     return val;
   }
+  // Varlen: every token of sequence b (Q, K, V, dO) becomes NaN on the device (the references and
+  // o / lse, computed before, stay those of the finite inputs).
+  void nan_sequence(int64_t b) {
+    auto set_rows = [](detail::Buffer& buf, int64_t heads, int64_t hs, int64_t r0, int64_t r1) {
+      for (int64_t i = r0 * heads * hs; i < r1 * heads * hs; ++i) buf.set(i, std::numeric_limits<float>::quiet_NaN());
+      buf.upload();
+    };
+    set_rows(q, Hq, hs_qk, cuq[b], cuq[b + 1]);
+    set_rows(dout, Hq, hs_v, cuq[b], cuq[b + 1]);
+    set_rows(k, Hk, hs_qk, cuk[b], cuk[b + 1]);
+    set_rows(v, Hk, hs_v, cuk[b], cuk[b + 1]);
+  }
   int64_t ref_rows_q() const { return varlen ? cuq.back() : rows_q; }
   int64_t ref_rows_k() const { return varlen ? cuk.back() : rows_k; }
 };
@@ -222,12 +234,13 @@ struct GradErrors {
 };
 
 // Errors of the gradients the backend wrote (host copies, strided as in bp) against a reference
-// (the same walk as tests/test_backward.cpp).
-GradErrors grad_errors(const detail::BwdProblem& bp, const detail::RefGrads& ref) {
+// (the same walk as tests/test_backward.cpp); sequence skip_seq is left out.
+GradErrors grad_errors(const detail::BwdProblem& bp, const detail::RefGrads& ref, int64_t skip_seq = -1) {
   const detail::FwdProblem& p = bp.f;
   GradErrors e;
   const int64_t hq = p.heads_q, hkv = p.heads_kv, d = p.head_dim, dv = p.head_dim_v;
   for (int64_t b = 0; b < p.batch; ++b) {
+    if (b == skip_seq) continue;
     const int64_t q0 = p.varlen() ? p.cu_seqlens_q_host[b] : 0, k0 = p.varlen() ? p.cu_seqlens_k_host[b] : 0;
     const int64_t sq = p.varlen() ? p.cu_seqlens_q_host[b + 1] - q0 : p.seqlen_q;
     const int64_t sk = p.varlen() ? p.cu_seqlens_k_host[b + 1] - k0 : p.seqlen_k;
@@ -296,10 +309,11 @@ Refs references(BwdRun& s) {
   return r;
 }
 
-// Checks the gradients now in s (host copies) against the references with the 3x rule.
-void check_grads(BwdRun& s, const Refs& r, const std::string& what) {
+// Checks the gradients now in s (host copies) against the references with the 3x rule (all but
+// sequence skip_seq).
+void check_grads(BwdRun& s, const Refs& r, const std::string& what, int64_t skip_seq = -1) {
   auto val = s.host_problem();
-  const GradErrors err = grad_errors(val.p, r.ref);
+  const GradErrors err = grad_errors(val.p, r.ref, skip_seq);
   const double atol = atol_for(s.c.dtype);
   const char* ts = dtype_name(s.c.dtype);
   auto check = [&](const char* name, const detail::ErrorStats& got, const detail::ErrorStats& base, double mag) {
@@ -693,6 +707,47 @@ TEST_P(CudaBackwardSm90D256Varlen, MatchesFloat64Reference) {
 
 INSTANTIATE_TEST_SUITE_P(Cases, CudaBackwardSm90D256Varlen, ::testing::ValuesIn(sm90_d256_varlen_cases()),
                          [](const auto& info) { return info.param.name; });
+
+// A sequence of NaN tokens (Q, K, V, dO) between finite ones, at every head dim and variant of the
+// wgmma backward (and the mma.sync table's): its neighbours' tail blocks must not read its rows or
+// keys, and its own tail block must not add into the next sequence's dQ rows — the Hopper kernels'
+// ragged TMA maps zero-fill / skip rows past a sequence (session 25; before, 0 x NaN leaked).
+TEST(CudaBackwardVarlenNan, NanSequenceDoesNotReachItsNeighbours) {
+  SKIP_WITHOUT_GPU();
+  const bool sm90 = detail::cuda_device_arch(0) == 90;
+  for (int64_t d : {64, 128, 256}) {
+    Case c = mk("varlen_nan_neighbour_d" + std::to_string(d), 0, 0, d, d == 128 ? DType::f16 : DType::bf16);
+    c.batch = 4;
+    c.heads_q = 4;
+    c.heads_kv = 2;
+    c.varlen_q = {77, 130, 33, 20};
+    c.varlen_k = {100, 150, 61, 0};
+    c.causal = d == 64;
+    BwdRun s(c, 31 + d);
+    const Refs r = references(s);
+    s.nan_sequence(1);
+    for (const char* kernel : {"", "mma"}) {
+      BwdKernelEnv env(*kernel ? kernel : nullptr);
+      for (bool det : {false, true}) {
+        s.poison_grads();
+        const KernelChoice kc = s.backward_device(det);
+        if (sm90 && !*kernel) EXPECT_NE(kc.kernel.find("sm90 wgmma"), std::string::npos) << kc.kernel;
+        check_grads(s, r, c.name + " (" + kc.kernel + ")", 1);
+      }
+    }
+    // Every varlen variant of the hdim-64 / 128 wgmma kernel (pp and ppwide load Q / dO by TMA, lag
+    // by cp.async; all reduce dQ by TMA).
+    if (sm90 && d != 256)
+      for (const char* variant : {"lag", "pp", "ppwide"})
+        if (d == 64 || std::string(variant) != "ppwide") {
+          ScopedEnv var("IOATTN_BWD_SM90_VARIANT", variant);
+          s.poison_grads();
+          const KernelChoice kc = s.backward_device(false);
+          EXPECT_NE(kc.kernel.find(std::string(" variant ") + variant), std::string::npos) << kc.kernel;
+          check_grads(s, r, c.name + " (" + kc.kernel + ")", 1);
+        }
+  }
+}
 
 // The hdim-256 wgmma backward (session 19: 64 keys per CTA, the head dim split over the two
 // warpgroups; sm_90's default at hdim 256 except softcap and ALiBi): odd shapes, rows and

@@ -41,6 +41,7 @@ struct Case {
   bool alibi = false, sinks = false;
   bool bhsd = false;                     // [b, h, s, d] buffer viewed as [b, s, h, d]
   std::vector<int32_t> lens_q, lens_k;   // varlen when non-empty
+  int nan_seq = -1;  // varlen: this sequence's Q / K / V tokens are all NaN; the others must not see it
   Backend backend = Backend::flash;
 };
 
@@ -131,6 +132,13 @@ void run_case(const Case& c, uint32_t seed) {
       const auto nb = nan_buffer(dt, (t->view.shape[0] - total) * t->view.stride[0]);
       std::memcpy(t->host.data() + total * t->view.stride[0] * dtype_size(dt), nb.data(), nb.size());
     }
+    if (c.nan_seq >= 0)  // a sequence of NaN tokens between finite ones (only its own rows may be NaN)
+      for (Tensor* t : {&q, &k, &v}) {
+        const auto& cu = t == &q ? cu_q : cu_k;
+        const int64_t row_bytes = t->view.stride[0] * dtype_size(dt);
+        const auto nb = nan_buffer(dt, (cu[c.nan_seq + 1] - cu[c.nan_seq]) * t->view.stride[0]);
+        std::memcpy(t->host.data() + cu[c.nan_seq] * row_bytes, nb.data(), nb.size());
+      }
   }
   q.upload(), k.upload(), v.upload(), o.upload();
 
@@ -280,6 +288,7 @@ void run_case(const Case& c, uint32_t seed) {
   double err_o = 0, err_o_emu = 0, err_l = 0, err_l_emu = 0;
   int64_t nan_o = 0, nan_l = 0, pad_written = 0, ninf_mismatch = 0, rows_checked = 0;
   for (int64_t b = 0; b < batch; ++b) {
+    if (b == c.nan_seq) continue;  // NaN in, NaN out; what matters is that no other sequence is
     const int64_t q0 = varlen ? cu_q[b] : 0, sq = varlen ? cu_q[b + 1] - cu_q[b] : c.sq;
     for (int64_t i = 0; i < sq; ++i)
       for (int64_t h = 0; h < c.hq; ++h) {
@@ -528,6 +537,16 @@ std::vector<Case> flash_cases() {
     Case c = mk("local_varlen_long_d128_f16", hf, 0, 0, 0, 2, 1, 128);
     c.lens_q = {700, 129};
     c.lens_k = {900, 1};
+    v.push_back(c);
+  }
+  // A sequence of NaN tokens between finite ones: tail blocks of its neighbours (rows and keys past
+  // their ends) must not read it (the sm90 kernels' ragged TMA maps zero-fill there), at each head dim.
+  for (int64_t d : {64, 128, 256}) {
+    Case c = mk("local_varlen_nan_neighbour_d" + std::to_string(d), d == 128 ? hf : bf, 0, 0, 0, 4, 2, d);
+    c.lens_q = {77, 130, 33, 20};
+    c.lens_k = {100, 150, 61, 0};
+    c.nan_seq = 1;
+    c.causal = d == 64;
     v.push_back(c);
   }
   {

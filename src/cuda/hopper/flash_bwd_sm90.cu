@@ -176,16 +176,14 @@ __device__ __forceinline__ void load_rows(uint32_t dst, const uint8_t* src, int6
 // kVarlen (with kLag and kTmaDq; varlen's default at hdim 128 below 2048 query rows;
 // IOATTN_BWD_SM90_VARLEN=0 sends varlen to the mma.sync table): packed
 // sequences from cu_seqlens (bwd_detail::seq_info): this CTA's sequence's key / query starts and
-// lengths, workspace rows q_start + i, and the dQ map over [heads_q, total_q, d] (plane = head,
-// row = q_start + m0). A tail block's dQ piece rows past the sequence are exact zeros (P = 0 there:
-// LSE +inf, dO zero-filled), so the reduce-add that reaches the next sequence's rows adds 0.
+// lengths, workspace rows q_start + i, and the dQ workspace [heads_q, total_q, d] through a ragged
+// map (make_ragged_map: head, sequence, row m0), so a tail block's dQ rows past the sequence are
+// skipped by the reduce-add rather than added to the next sequence's rows.
 // kVarlen with kPingPong (variants pp and ppwide on varlen, session 23; the defaults by the dense
-// rule since session 24, verified on the H200): Q / dO by TMA through maps over the packed
-// [total_q, heads, d] tokens (row q_start + m0), as the forward's varlen rows read them. A tail
-// step's rows past its sequence are then the next sequence's tokens (zeros past the last one): the
-// step masks them (P = 0, so dS = 0) and every product they enter is 0 x a finite value, so dK / dV
-// get exact zeros from them, as from the zero-filled rows of lag — provided the neighbouring
-// tokens are finite.
+// rule since session 24, verified on the H200): Q / dO by TMA through ragged maps over the packed
+// [total_q, heads, d] tokens (session 25): a tail step's rows past its sequence read as zeros, as
+// lag's zero-filled rows, never as the next sequence's tokens (whose NaN / Inf would reach dK / dV
+// through 0 x NaN).
 // kPingPong (variant "pp", with kTmaLoad; session 8, the default since session 9): no
 // CTA barrier in the loop, so the two warpgroups stop walking the step in lockstep. At hdim 64 a
 // step's wgmmas are ~1,280 cycles of a ~3,700-cycle step (342 TFLOP/s): the rest is the chain
@@ -310,10 +308,14 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_sm90_kernel(const BwdPa
         mbarrier_arrive_expect_tx(&full_qdo[st], 2 * kTileQ);
 #pragma unroll
         for (int cb = 0; cb < kD / 64; ++cb) {
-          // (varlen: the maps' rows are the packed tokens, one batch)
-          const int row = kVarlen ? q_start + m0 : m0, bb = kVarlen ? 0 : b;
-          tma_load_4d(sq + st * kTileQ + cb * kM * 128, &q_map, &full_qdo[st], cb * 64, row, h, bb);
-          tma_load_4d(sdo + st * kTileQ + cb * kM * 128, &do_map, &full_qdo[st], cb * 64, row, h, bb);
+          if constexpr (kVarlen) {  // ragged maps: rows past the sequence read as zeros
+            tma_load_ragged(sq + st * kTileQ + cb * kM * 128, &q_map, &full_qdo[st], cb * 64, h, q_start, sq_len, m0);
+            tma_load_ragged(sdo + st * kTileQ + cb * kM * 128, &do_map, &full_qdo[st], cb * 64, h, q_start, sq_len,
+                            m0);
+          } else {
+            tma_load_4d(sq + st * kTileQ + cb * kM * 128, &q_map, &full_qdo[st], cb * 64, m0, h, b);
+            tma_load_4d(sdo + st * kTileQ + cb * kM * 128, &do_map, &full_qdo[st], cb * 64, m0, h, b);
+          }
         }
       }
     } else {
@@ -444,9 +446,13 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_sm90_kernel(const BwdPa
       } else {
         named_barrier_sync(1 + wg, 128);
         if (wtid == 0) {
-          // the workspace's [heads_q, batch, seqlen_q] rows (varlen: [heads_q, total_q])
-          const int plane = kVarlen ? ph : ph * p.batch + b;
-          const int prow = (kVarlen ? q_start : 0) + pm0 + (kWide ? 64 * wg : 0);
+          // the workspace's [heads_q, batch, seqlen_q] rows (varlen: [heads_q, total_q], a ragged map
+          // that skips the rows past the sequence)
+          const int plane = ph * p.batch + b, prow = pm0 + (kWide ? 64 * wg : 0);
+          if constexpr (kVarlen) {
+            tma_reduce_add_ragged(&dq_map, piece, kDqCols * wg, ph, q_start, sq_len, prow);
+            tma_reduce_add_ragged(&dq_map, piece + kBM * 128, kDqCols * wg + 32, ph, q_start, sq_len, prow);
+          } else
 #if IOATTN_BWD_TRACE
           if ((dq_probe & 3) == 1) {
           } else if ((dq_probe & 3) == 2) {
@@ -905,9 +911,8 @@ __device__ __forceinline__ void load_x(float (&x)[2], const BwdParams& p, int wg
 // kRedV4 (IOATTN_BWD_SM90_D256_DQ=v4): dQ by red.global.add.v4 (half the reductions): lanes t and
 // t ^ 1 swap one pair each, so an even lane adds 4 columns of row r0 and an odd lane 4 of r0 + 8.
 // kVarlen (session 23; the default for varlen at hdim 256 since session 24, 1.9-2.1x mma.sync): packed
-// sequences (bwd_detail::seq_info), Q / dO by TMA through maps over the packed tokens (row q_start +
-// m0: a tail step's rows past the sequence are the next one's tokens, masked: P = dS = 0, and 0 x a
-// finite value adds nothing), K / V and dK / dV at k_start; dQ by the pass only (no reductions).
+// sequences (bwd_detail::seq_info), Q / dO by TMA through ragged maps over the packed tokens (a tail
+// step's rows past the sequence read as zeros), K / V and dK / dV at k_start; dQ by the pass only.
 template <typename T, bool kDq, bool kRedV4 = false, bool kVarlen = false>
 __global__ void __launch_bounds__(kThreads, 1) flash_bwd_sm90_d256_kernel(const BwdParams p,
                                                                           const __grid_constant__ CUtensorMap q_map,
@@ -974,11 +979,15 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_sm90_d256_kernel(const 
     if (++iss_m == per_head) iss_m = 0, ++iss_h;
     if (step >= 2) mbarrier_wait_or_trap(&empty[st], ((step - 2) >> 1) & 1);
     mbarrier_arrive_expect_tx(&full[st], 2 * kTile);
-    const int row = q_start + m0, bb = kVarlen ? 0 : b;  // (varlen: the maps' rows are the packed tokens)
 #pragma unroll
     for (int cb = 0; cb < kD / 64; ++cb) {
-      tma_load_4d(sq + st * kTile + cb * kBM * 128, &q_map, &full[st], cb * 64, row, h, bb);
-      tma_load_4d(sdo + st * kTile + cb * kBM * 128, &do_map, &full[st], cb * 64, row, h, bb);
+      if constexpr (kVarlen) {  // ragged maps: rows past the sequence read as zeros
+        tma_load_ragged(sq + st * kTile + cb * kBM * 128, &q_map, &full[st], cb * 64, h, q_start, sq_len, m0);
+        tma_load_ragged(sdo + st * kTile + cb * kBM * 128, &do_map, &full[st], cb * 64, h, q_start, sq_len, m0);
+      } else {
+        tma_load_4d(sq + st * kTile + cb * kBM * 128, &q_map, &full[st], cb * 64, m0, h, b);
+        tma_load_4d(sdo + st * kTile + cb * kBM * 128, &do_map, &full[st], cb * 64, m0, h, b);
+      }
     }
   };
   ptx::cp_async_wait<0>();
@@ -1134,8 +1143,8 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_sm90_d256_kernel(const 
 // two stages, a block ahead (thread 128; empty: one arrival per warp). Costs S and dP a second time
 // (3 of the backward's 5 GEMMs here, 7 in all) to avoid the fp32 reductions: at hdim 256 a 64-key
 // CTA adds 64 KB of dQ per 64-row step, twice the hdim-128 kernel's bytes per FLOP.
-// kVarlen: as the dK/dV kernel's (K / V by TMA over the packed keys too; a block past the
-// sequence's keys reads the next sequence's, masked); query blocks past a shorter sequence exit.
+// kVarlen: as the dK/dV kernel's (K / V by TMA through ragged maps over the packed keys too: a
+// block's keys past the sequence read as zeros); query blocks past a shorter sequence exit.
 template <typename T, bool kVarlen = false>
 __global__ void __launch_bounds__(kThreads, 1) flash_bwd_sm90_d256_dq_kernel(const BwdParams p,
                                                                              const __grid_constant__ CUtensorMap q_map,
@@ -1171,7 +1180,6 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_sm90_d256_dq_kernel(con
   const int m0 = m_block * kBM, m_end = min(m0 + kBM, sq_len);
   if (kVarlen && m0 >= sq_len) return;  // this sequence has fewer rows (nothing issued yet)
   const int64_t row0 = kVarlen ? static_cast<int64_t>(q_start) : static_cast<int64_t>(b) * sq_len;
-  const int bb = kVarlen ? 0 : b;  // the maps' batch (varlen: the packed tokens are one)
   // Key blocks that intersect the band of rows [m0, m_end), ascending (as flash_bwd_dq_kernel).
   int n_lo = 0, n_hi = sk_len;
   if (p.window_left >= 0) n_lo = max(0, m0 + off - p.window_left);
@@ -1192,16 +1200,26 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_sm90_d256_dq_kernel(con
     mbarrier_arrive_expect_tx(&full[st], 2 * kTile);
 #pragma unroll
     for (int cb = 0; cb < kD / 64; ++cb) {
-      tma_load_4d(sk + st * kTile + cb * kBN * 128, &k_map, &full[st], cb * 64, k_start + n0, hk, bb);
-      tma_load_4d(sv + st * kTile + cb * kBN * 128, &v_map, &full[st], cb * 64, k_start + n0, hk, bb);
+      if constexpr (kVarlen) {  // ragged maps: keys past the sequence read as zeros
+        tma_load_ragged(sk + st * kTile + cb * kBN * 128, &k_map, &full[st], cb * 64, hk, k_start, sk_len, n0);
+        tma_load_ragged(sv + st * kTile + cb * kBN * 128, &v_map, &full[st], cb * 64, hk, k_start, sk_len, n0);
+      } else {
+        tma_load_4d(sk + st * kTile + cb * kBN * 128, &k_map, &full[st], cb * 64, n0, hk, b);
+        tma_load_4d(sv + st * kTile + cb * kBN * 128, &v_map, &full[st], cb * 64, n0, hk, b);
+      }
     }
   };
   if (tid == 128 && n_blocks > 0) {
     mbarrier_arrive_expect_tx(qbar, 2 * kTile);
 #pragma unroll
     for (int cb = 0; cb < kD / 64; ++cb) {
-      tma_load_4d(sq + cb * kBM * 128, &q_map, qbar, cb * 64, q_start + m0, h, bb);
-      tma_load_4d(sdo + cb * kBM * 128, &do_map, qbar, cb * 64, q_start + m0, h, bb);
+      if constexpr (kVarlen) {
+        tma_load_ragged(sq + cb * kBM * 128, &q_map, qbar, cb * 64, h, q_start, sq_len, m0);
+        tma_load_ragged(sdo + cb * kBM * 128, &do_map, qbar, cb * 64, h, q_start, sq_len, m0);
+      } else {
+        tma_load_4d(sq + cb * kBM * 128, &q_map, qbar, cb * 64, m0, h, b);
+        tma_load_4d(sdo + cb * kBM * 128, &do_map, qbar, cb * 64, m0, h, b);
+      }
     }
     issue(0), issue(1);
   }
@@ -1307,14 +1325,16 @@ int variant_bits(int head_dim, int64_t rows) {
 // rows of one (head, batch) pair are one plane, so a tail block's rows past seqlen_q are clipped
 // instead of landing in the next sequence — with [box_rows x 32 floats] SW128 boxes (64: a
 // warpgroup's dQ piece; 16: a warp's, variant ppw).
+// Varlen: [heads_q, total_q] rows (rows_q = total_q) as a ragged map (make_ragged_map; the kernel
+// gives the sequence), so rows past a sequence are skipped, not added to the next sequence's.
 template <int kD>
 CUtensorMap make_dq_map(const BwdParams& p, int box_rows = kBM) {
-  // varlen: [heads_q, total_q] rows (rows_q = total_q), one plane per head
-  const bool varlen = p.cu_seqlens_q != nullptr;
-  const int64_t rows = varlen ? p.rows_q : p.seqlen_q;
+  if (p.cu_seqlens_q != nullptr)
+    return sm90::make_ragged_map(p.ws_dq, DType::f32, 4, kD, p.rows_q, p.heads_q, kD, p.rows_q * kD, 32, box_rows,
+                                 "the backward's dQ workspace");
+  const int64_t rows = p.seqlen_q;
   const cuuint64_t dims[3] = {static_cast<cuuint64_t>(kD), static_cast<cuuint64_t>(rows > 0 ? rows : 1),
-                              static_cast<cuuint64_t>(varlen ? static_cast<int64_t>(p.heads_q)
-                                                             : static_cast<int64_t>(p.heads_q) * p.batch)};
+                              static_cast<cuuint64_t>(static_cast<int64_t>(p.heads_q) * p.batch)};
   const cuuint64_t strides[2] = {static_cast<cuuint64_t>(kD) * 4, dims[1] * kD * 4};
   const cuuint32_t box[3] = {32, static_cast<cuuint32_t>(box_rows), 1};
   const cuuint32_t elem_strides[3] = {1, 1, 1};
@@ -1331,18 +1351,19 @@ CUtensorMap make_dq_map(const BwdParams& p, int box_rows = kBM) {
 // Variant "tmald": Q or dO [batch, seqlen_q, heads_q, kD] as the forward's 4-D map with [64 rows x
 // 64 dims] SW128 boxes, the layout of a stage's column blocks. TMA's alignment / stride rules
 // unmet: an error naming the tensor (the variant is an explicit choice, so no silent fallback).
-// Varlen: one batch of the packed tokens (rows_q = total_q; the tokens past the last sequence, if
-// the tensor has any, are out of bounds: zeros).
+// Varlen: a ragged map over the packed tokens (rows_q = total_q; rows past the kernel's sequence
+// are out of bounds: zeros).
 template <typename T, int kD>
 CUtensorMap make_row_map(const void* ptr, const detail::Strides3& s, const BwdParams& p, const char* name,
                          int box_rows = kBM) {
   const bool varlen = p.cu_seqlens_q != nullptr;
   const int64_t rows = varlen ? p.rows_q : p.seqlen_q, batch = varlen ? 1 : p.batch;
+  const DType dt = std::is_same_v<T, __nv_bfloat16> ? DType::bf16 : DType::f16;
   std::string why;
   if (!sm90::tma_compatible(ptr, s, batch, rows, p.heads_q, name, &why))
     throw Error(name, "the wgmma backward's TMA-load variants (tmald, pp, ppwide): " + why);
-  return sm90::make_tensor_map(ptr, std::is_same_v<T, __nv_bfloat16> ? DType::bf16 : DType::f16, kD, rows, p.heads_q,
-                               batch, s, box_rows, name);
+  if (varlen) return sm90::make_ragged_map(ptr, dt, 2, kD, rows, p.heads_q, s.seq, s.head, 64, box_rows, name);
+  return sm90::make_tensor_map(ptr, dt, kD, rows, p.heads_q, batch, s, box_rows, name);
 }
 
 // Deterministic mode (no dQ workspace): this kernel for dK/dV only, then the mma.sync table's
@@ -1633,16 +1654,18 @@ int dq_mode_d256() {
 
 // K or V [batch, seqlen_k, heads_kv, 256] as a 4-D map with [64 rows x 64 dims] SW128 boxes (the dQ
 // pass's stages); rows past seqlen_k read as zeros.
-// Varlen: one batch of the packed keys (rows_k = total_k).
+// Varlen: a ragged map over the packed keys (rows_k = total_k; keys past the kernel's sequence
+// read as zeros).
 template <typename T>
 CUtensorMap make_kv_map(const void* ptr, const detail::Strides3& s, const BwdParams& p, const char* name) {
   const bool varlen = p.cu_seqlens_k != nullptr;
   const int64_t rows = varlen ? p.rows_k : p.seqlen_k, batch = varlen ? 1 : p.batch;
+  const DType dt = std::is_same_v<T, __nv_bfloat16> ? DType::bf16 : DType::f16;
   std::string why;
   if (!sm90::tma_compatible(ptr, s, batch, rows, p.heads_kv, name, &why))
     throw Error(name, "the hdim-256 wgmma dQ pass: " + why);
-  return sm90::make_tensor_map(ptr, std::is_same_v<T, __nv_bfloat16> ? DType::bf16 : DType::f16, 256, rows,
-                               p.heads_kv, batch, s, d256::kBN, name);
+  if (varlen) return sm90::make_ragged_map(ptr, dt, 2, 256, rows, p.heads_kv, s.seq, s.head, 64, d256::kBN, name);
+  return sm90::make_tensor_map(ptr, dt, 256, rows, p.heads_kv, batch, s, d256::kBN, name);
 }
 
 // hdim 256: the dK/dV kernel (with dQ by reductions, or without), then in deterministic mode or

@@ -114,7 +114,45 @@ bool tma_compatible(const void* ptr, const detail::Strides3& s, int64_t batch, i
       return false;
     }
   }
+  // (the varlen maps' row arithmetic, make_ragged_map; a 16 GiB row is no real layout)
+  if (seqlen > 1 && s.seq * elem_bytes >= kRaggedMaxRowStrideBytes) {
+    *why = std::string(name) + " seq stride " + std::to_string(s.seq) + " elements is not below 2^34 bytes";
+    return false;
+  }
   return true;
+}
+
+// (declared in ptx_sm90.cuh, which explains the construction)
+CUtensorMap make_ragged_map(const void* ptr, DType dtype, int64_t elem_bytes, int64_t cols, int64_t total_rows,
+                            int64_t heads, int64_t row_stride, int64_t head_stride, int box_cols, int box_rows,
+                            const char* name) {
+  const int64_t rs = row_stride * elem_bytes;
+  // Strides of size-1 dims are never followed, but TMA checks them: a packed (valid) one.
+  const int64_t rs_valid = total_rows > 1 ? rs : cols * elem_bytes * heads;
+  const int64_t hs = heads > 1 ? head_stride * elem_bytes : cols * elem_bytes;
+  if (rs_valid <= 0 || rs_valid % 16 != 0 || rs_valid >= kRaggedMaxRowStrideBytes || hs % 16 != 0 ||
+      hs >= kTmaMaxStrideBytes)
+    throw Error(name, std::string("ioattn: ") + name + " strides (row " + std::to_string(rs) + ", head " +
+                          std::to_string(hs) + " bytes) do not suit a TMA varlen map");
+  const cuuint64_t dims[5] = {static_cast<cuuint64_t>(cols), static_cast<cuuint64_t>(kRaggedRows),
+                              static_cast<cuuint64_t>(heads), static_cast<cuuint64_t>(total_rows + 1),
+                              static_cast<cuuint64_t>(kRaggedRows) + 1};
+  const cuuint64_t strides[4] = {static_cast<cuuint64_t>(rs_valid), static_cast<cuuint64_t>(hs),
+                                 static_cast<cuuint64_t>(rs_valid),
+                                 static_cast<cuuint64_t>(kRaggedMaxRowStrideBytes - rs_valid)};
+  const cuuint32_t box[5] = {static_cast<cuuint32_t>(box_cols), static_cast<cuuint32_t>(box_rows), 1, 1, 1};
+  const cuuint32_t elem_strides[5] = {1, 1, 1, 1, 1};
+  const CUtensorMapDataType type = elem_bytes == 4     ? CU_TENSOR_MAP_DATA_TYPE_FLOAT32
+                                   : dtype == DType::bf16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16
+                                                          : CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
+  CUtensorMap map{};
+  const CUresult r = tensor_map_encoder()(&map, type, 5, const_cast<void*>(ptr), dims, strides, box, elem_strides,
+                                          CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                                          CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  if (r != CUDA_SUCCESS)
+    throw Error("cuda", std::string("ioattn: cuTensorMapEncodeTiled failed for the varlen map of ") + name +
+                            " (CUresult " + std::to_string(static_cast<int>(r)) + ")");
+  return map;
 }
 
 // (declared in ptx_sm90.cuh; the backward's tmald variant uses it too) 4D map over (head_dim,
@@ -555,6 +593,8 @@ bool select_impl(const FwdProblem& p, std::string* kernel, std::string* why) {
   const MapExtent ext = map_extent(p);
   if (p.varlen() && (ext.seqlen_q > kMaxInt - 256 || ext.seqlen_k > kMaxInt - 256))
     return fail(why, "varlen: more than 2^31 - 256 packed tokens");
+  if (p.varlen() && (p.seqlen_q > kRaggedRows || p.seqlen_k > kRaggedRows))
+    return fail(why, "varlen: a sequence longer than 2^30 tokens (the ragged TMA maps' limit)");
   if (!tma_compatible(p.q, p.q_stride, ext.batch, ext.seqlen_q, p.heads_q, "q", why)) return false;
   if (!tma_compatible(p.k, p.k_stride, ext.batch, ext.seqlen_k, p.heads_kv, "k", why)) return false;
   if (!tma_compatible(p.v, p.v_stride, ext.batch, ext.seqlen_k, p.heads_kv, "v", why)) return false;
@@ -744,9 +784,18 @@ void sm90_flash_forward(const FwdProblem& p) {
 
   FwdLaunch l;
   const MapExtent ext = map_extent(p);
-  l.q = make_tensor_map(p.q, p.dtype, p.head_dim, ext.seqlen_q, p.heads_q, ext.batch, p.q_stride, row.block_m, "q");
-  l.k = make_tensor_map(p.k, p.dtype, p.head_dim, ext.seqlen_k, p.heads_kv, ext.batch, p.k_stride, row.block_n, "k");
-  l.v = make_tensor_map(p.v, p.dtype, p.head_dim, ext.seqlen_k, p.heads_kv, ext.batch, p.v_stride, row.block_n, "v");
+  if (p.varlen()) {  // ragged: a tile's rows past its sequence read as zeros, not the next sequence's
+    const auto ragged = [&](const void* ptr, int64_t rows, int64_t heads, const Strides3& s, int box, const char* n) {
+      return make_ragged_map(ptr, p.dtype, 2, p.head_dim, rows, heads, s.seq, s.head, 64, box, n);
+    };
+    l.q = ragged(p.q, ext.seqlen_q, p.heads_q, p.q_stride, row.block_m, "q");
+    l.k = ragged(p.k, ext.seqlen_k, p.heads_kv, p.k_stride, row.block_n, "k");
+    l.v = ragged(p.v, ext.seqlen_k, p.heads_kv, p.v_stride, row.block_n, "v");
+  } else {
+    l.q = make_tensor_map(p.q, p.dtype, p.head_dim, ext.seqlen_q, p.heads_q, ext.batch, p.q_stride, row.block_m, "q");
+    l.k = make_tensor_map(p.k, p.dtype, p.head_dim, ext.seqlen_k, p.heads_kv, ext.batch, p.k_stride, row.block_n, "k");
+    l.v = make_tensor_map(p.v, p.dtype, p.head_dim, ext.seqlen_k, p.heads_kv, ext.batch, p.v_stride, row.block_n, "v");
+  }
   FwdParams& f = l.params;
   f.o = p.o;
   f.lse = p.lse;

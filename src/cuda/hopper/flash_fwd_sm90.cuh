@@ -407,13 +407,14 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         const TileCoord tc = decode_tile<kCausal>(t, p);
         const int m0 = tile_m0<kBlockM, kCausal, kLocal>(tc, lp), hk = tc.h / p.group;
         int n_first = 0, n_blocks;
-        int q_row = m0, kv_row = 0, bat = tc.b;  // TMA coordinates (kLocal varlen: packed tokens, batch 0)
+        // kLocal varlen: the maps are ragged (make_ragged_map), rows clipped at the sequence's end.
+        bool ragged = false;
+        TileSpan span{};
         if constexpr (kLocal) {
-          const TileSpan span = tile_span(tc.b, p, lp);
+          span = tile_span(tc.b, p, lp);
           const int2 kb = local_key_blocks<kBlockM, kBlockN>(m0, span);
           n_first = kb.x, n_blocks = kb.y;
-          q_row = span.q0 + m0, kv_row = span.k0;
-          if (lp.cu_seqlens_q != nullptr) bat = 0;
+          ragged = lp.cu_seqlens_q != nullptr;
         } else {
           n_blocks = num_key_blocks<kBlockM, kBlockN, kCausal>(m0, p.seqlen_q, p.seqlen_k);
         }
@@ -426,7 +427,10 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         mbarrier_arrive_expect_tx(&full_q, Tr::kQBytes);
 #pragma unroll
         for (int c = 0; c < Tr::kColBlocks; ++c)
-          tma_load_4d(s_q + c * kBlockM * 128, &tm_q, &full_q, c * 64, q_row, tc.h, bat);
+          if (ragged)
+            tma_load_ragged(s_q + c * kBlockM * 128, &tm_q, &full_q, c * 64, tc.h, span.q0, span.sq, m0);
+          else
+            tma_load_4d(s_q + c * kBlockM * 128, &tm_q, &full_q, c * 64, m0, tc.h, tc.b);
         // K or V of the i-th visited key block of this tile into ring slot (ring + i) % kStages.
         auto load_kv = [&](const CUtensorMap* map, uint8_t* buf, uint64_t* full, uint64_t* empty, int i) {
           const uint32_t st = ring_stage(ring + i, kStages);
@@ -436,7 +440,10 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
           uint8_t* dst = buf + st * Tr::kKVBytes;
 #pragma unroll
           for (int c = 0; c < Tr::kColBlocks; ++c)
-            tma_load_4d(dst + c * kBlockN * 128, map, &full[st], c * 64, kv_row + n0, hk, bat);
+            if (ragged)
+              tma_load_ragged(dst + c * kBlockN * 128, map, &full[st], c * 64, hk, span.k0, span.sk, n0);
+            else
+              tma_load_4d(dst + c * kBlockN * 128, map, &full[st], c * 64, n0, hk, tc.b);
         };
         // Order K0, K1, V0, K2, V1, ...: the consumers need K_{i+1} before V_i.
         load_kv(&tm_k, s_k, full_k, empty_k, 0);

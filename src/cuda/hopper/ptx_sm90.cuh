@@ -51,6 +51,25 @@ CUtensorMap make_tensor_map(const void* ptr, DType dtype, int64_t head_dim, int6
 bool tma_compatible(const void* ptr, const detail::Strides3& s, int64_t batch, int64_t seqlen, int64_t heads,
                     const char* name, std::string* why, int64_t elem_bytes = 2);
 
+// ---- Ragged maps: one packed varlen sequence's rows, clipped at its end --------------------------
+// A packed tensor [total, heads, cols] (row stride rs, head stride hs, bytes) as a 5-D map over
+// (col, y, head, z, w) with strides (elem, rs, hs, rs, 2^34 - rs) and y < kRaggedRows. Row r of the
+// sequence [start, start + len) is y = kRaggedRows - len + r, z = start + len, w = kRaggedRows:
+// the address offset (y + z) rs + w (2^34 - rs) = (start + r) rs + 2^64 - 2^30 rs wraps (64-bit
+// address arithmetic) to (start + r) rs. Rows r >= len have y >= kRaggedRows: out of bounds, so a
+// load reads zeros and a store / reduce-add skips them, instead of touching the next sequence
+// (whose NaN / Inf would otherwise reach this one through 0 x NaN). The base stays the tensor's
+// own pointer. (The construction is Triton's ragged TMA descriptor, tools/ragged_tma.py.)
+// Limits: a sequence of at most 2^30 rows, rs < 2^34 bytes (tma_compatible checks the latter).
+constexpr int kRaggedRows = 1 << 30;
+constexpr int64_t kRaggedMaxRowStrideBytes = int64_t{1} << 34;
+
+// Host (flash_fwd_sm90.cu): the map, 128-byte swizzle, boxes of box_cols x box_rows (x 1 x 1 x 1);
+// elem_bytes 2 (bf16 / f16 by dtype) or 4 (f32, dtype ignored). Strides in elements.
+CUtensorMap make_ragged_map(const void* ptr, DType dtype, int64_t elem_bytes, int64_t cols, int64_t total_rows,
+                            int64_t heads, int64_t row_stride, int64_t head_stride, int box_cols, int box_rows,
+                            const char* name);
+
 // 32-bit shared-window address of a generic pointer into shared memory.
 __device__ __forceinline__ uint32_t smem_u32(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
@@ -155,6 +174,22 @@ __device__ __forceinline__ void tma_load_4d(void* dst, const CUtensorMap* map, u
       : "memory");
 }
 
+__device__ __forceinline__ void tma_load_5d(void* dst, const CUtensorMap* map, uint64_t* bar, int c0, int c1,
+                                            int c2, int c3, int c4) {
+  asm volatile(
+      "cp.async.bulk.tensor.5d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+      " [%0], [%1, {%3, %4, %5, %6, %7}], [%2];\n" ::"r"(smem_u32(dst)),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(smem_u32(bar)), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(c4)
+      : "memory");
+}
+
+// Rows [r, r + box) of the packed sequence [start, start + len), columns [col, col + box), head
+// `head`, through a ragged map (make_ragged_map): rows past the sequence's end read as zeros.
+__device__ __forceinline__ void tma_load_ragged(void* dst, const CUtensorMap* map, uint64_t* bar, int col, int head,
+                                                int start, int len, int r) {
+  tma_load_5d(dst, map, bar, col, kRaggedRows - len + r, head, start + len, kRaggedRows);
+}
+
 // cp.async.bulk (non-tensor TMA): `bytes` contiguous bytes global -> shared, completing on `bar`
 // (the caller arms it with mbarrier_arrive_expect_tx first). No tensor map: any address, but
 // src, dst and bytes must be multiples of 16. One instruction moves up to the whole stage, where
@@ -183,6 +218,19 @@ __device__ __forceinline__ void tma_reduce_add_3d(const CUtensorMap* map, const 
           reinterpret_cast<uint64_t>(map)),
       "r"(smem_u32(src)), "r"(c0), "r"(c1), "r"(c2)
       : "memory");
+}
+__device__ __forceinline__ void tma_reduce_add_5d(const CUtensorMap* map, const void* src, int c0, int c1, int c2,
+                                                  int c3, int c4) {
+  asm volatile(
+      "cp.reduce.async.bulk.tensor.5d.global.shared::cta.add.tile.bulk_group"
+      " [%0, {%2, %3, %4, %5, %6}], [%1];\n" ::"l"(reinterpret_cast<uint64_t>(map)),
+      "r"(smem_u32(src)), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(c4)
+      : "memory");
+}
+// The ragged form (see tma_load_ragged): rows past the sequence's end are skipped.
+__device__ __forceinline__ void tma_reduce_add_ragged(const CUtensorMap* map, const void* src, int col, int head,
+                                                      int start, int len, int r) {
+  tma_reduce_add_5d(map, src, col, kRaggedRows - len + r, head, start + len, kRaggedRows);
 }
 __device__ __forceinline__ void bulk_commit_group() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
 template <int N>

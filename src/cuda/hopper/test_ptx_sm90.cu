@@ -1554,6 +1554,115 @@ void test_tma_reduce() {
 }
 
 
+// ---------------------------------------------------------------- ragged (varlen) maps
+// The library's make_ragged_map + tma_load_ragged / tma_reduce_add_ragged: a box of 64 rows at
+// row r of the packed sequence [start, start + len) must read rows past the sequence's end as
+// zeros (though they are inside the tensor: the next sequence's tokens), and a reduce-add must
+// leave them untouched.
+__global__ void k_tma_ragged(const __grid_constant__ CUtensorMap map, int head, int start, int len, int r,
+                             uint16_t* out) {
+#if IOATTN_SM90A_ENABLED
+  extern __shared__ uint8_t raw[];
+  uint8_t* s = align1024(raw);
+  __shared__ uint64_t bar;
+  if (threadIdx.x == 0) {
+    mbarrier_init(&bar, 1);
+    fence_mbarrier_init();
+  }
+  // The box lands on garbage, so an unwritten (not zero-filled) element shows.
+  for (int i = threadIdx.x; i < 2 * 64 * 64; i += blockDim.x) reinterpret_cast<uint16_t*>(s)[i] = 0x7fc0;
+  fence_proxy_async();
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    mbarrier_arrive_expect_tx(&bar, 2 * 64 * 128);
+    for (int c = 0; c < 2; ++c) tma_load_ragged(s + c * 64 * 128, &map, &bar, 64 * c, head, start, len, r);
+  }
+  mbarrier_wait(&bar, 0);
+  for (int i = threadIdx.x; i < 64 * 128; i += blockDim.x) {
+    const int c = i / (64 * 64), row = (i / 64) % 64, col = i % 64;
+    out[row * 128 + c * 64 + col] = *reinterpret_cast<const uint16_t*>(s + c * 64 * 128 + swz(row, col));
+  }
+#endif
+}
+
+__global__ void k_tma_reduce_ragged(const __grid_constant__ CUtensorMap map, int col, int head, int start, int len,
+                                    int r) {
+#if IOATTN_SM90A_ENABLED
+  extern __shared__ uint8_t raw[];
+  uint8_t* s = align1024(raw);
+  for (int i = threadIdx.x; i < 64 * 32; i += blockDim.x) {
+    const int row = i / 32, c = i % 32;
+    *reinterpret_cast<float*>(s + row * 128 + (((c >> 2) ^ (row & 7)) << 4) + (c & 3) * 4) = 64.f * row + c;
+  }
+  fence_proxy_async();
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    tma_reduce_add_ragged(&map, s, col, head, start, len, r);
+    bulk_commit_group();
+    bulk_wait_group<0>();
+  }
+#endif
+}
+
+void test_tma_ragged() {
+  using ioattn::DType;
+  // bf16 [100 tokens][3 heads][128 + 8 NaN-free padding columns].
+  const int total = 100, heads = 3, dp = 136, smem = 2 * 64 * 128 + 1024;
+  auto h = random_bf16(total * heads * dp, 1.0f, 11);
+  auto* d = to_device(h);
+  const CUtensorMap m = make_ragged_map(d, DType::bf16, 2, 128, total, heads, heads * dp, dp, 64, 64, "t");
+  uint16_t* out;
+  CHECK_CUDA(cudaMalloc(&out, 64 * 128 * 2));
+  CHECK_CUDA(cudaFuncSetAttribute(k_tma_ragged, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  const struct {
+    int head, start, len, r;
+  } cases[] = {{2, 37, 20, 0}, {1, 37, 20, 16}, {0, 0, 100, 64}, {2, 90, 10, 0}, {1, 0, 1, 0}};
+  for (const auto& c : cases) {
+    k_tma_ragged<<<1, 128, smem>>>(m, c.head, c.start, c.len, c.r, out);
+    CHECK_CUDA(cudaGetLastError());
+    CHECK_CUDA(cudaDeviceSynchronize());
+    const auto got = to_host(out, 64 * 128);
+    std::string detail;
+    const bool ok = compare_box(got, 64, 128, [&](int row, int col) -> uint16_t {
+      return c.r + row < c.len ? h[((c.start + c.r + row) * heads + c.head) * dp + col] : 0;
+    }, &detail);
+    report(("tma_load_ragged (start " + std::to_string(c.start) + ", len " + std::to_string(c.len) + ", row " +
+            std::to_string(c.r) + ")").c_str(),
+           ok, detail);
+  }
+  CHECK_CUDA(cudaFree(d));
+  CHECK_CUDA(cudaFree(out));
+
+  // f32 [2 heads][70 rows][64 columns] (the dQ workspace's layout) + a guard: a [64 x 32] box at
+  // row 0 of the sequence [10, 40) of head 1, columns 32..63.
+  const int rows = 70, cols = 64, guard = 256;
+  const size_t n = 2 * rows * cols;
+  std::vector<float> init(n + guard);
+  for (size_t i = 0; i < init.size(); ++i) init[i] = 1.0f + static_cast<float>(i % 7);
+  float* w = to_device(init);
+  const CUtensorMap mw = make_ragged_map(w, DType::f32, 4, cols, rows, 2, cols, rows * cols, 32, 64, "ws");
+  CHECK_CUDA(cudaFuncSetAttribute(k_tma_reduce_ragged, cudaFuncAttributeMaxDynamicSharedMemorySize, 8192 + 1024));
+  k_tma_reduce_ragged<<<1, 128, 8192 + 1024>>>(mw, 32, 1, 10, 30, 0);
+  CHECK_CUDA(cudaGetLastError());
+  CHECK_CUDA(cudaDeviceSynchronize());
+  const auto got = to_host(w, init.size());
+  int bad = 0;
+  std::string detail;
+  for (size_t i = 0; i < init.size(); ++i) {
+    double want = init[i];
+    if (i < n && i >= static_cast<size_t>(rows) * cols) {  // head 1
+      const int row = static_cast<int>((i / cols) % rows), c = static_cast<int>(i % cols);
+      if (c >= 32 && row >= 10 && row < 40) want += 64.0 * (row - 10) + (c - 32);
+    }
+    if (got[i] != static_cast<float>(want) && bad++ == 0)
+      detail = "first mismatch at " + std::to_string(i) + ": got " + std::to_string(got[i]) + " want " +
+               std::to_string(want);
+  }
+  report("tma_reduce_add_ragged (rows past the sequence untouched)", bad == 0,
+         bad ? detail + " (" + std::to_string(bad) + " bad)" : "");
+  CHECK_CUDA(cudaFree(w));
+}
+
 // ---------------------------------------------------------------- cluster: rank, barrier, DSMEM
 // Two clusters of n CTAs (n = 4, and 16 through the non-portable size where the device allows
 // it): every CTA writes rank * 1000 + thread into a shared array and rank + 7 into a shared int,
@@ -1663,6 +1772,7 @@ int main() {
   test_red_if();
   test_stmatrix();
   test_tma_reduce();
+  test_tma_ragged();
   test_cluster(4);
   test_cluster(16);
   std::printf("\nptx_sm90: %d passed, %d failed\n", g_pass, g_fail);
