@@ -492,5 +492,93 @@ inline std::vector<uint8_t> bytes_of(const detail::Buffer& b) {
   return std::vector<uint8_t>(p, p + b.bytes());
 }
 
+// ---- decode's fused append (KVCache::k_new / v_new) ------------------------------------------
+
+// k_new / v_new [B, n, hkv, d|dv] in q's dtype on the spec's device for a fused append: the last n
+// tokens of every sequence (NaN for sequences shorter than n: they must not be written).
+struct FusedNew {
+  detail::Buffer k, v;
+  FusedNew(const Built& bl, int64_t n)
+      : k(bl.c.dtype, bl.c.B() * n * bl.c.hkv * bl.c.d, bl.c.device),
+        v(bl.c.dtype, bl.c.B() * n * bl.c.hkv * bl.c.DV(), bl.c.device) {
+    const Spec& c = bl.c;
+    k.poison();
+    v.poison();
+    for (int64_t b = 0; b < c.B(); ++b) {
+      const int64_t L = c.lens[static_cast<size_t>(b)];
+      if (L < n) continue;
+      for (int64_t i = 0; i < n; ++i) {
+        const int64_t t = L - n + i;
+        for (int64_t x = 0; x < c.hkv * c.d; ++x)
+          k.set((b * n + i) * c.hkv * c.d + x,
+                bl.val.k[static_cast<size_t>(b)][static_cast<size_t>(t * c.hkv * c.d + x)]);
+        for (int64_t x = 0; x < c.hkv * c.DV(); ++x)
+          v.set((b * n + i) * c.hkv * c.DV() + x,
+                bl.val.v[static_cast<size_t>(b)][static_cast<size_t>(t * c.hkv * c.DV() + x)]);
+      }
+    }
+    k.upload();
+    v.upload();
+  }
+};
+
+// Poisons (as clear_cache) the cache rows of the last n tokens of every sequence of bl.
+inline void poison_last_tokens(Built& bl, int64_t n) {
+  const Spec& c = bl.c;
+  for (detail::Buffer* buf : {&bl.kc, &bl.vc}) {
+    const int64_t dim = buf == &bl.kc ? c.d : c.DV();
+    for (int64_t b = 0; b < c.B(); ++b) {
+      const int64_t L = c.lens[static_cast<size_t>(b)];
+      for (int64_t t = std::max<int64_t>(0, L - n); t < L; ++t)
+        for (int64_t h = 0; h < c.hkv; ++h)
+          for (int64_t x = 0; x < dim; ++x) {
+            const int64_t idx = bl.elem(b, t, h, dim) + x;
+            if (c.cache == DType::f8e4m3)
+              static_cast<uint8_t*>(buf->host())[idx] = detail::kE4m3NaN;
+            else if (c.cache == DType::i8)
+              static_cast<uint8_t*>(buf->host())[idx] = 0x80;
+            else
+              buf->set(idx, kNaN);
+          }
+    }
+    buf->upload();
+  }
+}
+
+// decode with k_new / v_new (the last n tokens of each sequence, poisoned in the cache first)
+// against decode over the cache that already holds them: the same cache bytes afterwards and
+// bitwise the same O / LSE (the append is append_kv's per-element encoding; the decode is the
+// same call), plus the float64 reference. Sequences of length 0 append nothing.
+inline void expect_fused_append_equals_direct(const Spec& c, int64_t n, int splits, const std::string& what) {
+  const Values vals = make_values(c, 21);
+  Built direct(c, vals), fused(c, vals);
+  poison_last_tokens(fused, n);
+  FusedNew nw(fused, n);
+  fused.cache.k_new = nw.k.view({c.B(), n, c.hkv, c.d});
+  fused.cache.v_new = nw.v.view({c.B(), n, c.hkv, c.DV()});
+  const KernelChoice k = fused.run(splits);
+  EXPECT_NE(k.kernel.find(" +append" + std::to_string(n)), std::string::npos) << what << ": " << k.kernel;
+  EXPECT_NE(k.reason.find("fused append"), std::string::npos) << what << ": " << k.reason;
+  fused.kc.download();
+  fused.vc.download();
+  EXPECT_TRUE(bytes_of(fused.kc) == bytes_of(direct.kc)) << what << ": k cache bytes differ";
+  EXPECT_TRUE(bytes_of(fused.vc) == bytes_of(direct.vc)) << what << ": v cache bytes differ";
+  direct.run(splits);
+  EXPECT_TRUE(bitwise_equal(direct.outputs(), fused.outputs()))
+      << what << ": max diff " << max_diff(direct.outputs(), fused.outputs());
+  expect_matches_reference(fused, what);
+}
+
+// The (q dtype, cache dtype, page size) combinations the fused-append tests walk.
+struct FusedCombo {
+  DType q, cache;
+  int64_t page_size;
+};
+inline std::vector<FusedCombo> fused_combos() {
+  return {{DType::f32, DType::f32, 16},  {DType::bf16, DType::bf16, 16},   {DType::bf16, DType::bf16, 0},
+          {DType::f16, DType::f16, 1},   {DType::bf16, DType::f8e4m3, 16}, {DType::f32, DType::i8, 0},
+          {DType::f16, DType::i8, 64}};
+}
+
 
 }  // namespace ioattn::test

@@ -783,6 +783,131 @@ TEST(CudaAppendKv, AppendThenDecodeEqualsDirectCache) {
   }
 }
 
+// decode's fused append (KVCache::k_new / v_new) on the device: the cache bytes and outputs of
+// append_kv + decode (float and 8-bit caches, paged and contiguous, 1 or 2 new tokens, an empty
+// sequence in the batch, split and not), the sq-16 kernel row too.
+TEST(CudaDecodeFusedAppend, EqualsAppendThenDecode) {
+  SKIP_WITHOUT_GPU();
+  for (const FusedCombo& cb : fused_combos())
+    for (int64_t n : {1, 2}) {
+      Spec c = on_cuda(mk("fused", cb.q));
+      c.cache = cb.cache;
+      c.hq = 8;
+      c.hkv = 2;
+      c.sq = 2;
+      c.causal = true;
+      c.lens = {100, 0, 33, 2};
+      c.page_size = cb.page_size;
+      const std::string what = std::string(dtype_name(cb.q)) + "->" + dtype_name(cb.cache) + " page" +
+                               std::to_string(cb.page_size) + " new " + std::to_string(n);
+      expect_fused_append_equals_direct(c, n, n == 1 ? 3 : 1, what);
+    }
+  Spec c = plan_spec();
+  c.sq = 16;
+  c.lens = {1700, 16, 0, 300};  // every live sequence holds the 16 new tokens
+  expect_fused_append_equals_direct(c, 16, 0, "plan_spec sq 16, 16 new tokens");
+}
+
+// Lengths the CUDA append cannot trust (read on the device only): a length past the capacity
+// appends nothing for its sequence (the decode poisons it), and a length below seqlen_new appends
+// only the tokens at positions >= 0; the other sequences are untouched.
+TEST(CudaDecodeFusedAppend, OutOfRangeLengthsAppendNothingThere) {
+  SKIP_WITHOUT_GPU();
+  Spec c = on_cuda(mk("fused_bad_len", DType::bf16));
+  c.lens = {40, 20, 3};
+  c.page_size = 16;
+  const Values vals = make_values(c, 8);
+  Built fused(c, vals), expect(c, vals);
+  const int64_t n = 4;
+  FusedNew nw(fused, n);
+  // Sequence 2 (3 tokens): new token i carries 0.25 (i + 1); token 0 would sit at position -1.
+  for (int64_t i = 0; i < n; ++i)
+    for (int64_t x = 0; x < c.hkv * c.d; ++x) {
+      nw.k.set((2 * n + i) * c.hkv * c.d + x, 0.25f * static_cast<float>(i + 1));
+      nw.v.set((2 * n + i) * c.hkv * c.d + x, -0.25f * static_cast<float>(i + 1));
+    }
+  nw.k.upload();
+  nw.v.upload();
+  poison_last_tokens(fused, n);
+  std::vector<int32_t> lens = c.lens;
+  lens[1] = 1 << 30;  // past the capacity: nothing appended for sequence 1, its rows decode to NaN
+  fused.lens.fill_i32(lens);
+  fused.cache.k_new = nw.k.view({c.B(), n, c.hkv, c.d});
+  fused.cache.v_new = nw.v.view({c.B(), n, c.hkv, c.DV()});
+  fused.run();
+  // Expected: sequence 0's last 4 tokens back in place, sequence 1's still poisoned, sequence 2's
+  // positions 0..2 holding its new tokens 1..3.
+  poison_last_tokens(expect, n);
+  for (int64_t t = 36; t < 40; ++t)
+    for (int64_t h = 0; h < c.hkv; ++h)
+      for (int64_t x = 0; x < c.d; ++x) {
+        expect.kc.set(expect.elem(0, t, h, c.d) + x, vals.k[0][static_cast<size_t>((t * c.hkv + h) * c.d + x)]);
+        expect.vc.set(expect.elem(0, t, h, c.d) + x, vals.v[0][static_cast<size_t>((t * c.hkv + h) * c.d + x)]);
+      }
+  for (int64_t t = 0; t < 3; ++t)
+    for (int64_t h = 0; h < c.hkv; ++h)
+      for (int64_t x = 0; x < c.d; ++x) {
+        expect.kc.set(expect.elem(2, t, h, c.d) + x, 0.25f * static_cast<float>(t + 2));
+        expect.vc.set(expect.elem(2, t, h, c.d) + x, -0.25f * static_cast<float>(t + 2));
+      }
+  fused.kc.download();
+  fused.vc.download();
+  EXPECT_TRUE(bytes_of(fused.kc) == bytes_of(expect.kc)) << "k cache";
+  EXPECT_TRUE(bytes_of(fused.vc) == bytes_of(expect.vc)) << "v cache";
+  for (int64_t i = 0; i < c.sq; ++i)
+    for (int64_t h = 0; h < c.hq; ++h) {
+      EXPECT_TRUE(std::isnan(fused.lse_at(1, h, i))) << "sequence 1 (length past the capacity) must be NaN";
+      EXPECT_FALSE(std::isnan(fused.lse_at(0, h, i))) << "sequence 0";
+      EXPECT_FALSE(std::isnan(fused.lse_at(2, h, i))) << "sequence 2";
+    }
+}
+
+// CUDA-graph capture of decode with the fused append under a plan: replays give the eager result
+// bitwise (the append is idempotent: the same tokens to the same slots).
+TEST(CudaDecodeFusedAppend, GraphReplayEqualsEagerBitwise) {
+  SKIP_WITHOUT_GPU();
+  const Spec c = plan_spec();
+  const Values vals = make_values(c, 12);
+  Built bl(c, vals);
+  const int64_t n = 2;
+  FusedNew nw(bl, n);
+  poison_last_tokens(bl, n);
+  bl.cache.k_new = nw.k.view({c.B(), n, c.hkv, c.d});
+  bl.cache.v_new = nw.v.view({c.B(), n, c.hkv, c.DV()});
+  const DecodePlan plan = plan_decode(c.B(), c.hq, c.hkv, c.d, c.DV(), c.sq, bl.capacity, c.page_size, Device::cuda);
+  DeviceBytes ws(plan.workspace_bytes);
+  cudaStream_t stream;
+  CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  Context ctx;
+  ctx.stream = stream;
+  bl.o.poison();
+  bl.lse.poison();
+  decode(bl.qv, bl.cache, bl.ov, bl.lv, bl.prm, plan, ws.ptr, ctx);
+  CUDA_OK(cudaStreamSynchronize(stream));
+  bl.download();
+  const std::vector<float> eager = bl.outputs();
+  expect_matches_reference(bl, "fused append eager");
+  poison_last_tokens(bl, n);  // the graph must append them again
+  cudaGraph_t graph;
+  cudaGraphExec_t exec;
+  CUDA_OK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
+  decode(bl.qv, bl.cache, bl.ov, bl.lv, bl.prm, plan, ws.ptr, ctx);
+  CUDA_OK(cudaStreamEndCapture(stream, &graph));
+  CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
+  for (int rep = 0; rep < 3; ++rep) {
+    bl.o.poison();
+    bl.lse.poison();
+    CUDA_OK(cudaGraphLaunch(exec, stream));
+    CUDA_OK(cudaStreamSynchronize(stream));
+    bl.download();
+    EXPECT_TRUE(bitwise_equal(bl.outputs(), eager))
+        << "replay " << rep << ": max diff " << max_diff(bl.outputs(), eager);
+  }
+  CUDA_OK(cudaGraphExecDestroy(exec));
+  CUDA_OK(cudaGraphDestroy(graph));
+  CUDA_OK(cudaStreamDestroy(stream));
+}
+
 // Negative slots (padding) and slots past the cache are skipped; the rest land bit for bit.
 TEST(CudaAppendKv, NegativeAndOutOfRangeSlotsAreSkipped) {
   SKIP_WITHOUT_GPU();

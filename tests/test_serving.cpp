@@ -573,6 +573,72 @@ TEST(AppendKv, AppendThenDecodeEqualsDirectCache) {
   }
 }
 
+// decode's fused append (KVCache::k_new / v_new): the cache bytes and the outputs of append_kv +
+// decode, for float and 8-bit caches, paged (page sizes 1, 16, 64) and contiguous, 1 or 2 new
+// tokens, a sequence of length 0 in the batch (nothing appended there), split and not.
+TEST(DecodeFusedAppend, EqualsAppendThenDecode) {
+  for (const FusedCombo& cb : fused_combos())
+    for (int64_t n : {1, 2}) {
+      Spec c = mk("fused", cb.q);
+      c.cache = cb.cache;
+      c.hq = 4;
+      c.hkv = 2;
+      c.sq = 2;
+      c.causal = true;
+      c.lens = {100, 0, 33, 2};
+      c.page_size = cb.page_size;
+      const std::string what = std::string(dtype_name(cb.q)) + "->" + dtype_name(cb.cache) + " page" +
+                               std::to_string(cb.page_size) + " new " + std::to_string(n);
+      expect_fused_append_equals_direct(c, n, n == 1 ? 3 : 1, what);
+    }
+}
+
+// Under a plan, token by token: each step appends one token per sequence inside the decode call.
+TEST(DecodeFusedAppend, DecodeLoopUnderOnePlan) {
+  Spec c = mk("fused_loop", DType::bf16);
+  c.hq = 4;
+  c.hkv = 2;
+  c.lens = {30, 0, 64};
+  c.page_size = 16;
+  c.causal = true;
+  const int steps = 6;
+  Spec full = c;
+  for (int32_t& L : full.lens) L += L ? steps : 0;  // the empty slot stays empty
+  const Values vals = make_values(full, 3);
+  Built bl(full, vals), ref(full, vals);
+  const DecodePlan plan = plan_decode(c.B(), c.hq, c.hkv, c.d, c.DV(), c.sq, bl.capacity, c.page_size, Device::cpu);
+  AlignedBytes ws(plan.workspace_bytes);
+  std::vector<int32_t> cur = c.lens;
+  Spec grown = full;
+  for (int step = 0; step < steps; ++step) {
+    for (int32_t& L : cur) L += L ? 1 : 0;
+    grown.lens = cur;
+    const Built now(grown, vals);  // the reference view: the first cur tokens of every sequence
+    FusedNew nw(now, 1);           // the step's token of every live sequence
+    bl.lens.fill_i32(cur);
+    KVCache cache = bl.cache;
+    // bl's cache holds every token already; the step's token is poisoned there first, so it
+    // reaches the cache only through k_new / v_new.
+    for (int64_t b = 0; b < c.B(); ++b) {
+      const int64_t t = cur[static_cast<size_t>(b)] - 1;
+      if (t < 0) continue;
+      for (int64_t h = 0; h < c.hkv; ++h) {
+        for (int64_t x = 0; x < c.d; ++x) bl.kc.set(bl.elem(b, t, h, c.d) + x, kNaN);
+        for (int64_t x = 0; x < c.DV(); ++x) bl.vc.set(bl.elem(b, t, h, c.DV()) + x, kNaN);
+      }
+    }
+    cache.k_new = nw.k.view({c.B(), 1, c.hkv, c.d});
+    cache.v_new = nw.v.view({c.B(), 1, c.hkv, c.DV()});
+    bl.o.poison();
+    bl.lse.poison();
+    const KernelChoice k = decode(bl.qv, cache, bl.ov, bl.lv, bl.prm, plan, ws.ptr);
+    EXPECT_NE(k.kernel.find("+append1"), std::string::npos) << k.kernel;
+    EXPECT_TRUE(bytes_of(bl.kc) == bytes_of(ref.kc) && bytes_of(bl.vc) == bytes_of(ref.vc))
+        << "step " << step << ": cache bytes differ from the full cache";
+    expect_matches_reference(now, "step " + std::to_string(step), false, nullptr, nullptr, &bl);
+  }
+}
+
 TEST(AppendKv, NegativeSlotsAreSkipped) {
   Spec c = mk("skip", DType::bf16);
   c.lens = {40};
@@ -819,6 +885,34 @@ const BadDecode kBadDecode[] = {
     {"sinks length", "params.sinks", [](Built& b, DecodeCall& k) { k.prm.sinks = b.sinks.view({3}); }},
     {"negative threads", "ctx.num_threads", [](Built&, DecodeCall& k) { k.ctx.num_threads = -2; }},
     {"cache on another device", "cache.k_cache.device", [](Built&, DecodeCall& k) { k.cache.k_cache.device = Device::cuda; }},
+    // Fused append (cache.k_new / v_new; q's and o's buffers stand in for the new tokens).
+    {"k_new without v_new", "cache.v_new", [](Built& b, DecodeCall& k) { k.cache.k_new = b.q.view({2, 2, 2, 32}); }},
+    {"v_new without k_new", "cache.k_new", [](Built& b, DecodeCall& k) { k.cache.v_new = b.o.view({2, 2, 2, 32}); }},
+    {"k_new dtype", "cache.k_new.dtype",
+     [](Built& b, DecodeCall& k) {
+       k.cache.k_new = TensorView::contiguous(b.q.data(), DType::bf16, {2, 2, 2, 32});
+       k.cache.v_new = b.o.view({2, 2, 2, 32});
+     }},
+    {"k_new batch", "cache.k_new.shape[0]",
+     [](Built& b, DecodeCall& k) {
+       k.cache.k_new = b.q.view({1, 2, 2, 32});
+       k.cache.v_new = b.o.view({2, 2, 2, 32});
+     }},
+    {"k_new heads", "cache.k_new.shape[2]",
+     [](Built& b, DecodeCall& k) {
+       k.cache.k_new = b.q.view({2, 2, 4, 32});
+       k.cache.v_new = b.o.view({2, 2, 2, 32});
+     }},
+    {"v_new seqlen_new", "cache.v_new.shape[1]",
+     [](Built& b, DecodeCall& k) {
+       k.cache.k_new = b.q.view({2, 2, 2, 32});
+       k.cache.v_new = b.o.view({2, 1, 2, 32});
+     }},
+    {"seqlen_new above a length", "cache.cache_seqlens[0]",
+     [](Built& b, DecodeCall& k) {  // sequence 0 holds 5 tokens; 6 new ones cannot end at position 5
+       k.cache.k_new = TensorView::contiguous(b.kc.data(), DType::f32, {2, 6, 2, 32});
+       k.cache.v_new = TensorView::contiguous(b.vc.data(), DType::f32, {2, 6, 2, 32});
+     }},
     // Host pointers labelled cuda: "q.device" without CUDA, "q.data" (not a device pointer) with it.
     {"cuda tensors", "q.d",
      [](Built&, DecodeCall& k) {
@@ -838,6 +932,7 @@ TEST_P(DecodeBadInputs, RejectedWithClearMessageAndNothingWritten) {
   bad.mutate(bl, call);
   bl.o.poison();
   bl.lse.poison();
+  const auto k_before = bytes_of(bl.kc), v_before = bytes_of(bl.vc);
   try {
     decode(call.q, call.cache, call.o, call.lse, call.prm, call.opt, call.ctx);
     FAIL() << bad.what << ": accepted";
@@ -849,6 +944,7 @@ TEST_P(DecodeBadInputs, RejectedWithClearMessageAndNothingWritten) {
   }
   for (int64_t i = 0; i < bl.o.count(); ++i) ASSERT_TRUE(std::isnan(bl.o.get(i))) << bad.what << ": o written";
   for (int64_t i = 0; i < bl.lse.count(); ++i) ASSERT_TRUE(std::isnan(bl.lse.get(i))) << bad.what << ": lse written";
+  EXPECT_TRUE(bytes_of(bl.kc) == k_before && bytes_of(bl.vc) == v_before) << bad.what << ": cache written";
 }
 
 std::string bad_name(const char* what) {
@@ -925,6 +1021,8 @@ const BadAppend kBadAppend[] = {
      [](Built&, AppendCall& a, std::vector<int32_t>&) { a.cache.k_cache.stride[0] = 0; }},
     {"cache on another device", "cache.v_cache.device",
      [](Built&, AppendCall& a, std::vector<int32_t>&) { a.cache.v_cache.device = Device::cuda; }},
+    {"decode's k_new given to append_kv", "cache.k_new",
+     [](Built&, AppendCall& a, std::vector<int32_t>&) { a.cache.k_new = a.cache.v_new = a.k_new; }},
 };
 
 class AppendBadInputs : public ::testing::TestWithParam<BadAppend> {};

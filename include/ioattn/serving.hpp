@@ -35,6 +35,17 @@ struct KVCache {
   TensorView block_table;       // optional i32 [batch, max_pages_per_seq]; undefined = contiguous
   TensorView cache_seqlens;     // i32 [batch]
   TensorView k_scale, v_scale;  // f32 [heads_kv], required for 8-bit caches, else undefined
+  // decode() only, optional: append fused into the call. New tokens k_new / v_new [batch,
+  // seqlen_new, heads_kv, head_dim(_v)] in q's dtype are written into the cache before the
+  // attention reads it, token i of sequence b at position cache_seqlens[b] - seqlen_new + i
+  // (cache_seqlens counts them, as it counts the queries' tokens; typically seqlen_new = seqlen_q)
+  // — what append_kv with those slots followed by decode computes, in one call, quantised the
+  // same way for 8-bit caches. A sequence of length 0 (an empty batch slot) appends nothing. CPU:
+  // a nonzero length below seqlen_new is an error (nothing written); CUDA: tokens whose position
+  // would be negative, and sequences whose length or pages are out of range, are skipped (the
+  // decode then poisons the latter). On CUDA the append kernel and then the decode kernel run on
+  // ctx.stream (CUDA-graph capturable, under a plan too).
+  TensorView k_new, v_new;
 };
 
 struct DecodeOptions {

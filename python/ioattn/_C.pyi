@@ -70,9 +70,10 @@ def decode(q: Array, k_cache: Array, v_cache: Array, cache_seqlens: Array, o: Ar
            window_left: int = -1, window_right: int = -1, softcap: float = 0.0,
            alibi_slopes: Array | None = None, sinks: Array | None = None, num_splits: int = 0,
            stream: int = 0, num_threads: int = 0, u16_is_bf16: bool = False,
-           u8_is_e4m3: bool = False) -> tuple[str, str]:
+           u8_is_e4m3: bool = False, k_new: Array | None = None,
+           v_new: Array | None = None) -> tuple[str, str]:
     """Runs ioattn::decode against a paged (block_table) or contiguous KV cache; writes o and
-    (unless None) lse. Returns (kernel, reason)."""
+    (unless None) lse; k_new / v_new are appended first. Returns (kernel, reason)."""
 
 class DecodePlan:
     """Split counts and work partition fixed for one batch shape (ioattn::DecodePlan)."""
@@ -100,7 +101,8 @@ def decode_planned(q: Array, k_cache: Array, v_cache: Array, cache_seqlens: Arra
                    window_left: int = -1, window_right: int = -1, softcap: float = 0.0,
                    alibi_slopes: Array | None = None, sinks: Array | None = None, stream: int = 0,
                    num_threads: int = 0, u16_is_bf16: bool = False,
-                   u8_is_e4m3: bool = False) -> tuple[str, str]:
+                   u8_is_e4m3: bool = False, k_new: Array | None = None,
+                   v_new: Array | None = None) -> tuple[str, str]:
     """Runs ioattn::decode under a plan with a caller-owned workspace (no allocation)."""
 
 def append_kv(k_new: Array, v_new: Array, slot_mapping: Array, k_cache: Array, v_cache: Array, *,

@@ -522,7 +522,8 @@ def decode(q: Array, k_cache: Array, v_cache: Array, cache_seqlens: Array, *,
            scale: Optional[float] = None, alibi_slopes: Optional[Array] = None,
            sinks: Optional[Array] = None, num_splits: int = 0, return_lse: bool = False,
            num_threads: int = 0, plan: Any = None, workspace: Optional[Array] = None,
-           out: Optional[Array] = None, lse_out: Optional[Array] = None
+           out: Optional[Array] = None, lse_out: Optional[Array] = None,
+           k_new: Optional[Array] = None, v_new: Optional[Array] = None
            ) -> Union[Array, Tuple[Array, Array]]:
     """Attention of a few new query tokens per sequence against a (paged) KV cache: split-KV
     (Flash-Decoding) with an exact log-sum-exp merge (ioattn::decode).
@@ -540,6 +541,11 @@ def decode(q: Array, k_cache: Array, v_cache: Array, cache_seqlens: Array, *,
     return_lse=True also LSE [batch, heads_q, seqlen_q] float32. A sequence with no key gives
     O = 0 and LSE = -inf.
 
+    k_new, v_new: [batch, seqlen_new, heads_kv, head_dim(_v)] in q's dtype, appended to the cache
+    (in place) before the attention: token i of sequence b at position cache_seqlens[b] -
+    seqlen_new + i, so cache_seqlens counts them (as append_kv with those slots, then decode). A
+    sequence of length 0 appends nothing.
+
     plan / workspace (plan_decode): decode under a fixed plan with a caller-owned workspace;
     num_splits then comes from the plan. out / lse_out: write into these arrays (shapes and
     dtypes as returned) instead of new ones; with a plan, a workspace and out (and lse_out) the
@@ -552,6 +558,12 @@ def decode(q: Array, k_cache: Array, v_cache: Array, cache_seqlens: Array, *,
         _check_array(name, x)
     for name, x in (("out", out), ("lse_out", lse_out), ("workspace", workspace)):
         _check_writable(name, x)
+    if k_new is not None or v_new is not None:  # the fused append writes the caches
+        for name, x in (("k_new", k_new), ("v_new", v_new)):
+            if x is not None:
+                _check_array(name, x)
+        _check_writable("k_cache", k_cache)
+        _check_writable("v_cache", v_cache)
     call = _Call(q, k_cache, v_cache)
     qs, vs = _shape(q), _shape(v_cache)
     check_ndim("q", qs, 4)
@@ -564,7 +576,8 @@ def decode(q: Array, k_cache: Array, v_cache: Array, cache_seqlens: Array, *,
     args = (call.arr(q), call.arr(k_cache), call.arr(v_cache), call.arr(cache_seqlens), call.arr(o), call.arr(lse))
     common = dict(block_table=call.arr(block_table), k_scale=call.arr(k_scale), v_scale=call.arr(v_scale),
                   alibi_slopes=call.asarray(alibi_slopes, np.float32), sinks=call.asarray(sinks, np.float32),
-                  stream=call.stream, u16_is_bf16=_is_bf16_any(q, k_cache, o), u8_is_e4m3=_is_e4m3(k_cache), **kw)
+                  stream=call.stream, u16_is_bf16=_is_bf16_any(q, k_cache, o), u8_is_e4m3=_is_e4m3(k_cache),
+                  k_new=call.arr(k_new), v_new=call.arr(v_new), **kw)
     with call.with_guard():
         if plan is None:
             if workspace is not None:

@@ -436,7 +436,8 @@ DecodeCall make_decode_call(const InArray& q, const InArray& k_cache, const InAr
                             const std::optional<InArray>& v_scale, float scale, bool causal, int64_t window_left,
                             int64_t window_right, float softcap, const std::optional<InArray>& alibi_slopes,
                             const std::optional<InArray>& sinks, uintptr_t stream, int num_threads,
-                            bool u16_is_bf16, bool u8_is_e4m3) {
+                            bool u16_is_bf16, bool u8_is_e4m3, const std::optional<InArray>& k_new,
+                            const std::optional<InArray>& v_new) {
   DecodeCall d{make_options(scale, causal, window_left, window_right, softcap, alibi_slopes, sinks, "auto", stream,
                             num_threads),
                make_cache(k_cache, v_cache, std::optional<InArray>(cache_seqlens), block_table, k_scale, v_scale,
@@ -444,6 +445,9 @@ DecodeCall make_decode_call(const InArray& q, const InArray& k_cache, const InAr
                to_view(q, "q", Kind::floating, u16_is_bf16),
                to_view(o, "o", Kind::floating, u16_is_bf16),
                lse ? to_view(*lse, "lse", Kind::f32_only, false) : ioattn::TensorView{}};
+  // the fused append's new tokens (the Python layer checks that the caches are writable)
+  d.cache.k_new = to_view_opt(k_new, "cache.k_new", Kind::floating, u16_is_bf16);
+  d.cache.v_new = to_view_opt(v_new, "cache.v_new", Kind::floating, u16_is_bf16);
   return d;
 }
 
@@ -452,10 +456,11 @@ Choice decode(const InArray& q, const InArray& k_cache, const InArray& v_cache, 
               const std::optional<InArray>& k_scale, const std::optional<InArray>& v_scale, float scale,
               bool causal, int64_t window_left, int64_t window_right, float softcap,
               const std::optional<InArray>& alibi_slopes, const std::optional<InArray>& sinks, int num_splits,
-              uintptr_t stream, int num_threads, bool u16_is_bf16, bool u8_is_e4m3) {
+              uintptr_t stream, int num_threads, bool u16_is_bf16, bool u8_is_e4m3,
+              const std::optional<InArray>& k_new, const std::optional<InArray>& v_new) {
   const DecodeCall d = make_decode_call(q, k_cache, v_cache, cache_seqlens, o, lse, block_table, k_scale, v_scale,
                                         scale, causal, window_left, window_right, softcap, alibi_slopes, sinks,
-                                        stream, num_threads, u16_is_bf16, u8_is_e4m3);
+                                        stream, num_threads, u16_is_bf16, u8_is_e4m3, k_new, v_new);
   ioattn::DecodeOptions dopt;
   dopt.num_splits = num_splits;
   return without_gil([&] { return ioattn::decode(d.q, d.cache, d.o, d.lse, d.opt.params, dopt, d.opt.ctx); });
@@ -493,10 +498,11 @@ Choice decode_planned(const InArray& q, const InArray& k_cache, const InArray& v
                       const std::optional<InArray>& k_scale, const std::optional<InArray>& v_scale, float scale,
                       bool causal, int64_t window_left, int64_t window_right, float softcap,
                       const std::optional<InArray>& alibi_slopes, const std::optional<InArray>& sinks,
-                      uintptr_t stream, int num_threads, bool u16_is_bf16, bool u8_is_e4m3) {
+                      uintptr_t stream, int num_threads, bool u16_is_bf16, bool u8_is_e4m3,
+                      const std::optional<InArray>& k_new, const std::optional<InArray>& v_new) {
   const DecodeCall d = make_decode_call(q, k_cache, v_cache, cache_seqlens, o, lse, block_table, k_scale, v_scale,
                                         scale, causal, window_left, window_right, softcap, alibi_slopes, sinks,
-                                        stream, num_threads, u16_is_bf16, u8_is_e4m3);
+                                        stream, num_threads, u16_is_bf16, u8_is_e4m3, k_new, v_new);
   const ioattn::TensorView& qv = d.q;
   if (workspace.nbytes() < plan.workspace_bytes)
     fail("workspace", "at least plan.workspace_bytes = " + std::to_string(plan.workspace_bytes) + " bytes",
@@ -614,13 +620,15 @@ NB_MODULE(_C, m) {
         "v_scale"_a.none() = nb::none(), "scale"_a = 0.0f, "causal"_a = false, "window_left"_a = -1,
         "window_right"_a = -1, "softcap"_a = 0.0f, "alibi_slopes"_a.none() = nb::none(),
         "sinks"_a.none() = nb::none(), "num_splits"_a = 0, "stream"_a = 0, "num_threads"_a = 0,
-        "u16_is_bf16"_a = false, "u8_is_e4m3"_a = false,
+        "u16_is_bf16"_a = false, "u8_is_e4m3"_a = false, "k_new"_a.none() = nb::none(),
+        "v_new"_a.none() = nb::none(),
         "Runs ioattn::decode: q [b, sq, hq, d] (sq 1..16) against the cache k_cache / v_cache "
         "([pages, page_size, hkv, d] with block_table int32 [b, pages_per_seq], or contiguous "
         "[b, max_seqlen, hkv, d]) holding cache_seqlens int32 [b] tokens; writes o [b, sq, hq, dv] "
         "and (unless None) lse [b, hq, sq]. 8-bit caches (int8, or uint8 float8_e4m3fn codes with "
-        "u8_is_e4m3) need k_scale / v_scale float32 [hkv]. num_splits 0 = heuristic. "
-        "Returns (kernel, reason).");
+        "u8_is_e4m3) need k_scale / v_scale float32 [hkv]. num_splits 0 = heuristic. k_new / v_new "
+        "[b, seqlen_new, hkv, d]: appended first, token i at position cache_seqlens - seqlen_new + i "
+        "(the caches must be writable). Returns (kernel, reason).");
   nb::class_<ioattn::DecodePlan>(m, "DecodePlan",
                                  "Split counts and work partition fixed for one batch shape (ioattn::DecodePlan).")
       .def_ro("batch", &ioattn::DecodePlan::batch)
@@ -651,7 +659,7 @@ NB_MODULE(_C, m) {
         "k_scale"_a.none() = nb::none(), "v_scale"_a.none() = nb::none(), "scale"_a = 0.0f, "causal"_a = false,
         "window_left"_a = -1, "window_right"_a = -1, "softcap"_a = 0.0f, "alibi_slopes"_a.none() = nb::none(),
         "sinks"_a.none() = nb::none(), "stream"_a = 0, "num_threads"_a = 0, "u16_is_bf16"_a = false,
-        "u8_is_e4m3"_a = false,
+        "u8_is_e4m3"_a = false, "k_new"_a.none() = nb::none(), "v_new"_a.none() = nb::none(),
         "Runs ioattn::decode under a plan with a caller-owned contiguous workspace of at least "
         "plan.workspace_bytes bytes on q's device (nothing allocated: CUDA-graph capturable). "
         "Returns (kernel, reason).");

@@ -155,6 +155,44 @@ def test_append_kv_then_decode_matches_reference():
     assert max_err(o, o_ref) < 2e-5 and max_err(lse, lse_ref) < 2e-5
 
 
+def test_decode_with_fused_append_equals_append_then_decode():
+    rng = np.random.default_rng(6)
+    b, hq, hkv, d, ps, per_seq = 3, 4, 2, 16, 8, 3
+    lens = np.array([20, 0, 6], dtype=np.int32)  # after the append; sequence 1 is an empty slot
+    k, v = _contiguous(rng, b, per_seq * ps, hkv, d)
+    table = np.array([[4, 0, 2], [8, 7, 6], [1, 5, 3]], dtype=np.int32)
+    full_k = np.zeros((b * per_seq, ps, hkv, d), dtype=np.float32)
+    full_v = np.zeros_like(full_k)
+    for s in range(b):
+        for t in range(lens[s]):
+            full_k[table[s, t // ps], t % ps] = k[s, t]
+            full_v[table[s, t // ps], t % ps] = v[s, t]
+    # The cache without each sequence's last 2 tokens, which come as k_new / v_new instead.
+    kp, vp = full_k.copy(), full_v.copy()
+    k_new = np.full((b, 2, hkv, d), 7.0, dtype=np.float32)  # 7.0 = must not land (sequence 1)
+    v_new = np.full((b, 2, hkv, d), 7.0, dtype=np.float32)
+    for s in range(b):
+        for i in range(2):
+            t = lens[s] - 2 + i
+            if t >= 0:
+                kp[table[s, t // ps], t % ps] = 0.0
+                vp[table[s, t // ps], t % ps] = 0.0
+                k_new[s, i], v_new[s, i] = k[s, t], v[s, t]
+    q = rng.uniform(-1, 1, (b, 2, hq, d)).astype(np.float32)
+    o, lse = ioattn.decode(q, kp, vp, lens, block_table=table, causal=True, return_lse=True,
+                           k_new=k_new, v_new=v_new)
+    assert np.array_equal(kp, full_k) and np.array_equal(vp, full_v)
+    o_ref, lse_ref = ioattn.decode(q, full_k, full_v, lens, block_table=table, causal=True,
+                                   return_lse=True)
+    assert np.array_equal(o, o_ref) and np.array_equal(lse, lse_ref)
+    with pytest.raises(ioattn.Error, match="cache.v_new"):
+        ioattn.decode(q, kp, vp, lens, block_table=table, k_new=k_new)
+    ro = kp.copy()
+    ro.flags.writeable = False
+    with pytest.raises(ioattn.Error, match="k_cache"):
+        ioattn.decode(q, ro, vp, lens, block_table=table, k_new=k_new, v_new=v_new)
+
+
 def test_merge_states_of_two_halves_is_the_whole():
     rng = np.random.default_rng(5)
     q = rng.uniform(-1, 1, (2, 3, 4, 16)).astype(np.float32)

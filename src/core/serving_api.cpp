@@ -211,10 +211,41 @@ ValidatedDecode validate_decode(const TensorView& q, const KVCache& cache, const
     p.max_pages_per_seq = 1;
     capacity = k.shape[1];
   }
+  p.capacity = capacity;
   p.cache_dtype = k.dtype;
   p.k_scale = check_scale(cache.k_scale, "cache.k_scale", k.dtype, p.heads_kv, q, "q");
   p.v_scale = check_scale(cache.v_scale, "cache.v_scale", k.dtype, p.heads_kv, q, "q");
   check_params(params, p.heads_q, p.head_dim, q, p);
+  // Fused append: k_new / v_new [batch, seqlen_new, heads_kv, d / dv] in q's dtype; the cache is
+  // then written.
+  const TensorView &kn = cache.k_new, &vn = cache.v_new;
+  if (kn.defined() || vn.defined()) {
+    if (!kn.defined())
+      fail("cache.k_new", "a [batch, seqlen_new, heads_kv, head_dim] tensor (cache.v_new is given)", "undefined");
+    if (!vn.defined())
+      fail("cache.v_new", "a [batch, seqlen_new, heads_kv, head_dim_v] tensor (cache.k_new is given)", "undefined");
+    check_view(kn, "cache.k_new", 4, q);
+    check_view(vn, "cache.v_new", 4, q);
+    check_dtype(kn, "cache.k_new", q.dtype);
+    check_dtype(vn, "cache.v_new", q.dtype);
+    p.seqlen_new = kn.shape[1];
+    check_dim("cache.k_new", 0, kn.shape[0], p.batch, "batch of q");
+    if (p.seqlen_new < 1 || p.seqlen_new > std::max<int64_t>(capacity, 1))
+      fail("cache.k_new.shape[1]",
+           "seqlen_new in 1.." + i2s(std::max<int64_t>(capacity, 1)) + " (the cache's capacity)", i2s(p.seqlen_new));
+    check_dim("cache.k_new", 2, kn.shape[2], p.heads_kv, "heads_kv of cache.k_cache");
+    check_dim("cache.k_new", 3, kn.shape[3], p.head_dim, "head_dim of q");
+    check_dim("cache.v_new", 0, vn.shape[0], p.batch, "batch of q");
+    check_dim("cache.v_new", 1, vn.shape[1], p.seqlen_new, "seqlen_new of cache.k_new");
+    check_dim("cache.v_new", 2, vn.shape[2], p.heads_kv, "heads_kv of cache.k_cache");
+    check_dim("cache.v_new", 3, vn.shape[3], p.head_dim_v, "head_dim_v of cache.v_cache");
+    check_writable(k, "cache.k_cache");
+    check_writable(v, "cache.v_cache");
+    p.k_new = kn.data;
+    p.v_new = vn.data;
+    p.k_new_stride = {kn.stride[0], kn.stride[1], kn.stride[2]};
+    p.v_new_stride = {vn.stride[0], vn.stride[1], vn.stride[2]};
+  }
   if (ctx.num_threads < 0) fail("ctx.num_threads", ">= 0 (0 = all)", i2s(ctx.num_threads));
 
   // Values, read on the host (CPU tensors): lengths within capacity and >= seqlen_q (or 0, an
@@ -235,6 +266,11 @@ ValidatedDecode validate_decode(const TensorView& q, const KVCache& cache, const
         fail(name,
              ">= seqlen_q = " + i2s(p.seqlen_q) +
                  " (query row i sits at position cache_seqlens - seqlen_q + i) or 0 (an empty slot)",
+             i2s(len));
+      if (len != 0 && len < p.seqlen_new)
+        fail(name,
+             ">= seqlen_new = " + i2s(p.seqlen_new) +
+                 " (new token i goes to position cache_seqlens - seqlen_new + i) or 0 (an empty slot)",
              i2s(len));
       out.max_len = std::max(out.max_len, len);
       if (!bt.defined()) continue;
@@ -331,17 +367,56 @@ int split_threads(const DecodeProblem& p, int threads, int splits) {
   return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(threads, tasks)));
 }
 
+// The fused append of a decode (p.seqlen_new > 0) as an append_kv problem in lengths mode.
+AppendProblem fused_append(const DecodeProblem& p) {
+  AppendProblem a;
+  a.k_new = p.k_new;
+  a.v_new = p.v_new;
+  a.k_new_stride_batch = p.k_new_stride.batch, a.k_new_stride_token = p.k_new_stride.seq;
+  a.k_new_stride_head = p.k_new_stride.head;
+  a.v_new_stride_batch = p.v_new_stride.batch, a.v_new_stride_token = p.v_new_stride.seq;
+  a.v_new_stride_head = p.v_new_stride.head;
+  a.new_dtype = p.dtype;
+  a.k_cache = const_cast<void*>(p.k_cache);  // checked writable by validate_decode
+  a.v_cache = const_cast<void*>(p.v_cache);
+  a.k_stride = p.k_stride, a.v_stride = p.v_stride;
+  a.cache_dtype = p.cache_dtype;
+  a.page_size = p.page_size;
+  a.num_slots = p.num_pages * p.page_size;
+  a.k_scale = p.k_scale, a.v_scale = p.v_scale;
+  a.tokens = p.batch * p.seqlen_new;
+  a.heads_kv = p.heads_kv, a.head_dim = p.head_dim, a.head_dim_v = p.head_dim_v;
+  a.seqlen_new = p.seqlen_new, a.batch = p.batch, a.capacity = p.capacity, a.num_pages = p.num_pages;
+  a.seqlens = p.cache_seqlens;
+  a.block_table = p.block_table;
+  a.bt_stride_batch = p.bt_stride_batch, a.bt_stride_page = p.bt_stride_page;
+  a.device = p.device, a.device_index = p.device_index, a.stream = p.stream;
+  a.num_threads = p.num_threads;
+  return a;
+}
+
 KernelChoice run_decode(DecodeProblem& p, const std::string& reason) {
   const std::string shape = decode_shape(p);
+  // (fused append: the new tokens first, in stream order on CUDA)
+  const std::string app = p.seqlen_new > 0 ? " +append" + i2s(p.seqlen_new) : "";
+  const std::string app_why =
+      p.seqlen_new > 0 ? "; fused append: " + i2s(p.seqlen_new) +
+                             " new tokens per sequence written at cache_seqlens - seqlen_new + i first" +
+                             (p.device == Device::cuda ? " (append kernel, then decode, on the stream)" : "")
+                       : "";
   if (p.device == Device::cuda) {
     const CudaSelection sel = select_cuda_decode(p, shape);
-    KernelChoice c{sel.kernel + " " + shape + " splits " + i2s(p.num_splits), reason + "; " + sel.reason};
+    KernelChoice c{sel.kernel + " " + shape + " splits " + i2s(p.num_splits) + app,
+                   reason + "; " + sel.reason + app_why};
     log_choice("decode", c);
+    if (p.seqlen_new > 0) cuda_append_kv(fused_append(p));
     cuda_decode(p);
     return c;
   }
-  KernelChoice c{"cpu/splitkv " + cpu_best_target() + " " + shape + " splits " + i2s(p.num_splits), reason};
+  KernelChoice c{"cpu/splitkv " + cpu_best_target() + " " + shape + " splits " + i2s(p.num_splits) + app,
+                 reason + app_why};
   log_choice("decode", c);
+  if (p.seqlen_new > 0) cpu_append_kv(fused_append(p));
   cpu_decode(p);
   return c;
 }
@@ -528,6 +603,11 @@ namespace detail {
 AppendProblem validate_append(const TensorView& k_new, const TensorView& v_new, const TensorView& slot_mapping,
                               const KVCache& cache, const Context& ctx) {
   AppendProblem p;
+  if (cache.k_new.defined() || cache.v_new.defined())
+    fail(cache.k_new.defined() ? "cache.k_new" : "cache.v_new",
+         "undefined (append_kv takes its tokens as the k_new / v_new arguments; cache.k_new / v_new are "
+         "decode's fused append)",
+         "a tensor");
   check_view(k_new, "k_new", 3, k_new);
   if (!is_float(k_new.dtype)) fail("k_new.dtype", "f32, f16 or bf16", dtype_name(k_new.dtype));
   check_no_cuda_build(k_new, "k_new");

@@ -66,6 +66,15 @@ struct DecodeProblem {
   const float* alibi_slopes = nullptr;  // on `device`, [heads_q]
   const float* sinks = nullptr;         // on `device`, [heads_q]; added once, at the merge
 
+  // Fused append (KVCache::k_new / v_new; seqlen_new 0 = none): [batch, seqlen_new, heads_kv,
+  // d / dv] in `dtype`, written first by fused_append() (serving_api.cpp) through the backend's
+  // append_kv in its lengths mode.
+  const void* k_new = nullptr;
+  const void* v_new = nullptr;
+  Strides3 k_new_stride, v_new_stride;
+  int64_t seqlen_new = 0;
+  int64_t capacity = 0;  // tokens a sequence can hold (block_table.shape[1] * page_size or max_seqlen)
+
   // Split-KV and the caller's (or the internal) workspace, laid out by decode_layout().
   int num_splits = 1;
   void* workspace = nullptr;
@@ -139,6 +148,16 @@ struct AppendProblem {
   CacheStrides k_stride, v_stride;
   DType cache_dtype = DType::f32;
   int64_t page_size = 0, num_slots = 0;  // slot = page * page_size + offset, < num_slots
+  // Lengths mode (decode's fused append; seqlen_new > 0, slot_mapping null): token t = b *
+  // seqlen_new + i (k_new [batch, seqlen_new, heads_kv, d], batch stride k_new_stride_batch) goes to
+  // position pos = seqlens[b] - seqlen_new + i of sequence b, page block_table[b][pos / page_size]
+  // (contiguous: page b), offset pos % page_size. Skipped: a length of 0 or above capacity, pos < 0,
+  // a page outside 0..num_pages-1 (the CPU has checked all of them on the host already).
+  int64_t seqlen_new = 0, batch = 0, capacity = 0, num_pages = 0;
+  const int32_t* seqlens = nullptr;      // on `device`
+  const int32_t* block_table = nullptr;  // on `device`; null = contiguous
+  int64_t bt_stride_batch = 0, bt_stride_page = 0;
+  int64_t k_new_stride_batch = 0, v_new_stride_batch = 0;
   const float* k_scale = nullptr;         // 8-bit caches: stored = quantise(value / scale)
   const float* v_scale = nullptr;
   int64_t tokens = 0, heads_kv = 0, head_dim = 0, head_dim_v = 0;
@@ -147,9 +166,29 @@ struct AppendProblem {
   void* stream = nullptr;
   int num_threads = 0;
 
+  // (slot mode only; lengths mode: lengths_slot())
   int64_t slot(int64_t t) const {
     return slot_i64 ? static_cast<const int64_t*>(slot_mapping_host)[t * slot_stride]
                     : static_cast<const int32_t*>(slot_mapping_host)[t * slot_stride];
+  }
+  // Lengths mode on host memory (CPU): token t's slot, or -1 when skipped (the CUDA kernel's rule).
+  int64_t lengths_slot(int64_t t) const {
+    const int64_t b = t / seqlen_new, len = seqlens[b], pos = len - seqlen_new + t % seqlen_new;
+    if (len <= 0 || len > capacity || pos < 0) return -1;
+    const int64_t page = block_table ? block_table[b * bt_stride_batch + (pos / page_size) * bt_stride_page] : b;
+    if (page < 0 || page >= num_pages) return -1;
+    return page * page_size + pos % page_size;
+  }
+  // Element offsets of token t's row of kv head hk in k_new / v_new (either mode).
+  int64_t k_src(int64_t t, int64_t hk) const {
+    return seqlen_new > 0 ? (t / seqlen_new) * k_new_stride_batch + (t % seqlen_new) * k_new_stride_token +
+                                hk * k_new_stride_head
+                          : t * k_new_stride_token + hk * k_new_stride_head;
+  }
+  int64_t v_src(int64_t t, int64_t hk) const {
+    return seqlen_new > 0 ? (t / seqlen_new) * v_new_stride_batch + (t % seqlen_new) * v_new_stride_token +
+                                hk * v_new_stride_head
+                          : t * v_new_stride_token + hk * v_new_stride_head;
   }
 };
 

@@ -1102,12 +1102,12 @@ void cpu_append_kv(const AppendProblem& p) {
   const int threads = threads_for(p.num_threads, p.tokens / 16 + 1);
 #pragma omp parallel for num_threads(threads) schedule(static)
   for (int64_t t = 0; t < p.tokens; ++t) {
-    const int64_t s = p.slot(t);
-    if (s < 0) continue;  // padding
+    const int64_t s = p.seqlen_new > 0 ? p.lengths_slot(t) : p.slot(t);
+    if (s < 0) continue;  // padding (lengths mode: a token not appended)
     const int64_t page = s / p.page_size, off = s % p.page_size;
     for (int64_t hk = 0; hk < p.heads_kv; ++hk) {
-      const auto* ksrc = static_cast<const uint8_t*>(p.k_new) + (t * p.k_new_stride_token + hk * p.k_new_stride_head) * ne;
-      const auto* vsrc = static_cast<const uint8_t*>(p.v_new) + (t * p.v_new_stride_token + hk * p.v_new_stride_head) * ne;
+      const auto* ksrc = static_cast<const uint8_t*>(p.k_new) + p.k_src(t, hk) * ne;
+      const auto* vsrc = static_cast<const uint8_t*>(p.v_new) + p.v_src(t, hk) * ne;
       auto* kdst = static_cast<uint8_t*>(p.k_cache) + (page * p.k_stride.page + off * p.k_stride.slot + hk * p.k_stride.head) * ce;
       auto* vdst = static_cast<uint8_t*>(p.v_cache) + (page * p.v_stride.page + off * p.v_stride.slot + hk * p.v_stride.head) * ce;
       store_cache_row(p, ksrc, kdst, p.head_dim, p.k_scale ? p.k_scale[hk] : 1.0f);

@@ -6,7 +6,9 @@
 //   append_kv: negative slot = padding (skipped); 8-bit: stored = encode(value / scale) with the
 //     host's encoders (serving.cuh), so the cache bytes equal the CPU's. Validation cannot read a
 //     device slot_mapping (CUDA-graph capture): a slot >= pages * page_size is skipped too, and two
-//     tokens on one slot leave either (the CPU rejects both).
+//     tokens on one slot leave either (the CPU rejects both). Lengths mode (decode's fused append,
+//     AppendProblem::seqlen_new > 0): each token's slot from cache_seqlens and the block table on
+//     the device, skipped where the length, the position or the page is out of range.
 //   merge_states: empty rows (-inf + -inf) give O = 0 and LSE = -inf; a NaN LSE poisons the row; a
 //     side with weight 0 is never read; every input of a row is read before it is written (the
 //     outputs may alias the inputs).
@@ -41,6 +43,10 @@ struct AppendParams {
   const float* v_scale;
   int64_t tokens;
   int heads_kv, d, dv;
+  // lengths mode (seqlens non-null): see AppendProblem
+  const int32_t* seqlens;
+  const int32_t* block_table;
+  int64_t bt_sb, bt_sp, seqlen_new, capacity, num_pages, kn_sb, vn_sb;
 };
 
 __device__ __forceinline__ void store_cache(void* base, DType t, int64_t idx, float x, float scale) {
@@ -57,11 +63,21 @@ __global__ void __launch_bounds__(kWarps * 32) append_kernel(const AppendParams 
   if (row >= p.tokens * p.heads_kv) return;
   const int64_t t = row / p.heads_kv;
   const int hk = static_cast<int>(row % p.heads_kv);
-  const int64_t s = p.slot_i64 ? static_cast<const int64_t*>(p.slots)[t * p.slot_stride]
-                               : static_cast<const int32_t*>(p.slots)[t * p.slot_stride];
-  if (s < 0 || s >= p.num_slots) return;  // padding (or out of range: skipped, see the file comment)
-  const int64_t page = s / p.page_size, off = s % p.page_size;
-  const int64_t ksrc = t * p.kn_st + hk * p.kn_sh, vsrc = t * p.vn_st + hk * p.vn_sh;
+  int64_t page, off, ksrc, vsrc;
+  if (p.seqlens != nullptr) {  // lengths mode: token i of sequence b at position len - seqlen_new + i
+    const int64_t b = t / p.seqlen_new, i = t % p.seqlen_new, len = p.seqlens[b], pos = len - p.seqlen_new + i;
+    if (len <= 0 || len > p.capacity || pos < 0) return;
+    page = p.block_table ? p.block_table[b * p.bt_sb + (pos / p.page_size) * p.bt_sp] : b;
+    if (page < 0 || page >= p.num_pages) return;
+    off = pos % p.page_size;
+    ksrc = b * p.kn_sb + i * p.kn_st + hk * p.kn_sh, vsrc = b * p.vn_sb + i * p.vn_st + hk * p.vn_sh;
+  } else {
+    const int64_t s = p.slot_i64 ? static_cast<const int64_t*>(p.slots)[t * p.slot_stride]
+                                 : static_cast<const int32_t*>(p.slots)[t * p.slot_stride];
+    if (s < 0 || s >= p.num_slots) return;  // padding (or out of range: skipped, see the file comment)
+    page = s / p.page_size, off = s % p.page_size;
+    ksrc = t * p.kn_st + hk * p.kn_sh, vsrc = t * p.vn_st + hk * p.vn_sh;
+  }
   const int64_t kdst = page * p.k_sp + off * p.k_ss + hk * p.k_sh;
   const int64_t vdst = page * p.v_sp + off * p.v_ss + hk * p.v_sh;
   const float ks = p.k_scale ? p.k_scale[hk] : 1.0f, vs = p.v_scale ? p.v_scale[hk] : 1.0f;
@@ -172,6 +188,13 @@ void cuda_append_kv(const AppendProblem& p) {
   a.heads_kv = static_cast<int>(p.heads_kv);
   a.d = static_cast<int>(p.head_dim);
   a.dv = static_cast<int>(p.head_dim_v);
+  if (p.seqlen_new > 0) {
+    a.seqlens = p.seqlens;
+    a.block_table = p.block_table;
+    a.bt_sb = p.bt_stride_batch, a.bt_sp = p.bt_stride_page;
+    a.seqlen_new = p.seqlen_new, a.capacity = p.capacity, a.num_pages = p.num_pages;
+    a.kn_sb = p.k_new_stride_batch, a.vn_sb = p.v_new_stride_batch;
+  }
   const int64_t blocks = blocks_for(p.tokens * p.heads_kv);
   check_grid(blocks, "append_kv");
   append_kernel<<<static_cast<unsigned>(blocks), kWarps * 32, 0, static_cast<cudaStream_t>(p.stream)>>>(a);
