@@ -3,7 +3,7 @@
 //   ioattn_cuda_decode_bench [--batch 1,16,64] [--kv 4096,32768,131072] [--heads-q 32]
 //       [--heads-kv 8] [--head-dim 128] [--pages 0,16,64] [--caches bf16,f8e4m3] [--q-dtype bf16]
 //       [--seqlen-q 1] [--splits 0] [--repeats 15] [--eager 1] [--copy 1] [--mem-gb 100]
-//       [--kernels auto,fma]
+//       [--kernels auto,fma] [--append 0,1]
 //
 // Every cache holds kv_len tokens per sequence; paged caches (page size > 0) get a shuffled block
 // table (pages of a sequence scattered over the pool, as a serving engine leaves them). Per cell:
@@ -17,6 +17,9 @@
 // (head_dim + head_dim_v) * element bytes; the query, output and partials are not counted).
 // Caches smaller than 256 MiB are replicated (up to 8 copies) and the captured calls rotate over
 // them, so a cell's bytes come from HBM rather than the 50 MiB L2.
+// --append n (n > 0): decode with the fused append of n new tokens per sequence (KVCache::k_new /
+// v_new, written at positions kv_len - n .. kv_len - 1 before the attention): impl "..._append<n>";
+// tbps still counts the cache's K+V bytes only (the n new rows are not added).
 // --copy 1 adds one line, impl "memcpy": cudaMemcpyAsync device-to-device of 4 GiB, tbps = bytes
 // read + written / s (the practical HBM ceiling on this GPU).
 #include <cuda_bf16.h>
@@ -107,6 +110,7 @@ struct Cell {
   int64_t batch, kv, hq, hkv, d, sq, page;
   DType cache, qt;
   int splits;
+  int64_t append = 0;  // fused append of this many tokens per sequence (0 = none)
 };
 
 void print_line(const Cell& c, const char* impl, int splits, double ms, double bytes, const std::string& kernel) {
@@ -126,7 +130,8 @@ void run_cell(const Cell& c, int repeats, bool eager, double mem_limit, const st
     unsetenv("IOATTN_DECODE_KERNEL");
   else
     setenv("IOATTN_DECODE_KERNEL", kernel_mode.c_str(), 1);
-  const std::string impl = kernel_mode == "auto" ? "ioattn" : "ioattn_" + kernel_mode;
+  const std::string impl = (kernel_mode == "auto" ? std::string("ioattn") : "ioattn_" + kernel_mode) +
+                           (c.append > 0 ? "_append" + std::to_string(c.append) : std::string());
   const int64_t es = dtype_size(c.cache), qs = dtype_size(c.qt);
   const bool paged = c.page > 0;
   const int64_t ps = paged ? c.page : c.kv;
@@ -155,6 +160,10 @@ void run_cell(const Cell& c, int repeats, bool eager, double mem_limit, const st
   DevMem q(static_cast<size_t>(qn * qs)), o(static_cast<size_t>(qn * qs)),
       lse(static_cast<size_t>(c.batch * c.hq * c.sq * 4));
   fill(q.p, c.qt, qn, 7);
+  const int64_t nn = c.batch * std::max<int64_t>(c.append, 1) * c.hkv * c.d;  // the fused append's tokens
+  DevMem kn(static_cast<size_t>(nn * qs)), vn(static_cast<size_t>(nn * qs));
+  fill(kn.p, c.qt, nn, 8);
+  fill(vn.p, c.qt, nn, 9);
   // Block table: a shuffled permutation of the pool (IOATTN_BENCH_PAGES_IN_ORDER=1: the identity, a
   // probe of what the shuffle costs); lengths all kv.
   std::vector<int32_t> table(static_cast<size_t>(std::max<int64_t>(pages, 1)));
@@ -192,6 +201,10 @@ void run_cell(const Cell& c, int repeats, bool eager, double mem_limit, const st
     if (q8) {
       kv.k_scale = TensorView::contiguous(scales.p, DType::f32, {c.hkv}, Device::cuda);
       kv.v_scale = TensorView::contiguous(scales.p, DType::f32, {c.hkv}, Device::cuda);
+    }
+    if (c.append > 0) {
+      kv.k_new = TensorView::contiguous(kn.p, c.qt, {c.batch, c.append, c.hkv, c.d}, Device::cuda);
+      kv.v_new = TensorView::contiguous(vn.p, c.qt, {c.batch, c.append, c.hkv, c.d}, Device::cuda);
     }
     return kv;
   };
@@ -292,6 +305,7 @@ int main(int argc, char** argv) {
     const bool eager = arg(argc, argv, "--eager", "1") == "1";
     const double mem_limit = std::stod(arg(argc, argv, "--mem-gb", "100")) * 1e9;
     const auto kernels = parse_names(arg(argc, argv, "--kernels", "auto"));
+    const auto appends = cb::parse_list(arg(argc, argv, "--append", "0"));
     if (arg(argc, argv, "--copy", "1") == "1") run_copy(repeats);
     for (const std::string& cs : caches)
       for (int64_t kv : kvs)
@@ -303,20 +317,22 @@ int main(int argc, char** argv) {
             c.batch = b;
             c.kv = kv;
             c.page = pg;
-            for (const std::string& km : kernels) {
-              // A forced kernel is a comparison row: contiguous 16-bit caches only (8-bit caches
-              // always run the FMA kernel); mma runs the paged cells too.
-              if (km != "auto" && ((pg != 0 && km != "mma") || dtype_size(c.cache) != 2)) continue;
-              try {
-                run_cell(c, repeats, eager, mem_limit, km);
-              } catch (const Error& e) {  // e.g. --kernels mma on an fp8 cache: a line, not the end
-                std::printf("{\"batch\": %lld, \"kv_len\": %lld, \"page_size\": %lld, \"cache\": \"%s\", "
-                            "\"impl\": \"ioattn_%s\", \"error\": \"%s\"}\n",
-                            static_cast<long long>(b), static_cast<long long>(kv), static_cast<long long>(pg),
-                            cs.c_str(), km.c_str(), e.argument().c_str());
-                std::fflush(stdout);
+            for (const std::string& km : kernels)
+              for (int64_t ap : appends) {
+                // A forced kernel is a comparison row: contiguous 16-bit caches only (8-bit caches
+                // always run the FMA kernel); mma runs the paged cells too.
+                if (km != "auto" && ((pg != 0 && km != "mma") || dtype_size(c.cache) != 2)) continue;
+                c.append = ap;
+                try {
+                  run_cell(c, repeats, eager, mem_limit, km);
+                } catch (const Error& e) {  // e.g. --kernels mma on an fp8 cache: a line, not the end
+                  std::printf("{\"batch\": %lld, \"kv_len\": %lld, \"page_size\": %lld, \"cache\": \"%s\", "
+                              "\"impl\": \"ioattn_%s\", \"error\": \"%s\"}\n",
+                              static_cast<long long>(b), static_cast<long long>(kv), static_cast<long long>(pg),
+                              cs.c_str(), km.c_str(), e.argument().c_str());
+                  std::fflush(stdout);
+                }
               }
-            }
           }
   } catch (const std::exception& e) {
     std::fprintf(stderr, "ioattn_cuda_decode_bench: %s\n", e.what());
