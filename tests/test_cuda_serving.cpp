@@ -887,7 +887,6 @@ TEST(CudaDecodeFusedAppend, GraphReplayEqualsEagerBitwise) {
   bl.download();
   const std::vector<float> eager = bl.outputs();
   expect_matches_reference(bl, "fused append eager");
-  poison_last_tokens(bl, n);  // the graph must append them again
   cudaGraph_t graph;
   cudaGraphExec_t exec;
   CUDA_OK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
@@ -895,6 +894,7 @@ TEST(CudaDecodeFusedAppend, GraphReplayEqualsEagerBitwise) {
   CUDA_OK(cudaStreamEndCapture(stream, &graph));
   CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
   for (int rep = 0; rep < 3; ++rep) {
+    poison_last_tokens(bl, n);  // every replay must append them again
     bl.o.poison();
     bl.lse.poison();
     CUDA_OK(cudaGraphLaunch(exec, stream));

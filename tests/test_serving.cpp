@@ -908,6 +908,22 @@ const BadDecode kBadDecode[] = {
        k.cache.k_new = b.q.view({2, 2, 2, 32});
        k.cache.v_new = b.o.view({2, 1, 2, 32});
      }},
+    {"k_new head_dim", "cache.k_new.shape[3]",
+     [](Built& b, DecodeCall& k) {
+       k.cache.k_new = b.q.view({2, 2, 2, 16});
+       k.cache.v_new = b.o.view({2, 2, 2, 32});
+     }},
+    {"v_new dtype", "cache.v_new.dtype",
+     [](Built& b, DecodeCall& k) {
+       k.cache.k_new = b.q.view({2, 2, 2, 32});
+       k.cache.v_new = TensorView::contiguous(b.o.data(), DType::f16, {2, 2, 2, 32});
+     }},
+    {"new tokens sharing a page", "cache.block_table",
+     [](Built& b, DecodeCall& k) {  // sequence 1's positions 16..31 on sequence 0's first page
+       static_cast<int32_t*>(b.bt.host())[b.width + 1] = b.table[0];
+       k.cache.k_new = b.q.view({2, 2, 2, 32});
+       k.cache.v_new = b.o.view({2, 2, 2, 32});
+     }},
     {"seqlen_new above a length", "cache.cache_seqlens[0]",
      [](Built& b, DecodeCall& k) {  // sequence 0 holds 5 tokens; 6 new ones cannot end at position 5
        k.cache.k_new = TensorView::contiguous(b.kc.data(), DType::f32, {2, 6, 2, 32});

@@ -41,10 +41,12 @@ struct KVCache {
   // (cache_seqlens counts them, as it counts the queries' tokens; typically seqlen_new = seqlen_q)
   // — what append_kv with those slots followed by decode computes, in one call, quantised the
   // same way for 8-bit caches. A sequence of length 0 (an empty batch slot) appends nothing. CPU:
-  // a nonzero length below seqlen_new is an error (nothing written); CUDA: tokens whose position
-  // would be negative, and sequences whose length or pages are out of range, are skipped (the
-  // decode then poisons the latter). On CUDA the append kernel and then the decode kernel run on
-  // ctx.stream (CUDA-graph capturable, under a plan too).
+  // a nonzero length below seqlen_new, or two new tokens on one cache slot (a block table naming a
+  // page twice), is an error (nothing written); CUDA: a token whose position would be negative or
+  // whose page is out of range is skipped, a sequence whose length is out of range appends nothing
+  // (its decode rows are NaN as usual), and two tokens on one slot leave either. On CUDA the
+  // append kernel and then the decode kernel run on ctx.stream (CUDA-graph capturable, under a
+  // plan too).
   TensorView k_new, v_new;
 };
 

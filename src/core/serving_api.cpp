@@ -284,6 +284,25 @@ ValidatedDecode validate_decode(const TensorView& q, const KVCache& cache, const
                i2s(e));
       }
     }
+    // Fused append: no two new tokens on one cache slot (a block table naming a page twice at the
+    // written positions; the threads would race, as two equal slots of append_kv would).
+    if (p.seqlen_new > 0 && bt.defined()) {
+      std::vector<std::pair<int64_t, int64_t>> used;  // (slot, sequence)
+      for (int64_t b = 0; b < p.batch; ++b) {
+        const int64_t len = lens[b * cs.stride[0]];
+        for (int64_t pos = std::max<int64_t>(0, len - p.seqlen_new); pos < len; ++pos)
+          used.emplace_back(p.block_table[b * p.bt_stride_batch + (pos / p.page_size) * p.bt_stride_page] *
+                                    p.page_size + pos % p.page_size,
+                            b);
+      }
+      std::sort(used.begin(), used.end());
+      for (size_t i = 1; i < used.size(); ++i)
+        if (used[i].first == used[i - 1].first)
+          fail("cache.block_table",
+               "distinct cache slots for the new tokens (cache.k_new) of every sequence",
+               "page " + i2s(used[i].first / p.page_size) + " slot " + i2s(used[i].first % p.page_size) +
+                   " for sequences " + i2s(used[i - 1].second) + " and " + i2s(used[i].second));
+    }
     p.cache_seqlens_host = lens;
   } else {
     out.max_len = capacity;
@@ -367,8 +386,10 @@ int split_threads(const DecodeProblem& p, int threads, int splits) {
   return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(threads, tasks)));
 }
 
-// The fused append of a decode (p.seqlen_new > 0) as an append_kv problem in lengths mode.
-AppendProblem fused_append(const DecodeProblem& p) {
+}  // namespace
+
+// (declared in serving_problem.hpp)
+AppendProblem fused_append_problem(const DecodeProblem& p) {
   AppendProblem a;
   a.k_new = p.k_new;
   a.v_new = p.v_new;
@@ -386,7 +407,9 @@ AppendProblem fused_append(const DecodeProblem& p) {
   a.k_scale = p.k_scale, a.v_scale = p.v_scale;
   a.tokens = p.batch * p.seqlen_new;
   a.heads_kv = p.heads_kv, a.head_dim = p.head_dim, a.head_dim_v = p.head_dim_v;
-  a.seqlen_new = p.seqlen_new, a.batch = p.batch, a.capacity = p.capacity, a.num_pages = p.num_pages;
+  // (the lengths the decode accepts: under a CUDA plan at most plan.max_seqlen_k)
+  a.seqlen_new = p.seqlen_new, a.batch = p.batch, a.num_pages = p.num_pages;
+  a.capacity = p.max_seqlen_k > 0 ? std::min(p.capacity, p.max_seqlen_k) : p.capacity;
   a.seqlens = p.cache_seqlens;
   a.block_table = p.block_table;
   a.bt_stride_batch = p.bt_stride_batch, a.bt_stride_page = p.bt_stride_page;
@@ -394,6 +417,8 @@ AppendProblem fused_append(const DecodeProblem& p) {
   a.num_threads = p.num_threads;
   return a;
 }
+
+namespace {
 
 KernelChoice run_decode(DecodeProblem& p, const std::string& reason) {
   const std::string shape = decode_shape(p);
@@ -409,14 +434,13 @@ KernelChoice run_decode(DecodeProblem& p, const std::string& reason) {
     KernelChoice c{sel.kernel + " " + shape + " splits " + i2s(p.num_splits) + app,
                    reason + "; " + sel.reason + app_why};
     log_choice("decode", c);
-    if (p.seqlen_new > 0) cuda_append_kv(fused_append(p));
-    cuda_decode(p);
+    cuda_decode(p);  // (runs the fused append itself, after its checks and allocations)
     return c;
   }
   KernelChoice c{"cpu/splitkv " + cpu_best_target() + " " + shape + " splits " + i2s(p.num_splits) + app,
                  reason + app_why};
   log_choice("decode", c);
-  if (p.seqlen_new > 0) cpu_append_kv(fused_append(p));
+  if (p.seqlen_new > 0) cpu_append_kv(fused_append_problem(p));
   cpu_decode(p);
   return c;
 }

@@ -192,6 +192,11 @@ struct AppendProblem {
   }
 };
 
+// Decode's fused append (p.seqlen_new > 0) as an append_kv problem in lengths mode (serving_api.cpp);
+// the backends run it before the decode (CUDA: inside cuda_decode, after its checks and
+// allocations, so an error never leaves the cache written).
+AppendProblem fused_append_problem(const DecodeProblem& p);
+
 // Validation of append_kv's arguments (serving_api.cpp), exposed for tests of the backend.
 AppendProblem validate_append(const TensorView& k_new, const TensorView& v_new, const TensorView& slot_mapping,
                               const KVCache& cache, const Context& ctx);

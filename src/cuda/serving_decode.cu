@@ -748,6 +748,12 @@ void cuda_decode(const DecodeProblem& p) {
     dp.part_lse = reinterpret_cast<float*>(static_cast<uint8_t*>(ws) + align_up(rows * p.head_dim_v * 4));
   }
 
+  if (S > 1 && p.batch * p.heads_q * p.seqlen_q > INT_MAX)
+    throw Error("q", "ioattn: CUDA decode merge grid exceeds 2^31 - 1 blocks");
+  // Decode's fused append (KVCache::k_new): only now, after every check and allocation above, so an
+  // error never leaves the cache written; the decode grid (PDL) waits for it before reading.
+  if (p.seqlen_new > 0) cuda_append_kv(fused_append_problem(p));
+
   const bool pdl = use_pdl(p.device_index);
   dp.early_trigger = S > 1 && early_trigger_on() ? 1 : 0;
   if (mma) {
@@ -780,8 +786,7 @@ void cuda_decode(const DecodeProblem& p) {
     mp.splits = S;
     mp.dv = dp.dv;
     mp.sinks = p.sinks;
-    const int64_t blocks = mp.rows;  // one CTA per query row
-    if (blocks > INT_MAX) throw Error("q", "ioattn: CUDA decode merge grid exceeds 2^31 - 1 blocks");
+    const int64_t blocks = mp.rows;  // one CTA per query row (below 2^31: checked before any launch)
     // sm90+: programmatic dependent launch overlaps the merge grid's launch with the decode
     // grid's tail (IOATTN_DECODE_PDL=0 turns it off).
     launch_pdl(merge_splits_kernel, mp, blocks, kMergeWarps * 32, 0, stream, pdl);

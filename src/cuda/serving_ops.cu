@@ -58,6 +58,12 @@ __device__ __forceinline__ void store_cache(void* base, DType t, int64_t idx, fl
 }
 
 __global__ void __launch_bounds__(kWarps * 32) append_kernel(const AppendParams p) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  // A decode grid launched next with programmatic dependent launch (sm90: every decode launch) may
+  // be scheduled now; it reads nothing before cudaGridDependencySynchronize, which waits for this
+  // grid to complete and its stores to be visible. So the decode's launch overlaps the append.
+  cudaTriggerProgrammaticLaunchCompletion();
+#endif
   const int lane = threadIdx.x & 31;
   const int64_t row = static_cast<int64_t>(blockIdx.x) * kWarps + (threadIdx.x >> 5);  // token * heads_kv + hk
   if (row >= p.tokens * p.heads_kv) return;

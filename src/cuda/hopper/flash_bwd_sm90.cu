@@ -449,7 +449,7 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_sm90_kernel(const BwdPa
           // the workspace's [heads_q, batch, seqlen_q] rows (varlen: [heads_q, total_q], a ragged map
           // that skips the rows past the sequence)
           const int plane = ph * p.batch + b, prow = pm0 + (kWide ? 64 * wg : 0);
-          if constexpr (kVarlen) {
+          if constexpr (kVarlen) {  // (trace builds' dQ probes 1 / 2 apply to the dense instances only)
             tma_reduce_add_ragged(&dq_map, piece, kDqCols * wg, ph, q_start, sq_len, prow);
             tma_reduce_add_ragged(&dq_map, piece + kBM * 128, kDqCols * wg + 32, ph, q_start, sq_len, prow);
           } else

@@ -114,11 +114,6 @@ bool tma_compatible(const void* ptr, const detail::Strides3& s, int64_t batch, i
       return false;
     }
   }
-  // (the varlen maps' row arithmetic, make_ragged_map; a 16 GiB row is no real layout)
-  if (seqlen > 1 && s.seq * elem_bytes >= kRaggedMaxRowStrideBytes) {
-    *why = std::string(name) + " seq stride " + std::to_string(s.seq) + " elements is not below 2^34 bytes";
-    return false;
-  }
   return true;
 }
 
@@ -595,6 +590,8 @@ bool select_impl(const FwdProblem& p, std::string* kernel, std::string* why) {
     return fail(why, "varlen: more than 2^31 - 256 packed tokens");
   if (p.varlen() && (p.seqlen_q > kRaggedRows || p.seqlen_k > kRaggedRows))
     return fail(why, "varlen: a sequence longer than 2^30 tokens (the ragged TMA maps' limit)");
+  if (p.varlen() && std::max({p.q_stride.seq, p.k_stride.seq, p.v_stride.seq}) * 2 >= kRaggedMaxRowStrideBytes)
+    return fail(why, "varlen: a token stride of 2^34 bytes or more (the ragged TMA maps' limit)");
   if (!tma_compatible(p.q, p.q_stride, ext.batch, ext.seqlen_q, p.heads_q, "q", why)) return false;
   if (!tma_compatible(p.k, p.k_stride, ext.batch, ext.seqlen_k, p.heads_kv, "k", why)) return false;
   if (!tma_compatible(p.v, p.v_stride, ext.batch, ext.seqlen_k, p.heads_kv, "v", why)) return false;

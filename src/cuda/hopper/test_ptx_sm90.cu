@@ -1631,6 +1631,25 @@ void test_tma_ragged() {
            ok, detail);
   }
   CHECK_CUDA(cudaFree(d));
+  // One token, one head (the map's size-1 strides replaced by packed ones): the token, and a
+  // sequence of length 0 (all zeros).
+  {
+    auto h1 = random_bf16(dp, 1.0f, 12);
+    auto* d1 = to_device(h1);
+    const CUtensorMap m1 = make_ragged_map(d1, DType::bf16, 2, 128, 1, 1, dp, dp, 64, 64, "t1");
+    for (int len : {1, 0}) {
+      k_tma_ragged<<<1, 128, smem>>>(m1, 0, 0, len, 0, out);
+      CHECK_CUDA(cudaGetLastError());
+      CHECK_CUDA(cudaDeviceSynchronize());
+      const auto got = to_host(out, 64 * 128);
+      std::string detail;
+      const bool ok = compare_box(got, 64, 128, [&](int row, int col) -> uint16_t {
+        return row < len ? h1[col] : 0;
+      }, &detail);
+      report(("tma_load_ragged (one token, one head, len " + std::to_string(len) + ")").c_str(), ok, detail);
+    }
+    CHECK_CUDA(cudaFree(d1));
+  }
   CHECK_CUDA(cudaFree(out));
 
   // f32 [2 heads][70 rows][64 columns] (the dQ workspace's layout) + a guard: a [64 x 32] box at
