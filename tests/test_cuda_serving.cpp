@@ -808,6 +808,23 @@ TEST(CudaDecodeFusedAppend, EqualsAppendThenDecode) {
   expect_fused_append_equals_direct(c, 16, 0, "plan_spec sq 16, 16 new tokens");
 }
 
+// More than 16 query rows (the CPU's cache prefill) are a clear error on CUDA, naming q.shape[1].
+TEST(CudaDecode, MoreThan16QueryRowsIsAClearError) {
+  SKIP_WITHOUT_GPU();
+  Spec c = on_cuda(mk("prefill17", DType::bf16));
+  c.sq = 17;
+  c.lens = {40};
+  Built bl(c, make_values(c, 2));
+  try {
+    bl.run();
+    FAIL() << "accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("q.shape[1]"), std::string::npos) << e.what();
+  }
+  bl.download();
+  for (int64_t i = 0; i < bl.o.count(); ++i) ASSERT_TRUE(std::isnan(bl.o.get(i))) << "o written";
+}
+
 // Lengths the CUDA append cannot trust (read on the device only): a length past the capacity
 // appends nothing for its sequence (the decode poisons it), and a length below seqlen_new appends
 // only the tokens at positions >= 0; the other sequences are untouched.

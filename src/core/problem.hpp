@@ -65,8 +65,22 @@ struct FwdProblem {
   DType fp8_out = DType::bf16;
   Descale q_descale, k_descale, v_descale;
 
+  // KV-cache layout (CPU flash only: decode() with more than 16 query rows, serving_api.cpp):
+  // kv_lens[b] keys for sequence b (host; query row i at position kv_lens[b] - seqlen_q + i, the
+  // forward's bottom-right rule), K / V in kv_dtype (an 8-bit cache: f8e4m3 or i8, times
+  // k_descale / v_descale). With block_table (host) token t of sequence b sits in page
+  // block_table[b * bt_stride_batch + (t / page_size) * bt_stride_page] at offset t % page_size,
+  // element page * k_stride.batch + offset * k_stride.seq + hk * k_stride.head (k_stride.batch is
+  // then the page stride); without it at b * k_stride.batch + t * k_stride.seq + ... as usual.
+  const int32_t* kv_lens = nullptr;
+  const int32_t* block_table = nullptr;
+  int64_t page_size = 0, bt_stride_batch = 0, bt_stride_page = 0;
+  bool kv_dtype_set = false;
+  DType kv_dtype = DType::f32;
+
   bool varlen() const { return cu_seqlens_q != nullptr; }
   bool fp8() const { return dtype == DType::f8e4m3; }
+  DType kvt() const { return kv_dtype_set ? kv_dtype : dtype; }  // the dtype of K and V
   // The dtype O is written in: the input dtype, or fp8_out for f8e4m3 inputs.
   DType out_dtype() const { return fp8() ? fp8_out : dtype; }
   int64_t group() const { return heads_q / heads_kv; }

@@ -151,8 +151,12 @@ ValidatedDecode validate_decode(const TensorView& q, const KVCache& cache, const
   p.seqlen_q = q.shape[1];
   p.heads_q = q.shape[2];
   p.head_dim = q.shape[3];
-  if (p.seqlen_q < 1 || p.seqlen_q > kMaxSeqlenQ)
-    fail("q.shape[1]", "seqlen_q in 1.." + i2s(kMaxSeqlenQ) + " (decode; use forward() for a prefill)",
+  // (CPU: more than 16 query rows run the flash forward over the cache, run_cache_prefill)
+  if (p.seqlen_q < 1 || (q.device != Device::cpu && p.seqlen_q > kMaxSeqlenQ))
+    fail("q.shape[1]",
+         "seqlen_q in 1.." + i2s(kMaxSeqlenQ) +
+             " on CUDA (longer query chunks against a KV cache run on the CPU so far; use forward() on "
+             "contiguous K / V)",
          i2s(p.seqlen_q));
   check_head_dim("q", 3, p.head_dim, "head_dim");
 
@@ -420,6 +424,43 @@ AppendProblem fused_append_problem(const DecodeProblem& p) {
 
 namespace {
 
+// CPU, more than 16 query rows (a prefill or a long chunk against the cache): the flash forward
+// (tiled, multithreaded, the decode's semantics: query row i at position cache_seqlens[b] -
+// seqlen_q + i) reading K / V through the cache's layout — block table, per-sequence lengths,
+// 8-bit codes times the per-kv-head scales — instead of the split-KV decode, whose tiles are
+// sized for a few rows.
+KernelChoice run_cache_prefill(DecodeProblem& p) {
+  FwdProblem f;
+  f.q = p.q, f.k = p.k_cache, f.v = p.v_cache, f.o = p.o, f.lse = p.lse;
+  f.q_stride = p.q_stride, f.o_stride = p.o_stride, f.lse_stride = p.lse_stride;
+  f.k_stride = {p.k_stride.page, p.k_stride.slot, p.k_stride.head};  // (batch = page stride)
+  f.v_stride = {p.v_stride.page, p.v_stride.slot, p.v_stride.head};
+  f.dtype = p.dtype;
+  f.kv_dtype_set = true, f.kv_dtype = p.cache_dtype;
+  f.batch = p.batch, f.heads_q = p.heads_q, f.heads_kv = p.heads_kv;
+  f.seqlen_q = p.seqlen_q, f.seqlen_k = p.max_seqlen_k;
+  f.head_dim = p.head_dim, f.head_dim_v = p.head_dim_v;
+  f.kv_lens = p.cache_seqlens_host;
+  f.block_table = p.block_table;
+  f.page_size = p.page_size, f.bt_stride_batch = p.bt_stride_batch, f.bt_stride_page = p.bt_stride_page;
+  f.scale = p.scale, f.softcap = p.softcap, f.causal = p.causal;
+  f.window_left = p.window_left, f.window_right = p.window_right;
+  f.alibi_slopes = p.alibi_slopes, f.sinks = p.sinks;
+  f.k_descale = {p.k_scale, 0, 1}, f.v_descale = {p.v_scale, 0, 1};  // (null: 1)
+  f.num_threads = p.num_threads;
+  KernelChoice c{"cpu/flash cache-prefill " + cpu_best_target() + " " + decode_shape(p) +
+                     (p.seqlen_new > 0 ? " +append" + i2s(p.seqlen_new) : std::string()),
+                 "seqlen_q " + i2s(p.seqlen_q) + " > " + i2s(kMaxSeqlenQ) +
+                     ": the tiled flash forward (tile " + cpu_flash_tile(f) +
+                     ") reads K / V through the cache's layout, not the split-KV decode" +
+                     (p.seqlen_new > 0 ? "; fused append: " + i2s(p.seqlen_new) + " new tokens written first"
+                                       : std::string())};
+  log_choice("decode", c);
+  if (p.seqlen_new > 0) cpu_append_kv(fused_append_problem(p));
+  cpu_flash_forward(f);
+  return c;
+}
+
 KernelChoice run_decode(DecodeProblem& p, const std::string& reason) {
   const std::string shape = decode_shape(p);
   // (fused append: the new tokens first, in stream order on CUDA)
@@ -530,6 +571,7 @@ KernelChoice decode(const TensorView& q, const KVCache& cache, const TensorView&
                                  p.batch, p.heads_q, p.seqlen_q, p.head_dim_v, p.num_splits))) +
                              " B");
   }
+  if (p.seqlen_q > kMaxSeqlenQ) return run_cache_prefill(p);  // (CPU only: validate_decode)
   const int threads = ctx.num_threads > 0 ? ctx.num_threads : cpu_max_threads();
   std::string reason;
   if (opt.num_splits > 0) {

@@ -244,6 +244,9 @@ HWY_INLINE void LoadRow(DType t, const void* base, int64_t off, size_t n, float*
   if (t == DType::f8e4m3) {  // scalar: fp8 inputs are a correctness path on the CPU
     const uint8_t* src = static_cast<const uint8_t*>(base) + off;
     for (; x < n; ++x) dst[x] = e4m3_to_float(src[x]) * descale;
+  } else if (t == DType::i8) {  // (an i8 KV cache read by the paged prefill; scalar as e4m3)
+    const int8_t* src = static_cast<const int8_t*>(base) + off;
+    for (; x < n; ++x) dst[x] = static_cast<float>(src[x]) * descale;
   } else if (t == DType::f32) {
     const float* src = static_cast<const float*>(base) + off;
     for (; x + kL <= n; x += kL) hn::StoreU(hn::LoadU(df, src + x), df, dst + x);
@@ -640,7 +643,7 @@ void RunTask(const FwdProblem& p, const Task& t, const Workspace& ws) {
   const size_t ncols = static_cast<size_t>(t.r1 - t.r0);
   const size_t nvq = (ncols + kL - 1) / kL;
   const size_t width = nvq * kL;
-  const DType dt = p.dtype;
+  const DType dt = p.dtype, kvt = p.kvt();
   const float ninf = -std::numeric_limits<float>::infinity();
 
   // Per query row: visible key range, ALiBi slope, initial max (the sink logit, if any), and
@@ -695,18 +698,23 @@ void RunTask(const FwdProblem& p, const Task& t, const Workspace& ws) {
     mods.mask = !(kb >= lo_last && kb + static_cast<int64_t>(len) <= hi_first);
     for (size_t j = 0; j < len; ++j) {
       const int64_t key = t.k_start + kb + static_cast<int64_t>(j);
-      LoadRow(dt, p.k, t.b * p.k_stride.batch + key * p.k_stride.seq + hk * p.k_stride.head, d,
+      int64_t page = t.b, slot = key;  // (a KV-cache block table: the key's page and offset)
+      if (p.block_table) {
+        page = p.block_table[t.b * p.bt_stride_batch + key / p.page_size * p.bt_stride_page];
+        slot = key % p.page_size;
+      }
+      LoadRow(kvt, p.k, page * p.k_stride.batch + slot * p.k_stride.seq + hk * p.k_stride.head, d,
               ws.kp + j * d, k_descale);
-      LoadRow(dt, p.v, t.b * p.v_stride.batch + key * p.v_stride.seq + hk * p.v_stride.head, dv,
+      LoadRow(kvt, p.v, page * p.v_stride.batch + slot * p.v_stride.seq + hk * p.v_stride.head, dv,
               ws.vp + j * dvp, v_descale);
     }
     if (nkeys > len) std::memset(ws.kp + len * d, 0, (nkeys - len) * d * sizeof(float));
 
-    RowPrefetch pf;
+    RowPrefetch pf;  // (rows of one stride: none across the pages of a block table)
     const int64_t next = kb + static_cast<int64_t>(kBc);
-    if (next < hi_last) {
+    if (next < hi_last && !p.block_table) {
       const int64_t key = t.k_start + next;
-      const int64_t esize = dtype_size(dt);
+      const int64_t esize = dtype_size(kvt);
       pf.k = static_cast<const char*>(p.k) +
              (t.b * p.k_stride.batch + key * p.k_stride.seq + hk * p.k_stride.head) * esize;
       pf.v = static_cast<const char*>(p.v) +
@@ -881,7 +889,7 @@ void cpu_flash_forward(const FwdProblem& p) {
         t.sk = p.cu_seqlens_k_host[b + 1] - t.k_start;
       } else {
         t.sq = p.seqlen_q;
-        t.sk = p.seqlen_k;
+        t.sk = p.kv_lens ? p.kv_lens[b] : p.seqlen_k;
       }
       const int64_t rows = t.sq * g;
       const int64_t tiles = (rows + br - 1) / br;
