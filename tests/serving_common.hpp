@@ -580,5 +580,25 @@ inline std::vector<FusedCombo> fused_combos() {
           {DType::f16, DType::i8, 64}};
 }
 
+// The sweep both backends run: every fused_combos() entry with 1 or 2 new tokens (split 3 ways,
+// and unsplit), causal, GQA hq / 2, a sequence of length 0 in the batch; `place` puts the spec on
+// the backend's device.
+inline void fused_append_sweep(const std::function<Spec(Spec)>& place, int64_t hq) {
+  for (const FusedCombo& cb : fused_combos())
+    for (int64_t n : {1, 2}) {
+      Spec c = place(mk("fused", cb.q));
+      c.cache = cb.cache;
+      c.hq = hq;
+      c.hkv = 2;
+      c.sq = 2;
+      c.causal = true;
+      c.lens = {100, 0, 33, 2};
+      c.page_size = cb.page_size;
+      const std::string what = std::string(dtype_name(cb.q)) + "->" + dtype_name(cb.cache) + " page" +
+                               std::to_string(cb.page_size) + " new " + std::to_string(n);
+      expect_fused_append_equals_direct(c, n, n == 1 ? 3 : 1, what);
+    }
+}
+
 
 }  // namespace ioattn::test

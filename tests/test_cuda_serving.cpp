@@ -788,20 +788,7 @@ TEST(CudaAppendKv, AppendThenDecodeEqualsDirectCache) {
 // sequence in the batch, split and not), the sq-16 kernel row too.
 TEST(CudaDecodeFusedAppend, EqualsAppendThenDecode) {
   SKIP_WITHOUT_GPU();
-  for (const FusedCombo& cb : fused_combos())
-    for (int64_t n : {1, 2}) {
-      Spec c = on_cuda(mk("fused", cb.q));
-      c.cache = cb.cache;
-      c.hq = 8;
-      c.hkv = 2;
-      c.sq = 2;
-      c.causal = true;
-      c.lens = {100, 0, 33, 2};
-      c.page_size = cb.page_size;
-      const std::string what = std::string(dtype_name(cb.q)) + "->" + dtype_name(cb.cache) + " page" +
-                               std::to_string(cb.page_size) + " new " + std::to_string(n);
-      expect_fused_append_equals_direct(c, n, n == 1 ? 3 : 1, what);
-    }
+  fused_append_sweep(on_cuda, 8);
   Spec c = plan_spec();
   c.sq = 16;
   c.lens = {1700, 16, 0, 300};  // every live sequence holds the 16 new tokens

@@ -577,20 +577,7 @@ TEST(AppendKv, AppendThenDecodeEqualsDirectCache) {
 // decode, for float and 8-bit caches, paged (page sizes 1, 16, 64) and contiguous, 1 or 2 new
 // tokens, a sequence of length 0 in the batch (nothing appended there), split and not.
 TEST(DecodeFusedAppend, EqualsAppendThenDecode) {
-  for (const FusedCombo& cb : fused_combos())
-    for (int64_t n : {1, 2}) {
-      Spec c = mk("fused", cb.q);
-      c.cache = cb.cache;
-      c.hq = 4;
-      c.hkv = 2;
-      c.sq = 2;
-      c.causal = true;
-      c.lens = {100, 0, 33, 2};
-      c.page_size = cb.page_size;
-      const std::string what = std::string(dtype_name(cb.q)) + "->" + dtype_name(cb.cache) + " page" +
-                               std::to_string(cb.page_size) + " new " + std::to_string(n);
-      expect_fused_append_equals_direct(c, n, n == 1 ? 3 : 1, what);
-    }
+  fused_append_sweep([](Spec c) { return c; }, 4);
 }
 
 // More than 16 query rows on the CPU (a prefill or a long chunk against the cache): the tiled flash
