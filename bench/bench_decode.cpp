@@ -13,6 +13,10 @@
 // Run:
 //   ./build/bench/ioattn_bench_decode --benchmark_counters_tabular=true
 //   ./build/bench/ioattn_bench_decode --benchmark_filter='decode/.*/b:1/' (batch 1 only)
+// prefill/...: a 512-row causal chunk (batch 1) against the same caches through decode() (more than
+// 16 rows: the tiled flash forward reading the cache's layout), contiguous and paged, beside the
+// peer forward() on the contiguous cache's buffers (16-bit / f32 caches only); GFLOP/s counts
+// 4 * heads_q * head_dim per visible (row, key) pair.
 // The "KV GB/s" column counts the bytes of K and V the decode must read (cache_seqlens x heads_kv
 // x (d + dv) x element size); compare it with stream_read's row of the same b / kv / dtype.
 #include <benchmark/benchmark.h>
@@ -152,6 +156,39 @@ void BM_stream_read(benchmark::State& st) {
   st.SetLabel(std::to_string(bytes >> 20) + " MiB, " + std::to_string(omp_get_max_threads()) + " threads");
 }
 
+// args: kv tokens, cache dtype index, mode (0 decode() contiguous, 1 decode() page16, 2 forward())
+void BM_prefill(benchmark::State& st) {
+  constexpr int64_t kRows = 512;
+  const int64_t kv = st.range(0), mode = st.range(2);
+  const DType t = kCacheTypes[st.range(1)];
+  Problem& p = problem(1, kv, t, mode == 1);
+  Buffer q(p.q_t, kRows * kHeadsQ * kHeadDim), o(p.q_t, kRows * kHeadsQ * kHeadDim), lse(DType::f32, kHeadsQ * kRows);
+  std::mt19937_64 rng(2);
+  q.fill_random(rng);
+  ioattn::AttnParams prm;
+  prm.causal = true;
+  const auto qv = q.view({1, kRows, kHeadsQ, kHeadDim}), ov = o.view({1, kRows, kHeadsQ, kHeadDim});
+  const auto lv = lse.view({1, kHeadsQ, kRows});
+  auto run = [&] {
+    if (mode == 2)
+      ioattn::forward(qv, p.kc.view({1, kv, kHeadsKv, kHeadDim}), p.vc.view({1, kv, kHeadsKv, kHeadDim}), ov, lv, prm);
+    else
+      ioattn::decode(qv, p.cache, ov, lv, prm);
+  };
+  run();  // warm-up
+  for (auto _ : st) {
+    run();
+    benchmark::DoNotOptimize(o.host());
+    benchmark::ClobberMemory();
+  }
+  // visible pairs: row i (of kRows, bottom-right aligned) sees kv - kRows + i + 1 keys
+  const double pairs = static_cast<double>(kRows) * static_cast<double>(kv - kRows) + kRows * (kRows + 1) / 2.0;
+  st.counters["GFLOP/s"] = benchmark::Counter(4.0 * kHeadsQ * kHeadDim * pairs * 1e-9,
+                                              benchmark::Counter::kIsIterationInvariantRate);
+  st.SetLabel(std::string(ioattn::dtype_name(t)) +
+              (mode == 2 ? " forward() contiguous" : mode == 1 ? " decode() page16" : " decode() contiguous"));
+}
+
 void shapes(benchmark::internal::Benchmark* b, bool peer) {
   for (int64_t batch : {1, 16})
     for (int64_t kv : {4096, 32768})
@@ -167,6 +204,12 @@ void shapes(benchmark::internal::Benchmark* b, bool peer) {
 
 BENCHMARK(BM_decode)->Name("decode")->Apply([](auto* b) { shapes(b, false); });
 BENCHMARK(BM_stream_read)->Name("stream_read")->Apply([](auto* b) { shapes(b, true); });
+BENCHMARK(BM_prefill)->Name("prefill")->Apply([](auto* b) {
+  for (int64_t t : {0, 1, 3})  // f32, bf16, i8 (no forward() peer: its K / V are one dtype with q)
+    for (int64_t mode : {0, 1, 2})
+      if (mode < 2 || t < 2) b->Args({4096, t, mode});
+  b->ArgNames({"kv", "dtype", "mode"})->Unit(benchmark::kMillisecond)->UseRealTime();
+});
 
 }  // namespace
 
