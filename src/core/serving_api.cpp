@@ -429,7 +429,7 @@ namespace {
 // seqlen_q + i) reading K / V through the cache's layout — block table, per-sequence lengths,
 // 8-bit codes times the per-kv-head scales — instead of the split-KV decode, whose tiles are
 // sized for a few rows.
-KernelChoice run_cache_prefill(DecodeProblem& p) {
+KernelChoice run_cache_prefill(DecodeProblem& p, int requested_splits) {
   FwdProblem f;
   f.q = p.q, f.k = p.k_cache, f.v = p.v_cache, f.o = p.o, f.lse = p.lse;
   f.q_stride = p.q_stride, f.o_stride = p.o_stride, f.lse_stride = p.lse_stride;
@@ -454,7 +454,10 @@ KernelChoice run_cache_prefill(DecodeProblem& p) {
                      ": the tiled flash forward (tile " + cpu_flash_tile(f) +
                      ") reads K / V through the cache's layout, not the split-KV decode" +
                      (p.seqlen_new > 0 ? "; fused append: " + i2s(p.seqlen_new) + " new tokens written first"
-                                       : std::string())};
+                                       : std::string()) +
+                     (requested_splits > 0 ? "; num_splits=" + i2s(requested_splits) +
+                                                 " does not apply (no split-KV: the tiles split the rows)"
+                                           : std::string())};
   log_choice("decode", c);
   if (p.seqlen_new > 0) cpu_append_kv(fused_append_problem(p));
   cpu_flash_forward(f);
@@ -571,7 +574,7 @@ KernelChoice decode(const TensorView& q, const KVCache& cache, const TensorView&
                                  p.batch, p.heads_q, p.seqlen_q, p.head_dim_v, p.num_splits))) +
                              " B");
   }
-  if (p.seqlen_q > kMaxSeqlenQ) return run_cache_prefill(p);  // (CPU only: validate_decode)
+  if (p.seqlen_q > kMaxSeqlenQ) return run_cache_prefill(p, opt.num_splits);  // (CPU only: validate_decode)
   const int threads = ctx.num_threads > 0 ? ctx.num_threads : cpu_max_threads();
   std::string reason;
   if (opt.num_splits > 0) {
