@@ -25,6 +25,7 @@
 #include "core/backends.hpp"
 #include "cuda/check.cuh"
 #include "cuda/flash_bwd_launch.cuh"
+#include "cuda/hopper/sm90.hpp"  // kSm90RaggedMaxRowStrideBytes
 
 namespace ioattn::cuda {
 namespace {
@@ -125,7 +126,8 @@ std::string sm90_bwd_refusal(const detail::BwdProblem& bp, int arch, int optin, 
     if (e != nullptr && std::string(e) == "0") return "varlen switched off (IOATTN_BWD_SM90_VARLEN=0)";
     if (rows_q_of(p) == 0) return "varlen with no query tokens (no dQ workspace)";
     // the ragged TMA maps (make_ragged_map) take token strides below 2^34 bytes
-    if (std::max({p.q_stride.seq, p.k_stride.seq, p.v_stride.seq, bp.dout_stride.seq}) * 2 >= (int64_t{1} << 34))
+    if (std::max({p.q_stride.seq, p.k_stride.seq, p.v_stride.seq, bp.dout_stride.seq}) * 2 >=
+        detail::kSm90RaggedMaxRowStrideBytes)
       return "varlen: a token stride of 2^34 bytes or more (the ragged TMA maps' limit)";
     const char* v = std::getenv("IOATTN_BWD_SM90_VARIANT");
     if (v != nullptr && *v != '\0' && std::string(v) != "lag" && std::string(v) != "pp" && std::string(v) != "ppwide")

@@ -308,14 +308,11 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_sm90_kernel(const BwdPa
         mbarrier_arrive_expect_tx(&full_qdo[st], 2 * kTileQ);
 #pragma unroll
         for (int cb = 0; cb < kD / 64; ++cb) {
-          if constexpr (kVarlen) {  // ragged maps: rows past the sequence read as zeros
-            tma_load_ragged(sq + st * kTileQ + cb * kM * 128, &q_map, &full_qdo[st], cb * 64, h, q_start, sq_len, m0);
-            tma_load_ragged(sdo + st * kTileQ + cb * kM * 128, &do_map, &full_qdo[st], cb * 64, h, q_start, sq_len,
-                            m0);
-          } else {
-            tma_load_4d(sq + st * kTileQ + cb * kM * 128, &q_map, &full_qdo[st], cb * 64, m0, h, b);
-            tma_load_4d(sdo + st * kTileQ + cb * kM * 128, &do_map, &full_qdo[st], cb * 64, m0, h, b);
-          }
+          // (varlen: ragged maps, rows past the sequence read as zeros)
+          tma_load_rows(kVarlen, sq + st * kTileQ + cb * kM * 128, &q_map, &full_qdo[st], cb * 64, h, b, q_start,
+                        sq_len, m0);
+          tma_load_rows(kVarlen, sdo + st * kTileQ + cb * kM * 128, &do_map, &full_qdo[st], cb * 64, h, b, q_start,
+                        sq_len, m0);
         }
       }
     } else {
@@ -981,13 +978,10 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_sm90_d256_kernel(const 
     mbarrier_arrive_expect_tx(&full[st], 2 * kTile);
 #pragma unroll
     for (int cb = 0; cb < kD / 64; ++cb) {
-      if constexpr (kVarlen) {  // ragged maps: rows past the sequence read as zeros
-        tma_load_ragged(sq + st * kTile + cb * kBM * 128, &q_map, &full[st], cb * 64, h, q_start, sq_len, m0);
-        tma_load_ragged(sdo + st * kTile + cb * kBM * 128, &do_map, &full[st], cb * 64, h, q_start, sq_len, m0);
-      } else {
-        tma_load_4d(sq + st * kTile + cb * kBM * 128, &q_map, &full[st], cb * 64, m0, h, b);
-        tma_load_4d(sdo + st * kTile + cb * kBM * 128, &do_map, &full[st], cb * 64, m0, h, b);
-      }
+      // (varlen: ragged maps, rows past the sequence read as zeros)
+      tma_load_rows(kVarlen, sq + st * kTile + cb * kBM * 128, &q_map, &full[st], cb * 64, h, b, q_start, sq_len, m0);
+      tma_load_rows(kVarlen, sdo + st * kTile + cb * kBM * 128, &do_map, &full[st], cb * 64, h, b, q_start, sq_len,
+                    m0);
     }
   };
   ptx::cp_async_wait<0>();
@@ -1200,26 +1194,17 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_sm90_d256_dq_kernel(con
     mbarrier_arrive_expect_tx(&full[st], 2 * kTile);
 #pragma unroll
     for (int cb = 0; cb < kD / 64; ++cb) {
-      if constexpr (kVarlen) {  // ragged maps: keys past the sequence read as zeros
-        tma_load_ragged(sk + st * kTile + cb * kBN * 128, &k_map, &full[st], cb * 64, hk, k_start, sk_len, n0);
-        tma_load_ragged(sv + st * kTile + cb * kBN * 128, &v_map, &full[st], cb * 64, hk, k_start, sk_len, n0);
-      } else {
-        tma_load_4d(sk + st * kTile + cb * kBN * 128, &k_map, &full[st], cb * 64, n0, hk, b);
-        tma_load_4d(sv + st * kTile + cb * kBN * 128, &v_map, &full[st], cb * 64, n0, hk, b);
-      }
+      // (varlen: ragged maps, keys past the sequence read as zeros)
+      tma_load_rows(kVarlen, sk + st * kTile + cb * kBN * 128, &k_map, &full[st], cb * 64, hk, b, k_start, sk_len, n0);
+      tma_load_rows(kVarlen, sv + st * kTile + cb * kBN * 128, &v_map, &full[st], cb * 64, hk, b, k_start, sk_len, n0);
     }
   };
   if (tid == 128 && n_blocks > 0) {
     mbarrier_arrive_expect_tx(qbar, 2 * kTile);
 #pragma unroll
     for (int cb = 0; cb < kD / 64; ++cb) {
-      if constexpr (kVarlen) {
-        tma_load_ragged(sq + cb * kBM * 128, &q_map, qbar, cb * 64, h, q_start, sq_len, m0);
-        tma_load_ragged(sdo + cb * kBM * 128, &do_map, qbar, cb * 64, h, q_start, sq_len, m0);
-      } else {
-        tma_load_4d(sq + cb * kBM * 128, &q_map, qbar, cb * 64, m0, h, b);
-        tma_load_4d(sdo + cb * kBM * 128, &do_map, qbar, cb * 64, m0, h, b);
-      }
+      tma_load_rows(kVarlen, sq + cb * kBM * 128, &q_map, qbar, cb * 64, h, b, q_start, sq_len, m0);
+      tma_load_rows(kVarlen, sdo + cb * kBM * 128, &do_map, qbar, cb * 64, h, b, q_start, sq_len, m0);
     }
     issue(0), issue(1);
   }

@@ -427,10 +427,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         mbarrier_arrive_expect_tx(&full_q, Tr::kQBytes);
 #pragma unroll
         for (int c = 0; c < Tr::kColBlocks; ++c)
-          if (ragged)
-            tma_load_ragged(s_q + c * kBlockM * 128, &tm_q, &full_q, c * 64, tc.h, span.q0, span.sq, m0);
-          else
-            tma_load_4d(s_q + c * kBlockM * 128, &tm_q, &full_q, c * 64, m0, tc.h, tc.b);
+          tma_load_rows(ragged, s_q + c * kBlockM * 128, &tm_q, &full_q, c * 64, tc.h, tc.b, span.q0, span.sq, m0);
         // K or V of the i-th visited key block of this tile into ring slot (ring + i) % kStages.
         auto load_kv = [&](const CUtensorMap* map, uint8_t* buf, uint64_t* full, uint64_t* empty, int i) {
           const uint32_t st = ring_stage(ring + i, kStages);
@@ -440,10 +437,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
           uint8_t* dst = buf + st * Tr::kKVBytes;
 #pragma unroll
           for (int c = 0; c < Tr::kColBlocks; ++c)
-            if (ragged)
-              tma_load_ragged(dst + c * kBlockN * 128, map, &full[st], c * 64, hk, span.k0, span.sk, n0);
-            else
-              tma_load_4d(dst + c * kBlockN * 128, map, &full[st], c * 64, n0, hk, tc.b);
+            tma_load_rows(ragged, dst + c * kBlockN * 128, map, &full[st], c * 64, hk, tc.b, span.k0, span.sk, n0);
         };
         // Order K0, K1, V0, K2, V1, ...: the consumers need K_{i+1} before V_i.
         load_kv(&tm_k, s_k, full_k, empty_k, 0);

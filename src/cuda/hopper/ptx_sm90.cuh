@@ -28,6 +28,7 @@
 #include <string>
 
 #include "core/problem.hpp"  // detail::Strides3, DType (the tensor-map helpers' arguments)
+#include "cuda/hopper/sm90.hpp"  // kSm90RaggedMaxRowStrideBytes
 
 // True only in the device pass for sm_90a ("a" = the arch-specific features wgmma/setmaxnreg).
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -60,9 +61,10 @@ bool tma_compatible(const void* ptr, const detail::Strides3& s, int64_t batch, i
 // load reads zeros and a store / reduce-add skips them, instead of touching the next sequence
 // (whose NaN / Inf would otherwise reach this one through 0 x NaN). The base stays the tensor's
 // own pointer. (The construction is Triton's ragged TMA descriptor, tools/ragged_tma.py.)
-// Limits: a sequence of at most 2^30 rows, rs < 2^34 bytes (tma_compatible checks the latter).
+// Limits: a sequence of at most 2^30 rows, rs < 2^34 bytes (the forward's selector and the
+// backward's refusal check both).
 constexpr int kRaggedRows = 1 << 30;
-constexpr int64_t kRaggedMaxRowStrideBytes = int64_t{1} << 34;
+constexpr int64_t kRaggedMaxRowStrideBytes = ::ioattn::detail::kSm90RaggedMaxRowStrideBytes;  // (sm90.hpp)
 
 // Host (flash_fwd_sm90.cu): the map, 128-byte swizzle, boxes of box_cols x box_rows (x 1 x 1 x 1);
 // elem_bytes 2 (bf16 / f16 by dtype) or 4 (f32, dtype ignored). Strides in elements.
@@ -188,6 +190,18 @@ __device__ __forceinline__ void tma_load_5d(void* dst, const CUtensorMap* map, u
 __device__ __forceinline__ void tma_load_ragged(void* dst, const CUtensorMap* map, uint64_t* bar, int col, int head,
                                                 int start, int len, int r) {
   tma_load_5d(dst, map, bar, col, kRaggedRows - len + r, head, start + len, kRaggedRows);
+}
+
+// Rows [r, r + box) of head `head`, the one call for both map kinds: ragged (varlen: the packed
+// sequence [start, start + len), rows past its end read as zeros) or the 4-D [batch, seq, heads,
+// cols] map (batch b; start and len unused). `ragged` is a constant at every call site, so the
+// branch folds away.
+__device__ __forceinline__ void tma_load_rows(bool ragged, void* dst, const CUtensorMap* map, uint64_t* bar, int col,
+                                              int head, int b, int start, int len, int r) {
+  if (ragged)
+    tma_load_ragged(dst, map, bar, col, head, start, len, r);
+  else
+    tma_load_4d(dst, map, bar, col, r, head, b);
 }
 
 // cp.async.bulk (non-tensor TMA): `bytes` contiguous bytes global -> shared, completing on `bar`

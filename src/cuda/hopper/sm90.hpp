@@ -10,6 +10,11 @@
 
 namespace ioattn::detail {
 
+// Packed (varlen) tokens must sit less than this many bytes apart for the sm90 kernels' ragged TMA
+// maps (make_ragged_map in hopper/ptx_sm90.cuh); the forward's selector and the backward's refusal
+// check it.
+constexpr int64_t kSm90RaggedMaxRowStrideBytes = int64_t{1} << 34;
+
 // True, with the dispatch-table row in *kernel (e.g. "cuda/flash sm90 wgmma+tma bf16 hdim128
 // causal tile 128x128 stages 2 ws 2 consumer WGs pingpong") and the reason for the tile in
 // *reason, when the wgmma/TMA kernel handles p on p.device_index. False, with *reason naming the
