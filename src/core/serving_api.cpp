@@ -288,25 +288,6 @@ ValidatedDecode validate_decode(const TensorView& q, const KVCache& cache, const
                i2s(e));
       }
     }
-    // Fused append: no two new tokens on one cache slot (a block table naming a page twice at the
-    // written positions; the threads would race, as two equal slots of append_kv would).
-    if (p.seqlen_new > 0 && bt.defined()) {
-      std::vector<std::pair<int64_t, int64_t>> used;  // (slot, sequence)
-      for (int64_t b = 0; b < p.batch; ++b) {
-        const int64_t len = lens[b * cs.stride[0]];
-        for (int64_t pos = std::max<int64_t>(0, len - p.seqlen_new); pos < len; ++pos)
-          used.emplace_back(p.block_table[b * p.bt_stride_batch + (pos / p.page_size) * p.bt_stride_page] *
-                                    p.page_size + pos % p.page_size,
-                            b);
-      }
-      std::sort(used.begin(), used.end());
-      for (size_t i = 1; i < used.size(); ++i)
-        if (used[i].first == used[i - 1].first)
-          fail("cache.block_table",
-               "distinct cache slots for the new tokens (cache.k_new) of every sequence",
-               "page " + i2s(used[i].first / p.page_size) + " slot " + i2s(used[i].first % p.page_size) +
-                   " for sequences " + i2s(used[i - 1].second) + " and " + i2s(used[i].second));
-    }
     p.cache_seqlens_host = lens;
   } else {
     out.max_len = capacity;
@@ -326,6 +307,21 @@ ValidatedDecode validate_decode(const TensorView& q, const KVCache& cache, const
   p.device_index = q.device_index;
   p.stream = ctx.stream;
   p.num_threads = ctx.num_threads;
+  // Fused append on the CPU: no two new tokens on one cache slot (a block table naming a page twice
+  // at the written positions; the threads would race, as two equal slots of append_kv would). The
+  // slots are the append's own (lengths_slot), every one in range after the checks above.
+  if (q.device == Device::cpu && p.seqlen_new > 0 && bt.defined()) {
+    const AppendProblem a = fused_append_problem(p);
+    std::vector<std::pair<int64_t, int64_t>> used;  // (slot, sequence)
+    for (int64_t t = 0; t < a.tokens; ++t)
+      if (const int64_t s = a.lengths_slot(t); s >= 0) used.emplace_back(s, t / p.seqlen_new);
+    std::sort(used.begin(), used.end());
+    for (size_t i = 1; i < used.size(); ++i)
+      if (used[i].first == used[i - 1].first)
+        fail("cache.block_table", "distinct cache slots for the new tokens (cache.k_new) of every sequence",
+             "page " + i2s(used[i].first / p.page_size) + " slot " + i2s(used[i].first % p.page_size) +
+                 " for sequences " + i2s(used[i - 1].second) + " and " + i2s(used[i].second));
+  }
   return out;
 }
 
@@ -412,7 +408,7 @@ AppendProblem fused_append_problem(const DecodeProblem& p) {
   a.tokens = p.batch * p.seqlen_new;
   a.heads_kv = p.heads_kv, a.head_dim = p.head_dim, a.head_dim_v = p.head_dim_v;
   // (the lengths the decode accepts: under a CUDA plan at most plan.max_seqlen_k)
-  a.seqlen_new = p.seqlen_new, a.batch = p.batch, a.num_pages = p.num_pages;
+  a.seqlen_new = p.seqlen_new, a.num_pages = p.num_pages;
   a.capacity = p.max_seqlen_k > 0 ? std::min(p.capacity, p.max_seqlen_k) : p.capacity;
   a.seqlens = p.cache_seqlens;
   a.block_table = p.block_table;
@@ -429,6 +425,16 @@ namespace {
 // seqlen_q + i) reading K / V through the cache's layout — block table, per-sequence lengths,
 // 8-bit codes times the per-kv-head scales — instead of the split-KV decode, whose tiles are
 // sized for a few rows.
+// The fused append's part of a KernelChoice: the kernel name's suffix and the reason's clause
+// (empty without one).
+std::string append_suffix(const DecodeProblem& p) { return p.seqlen_new > 0 ? " +append" + i2s(p.seqlen_new) : ""; }
+std::string append_reason(const DecodeProblem& p) {
+  if (p.seqlen_new == 0) return "";
+  return "; fused append: " + i2s(p.seqlen_new) +
+         " new tokens per sequence written at cache_seqlens - seqlen_new + i first" +
+         (p.device == Device::cuda ? " (append kernel, then decode, on the stream)" : "");
+}
+
 KernelChoice run_cache_prefill(DecodeProblem& p, int requested_splits) {
   FwdProblem f;
   f.q = p.q, f.k = p.k_cache, f.v = p.v_cache, f.o = p.o, f.lse = p.lse;
@@ -448,13 +454,10 @@ KernelChoice run_cache_prefill(DecodeProblem& p, int requested_splits) {
   f.alibi_slopes = p.alibi_slopes, f.sinks = p.sinks;
   f.k_descale = {p.k_scale, 0, 1}, f.v_descale = {p.v_scale, 0, 1};  // (null: 1)
   f.num_threads = p.num_threads;
-  KernelChoice c{"cpu/flash cache-prefill " + cpu_best_target() + " " + decode_shape(p) +
-                     (p.seqlen_new > 0 ? " +append" + i2s(p.seqlen_new) : std::string()),
+  KernelChoice c{"cpu/flash cache-prefill " + cpu_best_target() + " " + decode_shape(p) + append_suffix(p),
                  "seqlen_q " + i2s(p.seqlen_q) + " > " + i2s(kMaxSeqlenQ) +
                      ": the tiled flash forward (tile " + cpu_flash_tile(f) +
-                     ") reads K / V through the cache's layout, not the split-KV decode" +
-                     (p.seqlen_new > 0 ? "; fused append: " + i2s(p.seqlen_new) + " new tokens written first"
-                                       : std::string()) +
+                     ") reads K / V through the cache's layout, not the split-KV decode" + append_reason(p) +
                      (requested_splits > 0 ? "; num_splits=" + i2s(requested_splits) +
                                                  " does not apply (no split-KV: the tiles split the rows)"
                                            : std::string())};
@@ -465,14 +468,7 @@ KernelChoice run_cache_prefill(DecodeProblem& p, int requested_splits) {
 }
 
 KernelChoice run_decode(DecodeProblem& p, const std::string& reason) {
-  const std::string shape = decode_shape(p);
-  // (fused append: the new tokens first, in stream order on CUDA)
-  const std::string app = p.seqlen_new > 0 ? " +append" + i2s(p.seqlen_new) : "";
-  const std::string app_why =
-      p.seqlen_new > 0 ? "; fused append: " + i2s(p.seqlen_new) +
-                             " new tokens per sequence written at cache_seqlens - seqlen_new + i first" +
-                             (p.device == Device::cuda ? " (append kernel, then decode, on the stream)" : "")
-                       : "";
+  const std::string shape = decode_shape(p), app = append_suffix(p), app_why = append_reason(p);
   if (p.device == Device::cuda) {
     const CudaSelection sel = select_cuda_decode(p, shape);
     KernelChoice c{sel.kernel + " " + shape + " splits " + i2s(p.num_splits) + app,

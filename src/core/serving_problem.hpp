@@ -153,7 +153,7 @@ struct AppendProblem {
   // position pos = seqlens[b] - seqlen_new + i of sequence b, page block_table[b][pos / page_size]
   // (contiguous: page b), offset pos % page_size. Skipped: a length of 0 or above capacity, pos < 0,
   // a page outside 0..num_pages-1 (the CPU has checked all of them on the host already).
-  int64_t seqlen_new = 0, batch = 0, capacity = 0, num_pages = 0;
+  int64_t seqlen_new = 0, capacity = 0, num_pages = 0;
   const int32_t* seqlens = nullptr;      // on `device`
   const int32_t* block_table = nullptr;  // on `device`; null = contiguous
   int64_t bt_stride_batch = 0, bt_stride_page = 0;
