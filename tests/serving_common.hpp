@@ -457,6 +457,34 @@ inline std::vector<Spec> reference_cases() {
 }
 
 
+// ---- more than 16 query rows (a prefill chunk against the cache) ----------------------------
+
+// The cases both backends run (CUDA: those with an f16 / bf16 q and head_dim == head_dim_v): block
+// tables of page sizes 1 / 16 / 256, contiguous, ragged and empty sequences, GQA / MQA, masks,
+// softcap, ALiBi, sinks, 8-bit caches with a bf16 / f16 q; checked against the float64 reference
+// and with the fused append of the chunk itself.
+inline std::vector<Spec> cache_prefill_cases() {
+  std::vector<Spec> v;
+  for (DType t : {DType::f32, DType::bf16}) {
+    const std::string ts = dtype_name(t);
+    { Spec c = mk("prefill_contiguous_" + ts, t); c.sq = 40; c.lens = {40, 100, 0}; v.push_back(c); }
+    { Spec c = mk("prefill_paged16_causal_gqa4_" + ts, t); c.sq = 100; c.causal = true; c.hq = 8; c.hkv = 2; c.d = 128;
+      c.lens = {300, 100, 0, 1000}; c.page_size = 16; v.push_back(c); }
+    { Spec c = mk("prefill_page1_window_" + ts, t); c.sq = 33; c.causal = true; c.wl = 20; c.lens = {33, 70};
+      c.page_size = 1; v.push_back(c); }
+    { Spec c = mk("prefill_page256_mqa_" + ts, t); c.sq = 17; c.hq = 8; c.hkv = 1; c.lens = {700, 17, 256};
+      c.page_size = 256; v.push_back(c); }
+    { Spec c = mk("prefill_softcap_alibi_sinks_" + ts, t); c.sq = 24; c.causal = true; c.softcap = 5.0f; c.alibi = true;
+      c.sinks = true; c.lens = {24, 90}; c.page_size = 16; v.push_back(c); }
+  }
+  { Spec c = mk("prefill_f8e4m3_bf16", DType::bf16); c.cache = DType::f8e4m3; c.sq = 48; c.causal = true;
+    c.lens = {300, 48}; c.page_size = 16; c.hq = 8; v.push_back(c); }
+  { Spec c = mk("prefill_i8_f16", DType::f16); c.cache = DType::i8; c.sq = 20; c.lens = {64, 0, 20}; v.push_back(c); }
+  { Spec c = mk("prefill_hdim72_dv40_f32", DType::f32); c.d = 72; c.dv = 40; c.sq = 30; c.causal = true;
+    c.lens = {45, 129}; c.page_size = 8; v.push_back(c); }
+  return v;
+}
+
 // ---- append_kv helpers -----------------------------------------------------------------------
 
 // k_new / v_new for every live token of bl (in shuffled order, with padding tokens), and the
@@ -549,7 +577,8 @@ inline void poison_last_tokens(Built& bl, int64_t n) {
 // against decode over the cache that already holds them: the same cache bytes afterwards and
 // bitwise the same O / LSE (the append is append_kv's per-element encoding; the decode is the
 // same call), plus the float64 reference. Sequences of length 0 append nothing.
-inline void expect_fused_append_equals_direct(const Spec& c, int64_t n, int splits, const std::string& what) {
+inline void expect_fused_append_equals_direct(const Spec& c, int64_t n, int splits, const std::string& what,
+                                              const std::function<double(int64_t, int64_t, int64_t)>& extra_o = nullptr) {
   const Values vals = make_values(c, 21);
   Built direct(c, vals), fused(c, vals);
   poison_last_tokens(fused, n);
@@ -566,7 +595,7 @@ inline void expect_fused_append_equals_direct(const Spec& c, int64_t n, int spli
   direct.run(splits);
   EXPECT_TRUE(bitwise_equal(direct.outputs(), fused.outputs()))
       << what << ": max diff " << max_diff(direct.outputs(), fused.outputs());
-  expect_matches_reference(fused, what);
+  expect_matches_reference(fused, what, false, extra_o);
 }
 
 // The (q dtype, cache dtype, page size) combinations the fused-append tests walk.

@@ -581,31 +581,7 @@ TEST(DecodeFusedAppend, EqualsAppendThenDecode) {
 }
 
 // More than 16 query rows on the CPU (a prefill or a long chunk against the cache): the tiled flash
-// forward reading K / V through the cache's layout (block tables of page sizes 1 / 16 / 256,
-// contiguous, ragged and empty sequences, GQA / MQA, masks, softcap, ALiBi, sinks, 8-bit caches with
-// a bf16 / f16 q) against the float64 reference; and with the fused append of the chunk itself.
-std::vector<Spec> cache_prefill_cases() {
-  std::vector<Spec> v;
-  for (DType t : {DType::f32, DType::bf16}) {
-    const std::string ts = dtype_name(t);
-    { Spec c = mk("prefill_contiguous_" + ts, t); c.sq = 40; c.lens = {40, 100, 0}; v.push_back(c); }
-    { Spec c = mk("prefill_paged16_causal_gqa4_" + ts, t); c.sq = 100; c.causal = true; c.hq = 8; c.hkv = 2; c.d = 128;
-      c.lens = {300, 100, 0, 1000}; c.page_size = 16; v.push_back(c); }
-    { Spec c = mk("prefill_page1_window_" + ts, t); c.sq = 33; c.causal = true; c.wl = 20; c.lens = {33, 70};
-      c.page_size = 1; v.push_back(c); }
-    { Spec c = mk("prefill_page256_mqa_" + ts, t); c.sq = 17; c.hq = 8; c.hkv = 1; c.lens = {700, 17, 256};
-      c.page_size = 256; v.push_back(c); }
-    { Spec c = mk("prefill_softcap_alibi_sinks_" + ts, t); c.sq = 24; c.causal = true; c.softcap = 5.0f; c.alibi = true;
-      c.sinks = true; c.lens = {24, 90}; c.page_size = 16; v.push_back(c); }
-  }
-  { Spec c = mk("prefill_f8e4m3_bf16", DType::bf16); c.cache = DType::f8e4m3; c.sq = 48; c.causal = true;
-    c.lens = {300, 48}; c.page_size = 16; c.hq = 8; v.push_back(c); }
-  { Spec c = mk("prefill_i8_f16", DType::f16); c.cache = DType::i8; c.sq = 20; c.lens = {64, 0, 20}; v.push_back(c); }
-  { Spec c = mk("prefill_hdim72_dv40_f32", DType::f32); c.d = 72; c.dv = 40; c.sq = 30; c.causal = true;
-    c.lens = {45, 129}; c.page_size = 8; v.push_back(c); }
-  return v;
-}
-
+// forward reading K / V through the cache's layout; cache_prefill_cases() in serving_common.hpp.
 class DecodeCachePrefill : public ::testing::TestWithParam<Spec> {};
 
 TEST_P(DecodeCachePrefill, MatchesFloat64Reference) {

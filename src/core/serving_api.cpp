@@ -151,13 +151,8 @@ ValidatedDecode validate_decode(const TensorView& q, const KVCache& cache, const
   p.seqlen_q = q.shape[1];
   p.heads_q = q.shape[2];
   p.head_dim = q.shape[3];
-  // (CPU: more than 16 query rows run the flash forward over the cache, run_cache_prefill)
-  if (p.seqlen_q < 1 || (q.device != Device::cpu && p.seqlen_q > kMaxSeqlenQ))
-    fail("q.shape[1]",
-         "seqlen_q in 1.." + i2s(kMaxSeqlenQ) +
-             " on CUDA (longer query chunks against a KV cache run on the CPU so far; use forward() on "
-             "contiguous K / V)",
-         i2s(p.seqlen_q));
+  // (more than 16 query rows run the flash forward over the cache: run_cache_prefill)
+  if (p.seqlen_q < 1) fail("q.shape[1]", "seqlen_q >= 1", i2s(p.seqlen_q));
   check_head_dim("q", 3, p.head_dim, "head_dim");
 
   const TensorView &k = cache.k_cache, &v = cache.v_cache;
@@ -420,11 +415,6 @@ AppendProblem fused_append_problem(const DecodeProblem& p) {
 
 namespace {
 
-// CPU, more than 16 query rows (a prefill or a long chunk against the cache): the flash forward
-// (tiled, multithreaded, the decode's semantics: query row i at position cache_seqlens[b] -
-// seqlen_q + i) reading K / V through the cache's layout — block table, per-sequence lengths,
-// 8-bit codes times the per-kv-head scales — instead of the split-KV decode, whose tiles are
-// sized for a few rows.
 // The fused append's part of a KernelChoice: the kernel name's suffix and the reason's clause
 // (empty without one).
 std::string append_suffix(const DecodeProblem& p) { return p.seqlen_new > 0 ? " +append" + i2s(p.seqlen_new) : ""; }
@@ -432,10 +422,32 @@ std::string append_reason(const DecodeProblem& p) {
   if (p.seqlen_new == 0) return "";
   return "; fused append: " + i2s(p.seqlen_new) +
          " new tokens per sequence written at cache_seqlens - seqlen_new + i first" +
-         (p.device == Device::cuda ? " (append kernel, then decode, on the stream)" : "");
+         (p.device == Device::cuda ? " (append kernel, then the attention, on the stream)" : "");
 }
 
+// More than 16 query rows (a prefill or a long chunk against the cache): the flash forward (tiled,
+// the decode's semantics: query row i at position cache_seqlens[b] - seqlen_q + i) reading K / V
+// through the cache's layout — block table, per-sequence lengths, 8-bit codes times the per-kv-head
+// scales — instead of the split-KV decode, whose tiles are sized for a few rows. CPU: the
+// multithreaded flash forward; CUDA: the mma.sync forward's KV-cache mode (flash_fwd.cuh), or an
+// error naming q with the reason when its table lacks the shape (f32 q, head_dim != head_dim_v).
 KernelChoice run_cache_prefill(DecodeProblem& p, int requested_splits) {
+  const std::string splits_note = requested_splits > 0 ? "; num_splits=" + i2s(requested_splits) +
+                                                             " does not apply (no split-KV: the tiles split the rows)"
+                                                       : std::string();
+  const std::string why = "seqlen_q " + i2s(p.seqlen_q) + " > " + i2s(kMaxSeqlenQ) + ": ";
+  if (p.device == Device::cuda) {
+    const CudaSelection sel = cuda_cache_prefill_select(p, cuda_device_arch(p.device_index));
+    if (sel.kernel.empty())
+      throw Error("q", "ioattn: no CUDA kernel for " + decode_shape(p) + " with " + i2s(p.seqlen_q) +
+                           " query rows against the cache (more than " + i2s(kMaxSeqlenQ) +
+                           " take the flash forward; the CPU runs every shape): " + sel.reason);
+    KernelChoice c{sel.kernel + " " + decode_shape(p) + append_suffix(p),
+                   why + sel.reason + ", not the split-KV decode" + append_reason(p) + splits_note};
+    log_choice("decode", c);
+    cuda_cache_prefill(p);  // (runs the fused append itself, after its checks)
+    return c;
+  }
   FwdProblem f;
   f.q = p.q, f.k = p.k_cache, f.v = p.v_cache, f.o = p.o, f.lse = p.lse;
   f.q_stride = p.q_stride, f.o_stride = p.o_stride, f.lse_stride = p.lse_stride;
@@ -455,12 +467,9 @@ KernelChoice run_cache_prefill(DecodeProblem& p, int requested_splits) {
   f.k_descale = {p.k_scale, 0, 1}, f.v_descale = {p.v_scale, 0, 1};  // (null: 1)
   f.num_threads = p.num_threads;
   KernelChoice c{"cpu/flash cache-prefill " + cpu_best_target() + " " + decode_shape(p) + append_suffix(p),
-                 "seqlen_q " + i2s(p.seqlen_q) + " > " + i2s(kMaxSeqlenQ) +
-                     ": the tiled flash forward (tile " + cpu_flash_tile(f) +
+                 why + "the tiled flash forward (tile " + cpu_flash_tile(f) +
                      ") reads K / V through the cache's layout, not the split-KV decode" + append_reason(p) +
-                     (requested_splits > 0 ? "; num_splits=" + i2s(requested_splits) +
-                                                 " does not apply (no split-KV: the tiles split the rows)"
-                                           : std::string())};
+                     splits_note};
   log_choice("decode", c);
   if (p.seqlen_new > 0) cpu_append_kv(fused_append_problem(p));
   cpu_flash_forward(f);
@@ -553,6 +562,7 @@ KernelChoice decode(const TensorView& q, const KVCache& cache, const TensorView&
   check_num_splits(opt.num_splits, "opt.num_splits");
   DecodeProblem& p = val.p;
   p.max_seqlen_k = val.max_len;
+  if (p.seqlen_q > kMaxSeqlenQ) return run_cache_prefill(p, opt.num_splits);
   if (p.device == Device::cuda) {
     // Splits from the capacity (the device's lengths are not read); partials in a stream-ordered
     // allocation made by the backend for this call.
@@ -570,7 +580,6 @@ KernelChoice decode(const TensorView& q, const KVCache& cache, const TensorView&
                                  p.batch, p.heads_q, p.seqlen_q, p.head_dim_v, p.num_splits))) +
                              " B");
   }
-  if (p.seqlen_q > kMaxSeqlenQ) return run_cache_prefill(p, opt.num_splits);  // (CPU only: validate_decode)
   const int threads = ctx.num_threads > 0 ? ctx.num_threads : cpu_max_threads();
   std::string reason;
   if (opt.num_splits > 0) {

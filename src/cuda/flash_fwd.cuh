@@ -25,6 +25,14 @@
 // O = 0 and LSE = -inf (or the sink); keys past the end of the sequence are zero-filled in smem,
 // so no NaN from unrelated memory can reach P·V.
 //
+// KV-cache mode (flash_fwd_kernel<Tr, T, CT>, CT != void; hdim 64 / 128 / 256 tiles only): the
+// same kernel for decode() with more than 16 query rows (a prefill chunk against a paged or
+// contiguous cache, serving.hpp). The sequence's key count comes from cache_seqlens on the device;
+// K / V rows are addressed through a per-block table of byte offsets in shared memory (page from
+// the block table, slot), so any page size works and each row costs one shared load per copy.
+// 16-bit caches keep cp.async; 8-bit codes (e4m3, int8) are loaded to registers and stored as
+// exact bf16 / f16 values, their k_scale folded into the score scale and v_scale into O.
+//
 // History (H200, bf16, 16k tokens, hidden 2048; PyTorch SDPA flash = FA2 in the same run)
 //   1. FA2-style mma.sync kernel: padded smem, cp.async K/V ring, runtime mask/softcap/ALiBi/sink
 //      flags (one instantiation per head dim and dtype), Q optionally held in registers.
@@ -40,8 +48,10 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <type_traits>
 
 #include "cuda/ptx.cuh"
+#include "cuda/serving.cuh"  // serving::E4m3, the 8-bit cache tag of the KV-cache mode
 
 namespace ioattn::cuda {
 
@@ -76,6 +86,22 @@ struct FlashParams {
                                             // windows wider than both sequences to -1
   const float* alibi_slopes = nullptr;
   const float* sinks = nullptr;
+  // KV-cache mode only (flash_fwd_kernel<Tr, T, CT> with CT != void: decode() with more than 16
+  // query rows, cuda_cache_prefill in flash_dispatch.cu). Query row i of sequence b sits at
+  // position kv_lens[b] - seqlen_q + i. Token t of sequence b: with a block table, page
+  // block_table[b * bt_batch + (t / page_size) * bt_page], slot t % page_size, element
+  // page * k_batch + slot * k_seq + hk * k_head (k_batch is the page stride); without one,
+  // b * k_batch + t * k_seq + hk * k_head. A length outside [0, kv_bound] or a block-table entry
+  // outside [0, num_pages) among the sequence's pages makes that sequence's O and LSE NaN (the
+  // decode kernels' rule); nothing out of range is read.
+  const int32_t* kv_lens = nullptr;  // [batch], on the device
+  const int32_t* block_table = nullptr;
+  int64_t bt_batch = 0, bt_page = 0;
+  int page_size = 1, page_shift = -1;  // page_shift: log2(page_size) for powers of two, else -1
+  int64_t num_pages = 0;
+  int kv_bound = 0;
+  const float* k_scale = nullptr;  // 8-bit caches: per kv head, null = 1 (codes stay exact in smem)
+  const float* v_scale = nullptr;
 };
 
 // Tile shape of one kernel instantiation. "Should not affect results, only speed."
@@ -158,11 +184,92 @@ __device__ __forceinline__ void wait_kv() {
   ptx::cp_async_wait<2 * kStages - 2>();
 }
 
+// ---- KV-cache mode (CT != void) ----------------------------------------------------------------
+
+template <typename CT>
+constexpr int kCacheBytes = std::is_same_v<CT, __nv_bfloat16> || std::is_same_v<CT, __half> ? 2 : 1;
+
+// Two 8-bit codes (the low 16 bits of w, lower address first) -> a packed pair of T, exactly:
+// every e4m3 and int8 value is a bf16 and an f16 number (e4m3 NaN codes give NaN). The codes'
+// scales are applied outside (k_scale in the score scale, v_scale on O).
+template <typename CT, typename T>
+__device__ __forceinline__ uint32_t code2_to(uint32_t w) {
+  if constexpr (std::is_same_v<CT, serving::E4m3>) {
+    const __half2_raw r = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(w & 0xffffu), __NV_E4M3);
+    if constexpr (std::is_same_v<T, __half>) return static_cast<uint32_t>(r.x) | static_cast<uint32_t>(r.y) << 16;
+    const float2 f = __half22float2(__half2(r));
+    return ptx::pack2<T>(f.x, f.y);
+  } else {
+    static_assert(std::is_same_v<CT, int8_t>, "8-bit caches: serving::E4m3 or int8_t codes");
+    return ptx::pack2<T>(static_cast<float>(static_cast<int8_t>(w & 0xffu)),
+                         static_cast<float>(static_cast<int8_t>((w >> 8) & 0xffu)));
+  }
+}
+
+// One (kRows, kHeadDim) K or V tile of the cache: row r from byte offset offs[r] of g (the
+// shared-memory row table, below), columns [0, d); rows >= `rows` and columns >= d are zero.
+// 16-bit caches: cp.async 16-byte chunks, as load_tile. 8-bit caches: 8 codes per chunk through
+// registers (every load of the tile issued before the first conversion), stored as 8 T values.
+template <class Tr, int kRows, typename T, typename CT>
+__device__ __forceinline__ void load_cache_tile(uint32_t s_tile, const unsigned char* g, const int64_t* offs,
+                                                int rows, int d, int tid) {
+  constexpr int kChunks = Tr::kHeadDim / 8;
+  constexpr int kRowBytes = Tr::kPitch * 2;
+  constexpr int kTotal = kRows * kChunks;
+  constexpr int kIters = (kTotal + Tr::kThreads - 1) / Tr::kThreads;
+  constexpr int kEB = kCacheBytes<CT>;
+  static_assert(kTotal % Tr::kThreads == 0, "the tile's chunks split evenly over the threads");
+  // Rolled on purpose, as load_tile's generic loop: unrolled, the compiler hoists every
+  // iteration's addresses out of the main loop and the accumulators spill.
+  if constexpr (kEB == 2) {
+#pragma unroll 1
+    for (int idx = tid; idx < kTotal; idx += Tr::kThreads) {
+      const int r = idx / kChunks, c = idx % kChunks;
+      const bool ok = r < rows && c * 8 < d;
+      ptx::cp_async_16(s_tile + r * kRowBytes + c * 16, ok ? g + offs[r] + c * 16 : g, ok ? 16 : 0);
+    }
+  } else {
+    // kBatch loads in flight per thread before the first conversion.
+    constexpr int kBatch = kIters < 4 ? kIters : 4;
+    static_assert(kIters % kBatch == 0, "whole batches");
+#pragma unroll 1
+    for (int i0 = 0; i0 < kIters; i0 += kBatch) {
+      uint2 w[kBatch];
+#pragma unroll
+      for (int i = 0; i < kBatch; ++i) {
+        const int idx = tid + (i0 + i) * Tr::kThreads;
+        const int r = idx / kChunks, c = idx % kChunks;
+        w[i] = make_uint2(0u, 0u);
+        if (r < rows && c * 8 < d) w[i] = __ldg(reinterpret_cast<const uint2*>(g + offs[r] + c * 8));
+      }
+#pragma unroll
+      for (int i = 0; i < kBatch; ++i) {
+        const int idx = tid + (i0 + i) * Tr::kThreads;
+        const int r = idx / kChunks, c = idx % kChunks;
+        ptx::st_shared_v4(s_tile + r * kRowBytes + c * 16, code2_to<CT, T>(w[i].x), code2_to<CT, T>(w[i].x >> 16),
+                          code2_to<CT, T>(w[i].y), code2_to<CT, T>(w[i].y >> 16));
+      }
+    }
+  }
+}
+
 }  // namespace flash_detail
 
-template <class Tr, typename T>
+// Shared-memory bytes of the KV-cache mode's row tables: stages + 1 slots of (K, V) byte offsets
+// for the kBlockN keys of a block (see flash_fwd_kernel).
+template <class Tr>
+constexpr size_t cache_table_bytes() {
+  return static_cast<size_t>(Tr::kStages + 1) * 2 * Tr::kBlockN * sizeof(int64_t);
+}
+
+// CT = void: the forward over contiguous / varlen K and V. CT = T (a 16-bit cache), serving::E4m3
+// or int8_t (8-bit codes): K and V read through a KV cache (FlashParams' cache fields).
+template <class Tr, typename T, typename CT = void>
 __global__ void __launch_bounds__(Tr::kThreads, Tr::kMinBlocksPerSm) flash_fwd_kernel(const FlashParams p) {
   using namespace ptx;
+  constexpr bool kCache = !std::is_void_v<CT>;
+  constexpr bool k8 = kCache && !std::is_same_v<CT, T>;  // 8-bit codes, converted to T on load
+  static_assert(!kCache || std::is_same_v<CT, T> || flash_detail::kCacheBytes<CT> == 1, "cache dtype");
   constexpr int kM = Tr::kBlockM, kN = Tr::kBlockN, kD = Tr::kHeadDim;
   constexpr int kRowBytes = Tr::kPitch * 2;
   constexpr int kMT = Tr::kRowsPerWarp / 16;  // 16-row mma tiles per warp
@@ -184,7 +291,7 @@ __global__ void __launch_bounds__(Tr::kThreads, Tr::kMinBlocksPerSm) flash_fwd_k
   const int h = bh % p.heads_q, b = bh / p.heads_q, hk = h / p.group;
 
   int q_start = 0, k_start = 0, sq = p.seqlen_q, sk = p.seqlen_k;
-  if (p.cu_seqlens_q != nullptr) {
+  if (!kCache && p.cu_seqlens_q != nullptr) {
     q_start = p.cu_seqlens_q[b];
     sq = p.cu_seqlens_q[b + 1] - q_start;
     k_start = p.cu_seqlens_k[b];
@@ -193,6 +300,31 @@ __global__ void __launch_bounds__(Tr::kThreads, Tr::kMinBlocksPerSm) flash_fwd_k
   const int m0 = m_block * kM;
   if (m0 >= sq) return;
   const int m_end = min(m0 + kM, sq);
+  if constexpr (kCache) {
+    // The sequence's length and every block-table entry of its pages, checked before anything is
+    // read through them (the same verdict in every CTA of the sequence).
+    const int len = p.kv_lens[b];
+    bool bad = len < 0 || len > p.kv_bound;
+    if (!bad && p.block_table != nullptr) {
+      const int pages = (len + p.page_size - 1) / p.page_size;
+      const int32_t* bt = p.block_table + b * p.bt_batch;
+      for (int j = tid; j < pages; j += Tr::kThreads) {
+        const int32_t e = bt[j * p.bt_page];
+        bad |= e < 0 || e >= p.num_pages;
+      }
+    }
+    if (__syncthreads_or(bad)) {
+      T* gO = static_cast<T*>(p.o) + b * p.o_batch + h * p.o_head;
+      const T nan_t = static_cast<T>(__int_as_float(0x7fc00000));
+      for (int idx = tid; idx < (m_end - m0) * p.head_dim; idx += Tr::kThreads)
+        gO[static_cast<int64_t>(m0 + idx / p.head_dim) * p.o_seq + idx % p.head_dim] = nan_t;
+      if (p.lse != nullptr)
+        for (int r = m0 + tid; r < m_end; r += Tr::kThreads)
+          p.lse[b * p.lse_batch + h * p.lse_head + static_cast<int64_t>(r) * p.lse_seq] = __int_as_float(0x7fc00000);
+      return;
+    }
+    sk = len;
+  }
   const int off = sk - sq;  // bottom-right alignment: row i sees up to key i + off
 
   // Key blocks that intersect the band of rows [m0, m_end): visited from the last down.
@@ -208,24 +340,75 @@ __global__ void __launch_bounds__(Tr::kThreads, Tr::kMinBlocksPerSm) flash_fwd_k
   const T* gK = static_cast<const T*>(p.k) + b * p.k_batch + k_start * p.k_seq + hk * p.k_head;
   const T* gV = static_cast<const T*>(p.v) + b * p.v_batch + k_start * p.v_seq + hk * p.v_head;
 
+  // KV-cache mode: K / V rows come from anywhere in the cache, so each block's rows get a table of
+  // byte offsets in shared memory (K then V, kN each; stages + 1 slots), written by threads < kN
+  // (one key each: its page from the block table, its slot) `stages` blocks ahead of the block's
+  // first load: block j's table is written in iteration j - stages, between the two barriers, so
+  // it is visible to K(j) (issued after that iteration's second barrier) and to V(j) (one
+  // iteration later), and slot j % (stages + 1) was last read by V(j - stages - 1), issued before.
+  constexpr int kTabSlots = Tr::kStages + 1;
+  [[maybe_unused]] int64_t* tab = reinterpret_cast<int64_t*>(smem + (kM + 2 * stages * kN) * kRowBytes);
+  [[maybe_unused]] const unsigned char* cK = nullptr;
+  [[maybe_unused]] const unsigned char* cV = nullptr;
+  if constexpr (kCache) {
+    constexpr int kEB = flash_detail::kCacheBytes<CT>;
+    const bool paged = p.block_table != nullptr;  // contiguous: the sequence's rows from b * batch stride
+    cK = static_cast<const unsigned char*>(p.k) + ((paged ? 0 : b * p.k_batch) + hk * p.k_head) * kEB;
+    cV = static_cast<const unsigned char*>(p.v) + ((paged ? 0 : b * p.v_batch) + hk * p.v_head) * kEB;
+  }
+  auto write_table = [&](int j) {
+    if constexpr (kCache) {
+      constexpr int kEB = flash_detail::kCacheBytes<CT>;
+      if (j < n_blocks && tid < kN) {
+        const int key = (nb_top - j) * kN + tid;
+        int64_t ko = 0, vo = 0;
+        if (key < sk) {
+          int64_t page = 0, slot = key;
+          if (p.block_table != nullptr) {
+            const int pi = p.page_shift >= 0 ? key >> p.page_shift : key / p.page_size;
+            slot = key - pi * p.page_size;
+            page = p.block_table[b * p.bt_batch + pi * p.bt_page];
+          }
+          ko = (page * p.k_batch + slot * p.k_seq) * kEB;
+          vo = (page * p.v_batch + slot * p.v_seq) * kEB;
+        }
+        int64_t* t = tab + (j % kTabSlots) * 2 * kN;
+        t[tid] = ko;
+        t[kN + tid] = vo;
+      }
+    }
+  };
+
   // Block `it` lives in ring slot it % stages; callers pass that slot.
   auto load_k = [&](int it, int slot) {
     if (it < n_blocks) {
       const int n0 = (nb_top - it) * kN;
-      flash_detail::load_tile<Tr, kN>(sK + slot * kN * kRowBytes, gK + n0 * p.k_seq, p.k_seq,
-                                      sk - n0, p.head_dim, tid);
+      if constexpr (kCache)
+        flash_detail::load_cache_tile<Tr, kN, T, CT>(sK + slot * kN * kRowBytes, cK, tab + (it % kTabSlots) * 2 * kN,
+                                                     sk - n0, p.head_dim, tid);
+      else
+        flash_detail::load_tile<Tr, kN>(sK + slot * kN * kRowBytes, gK + n0 * p.k_seq, p.k_seq,
+                                        sk - n0, p.head_dim, tid);
     }
     cp_async_commit();
   };
   auto load_v = [&](int it, int slot) {
     if (it < n_blocks) {
       const int n0 = (nb_top - it) * kN;
-      flash_detail::load_tile<Tr, kN>(sV + slot * kN * kRowBytes, gV + n0 * p.v_seq, p.v_seq,
-                                      sk - n0, p.head_dim, tid);
+      if constexpr (kCache)
+        flash_detail::load_cache_tile<Tr, kN, T, CT>(sV + slot * kN * kRowBytes, cV,
+                                                     tab + (it % kTabSlots) * 2 * kN + kN, sk - n0, p.head_dim, tid);
+      else
+        flash_detail::load_tile<Tr, kN>(sV + slot * kN * kRowBytes, gV + n0 * p.v_seq, p.v_seq,
+                                        sk - n0, p.head_dim, tid);
     }
     cp_async_commit();
   };
 
+  if constexpr (kCache) {  // the tables of the prologue's blocks
+    for (int j = 0; j < stages; ++j) write_table(j);
+    __syncthreads();
+  }
   // Prologue: groups Q+K0, V0, K1, V1, ..., K(S-1)  (2S-1 groups).
   flash_detail::load_tile<Tr, kM>(sQ, gQ, p.q_seq, m_end - m0, p.head_dim, tid);
   load_k(0, 0);
@@ -236,8 +419,14 @@ __global__ void __launch_bounds__(Tr::kThreads, Tr::kMinBlocksPerSm) flash_fwd_k
 
   // Score transform: "plain" folds scale·log2(e) into the exp2 FFMA (raw scores are compared,
   // which needs scale > 0); otherwise scores are mapped to the log2 domain first.
-  const bool plain = p.softcap == 0.f && p.alibi_slopes == nullptr && p.scale > 0.f;
-  const float mul = plain ? p.scale_log2 : 1.f;
+  // (8-bit caches: the codes' k_scale joins the score scale)
+  float scale = p.scale, scale_log2 = p.scale_log2;
+  if constexpr (k8) {
+    scale *= p.k_scale != nullptr ? p.k_scale[hk] : 1.f;
+    scale_log2 = scale * kLog2e;
+  }
+  const bool plain = p.softcap == 0.f && p.alibi_slopes == nullptr && scale > 0.f;
+  const float mul = plain ? scale_log2 : 1.f;
   const float slope_log2 = p.alibi_slopes != nullptr ? p.alibi_slopes[h] * kLog2e : 0.f;
   const int row0 = m0 + warp * Tr::kRowsPerWarp + g;  // sequence row of c0 in row tile 0
 
@@ -274,6 +463,7 @@ __global__ void __launch_bounds__(Tr::kThreads, Tr::kMinBlocksPerSm) flash_fwd_k
       }
     }
     load_v(it + stages - 1, stage ^ (stages - 1));  // the slot of block it-1, consumed
+    write_table(it + stages);                       // (KV-cache mode; see above)
 
     // ---- S = Q Kᵀ: (kRowsPerWarp, kN) per warp ----
     float s[kMT][kNT][4];
@@ -316,7 +506,7 @@ __global__ void __launch_bounds__(Tr::kThreads, Tr::kMinBlocksPerSm) flash_fwd_k
         for (int nt = 0; nt < kNT; ++nt)
 #pragma unroll
           for (int e = 0; e < 4; ++e) {
-            float x = s[mt][nt][e] * p.scale;
+            float x = s[mt][nt][e] * scale;
             if (p.softcap > 0.f) x = p.softcap * tanh_approx(x * p.softcap_inv);
             x *= kLog2e;
             // |i + off - j| for row i = row0 + 16mt + 8(e/2), key j = n0 + 8nt + 2t + e%2
@@ -445,7 +635,8 @@ __global__ void __launch_bounds__(Tr::kThreads, Tr::kMinBlocksPerSm) flash_fwd_k
         l = l * o_scale + exp2_approx(sink_log2 - mm);
         m_log2 = mm;
       }
-      const float inv = l > 0.f ? o_scale / l : 0.f;
+      float inv = l > 0.f ? o_scale / l : 0.f;
+      if constexpr (k8) inv *= p.v_scale != nullptr ? p.v_scale[hk] : 1.f;  // the codes' v_scale
       const int r = row0 + mt * 16 + rh * 8;
       if (r < sq) {
         T* o_row = gO + static_cast<int64_t>(r) * p.o_seq;

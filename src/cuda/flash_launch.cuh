@@ -46,6 +46,67 @@ FlashKernelInfo make_flash_info(const char* reason) {
   return info;
 }
 
+// KV-cache mode (decode() with more than 16 query rows): per head dim of {64, 128, 256}, the
+// kernels for bf16 / f16 queries over a cache of the same dtype, f8e4m3 or int8 codes.
+struct FlashCacheKernelInfo {
+  int head_dim, block_m, block_n, warps, stages;
+  size_t smem_bytes;  // the tile + the row tables
+  const void* kernels[2][3];  // [q: bf16, f16][cache: same as q, f8e4m3, i8]
+  void (*launch)(const FlashParams& p, bool is_bf16, int cache_kind, cudaStream_t stream);
+};
+
+template <class Tr, typename T, typename CT>
+void launch_flash_cache(const FlashParams& p, cudaStream_t stream, int64_t grid_x) {
+  const size_t smem = Tr::kSmemBytes + cache_table_bytes<Tr>();
+  auto* kernel = &flash_fwd_kernel<Tr, T, CT>;
+  if (smem > 48 * 1024)
+    IOATTN_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                           static_cast<int>(smem)));
+  kernel<<<static_cast<unsigned>(grid_x), Tr::kThreads, smem, stream>>>(p);
+  IOATTN_CUDA_CHECK_LAUNCH("flash_fwd_kernel (kv cache)");
+}
+
+template <class Tr, typename T>
+void launch_flash_cache_q(const FlashParams& p, int cache_kind, cudaStream_t stream, int64_t grid_x) {
+  if (cache_kind == 0)
+    launch_flash_cache<Tr, T, T>(p, stream, grid_x);
+  else if (cache_kind == 1)
+    launch_flash_cache<Tr, T, serving::E4m3>(p, stream, grid_x);
+  else
+    launch_flash_cache<Tr, T, int8_t>(p, stream, grid_x);
+}
+
+template <class Tr>
+void launch_flash_cache_any(const FlashParams& p, bool is_bf16, int cache_kind, cudaStream_t stream) {
+  const int64_t grid_x = static_cast<int64_t>(p.num_m_blocks) * p.heads_q * p.batch;
+  if (grid_x <= 0) return;
+  if (is_bf16)
+    launch_flash_cache_q<Tr, __nv_bfloat16>(p, cache_kind, stream, grid_x);
+  else
+    launch_flash_cache_q<Tr, __half>(p, cache_kind, stream, grid_x);
+}
+
+template <class Tr>
+FlashCacheKernelInfo make_flash_cache_info() {
+  FlashCacheKernelInfo info{};
+  info.head_dim = Tr::kHeadDim;
+  info.block_m = Tr::kBlockM;
+  info.block_n = Tr::kBlockN;
+  info.warps = Tr::kWarps;
+  info.stages = Tr::kStages;
+  info.smem_bytes = Tr::kSmemBytes + cache_table_bytes<Tr>();
+  using B = __nv_bfloat16;
+  using H = __half;
+  info.kernels[0][0] = reinterpret_cast<const void*>(&flash_fwd_kernel<Tr, B, B>);
+  info.kernels[0][1] = reinterpret_cast<const void*>(&flash_fwd_kernel<Tr, B, serving::E4m3>);
+  info.kernels[0][2] = reinterpret_cast<const void*>(&flash_fwd_kernel<Tr, B, int8_t>);
+  info.kernels[1][0] = reinterpret_cast<const void*>(&flash_fwd_kernel<Tr, H, H>);
+  info.kernels[1][1] = reinterpret_cast<const void*>(&flash_fwd_kernel<Tr, H, serving::E4m3>);
+  info.kernels[1][2] = reinterpret_cast<const void*>(&flash_fwd_kernel<Tr, H, int8_t>);
+  info.launch = &launch_flash_cache_any<Tr>;
+  return info;
+}
+
 // One per head dim, defined in flash_fwd_hdim<D>.cu.
 FlashKernelInfo flash_info_hdim32();
 FlashKernelInfo flash_info_hdim64();
@@ -53,5 +114,8 @@ FlashKernelInfo flash_info_hdim96();
 FlashKernelInfo flash_info_hdim128();
 FlashKernelInfo flash_info_hdim192();
 FlashKernelInfo flash_info_hdim256();
+FlashCacheKernelInfo flash_cache_info_hdim64();
+FlashCacheKernelInfo flash_cache_info_hdim128();
+FlashCacheKernelInfo flash_cache_info_hdim256();
 
 }  // namespace ioattn::cuda

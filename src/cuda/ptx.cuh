@@ -66,6 +66,14 @@ __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
 }
 
+// st.shared.v4.b32: 16 bytes from registers to shared memory (dst 16-byte aligned); a, b, c, d
+// land at increasing addresses. The forward's 8-bit cache tiles are stored with it after their
+// codes are converted in registers (cp.async cannot convert).
+__device__ __forceinline__ void st_shared_v4(uint32_t dst_smem, uint32_t a, uint32_t b, uint32_t c, uint32_t d) {
+  asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(dst_smem), "r"(a), "r"(b), "r"(c), "r"(d)
+               : "memory");
+}
+
 // ---- shared -> register matrix loads -------------------------------------------------------
 
 // ldmatrix.x4: four 8x8 matrices of 16-bit values. Lane l supplies the shared address of row
