@@ -8,9 +8,11 @@
 // 8-bit caches (f8e4m3 or i8) carry per-kv-head f32 scales: value = stored * scale.
 //
 // Queries: q [batch, seqlen_q, heads_q, head_dim] with seqlen_q in 1..16 (speculative / multi-
-// token decode: the split-KV decode) — or, on the CPU, any seqlen_q: more than 16 rows (a prefill
-// or a long chunk against the cache) run the tiled flash forward reading K / V through the cache's
-// layout ("cpu/flash cache-prefill"; CUDA takes 1..16 so far). Query row i of sequence b sits at
+// token decode: the split-KV decode) — or any seqlen_q: more than 16 rows (a prefill or a long
+// chunk against the cache) run the tiled flash forward reading K / V through the cache's layout
+// ("cpu/flash cache-prefill"; on CUDA "cuda/flash cache-prefill", the mma.sync forward for f16 /
+// bf16 q with head_dim == head_dim_v <= 256, else an error naming q). Plans (plan_decode) are for
+// 1..16 rows. Query row i of sequence b sits at
 // position cache_seqlens[b] - seqlen_q + i, so causal masking is bottom-right aligned as in the
 // forward. o like q (head_dim_v), lse f32 [batch, heads_q, seqlen_q].
 //

@@ -528,8 +528,9 @@ def decode(q: Array, k_cache: Array, v_cache: Array, cache_seqlens: Array, *,
     """Attention of a few new query tokens per sequence against a (paged) KV cache: split-KV
     (Flash-Decoding) with an exact log-sum-exp merge (ioattn::decode).
 
-    q: [batch, seqlen_q, heads_q, head_dim], seqlen_q 1..16 (CPU: any; more than 16 rows, a
-    prefill against the cache, run the tiled flash forward over the cache's layout); query row i
+    q: [batch, seqlen_q, heads_q, head_dim], any seqlen_q: 1..16 run the split-KV decode, more
+    than 16 (a prefill chunk against the cache) the tiled flash forward over the cache's layout
+    (CUDA: f16 / bf16 q, head_dim == head_dim_v <= 256); query row i
     of sequence b sits at position cache_seqlens[b] - seqlen_q + i (causal masks are bottom-right
     aligned).
     k_cache, v_cache: [pages, page_size, heads_kv, head_dim(_v)] with block_table int32

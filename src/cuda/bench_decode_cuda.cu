@@ -20,6 +20,11 @@
 // --append n (n > 0): decode with the fused append of n new tokens per sequence (KVCache::k_new /
 // v_new, written at positions kv_len - n .. kv_len - 1 before the attention): impl "..._append<n>";
 // tbps still counts the cache's K+V bytes only (the n new rows are not added).
+// --seqlen-q > 16 (a prefill chunk against the cache): decode() takes the flash forward's KV-cache
+// mode (no plan: plans are for 1..16 rows); per cell impl "ioattn_prefill" (eager calls, --causal 0/1)
+// and, in the same run, impl "forward_contiguous": forward() over the same K / V as contiguous
+// [batch, kv_len, heads_kv, d] tensors in q's dtype (on sm90 the Hopper kernel), with "tflops" =
+// 4 * batch * heads_q * d * (visible query-key pairs) / s (causal: bottom-right aligned).
 // --copy 1 adds one line, impl "memcpy": cudaMemcpyAsync device-to-device of 4 GiB, tbps = bytes
 // read + written / s (the practical HBM ceiling on this GPU).
 #include <cuda_bf16.h>
@@ -270,6 +275,77 @@ void run_cell(const Cell& c, int repeats, bool eager, double mem_limit, const st
   IOATTN_CUDA_CHECK(cudaStreamDestroy(stream));
 }
 
+// A prefill chunk of c.sq rows against c.kv cached tokens per sequence (see the file comment).
+void run_prefill_cell(const Cell& c, int repeats, bool causal) {
+  const int64_t es = dtype_size(c.cache), qs = dtype_size(c.qt);
+  const bool paged = c.page > 0;
+  const int64_t ps = paged ? c.page : c.kv;
+  const int64_t pages_per_seq = (c.kv + ps - 1) / ps;
+  const int64_t pages = c.batch * pages_per_seq;
+  const int64_t cache_elems = pages * ps * c.hkv * c.d, kv_elems = c.batch * c.kv * c.hkv * c.d;
+  DevMem kc(static_cast<size_t>(cache_elems * es)), vc(static_cast<size_t>(cache_elems * es));
+  fill(kc.p, c.cache, cache_elems, 1000);
+  fill(vc.p, c.cache, cache_elems, 1001);
+  DevMem kf(static_cast<size_t>(kv_elems * qs)), vf(static_cast<size_t>(kv_elems * qs));  // the peer's K / V
+  fill(kf.p, c.qt, kv_elems, 1002);
+  fill(vf.p, c.qt, kv_elems, 1003);
+  const int64_t qn = c.batch * c.sq * c.hq * c.d;
+  DevMem q(static_cast<size_t>(qn * qs)), o(static_cast<size_t>(qn * qs)),
+      lse(static_cast<size_t>(c.batch * c.hq * c.sq * 4));
+  fill(q.p, c.qt, qn, 7);
+  std::vector<int32_t> table(static_cast<size_t>(std::max<int64_t>(pages, 1)));
+  std::iota(table.begin(), table.end(), 0);
+  std::mt19937_64 rng(3);
+  std::shuffle(table.begin(), table.end(), rng);
+  DevMem bt(table.size() * 4), lens(static_cast<size_t>(c.batch) * 4), scales(static_cast<size_t>(c.hkv) * 4);
+  IOATTN_CUDA_CHECK(cudaMemcpy(bt.p, table.data(), table.size() * 4, cudaMemcpyHostToDevice));
+  const std::vector<int32_t> lv(static_cast<size_t>(c.batch), static_cast<int32_t>(c.kv));
+  IOATTN_CUDA_CHECK(cudaMemcpy(lens.p, lv.data(), lv.size() * 4, cudaMemcpyHostToDevice));
+  const std::vector<float> sc(static_cast<size_t>(c.hkv), c.cache == DType::f8e4m3 ? 1.0f / 448 : 1.0f / 127);
+  IOATTN_CUDA_CHECK(cudaMemcpy(scales.p, sc.data(), sc.size() * 4, cudaMemcpyHostToDevice));
+  KVCache kv;
+  kv.k_cache = TensorView::contiguous(kc.p, c.cache, {paged ? pages : c.batch, ps, c.hkv, c.d}, Device::cuda);
+  kv.v_cache = TensorView::contiguous(vc.p, c.cache, {paged ? pages : c.batch, ps, c.hkv, c.d}, Device::cuda);
+  if (paged) kv.block_table = TensorView::contiguous(bt.p, DType::i32, {c.batch, pages_per_seq}, Device::cuda);
+  kv.cache_seqlens = TensorView::contiguous(lens.p, DType::i32, {c.batch}, Device::cuda);
+  if (c.cache == DType::f8e4m3 || c.cache == DType::i8) {
+    kv.k_scale = TensorView::contiguous(scales.p, DType::f32, {c.hkv}, Device::cuda);
+    kv.v_scale = TensorView::contiguous(scales.p, DType::f32, {c.hkv}, Device::cuda);
+  }
+  const TensorView qv = TensorView::contiguous(q.p, c.qt, {c.batch, c.sq, c.hq, c.d}, Device::cuda);
+  const TensorView ov = TensorView::contiguous(o.p, c.qt, {c.batch, c.sq, c.hq, c.d}, Device::cuda);
+  const TensorView lse_v = TensorView::contiguous(lse.p, DType::f32, {c.batch, c.hq, c.sq}, Device::cuda);
+  const TensorView kfv = TensorView::contiguous(kf.p, c.qt, {c.batch, c.kv, c.hkv, c.d}, Device::cuda);
+  const TensorView vfv = TensorView::contiguous(vf.p, c.qt, {c.batch, c.kv, c.hkv, c.d}, Device::cuda);
+  AttnParams prm;
+  prm.causal = causal;
+  const Context ctx;  // the default stream, which time_ms records on
+  // Visible (query, key) pairs: row i sees keys [0, kv - sq + i] when causal (bottom-right).
+  double pairs = static_cast<double>(c.sq) * c.kv;
+  if (causal)
+    for (int64_t i = 0; i < c.sq; ++i) pairs -= static_cast<double>(std::min<int64_t>(c.kv, c.sq - 1 - i));
+  const double flops = 4.0 * c.batch * c.hq * c.d * pairs;
+  struct Impl {
+    const char* name;
+    std::function<KernelChoice()> call;
+  };
+  const Impl impls[] = {{"ioattn_prefill", [&] { return decode(qv, kv, ov, lse_v, prm, DecodeOptions{}, ctx); }},
+                        {"forward_contiguous", [&] { return forward(qv, kfv, vfv, ov, lse_v, prm, ctx); }}};
+  for (const Impl& im : impls) {
+    const KernelChoice choice = im.call();
+    IOATTN_CUDA_CHECK(cudaDeviceSynchronize());
+    const double ms = cb::time_ms([&] { im.call(); }, 3, repeats, 4);
+    std::printf("{\"batch\": %lld, \"heads_q\": %lld, \"heads_kv\": %lld, \"head_dim\": %lld, \"seqlen_q\": %lld, "
+                "\"kv_len\": %lld, \"page_size\": %lld, \"cache\": \"%s\", \"q_dtype\": \"%s\", \"causal\": %d, "
+                "\"impl\": \"%s\", \"ms\": %.5f, \"tflops\": %.2f, \"kernel\": \"%s\"}\n",
+                static_cast<long long>(c.batch), static_cast<long long>(c.hq), static_cast<long long>(c.hkv),
+                static_cast<long long>(c.d), static_cast<long long>(c.sq), static_cast<long long>(c.kv),
+                static_cast<long long>(c.page), dtype_name(c.cache), dtype_name(c.qt), causal ? 1 : 0, im.name, ms,
+                flops / (ms * 1e-3) / 1e12, choice.kernel.c_str());
+    std::fflush(stdout);
+  }
+}
+
 void run_copy(int repeats) {
   const size_t bytes = size_t{4} << 30;
   DevMem a(bytes), b(bytes);
@@ -324,6 +400,11 @@ int main(int argc, char** argv) {
                 if (km != "auto" && ((pg != 0 && km != "mma") || dtype_size(c.cache) != 2)) continue;
                 c.append = ap;
                 try {
+                  if (c.sq > 16) {  // a prefill chunk: no plan, no kernel forcing, no append
+                    if (km == "auto" && ap == 0)
+                      for (int causal : {0, 1}) run_prefill_cell(c, repeats, causal == 1);
+                    continue;
+                  }
                   run_cell(c, repeats, eager, mem_limit, km);
                 } catch (const Error& e) {  // e.g. --kernels mma on an fp8 cache: a line, not the end
                   std::printf("{\"batch\": %lld, \"kv_len\": %lld, \"page_size\": %lld, \"cache\": \"%s\", "
