@@ -29,6 +29,27 @@ struct CacheStrides {
 
 inline bool is_8bit(DType t) { return t == DType::f8e4m3 || t == DType::i8; }
 
+#if defined(__CUDACC__)
+#define IOATTN_HOST_DEVICE __host__ __device__
+#else
+#define IOATTN_HOST_DEVICE
+#endif
+
+// The fused append's slot rule (append_kv's lengths mode), one definition for the host
+// (AppendProblem::lengths_slot) and the CUDA append kernel: new token i of sequence b (of seqlen_new)
+// goes to position len - seqlen_new + i; it is skipped (-1) when len is outside 1..capacity, the
+// position is negative, or its page is outside 0..num_pages-1 (contiguous caches: page b).
+IOATTN_HOST_DEVICE inline int64_t fused_append_slot(int64_t b, int64_t i, int64_t len, int64_t seqlen_new,
+                                                    int64_t capacity, const int32_t* block_table,
+                                                    int64_t bt_stride_batch, int64_t bt_stride_page,
+                                                    int64_t page_size, int64_t num_pages) {
+  const int64_t pos = len - seqlen_new + i;
+  if (len <= 0 || len > capacity || pos < 0) return -1;
+  const int64_t page = block_table ? block_table[b * bt_stride_batch + (pos / page_size) * bt_stride_page] : b;
+  if (page < 0 || page >= num_pages) return -1;
+  return page * page_size + pos % page_size;
+}
+
 // ---- decode ------------------------------------------------------------------------------
 
 struct DecodeProblem {
@@ -171,13 +192,11 @@ struct AppendProblem {
     return slot_i64 ? static_cast<const int64_t*>(slot_mapping_host)[t * slot_stride]
                     : static_cast<const int32_t*>(slot_mapping_host)[t * slot_stride];
   }
-  // Lengths mode on host memory (CPU): token t's slot, or -1 when skipped (the CUDA kernel's rule).
+  // Lengths mode on host memory (CPU): token t's slot, or -1 when skipped (fused_append_slot).
   int64_t lengths_slot(int64_t t) const {
-    const int64_t b = t / seqlen_new, len = seqlens[b], pos = len - seqlen_new + t % seqlen_new;
-    if (len <= 0 || len > capacity || pos < 0) return -1;
-    const int64_t page = block_table ? block_table[b * bt_stride_batch + (pos / page_size) * bt_stride_page] : b;
-    if (page < 0 || page >= num_pages) return -1;
-    return page * page_size + pos % page_size;
+    const int64_t b = t / seqlen_new;
+    return fused_append_slot(b, t % seqlen_new, seqlens[b], seqlen_new, capacity, block_table, bt_stride_batch,
+                             bt_stride_page, page_size, num_pages);
   }
   // Element offsets of token t's row of kv head hk in k_new / v_new (either mode).
   int64_t k_src(int64_t t, int64_t hk) const {

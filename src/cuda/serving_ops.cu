@@ -71,11 +71,11 @@ __global__ void __launch_bounds__(kWarps * 32) append_kernel(const AppendParams 
   const int hk = static_cast<int>(row % p.heads_kv);
   int64_t page, off, ksrc, vsrc;
   if (p.seqlens != nullptr) {  // lengths mode: token i of sequence b at position len - seqlen_new + i
-    const int64_t b = t / p.seqlen_new, i = t % p.seqlen_new, len = p.seqlens[b], pos = len - p.seqlen_new + i;
-    if (len <= 0 || len > p.capacity || pos < 0) return;
-    page = p.block_table ? p.block_table[b * p.bt_sb + (pos / p.page_size) * p.bt_sp] : b;
-    if (page < 0 || page >= p.num_pages) return;
-    off = pos % p.page_size;
+    const int64_t b = t / p.seqlen_new, i = t % p.seqlen_new;
+    const int64_t s = detail::fused_append_slot(b, i, p.seqlens[b], p.seqlen_new, p.capacity, p.block_table, p.bt_sb,
+                                                p.bt_sp, p.page_size, p.num_pages);
+    if (s < 0) return;
+    page = s / p.page_size, off = s % p.page_size;
     ksrc = b * p.kn_sb + i * p.kn_st + hk * p.kn_sh, vsrc = b * p.vn_sb + i * p.vn_st + hk * p.vn_sh;
   } else {
     const int64_t s = p.slot_i64 ? static_cast<const int64_t*>(p.slots)[t * p.slot_stride]
