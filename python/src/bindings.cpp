@@ -622,8 +622,8 @@ NB_MODULE(_C, m) {
         "sinks"_a.none() = nb::none(), "num_splits"_a = 0, "stream"_a = 0, "num_threads"_a = 0,
         "u16_is_bf16"_a = false, "u8_is_e4m3"_a = false, "k_new"_a.none() = nb::none(),
         "v_new"_a.none() = nb::none(),
-        "Runs ioattn::decode: q [b, sq, hq, d] (sq 1..16; CPU: any) against the cache k_cache / v_cache "
-        "([pages, page_size, hkv, d] with block_table int32 [b, pages_per_seq], or contiguous "
+        "Runs ioattn::decode: q [b, sq, hq, d] (sq 1..16: split-KV; more: the flash forward) against the "
+        "cache k_cache / v_cache ([pages, page_size, hkv, d] with block_table int32 [b, pages_per_seq], or contiguous "
         "[b, max_seqlen, hkv, d]) holding cache_seqlens int32 [b] tokens; writes o [b, sq, hq, dv] "
         "and (unless None) lse [b, hq, sq]. 8-bit caches (int8, or uint8 float8_e4m3fn codes with "
         "u8_is_e4m3) need k_scale / v_scale float32 [hkv]. num_splits 0 = heuristic. k_new / v_new "

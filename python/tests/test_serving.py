@@ -273,6 +273,33 @@ def test_decode_torch_cuda_paged_bf16_and_fp8():
         assert max_err(o8.float().cpu().numpy(), o_ref) < 0.1
 
 
+def test_decode_prefill_chunk_torch_cuda_bf16_and_fp8():
+    # 100 query rows (> 16) on CUDA: the flash forward's KV-cache mode reads K / V through the table
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available() or not ioattn.info().get("cuda_compiled", True):
+        pytest.skip("no CUDA device")
+    rng = np.random.default_rng(10)
+    b, max_len, hq, hkv, d, ps, sq = 3, 300, 8, 2, 128, 16, 100
+    lens = np.array([300, 120, 150], dtype=np.int32)
+    k, v = _contiguous(rng, b, max_len, hkv, d)
+    q = rng.uniform(-1, 1, (b, sq, hq, d)).astype(np.float32)
+    kp, vp, table = _paged(k, v, lens, ps, rng)
+    kp, vp = np.nan_to_num(kp), np.nan_to_num(vp)
+    dev = lambda x, dt=None: torch.from_numpy(x).to("cuda", dtype=dt)  # noqa: E731
+    o_ref, lse_ref = _reference(q, k, v, lens, causal=True)
+    o, lse = ioattn.decode(dev(q, torch.bfloat16), dev(kp, torch.bfloat16), dev(vp, torch.bfloat16),
+                           dev(lens), block_table=dev(table), causal=True, return_lse=True)
+    assert o.is_cuda and o.dtype == torch.bfloat16
+    assert max_err(o.float().cpu().numpy(), o_ref) < 3e-2 and max_err(lse.cpu().numpy(), lse_ref) < 1e-2
+    if hasattr(torch, "float8_e4m3fn"):
+        ks = torch.full((hkv,), 1.0 / 64, device="cuda")
+        k8 = (dev(kp) / ks[None, None, :, None]).to(torch.float8_e4m3fn)
+        v8 = (dev(vp) / ks[None, None, :, None]).to(torch.float8_e4m3fn)
+        o8 = ioattn.decode(dev(q, torch.bfloat16), k8, v8, dev(lens), block_table=dev(table), k_scale=ks,
+                           v_scale=ks, causal=True)
+        assert max_err(o8.float().cpu().numpy(), o_ref) < 0.1
+
+
 def test_decode_under_a_plan_matches_and_checks_its_shape():
     rng = np.random.default_rng(9)
     b, max_len, hq, hkv, d, ps = 3, 64, 8, 2, 32, 16
