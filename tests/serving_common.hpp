@@ -578,7 +578,8 @@ inline void poison_last_tokens(Built& bl, int64_t n) {
 // bitwise the same O / LSE (the append is append_kv's per-element encoding; the decode is the
 // same call), plus the float64 reference. Sequences of length 0 append nothing.
 inline void expect_fused_append_equals_direct(const Spec& c, int64_t n, int splits, const std::string& what,
-                                              const std::function<double(int64_t, int64_t, int64_t)>& extra_o = nullptr) {
+                                              const std::function<double(int64_t, int64_t, int64_t)>& extra_o = nullptr,
+                                              const std::function<double(int64_t, int64_t, int64_t)>& extra_lse = nullptr) {
   const Values vals = make_values(c, 21);
   Built direct(c, vals), fused(c, vals);
   poison_last_tokens(fused, n);
@@ -595,7 +596,7 @@ inline void expect_fused_append_equals_direct(const Spec& c, int64_t n, int spli
   direct.run(splits);
   EXPECT_TRUE(bitwise_equal(direct.outputs(), fused.outputs()))
       << what << ": max diff " << max_diff(direct.outputs(), fused.outputs());
-  expect_matches_reference(fused, what, false, extra_o);
+  expect_matches_reference(fused, what, false, extra_o, extra_lse);
 }
 
 // The (q dtype, cache dtype, page size) combinations the fused-append tests walk.

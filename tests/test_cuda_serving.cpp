@@ -821,19 +821,38 @@ std::vector<Spec> cuda_prefill_cases() {
     c.sinks = true; c.q_range = 3.0f; c.lens = {17, 1023}; c.page_size = 1; v.push_back(c); }
   { Spec c = mk("d64_len_below_sq_bf16", DType::bf16); c.sq = 40; c.causal = true; c.lens = {10, 0, 41};
     c.page_size = 16; v.push_back(c); }
+  { Spec c = mk("d256_f8e4m3_bf16_contiguous", DType::bf16); c.d = 256; c.cache = DType::f8e4m3; c.hq = 4; c.hkv = 2;
+    c.sq = 50; c.causal = true; c.lens = {50, 129}; v.push_back(c); }
+  { Spec c = mk("d128_i8_f16_page64_padded_heads", DType::f16); c.d = 128; c.cache = DType::i8; c.hq = 8; c.hkv = 2;
+    c.sq = 130; c.lens = {400, 130}; c.page_size = 64; c.pad_head = 8; v.push_back(c); }
   for (Spec& c : v) c = on_cuda(c);
   return v;
 }
 
-// The forward rounds P to q's dtype before P V (the decode kernels keep ~16 bits): per output row
-// that moves O by at most 2^-9 (bf16) / 2^-11 (f16) times max |V|; the check allows twice that.
-std::function<double(int64_t, int64_t, int64_t)> p_rounding_tol(const Built& bl) {
+// The forward's own roundings on top of the decode tolerance (expect_matches_reference's extra_o /
+// extra_lse): P is rounded to q's dtype before P V (the decode kernels keep ~16 bits), which moves
+// O by at most u * max |V| (unit roundoff u = 2^-8 bf16, 2^-11 f16); and a softcap goes through
+// tanh.approx (relative error <= 2^-11), which moves each score by <= softcap * 2^-11, so LSE by as
+// much and O by twice that times max |V|. The checks allow twice each bound.
+struct ForwardTol {
+  double o = 0, lse = 0;
+  std::function<double(int64_t, int64_t, int64_t)> extra_o() const {
+    return [t = o](int64_t, int64_t, int64_t) { return t; };
+  }
+  std::function<double(int64_t, int64_t, int64_t)> extra_lse() const {
+    return [t = lse](int64_t, int64_t, int64_t) { return t; };
+  }
+};
+ForwardTol forward_tol(const Built& bl) {
   double vmax = 0;
   for (const auto& seq : bl.vdeq)
     for (float x : seq)
       if (std::isfinite(x)) vmax = std::max(vmax, static_cast<double>(std::fabs(x)));
-  const double tol = std::ldexp(1.0, bl.c.dtype == DType::bf16 ? -8 : -10) * vmax;
-  return [tol](int64_t, int64_t, int64_t) { return tol; };
+  ForwardTol t;
+  const double cap = bl.c.softcap * std::ldexp(1.0, -11);
+  t.lse = 2 * cap;
+  t.o = 2 * (std::ldexp(1.0, bl.c.dtype == DType::bf16 ? -8 : -11) + 2 * cap) * vmax;
+  return t;
 }
 
 class CudaDecodeCachePrefill : public ::testing::TestWithParam<Spec> {};
@@ -848,16 +867,16 @@ TEST_P(CudaDecodeCachePrefill, MatchesFloat64ReferenceAndTheCpu) {
   const KernelChoice k = gpu.run();
   EXPECT_NE(k.kernel.find("cuda/flash cache-prefill"), std::string::npos) << k.kernel;
   EXPECT_NE(k.reason.find("seqlen_q " + std::to_string(c.sq)), std::string::npos) << k.reason;
-  const auto tol = p_rounding_tol(gpu);
-  expect_matches_reference(gpu, c.name, false, tol);
+  const ForwardTol tol = forward_tol(gpu);
+  expect_matches_reference(gpu, c.name, false, tol.extra_o(), tol.extra_lse());
   const bool short_len = std::any_of(c.lens.begin(), c.lens.end(), [&](int32_t L) { return L != 0 && L < c.sq; });
   if (!short_len) {  // (the CPU refuses a length below seqlen_q)
     Spec cc = c;
     cc.device = Device::cpu;
     Built cpu(cc, vals);
     cpu.run();
-    EXPECT_LE(max_diff(gpu.outputs(), cpu.outputs()), 2 * tol(0, 0, 0) + backend_tol(c.dtype)) << c.name;
-    expect_fused_append_equals_direct(c, c.sq, 0, c.name + " +append", tol);
+    EXPECT_LE(max_diff(gpu.outputs(), cpu.outputs()), 2 * std::max(tol.o, tol.lse) + backend_tol(c.dtype)) << c.name;
+    expect_fused_append_equals_direct(c, c.sq, 0, c.name + " +append", tol.extra_o(), tol.extra_lse());
   }
   // Bitwise the same on a second run (no atomics, fixed order).
   const std::vector<float> first = gpu.outputs();
@@ -869,44 +888,47 @@ INSTANTIATE_TEST_SUITE_P(Cases, CudaDecodeCachePrefill, ::testing::ValuesIn(cuda
                          [](const ::testing::TestParamInfo<Spec>& info) { return info.param.name; });
 
 // Validation cannot read device tensors: a length past the capacity, a negative one, or a
-// block-table entry outside the cache poisons that sequence's rows (NaN O and LSE), and only those.
+// block-table entry outside the cache poisons that sequence's rows (NaN O and LSE), and only those;
+// paged and contiguous caches.
 TEST(CudaDecodeCachePrefill, OutOfRangeLengthsAndPagesGiveNaNForThatSequenceOnly) {
   SKIP_WITHOUT_GPU();
-  Spec c = on_cuda(mk("prefill_bounds", DType::bf16));
-  c.hq = 8;
-  c.hkv = 2;
-  c.d = 128;
-  c.sq = 40;
-  c.causal = true;
-  c.lens = {40, 170, 233};
-  c.page_size = 16;
-  Built bl(c, make_values(c, 6));
-  bl.run();
-  for (int which = 0; which < 3; ++which) {
-    Built t(c, bl.val);
-    if (which == 0) t.lens.fill_i32({40, static_cast<int32_t>(t.capacity + 1), 233});  // past the capacity
-    if (which == 1) t.lens.fill_i32({40, -5, 233});                                   // negative
-    if (which == 2) {  // the last page of sequence 1 outside the cache
-      t.table[static_cast<size_t>(1 * t.width + 10)] = static_cast<int32_t>(t.pages + 7);
-      t.bt.fill_i32(t.table);
-    }
-    t.run();
-    for (int64_t b = 0; b < c.B(); ++b)
-      for (int64_t i = 0; i < c.sq; ++i)
-        for (int64_t h = 0; h < c.hq; ++h) {
-          const float l = t.lse_at(b, h, i), want = bl.lse_at(b, h, i);
-          if (b == 1)
-            ASSERT_TRUE(std::isnan(l)) << "case " << which << " i" << i << " h" << h;
-          else
-            ASSERT_EQ(std::memcmp(&l, &want, 4), 0) << "case " << which << " b" << b;
-          for (int64_t x = 0; x < c.DV(); ++x) {
-            const float o = t.o_at(b, i, h, x), w = bl.o_at(b, i, h, x);
+  for (int64_t ps : {16, 0}) {
+    Spec c = on_cuda(mk("prefill_bounds", DType::bf16));
+    c.hq = 8;
+    c.hkv = 2;
+    c.d = 128;
+    c.sq = 40;
+    c.causal = true;
+    c.lens = {40, 170, 233};
+    c.page_size = ps;
+    Built bl(c, make_values(c, 6));
+    bl.run();
+    for (int which = 0; which < (ps ? 3 : 2); ++which) {
+      Built t(c, bl.val);
+      if (which == 0) t.lens.fill_i32({40, static_cast<int32_t>(t.capacity + 1), 233});  // past the capacity
+      if (which == 1) t.lens.fill_i32({40, -5, 233});                                   // negative
+      if (which == 2) {  // the last page of sequence 1 outside the cache
+        t.table[static_cast<size_t>(1 * t.width + 10)] = static_cast<int32_t>(t.pages + 7);
+        t.bt.fill_i32(t.table);
+      }
+      t.run();
+      for (int64_t b = 0; b < c.B(); ++b)
+        for (int64_t i = 0; i < c.sq; ++i)
+          for (int64_t h = 0; h < c.hq; ++h) {
+            const float l = t.lse_at(b, h, i), want = bl.lse_at(b, h, i);
             if (b == 1)
-              ASSERT_TRUE(std::isnan(o)) << "case " << which;
+              ASSERT_TRUE(std::isnan(l)) << "case " << which << " i" << i << " h" << h;
             else
-              ASSERT_EQ(std::memcmp(&o, &w, 4), 0) << "case " << which << " b" << b << " x" << x;
+              ASSERT_EQ(std::memcmp(&l, &want, 4), 0) << "case " << which << " b" << b;
+            for (int64_t x = 0; x < c.DV(); ++x) {
+              const float o = t.o_at(b, i, h, x), w = bl.o_at(b, i, h, x);
+              if (b == 1)
+                ASSERT_TRUE(std::isnan(o)) << "case " << which << " page " << ps;
+              else
+                ASSERT_EQ(std::memcmp(&o, &w, 4), 0) << "case " << which << " page " << ps << " b" << b << " x" << x;
+            }
           }
-        }
+    }
   }
 }
 

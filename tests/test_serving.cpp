@@ -597,6 +597,23 @@ TEST_P(DecodeCachePrefill, MatchesFloat64Reference) {
 INSTANTIATE_TEST_SUITE_P(Cases, DecodeCachePrefill, ::testing::ValuesIn(cache_prefill_cases()),
                          [](const ::testing::TestParamInfo<Spec>& info) { return info.param.name; });
 
+// Plans are for 1..16 rows: a longer chunk under one is an error naming q.shape[1] (not a plan
+// mismatch that would send the caller to plan_decode, which refuses that shape too).
+TEST(DecodeCachePrefill, MoreThan16RowsUnderAPlanIsAClearError) {
+  Spec c = mk("plan17", DType::f32);
+  c.sq = 17;
+  c.lens = {40};
+  Built bl(c, make_values(c, 2));
+  const DecodePlan plan = plan_decode(c.B(), c.hq, c.hkv, c.d, c.DV(), 16, bl.capacity, 0, Device::cpu);
+  AlignedBytes ws(plan.workspace_bytes);
+  try {
+    decode(bl.qv, bl.cache, bl.ov, bl.lv, bl.prm, plan, ws.ptr);
+    FAIL() << "accepted";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.argument(), "q.shape[1]") << e.what();
+  }
+}
+
 // Under a plan, token by token: each step appends one token per sequence inside the decode call.
 TEST(DecodeFusedAppend, DecodeLoopUnderOnePlan) {
   Spec c = mk("fused_loop", DType::bf16);

@@ -11,8 +11,10 @@
 // token decode: the split-KV decode) — or any seqlen_q: more than 16 rows (a prefill or a long
 // chunk against the cache) run the tiled flash forward reading K / V through the cache's layout
 // ("cpu/flash cache-prefill"; on CUDA "cuda/flash cache-prefill", the mma.sync forward for f16 /
-// bf16 q with head_dim == head_dim_v <= 256, else an error naming q). Plans (plan_decode) are for
-// 1..16 rows. Query row i of sequence b sits at
+// bf16 q with head_dim == head_dim_v <= 256, else an error naming q; as the forward's tensor-core
+// kernel, it multiplies masked keys of a loaded block by P = 0, so an inf / NaN in the V row of a
+// token a row must not see can still reach that row, where the CPU and the decode kernels skip
+// it). Plans (plan_decode) are for 1..16 rows. Query row i of sequence b sits at
 // position cache_seqlens[b] - seqlen_q + i, so causal masking is bottom-right aligned as in the
 // forward. o like q (head_dim_v), lse f32 [batch, heads_q, seqlen_q].
 //

@@ -614,6 +614,10 @@ KernelChoice decode(const TensorView& q, const KVCache& cache, const TensorView&
       fail("plan", std::string("a plan for ") + field + " = " + i2s(actual) + " (from " + from + ")",
            std::string("a plan for ") + field + " = " + i2s(planned) + "; call plan_decode() for this shape");
   };
+  if (p.seqlen_q > kMaxSeqlenQ)
+    fail("q.shape[1]",
+         "seqlen_q in 1.." + i2s(kMaxSeqlenQ) + " under a plan (a longer chunk runs through decode() without one)",
+         i2s(p.seqlen_q));
   same("batch", plan.batch, p.batch, "q.shape[0]");
   same("heads_q", plan.heads_q, p.heads_q, "q.shape[2]");
   same("heads_kv", plan.heads_kv, p.heads_kv, "cache.k_cache.shape[2]");

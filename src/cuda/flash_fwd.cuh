@@ -209,7 +209,7 @@ __device__ __forceinline__ uint32_t code2_to(uint32_t w) {
 // One (kRows, kHeadDim) K or V tile of the cache: row r from byte offset offs[r] of g (the
 // shared-memory row table, below), columns [0, d); rows >= `rows` and columns >= d are zero.
 // 16-bit caches: cp.async 16-byte chunks, as load_tile. 8-bit caches: 8 codes per chunk through
-// registers (every load of the tile issued before the first conversion), stored as 8 T values.
+// registers (4 loads in flight per thread before their conversions), stored as 8 T values.
 template <class Tr, int kRows, typename T, typename CT>
 __device__ __forceinline__ void load_cache_tile(uint32_t s_tile, const unsigned char* g, const int64_t* offs,
                                                 int rows, int d, int tid) {
@@ -356,6 +356,7 @@ __global__ void __launch_bounds__(Tr::kThreads, Tr::kMinBlocksPerSm) flash_fwd_k
     cK = static_cast<const unsigned char*>(p.k) + ((paged ? 0 : b * p.k_batch) + hk * p.k_head) * kEB;
     cV = static_cast<const unsigned char*>(p.v) + ((paged ? 0 : b * p.v_batch) + hk * p.v_head) * kEB;
   }
+  static_assert(!kCache || kN <= Tr::kThreads, "one table writer per key of a block");
   auto write_table = [&](int j) {
     if constexpr (kCache) {
       constexpr int kEB = flash_detail::kCacheBytes<CT>;
@@ -645,9 +646,13 @@ __global__ void __launch_bounds__(Tr::kThreads, Tr::kMinBlocksPerSm) flash_fwd_k
           if (dt * 8 < p.head_dim)
             *reinterpret_cast<uint32_t*>(o_row + dt * 8 + 2 * t) =
                 pack2<T>(acc_o[mt][dt][2 * rh] * inv, acc_o[mt][dt][2 * rh + 1] * inv);
-        if (p.lse != nullptr && t == 0)
+        if (p.lse != nullptr && t == 0) {
+          // (KV-cache mode: a NaN / +inf visible score leaves l NaN, and the row's LSE is NaN as in
+          // the decode kernels; the plain forward keeps its -inf there)
+          const bool poisoned = kCache && isnan(l);
           p.lse[b * p.lse_batch + h * p.lse_head + (q_start + static_cast<int64_t>(r)) * p.lse_seq] =
-              l > 0.f ? (m_log2 + __log2f(l)) * kLn2 : kNegInf;
+              l > 0.f || poisoned ? (m_log2 + __log2f(l)) * kLn2 : kNegInf;
+        }
       }
     }
 }
