@@ -68,6 +68,11 @@ struct CudaSelection {
 };
 CudaSelection cuda_flash_select(const FwdProblem& p, int arch);
 void cuda_flash_forward(const FwdProblem& p);
+// decode() with more than 16 query rows (a prefill chunk against the KV cache: p's cache fields,
+// serving_api.cpp's cache_prefill_problem): the mma.sync forward in its KV-cache mode. The row for
+// this problem or why none fits; the run (the caller appended first, if asked to).
+CudaSelection cuda_cache_prefill_select(const FwdProblem& p, int arch);
+void cuda_cache_prefill(const FwdProblem& p);
 void cuda_naive_forward(const FwdProblem& p);  // materialised S and P in HBM
 std::vector<std::string> cuda_compiled_kernels();
 // Backward on CUDA: a dispatch-table row or an empty name and the reason.

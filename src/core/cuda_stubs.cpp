@@ -38,8 +38,8 @@ int cuda_decode_num_splits(int64_t, int64_t, int64_t, int64_t, int64_t, DType, i
 }
 size_t cuda_decode_workspace_bytes(int64_t, int64_t, int64_t, int64_t, int) { return 0; }
 void cuda_decode(const DecodeProblem&) { no_cuda(); }
-CudaSelection cuda_cache_prefill_select(const DecodeProblem&, int) { return {"", "this build has no CUDA backend"}; }
-void cuda_cache_prefill(const DecodeProblem&) { no_cuda(); }
+CudaSelection cuda_cache_prefill_select(const FwdProblem&, int) { return {"", "this build has no CUDA backend"}; }
+void cuda_cache_prefill(const FwdProblem&) { no_cuda(); }
 void cuda_append_kv(const AppendProblem&) { no_cuda(); }
 void cuda_merge_states(const MergeProblem&) { no_cuda(); }
 

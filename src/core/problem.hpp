@@ -65,16 +65,20 @@ struct FwdProblem {
   DType fp8_out = DType::bf16;
   Descale q_descale, k_descale, v_descale;
 
-  // KV-cache layout (CPU flash only: decode() with more than 16 query rows, serving_api.cpp):
-  // kv_lens[b] keys for sequence b (host; query row i at position kv_lens[b] - seqlen_q + i, the
+  // KV-cache layout (decode() with more than 16 query rows: serving_api.cpp's
+  // cache_prefill_problem; the CPU flash forward and the CUDA forward's KV-cache mode): kv_lens[b]
+  // keys for sequence b (on `device`; query row i at position kv_lens[b] - seqlen_q + i, the
   // forward's bottom-right rule), K / V in kv_dtype (an 8-bit cache: f8e4m3 or i8, times
-  // k_descale / v_descale). With block_table (host) token t of sequence b sits in page
+  // k_descale / v_descale). With block_table (on `device`) token t of sequence b sits in page
   // block_table[b * bt_stride_batch + (t / page_size) * bt_stride_page] at offset t % page_size,
   // element page * k_stride.batch + offset * k_stride.seq + hk * k_stride.head (k_stride.batch is
   // then the page stride); without it at b * k_stride.batch + t * k_stride.seq + ... as usual.
+  // CUDA reads kv_lens and the table on the device only: num_pages and kv_bound (the largest valid
+  // length) are what its kernel checks them against (CPU tensors are checked on the host).
   const int32_t* kv_lens = nullptr;
   const int32_t* block_table = nullptr;
   int64_t page_size = 0, bt_stride_batch = 0, bt_stride_page = 0;
+  int64_t num_pages = 0, kv_bound = 0;
   bool kv_dtype_set = false;
   DType kv_dtype = DType::f32;
 

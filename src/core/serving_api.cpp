@@ -431,48 +431,64 @@ std::string append_reason(const DecodeProblem& p) {
 // scales — instead of the split-KV decode, whose tiles are sized for a few rows. CPU: the
 // multithreaded flash forward; CUDA: the mma.sync forward's KV-cache mode (flash_fwd.cuh), or an
 // error naming q with the reason when its table lacks the shape (f32 q, head_dim != head_dim_v).
-KernelChoice run_cache_prefill(DecodeProblem& p, int requested_splits) {
-  const std::string splits_note = requested_splits > 0 ? "; num_splits=" + i2s(requested_splits) +
-                                                             " does not apply (no split-KV: the tiles split the rows)"
-                                                       : std::string();
-  const std::string why = "seqlen_q " + i2s(p.seqlen_q) + " > " + i2s(kMaxSeqlenQ) + ": ";
-  if (p.device == Device::cuda) {
-    const CudaSelection sel = cuda_cache_prefill_select(p, cuda_device_arch(p.device_index));
-    if (sel.kernel.empty())
-      throw Error("q", "ioattn: no CUDA kernel for " + decode_shape(p) + " with " + i2s(p.seqlen_q) +
-                           " query rows against the cache (more than " + i2s(kMaxSeqlenQ) +
-                           " take the flash forward; the CPU runs every shape): " + sel.reason);
-    KernelChoice c{sel.kernel + " " + decode_shape(p) + append_suffix(p),
-                   why + sel.reason + ", not the split-KV decode" + append_reason(p) + splits_note};
-    log_choice("decode", c);
-    cuda_cache_prefill(p);  // (runs the fused append itself, after its checks)
-    return c;
-  }
+// The cache prefill as a forward problem over the cache's layout (both backends).
+FwdProblem cache_prefill_problem(const DecodeProblem& p) {
   FwdProblem f;
   f.q = p.q, f.k = p.k_cache, f.v = p.v_cache, f.o = p.o, f.lse = p.lse;
   f.q_stride = p.q_stride, f.o_stride = p.o_stride, f.lse_stride = p.lse_stride;
   f.k_stride = {p.k_stride.page, p.k_stride.slot, p.k_stride.head};  // (batch = page stride)
   f.v_stride = {p.v_stride.page, p.v_stride.slot, p.v_stride.head};
   f.dtype = p.dtype;
+  f.device = p.device, f.device_index = p.device_index, f.stream = p.stream;
   f.kv_dtype_set = true, f.kv_dtype = p.cache_dtype;
   f.batch = p.batch, f.heads_q = p.heads_q, f.heads_kv = p.heads_kv;
   f.seqlen_q = p.seqlen_q, f.seqlen_k = p.max_seqlen_k;
   f.head_dim = p.head_dim, f.head_dim_v = p.head_dim_v;
-  f.kv_lens = p.cache_seqlens_host;
+  f.kv_lens = p.device == Device::cpu ? p.cache_seqlens_host : p.cache_seqlens;
   f.block_table = p.block_table;
   f.page_size = p.page_size, f.bt_stride_batch = p.bt_stride_batch, f.bt_stride_page = p.bt_stride_page;
+  f.num_pages = p.num_pages;
+  f.kv_bound = std::min(p.capacity, p.max_seqlen_k > 0 ? p.max_seqlen_k : p.capacity);
   f.scale = p.scale, f.softcap = p.softcap, f.causal = p.causal;
   f.window_left = p.window_left, f.window_right = p.window_right;
   f.alibi_slopes = p.alibi_slopes, f.sinks = p.sinks;
   f.k_descale = {p.k_scale, 0, 1}, f.v_descale = {p.v_scale, 0, 1};  // (null: 1)
   f.num_threads = p.num_threads;
-  KernelChoice c{"cpu/flash cache-prefill " + cpu_best_target() + " " + decode_shape(p) + append_suffix(p),
-                 why + "the tiled flash forward (tile " + cpu_flash_tile(f) +
-                     ") reads K / V through the cache's layout, not the split-KV decode" + append_reason(p) +
-                     splits_note};
+  return f;
+}
+
+KernelChoice run_cache_prefill(DecodeProblem& p, int requested_splits) {
+  const std::string splits_note = requested_splits > 0 ? "; num_splits=" + i2s(requested_splits) +
+                                                             " does not apply (no split-KV: the tiles split the rows)"
+                                                       : std::string();
+  const std::string why = "seqlen_q " + i2s(p.seqlen_q) + " > " + i2s(kMaxSeqlenQ) + ": ";
+  const FwdProblem f = cache_prefill_problem(p);
+  KernelChoice c;
+  if (p.device == Device::cuda) {
+    const CudaSelection sel = cuda_cache_prefill_select(f, cuda_device_arch(p.device_index));
+    if (sel.kernel.empty())
+      throw Error("q", "ioattn: no CUDA kernel for " + decode_shape(p) + " with " + i2s(p.seqlen_q) +
+                           " query rows against the cache (more than " + i2s(kMaxSeqlenQ) +
+                           " take the flash forward; the CPU runs every shape): " + sel.reason);
+    c = {sel.kernel + " " + decode_shape(p) + append_suffix(p),
+         why + sel.reason + ", not the split-KV decode" + append_reason(p) + splits_note};
+  } else {
+    c = {"cpu/flash cache-prefill " + cpu_best_target() + " " + decode_shape(p) + append_suffix(p),
+         why + "the tiled flash forward (tile " + cpu_flash_tile(f) +
+             ") reads K / V through the cache's layout, not the split-KV decode" + append_reason(p) + splits_note};
+  }
   log_choice("decode", c);
-  if (p.seqlen_new > 0) cpu_append_kv(fused_append_problem(p));
-  cpu_flash_forward(f);
+  // The fused append only after the kernel was chosen: an error never leaves the cache written.
+  if (p.seqlen_new > 0) {
+    if (p.device == Device::cuda)
+      cuda_append_kv(fused_append_problem(p));
+    else
+      cpu_append_kv(fused_append_problem(p));
+  }
+  if (p.device == Device::cuda)
+    cuda_cache_prefill(f);
+  else
+    cpu_flash_forward(f);
   return c;
 }
 

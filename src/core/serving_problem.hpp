@@ -265,11 +265,6 @@ size_t cuda_decode_workspace_bytes(int64_t batch, int64_t heads_q, int64_t seqle
 // p.max_seqlen_k is the device-side bound of cache_seqlens; p.workspace null = allocate on the
 // stream (cudaMallocAsync) for this call.
 void cuda_decode(const DecodeProblem& p);
-// More than 16 query rows (a prefill chunk against the cache; src/cuda/flash_dispatch.cu): the
-// mma.sync flash forward in its KV-cache mode. The row for this problem or why none fits, and the
-// run (the fused append first, after the checks, as cuda_decode).
-CudaSelection cuda_cache_prefill_select(const DecodeProblem& p, int arch);
-void cuda_cache_prefill(const DecodeProblem& p);
 void cuda_append_kv(const AppendProblem& p);
 void cuda_merge_states(const MergeProblem& p);
 

@@ -118,6 +118,27 @@ struct Cell {
   int64_t append = 0;  // fused append of this many tokens per sequence (0 = none)
 };
 
+// The cache's metadata on the device: the block table, a shuffled permutation of the pool
+// (IOATTN_BENCH_PAGES_IN_ORDER=1: the identity, a probe of what the shuffle costs); every length
+// kv_len; the 8-bit caches' per-kv-head scales.
+struct CacheMeta {
+  DevMem bt, lens, scales;
+  CacheMeta(const Cell& c, int64_t pages)
+      : bt(static_cast<size_t>(std::max<int64_t>(pages, 1)) * 4), lens(static_cast<size_t>(c.batch) * 4),
+        scales(static_cast<size_t>(c.hkv) * 4) {
+    std::vector<int32_t> table(static_cast<size_t>(std::max<int64_t>(pages, 1)));
+    std::iota(table.begin(), table.end(), 0);
+    std::mt19937_64 rng(3);
+    const char* in_order = std::getenv("IOATTN_BENCH_PAGES_IN_ORDER");
+    if (in_order == nullptr || std::strcmp(in_order, "1") != 0) std::shuffle(table.begin(), table.end(), rng);
+    IOATTN_CUDA_CHECK(cudaMemcpy(bt.p, table.data(), table.size() * 4, cudaMemcpyHostToDevice));
+    const std::vector<int32_t> lv(static_cast<size_t>(c.batch), static_cast<int32_t>(c.kv));
+    IOATTN_CUDA_CHECK(cudaMemcpy(lens.p, lv.data(), lv.size() * 4, cudaMemcpyHostToDevice));
+    const std::vector<float> sc(static_cast<size_t>(c.hkv), c.cache == DType::f8e4m3 ? 1.0f / 448 : 1.0f / 127);
+    IOATTN_CUDA_CHECK(cudaMemcpy(scales.p, sc.data(), sc.size() * 4, cudaMemcpyHostToDevice));
+  }
+};
+
 void print_line(const Cell& c, const char* impl, int splits, double ms, double bytes, const std::string& kernel) {
   std::printf(
       "{\"batch\": %lld, \"heads_q\": %lld, \"heads_kv\": %lld, \"head_dim\": %lld, \"seqlen_q\": %lld, "
@@ -169,19 +190,8 @@ void run_cell(const Cell& c, int repeats, bool eager, double mem_limit, const st
   DevMem kn(static_cast<size_t>(nn * qs)), vn(static_cast<size_t>(nn * qs));
   fill(kn.p, c.qt, nn, 8);
   fill(vn.p, c.qt, nn, 9);
-  // Block table: a shuffled permutation of the pool (IOATTN_BENCH_PAGES_IN_ORDER=1: the identity, a
-  // probe of what the shuffle costs); lengths all kv.
-  std::vector<int32_t> table(static_cast<size_t>(std::max<int64_t>(pages, 1)));
-  std::iota(table.begin(), table.end(), 0);
-  std::mt19937_64 rng(3);
-  const char* in_order = std::getenv("IOATTN_BENCH_PAGES_IN_ORDER");
-  if (in_order == nullptr || std::strcmp(in_order, "1") != 0) std::shuffle(table.begin(), table.end(), rng);
-  DevMem bt(table.size() * 4), lens(static_cast<size_t>(c.batch) * 4), scales(static_cast<size_t>(c.hkv) * 4);
-  IOATTN_CUDA_CHECK(cudaMemcpy(bt.p, table.data(), table.size() * 4, cudaMemcpyHostToDevice));
-  const std::vector<int32_t> lv(static_cast<size_t>(c.batch), static_cast<int32_t>(c.kv));
-  IOATTN_CUDA_CHECK(cudaMemcpy(lens.p, lv.data(), lv.size() * 4, cudaMemcpyHostToDevice));
-  const std::vector<float> sc(static_cast<size_t>(c.hkv), c.cache == DType::f8e4m3 ? 1.0f / 448 : 1.0f / 127);
-  IOATTN_CUDA_CHECK(cudaMemcpy(scales.p, sc.data(), sc.size() * 4, cudaMemcpyHostToDevice));
+  const CacheMeta meta(c, pages);
+  const DevMem &bt = meta.bt, &lens = meta.lens, &scales = meta.scales;
 
   const bool q8 = c.cache == DType::f8e4m3 || c.cache == DType::i8;
   // IOATTN_BENCH_HEAD_MAJOR=1 (contiguous caches): the same [batch, capacity, kv heads, d] view over
@@ -293,16 +303,8 @@ void run_prefill_cell(const Cell& c, int repeats, bool causal) {
   DevMem q(static_cast<size_t>(qn * qs)), o(static_cast<size_t>(qn * qs)),
       lse(static_cast<size_t>(c.batch * c.hq * c.sq * 4));
   fill(q.p, c.qt, qn, 7);
-  std::vector<int32_t> table(static_cast<size_t>(std::max<int64_t>(pages, 1)));
-  std::iota(table.begin(), table.end(), 0);
-  std::mt19937_64 rng(3);
-  std::shuffle(table.begin(), table.end(), rng);
-  DevMem bt(table.size() * 4), lens(static_cast<size_t>(c.batch) * 4), scales(static_cast<size_t>(c.hkv) * 4);
-  IOATTN_CUDA_CHECK(cudaMemcpy(bt.p, table.data(), table.size() * 4, cudaMemcpyHostToDevice));
-  const std::vector<int32_t> lv(static_cast<size_t>(c.batch), static_cast<int32_t>(c.kv));
-  IOATTN_CUDA_CHECK(cudaMemcpy(lens.p, lv.data(), lv.size() * 4, cudaMemcpyHostToDevice));
-  const std::vector<float> sc(static_cast<size_t>(c.hkv), c.cache == DType::f8e4m3 ? 1.0f / 448 : 1.0f / 127);
-  IOATTN_CUDA_CHECK(cudaMemcpy(scales.p, sc.data(), sc.size() * 4, cudaMemcpyHostToDevice));
+  const CacheMeta meta(c, pages);
+  const DevMem &bt = meta.bt, &lens = meta.lens, &scales = meta.scales;
   KVCache kv;
   kv.k_cache = TensorView::contiguous(kc.p, c.cache, {paged ? pages : c.batch, ps, c.hkv, c.d}, Device::cuda);
   kv.v_cache = TensorView::contiguous(vc.p, c.cache, {paged ? pages : c.batch, ps, c.hkv, c.d}, Device::cuda);

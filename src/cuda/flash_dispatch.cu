@@ -13,7 +13,6 @@
 #include <vector>
 
 #include "core/backends.hpp"
-#include "core/serving_problem.hpp"
 #include "cuda/check.cuh"
 #include "cuda/flash_launch.cuh"
 #include "cuda/hopper/sm90.hpp"
@@ -123,6 +122,40 @@ Pick pick(const detail::FwdProblem& p, int arch) {
 // every position the kernel computes inside int32.
 int clamp_window(int64_t w, int64_t total_len) { return (w < 0 || w >= total_len) ? -1 : static_cast<int>(w); }
 
+// The kernel parameters of a forward problem (both modes; the caller checked the ranges).
+FlashParams flash_params(const detail::FwdProblem& p, int block_m) {
+  FlashParams fp;
+  fp.q = p.q;
+  fp.k = p.k;
+  fp.v = p.v;
+  fp.o = p.o;
+  fp.lse = p.lse;
+  fp.q_batch = p.q_stride.batch, fp.q_seq = p.q_stride.seq, fp.q_head = p.q_stride.head;
+  fp.k_batch = p.k_stride.batch, fp.k_seq = p.k_stride.seq, fp.k_head = p.k_stride.head;
+  fp.v_batch = p.v_stride.batch, fp.v_seq = p.v_stride.seq, fp.v_head = p.v_stride.head;
+  fp.o_batch = p.o_stride.batch, fp.o_seq = p.o_stride.seq, fp.o_head = p.o_stride.head;
+  fp.lse_batch = p.lse_stride.batch, fp.lse_seq = p.lse_stride.seq, fp.lse_head = p.lse_stride.head;
+  fp.batch = static_cast<int>(p.batch);
+  fp.heads_q = static_cast<int>(p.heads_q);
+  fp.group = static_cast<int>(p.group());
+  fp.seqlen_q = static_cast<int>(p.seqlen_q);
+  fp.seqlen_k = static_cast<int>(p.seqlen_k);
+  fp.head_dim = static_cast<int>(p.head_dim);
+  fp.num_m_blocks = static_cast<int>((p.seqlen_q + block_m - 1) / block_m);
+  fp.cu_seqlens_q = p.cu_seqlens_q;
+  fp.cu_seqlens_k = p.cu_seqlens_k;
+  fp.scale = p.scale;
+  fp.scale_log2 = p.scale * kLog2e;
+  fp.softcap = p.softcap;
+  fp.softcap_inv = p.softcap > 0 ? 1.f / p.softcap : 0.f;
+  const int64_t total_len = p.seqlen_q + p.seqlen_k;
+  fp.window_left = clamp_window(p.window_left, total_len);
+  fp.window_right = clamp_window(p.window_right, total_len);
+  fp.alibi_slopes = p.alibi_slopes;
+  fp.sinks = p.sinks;
+  return fp;
+}
+
 // ---- KV-cache mode: decode() with more than 16 query rows ------------------------------------
 
 const std::array<FlashCacheKernelInfo, 3>& flash_cache_table() {
@@ -138,7 +171,7 @@ struct CachePick {
   detail::CudaSelection sel;
 };
 
-CachePick pick_cache(const detail::DecodeProblem& p, int arch) {
+CachePick pick_cache(const detail::FwdProblem& p, int arch) {
   CachePick r;
   auto no = [&](std::string why) {
     r.sel = {"", std::move(why)};
@@ -148,29 +181,28 @@ CachePick pick_cache(const detail::DecodeProblem& p, int arch) {
     return no("the mma.sync kernel needs sm80+ (bf16 mma, cp.async, ldmatrix); device is sm" + std::to_string(arch));
   if (p.dtype != DType::f16 && p.dtype != DType::bf16)
     return no(std::string("the tensor-core kernel takes f16 or bf16 queries, got ") + dtype_name(p.dtype));
-  const bool eight = p.cache_dtype == DType::f8e4m3 || p.cache_dtype == DType::i8;
-  if (!eight && p.cache_dtype != p.dtype)
-    return no(std::string("the cache must hold q's dtype or 8-bit codes, got ") + dtype_name(p.cache_dtype));
+  const bool eight = p.kvt() == DType::f8e4m3 || p.kvt() == DType::i8;
+  if (!eight && p.kvt() != p.dtype)
+    return no(std::string("the cache must hold q's dtype or 8-bit codes, got ") + dtype_name(p.kvt()));
   if (p.head_dim != p.head_dim_v)
     return no("head_dim_v (" + std::to_string(p.head_dim_v) + ") must equal head_dim (" + std::to_string(p.head_dim) +
               ")");
   if (p.head_dim % kVecElems != 0 || p.head_dim > kMaxHeadDim)
     return no("head_dim must be a multiple of 8 and at most 256, got " + std::to_string(p.head_dim));
   const size_t cache_align = eight ? 8 : 16;  // 8 codes or 8 elements per copy
-  if (!aligned(p.q, 16) || !aligned(p.o, 16) || !aligned(p.k_cache, cache_align) || !aligned(p.v_cache, cache_align))
+  if (!aligned(p.q, 16) || !aligned(p.o, 16) || !aligned(p.k, cache_align) || !aligned(p.v, cache_align))
     return no("q and o must be 16-byte aligned and the caches " + std::to_string(cache_align) +
               "-byte aligned (vector loads / stores)");
+  // (cache strides: batch = the page stride over num_pages pages, seq = the slot stride)
+  const int64_t pages = p.block_table != nullptr ? p.num_pages : p.batch;
   auto mult = [](int64_t stride, int64_t extent) { return extent <= 1 || stride % kVecElems == 0; };
-  const bool qo_ok = mult(p.q_stride.batch, p.batch) && mult(p.q_stride.seq, p.seqlen_q) &&
-                     mult(p.q_stride.head, p.heads_q) && mult(p.o_stride.batch, p.batch) &&
-                     mult(p.o_stride.seq, p.seqlen_q) && mult(p.o_stride.head, p.heads_q);
-  auto cache_ok = [&](const detail::CacheStrides& c) {
-    return mult(c.page, p.num_pages) && mult(c.slot, p.page_size) && mult(c.head, p.heads_kv);
+  auto ok3 = [&](const detail::Strides3& st, int64_t n0, int64_t n1, int64_t n2) {
+    return mult(st.batch, n0) && mult(st.seq, n1) && mult(st.head, n2);
   };
-  if (!qo_ok || !cache_ok(p.k_stride) || !cache_ok(p.v_stride))
+  if (!ok3(p.q_stride, p.batch, p.seqlen_q, p.heads_q) || !ok3(p.o_stride, p.batch, p.seqlen_q, p.heads_q) ||
+      !ok3(p.k_stride, pages, p.page_size, p.heads_kv) || !ok3(p.v_stride, pages, p.page_size, p.heads_kv))
     return no("q / o / cache strides must be multiples of 8 elements (vector loads / stores)");
-  const int64_t bound = std::min(p.capacity, p.max_seqlen_k > 0 ? p.max_seqlen_k : p.capacity);
-  if (p.seqlen_q + bound >= (int64_t{1} << 30))
+  if (p.seqlen_q + p.kv_bound >= (int64_t{1} << 30))
     return no("seqlen_q + the cache capacity must be below 2^30 (32-bit positions in the kernel)");
   const FlashCacheKernelInfo* info = nullptr;
   for (const auto& k : flash_cache_table())
@@ -182,7 +214,7 @@ CachePick pick_cache(const detail::DecodeProblem& p, int arch) {
   if (m_blocks * p.heads_q * p.batch > INT_MAX) return no("query blocks x heads x batch exceeds the 2^31-1 grid limit");
   DeviceGuard guard(p.device_index);
   cudaFuncAttributes attr{};
-  const void* kernel = info->kernels[p.dtype == DType::bf16 ? 0 : 1][cache_kind(p.cache_dtype)];
+  const void* kernel = info->kernels[p.dtype == DType::bf16 ? 0 : 1][cache_kind(p.kvt())];
   const cudaError_t e = cudaFuncGetAttributes(&attr, kernel);
   if (e != cudaSuccess) {
     cudaGetLastError();
@@ -239,91 +271,30 @@ void cuda_flash_forward(const FwdProblem& p) {
   if (pk.info == nullptr) throw Error("q", "ioattn: no CUDA flash kernel: " + pk.sel.reason);
   cuda::DeviceGuard guard(p.device_index);
 
-  cuda::FlashParams fp;
-  fp.q = p.q;
-  fp.k = p.k;
-  fp.v = p.v;
-  fp.o = p.o;
-  fp.lse = p.lse;
-  fp.q_batch = p.q_stride.batch, fp.q_seq = p.q_stride.seq, fp.q_head = p.q_stride.head;
-  fp.k_batch = p.k_stride.batch, fp.k_seq = p.k_stride.seq, fp.k_head = p.k_stride.head;
-  fp.v_batch = p.v_stride.batch, fp.v_seq = p.v_stride.seq, fp.v_head = p.v_stride.head;
-  fp.o_batch = p.o_stride.batch, fp.o_seq = p.o_stride.seq, fp.o_head = p.o_stride.head;
-  fp.lse_batch = p.lse_stride.batch, fp.lse_seq = p.lse_stride.seq, fp.lse_head = p.lse_stride.head;
-  fp.batch = static_cast<int>(p.batch);
-  fp.heads_q = static_cast<int>(p.heads_q);
-  fp.group = static_cast<int>(p.group());
-  fp.seqlen_q = static_cast<int>(p.seqlen_q);
-  fp.seqlen_k = static_cast<int>(p.seqlen_k);
-  fp.head_dim = static_cast<int>(p.head_dim);
-  fp.num_m_blocks = static_cast<int>((p.seqlen_q + pk.info->block_m - 1) / pk.info->block_m);
-  fp.cu_seqlens_q = p.cu_seqlens_q;
-  fp.cu_seqlens_k = p.cu_seqlens_k;
-  fp.scale = p.scale;
-  fp.scale_log2 = p.scale * cuda::kLog2e;
-  fp.softcap = p.softcap;
-  fp.softcap_inv = p.softcap > 0 ? 1.f / p.softcap : 0.f;
-  const int64_t total_len = p.seqlen_q + p.seqlen_k;
-  fp.window_left = cuda::clamp_window(p.window_left, total_len);
-  fp.window_right = cuda::clamp_window(p.window_right, total_len);
-  fp.alibi_slopes = p.alibi_slopes;
-  fp.sinks = p.sinks;
+  const cuda::FlashParams fp = cuda::flash_params(p, pk.info->block_m);
   pk.info->launch(fp, p.dtype == DType::bf16, static_cast<cudaStream_t>(p.stream));
 }
 
-CudaSelection cuda_cache_prefill_select(const DecodeProblem& p, int arch) { return cuda::pick_cache(p, arch).sel; }
+CudaSelection cuda_cache_prefill_select(const FwdProblem& p, int arch) { return cuda::pick_cache(p, arch).sel; }
 
-void cuda_cache_prefill(const DecodeProblem& p) {
-  const int arch = cuda_device_arch(p.device_index);
-  const cuda::CachePick pk = cuda::pick_cache(p, arch);
+void cuda_cache_prefill(const FwdProblem& p) {
+  const cuda::CachePick pk = cuda::pick_cache(p, cuda_device_arch(p.device_index));
   if (pk.info == nullptr) throw Error("q", "ioattn: no CUDA cache-prefill kernel: " + pk.sel.reason);
+  if (p.batch == 0) return;
   cuda::DeviceGuard guard(p.device_index);
-  const int64_t bound = std::min(p.capacity, p.max_seqlen_k > 0 ? p.max_seqlen_k : p.capacity);
-
-  cuda::FlashParams fp;
-  fp.q = p.q;
-  fp.k = p.k_cache;
-  fp.v = p.v_cache;
-  fp.o = p.o;
-  fp.lse = p.lse;
-  fp.q_batch = p.q_stride.batch, fp.q_seq = p.q_stride.seq, fp.q_head = p.q_stride.head;
-  // (k_batch: the page stride of a paged cache, the batch stride of a contiguous one)
-  fp.k_batch = p.k_stride.page, fp.k_seq = p.k_stride.slot, fp.k_head = p.k_stride.head;
-  fp.v_batch = p.v_stride.page, fp.v_seq = p.v_stride.slot, fp.v_head = p.v_stride.head;
-  fp.o_batch = p.o_stride.batch, fp.o_seq = p.o_stride.seq, fp.o_head = p.o_stride.head;
-  fp.lse_batch = p.lse_stride.batch, fp.lse_seq = p.lse_stride.seq, fp.lse_head = p.lse_stride.head;
-  fp.batch = static_cast<int>(p.batch);
-  fp.heads_q = static_cast<int>(p.heads_q);
-  fp.group = static_cast<int>(p.group());
-  fp.seqlen_q = static_cast<int>(p.seqlen_q);
-  fp.seqlen_k = static_cast<int>(bound);
-  fp.head_dim = static_cast<int>(p.head_dim);
-  fp.num_m_blocks = static_cast<int>((p.seqlen_q + pk.info->block_m - 1) / pk.info->block_m);
-  fp.scale = p.scale;
-  fp.scale_log2 = p.scale * cuda::kLog2e;
-  fp.softcap = p.softcap;
-  fp.softcap_inv = p.softcap > 0 ? 1.f / p.softcap : 0.f;
-  const int64_t total_len = p.seqlen_q + bound;
-  fp.window_left = cuda::clamp_window(p.window_left, total_len);
-  fp.window_right = cuda::clamp_window(p.window_right, total_len);
-  fp.alibi_slopes = p.alibi_slopes;
-  fp.sinks = p.sinks;
-  fp.kv_lens = p.cache_seqlens;
+  cuda::FlashParams fp = cuda::flash_params(p, pk.info->block_m);  // (k_batch: the page stride when paged)
+  fp.kv_lens = p.kv_lens;
   fp.block_table = p.block_table;
   fp.bt_batch = p.bt_stride_batch, fp.bt_page = p.bt_stride_page;
-  fp.page_size = p.paged() ? static_cast<int>(p.page_size) : 1;
+  fp.page_size = p.block_table != nullptr ? static_cast<int>(p.page_size) : 1;
   fp.page_shift = -1;
-  for (int sh = 0; sh < 31 && p.paged(); ++sh)
+  for (int sh = 0; sh < 31 && p.block_table != nullptr; ++sh)
     if ((int64_t{1} << sh) == p.page_size) fp.page_shift = sh;
   fp.num_pages = p.num_pages;
-  fp.kv_bound = static_cast<int>(bound);
-  fp.k_scale = p.k_scale;
-  fp.v_scale = p.v_scale;
-  // The fused append only now, after every check: an error never leaves the cache written. The
-  // forward is launched after it on the same stream (no programmatic overlap: it reads the cache).
-  if (p.seqlen_new > 0) cuda_append_kv(fused_append_problem(p));
-  if (p.batch == 0) return;
-  pk.info->launch(fp, p.dtype == DType::bf16, cuda::cache_kind(p.cache_dtype), static_cast<cudaStream_t>(p.stream));
+  fp.kv_bound = static_cast<int>(p.kv_bound);
+  fp.k_scale = p.k_descale.ptr;
+  fp.v_scale = p.v_descale.ptr;
+  pk.info->launch(fp, p.dtype == DType::bf16, cuda::cache_kind(p.kvt()), static_cast<cudaStream_t>(p.stream));
 }
 
 std::vector<std::string> cuda_compiled_kernels() {
