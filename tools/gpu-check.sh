@@ -10,6 +10,10 @@
 #   6. sm90 (Hopper kernel vs cuDNN/FA2), backward (fwd+bwd vs SDPA), decode (vs SDPA cudnn/flash),
 #      cp (ring attention per-rank time vs ideal), python (pip install + pytest with torch)
 #   7. optional tile sweep (GPU_CHECK_TUNE=1): ioattn_cuda_tune
+#   prefill (not in the default stages; ~1 min): decode() with > 16 query rows on CUDA (the mma.sync
+#      forward's KV-cache mode): its tests (test_cuda_serving *CachePrefill*, bounded), then
+#      ioattn_cuda_decode_bench --seqlen-q 512 (ours through the cache vs forward() on contiguous K / V,
+#      same run; GPU_CHECK_PREFILL_ARGS overrides the grid) -> prefill.json and a table in the summary.
 #   bwdtune (not in the default stages; ~1 min build of the target alone + <= GPU_CHECK_BWDTUNE_BUDGET
 #      s of runs): ioattn_cuda_bwd_tune, the backward tile sweep -> bwdtune.json (JSON lines) and a
 #      best-per-shape table in the summary. Alone: GPU_CHECK_STAGES=bwdtune tools/gpu-check.sh OUT
@@ -757,6 +761,31 @@ PY
 fi
 
 # ---- ring attention: time per rank vs single device / P, NVLink hop model -------------------------
+# ---- prefill through the KV cache (optional stage prefill) ----------------------------------------
+if want prefill && [[ -x $BUILD/test_cuda_serving ]]; then
+  if bounded_test "prefill tests" 300 "$BUILD/test_cuda_serving" '*CachePrefill*' "$OUT/prefill_tests.log"; then :; fi
+  grep -E '^\[  FAILED|Failure|error' "$OUT/prefill_tests.log" | head -20 | tee -a "$SUMMARY" >/dev/null
+  t0=$(stamp)
+  timeout 300 "$BUILD/ioattn_cuda_decode_bench" --seqlen-q 512 --copy 0 \
+    ${GPU_CHECK_PREFILL_ARGS:---batch 1,4 --kv 4096,16384 --pages 0,16 --caches bf16,f8e4m3} \
+    >"$OUT/prefill.log" 2>&1
+  note "prefill bench rc=$?  $(( $(stamp) - t0 )) s  (prefill.log, prefill.json)"
+  grep '^{' "$OUT/prefill.log" >"$OUT/prefill.json"
+  python3 - "$OUT/prefill.json" <<'PY' | tee -a "$SUMMARY"
+import json, sys
+rows = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
+key = lambda r: (r["batch"], r["kv_len"], r["page_size"], r["cache"], r["causal"])
+peer = {key(r): r for r in rows if r.get("impl") == "forward_contiguous"}
+print("prefill (512 rows): batch kv page cache causal | through the cache TFLOP/s | forward() contiguous | ratio")
+for r in rows:
+    if r.get("impl") != "ioattn_prefill":
+        continue
+    p = peer.get(key(r))
+    ratio = r["tflops"] / p["tflops"] if p and p["tflops"] > 0 else float("nan")
+    print("  %d %d %d %s %d | %.1f | %s | %.2f" % (*key(r), r["tflops"], "%.1f" % p["tflops"] if p else "-", ratio))
+PY
+fi
+
 if want cp; then
   t0=$(stamp)
   NCCL_NVLS_ENABLE=0 "$BUILD/bench/ioattn_bench_cp" --seqlen 32768 --heads 16 --head-dim 128 --ranks 1,2,4,8 \
