@@ -425,6 +425,57 @@ TEST(BackwardFlash, BitwiseEqualAcrossThreadCounts) {
   }
 }
 
+// The fused single pass (one task per (batch, kv head), dQ accumulated with dK / dV) and the two
+// passes give the same bits on every case of the suite (the same products, summed in the same
+// order; see backward_cpu.cpp), each matching the reference; the kernel choice names the mode.
+TEST(BackwardFlash, FusedAndTwoPassAgreeBitwise) {
+  for (const Case& c : bwd_cases()) {
+    BwdSetup a(c, 9), b(c, 9);
+    KernelChoice ka, kb;
+    {
+      ScopedEnv e("IOATTN_CPU_BWD", "fused");
+      ka = a.backward(Backend::flash);
+    }
+    {
+      ScopedEnv e("IOATTN_CPU_BWD", "twopass");
+      kb = b.backward(Backend::flash);
+    }
+    EXPECT_NE(ka.reason.find("fused single pass"), std::string::npos) << ka.reason;
+    EXPECT_NE(kb.reason.find("two passes"), std::string::npos) << kb.reason;
+    EXPECT_TRUE(same_bytes(a.dq, b.dq)) << c.name << ": dq";
+    EXPECT_TRUE(same_bytes(a.dk, b.dk)) << c.name << ": dk";
+    EXPECT_TRUE(same_bytes(a.dv, b.dv)) << c.name << ": dv";
+    if (c.sinks) EXPECT_TRUE(same_bytes(a.dsinks, b.dsinks)) << c.name << ": dsinks";
+  }
+  BwdSetup s(det_case(), 9);
+  ScopedEnv e("IOATTN_CPU_BWD", "both");
+  try {
+    s.backward(Backend::flash);
+    FAIL() << "IOATTN_CPU_BWD=both accepted";
+  } catch (const Error& err) {
+    EXPECT_EQ(err.argument(), "IOATTN_CPU_BWD");
+  }
+}
+
+// The mode by itself: fused where the (batch, kv head) pairs fill the threads, two passes where
+// they do not (one kv head on 2+ threads), both against the float64 reference.
+TEST(BackwardFlash, ModeFollowsTheTaskCount) {
+  Case one = mk("one_kv_head", 150, 150, 64, DType::f32);
+  one.heads_q = 4;
+  one.heads_kv = 1;
+  one.causal = true;
+  BwdSetup s1(one, 5);
+  EXPECT_NE(s1.backward(Backend::flash, false, 2).reason.find("two passes"), std::string::npos);
+  EXPECT_NE(s1.backward(Backend::flash, false, 1).reason.find("fused single pass"), std::string::npos);
+  Case many = mk("four_kv_heads", 150, 150, 64, DType::f32);
+  many.heads_q = 8;
+  many.heads_kv = 4;
+  BwdSetup s2(many, 5);
+  EXPECT_NE(s2.backward(Backend::flash, false, 2).reason.find("fused single pass"), std::string::npos);
+  run_bwd_case(one, Backend::flash);
+  run_bwd_case(many, Backend::flash);
+}
+
 // Large logits (inputs x3) with seqlen 1 and short rows: P is ~1 on one key, exp(s - LSE) with
 // s slightly above the stored LSE, dP - D cancels — gradients stay finite and accurate.
 TEST(BackwardFlash, LargeLogitsAreNaNFree) {

@@ -399,7 +399,7 @@ KernelChoice run_backward(ValidatedBwd& val, const Context& ctx) {
       runner = cpu_naive_backward;
     } else {
       choice = {"cpu/flash-backward " + cpu_best_target() + " " + shape,
-                "tiled recomputation from Q, K, V and LSE; dK/dV pass over key blocks, dQ pass over query blocks"};
+                "tiled recomputation from Q, K, V and LSE; " + cpu_backward_mode(p)};
       runner = cpu_flash_backward;
     }
   } else {

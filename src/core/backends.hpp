@@ -16,9 +16,12 @@ void cpu_naive_forward(const FwdProblem& p);
 // Tiled online-softmax backend (Highway SIMD, OpenMP threads).
 void cpu_flash_forward(const FwdProblem& p);
 // Backward by recomputation. The reference materialises P, dP, dS per (batch, head) in float64;
-// the flash backend is tiled (two passes: dK/dV over key blocks, then dQ over query blocks).
+// the flash backend is tiled: one fused pass per (batch, kv head), or two passes (dK/dV over key
+// blocks, then dQ over query blocks) when those pairs are too few for the threads;
+// cpu_backward_mode says which and why (the kernel choice's reason).
 void cpu_naive_backward(const BwdProblem& p);
 void cpu_flash_backward(const BwdProblem& p);
+std::string cpu_backward_mode(const BwdProblem& p);
 // Tile shape the CPU flash kernel uses for this problem, e.g. "48x64".
 std::string cpu_flash_tile(const FwdProblem& p);
 // Highway targets compiled in, and the one chosen at run time on this machine.

@@ -18,10 +18,18 @@
 //           workspace; for each 64-key block of the rows' visible range it recomputes S^T = K Q^T,
 //           P^T, dP^T = V dO^T, dS^T and accumulates dQ += dS K, then writes its dQ rows once.
 //   Pass 1 and pass 2 read only inputs and D, so they share one task list.
+// Fused (one pass, when there are enough (batch, kv head) pairs for the threads; bwd_mode below):
+//   one task per (batch, kv head) walks the key blocks in order, and for each block does pass 1's
+//   work and also dQ += dS K into an fp32 dQ of the whole group ([group, seqlen_q, d] per
+//   thread), written once at the end: 5 tile GEMMs instead of 7, the same arithmetic order for
+//   every output element (dQ sums over keys in ascending order either way, and a key a row cannot
+//   see adds an exact 0), so the two modes agree bitwise (tested) unless a masked key holds
+//   inf / NaN.
 // Every output row is written by exactly one task, whose loops run in a fixed order, so the
 // result is bitwise reproducible for any thread count and schedule on a given machine (SIMD
 // target): Context::deterministic needs nothing extra here. No atomics, no seqlen_q x seqlen_k
-// buffer: extra memory is the per-thread workspace (O(tile x head_dim)) plus D (O(seqlen)).
+// buffer: extra memory is the per-thread workspace (O(tile x head_dim)) plus D (O(seqlen)), and
+// in the fused mode the per-thread fp32 dQ of one group (O(seqlen)).
 // Pass 2 recomputes S and dP once more than a single-pass kernel with atomic dQ would (7 tile
 // GEMMs instead of 5); that is the price of determinism without a dQ accumulator per key block.
 //
@@ -42,6 +50,8 @@
 //      block (~90 GFLOP/s of executed FMAs per AVX-512 core at hdim 128, ~55% of its FMA peak).
 //   2. 8x2 register block on AVX-512 (16 accumulators), 4-row groups for the one-vector column
 //      tail (hdim 80): hdim 64 ~1.4x faster, hdim 128 about the same.
+//   3. Fused single pass per (batch, kv head) when the pairs fill the threads (session 26: PyTorch's
+//      CPU SDPA backward, one (batch, head) per thread, ran 1.2-1.4x ours at f32; docs/PERF.md).
 #ifndef IOATTN_CPU_BACKWARD_SHARED
 #define IOATTN_CPU_BACKWARD_SHARED
 
@@ -49,9 +59,11 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <new>
+#include <string>
 #include <vector>
 
 #include "core/backends.hpp"
@@ -83,15 +95,16 @@ inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 //   s, dp, th (64, 64)        S -> P, dP -> dS, tanh (softcap); pass 2 holds their transposes
 //   acc1 (kTileK, d) dK       | (kTileQ, d) dQ
 //   acc2 (kTileK, dv) dV      | unused
+//   krow (kTileK, d) K rows   | unused (the fused pass's dS K operand)
 //   row  (max(d, dv))         conversion scratch
 struct Workspace {
-  float *kbuf, *vbuf, *qbuf, *obuf, *s, *dp, *th, *acc1, *acc2, *row;
+  float *kbuf, *vbuf, *qbuf, *obuf, *s, *dp, *th, *acc1, *acc2, *krow, *row;
 };
 
 inline int64_t workspace_floats(int64_t d, int64_t dv) {
   const int64_t t = std::max(kTileQ, kTileK);
-  return 4 * round_up(t * std::max(d, dv), kAlignFloats) + 2 * round_up(t * std::max(d, dv), kAlignFloats) +
-         3 * t * t + round_up(std::max(d, dv), kAlignFloats) + kAlignFloats;
+  return 7 * round_up(t * std::max(d, dv), kAlignFloats) + 3 * t * t + round_up(std::max(d, dv), kAlignFloats) +
+         kAlignFloats;
 }
 
 inline Workspace carve(float* base, int64_t d, int64_t dv) {
@@ -113,6 +126,7 @@ inline Workspace carve(float* base, int64_t d, int64_t dv) {
   w.th = take(t * t);
   w.acc1 = take(big);
   w.acc2 = take(big);
+  w.krow = take(big);
   w.row = take(round_up(std::max(d, dv), kAlignFloats));
   return w;
 }
@@ -127,6 +141,11 @@ inline SeqRange seq_range(const FwdProblem& p, int64_t b) {
           p.cu_seqlens_k_host[b + 1] - p.cu_seqlens_k_host[b]};
 }
 
+struct BwdMode {
+  bool fused = false;
+  std::string why;
+};
+
 struct Plan {
   const BwdProblem* bp = nullptr;
   const float* D = nullptr;  // [heads_q, d_rows]: dO_i . O_i
@@ -134,10 +153,12 @@ struct Plan {
 };
 
 // pass 1 (kv = true): key block starting at `start` of kv head `head`;
-// pass 2 (kv = false): query block starting at `start` of query head `head`.
+// pass 2 (kv = false): query block starting at `start` of query head `head`;
+// fused (fused = true): every key block of kv head `head` (start 0), dQ of its group too.
 struct Task {
   int64_t b, head, start;
   bool kv;
+  bool fused = false;
 };
 
 }  // namespace ioattn::detail::bwd
@@ -280,12 +301,15 @@ HWY_INLINE void MatMul(size_t M, size_t N, size_t K, const float* HWY_RESTRICT a
       hn::StoreU(x0, df, c0 + n);
     }
   }
-  for (; n < N; ++n)  // fewer than one vector of columns left (small head_dim)
+  // Fewer than one vector of columns left (small head_dim). std::fma, not `x0 += a * b`: whether
+  // the compiler contracts that into an FMA depends on the inlined context, and the fused and
+  // two-pass backward must round dS K alike.
+  for (; n < N; ++n)
     for (m = 0; m < M; ++m) {
       const float* a0 = a + m * sam;
       float* c0 = c + m * ldc;
       float x0 = kAccumulate ? c0[n] : 0.0f;
-      for (size_t k = 0; k < K; ++k) x0 += a0[k * sak] * b[k * ldb + n];
+      for (size_t k = 0; k < K; ++k) x0 = std::fma(a0[k * sak], b[k * ldb + n], x0);
       c0[n] = x0;
     }
 }
@@ -455,8 +479,9 @@ int64_t first_true(int64_t n, Pred pred) {
   return lo;
 }
 
-// Pass 1: dK, dV of keys [c0, c0 + nc) of kv head hk.
-void KVTask(const Plan& pl, const Task& task, const Workspace& w) {
+// Pass 1: dK, dV of keys [c0, c0 + nc) of kv head hk. With dq (the fused pass) also
+// dq[(h - hk * group) * sq + i] += dS K for the rows the block's keys reach (unscaled, fp32).
+void KVTask(const Plan& pl, const Task& task, const Workspace& w, float* dq = nullptr) {
   const BwdProblem& bp = *pl.bp;
   const FwdProblem& p = bp.f;
   const DF df;
@@ -472,8 +497,9 @@ void KVTask(const Plan& pl, const Task& task, const Workspace& w) {
   std::fill(w.vbuf, w.vbuf + dv * kTileK, 0.0f);
   for (int64_t j = 0; j < nc; ++j) {
     const int64_t key = sr.k_start + c0 + j;
-    LoadRow(p.k, t, b * p.k_stride.batch + key * p.k_stride.seq + hk * p.k_stride.head, d, 1.0f, w.row);
-    for (int64_t x = 0; x < d; ++x) w.kbuf[x * kTileK + j] = w.row[x];
+    float* krow = dq ? w.krow + j * d : w.row;  // (the fused pass keeps the K rows for dS K)
+    LoadRow(p.k, t, b * p.k_stride.batch + key * p.k_stride.seq + hk * p.k_stride.head, d, 1.0f, krow);
+    for (int64_t x = 0; x < d; ++x) w.kbuf[x * kTileK + j] = krow[x];
     LoadRow(p.v, t, b * p.v_stride.batch + key * p.v_stride.seq + hk * p.v_stride.head, dv, 1.0f, w.row);
     for (int64_t x = 0; x < dv; ++x) w.vbuf[x * kTileK + j] = w.row[x];
   }
@@ -503,6 +529,8 @@ void KVTask(const Plan& pl, const Task& task, const Workspace& w) {
       GradsRowMajor(sp, ri, nr, ncv, r0, c0, off, w.s, w.dp);                 // s = P, dp = dS
       MatMul<true>(nc, dv, nr, w.s, 1, kTileK, w.obuf, dv, w.acc2, dv);       // dV (nc, dv) += P^T dO
       MatMul<true>(nc, d, nr, w.dp, 1, kTileK, w.qbuf, d, w.acc1, d);         // dK (nc, d) += dS^T (scale Q)
+      if (dq)                                                                  // dQ (nr, d) += dS K
+        MatMul<true>(nr, d, nc, w.dp, kTileK, 1, w.krow, d, dq + ((h - hk * p.group()) * sq + r0) * d, d);
     }
   }
   for (int64_t j = 0; j < nc; ++j) {
@@ -564,9 +592,30 @@ void QTask(const Plan& pl, const Task& task, const Workspace& w) {
   }
 }
 
-void RunTask(const Plan& pl, const Task& task, float* ws) {
+// The fused pass: dK, dV of every key block of kv head task.head (pass 1's tasks in key order) and
+// the dQ of its group, accumulated in dq ([group, sq, d] fp32) and written once at the end.
+void FusedTask(const Plan& pl, const Task& task, const Workspace& w, float* dq) {
+  const BwdProblem& bp = *pl.bp;
+  const FwdProblem& p = bp.f;
+  const SeqRange sr = seq_range(p, task.b);
+  const int64_t d = p.head_dim, g = p.group(), sq = sr.q_len;
+  std::fill(dq, dq + g * sq * d, 0.0f);
+  for (int64_t c0 = 0; c0 < sr.k_len; c0 += kTileK) KVTask(pl, {task.b, task.head, c0, true}, w, dq);
+  for (int64_t hh = 0; hh < g; ++hh) {
+    const int64_t h = task.head * g + hh;
+    for (int64_t i = 0; i < sq; ++i) {
+      const int64_t row = sr.q_start + i;
+      StoreRow(bp.dq, p.dtype, task.b * bp.dq_stride.batch + row * bp.dq_stride.seq + h * bp.dq_stride.head, d,
+               dq + (hh * sq + i) * d, p.scale);
+    }
+  }
+}
+
+void RunTask(const Plan& pl, const Task& task, float* ws, float* dq) {
   const Workspace w = carve(ws, pl.bp->f.head_dim, pl.bp->f.head_dim_v);
-  if (task.kv)
+  if (task.fused)
+    FusedTask(pl, task, w, dq);
+  else if (task.kv)
     KVTask(pl, task, w);
   else
     QTask(pl, task, w);
@@ -612,6 +661,53 @@ void row_dots(const BwdProblem& bp, int nt, std::vector<float>& D, int64_t d_row
 
 }  // namespace bwd
 
+namespace bwd {
+
+// Fused single pass or the two passes: fused when the (batch, kv head) tasks keep the threads busy
+// (the fraction of thread-rounds they fill, tasks / (ceil(tasks / threads) * threads), at least
+// 5 / 7: the two passes do 7 tile products to its 5 but split finer) and the per-thread fp32 dQ
+// of one group stays within kFusedDqBytes. IOATTN_CPU_BWD=fused / twopass forces one (an unknown
+// value is an error naming the variable).
+constexpr int64_t kFusedDqBytes = int64_t{256} << 20;
+
+BwdMode bwd_mode(const BwdProblem& bp, int nt) {
+  const FwdProblem& p = bp.f;
+  BwdMode m;
+  int64_t max_sq = 0;
+  for (int64_t b = 0; b < p.batch; ++b) max_sq = std::max(max_sq, seq_range(p, b).q_len);
+  const int64_t tasks = p.batch * p.heads_kv, threads = std::max<int64_t>(1, nt);
+  const int64_t rounds = (tasks + threads - 1) / threads;
+  const double fill = rounds > 0 ? static_cast<double>(tasks) / static_cast<double>(rounds * threads) : 0.0;
+  const int64_t dq_bytes = p.group() * max_sq * p.head_dim * 4 * std::min(threads, std::max<int64_t>(tasks, 1));
+  m.fused = tasks > 0 && fill * 7.0 >= 5.0 && dq_bytes <= kFusedDqBytes;
+  m.why = m.fused ? "fused single pass: " + std::to_string(tasks) + " (batch, kv head) tasks fill " +
+                        std::to_string(static_cast<int>(fill * 100 + 0.5)) + "% of " + std::to_string(threads) +
+                        " threads' rounds (5 tile products per block)"
+                  : "two passes (dK/dV over key blocks, dQ over query blocks; 7 tile products): " +
+                        std::string(tasks == 0 ? "no tasks"
+                                    : dq_bytes > kFusedDqBytes
+                                        ? "a fused dQ buffer of " + std::to_string(dq_bytes >> 20) + " MiB"
+                                        : std::to_string(tasks) + " (batch, kv head) tasks fill only " +
+                                              std::to_string(static_cast<int>(fill * 100 + 0.5)) + "% of " +
+                                              std::to_string(threads) + " threads' rounds");
+  if (const char* e = std::getenv("IOATTN_CPU_BWD")) {
+    const std::string v = e;
+    if (v == "fused" || v == "twopass") {
+      m.fused = v == "fused";
+      m.why = std::string(m.fused ? "fused single pass" : "two passes") + " (IOATTN_CPU_BWD=" + v + ")";
+    } else if (!v.empty()) {
+      throw Error("IOATTN_CPU_BWD", "ioattn: IOATTN_CPU_BWD must be fused or twopass, got '" + v + "'");
+    }
+  }
+  return m;
+}
+
+}  // namespace bwd
+
+std::string cpu_backward_mode(const BwdProblem& bp) {
+  return bwd::bwd_mode(bp, bp.f.num_threads > 0 ? bp.f.num_threads : cpu_max_threads()).why;
+}
+
 void cpu_flash_backward(const BwdProblem& bp) {
   using namespace bwd;
   const FwdProblem& p = bp.f;
@@ -632,32 +728,58 @@ void cpu_flash_backward(const BwdProblem& bp) {
       bp.dsinks[h] = static_cast<float>(acc);
     }
 
-  // Passes 1 and 2 in one task list (they are independent); heavier tasks of a head come first.
+  const BwdMode mode = bwd_mode(bp, nt);
   std::vector<Task> tasks;
+  int64_t max_sq = 0;
   for (int64_t b = 0; b < p.batch; ++b) {
     const SeqRange sr = seq_range(p, b);
+    max_sq = std::max(max_sq, sr.q_len);
+    if (mode.fused) {  // one task per (batch, kv head)
+      for (int64_t hk = 0; hk < hkv; ++hk)
+        if (sr.k_len > 0) tasks.push_back({b, hk, 0, true, true});
+      continue;
+    }
+    // Passes 1 and 2 in one task list (they are independent); heavier tasks of a head come first.
     for (int64_t hk = 0; hk < hkv; ++hk)
       for (int64_t c0 = 0; c0 < sr.k_len; c0 += kTileK) tasks.push_back({b, hk, c0, true});
     for (int64_t h = 0; h < hq; ++h)
       for (int64_t r0 = 0; r0 < sr.q_len; r0 += kTileQ) tasks.push_back({b, h, r0, false});
   }
+  if (mode.fused) {  // sequences with no keys: their dQ rows are 0 (no task covers them)
+    for (int64_t b = 0; b < p.batch; ++b) {
+      const SeqRange sr = seq_range(p, b);
+      if (sr.k_len > 0) continue;
+      for (int64_t h = 0; h < hq; ++h)
+        for (int64_t i = 0; i < sr.q_len; ++i)
+          for (int64_t x = 0; x < p.head_dim; ++x)
+            store_float(bp.dq, p.dtype,
+                        b * bp.dq_stride.batch + (sr.q_start + i) * bp.dq_stride.seq + h * bp.dq_stride.head + x, 0.0f);
+    }
+  }
   if (tasks.empty()) return;
 
   const int nthreads = static_cast<int>(std::min<int64_t>(nt, static_cast<int64_t>(tasks.size())));
   const int64_t ws_floats = workspace_floats(p.head_dim, p.head_dim_v);
-  std::vector<hwy::AlignedFreeUniquePtr<float[]>> ws(static_cast<size_t>(nthreads));
-  for (auto& w : ws) {
+  const int64_t dq_floats = mode.fused ? p.group() * max_sq * p.head_dim : 0;
+  std::vector<hwy::AlignedFreeUniquePtr<float[]>> ws(static_cast<size_t>(nthreads)), dqs(static_cast<size_t>(nthreads));
+  for (int i = 0; i < nthreads; ++i) {
+    auto& w = ws[static_cast<size_t>(i)];
     w = hwy::AllocateAligned<float>(static_cast<size_t>(ws_floats));
     if (!w) throw std::bad_alloc();
     std::memset(w.get(), 0, static_cast<size_t>(ws_floats) * sizeof(float));
+    if (dq_floats > 0) {
+      dqs[static_cast<size_t>(i)] = hwy::AllocateAligned<float>(static_cast<size_t>(dq_floats));
+      if (!dqs[static_cast<size_t>(i)]) throw std::bad_alloc();
+    }
   }
   HWY_DYNAMIC_DISPATCH(TargetName)();  // picks the SIMD target once, before the threads start
   const int64_t ntasks = static_cast<int64_t>(tasks.size());
 #pragma omp parallel num_threads(nthreads)
   {
-    float* mine = ws[static_cast<size_t>(omp_get_thread_num())].get();
+    const size_t me = static_cast<size_t>(omp_get_thread_num());
 #pragma omp for schedule(dynamic, 1)
-    for (int64_t it = 0; it < ntasks; ++it) HWY_DYNAMIC_DISPATCH(RunTask)(pl, tasks[static_cast<size_t>(it)], mine);
+    for (int64_t it = 0; it < ntasks; ++it)
+      HWY_DYNAMIC_DISPATCH(RunTask)(pl, tasks[static_cast<size_t>(it)], ws[me].get(), dqs[me].get());
   }
 }
 
