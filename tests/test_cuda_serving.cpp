@@ -932,6 +932,46 @@ TEST(CudaDecodeCachePrefill, OutOfRangeLengthsAndPagesGiveNaNForThatSequenceOnly
   }
 }
 
+// IOATTN_PREFILL_8BIT=staged (8-bit codes by cp.async into a staging buffer, converted after the
+// wait) against the default register path: the same converted tiles, so the same bits; the kernel
+// choice says which ran; a bad value is an error naming the variable.
+TEST(CudaDecodeCachePrefill, StagedEightBitTilesEqualRegisterPathBitwise) {
+  SKIP_WITHOUT_GPU();
+  int ran = 0;
+  for (const Spec& c : cuda_prefill_cases()) {
+    if (c.cache != DType::f8e4m3 && c.cache != DType::i8) continue;
+    const Values vals = make_values(c, 17);
+    Built regs(c, vals), staged(c, vals);
+    KernelChoice kr, ks;
+    {
+      ScopedEnv e("IOATTN_PREFILL_8BIT", nullptr);
+      kr = regs.run();
+    }
+    {
+      ScopedEnv e("IOATTN_PREFILL_8BIT", "staged");
+      ks = staged.run();
+    }
+    EXPECT_EQ(kr.reason.find("staged by cp.async"), std::string::npos) << kr.reason;
+    EXPECT_NE(ks.reason.find("staged by cp.async"), std::string::npos) << c.name << ": " << ks.reason;
+    EXPECT_TRUE(bitwise_equal(regs.outputs(), staged.outputs()))
+        << c.name << ": max diff " << max_diff(regs.outputs(), staged.outputs());
+    ++ran;
+  }
+  EXPECT_GE(ran, 4);
+  ScopedEnv e("IOATTN_PREFILL_8BIT", "sometimes");
+  for (const Spec& s : cuda_prefill_cases()) {
+    if (s.cache != DType::f8e4m3) continue;
+    Built b8(s, make_values(s, 1));
+    try {
+      b8.run();
+      FAIL() << "IOATTN_PREFILL_8BIT=sometimes accepted";
+    } catch (const Error& err) {
+      EXPECT_EQ(err.argument(), "IOATTN_PREFILL_8BIT") << err.what();
+    }
+    break;
+  }
+}
+
 // A shape the CUDA kernel does not take (f32 q) is a clear error naming q, and nothing is written.
 TEST(CudaDecodeCachePrefill, UnsupportedShapeIsAClearError) {
   SKIP_WITHOUT_GPU();

@@ -770,6 +770,11 @@ if want prefill && [[ -x $BUILD/test_cuda_serving ]]; then
     ${GPU_CHECK_PREFILL_ARGS:---batch 1,4 --kv 4096,16384 --pages 0,16 --caches bf16,f8e4m3} \
     >"$OUT/prefill.log" 2>&1
   note "prefill bench rc=$?  $(( $(stamp) - t0 )) s  (prefill.log, prefill.json)"
+  # The staged 8-bit tiles (IOATTN_PREFILL_8BIT=staged; kernel names end in "8bit-staged"), same grid.
+  IOATTN_PREFILL_8BIT=staged timeout 300 "$BUILD/ioattn_cuda_decode_bench" --seqlen-q 512 --copy 0 \
+    ${GPU_CHECK_PREFILL_ARGS:---batch 1,4 --kv 4096,16384 --pages 0,16 --caches f8e4m3} \
+    >>"$OUT/prefill.log" 2>&1
+  note "prefill staged rc=$?"
   grep '^{' "$OUT/prefill.log" >"$OUT/prefill.json"
   python3 - "$OUT/prefill.json" <<'PY' | tee -a "$SUMMARY"
 import json, sys
@@ -782,7 +787,9 @@ for r in rows:
         continue
     p = peer.get(key(r))
     ratio = r["tflops"] / p["tflops"] if p and p["tflops"] > 0 else float("nan")
-    print("  %d %d %d %s %d | %.1f | %s | %.2f" % (*key(r), r["tflops"], "%.1f" % p["tflops"] if p else "-", ratio))
+    tag = " staged" if "8bit-staged" in r.get("kernel", "") else ""
+    print("  %d %d %d %s%s %d | %.1f | %s | %.2f" % (r["batch"], r["kv_len"], r["page_size"], r["cache"], tag, r["causal"],
+                                                 r["tflops"], "%.1f" % p["tflops"] if p else "-", ratio))
 PY
 fi
 

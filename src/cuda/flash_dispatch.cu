@@ -9,6 +9,8 @@
 #include <algorithm>
 #include <array>
 #include <climits>
+#include <cstdlib>
+#include <cstring>
 #include <string>
 #include <vector>
 
@@ -168,8 +170,18 @@ int cache_kind(DType cache) { return cache == DType::f8e4m3 ? 1 : cache == DType
 
 struct CachePick {
   const FlashCacheKernelInfo* info = nullptr;
+  bool staged = false;  // 8-bit tiles staged by cp.async (IOATTN_PREFILL_8BIT=staged)
   detail::CudaSelection sel;
 };
+
+// IOATTN_PREFILL_8BIT: "regs" (default: 8-bit codes loaded to registers, converted, stored) or
+// "staged" (cp.async into a staging buffer, converted after the wait); anything else is an error.
+bool prefill_8bit_staged() {
+  const char* e = std::getenv("IOATTN_PREFILL_8BIT");
+  if (e == nullptr || *e == '\0' || std::strcmp(e, "regs") == 0) return false;
+  if (std::strcmp(e, "staged") == 0) return true;
+  throw Error("IOATTN_PREFILL_8BIT", std::string("ioattn: IOATTN_PREFILL_8BIT must be regs or staged, got '") + e + "'");
+}
 
 CachePick pick_cache(const detail::FwdProblem& p, int arch) {
   CachePick r;
@@ -212,30 +224,44 @@ CachePick pick_cache(const detail::FwdProblem& p, int arch) {
     }
   const int64_t m_blocks = (p.seqlen_q + info->block_m - 1) / info->block_m;
   if (m_blocks * p.heads_q * p.batch > INT_MAX) return no("query blocks x heads x batch exceeds the 2^31-1 grid limit");
+  // Staged 8-bit tiles on request, where the code rows allow 16-byte copies.
+  std::string staged_note;
+  if (eight && prefill_8bit_staged()) {
+    const bool ok16 = aligned(p.k, 16) && aligned(p.v, 16) && p.head_dim % 16 == 0 &&
+                      p.k_stride.batch % 16 == 0 && p.k_stride.seq % 16 == 0 && p.k_stride.head % 16 == 0 &&
+                      p.v_stride.batch % 16 == 0 && p.v_stride.seq % 16 == 0 && p.v_stride.head % 16 == 0;
+    r.staged = ok16;
+    staged_note = ok16 ? "; 8-bit tiles staged by cp.async, converted after the wait (IOATTN_PREFILL_8BIT=staged)"
+                       : "; IOATTN_PREFILL_8BIT=staged not applicable (needs 16-byte aligned code rows and "
+                         "head_dim % 16 == 0): codes through registers";
+  }
   DeviceGuard guard(p.device_index);
   cudaFuncAttributes attr{};
-  const void* kernel = info->kernels[p.dtype == DType::bf16 ? 0 : 1][cache_kind(p.kvt())];
+  const int qi = p.dtype == DType::bf16 ? 0 : 1;
+  const void* kernel = r.staged ? info->staged[qi][cache_kind(p.kvt()) - 1] : info->kernels[qi][cache_kind(p.kvt())];
   const cudaError_t e = cudaFuncGetAttributes(&attr, kernel);
   if (e != cudaSuccess) {
     cudaGetLastError();
     return no(std::string("no kernel image for this device in this build (") + cudaGetErrorString(e) + ")");
   }
   const int optin = device_smem_optin(p.device_index);
-  if (info->smem_bytes > static_cast<size_t>(optin))
-    return no("tile needs " + std::to_string(info->smem_bytes / 1024) + " KB of shared memory, the device allows " +
+  const size_t smem = r.staged ? info->smem_bytes_staged : info->smem_bytes;
+  if (smem > static_cast<size_t>(optin))
+    return no("tile needs " + std::to_string(smem / 1024) + " KB of shared memory, the device allows " +
               std::to_string(optin / 1024) + " KB");
   r.info = info;
   std::string name = "cuda/flash cache-prefill sm" + std::to_string(arch) + " mma.sync hdim" +
                      std::to_string(info->head_dim) + " tile " + std::to_string(info->block_m) + "x" +
-                     std::to_string(info->block_n) + " warps " + std::to_string(info->warps);
+                     std::to_string(info->block_n) + " warps " + std::to_string(info->warps) +
+                     (r.staged ? " 8bit-staged" : "");
   std::string reason = "the flash forward's hdim" + std::to_string(info->head_dim) +
                        " tile reading K / V through the cache (a shared-memory table of row offsets per key "
                        "block: any page size; lengths from cache_seqlens on the device)" +
                        std::string(eight ? "; 8-bit codes converted to exact 16-bit values on load, scales "
                                            "folded into the score scale and O"
                                          : "") +
-                       ", " + std::to_string(info->smem_bytes / 1024) + " KB smem, " + std::to_string(attr.numRegs) +
-                       " regs/thread";
+                       staged_note + ", " + std::to_string(smem / 1024) + " KB smem, " +
+                       std::to_string(attr.numRegs) + " regs/thread";
   if (info->head_dim != p.head_dim)
     reason += "; head_dim " + std::to_string(p.head_dim) + " runs zero-padded";
   r.sel = {name, reason};
@@ -294,7 +320,7 @@ void cuda_cache_prefill(const FwdProblem& p) {
   fp.kv_bound = static_cast<int>(p.kv_bound);
   fp.k_scale = p.k_descale.ptr;
   fp.v_scale = p.v_descale.ptr;
-  pk.info->launch(fp, p.dtype == DType::bf16, cuda::cache_kind(p.kvt()), static_cast<cudaStream_t>(p.stream));
+  pk.info->launch(fp, p.dtype == DType::bf16, cuda::cache_kind(p.kvt()), pk.staged, static_cast<cudaStream_t>(p.stream));
 }
 
 std::vector<std::string> cuda_compiled_kernels() {

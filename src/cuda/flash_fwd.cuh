@@ -31,7 +31,9 @@
 // K / V rows are addressed through a per-block table of byte offsets in shared memory (page from
 // the block table, slot), so any page size works and each row costs one shared load per copy.
 // 16-bit caches keep cp.async; 8-bit codes (e4m3, int8) are loaded to registers and stored as
-// exact bf16 / f16 values, their k_scale folded into the score scale and v_scale into O.
+// exact bf16 / f16 values (or, kStaged / IOATTN_PREFILL_8BIT=staged, copied by cp.async into a
+// staging buffer and converted after the wait), their k_scale folded into the score scale and
+// v_scale into O.
 //
 // History (H200, bf16, 16k tokens, hidden 2048; PyTorch SDPA flash = FA2 in the same run)
 //   1. FA2-style mma.sync kernel: padded smem, cp.async K/V ring, runtime mask/softcap/ALiBi/sink
@@ -253,22 +255,67 @@ __device__ __forceinline__ void load_cache_tile(uint32_t s_tile, const unsigned 
   }
 }
 
+// Staged 8-bit tiles (kStaged): the raw codes of a (kRows, kHeadDim) tile go by cp.async into a
+// staging buffer (rows of kHeadDim bytes), 16 codes per copy, so their global latency hides under
+// the tile products as the 16-bit loads' does; after the wait, each thread converts the chunks it
+// copied itself (its own completed copies are visible to it) into the tile, before the barrier
+// that publishes the tile. Needs 16-byte aligned code rows and d % 16 == 0 (the selector checks).
+template <class Tr, int kRows>
+__device__ __forceinline__ void load_codes_tile(uint32_t s_stage, const unsigned char* g, const int64_t* offs,
+                                                int rows, int d, int tid) {
+  constexpr int kCC = Tr::kHeadDim / 16;  // 16-code chunks per row
+  constexpr int kTotal = kRows * kCC;
+#pragma unroll 1
+  for (int idx = tid; idx < kTotal; idx += Tr::kThreads) {
+    const int r = idx / kCC, c = idx % kCC;
+    const bool ok = r < rows && c * 16 < d;
+    ptx::cp_async_16(s_stage + r * Tr::kHeadDim + c * 16, ok ? g + offs[r] + c * 16 : g, ok ? 16 : 0);
+  }
+}
+
+template <class Tr, int kRows, typename T, typename CT>
+__device__ __forceinline__ void convert_codes_tile(uint32_t s_tile, uint32_t s_stage, int tid) {
+  constexpr int kCC = Tr::kHeadDim / 16;
+  constexpr int kTotal = kRows * kCC;
+  constexpr int kRowBytes = Tr::kPitch * 2;
+#pragma unroll 1
+  for (int idx = tid; idx < kTotal; idx += Tr::kThreads) {
+    const int r = idx / kCC, c = idx % kCC;
+    const uint4 w = ptx::ld_shared_v4(s_stage + r * Tr::kHeadDim + c * 16);
+    const uint32_t dst = s_tile + r * kRowBytes + c * 32;  // tile chunks 2c, 2c + 1
+    ptx::st_shared_v4(dst, code2_to<CT, T>(w.x), code2_to<CT, T>(w.x >> 16), code2_to<CT, T>(w.y),
+                      code2_to<CT, T>(w.y >> 16));
+    ptx::st_shared_v4(dst + 16, code2_to<CT, T>(w.z), code2_to<CT, T>(w.z >> 16), code2_to<CT, T>(w.w),
+                      code2_to<CT, T>(w.w >> 16));
+  }
+}
+
 }  // namespace flash_detail
 
-// Shared-memory bytes of the KV-cache mode's row tables: stages + 1 slots of (K, V) byte offsets
-// for the kBlockN keys of a block (see flash_fwd_kernel).
+// Shared-memory bytes of the KV-cache mode beyond the tile: the row tables (stages + 1 slots of
+// (K, V) byte offsets for the kBlockN keys of a block; see flash_fwd_kernel) and, staged 8-bit
+// tiles, the codes of one K and one V tile per ring slot.
 template <class Tr>
 constexpr size_t cache_table_bytes() {
   return static_cast<size_t>(Tr::kStages + 1) * 2 * Tr::kBlockN * sizeof(int64_t);
 }
+template <class Tr>
+constexpr size_t cache_stage_bytes() {
+  return static_cast<size_t>(Tr::kStages) * 2 * Tr::kBlockN * Tr::kHeadDim;
+}
+
+
 
 // CT = void: the forward over contiguous / varlen K and V. CT = T (a 16-bit cache), serving::E4m3
-// or int8_t (8-bit codes): K and V read through a KV cache (FlashParams' cache fields).
-template <class Tr, typename T, typename CT = void>
+// or int8_t (8-bit codes): K and V read through a KV cache (FlashParams' cache fields); 8-bit
+// tiles through registers, or (kStaged) by cp.async into a staging buffer and converted after the
+// wait (flash_detail::load_codes_tile).
+template <class Tr, typename T, typename CT = void, bool kStaged = false>
 __global__ void __launch_bounds__(Tr::kThreads, Tr::kMinBlocksPerSm) flash_fwd_kernel(const FlashParams p) {
   using namespace ptx;
   constexpr bool kCache = !std::is_void_v<CT>;
   constexpr bool k8 = kCache && !std::is_same_v<CT, T>;  // 8-bit codes, converted to T on load
+  static_assert(!kStaged || k8, "staging is for 8-bit codes");
   static_assert(!kCache || std::is_same_v<CT, T> || flash_detail::kCacheBytes<CT> == 1, "cache dtype");
   constexpr int kM = Tr::kBlockM, kN = Tr::kBlockN, kD = Tr::kHeadDim;
   constexpr int kRowBytes = Tr::kPitch * 2;
@@ -348,6 +395,9 @@ __global__ void __launch_bounds__(Tr::kThreads, Tr::kMinBlocksPerSm) flash_fwd_k
   // iteration later), and slot j % (stages + 1) was last read by V(j - stages - 1), issued before.
   constexpr int kTabSlots = Tr::kStages + 1;
   [[maybe_unused]] int64_t* tab = reinterpret_cast<int64_t*>(smem + (kM + 2 * stages * kN) * kRowBytes);
+  // (kStaged: the codes of K slot s at sStage + s * kN * kHeadDim, V's after the K slots)
+  [[maybe_unused]] const uint32_t sStage = sQ + (kM + 2 * stages * kN) * kRowBytes + kTabSlots * 2 * kN * 8;
+  [[maybe_unused]] const uint32_t sStageV = sStage + stages * kN * kD;
   [[maybe_unused]] const unsigned char* cK = nullptr;
   [[maybe_unused]] const unsigned char* cV = nullptr;
   if constexpr (kCache) {
@@ -384,7 +434,10 @@ __global__ void __launch_bounds__(Tr::kThreads, Tr::kMinBlocksPerSm) flash_fwd_k
   auto load_k = [&](int it, int slot) {
     if (it < n_blocks) {
       const int n0 = (nb_top - it) * kN;
-      if constexpr (kCache)
+      if constexpr (kStaged)
+        flash_detail::load_codes_tile<Tr, kN>(sStage + slot * kN * kD, cK, tab + (it % kTabSlots) * 2 * kN, sk - n0,
+                                              p.head_dim, tid);
+      else if constexpr (kCache)
         flash_detail::load_cache_tile<Tr, kN, T, CT>(sK + slot * kN * kRowBytes, cK, tab + (it % kTabSlots) * 2 * kN,
                                                      sk - n0, p.head_dim, tid);
       else
@@ -396,7 +449,10 @@ __global__ void __launch_bounds__(Tr::kThreads, Tr::kMinBlocksPerSm) flash_fwd_k
   auto load_v = [&](int it, int slot) {
     if (it < n_blocks) {
       const int n0 = (nb_top - it) * kN;
-      if constexpr (kCache)
+      if constexpr (kStaged)
+        flash_detail::load_codes_tile<Tr, kN>(sStageV + slot * kN * kD, cV, tab + (it % kTabSlots) * 2 * kN + kN,
+                                              sk - n0, p.head_dim, tid);
+      else if constexpr (kCache)
         flash_detail::load_cache_tile<Tr, kN, T, CT>(sV + slot * kN * kRowBytes, cV,
                                                      tab + (it % kTabSlots) * 2 * kN + kN, sk - n0, p.head_dim, tid);
       else
@@ -454,6 +510,8 @@ __global__ void __launch_bounds__(Tr::kThreads, Tr::kMinBlocksPerSm) flash_fwd_k
     const int stage = it & (stages - 1);  // ring slot of block it (stages is 1 or 2)
     const int n0 = (nb_top - it) * kN;
     flash_detail::wait_kv<stages>();  // K(it) (and Q) landed
+    if constexpr (kStaged)  // this thread's K(it) codes -> the tile (published by the barrier below)
+      flash_detail::convert_codes_tile<Tr, kN, T, CT>(sK + stage * kN * kRowBytes, sStage + stage * kN * kD, tid);
     __syncthreads();
     if constexpr (Tr::kQInRegs) {
       if (it == 0) {
@@ -597,6 +655,8 @@ __global__ void __launch_bounds__(Tr::kThreads, Tr::kMinBlocksPerSm) flash_fwd_k
       }
 
     flash_detail::wait_kv<stages>();  // V(it) landed; every warp is done with K(it)
+    if constexpr (kStaged)  // this thread's V(it) codes -> the tile (published by the barrier below)
+      flash_detail::convert_codes_tile<Tr, kN, T, CT>(sV + stage * kN * kRowBytes, sStageV + stage * kN * kD, tid);
     __syncthreads();
     load_k(it + stages, stage);  // slot of block it, just consumed
 

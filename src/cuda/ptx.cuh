@@ -66,6 +66,15 @@ __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
 }
 
+// ld.shared.v4.b32: 16 bytes of shared memory (src 16-byte aligned) into registers, a..d from
+// increasing addresses. The forward's staged 8-bit cache tiles read their raw codes with it.
+__device__ __forceinline__ uint4 ld_shared_v4(uint32_t src_smem) {
+  uint4 r;
+  asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n" : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "r"(src_smem)
+               : "memory");
+  return r;
+}
+
 // st.shared.v4.b32: 16 bytes from registers to shared memory (dst 16-byte aligned); a, b, c, d
 // land at increasing addresses. The forward's 8-bit cache tiles are stored with it after their
 // codes are converted in registers (cp.async cannot convert).
