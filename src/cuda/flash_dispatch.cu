@@ -236,6 +236,13 @@ CachePick pick_cache(const detail::FwdProblem& p, int arch) {
                          "head_dim % 16 == 0): codes through registers";
   }
   DeviceGuard guard(p.device_index);
+  const int optin = device_smem_optin(p.device_index);
+  if (r.staged && info->smem_bytes_staged > static_cast<size_t>(optin)) {  // (sm_80 at hdim 256)
+    r.staged = false;
+    staged_note = "; IOATTN_PREFILL_8BIT=staged not applicable (its staging buffers need " +
+                  std::to_string(info->smem_bytes_staged / 1024) + " KB of shared memory, the device allows " +
+                  std::to_string(optin / 1024) + " KB): codes through registers";
+  }
   cudaFuncAttributes attr{};
   const int qi = p.dtype == DType::bf16 ? 0 : 1;
   const void* kernel = r.staged ? info->staged[qi][cache_kind(p.kvt()) - 1] : info->kernels[qi][cache_kind(p.kvt())];
@@ -244,7 +251,6 @@ CachePick pick_cache(const detail::FwdProblem& p, int arch) {
     cudaGetLastError();
     return no(std::string("no kernel image for this device in this build (") + cudaGetErrorString(e) + ")");
   }
-  const int optin = device_smem_optin(p.device_index);
   const size_t smem = r.staged ? info->smem_bytes_staged : info->smem_bytes;
   if (smem > static_cast<size_t>(optin))
     return no("tile needs " + std::to_string(smem / 1024) + " KB of shared memory, the device allows " +
@@ -335,7 +341,7 @@ std::vector<std::string> cuda_compiled_kernels() {
   rows.push_back("cuda/flash-backward sm90 wgmma bf16/f16 hdim 64/128 (dQ by TMA reduce-add) and 256 (dQ by a second "
                  "wgmma pass, no atomics), deterministic too (in sm_90a images)");
   rows.push_back("cuda/flash cache-prefill mma.sync bf16/f16 hdim 64/128/256 over bf16/f16/f8e4m3/i8 caches, paged or "
-                 "contiguous (decode() with more than 16 query rows)");
+                 "contiguous (decode() with more than 16 query rows; 8-bit tiles also staged: IOATTN_PREFILL_8BIT)");
   rows.push_back("cuda/decode split-KV mma.sync (bf16/f16 hdim 64/128/256) and fma (any dtype incl. f8e4m3/i8 KV), paged or contiguous");
   rows.push_back("cuda/naive cublas f32/f16/bf16 any head_dim (S fp32 and P materialised in HBM)");
   return rows;

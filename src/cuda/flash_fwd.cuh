@@ -304,8 +304,6 @@ constexpr size_t cache_stage_bytes() {
   return static_cast<size_t>(Tr::kStages) * 2 * Tr::kBlockN * Tr::kHeadDim;
 }
 
-
-
 // CT = void: the forward over contiguous / varlen K and V. CT = T (a 16-bit cache), serving::E4m3
 // or int8_t (8-bit codes): K and V read through a KV cache (FlashParams' cache fields); 8-bit
 // tiles through registers, or (kStaged) by cp.async into a staging buffer and converted after the
