@@ -35,19 +35,50 @@ constexpr int kVecElems = 8;  // cp.async moves 16 bytes = 8 f16/bf16 elements
 
 bool aligned(const void* ptr, size_t bytes) { return reinterpret_cast<uintptr_t>(ptr) % bytes == 0; }
 
-// Strides that matter (dims of size > 1) must be multiples of `elems`.
+// Strides that matter (dims of extent > 1) must be multiples of `elems`.
+bool strides_ok(const detail::Strides3& s, int64_t n_batch, int64_t n_seq, int64_t n_head, int64_t elems) {
+  return (n_batch <= 1 || s.batch % elems == 0) && (n_seq <= 1 || s.seq % elems == 0) &&
+         (n_head <= 1 || s.head % elems == 0);
+}
+// The forward's tensors: varlen rows are packed along seq (the batch stride is unused).
 bool strides_ok(const detail::Strides3& s, const detail::FwdProblem& p, int64_t seqlen, int64_t heads,
                 int64_t elems) {
-  if (!p.varlen() && p.batch > 1 && s.batch % elems != 0) return false;
-  if ((seqlen > 1 || p.varlen()) && s.seq % elems != 0) return false;
-  if (heads > 1 && s.head % elems != 0) return false;
-  return true;
+  return p.varlen() ? strides_ok(s, 1, 2, heads, elems) : strides_ok(s, p.batch, seqlen, heads, elems);
 }
 
 int device_smem_optin(int device) {
   int bytes = 0;
   IOATTN_CUDA_CHECK(cudaDeviceGetAttribute(&bytes, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
   return bytes;
+}
+
+// What every mma.sync forward instance needs of the problem: sm80+, f16 / bf16 inputs, head_dim ==
+// head_dim_v, a multiple of 8 up to 256. "" when it has it, else why not.
+std::string mma_shape_refusal(const detail::FwdProblem& p, int arch) {
+  if (arch < 80)
+    return "the mma.sync kernel needs sm80+ (bf16 mma, cp.async, ldmatrix); device is sm" + std::to_string(arch);
+  if (p.dtype != DType::f16 && p.dtype != DType::bf16)
+    return std::string("the tensor-core kernel takes f16 or bf16 inputs, got ") + dtype_name(p.dtype);
+  if (p.head_dim != p.head_dim_v)
+    return "head_dim_v (" + std::to_string(p.head_dim_v) + ") must equal head_dim (" + std::to_string(p.head_dim) +
+           ")";
+  if (p.head_dim % kVecElems != 0 || p.head_dim > kMaxHeadDim)
+    return "head_dim must be a multiple of 8 and at most 256, got " + std::to_string(p.head_dim);
+  return "";
+}
+
+// The chosen instance on this device: its image (attr: its registers) and its shared memory
+// against the opt-in limit. "" when it can run, else why not.
+std::string instance_refusal(const void* kernel, size_t smem, int optin, cudaFuncAttributes* attr) {
+  const cudaError_t e = cudaFuncGetAttributes(attr, kernel);
+  if (e != cudaSuccess) {
+    cudaGetLastError();
+    return std::string("no kernel image for this device in this build (") + cudaGetErrorString(e) + ")";
+  }
+  if (smem > static_cast<size_t>(optin))
+    return "tile needs " + std::to_string(smem / 1024) + " KB of shared memory, the device allows " +
+           std::to_string(optin / 1024) + " KB";
+  return "";
 }
 
 struct Pick {
@@ -61,16 +92,7 @@ Pick pick(const detail::FwdProblem& p, int arch) {
     r.sel = {"", std::move(why)};
     return r;
   };
-  if (arch < 80)
-    return no("the mma.sync kernel needs sm80+ (bf16 mma, cp.async, ldmatrix); device is sm" +
-              std::to_string(arch));
-  if (p.dtype != DType::f16 && p.dtype != DType::bf16)
-    return no(std::string("the tensor-core kernel takes f16 or bf16 inputs, got ") + dtype_name(p.dtype));
-  if (p.head_dim != p.head_dim_v)
-    return no("head_dim_v (" + std::to_string(p.head_dim_v) + ") must equal head_dim (" +
-              std::to_string(p.head_dim) + ")");
-  if (p.head_dim % kVecElems != 0 || p.head_dim > kMaxHeadDim)
-    return no("head_dim must be a multiple of 8 and at most 256, got " + std::to_string(p.head_dim));
+  if (std::string why = mma_shape_refusal(p, arch); !why.empty()) return no(why);
   if (!aligned(p.q, 16) || !aligned(p.k, 16) || !aligned(p.v, 16) || !aligned(p.o, 16))
     return no("q, k, v and o must be 16-byte aligned (16-byte vector loads/stores)");
   if (!strides_ok(p.q_stride, p, p.seqlen_q, p.heads_q, kVecElems) ||
@@ -93,17 +115,11 @@ Pick pick(const detail::FwdProblem& p, int arch) {
 
   DeviceGuard guard(p.device_index);
   cudaFuncAttributes attr{};
-  const void* kernel = p.dtype == DType::bf16 ? info->kernel_bf16 : info->kernel_f16;
-  const cudaError_t e = cudaFuncGetAttributes(&attr, kernel);
-  if (e != cudaSuccess) {
-    cudaGetLastError();
-    return no(std::string("no kernel image for this device in this build (") + cudaGetErrorString(e) + ")");
-  }
-  const int optin = device_smem_optin(p.device_index);
   const size_t smem = info->smem_bytes;
-  if (smem > static_cast<size_t>(optin))
-    return no("tile needs " + std::to_string(smem / 1024) + " KB of shared memory, the device allows " +
-              std::to_string(optin / 1024) + " KB");
+  if (std::string why = instance_refusal(p.dtype == DType::bf16 ? info->kernel_bf16 : info->kernel_f16, smem,
+                                         device_smem_optin(p.device_index), &attr);
+      !why.empty())
+    return no(why);
   r.info = info;
   std::string name = "cuda/flash sm" + std::to_string(arch) + " mma.sync " + dtype_name(p.dtype) + " hdim" +
                      std::to_string(info->head_dim);
@@ -189,30 +205,20 @@ CachePick pick_cache(const detail::FwdProblem& p, int arch) {
     r.sel = {"", std::move(why)};
     return r;
   };
-  if (arch < 80)
-    return no("the mma.sync kernel needs sm80+ (bf16 mma, cp.async, ldmatrix); device is sm" + std::to_string(arch));
-  if (p.dtype != DType::f16 && p.dtype != DType::bf16)
-    return no(std::string("the tensor-core kernel takes f16 or bf16 queries, got ") + dtype_name(p.dtype));
+  if (std::string why = mma_shape_refusal(p, arch); !why.empty()) return no(why);
   const bool eight = p.kvt() == DType::f8e4m3 || p.kvt() == DType::i8;
   if (!eight && p.kvt() != p.dtype)
     return no(std::string("the cache must hold q's dtype or 8-bit codes, got ") + dtype_name(p.kvt()));
-  if (p.head_dim != p.head_dim_v)
-    return no("head_dim_v (" + std::to_string(p.head_dim_v) + ") must equal head_dim (" + std::to_string(p.head_dim) +
-              ")");
-  if (p.head_dim % kVecElems != 0 || p.head_dim > kMaxHeadDim)
-    return no("head_dim must be a multiple of 8 and at most 256, got " + std::to_string(p.head_dim));
   const size_t cache_align = eight ? 8 : 16;  // 8 codes or 8 elements per copy
   if (!aligned(p.q, 16) || !aligned(p.o, 16) || !aligned(p.k, cache_align) || !aligned(p.v, cache_align))
     return no("q and o must be 16-byte aligned and the caches " + std::to_string(cache_align) +
               "-byte aligned (vector loads / stores)");
   // (cache strides: batch = the page stride over num_pages pages, seq = the slot stride)
   const int64_t pages = p.block_table != nullptr ? p.num_pages : p.batch;
-  auto mult = [](int64_t stride, int64_t extent) { return extent <= 1 || stride % kVecElems == 0; };
-  auto ok3 = [&](const detail::Strides3& st, int64_t n0, int64_t n1, int64_t n2) {
-    return mult(st.batch, n0) && mult(st.seq, n1) && mult(st.head, n2);
-  };
-  if (!ok3(p.q_stride, p.batch, p.seqlen_q, p.heads_q) || !ok3(p.o_stride, p.batch, p.seqlen_q, p.heads_q) ||
-      !ok3(p.k_stride, pages, p.page_size, p.heads_kv) || !ok3(p.v_stride, pages, p.page_size, p.heads_kv))
+  if (!strides_ok(p.q_stride, p, p.seqlen_q, p.heads_q, kVecElems) ||
+      !strides_ok(p.o_stride, p, p.seqlen_q, p.heads_q, kVecElems) ||
+      !strides_ok(p.k_stride, pages, p.page_size, p.heads_kv, kVecElems) ||
+      !strides_ok(p.v_stride, pages, p.page_size, p.heads_kv, kVecElems))
     return no("q / o / cache strides must be multiples of 8 elements (vector loads / stores)");
   if (p.seqlen_q + p.kv_bound >= (int64_t{1} << 30))
     return no("seqlen_q + the cache capacity must be below 2^30 (32-bit positions in the kernel)");
@@ -246,15 +252,8 @@ CachePick pick_cache(const detail::FwdProblem& p, int arch) {
   cudaFuncAttributes attr{};
   const int qi = p.dtype == DType::bf16 ? 0 : 1;
   const void* kernel = r.staged ? info->staged[qi][cache_kind(p.kvt()) - 1] : info->kernels[qi][cache_kind(p.kvt())];
-  const cudaError_t e = cudaFuncGetAttributes(&attr, kernel);
-  if (e != cudaSuccess) {
-    cudaGetLastError();
-    return no(std::string("no kernel image for this device in this build (") + cudaGetErrorString(e) + ")");
-  }
   const size_t smem = r.staged ? info->smem_bytes_staged : info->smem_bytes;
-  if (smem > static_cast<size_t>(optin))
-    return no("tile needs " + std::to_string(smem / 1024) + " KB of shared memory, the device allows " +
-              std::to_string(optin / 1024) + " KB");
+  if (std::string why = instance_refusal(kernel, smem, optin, &attr); !why.empty()) return no(why);
   r.info = info;
   std::string name = "cuda/flash cache-prefill sm" + std::to_string(arch) + " mma.sync hdim" +
                      std::to_string(info->head_dim) + " tile " + std::to_string(info->block_m) + "x" +

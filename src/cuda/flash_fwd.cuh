@@ -208,6 +208,13 @@ __device__ __forceinline__ uint32_t code2_to(uint32_t w) {
   }
 }
 
+// Eight 8-bit codes (lo: the lower four addresses) -> eight T values, one 16-byte tile chunk at dst.
+template <typename CT, typename T>
+__device__ __forceinline__ void store_codes8(uint32_t dst, uint32_t lo, uint32_t hi) {
+  ptx::st_shared_v4(dst, code2_to<CT, T>(lo), code2_to<CT, T>(lo >> 16), code2_to<CT, T>(hi),
+                    code2_to<CT, T>(hi >> 16));
+}
+
 // One (kRows, kHeadDim) K or V tile of the cache: row r from byte offset offs[r] of g (the
 // shared-memory row table, below), columns [0, d); rows >= `rows` and columns >= d are zero.
 // 16-bit caches: cp.async 16-byte chunks, as load_tile. 8-bit caches: 8 codes per chunk through
@@ -248,8 +255,7 @@ __device__ __forceinline__ void load_cache_tile(uint32_t s_tile, const unsigned 
       for (int i = 0; i < kBatch; ++i) {
         const int idx = tid + (i0 + i) * Tr::kThreads;
         const int r = idx / kChunks, c = idx % kChunks;
-        ptx::st_shared_v4(s_tile + r * kRowBytes + c * 16, code2_to<CT, T>(w[i].x), code2_to<CT, T>(w[i].x >> 16),
-                          code2_to<CT, T>(w[i].y), code2_to<CT, T>(w[i].y >> 16));
+        store_codes8<CT, T>(s_tile + r * kRowBytes + c * 16, w[i].x, w[i].y);
       }
     }
   }
@@ -283,10 +289,8 @@ __device__ __forceinline__ void convert_codes_tile(uint32_t s_tile, uint32_t s_s
     const int r = idx / kCC, c = idx % kCC;
     const uint4 w = ptx::ld_shared_v4(s_stage + r * Tr::kHeadDim + c * 16);
     const uint32_t dst = s_tile + r * kRowBytes + c * 32;  // tile chunks 2c, 2c + 1
-    ptx::st_shared_v4(dst, code2_to<CT, T>(w.x), code2_to<CT, T>(w.x >> 16), code2_to<CT, T>(w.y),
-                      code2_to<CT, T>(w.y >> 16));
-    ptx::st_shared_v4(dst + 16, code2_to<CT, T>(w.z), code2_to<CT, T>(w.z >> 16), code2_to<CT, T>(w.w),
-                      code2_to<CT, T>(w.w >> 16));
+    store_codes8<CT, T>(dst, w.x, w.y);
+    store_codes8<CT, T>(dst + 16, w.z, w.w);
   }
 }
 
