@@ -143,6 +143,7 @@ inline SeqRange seq_range(const FwdProblem& p, int64_t b) {
 
 struct BwdMode {
   bool fused = false;
+  int64_t dq_floats = 0;  // fused: the per-thread fp32 dQ of one group, [group, longest seqlen_q, d]
   std::string why;
 };
 
@@ -678,18 +679,19 @@ BwdMode bwd_mode(const BwdProblem& bp, int nt) {
   const int64_t tasks = p.batch * p.heads_kv, threads = std::max<int64_t>(1, nt);
   const int64_t rounds = (tasks + threads - 1) / threads;
   const double fill = rounds > 0 ? static_cast<double>(tasks) / static_cast<double>(rounds * threads) : 0.0;
-  const int64_t dq_bytes = p.group() * max_sq * p.head_dim * 4 * std::min(threads, std::max<int64_t>(tasks, 1));
+  const int64_t dq_floats = p.group() * max_sq * p.head_dim;
+  const int64_t dq_bytes = dq_floats * 4 * std::min(threads, std::max<int64_t>(tasks, 1));
   m.fused = tasks > 0 && fill * 7.0 >= 5.0 && dq_bytes <= kFusedDqBytes;
-  m.why = m.fused ? "fused single pass: " + std::to_string(tasks) + " (batch, kv head) tasks fill " +
-                        std::to_string(static_cast<int>(fill * 100 + 0.5)) + "% of " + std::to_string(threads) +
-                        " threads' rounds (5 tile products per block)"
-                  : "two passes (dK/dV over key blocks, dQ over query blocks; 7 tile products): " +
-                        std::string(tasks == 0 ? "no tasks"
-                                    : dq_bytes > kFusedDqBytes
-                                        ? "a fused dQ buffer of " + std::to_string(dq_bytes >> 20) + " MiB"
-                                        : std::to_string(tasks) + " (batch, kv head) tasks fill only " +
-                                              std::to_string(static_cast<int>(fill * 100 + 0.5)) + "% of " +
-                                              std::to_string(threads) + " threads' rounds");
+  const std::string share = std::to_string(static_cast<int>(fill * 100 + 0.5)) + "% of " + std::to_string(threads) +
+                            " threads' rounds";
+  const std::string tasks_s = std::to_string(tasks) + " (batch, kv head) tasks fill ";
+  if (m.fused)
+    m.why = "fused single pass: " + tasks_s + share + " (5 tile products per block)";
+  else
+    m.why = "two passes (dK/dV over key blocks, dQ over query blocks; 7 tile products): " +
+            (tasks == 0                  ? std::string("no tasks")
+             : dq_bytes > kFusedDqBytes ? "a fused dQ buffer of " + std::to_string(dq_bytes >> 20) + " MiB"
+                                         : tasks_s + "only " + share);
   if (const char* e = std::getenv("IOATTN_CPU_BWD")) {
     const std::string v = e;
     if (v == "fused" || v == "twopass") {
@@ -699,6 +701,7 @@ BwdMode bwd_mode(const BwdProblem& bp, int nt) {
       throw Error("IOATTN_CPU_BWD", "ioattn: IOATTN_CPU_BWD must be fused or twopass, got '" + v + "'");
     }
   }
+  if (m.fused) m.dq_floats = dq_floats;
   return m;
 }
 
@@ -730,10 +733,8 @@ void cpu_flash_backward(const BwdProblem& bp) {
 
   const BwdMode mode = bwd_mode(bp, nt);
   std::vector<Task> tasks;
-  int64_t max_sq = 0;
   for (int64_t b = 0; b < p.batch; ++b) {
     const SeqRange sr = seq_range(p, b);
-    max_sq = std::max(max_sq, sr.q_len);
     if (mode.fused) {  // one task per (batch, kv head)
       for (int64_t hk = 0; hk < hkv; ++hk)
         if (sr.k_len > 0) tasks.push_back({b, hk, 0, true, true});
@@ -760,7 +761,7 @@ void cpu_flash_backward(const BwdProblem& bp) {
 
   const int nthreads = static_cast<int>(std::min<int64_t>(nt, static_cast<int64_t>(tasks.size())));
   const int64_t ws_floats = workspace_floats(p.head_dim, p.head_dim_v);
-  const int64_t dq_floats = mode.fused ? p.group() * max_sq * p.head_dim : 0;
+  const int64_t dq_floats = mode.dq_floats;
   std::vector<hwy::AlignedFreeUniquePtr<float[]>> ws(static_cast<size_t>(nthreads)), dqs(static_cast<size_t>(nthreads));
   for (int i = 0; i < nthreads; ++i) {
     auto& w = ws[static_cast<size_t>(i)];
