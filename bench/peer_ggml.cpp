@@ -85,6 +85,20 @@ struct GgmlRunner {
   void operator()() { ggml_graph_compute(gf, &plan); }
 };
 
+// count uniform values in [-1, 1), rounded to f16 once so f16 and f32 copies hold the same numbers.
+std::vector<float> f16_values(std::mt19937_64& rng, int64_t count) {
+  std::uniform_real_distribution<float> U(-1.0f, 1.0f);
+  std::vector<float> x(static_cast<size_t>(count));
+  for (float& e : x) e = ioattn::detail::f16_to_float(ioattn::detail::float_to_f16(U(rng)));
+  return x;
+}
+
+std::vector<uint16_t> to_f16(const std::vector<float>& x) {
+  std::vector<uint16_t> y(x.size());
+  for (size_t i = 0; i < x.size(); ++i) y[i] = ioattn::detail::float_to_f16(x[i]);
+  return y;
+}
+
 struct Shape {
   int64_t heads, heads_kv, seq, d;
   bool causal;
@@ -95,15 +109,9 @@ struct Shape {
 void run(const Shape& s, int threads, int repeats) {
   const int64_t h = s.heads, hk = s.heads_kv, n = s.seq, d = s.d;
   std::mt19937_64 rng(1234);
-  std::uniform_real_distribution<float> U(-1.0f, 1.0f);
-  // Logical values [heads][seq][d] (q) and [heads_kv][seq][d] (k, v), rounded to f16 once so the
-  // f16 and f32 inputs hold the same numbers.
-  auto values = [&](int64_t count) {
-    std::vector<float> x(static_cast<size_t>(count));
-    for (float& e : x) e = ioattn::detail::f16_to_float(ioattn::detail::float_to_f16(U(rng)));
-    return x;
-  };
-  const std::vector<float> qv = values(h * n * d), kv = values(hk * n * d), vv = values(hk * n * d);
+  // Logical values [heads][seq][d] (q) and [heads_kv][seq][d] (k, v).
+  const std::vector<float> qv = f16_values(rng, h * n * d), kv = f16_values(rng, hk * n * d),
+                           vv = f16_values(rng, hk * n * d);
   const float scale = 1.0f / std::sqrt(static_cast<float>(d));
 
   // ---- ggml ----
@@ -143,12 +151,7 @@ void run(const Shape& s, int threads, int repeats) {
     return y;
   };
   const std::vector<float> q32 = bshd(qv, h), k32 = bshd(kv, hk), v32 = bshd(vv, hk);
-  auto to16 = [](const std::vector<float>& x) {
-    std::vector<uint16_t> y(x.size());
-    for (size_t i = 0; i < x.size(); ++i) y[i] = ioattn::detail::float_to_f16(x[i]);
-    return y;
-  };
-  std::vector<uint16_t> q16 = to16(q32), k16 = to16(k32), v16 = to16(v32), o16(q16.size());
+  std::vector<uint16_t> q16 = to_f16(q32), k16 = to_f16(k32), v16 = to_f16(v32), o16(q16.size());
   std::vector<float> o32(q32.size());
   ioattn::AttnParams prm;
   prm.causal = s.causal;
@@ -231,13 +234,8 @@ double median_call_s(const std::function<void()>& fn, int repeats) {
 
 void run_decode(int64_t hq, int64_t hk, int64_t d, int64_t kv, int threads, int repeats, bool ggml_head_major) {
   std::mt19937_64 rng(99);
-  std::uniform_real_distribution<float> U(-1.0f, 1.0f);
-  auto values = [&](int64_t count) {
-    std::vector<float> x(static_cast<size_t>(count));
-    for (float& e : x) e = ioattn::detail::f16_to_float(ioattn::detail::float_to_f16(U(rng)));
-    return x;
-  };
-  const std::vector<float> qv = values(hq * d), kvals = values(kv * hk * d), vvals = values(kv * hk * d);
+  const std::vector<float> qv = f16_values(rng, hq * d), kvals = f16_values(rng, kv * hk * d),
+                           vvals = f16_values(rng, kv * hk * d);
   const float scale = 1.0f / std::sqrt(static_cast<float>(d));
 
   const size_t bytes = static_cast<size_t>(kv * hk * d) * 8 + (size_t{64} << 20);
@@ -285,12 +283,7 @@ void run_decode(int64_t hq, int64_t hk, int64_t d, int64_t kv, int threads, int 
   // ioattn: q [1, 1, hq, d], cache [1, kv, hk, d] (the same token-major memory order).
   using ioattn::DType;
   using ioattn::TensorView;
-  std::vector<uint16_t> q16(qv.size()), k16(kvals.size()), v16(vvals.size()), o16(qv.size());
-  for (size_t i = 0; i < qv.size(); ++i) q16[i] = ioattn::detail::float_to_f16(qv[i]);
-  for (size_t i = 0; i < kvals.size(); ++i) {
-    k16[i] = ioattn::detail::float_to_f16(kvals[i]);
-    v16[i] = ioattn::detail::float_to_f16(vvals[i]);
-  }
+  std::vector<uint16_t> q16 = to_f16(qv), k16 = to_f16(kvals), v16 = to_f16(vvals), o16(qv.size());
   // i8 with a per-kv-head scale (max |x| / 127), round to nearest.
   std::vector<int8_t> k8(kvals.size()), v8(vvals.size());
   std::vector<float> ks(static_cast<size_t>(hk), 0.0f), vs(static_cast<size_t>(hk), 0.0f);
