@@ -28,16 +28,16 @@ constexpr int64_t kBatch = 1;
 constexpr int64_t kHeads = 8;
 
 struct Problem {
-  int64_t s, d;
+  int64_t s, d, hkv;
   bool causal;
   DType t;
   Buffer q, k, v, o, dout, lse, dq, dk, dv;
   ioattn::AttnParams prm;
-  Problem(int64_t seqlen, int64_t head_dim, bool is_causal, DType dtype)
-      : s(seqlen), d(head_dim), causal(is_causal), t(dtype) {
-    const int64_t n = kBatch * s * kHeads * d;
-    q = Buffer(t, n), k = Buffer(t, n), v = Buffer(t, n), o = Buffer(t, n), dout = Buffer(t, n);
-    dq = Buffer(t, n), dk = Buffer(t, n), dv = Buffer(t, n);
+  Problem(int64_t seqlen, int64_t head_dim, bool is_causal, DType dtype, int64_t kv_heads)
+      : s(seqlen), d(head_dim), hkv(kv_heads), causal(is_causal), t(dtype) {
+    const int64_t n = kBatch * s * kHeads * d, nkv = kBatch * s * hkv * d;
+    q = Buffer(t, n), k = Buffer(t, nkv), v = Buffer(t, nkv), o = Buffer(t, n), dout = Buffer(t, n);
+    dq = Buffer(t, n), dk = Buffer(t, nkv), dv = Buffer(t, nkv);
     lse = Buffer(DType::f32, kBatch * kHeads * s);
     std::mt19937_64 rng(1);
     q.fill_random(rng);
@@ -47,16 +47,17 @@ struct Problem {
     prm.causal = causal;
   }
   ioattn::TensorView t4(Buffer& b) { return b.view({kBatch, s, kHeads, d}); }
+  ioattn::TensorView kv4(Buffer& b) { return b.view({kBatch, s, hkv, d}); }
   void forward(Backend be) {
     ioattn::Context ctx;
     ctx.backend = be;
-    ioattn::forward(t4(q), t4(k), t4(v), t4(o), lse.view({kBatch, kHeads, s}), prm, ctx);
+    ioattn::forward(t4(q), kv4(k), kv4(v), t4(o), lse.view({kBatch, kHeads, s}), prm, ctx);
   }
   void backward(Backend be) {
     ioattn::Context ctx;
     ctx.backend = be;
-    ioattn::Gradients g{t4(dq), t4(dk), t4(dv), {}};
-    ioattn::backward(t4(q), t4(k), t4(v), t4(o), t4(dout), lse.view({kBatch, kHeads, s}), g, prm, ctx);
+    ioattn::Gradients g{t4(dq), kv4(dk), kv4(dv), {}};
+    ioattn::backward(t4(q), kv4(k), kv4(v), t4(o), t4(dout), lse.view({kBatch, kHeads, s}), g, prm, ctx);
   }
   double fwd_flops() const {
     return 4.0 * kBatch * kHeads * static_cast<double>(s) * static_cast<double>(s) * static_cast<double>(d) *
@@ -64,9 +65,10 @@ struct Problem {
   }
 };
 
-// args: seqlen, head_dim, causal, dtype (0 f32, 1 bf16)
+// args: seqlen, head_dim, causal, dtype (0 f32, 1 bf16), kv heads
 void run(benchmark::State& st, Backend be, bool with_forward) {
-  Problem p(st.range(0), st.range(1), st.range(2) != 0, st.range(3) ? DType::bf16 : DType::f32);
+  const int64_t hkv = st.range(4);
+  Problem p(st.range(0), st.range(1), st.range(2) != 0, st.range(3) ? DType::bf16 : DType::f32, hkv);
   p.forward(Backend::naive);  // o, lse for the backward
   for (auto _ : st) {
     if (with_forward) p.forward(be);
@@ -76,16 +78,16 @@ void run(benchmark::State& st, Backend be, bool with_forward) {
   }
   const double flops = p.fwd_flops() * (with_forward ? 3.5 : 2.5);
   st.counters["GFLOP/s"] = benchmark::Counter(flops * 1e-9, benchmark::Counter::kIsIterationInvariantRate);
-  st.SetLabel(std::string(ioattn::dtype_name(p.t)) + " b1 h8 s" + std::to_string(p.s) + " d" +
-              std::to_string(p.d) + (p.causal ? " causal" : ""));
+  st.SetLabel(std::string(ioattn::dtype_name(p.t)) + " b1 h8" + (hkv != kHeads ? "/" + std::to_string(hkv) : "") +
+              " s" + std::to_string(p.s) + " d" + std::to_string(p.d) + (p.causal ? " causal" : ""));
 }
 
 void shapes(benchmark::internal::Benchmark* b, int64_t max_seqlen) {
   for (int64_t d : {64, 128})
     for (int64_t s = 512; s <= max_seqlen; s *= 2)
       for (int64_t causal : {0, 1})
-        for (int64_t t : {1, 0}) b->Args({s, d, causal, t});
-  b->ArgNames({"s", "d", "causal", "bf16"})->Unit(benchmark::kMillisecond)->UseRealTime();
+        for (int64_t t : {1, 0}) b->Args({s, d, causal, t, kHeads});
+  b->ArgNames({"s", "d", "causal", "bf16", "hkv"})->Unit(benchmark::kMillisecond)->UseRealTime();
 }
 
 void BM_bwd_flash(benchmark::State& st) { run(st, Backend::flash, false); }
@@ -94,6 +96,13 @@ void BM_fwd_bwd_flash(benchmark::State& st) { run(st, Backend::flash, true); }
 void BM_fwd_bwd_naive(benchmark::State& st) { run(st, Backend::naive, true); }
 
 BENCHMARK(BM_bwd_flash)->Name("bwd/flash")->Apply([](auto* b) { shapes(b, 4096); });
+// MQA (one kv head): one (batch, kv head) pair, fewer than the threads of most machines
+BENCHMARK(BM_bwd_flash)->Name("bwd/flash/mqa")->Apply([](auto* b) {
+  for (int64_t s : {1024, 4096})
+    for (int64_t causal : {0, 1})
+      for (int64_t t : {1, 0}) b->Args({s, 128, causal, t, 1});
+  b->ArgNames({"s", "d", "causal", "bf16", "hkv"})->Unit(benchmark::kMillisecond)->UseRealTime();
+});
 BENCHMARK(BM_bwd_naive)->Name("bwd/naive")->Apply([](auto* b) { shapes(b, 1024); });
 BENCHMARK(BM_fwd_bwd_flash)->Name("fwd+bwd/flash")->Apply([](auto* b) { shapes(b, 4096); });
 BENCHMARK(BM_fwd_bwd_naive)->Name("fwd+bwd/naive")->Apply([](auto* b) { shapes(b, 1024); });

@@ -407,21 +407,52 @@ TEST(BackwardFlash, DeterministicBitwiseOver100Runs) {
   }
 }
 
-// Every output row has one owner task with a fixed loop order, so the thread count (and the
-// deterministic flag) does not change a bit.
+// In deterministic mode every output row has one owner task with a fixed loop order (fused or two
+// passes, never the split), so the thread count does not change a bit either.
 TEST(BackwardFlash, BitwiseEqualAcrossThreadCounts) {
   BwdSetup s(det_case(), 4);
-  s.backward(Backend::flash, false, 1);
+  s.backward(Backend::flash, true, 1);
   detail::Buffer dq0(s.dq.dtype(), s.dq.count()), dk0(s.dk.dtype(), s.dk.count()), dv0(s.dv.dtype(), s.dv.count());
   std::memcpy(dq0.host(), s.dq.host(), s.dq.bytes());
   std::memcpy(dk0.host(), s.dk.host(), s.dk.bytes());
   std::memcpy(dv0.host(), s.dv.host(), s.dv.bytes());
   for (int threads : {2, 3, 7}) {
     s.poison();
-    s.backward(Backend::flash, threads == 3, threads);
+    const KernelChoice k = s.backward(Backend::flash, true, threads);
+    EXPECT_EQ(k.reason.find("split single pass"), std::string::npos) << k.reason;
     EXPECT_TRUE(same_bytes(s.dq, dq0)) << threads << " threads";
     EXPECT_TRUE(same_bytes(s.dk, dk0)) << threads << " threads";
     EXPECT_TRUE(same_bytes(s.dv, dv0)) << threads << " threads";
+  }
+}
+
+// The split single pass (each (batch, kv head)'s keys cut into ranges, one dQ partial each,
+// summed in range order) on every case of the suite against the float64 reference, with the
+// same bits on a rerun; dK / dV (one owner per key) are those of the two passes.
+TEST(BackwardFlash, SplitMatchesReferenceAndRepeats) {
+  std::vector<Case> cases = bwd_cases();
+  Case longer = mk("long_keys_causal_gqa", 150, 700, 64, DType::f32);  // 11 key blocks, several ranges
+  longer.heads_q = 4;
+  longer.heads_kv = 1;
+  longer.causal = true;
+  longer.sinks = true;
+  cases.push_back(longer);
+  for (const Case& c : cases) {
+    ScopedEnv e("IOATTN_CPU_BWD", "split");
+    run_bwd_case(c, Backend::flash);
+    BwdSetup a(c, 9), b(c, 9), two(c, 9);
+    const KernelChoice k = a.backward(Backend::flash, false, 5);
+    EXPECT_NE(k.reason.find("split single pass"), std::string::npos) << k.reason;
+    b.backward(Backend::flash, false, 5);
+    EXPECT_TRUE(same_bytes(a.dq, b.dq)) << c.name << ": dq";
+    EXPECT_TRUE(same_bytes(a.dk, b.dk)) << c.name << ": dk";
+    EXPECT_TRUE(same_bytes(a.dv, b.dv)) << c.name << ": dv";
+    {
+      ScopedEnv t("IOATTN_CPU_BWD", "twopass");
+      two.backward(Backend::flash, false, 5);
+    }
+    EXPECT_TRUE(same_bytes(a.dk, two.dk)) << c.name << ": dk vs two passes";
+    EXPECT_TRUE(same_bytes(a.dv, two.dv)) << c.name << ": dv vs two passes";
   }
 }
 
@@ -457,21 +488,24 @@ TEST(BackwardFlash, FusedAndTwoPassAgreeBitwise) {
   }
 }
 
-// The mode by itself: fused where the (batch, kv head) pairs fill the threads, two passes where
-// they do not (one kv head on 2+ threads), both against the float64 reference.
+// The mode by itself: fused where the (batch, kv head) pairs fill the threads; where they do not
+// (one kv head on 2+ threads) the split, or under Context::deterministic the two passes; each
+// against the float64 reference.
 TEST(BackwardFlash, ModeFollowsTheTaskCount) {
   Case one = mk("one_kv_head", 150, 150, 64, DType::f32);
   one.heads_q = 4;
   one.heads_kv = 1;
   one.causal = true;
   BwdSetup s1(one, 5);
-  EXPECT_NE(s1.backward(Backend::flash, false, 2).reason.find("two passes"), std::string::npos);
+  EXPECT_NE(s1.backward(Backend::flash, false, 2).reason.find("split single pass"), std::string::npos);
+  EXPECT_NE(s1.backward(Backend::flash, true, 2).reason.find("two passes"), std::string::npos);
   EXPECT_NE(s1.backward(Backend::flash, false, 1).reason.find("fused single pass"), std::string::npos);
   Case many = mk("four_kv_heads", 150, 150, 64, DType::f32);
   many.heads_q = 8;
   many.heads_kv = 4;
   BwdSetup s2(many, 5);
   EXPECT_NE(s2.backward(Backend::flash, false, 2).reason.find("fused single pass"), std::string::npos);
+  EXPECT_NE(s2.backward(Backend::flash, false, 3).reason.find("split single pass"), std::string::npos);
   run_bwd_case(one, Backend::flash);
   run_bwd_case(many, Backend::flash);
 }

@@ -25,13 +25,19 @@
 //   every output element (dQ sums over keys in ascending order either way, and a key a row cannot
 //   see adds an exact 0), so the two modes agree bitwise (tested) unless a masked key holds
 //   inf / NaN.
+// Split (one pass when the pairs are fewer than the threads, e.g. MQA): each pair's key blocks
+//   cut into contiguous ranges of about equal work (query rows that see them), one fused task per
+//   range with its own fp32 dQ partial; the partials of a pair are then summed in range order and
+//   stored (one owner per dQ row again). dK / dV are the two passes' bits; dQ is summed in a
+//   different order, so its bits depend on the range count, which follows the thread count.
 // Every output row is written by exactly one task, whose loops run in a fixed order, so the
-// result is bitwise reproducible for any thread count and schedule on a given machine (SIMD
-// target): Context::deterministic needs nothing extra here. No atomics, no seqlen_q x seqlen_k
-// buffer: extra memory is the per-thread workspace (O(tile x head_dim)) plus D (O(seqlen)), and
-// in the fused mode the per-thread fp32 dQ of one group (O(seqlen)).
+// result is bitwise reproducible run to run; in the fused and two-pass modes also for any thread
+// count and schedule on a given machine (SIMD target). Context::deterministic only rules out the
+// split. No atomics, no seqlen_q x seqlen_k buffer: extra memory is the per-thread workspace
+// (O(tile x head_dim)) plus D (O(seqlen)), and in the fused mode the per-thread fp32 dQ of one
+// group (O(seqlen)), in the split mode an fp32 dQ per range (both capped at 256 MiB).
 // Pass 2 recomputes S and dP once more than a single-pass kernel with atomic dQ would (7 tile
-// GEMMs instead of 5); that is the price of determinism without a dQ accumulator per key block.
+// GEMMs instead of 5); that is the price of thread-count-independent bits where the pairs are few.
 //
 // SIMD: Highway with foreach_target dynamic dispatch (one binary, best ISA at run time; the
 // same targets as the forward, and IOATTN_CPU_TARGET caps the choice the same way). The
@@ -52,6 +58,8 @@
 //      tail (hdim 80): hdim 64 ~1.4x faster, hdim 128 about the same.
 //   3. Fused single pass per (batch, kv head) when the pairs fill the threads (session 26: PyTorch's
 //      CPU SDPA backward, one (batch, head) per thread, ran 1.2-1.4x ours at f32; docs/PERF.md).
+//   4. Split single pass when the pairs are fewer than the threads (session 27: MQA on 2 threads
+//      1.12-1.5x the two passes; docs/PERF.md).
 #ifndef IOATTN_CPU_BACKWARD_SHARED
 #define IOATTN_CPU_BACKWARD_SHARED
 
@@ -141,9 +149,43 @@ inline SeqRange seq_range(const FwdProblem& p, int64_t b) {
           p.cu_seqlens_k_host[b + 1] - p.cu_seqlens_k_host[b]};
 }
 
+// First i in [0, n) with pred(i) true, for a predicate that is monotone (false ... true).
+template <class Pred>
+int64_t first_true(int64_t n, Pred pred) {
+  int64_t lo = 0, hi = n;
+  while (lo < hi) {
+    const int64_t mid = lo + (hi - lo) / 2;
+    if (pred(mid))
+      hi = mid;
+    else
+      lo = mid + 1;
+  }
+  return lo;
+}
+
+// Query rows [*i_begin, *i_end) of a sequence that see at least one of keys [c0, c0 + nc). The
+// visible range's ends hi_i and lo_i are non-decreasing in i, and a row with hi_i > c0 and
+// lo_i < c0 + nc sees a key of the block.
+inline void rows_seeing(const FwdProblem& p, int64_t sq, int64_t sk, int64_t c0, int64_t nc, int64_t* i_begin,
+                        int64_t* i_end) {
+  auto range = [&](int64_t i, int64_t* lo, int64_t* hi) { visible_keys(i, sq, sk, p.window_left, p.window_right, lo, hi); };
+  *i_begin = first_true(sq, [&](int64_t i) { int64_t lo, hi; range(i, &lo, &hi); return hi > c0; });
+  *i_end = first_true(sq, [&](int64_t i) { int64_t lo, hi; range(i, &lo, &hi); return lo >= c0 + nc; });
+}
+
+// How the backward runs (bwd_mode below):
+//   two_pass  pass 1 (dK, dV over key blocks) and pass 2 (dQ over query blocks), 7 tile products;
+//   fused     one task per (batch, kv head), dQ of the group accumulated with dK / dV (5 products)
+//             in a per-thread fp32 buffer; the same bits as two_pass;
+//   split     fused, with each (batch, kv head)'s keys cut into `chunks` contiguous ranges of about
+//             equal work, one task each, every task accumulating its own fp32 dQ partial; the
+//             partials are summed afterwards in chunk order. Run to run reproducible, but the
+//             chunk count follows the thread count, so the dQ bits do too (Context::deterministic
+//             never takes it).
 struct BwdMode {
-  bool fused = false;
+  enum Kind { two_pass, fused, split } kind = two_pass;
   int64_t dq_floats = 0;  // fused: the per-thread fp32 dQ of one group, [group, longest seqlen_q, d]
+  int64_t chunks = 1;     // split: key ranges per (batch, kv head) (fewer where a sequence has fewer blocks)
   std::string why;
 };
 
@@ -155,11 +197,15 @@ struct Plan {
 
 // pass 1 (kv = true): key block starting at `start` of kv head `head`;
 // pass 2 (kv = false): query block starting at `start` of query head `head`;
-// fused (fused = true): every key block of kv head `head` (start 0), dQ of its group too.
+// fused (fused = true): key blocks [start, end) of kv head `head`, dQ of its group too, into dq
+// (the split mode's own partial, [group, seqlen_q, d], left for the reduction) or, with dq null,
+// into the thread's buffer and stored.
 struct Task {
   int64_t b, head, start;
   bool kv;
   bool fused = false;
+  int64_t end = 0;
+  float* dq = nullptr;
 };
 
 }  // namespace ioattn::detail::bwd
@@ -466,20 +512,6 @@ void GradsTransposed(const ScoreParams& sp, const RowInfo& ri, int64_t nc, int64
   }
 }
 
-// First i in [0, n) with pred(i) true, for a predicate that is monotone (false ... true).
-template <class Pred>
-int64_t first_true(int64_t n, Pred pred) {
-  int64_t lo = 0, hi = n;
-  while (lo < hi) {
-    const int64_t mid = lo + (hi - lo) / 2;
-    if (pred(mid))
-      hi = mid;
-    else
-      lo = mid + 1;
-  }
-  return lo;
-}
-
 // Pass 1: dK, dV of keys [c0, c0 + nc) of kv head hk. With dq (the fused pass) also
 // dq[(h - hk * group) * sq + i] += dS K for the rows the block's keys reach (unscaled, fp32).
 void KVTask(const Plan& pl, const Task& task, const Workspace& w, float* dq = nullptr) {
@@ -507,11 +539,8 @@ void KVTask(const Plan& pl, const Task& task, const Workspace& w, float* dq = nu
   std::fill(w.acc1, w.acc1 + nc * d, 0.0f);   // dK (nc, d)
   std::fill(w.acc2, w.acc2 + nc * dv, 0.0f);  // dV (nc, dv)
 
-  // Query rows that see at least one key of the block: [i_begin, i_end). hi_i and lo_i are
-  // non-decreasing in i, and a row with hi_i > c0 and lo_i < c0 + nc sees a key of the block.
-  auto range = [&](int64_t i, int64_t* lo, int64_t* hi) { visible_keys(i, sq, sk, p.window_left, p.window_right, lo, hi); };
-  const int64_t i_begin = first_true(sq, [&](int64_t i) { int64_t lo, hi; range(i, &lo, &hi); return hi > c0; });
-  const int64_t i_end = first_true(sq, [&](int64_t i) { int64_t lo, hi; range(i, &lo, &hi); return lo >= c0 + nc; });
+  int64_t i_begin, i_end;  // the query rows that see at least one key of the block
+  rows_seeing(p, sq, sk, c0, nc, &i_begin, &i_end);
 
   RowInfo ri;
   for (int64_t h = hk * p.group(); h < (hk + 1) * p.group(); ++h) {
@@ -593,22 +622,51 @@ void QTask(const Plan& pl, const Task& task, const Workspace& w) {
   }
 }
 
-// The fused pass: dK, dV of every key block of kv head task.head (pass 1's tasks in key order) and
-// the dQ of its group, accumulated in dq ([group, sq, d] fp32) and written once at the end.
-void FusedTask(const Plan& pl, const Task& task, const Workspace& w, float* dq) {
+// Writes the dQ rows of kv head hk's group from fp32 sums [group, sq, d] (unscaled).
+void StoreGroupDq(const Plan& pl, int64_t b, int64_t hk, const float* dq) {
   const BwdProblem& bp = *pl.bp;
   const FwdProblem& p = bp.f;
-  const SeqRange sr = seq_range(p, task.b);
+  const SeqRange sr = seq_range(p, b);
   const int64_t d = p.head_dim, g = p.group(), sq = sr.q_len;
-  std::fill(dq, dq + g * sq * d, 0.0f);
-  for (int64_t c0 = 0; c0 < sr.k_len; c0 += kTileK) KVTask(pl, {task.b, task.head, c0, true}, w, dq);
   for (int64_t hh = 0; hh < g; ++hh) {
-    const int64_t h = task.head * g + hh;
+    const int64_t h = hk * g + hh;
     for (int64_t i = 0; i < sq; ++i) {
       const int64_t row = sr.q_start + i;
-      StoreRow(bp.dq, p.dtype, task.b * bp.dq_stride.batch + row * bp.dq_stride.seq + h * bp.dq_stride.head, d,
+      StoreRow(bp.dq, p.dtype, b * bp.dq_stride.batch + row * bp.dq_stride.seq + h * bp.dq_stride.head, d,
                dq + (hh * sq + i) * d, p.scale);
     }
+  }
+}
+
+// The fused pass: dK, dV of key blocks [task.start, task.end) of kv head task.head (pass 1's tasks
+// in key order) and the dQ of its group, accumulated in fp32 ([group, sq, d]): the task's own
+// partial in the split mode (summed by ReduceDq), else the thread's buffer dq, stored at the end.
+void FusedTask(const Plan& pl, const Task& task, const Workspace& w, float* dq) {
+  const FwdProblem& p = pl.bp->f;
+  const SeqRange sr = seq_range(p, task.b);
+  float* acc = task.dq ? task.dq : dq;
+  std::fill(acc, acc + p.group() * sr.q_len * p.head_dim, 0.0f);
+  for (int64_t c0 = task.start; c0 < task.end; c0 += kTileK) KVTask(pl, {task.b, task.head, c0, true}, w, acc);
+  if (!task.dq) StoreGroupDq(pl, task.b, task.head, acc);
+}
+
+// The split mode's reduction for query head hk * group + hh of (batch b, kv head hk): parts holds
+// the pair's n partials ([group, sq, d] each) back to back; their rows of that head are summed in
+// order into the first partial and stored.
+void ReduceDq(const Plan& pl, int64_t b, int64_t hk, int64_t hh, float* parts, int64_t n) {
+  const BwdProblem& bp = *pl.bp;
+  const FwdProblem& p = bp.f;
+  const SeqRange sr = seq_range(p, b);
+  const int64_t d = p.head_dim, sq = sr.q_len, len = p.group() * sq * d, h = hk * p.group() + hh;
+  float* HWY_RESTRICT dst = parts + hh * sq * d;
+  for (int64_t c = 1; c < n; ++c) {
+    const float* HWY_RESTRICT src = parts + c * len + hh * sq * d;
+    for (int64_t x = 0; x < sq * d; ++x) dst[x] += src[x];
+  }
+  for (int64_t i = 0; i < sq; ++i) {
+    const int64_t row = sr.q_start + i;
+    StoreRow(bp.dq, p.dtype, b * bp.dq_stride.batch + row * bp.dq_stride.seq + h * bp.dq_stride.head, d,
+             dst + i * d, p.scale);
   }
 }
 
@@ -631,6 +689,7 @@ namespace ioattn::detail {
 namespace bwd {
 HWY_EXPORT(TargetName);
 HWY_EXPORT(RunTask);
+HWY_EXPORT(ReduceDq);
 
 // Pass 0: D_i = dO_i . O_i (fp32) for every (head, row), and each (batch, head)'s share of
 // dsinks (in double, summed over batches in order afterwards, so it is deterministic too).
@@ -664,45 +723,100 @@ void row_dots(const BwdProblem& bp, int nt, std::vector<float>& D, int64_t d_row
 
 namespace bwd {
 
-// Fused single pass or the two passes: fused when the (batch, kv head) tasks keep the threads busy
-// (the fraction of thread-rounds they fill, tasks / (ceil(tasks / threads) * threads), at least
-// 5 / 7: the two passes do 7 tile products to its 5 but split finer) and the per-thread fp32 dQ
-// of one group stays within kFusedDqBytes. IOATTN_CPU_BWD=fused / twopass forces one (an unknown
-// value is an error naming the variable).
+// The mode (BwdMode above). The fill of n tasks is the fraction of the threads' rounds they
+// occupy, n / (ceil(n / threads) * threads). Fused when the (batch, kv head) tasks fill at least
+// 90% of the rounds; else split when that fills better by 0.1 or more (not under
+// Context::deterministic: the split's bits follow the thread count); else fused from 5/7 (the
+// two passes do 7 tile products to its 5 but split finer); else the two passes. The fused
+// per-thread dQ buffers and the split partials stay within kFusedDqBytes. IOATTN_CPU_BWD=fused /
+// split / twopass forces one (an unknown value is an error naming the variable).
 constexpr int64_t kFusedDqBytes = int64_t{256} << 20;
 
 BwdMode bwd_mode(const BwdProblem& bp, int nt) {
   const FwdProblem& p = bp.f;
   BwdMode m;
-  int64_t max_sq = 0;
-  for (int64_t b = 0; b < p.batch; ++b) max_sq = std::max(max_sq, seq_range(p, b).q_len);
+  int64_t max_sq = 0, rows = 0;
+  for (int64_t b = 0; b < p.batch; ++b) {
+    max_sq = std::max(max_sq, seq_range(p, b).q_len);
+    rows += seq_range(p, b).q_len;
+  }
   const int64_t tasks = p.batch * p.heads_kv, threads = std::max<int64_t>(1, nt);
-  const int64_t rounds = (tasks + threads - 1) / threads;
-  const double fill = rounds > 0 ? static_cast<double>(tasks) / static_cast<double>(rounds * threads) : 0.0;
+  auto fill = [&](int64_t n) {
+    const int64_t rounds = (n + threads - 1) / threads;
+    return rounds > 0 ? static_cast<double>(n) / static_cast<double>(rounds * threads) : 0.0;
+  };
+  auto pct = [](double f) { return std::to_string(static_cast<int>(f * 100 + 0.5)) + "%"; };
   const int64_t dq_floats = p.group() * max_sq * p.head_dim;
   const int64_t dq_bytes = dq_floats * 4 * std::min(threads, std::max<int64_t>(tasks, 1));
-  m.fused = tasks > 0 && fill * 7.0 >= 5.0 && dq_bytes <= kFusedDqBytes;
-  const std::string share = std::to_string(static_cast<int>(fill * 100 + 0.5)) + "% of " + std::to_string(threads) +
-                            " threads' rounds";
-  const std::string tasks_s = std::to_string(tasks) + " (batch, kv head) tasks fill ";
-  if (m.fused)
-    m.why = "fused single pass: " + tasks_s + share + " (5 tile products per block)";
-  else
+  const bool fused_fits = tasks > 0 && dq_bytes <= kFusedDqBytes;
+  const double f1 = fill(tasks);
+  // The split's chunk count: the first from 2 up whose tasks fill >= 90%, else the best fill
+  // (bounded by the partials' memory, heads_q * rows * head_dim floats per chunk).
+  const int64_t part_bytes = p.heads_q * rows * p.head_dim * 4;
+  int64_t chunks = 0;
+  double fc = 0.0;
+  const int64_t max_chunks = 4 * ((threads + std::max<int64_t>(tasks, 1) - 1) / std::max<int64_t>(tasks, 1));
+  for (int64_t c = 2; c <= std::max<int64_t>(2, max_chunks) && c * part_bytes <= kFusedDqBytes; ++c)
+    if (fill(tasks * c) > fc + 1e-9) {
+      chunks = c;
+      fc = fill(tasks * c);
+      if (fc >= 0.9) break;
+    }
+  const std::string tasks_s = std::to_string(tasks) + " (batch, kv head) tasks fill " + pct(f1) + " of " +
+                              std::to_string(threads) + " threads' rounds";
+  const std::string split_s = "split single pass: " + tasks_s + ", " + std::to_string(chunks) +
+                              " key ranges each fill " + pct(fc) + " (5 tile products per block + a dQ sum)";
+  if (fused_fits && f1 >= 0.9) {
+    m.kind = BwdMode::fused;
+    m.why = "fused single pass: " + tasks_s + " (5 tile products per block)";
+  } else if (chunks > 0 && fc >= f1 + 0.1 && !bp.deterministic) {
+    m.kind = BwdMode::split;
+    m.why = split_s;
+  } else if (fused_fits && f1 * 7.0 >= 5.0) {
+    m.kind = BwdMode::fused;
+    m.why = "fused single pass: " + tasks_s + " (5 tile products per block)";
+  } else {
     m.why = "two passes (dK/dV over key blocks, dQ over query blocks; 7 tile products): " +
-            (tasks == 0                  ? std::string("no tasks")
-             : dq_bytes > kFusedDqBytes ? "a fused dQ buffer of " + std::to_string(dq_bytes >> 20) + " MiB"
-                                         : tasks_s + "only " + share);
+            (tasks == 0              ? std::string("no tasks")
+             : !fused_fits           ? "a fused dQ buffer of " + std::to_string(dq_bytes >> 20) + " MiB"
+             : chunks > 0 && bp.deterministic ? tasks_s + " (deterministic: no split)"
+                                      : "only " + tasks_s);
+  }
   if (const char* e = std::getenv("IOATTN_CPU_BWD")) {
     const std::string v = e;
-    if (v == "fused" || v == "twopass") {
-      m.fused = v == "fused";
-      m.why = std::string(m.fused ? "fused single pass" : "two passes") + " (IOATTN_CPU_BWD=" + v + ")";
+    if (v == "fused" || v == "twopass" || v == "split") {
+      m.kind = v == "fused" ? BwdMode::fused : v == "split" ? BwdMode::split : BwdMode::two_pass;
+      if (m.kind == BwdMode::split && chunks == 0) chunks = 2;
+      m.why = std::string(v == "fused" ? "fused single pass" : v == "split" ? split_s : "two passes") +
+              " (IOATTN_CPU_BWD=" + v + ")";
     } else if (!v.empty()) {
-      throw Error("IOATTN_CPU_BWD", "ioattn: IOATTN_CPU_BWD must be fused or twopass, got '" + v + "'");
+      throw Error("IOATTN_CPU_BWD", "ioattn: IOATTN_CPU_BWD must be fused, split or twopass, got '" + v + "'");
     }
   }
-  if (m.fused) m.dq_floats = dq_floats;
+  if (m.kind == BwdMode::fused) m.dq_floats = dq_floats;
+  if (m.kind == BwdMode::split) m.chunks = chunks;
   return m;
+}
+
+// The split mode's key ranges of one sequence: min(chunks, key blocks) contiguous runs of 64-key
+// blocks of about equal work (a block's work: the query rows that see it, + 1 for its loads).
+// Returns the range starts in keys and sk at the end.
+std::vector<int64_t> key_ranges(const FwdProblem& p, const SeqRange& sr, int64_t chunks) {
+  const int64_t nb = (sr.k_len + kTileK - 1) / kTileK, n = std::min(chunks, nb);
+  std::vector<int64_t> prefix(static_cast<size_t>(nb + 1), 0);
+  for (int64_t j = 0; j < nb; ++j) {
+    int64_t i_begin, i_end;
+    rows_seeing(p, sr.q_len, sr.k_len, j * kTileK, std::min(kTileK, sr.k_len - j * kTileK), &i_begin, &i_end);
+    prefix[static_cast<size_t>(j + 1)] = prefix[static_cast<size_t>(j)] + std::max<int64_t>(i_end - i_begin, 0) + 1;
+  }
+  std::vector<int64_t> starts{0};
+  for (int64_t k = 1, j = 1; k < n; ++k) {  // cut k: the first block j with prefix(j) >= total * k / n
+    j = std::max(j, static_cast<int64_t>(starts.back() / kTileK) + 1);
+    while (j < nb - (n - k) && prefix[static_cast<size_t>(j)] * n < prefix[static_cast<size_t>(nb)] * k) ++j;
+    starts.push_back(j * kTileK);
+  }
+  starts.push_back(sr.k_len);
+  return starts;
 }
 
 }  // namespace bwd
@@ -715,7 +829,7 @@ void cpu_flash_backward(const BwdProblem& bp) {
   using namespace bwd;
   const FwdProblem& p = bp.f;
   const int nt = p.num_threads > 0 ? p.num_threads : cpu_max_threads();
-  const int64_t hq = p.heads_q, hkv = p.heads_kv;
+  const int64_t hq = p.heads_q, hkv = p.heads_kv, g = p.group();
 
   Plan pl;
   pl.bp = &bp;
@@ -732,21 +846,52 @@ void cpu_flash_backward(const BwdProblem& bp) {
     }
 
   const BwdMode mode = bwd_mode(bp, nt);
+  const bool one_pass = mode.kind != BwdMode::two_pass;
   std::vector<Task> tasks;
+  // split: every (batch, kv head)'s partials back to back ([ranges, group, seqlen_q, d] fp32);
+  // reduce lists (b, kv head, first partial, count) for the sum afterwards.
+  struct Reduce {
+    int64_t b, hk, off, n;
+  };
+  std::vector<Reduce> reduce;
+  hwy::AlignedFreeUniquePtr<float[]> parts;
+  if (mode.kind == BwdMode::split) {
+    std::vector<std::vector<int64_t>> ranges(static_cast<size_t>(p.batch));
+    int64_t total = 0;
+    for (int64_t b = 0; b < p.batch; ++b) {
+      const SeqRange sr = seq_range(p, b);
+      if (sr.k_len == 0) continue;
+      ranges[static_cast<size_t>(b)] = key_ranges(p, sr, mode.chunks);
+      const int64_t n = static_cast<int64_t>(ranges[static_cast<size_t>(b)].size()) - 1;
+      for (int64_t hk = 0; hk < hkv; ++hk) {
+        reduce.push_back({b, hk, total, n});
+        total += n * g * sr.q_len * p.head_dim;
+      }
+    }
+    parts = hwy::AllocateAligned<float>(static_cast<size_t>(std::max<int64_t>(total, 1)));
+    if (!parts) throw std::bad_alloc();
+    for (const Reduce& r : reduce) {
+      const std::vector<int64_t>& st = ranges[static_cast<size_t>(r.b)];
+      const int64_t len = g * seq_range(p, r.b).q_len * p.head_dim;
+      for (int64_t c = 0; c < r.n; ++c)
+        tasks.push_back({r.b, r.hk, st[static_cast<size_t>(c)], true, true, st[static_cast<size_t>(c + 1)],
+                         parts.get() + r.off + c * len});
+    }
+  }
   for (int64_t b = 0; b < p.batch; ++b) {
     const SeqRange sr = seq_range(p, b);
-    if (mode.fused) {  // one task per (batch, kv head)
+    if (mode.kind == BwdMode::fused) {  // one task per (batch, kv head)
       for (int64_t hk = 0; hk < hkv; ++hk)
-        if (sr.k_len > 0) tasks.push_back({b, hk, 0, true, true});
-      continue;
+        if (sr.k_len > 0) tasks.push_back({b, hk, 0, true, true, sr.k_len});
     }
+    if (one_pass) continue;
     // Passes 1 and 2 in one task list (they are independent); heavier tasks of a head come first.
     for (int64_t hk = 0; hk < hkv; ++hk)
       for (int64_t c0 = 0; c0 < sr.k_len; c0 += kTileK) tasks.push_back({b, hk, c0, true});
     for (int64_t h = 0; h < hq; ++h)
       for (int64_t r0 = 0; r0 < sr.q_len; r0 += kTileQ) tasks.push_back({b, h, r0, false});
   }
-  if (mode.fused) {  // sequences with no keys: their dQ rows are 0 (no task covers them)
+  if (one_pass) {  // sequences with no keys: their dQ rows are 0 (no task covers them)
     for (int64_t b = 0; b < p.batch; ++b) {
       const SeqRange sr = seq_range(p, b);
       if (sr.k_len > 0) continue;
@@ -774,13 +919,20 @@ void cpu_flash_backward(const BwdProblem& bp) {
     }
   }
   HWY_DYNAMIC_DISPATCH(TargetName)();  // picks the SIMD target once, before the threads start
-  const int64_t ntasks = static_cast<int64_t>(tasks.size());
+  const int64_t ntasks = static_cast<int64_t>(tasks.size()), nreduce = static_cast<int64_t>(reduce.size());
 #pragma omp parallel num_threads(nthreads)
   {
     const size_t me = static_cast<size_t>(omp_get_thread_num());
 #pragma omp for schedule(dynamic, 1)
     for (int64_t it = 0; it < ntasks; ++it)
       HWY_DYNAMIC_DISPATCH(RunTask)(pl, tasks[static_cast<size_t>(it)], ws[me].get(), dqs[me].get());
+    // (the implicit barrier: every partial is complete) the split's sums, one per (batch, q head)
+#pragma omp for schedule(dynamic, 1) collapse(2)
+    for (int64_t it = 0; it < nreduce; ++it)
+      for (int64_t hh = 0; hh < g; ++hh) {
+        const Reduce& r = reduce[static_cast<size_t>(it)];
+        HWY_DYNAMIC_DISPATCH(ReduceDq)(pl, r.b, r.hk, hh, parts.get() + r.off, r.n);
+      }
   }
 }
 
