@@ -96,11 +96,12 @@ void BM_fwd_bwd_flash(benchmark::State& st) { run(st, Backend::flash, true); }
 void BM_fwd_bwd_naive(benchmark::State& st) { run(st, Backend::naive, true); }
 
 BENCHMARK(BM_bwd_flash)->Name("bwd/flash")->Apply([](auto* b) { shapes(b, 4096); });
-// MQA (one kv head): one (batch, kv head) pair, fewer than the threads of most machines
-BENCHMARK(BM_bwd_flash)->Name("bwd/flash/mqa")->Apply([](auto* b) {
+// GQA / MQA (8 query heads over 1, 2 or 8 kv heads): the fused and split single passes by group size
+BENCHMARK(BM_bwd_flash)->Name("bwd/flash/gqa")->Apply([](auto* b) {
   for (int64_t s : {1024, 4096})
     for (int64_t causal : {0, 1})
-      for (int64_t t : {1, 0}) b->Args({s, 128, causal, t, 1});
+      for (int64_t t : {1, 0})
+        for (int64_t hkv : {1, 2, 8}) b->Args({s, 128, causal, t, hkv});
   b->ArgNames({"s", "d", "causal", "bf16", "hkv"})->Unit(benchmark::kMillisecond)->UseRealTime();
 });
 BENCHMARK(BM_bwd_naive)->Name("bwd/naive")->Apply([](auto* b) { shapes(b, 1024); });
