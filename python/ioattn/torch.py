@@ -326,21 +326,28 @@ class AttentionFunction(torch.autograd.Function):
 
 # ---- public functions --------------------------------------------------------------------
 
+def _deterministic(flag: Optional[bool]) -> object:
+    """None: torch's global switch (torch.use_deterministic_algorithms); else the caller's value
+    (checked as a bool by Options)."""
+    return torch.are_deterministic_algorithms_enabled() if flag is None else flag
+
+
 def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
               window: Tuple[int, int] = (-1, -1), softcap: float = 0.0,
               scale: Optional[float] = None,
               alibi_slopes: Optional[Union[Tensor, List[float]]] = None,
               sinks: Optional[Union[Tensor, List[float]]] = None, return_lse: bool = False,
               backend: str = "auto", num_threads: int = 0,
-              deterministic: bool = False) -> Union[Tensor, Tuple[Tensor, Tensor]]:
+              deterministic: Optional[bool] = None) -> Union[Tensor, Tuple[Tensor, Tensor]]:
     """ioattn.attention for torch tensors ([batch, seqlen, heads, head_dim]) through the custom
     op torch.ops.ioattn.attention: differentiable in q, k, v (and sinks), traceable by
     torch.compile. See ioattn.attention for the arguments; deterministic=True asks the backward
-    for bitwise-reproducible accumulation."""
+    for bitwise-reproducible accumulation, and None (the default) follows
+    torch.use_deterministic_algorithms (torch.are_deterministic_algorithms_enabled())."""
     _check_tensor("q", q)
     _check_tensor("k", k)
     _check_tensor("v", v)
-    opt = Options(causal, window, softcap, scale, backend, num_threads, deterministic)
+    opt = Options(causal, window, softcap, scale, backend, num_threads, _deterministic(deterministic))
     return_lse = check_bool("return_lse", return_lse)
     out, lse = torch.ops.ioattn.attention(
         q, k, v, opt.causal, opt.window_left, opt.window_right, opt.softcap, opt.scale,
@@ -356,15 +363,16 @@ def attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor,
                      alibi_slopes: Optional[Union[Tensor, List[float]]] = None,
                      sinks: Optional[Union[Tensor, List[float]]] = None,
                      return_lse: bool = False, backend: str = "auto", num_threads: int = 0,
-                     deterministic: bool = False) -> Union[Tensor, Tuple[Tensor, Tensor]]:
+                     deterministic: Optional[bool] = None) -> Union[Tensor, Tuple[Tensor, Tensor]]:
     """ioattn.attention_varlen for torch tensors (packed [total, heads, head_dim], int32
-    cu_seqlens on q's device) through torch.ops.ioattn.attention_varlen."""
+    cu_seqlens on q's device) through torch.ops.ioattn.attention_varlen; deterministic as for
+    attention."""
     _check_tensor("q", q)
     _check_tensor("k", k)
     _check_tensor("v", v)
     _check_tensor("cu_seqlens_q", cu_seqlens_q)
     _check_tensor("cu_seqlens_k", cu_seqlens_k)
-    opt = Options(causal, window, softcap, scale, backend, num_threads, deterministic)
+    opt = Options(causal, window, softcap, scale, backend, num_threads, _deterministic(deterministic))
     return_lse = check_bool("return_lse", return_lse)
     out, lse = torch.ops.ioattn.attention_varlen(
         q, k, v, cu_seqlens_q, cu_seqlens_k, check_int("max_seqlen_q", max_seqlen_q),

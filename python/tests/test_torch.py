@@ -235,6 +235,31 @@ def test_backward_raises_not_implemented_or_runs():
         assert q.grad is not None and q.grad.shape == q.shape
 
 
+def test_deterministic_follows_torch_switch():
+    """deterministic=None follows torch.use_deterministic_algorithms: with it on, the CPU
+    backward of an MQA case (one kv head, fewer (batch, kv head) pairs than threads, where the
+    default may split a head's keys over threads) gives the same gradient bits for any thread
+    count; an explicit deterministic=True does the same with the switch off."""
+    q0 = randn(1, 150, 4, 32, seed=21)
+    k0, v0 = randn(1, 300, 1, 32, seed=22), randn(1, 300, 1, 32, seed=23)
+
+    def grads(threads, **kw):
+        q, k, v = (x.clone().requires_grad_() for x in (q0, k0, v0))
+        iot.attention(q, k, v, causal=True, num_threads=threads, **kw).square().sum().backward()
+        return q.grad, k.grad, v.grad
+
+    before = torch.are_deterministic_algorithms_enabled()
+    try:
+        torch.use_deterministic_algorithms(True)
+        ref = grads(1)
+        for threads in (2, 3):
+            assert all(torch.equal(a, b) for a, b in zip(ref, grads(threads))), threads
+    finally:
+        torch.use_deterministic_algorithms(before)
+    if not before:
+        assert all(torch.equal(a, b) for a, b in zip(ref, grads(3, deterministic=True)))
+
+
 def test_forward_under_no_grad_and_inference_mode():
     q = randn(1, 7, 2, 8).requires_grad_()
     with torch.no_grad():
