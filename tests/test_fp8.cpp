@@ -33,13 +33,25 @@ struct Fp8Case {
   bool causal = false;
   DType out = DType::bf16;
   bool descale = true;
+  // the score modifiers and masks beyond causal (the sm90 fp8 kernel's kLocal rows)
+  int64_t wl = -1, wr = -1;
+  float softcap = 0.0f;
+  bool alibi = false, sinks = false;
 };
+
+// A case with a sliding window / softcap / ALiBi / sinks on top of `base`.
+Fp8Case with_features(Fp8Case base, const std::string& name, int64_t wl, int64_t wr, float softcap, bool alibi,
+                      bool sinks) {
+  base.name = name;
+  base.wl = wl, base.wr = wr, base.softcap = softcap, base.alibi = alibi, base.sinks = sinks;
+  return base;
+}
 
 struct Fp8Problem {
   Fp8Case c;
   std::vector<uint8_t> q, k, v;
   std::vector<uint16_t> o;
-  std::vector<float> lse, qd, kd, vd;
+  std::vector<float> lse, qd, kd, vd, slopes, sink;
   TensorView qv, kv, vv, ov, lv;
   AttnParams prm;
 
@@ -69,6 +81,15 @@ struct Fp8Problem {
       prm.k_descale = TensorView::contiguous(kd.data(), DType::f32, {c.b, c.hkv});
       prm.v_descale = TensorView::contiguous(vd.data(), DType::f32, {c.b, c.hkv});
     }
+    prm.window_left = c.wl;
+    prm.window_right = c.wr;
+    prm.softcap = c.softcap;
+    for (int64_t h = 0; h < c.hq; ++h) {
+      slopes.push_back(0.05f * static_cast<float>(h + 1));
+      sink.push_back(-1.0f + 0.75f * static_cast<float>(h));
+    }
+    if (c.alibi) prm.alibi_slopes = TensorView::contiguous(slopes.data(), DType::f32, {c.hq});
+    if (c.sinks) prm.sinks = TensorView::contiguous(sink.data(), DType::f32, {c.hq});
   }
   float out_at(size_t i) const {
     return c.out == DType::bf16 ? detail::bf16_to_float(o[i]) : detail::f16_to_float(o[i]);
@@ -207,75 +228,94 @@ TEST_P(Fp8Forward, MatchesReference) {
   if (c.sk > 1 && !c.causal) EXPECT_GT(naive_o, 1e-4);
 }
 
-// CUDA: the public API on a device. sm90: the fp8 wgmma kernel is chosen (hdim 64, 128 and 256) and
-// matches the reference by the rule above (O and LSE). An fp8 problem the kernel cannot take
-// (hdim 96) fails with the reason.
-// Other archs: fp8 fails with a reason naming the sm90 kernel.
+// One fp8 case through the public API on CUDA device 0: sm90 with head_dim 64 / 128 / 256 runs the
+// fp8 wgmma kernel (checked by name; `kernel_part` too, e.g. "local(" for the kLocal rows) and
+// must match the reference by the rule above (O and LSE); anything else must fail with a reason
+// naming the obstacle ("fp8: head_dim 96" on sm90, "sm90" elsewhere).
+void run_cuda_fp8_case(const Fp8Case& c, int arch, const std::string& kernel_part = "") {
+  Fp8Problem h(c);  // host copies: inputs for the reference, and the bytes we upload
+  auto dev = [](const void* src, DType t, int64_t n) {
+    detail::Buffer b(t, n, Device::cuda);
+    std::memcpy(b.host(), src, b.bytes());
+    b.upload();
+    return b;
+  };
+  detail::Buffer q = dev(h.q.data(), DType::f8e4m3, static_cast<int64_t>(h.q.size()));
+  detail::Buffer k = dev(h.k.data(), DType::f8e4m3, static_cast<int64_t>(h.k.size()));
+  detail::Buffer v = dev(h.v.data(), DType::f8e4m3, static_cast<int64_t>(h.v.size()));
+  detail::Buffer o = dev(h.o.data(), c.out, static_cast<int64_t>(h.o.size()));
+  detail::Buffer l = dev(h.lse.data(), DType::f32, static_cast<int64_t>(h.lse.size()));
+  detail::Buffer qd = dev(h.qd.data(), DType::f32, c.b * c.hkv), kd = dev(h.kd.data(), DType::f32, c.b * c.hkv),
+                 vd = dev(h.vd.data(), DType::f32, c.b * c.hkv);
+  detail::Buffer slopes = dev(h.slopes.data(), DType::f32, c.hq), sinks = dev(h.sink.data(), DType::f32, c.hq);
+  AttnParams prm = h.prm;  // the host problem's mask and modifiers, with device views
+  if (c.descale) {
+    prm.q_descale = qd.view({c.b, c.hkv});
+    prm.k_descale = kd.view({c.b, c.hkv});
+    prm.v_descale = vd.view({c.b, c.hkv});
+  }
+  if (c.alibi) prm.alibi_slopes = slopes.view({c.hq});
+  if (c.sinks) prm.sinks = sinks.view({c.hq});
+  const TensorView qv = q.view({c.b, c.sq, c.hq, c.d}), kv = k.view({c.b, c.sk, c.hkv, c.d}),
+                   vv = v.view({c.b, c.sk, c.hkv, c.d}), ov = o.view({c.b, c.sq, c.hq, c.d}),
+                   lv = l.view({c.b, c.hq, c.sq});
+  if (arch != 90 || (c.d != 64 && c.d != 128 && c.d != 256)) {
+    try {
+      forward(qv, kv, vv, ov, lv, prm);
+      ADD_FAILURE() << c.name << ": fp8 ran on sm" << arch << " hdim" << c.d;
+    } catch (const Error& e) {
+      const std::string msg = e.what();
+      EXPECT_NE(msg.find(arch == 90 ? "fp8: head_dim 96" : "sm90"), std::string::npos) << msg;
+    }
+    return;
+  }
+  const KernelChoice kc = forward(qv, kv, vv, ov, lv, prm);
+  EXPECT_NE(kc.kernel.find("f8e4m3"), std::string::npos) << kc.kernel;
+  EXPECT_NE(kc.kernel.find(kernel_part), std::string::npos) << c.name << ": " << kc.kernel;
+  o.download();
+  l.download();
+  std::memcpy(h.o.data(), o.host(), o.bytes());
+  std::memcpy(h.lse.data(), l.host(), l.bytes());
+  auto val = detail::validate(h.qv, h.kv, h.vv, h.ov, h.lv, nullptr, h.prm, Context{});
+  const detail::RefResult ref = detail::reference_forward(val.p, detail::RefPrecision::f64);
+  const detail::RefResult emu = detail::reference_forward(val.p, detail::RefPrecision::emulated);
+  double err_o = 0, naive_o = 0, err_l = 0, naive_l = 0;
+  detail::for_each_output_row(val.p, ref, [&](int64_t oo, int64_t ro, int64_t lo, int64_t rl) {
+    for (int64_t x = 0; x < c.d; ++x) {
+      const double got = h.out_at(static_cast<size_t>(oo + x));
+      err_o = std::max(err_o, std::isnan(got) ? INFINITY : std::fabs(got - ref.o[ro + x]));
+      naive_o = std::max(naive_o, std::fabs(emu.o[ro + x] - ref.o[ro + x]));
+    }
+    const double gl = h.lse[lo], rlse = ref.lse[rl];
+    if (std::isinf(rlse))
+      err_l = std::max(err_l, std::isinf(gl) && gl < 0 ? 0.0 : INFINITY);
+    else
+      err_l = std::max(err_l, std::isnan(gl) ? INFINITY : std::fabs(gl - rlse));
+    if (!std::isinf(rlse)) naive_l = std::max(naive_l, std::fabs(emu.lse[rl] - rlse));
+  });
+  EXPECT_LE(err_o, 2 * naive_o + 1e-3) << c.name << " naive fp8 error " << naive_o;
+  EXPECT_LE(err_l, 2 * naive_l + 1e-3) << c.name << " naive fp8 error " << naive_l;
+}
+
+// CUDA: the public API on a device (run_cuda_fp8_case). An fp8 problem the kernel cannot take
+// (hdim 96) fails with the reason; other archs: fp8 fails with a reason naming the sm90 kernel.
 TEST(Fp8Cuda, ApiOnDevice) {
   if (detail::cuda_device_count() == 0) GTEST_SKIP() << "skipped: no CUDA device";
   const int arch = detail::cuda_device_arch(0);
   for (const Fp8Case& c : {Fp8Case{"a", 2, 113, 203, 4, 1, 128, false}, Fp8Case{"b", 1, 300, 300, 2, 2, 128, true},
                            Fp8Case{"c", 1, 64, 64, 2, 2, 64, false}, Fp8Case{"d", 2, 77, 130, 4, 2, 256, false},
                            Fp8Case{"e", 1, 130, 130, 2, 1, 256, true}, Fp8Case{"f", 2, 300, 277, 4, 2, 64, true},
-                           Fp8Case{"g", 1, 40, 40, 2, 2, 96, false}}) {
-    Fp8Problem h(c);  // host copies: inputs for the reference, and the bytes we upload
-    auto dev = [](const void* src, DType t, int64_t n) {
-      detail::Buffer b(t, n, Device::cuda);
-      std::memcpy(b.host(), src, b.bytes());
-      b.upload();
-      return b;
-    };
-    detail::Buffer q = dev(h.q.data(), DType::f8e4m3, static_cast<int64_t>(h.q.size()));
-    detail::Buffer k = dev(h.k.data(), DType::f8e4m3, static_cast<int64_t>(h.k.size()));
-    detail::Buffer v = dev(h.v.data(), DType::f8e4m3, static_cast<int64_t>(h.v.size()));
-    detail::Buffer o = dev(h.o.data(), DType::bf16, static_cast<int64_t>(h.o.size()));
-    detail::Buffer l = dev(h.lse.data(), DType::f32, static_cast<int64_t>(h.lse.size()));
-    detail::Buffer qd = dev(h.qd.data(), DType::f32, c.b * c.hkv), kd = dev(h.kd.data(), DType::f32, c.b * c.hkv),
-                   vd = dev(h.vd.data(), DType::f32, c.b * c.hkv);
-    AttnParams prm;
-    prm.causal = c.causal;
-    prm.q_descale = qd.view({c.b, c.hkv});
-    prm.k_descale = kd.view({c.b, c.hkv});
-    prm.v_descale = vd.view({c.b, c.hkv});
-    const TensorView qv = q.view({c.b, c.sq, c.hq, c.d}), kv = k.view({c.b, c.sk, c.hkv, c.d}),
-                     vv = v.view({c.b, c.sk, c.hkv, c.d}), ov = o.view({c.b, c.sq, c.hq, c.d}),
-                     lv = l.view({c.b, c.hq, c.sq});
-    if (arch != 90 || (c.d != 64 && c.d != 128 && c.d != 256)) {
-      try {
-        forward(qv, kv, vv, ov, lv, prm);
-        ADD_FAILURE() << c.name << ": fp8 ran on sm" << arch << " hdim" << c.d;
-      } catch (const Error& e) {
-        const std::string msg = e.what();
-        EXPECT_NE(msg.find(arch == 90 ? "fp8: head_dim 96" : "sm90"), std::string::npos) << msg;
-      }
-      continue;
-    }
-    const KernelChoice kc = forward(qv, kv, vv, ov, lv, prm);
-    EXPECT_NE(kc.kernel.find("f8e4m3"), std::string::npos) << kc.kernel;
-    o.download();
-    l.download();
-    std::memcpy(h.o.data(), o.host(), o.bytes());
-    std::memcpy(h.lse.data(), l.host(), l.bytes());
-    auto val = detail::validate(h.qv, h.kv, h.vv, h.ov, h.lv, nullptr, h.prm, Context{});
-    const detail::RefResult ref = detail::reference_forward(val.p, detail::RefPrecision::f64);
-    const detail::RefResult emu = detail::reference_forward(val.p, detail::RefPrecision::emulated);
-    double err_o = 0, naive_o = 0, err_l = 0, naive_l = 0;
-    detail::for_each_output_row(val.p, ref, [&](int64_t oo, int64_t ro, int64_t lo, int64_t rl) {
-      for (int64_t x = 0; x < c.d; ++x) {
-        const double got = h.out_at(static_cast<size_t>(oo + x));
-        err_o = std::max(err_o, std::isnan(got) ? INFINITY : std::fabs(got - ref.o[ro + x]));
-        naive_o = std::max(naive_o, std::fabs(emu.o[ro + x] - ref.o[ro + x]));
-      }
-      const double gl = h.lse[lo], rlse = ref.lse[rl];
-      if (std::isinf(rlse))
-        err_l = std::max(err_l, std::isinf(gl) && gl < 0 ? 0.0 : INFINITY);
-      else
-        err_l = std::max(err_l, std::isnan(gl) ? INFINITY : std::fabs(gl - rlse));
-      if (!std::isinf(rlse)) naive_l = std::max(naive_l, std::fabs(emu.lse[rl] - rlse));
-    });
-    EXPECT_LE(err_o, 2 * naive_o + 1e-3) << c.name << " naive fp8 error " << naive_o;
-    EXPECT_LE(err_l, 2 * naive_l + 1e-3) << c.name << " naive fp8 error " << naive_l;
-  }
+                           Fp8Case{"g", 1, 40, 40, 2, 2, 96, false}})
+    run_cuda_fp8_case(c, arch);
+}
+
+// The cases with windows / softcap / ALiBi / sinks (fp8_feature_cases): on sm90 the kLocal rows of
+// the fp8 wgmma kernel (session 27), every head dim.
+std::vector<Fp8Case> fp8_feature_cases();
+TEST(Fp8Cuda, WindowsSoftcapAlibiSinksOnDevice) {
+  if (detail::cuda_device_count() == 0) GTEST_SKIP() << "skipped: no CUDA device";
+  const int arch = detail::cuda_device_arch(0);
+  for (const Fp8Case& c : fp8_feature_cases()) run_cuda_fp8_case(c, arch, "local(");
 }
 
 std::vector<Fp8Case> fp8_cases() {
@@ -287,6 +327,27 @@ std::vector<Fp8Case> fp8_cases() {
   v.push_back({"q113_k203_d128_causal", 1, 113, 203, 2, 1, 128, true});
   v.push_back({"q203_k113_causal_f16", 1, 203, 113, 2, 2, 128, true, DType::f16});
   v.push_back({"no_descale", 1, 65, 130, 2, 2, 64, false, DType::bf16, false});
+  for (const Fp8Case& c : fp8_feature_cases()) v.push_back(c);
+  return v;
+}
+
+// Windows (bottom-right, left / right / both; blocks skipped whole at 300+ keys), softcap, ALiBi and
+// sinks, alone and together, at head_dim 64 / 128 / 256, causal or not, GQA, seqlen_q != seqlen_k
+// (rows with no visible key: O = 0, LSE = -inf, or the sink alone).
+std::vector<Fp8Case> fp8_feature_cases() {
+  std::vector<Fp8Case> v;
+  v.push_back(with_features({"", 1, 300, 300, 4, 2, 128, true}, "window_causal_d128", 70, 0, 0.0f, false, false));
+  v.push_back(with_features({"", 2, 113, 400, 4, 1, 64}, "window_both_d64", 90, 40, 0.0f, false, false));
+  v.push_back(with_features({"", 1, 203, 113, 2, 2, 256, true}, "window_left_causal_d256_no_key_rows", 30, 0, 0.0f,
+                            false, false));
+  v.push_back(with_features({"", 1, 130, 257, 2, 1, 128}, "softcap_d128", -1, -1, 5.0f, false, false));
+  v.push_back(with_features({"", 1, 150, 150, 4, 2, 64, true}, "alibi_causal_d64", -1, -1, 0.0f, true, false));
+  v.push_back(with_features({"", 2, 77, 190, 2, 2, 256}, "sinks_d256", -1, -1, 0.0f, false, true));
+  v.push_back(with_features({"", 1, 203, 113, 4, 2, 128, true, DType::f16}, "sinks_causal_no_key_rows_f16", -1, -1,
+                            0.0f, false, true));
+  v.push_back(with_features({"", 1, 260, 330, 4, 1, 128, true}, "all_d128", 100, 0, 20.0f, true, true));
+  v.push_back(with_features({"", 1, 190, 190, 2, 2, 64}, "all_no_descale_d64", 50, 50, 8.0f, true, true));
+  v.back().descale = false;
   return v;
 }
 

@@ -313,10 +313,10 @@ struct Fp8Row {
   bool (*present)() = nullptr;
   void (*launch)(const Fp8Launch&) = nullptr;
 };
-template <class Tr, bool kCausal>
+template <class Tr, bool kCausal, bool kLocal = false>
 Fp8Row make_fp8_row(const char* why) {
   return Fp8Row{Tr::kBlockM, Tr::kBlockN, Tr::kStages, Tr::kConsumerWGs, Tr::kQKRow, why,
-                &flash_fwd_sm90_fp8_present<Tr, kCausal>, &flash_fwd_sm90_fp8_launch<Tr, kCausal>};
+                &flash_fwd_sm90_fp8_present<Tr, kCausal, kLocal>, &flash_fwd_sm90_fp8_launch<Tr, kCausal, kLocal>};
 }
 template <class Tr>
 Fp8Row make_fp8_row(bool causal, const char* why) {
@@ -333,6 +333,13 @@ bool fp8_blockn_192() {
 // three interleaved A/Bs; causal lost 3-6% and keeps 128x192); IOATTN_SM90_FP8_WG3=0 selects 128x192
 // (ctest sm90_check_fp8_2wg).
 bool fp8_wg3() { return env_bool("IOATTN_SM90_FP8_WG3") != 0; }
+// The kLocal rows (windows, softcap, ALiBi, sinks; session 27): each head dim's causal tiling.
+template <typename Out>
+Fp8Row fp8_local_row_for_out(int64_t hdim) {
+  if (hdim == 256) return make_fp8_row<Fp8Traits256<Out>, true, true>(Fp8Tile256::kWhy);
+  if (hdim == 64) return make_fp8_row<Fp8Traits64<Out>, true, true>(Fp8Tile64::kWhy);
+  return make_fp8_row<Fp8Traits192<Out>, true, true>(Fp8Tile192::kWhy);
+}
 template <typename Out>
 Fp8Row fp8_row_for_out(int64_t hdim, bool causal) {
   if (hdim == 256) return make_fp8_row<Fp8Traits256<Out>>(causal, Fp8Tile256::kWhy);
@@ -343,6 +350,11 @@ Fp8Row fp8_row_for_out(int64_t hdim, bool causal) {
 }
 Fp8Row fp8_table_row(const FwdProblem& p) {
   if (p.head_dim != 64 && p.head_dim != 128 && p.head_dim != 256) return Fp8Row{};
+  if (needs_local(p)) {
+    if (p.fp8_out == DType::bf16) return fp8_local_row_for_out<__nv_bfloat16>(p.head_dim);
+    if (p.fp8_out == DType::f16) return fp8_local_row_for_out<__half>(p.head_dim);
+    return Fp8Row{};
+  }
   if (p.fp8_out == DType::bf16) return fp8_row_for_out<__nv_bfloat16>(p.head_dim, p.causal);
   if (p.fp8_out == DType::f16) return fp8_row_for_out<__half>(p.head_dim, p.causal);
   return Fp8Row{};
@@ -499,7 +511,8 @@ int64_t grid_ctas(int device, int64_t tiles, bool persistent) {
   return n;
 }
 
-// The fp8 rows: hdim 64, 128 or 256, the plain causal mask or none, GQA; a V^T workspace in stream order.
+// The fp8 rows: hdim 64, 128 or 256, the plain causal mask or none, GQA; windows, softcap, ALiBi and
+// sinks on the kLocal rows (not varlen); a V^T workspace in stream order.
 bool select_fp8(const FwdProblem& p, std::string* kernel, std::string* why) {
   if (p.head_dim != p.head_dim_v)
     return fail(why, "fp8: head_dim_v " + std::to_string(p.head_dim_v) + " != head_dim " + std::to_string(p.head_dim));
@@ -508,12 +521,11 @@ bool select_fp8(const FwdProblem& p, std::string* kernel, std::string* why) {
   if (p.fp8_out != DType::bf16 && p.fp8_out != DType::f16)
     return fail(why, std::string("fp8: output dtype ") + dtype_str(p.fp8_out) + " (bf16, f16)");
   if (p.varlen()) return fail(why, "fp8: varlen (cu_seqlens) is not supported by the fp8 wgmma kernel");
-  const bool plain_causal = p.causal && p.window_left < 0 && p.window_right == 0;
-  const bool no_window = !p.causal && p.window_left < 0 && p.window_right < 0;
-  if (!plain_causal && !no_window) return fail(why, "fp8: sliding window is not supported by the fp8 wgmma kernel");
-  if (p.softcap > 0.0f) return fail(why, "fp8: softcap is not supported by the fp8 wgmma kernel");
-  if (p.alibi_slopes != nullptr) return fail(why, "fp8: ALiBi is not supported by the fp8 wgmma kernel");
-  if (p.sinks != nullptr) return fail(why, "fp8: attention sinks are not supported by the fp8 wgmma kernel");
+  const bool local = needs_local(p);
+  if (local && env_bool("IOATTN_SM90_LOCAL") == 0)
+    return fail(why, "fp8: " + local_features(p) + " on the wgmma kernel (kLocal rows): switched off by IOATTN_SM90_LOCAL=0");
+  if (local && (p.seqlen_q >= (int64_t(1) << 29) || p.seqlen_k >= (int64_t(1) << 29)))
+    return fail(why, "fp8: windows / sinks / softcap / ALiBi on the wgmma kernel: seqlen >= 2^29 (its int window bounds)");
   if (!(p.scale > 0.0f)) return fail(why, "fp8: scale <= 0 (the kernel's running max assumes scale > 0)");
   if (p.heads_kv <= 0 || p.heads_q % p.heads_kv != 0) return fail(why, "heads_q is not a multiple of heads_kv");
   constexpr int64_t kMaxInt = 2147483647;
@@ -541,7 +553,8 @@ bool select_fp8(const FwdProblem& p, std::string* kernel, std::string* why) {
             " stages " + std::to_string(row.stages) + " ws " + std::to_string(row.consumer_wgs) + " consumer WGs " +
             (row.consumer_wgs == 2 ? "pingpong" : "round-robin") + grid_str(pol.grid) +
             (pol.rescale_skip ? " rescale-skip" : "") + " +V^T pre-pass" +
-            (p.q_descale.defined() || p.k_descale.defined() || p.v_descale.defined() ? " descale" : "");
+            (p.q_descale.defined() || p.k_descale.defined() || p.v_descale.defined() ? " descale" : "") +
+            (local ? " local(" + local_features(p) + ")" : "");
   *why = row.why;
   return true;
 }
@@ -727,9 +740,20 @@ void fp8_forward(const FwdProblem& p, const Policy& pol) {
   f.scale = p.scale;
   f.scale_log2 = p.scale * kLog2e;
   const bool persistent = pol.grid != Grid::kTilePerCta;
-  f.zigzag = pol.grid == Grid::kStatic && p.causal ? 1 : 0;
-  f.stagger = !p.causal && !env_flag("IOATTN_SM90_NO_STAGGER") ? 1 : 0;
+  const bool local = needs_local(p);  // the kLocal rows: the causal tiling, no key rotation
+  f.zigzag = pol.grid == Grid::kStatic && (p.causal || local) ? 1 : 0;
+  f.stagger = !p.causal && !local && !env_flag("IOATTN_SM90_NO_STAGGER") ? 1 : 0;
   f.rescale_skip = pol.rescale_skip ? 1 : 0;
+  if (local) {  // a window wider than both sequences is unbounded
+    const int64_t wide = p.seqlen_q + p.seqlen_k;
+    LocalParams& lp = l.local;
+    lp.window_left = p.window_left < 0 || p.window_left > wide ? -1 : static_cast<int>(p.window_left);
+    lp.window_right = p.window_right < 0 || p.window_right > wide ? -1 : static_cast<int>(p.window_right);
+    lp.sinks = p.sinks;
+    lp.softcap = p.softcap > 0.0f ? p.softcap : 0.0f;
+    lp.softcap_inv = p.softcap > 0.0f ? 1.0f / p.softcap : 0.0f;
+    lp.alibi_slopes = p.alibi_slopes;
+  }
   pp.q_descale = p.q_descale.ptr;
   pp.k_descale = p.k_descale.ptr;
   pp.v_descale = p.v_descale.ptr;

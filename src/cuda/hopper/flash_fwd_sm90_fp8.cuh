@@ -20,9 +20,13 @@
 //     32-key group; the pre-pass writes V^T in that same order (fp8_p_key), so P V is exact.
 //   * Descales: scale * q_descale * k_descale goes into the softmax scale (and the LSE), v_descale
 //     into the final 1 / rowsum; read once per tile from [batch, heads_kv] f32 arrays.
+//   * kLocal instances (session 27, the bf16 kernel's kLocal rows carried over; on the causal
+//     tiling): sliding windows with whole-block skipping, softcap, ALiBi and sinks from LocalParams,
+//     passed as Fp8LocalParams so the other instances' parameter block (and code) is unchanged.
+//     Softcap / ALiBi act on t = s * scale * q_descale * k_descale as on the other paths.
 // Assumes (the fp8 rows of sm90_flash_select check it): head_dim = head_dim_v = 64, 128 or 256; q/k 16-byte
-// aligned with 16-byte-multiple strides; o 4-byte aligned with even strides; no window / softcap /
-// alibi / sinks / varlen; scale > 0, descales > 0.
+// aligned with 16-byte-multiple strides; o 4-byte aligned with even strides; no varlen; kLocal:
+// sequences below 2^29; scale > 0, descales > 0.
 #pragma once
 
 #include <cuda.h>
@@ -32,6 +36,7 @@
 
 #include <cstdint>
 #include <cstdio>
+#include <type_traits>
 
 #include "cuda/check.cuh"
 #include "cuda/hopper/flash_fwd_sm90.cuh"
@@ -86,6 +91,14 @@ struct Fp8Params {
   const float* v_descale = nullptr;
   int64_t qd_batch = 0, qd_head = 0, kd_batch = 0, kd_head = 0, vd_batch = 0, vd_head = 0;
 };
+// The kLocal instances' argument: the above plus the window / softcap / ALiBi / sinks (LocalParams;
+// cu_seqlens stay null: no varlen here; inv_scale is unused, the kernel divides by its tile's
+// descaled scale).
+struct Fp8LocalParams : Fp8Params {
+  LocalParams lp;
+};
+template <bool kLocal>
+using Fp8KernelParams = std::conditional_t<kLocal, Fp8LocalParams, Fp8Params>;
 
 // Tiling of the fp8 kernel. Out: the O dtype (__nv_bfloat16 or __half). kConsumerWGs_: 2
 // (ping-pong, 240 registers each) or 3 (round robin, 160 each; 192-row tiles), 64 query rows each.
@@ -192,11 +205,14 @@ __device__ __forceinline__ uint64_t fp8_qk_desc(uint32_t smem_addr) {
   return kQKRow == 64 ? make_desc_sw64(smem_addr, 16, 512) : make_desc_sw128(smem_addr, 16, 1024);
 }
 
-template <class Tr, bool kCausal>
+// kLocal: on the causal tiling (kCausal = true, longest-first order), with the key blocks of each
+// tile's window (local_key_blocks) and the mask, softcap, ALiBi and sinks of pp.lp.
+template <class Tr, bool kCausal, bool kLocal = false>
 __global__ void __launch_bounds__(Tr::kThreads, 1)
     flash_fwd_sm90_fp8_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_k,
-                              const __grid_constant__ CUtensorMap tm_vt, const Fp8Params pp) {
+                              const __grid_constant__ CUtensorMap tm_vt, const Fp8KernelParams<kLocal> pp) {
 #if IOATTN_SM90A_ENABLED
+  static_assert(!kLocal || kCausal, "the kLocal rows use the causal tiling");
   using Out = typename Tr::Out;
   constexpr int kBlockM = Tr::kBlockM, kBlockN = Tr::kBlockN, kHeadDim = Tr::kHeadDim;
   constexpr int kStages = Tr::kStages, kQKRow = Tr::kQKRow;
@@ -247,7 +263,13 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         }
         const TileCoord tc = decode_tile<kCausal>(t, p);
         const int m0 = tc.m_block * kBlockM, hk = tc.h / p.group;
-        const int n_blocks = num_key_blocks<kBlockM, kBlockN, kCausal>(m0, p.seqlen_q, p.seqlen_k);
+        int n_first = 0, n_blocks;
+        if constexpr (kLocal) {
+          const int2 kb = local_key_blocks<kBlockM, kBlockN>(m0, tile_span(tc.b, p, pp.lp));
+          n_first = kb.x, n_blocks = kb.y;
+        } else {
+          n_blocks = num_key_blocks<kBlockM, kBlockN, kCausal>(m0, p.seqlen_q, p.seqlen_k);
+        }
         if (n_blocks == 0) {
           mbarrier_arrive(&full_q);
           t = dynamic ? claim_tile(p.tile_counter) : tile_of_round(round + 1, p.zigzag);
@@ -263,7 +285,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
           const uint32_t st = ring_stage(ring + i, kStages);
           mbarrier_wait(&empty_k[st], ring_phase(ring + i, kStages) ^ 1);
           mbarrier_arrive_expect_tx(&full_k[st], Tr::kKVBytes);
-          const int n0 = key_block(i, n_blocks, rot) * kBlockN;
+          const int n0 = (n_first + key_block(i, n_blocks, rot)) * kBlockN;
           uint8_t* dst = s_k + st * Tr::kKVBytes;
 #pragma unroll
           for (int c = 0; c < Tr::kQColBlocks; ++c)
@@ -273,7 +295,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
           const uint32_t st = ring_stage(ring + i, kStages);
           mbarrier_wait(&empty_v[st], ring_phase(ring + i, kStages) ^ 1);
           mbarrier_arrive_expect_tx(&full_v[st], Tr::kVBytes);
-          const int n0 = key_block(i, n_blocks, rot) * kBlockN;
+          const int n0 = (n_first + key_block(i, n_blocks, rot)) * kBlockN;
           uint8_t* dst = s_v + st * Tr::kVBytes;
 #pragma unroll
           for (int c = 0; c < Tr::kVColBlocks; ++c)
@@ -322,7 +344,15 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
       if (t >= p.num_tiles) break;
       const TileCoord tc = decode_tile<kCausal>(t, p);
       const int m0 = tc.m_block * kBlockM;
-      const int n_blocks = num_key_blocks<kBlockM, kBlockN, kCausal>(m0, p.seqlen_q, p.seqlen_k);
+      int n_first = 0, n_blocks;
+      [[maybe_unused]] TileSpan span{};  // kLocal only
+      if constexpr (kLocal) {
+        span = tile_span(tc.b, p, pp.lp);
+        const int2 kb = local_key_blocks<kBlockM, kBlockN>(m0, span);
+        n_first = kb.x, n_blocks = kb.y;
+      } else {
+        n_blocks = num_key_blocks<kBlockM, kBlockN, kCausal>(m0, p.seqlen_q, p.seqlen_k);
+      }
       const int rot = key_rotation(tc.m_block, n_blocks, p);
       // This tile's descales (per batch and kv head): folded into the score scale and 1 / rowsum.
       const int hk = tc.h / p.group;
@@ -385,6 +415,18 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
 #pragma unroll
           for (int r = 0; r < 2; ++r) {
             const int row = m0 + row_in_tile + 8 * r;
+            if constexpr (kLocal) {  // visible: key_begin <= key < key_end
+              const int key_end = min(span.sk, row + span.win_hi + 1), key_begin = row + span.win_lo;
+#pragma unroll
+              for (int i = 0; i < kBlockN / 8; ++i) {
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                  const int key = key0 + 8 * i + e;
+                  if (key < key_begin || key >= key_end) s[4 * i + 2 * r + e] = -INFINITY;
+                }
+              }
+              continue;
+            }
             const int key_end = kCausal ? min(p.seqlen_k, row + off + 1) : p.seqlen_k;
 #pragma unroll
             for (int i = 0; i < kBlockN / 8; ++i) {
@@ -395,6 +437,10 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
           }
         };
         auto needs_mask = [&](int n) {
+          if constexpr (kLocal) {  // the first row's right bound is the lowest, the last row's left the highest
+            const int lo = n * kBlockN, hi = lo + kBlockN - 1;
+            return hi >= span.sk || hi > m0 + span.win_hi || lo < m0 + kBlockM - 1 + span.win_lo;
+          }
           return (n + 1) * kBlockN > p.seqlen_k || (kCausal && (n + 1) * kBlockN - 1 > m0 + off);
         };
         auto softmax = [&]() {
@@ -432,7 +478,37 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         // the wait. Measured (session 15, H200, 16k tokens, two passes each): the overlap form is
         // 3-13% faster causal (4k 0.401 vs 0.424-0.461 ms) and 1-5% slower without a mask (16k
         // 2.89-2.96 vs 2.76-2.77 ms), so each mode keeps the form that wins.
+        // kLocal: softcap / ALiBi on the scores of key block n (before the mask, as on mma.sync), on
+        // t = s * scale_ln (the descaled score in logit units), kept as t / scale_ln.
+        [[maybe_unused]] float slope = 0.0f, inv_scale_ln = 0.0f;  // kLocal: read once per tile
+        if constexpr (kLocal) {
+          if (pp.lp.alibi_slopes != nullptr) slope = pp.lp.alibi_slopes[tc.h];
+          inv_scale_ln = scale_ln > 0.0f ? 1.0f / scale_ln : 0.0f;
+        }
+        auto modify_scores = [&](int n) {
+          if constexpr (kLocal) {
+            const int key0 = n * kBlockN + 2 * (lane % 4);
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+              const int centre = m0 + row_in_tile + 8 * r + span.sk - span.sq;  // |centre - key|: the ALiBi distance
+#pragma unroll
+              for (int i = 0; i < kBlockN / 8; ++i) {
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                  float& x = s[4 * i + 2 * r + e];
+                  float t = x * scale_ln;
+                  if (pp.lp.softcap > 0.0f) t = pp.lp.softcap * ptx::tanh_approx(t * pp.lp.softcap_inv);
+                  t -= slope * fabsf(static_cast<float>(centre - (key0 + 8 * i + e)));
+                  x = t * inv_scale_ln;
+                }
+              }
+            }
+          }
+        };
         auto mask_and_softmax = [&](int n) {
+          if constexpr (kLocal) {
+            if (pp.lp.softcap > 0.0f || pp.lp.alibi_slopes != nullptr) modify_scores(n);
+          }
           if constexpr (kCausal) {
             if (needs_mask(n)) {
               apply_mask(n);
@@ -476,7 +552,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
           wgmma_wait<0>();
           fence_s();
           release(&empty_k[st]);
-          mask_and_softmax(key_block(0, n_blocks, rot));
+          mask_and_softmax(n_first + key_block(0, n_blocks, rot));
           if (p.rescale_skip) rescale = false;  // O is still all zeros
           convert_p();
         }
@@ -504,7 +580,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
           fence_s();
           release(&empty_k[st]);
           FP8_TRACE(i, 7);
-          mask_and_softmax(key_block(i, n_blocks, rot));
+          mask_and_softmax(n_first + key_block(i, n_blocks, rot));
           FP8_TRACE(i, 8);
           wgmma_wait<0>();
           fence_o();
@@ -538,6 +614,32 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         float sum = row_sum[r];
         sum += __shfl_xor_sync(0xffffffffu, sum, 1);
         sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+        if constexpr (kLocal) {
+          float inv = sum > 0.0f ? dv / sum : 0.0f;
+          float lse = sum > 0.0f ? row_max[r] * scale_ln + logf(sum) : -INFINITY;
+          if (pp.lp.sinks != nullptr) {  // sum_j exp(t_j) + exp(sink), relative to M = max(m, sink)
+            const float m = sum > 0.0f ? row_max[r] * scale_ln : -INFINITY, sink = pp.lp.sinks[tc.h];
+            const float mx = fmaxf(m, sink);
+            if (mx == -INFINITY) {
+              inv = 0.0f;
+              lse = -INFINITY;
+            } else {
+              const float a = expf(m - mx), total = sum * a + expf(sink - mx);
+              inv = dv * a / total;
+              lse = mx + logf(total);
+            }
+          }
+          const int row = m0 + row_in_tile + 8 * r;
+          if (row < span.sq) {
+            Out* orow = static_cast<Out*>(p.o) + tc.b * p.o_batch + row * p.o_seq + tc.h * p.o_head + 2 * (lane % 4);
+#pragma unroll
+            for (int i = 0; i < kHeadDim / 8; ++i)
+              *reinterpret_cast<uint32_t*>(orow + 8 * i) =
+                  pack2<Out>(o[4 * i + 2 * r] * inv, o[4 * i + 2 * r + 1] * inv);
+            if (p.lse != nullptr && lane % 4 == 0) p.lse[tc.b * p.lse_batch + tc.h * p.lse_head + row * p.lse_seq] = lse;
+          }
+          continue;
+        }
         const float inv = sum > 0.0f ? dv / sum : 0.0f;
         const int row = m0 + row_in_tile + 8 * r;
         if (row < p.seqlen_q) {
@@ -578,6 +680,7 @@ struct Fp8Launch {
   // 4D: q/k (d, seq, heads, batch) box (kQKRow, rows); vt (skp, d, heads_kv, batch) box (128, d)
   CUtensorMap q, k, vt;
   Fp8Params params;
+  LocalParams local;  // read by the kLocal instances only
   unsigned grid = 0;
   cudaStream_t stream = nullptr;
 };
@@ -630,10 +733,10 @@ inline void fp8_trace_print(int head_dim, int block_m, int block_n, bool causal,
 }
 #endif
 
-template <class Tr, bool kCausal>
+template <class Tr, bool kCausal, bool kLocal = false>
 bool flash_fwd_sm90_fp8_present() {
   cudaFuncAttributes attr{};
-  const cudaError_t e = cudaFuncGetAttributes(&attr, flash_fwd_sm90_fp8_kernel<Tr, kCausal>);
+  const cudaError_t e = cudaFuncGetAttributes(&attr, flash_fwd_sm90_fp8_kernel<Tr, kCausal, kLocal>);
   if (e != cudaSuccess) {
     cudaGetLastError();
     return false;
@@ -641,9 +744,9 @@ bool flash_fwd_sm90_fp8_present() {
   return attr.binaryVersion >= 90 && attr.ptxVersion >= 90;
 }
 
-template <class Tr, bool kCausal>
+template <class Tr, bool kCausal, bool kLocal = false>
 void flash_fwd_sm90_fp8_launch(const Fp8Launch& l) {
-  auto kernel = flash_fwd_sm90_fp8_kernel<Tr, kCausal>;
+  auto kernel = flash_fwd_sm90_fp8_kernel<Tr, kCausal, kLocal>;
   IOATTN_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Tr::kSmemBytes));
 #if IOATTN_FP8_TRACE
   static int calls = 0, last_seqlen = -1;
@@ -654,7 +757,14 @@ void flash_fwd_sm90_fp8_launch(const Fp8Launch& l) {
     IOATTN_CUDA_CHECK(cudaMemsetAsync(sym, 0, sizeof(fp8_trace::g_stamp), l.stream));
   }
 #endif
-  kernel<<<l.grid, Tr::kThreads, Tr::kSmemBytes, l.stream>>>(l.q, l.k, l.vt, l.params);
+  if constexpr (kLocal) {
+    Fp8LocalParams pp;
+    static_cast<Fp8Params&>(pp) = l.params;
+    pp.lp = l.local;
+    kernel<<<l.grid, Tr::kThreads, Tr::kSmemBytes, l.stream>>>(l.q, l.k, l.vt, pp);
+  } else {
+    kernel<<<l.grid, Tr::kThreads, Tr::kSmemBytes, l.stream>>>(l.q, l.k, l.vt, l.params);
+  }
   IOATTN_CUDA_CHECK_LAUNCH("flash_fwd_sm90_fp8_kernel");
 #if IOATTN_FP8_TRACE
   if (calls == 10) fp8_trace_print(Tr::kHeadDim, Tr::kBlockM, Tr::kBlockN, kCausal, l.params.f.seqlen_q, l.grid);
@@ -664,23 +774,29 @@ void flash_fwd_sm90_fp8_launch(const Fp8Launch& l) {
 // The pre-pass (compiled once, in flash_fwd_sm90_fp8.cu).
 void fp8_transpose_v_launch(const Fp8TransposeArgs& a, int64_t batch, cudaStream_t stream);
 
-#define IOATTN_SM90_FP8_INSTANTIATE(TR, CAUSAL)          \
-  template bool flash_fwd_sm90_fp8_present<TR, CAUSAL>(); \
-  template void flash_fwd_sm90_fp8_launch<TR, CAUSAL>(const Fp8Launch& l);
-#define IOATTN_SM90_FP8_EXTERN(TR, CAUSAL)                       \
-  extern template bool flash_fwd_sm90_fp8_present<TR, CAUSAL>(); \
-  extern template void flash_fwd_sm90_fp8_launch<TR, CAUSAL>(const Fp8Launch& l);
+#define IOATTN_SM90_FP8_INSTANTIATE(TR, CAUSAL, LOCAL)          \
+  template bool flash_fwd_sm90_fp8_present<TR, CAUSAL, LOCAL>(); \
+  template void flash_fwd_sm90_fp8_launch<TR, CAUSAL, LOCAL>(const Fp8Launch& l);
+#define IOATTN_SM90_FP8_EXTERN(TR, CAUSAL, LOCAL)                       \
+  extern template bool flash_fwd_sm90_fp8_present<TR, CAUSAL, LOCAL>(); \
+  extern template void flash_fwd_sm90_fp8_launch<TR, CAUSAL, LOCAL>(const Fp8Launch& l);
 
-// Every (traits, causal) instance the fp8 dispatch table can launch (flash_fwd_sm90.cu's
+// Every (traits, causal, local) instance the fp8 dispatch table can launch (flash_fwd_sm90.cu's
 // fp8_row_for_out), listed once: X = IOATTN_SM90_FP8_INSTANTIATE in flash_fwd_sm90_fp8.cu,
-// IOATTN_SM90_FP8_EXTERN where the table is. The hdim-128 3-warpgroup row is non-causal only.
-#define IOATTN_SM90_FP8_ROWS_OF(X, TR) \
-  X(TR<__nv_bfloat16>, false) X(TR<__nv_bfloat16>, true) X(TR<__half>, false) X(TR<__half>, true)
-#define IOATTN_SM90_FP8_ROWS(X)                   \
-  IOATTN_SM90_FP8_ROWS_OF(X, Fp8Traits128)        \
-  IOATTN_SM90_FP8_ROWS_OF(X, Fp8Traits192)        \
-  IOATTN_SM90_FP8_ROWS_OF(X, Fp8Traits64)         \
-  IOATTN_SM90_FP8_ROWS_OF(X, Fp8Traits256)        \
-  X(Fp8Traits128W3<__nv_bfloat16>, false) X(Fp8Traits128W3<__half>, false)
+// IOATTN_SM90_FP8_EXTERN where the table is. The hdim-128 3-warpgroup row is non-causal only; the
+// kLocal rows are the causal tilings of hdim 64 (3 warpgroups), 128 (128x192) and 256.
+#define IOATTN_SM90_FP8_ROWS_OF(X, TR)                                                            \
+  X(TR<__nv_bfloat16>, false, false) X(TR<__nv_bfloat16>, true, false) X(TR<__half>, false, false) \
+  X(TR<__half>, true, false)
+#define IOATTN_SM90_FP8_LOCAL_ROWS_OF(X, TR) X(TR<__nv_bfloat16>, true, true) X(TR<__half>, true, true)
+#define IOATTN_SM90_FP8_ROWS(X)                                              \
+  IOATTN_SM90_FP8_ROWS_OF(X, Fp8Traits128)                                   \
+  IOATTN_SM90_FP8_ROWS_OF(X, Fp8Traits192)                                   \
+  IOATTN_SM90_FP8_ROWS_OF(X, Fp8Traits64)                                    \
+  IOATTN_SM90_FP8_ROWS_OF(X, Fp8Traits256)                                   \
+  X(Fp8Traits128W3<__nv_bfloat16>, false, false) X(Fp8Traits128W3<__half>, false, false) \
+  IOATTN_SM90_FP8_LOCAL_ROWS_OF(X, Fp8Traits192)                             \
+  IOATTN_SM90_FP8_LOCAL_ROWS_OF(X, Fp8Traits64)                              \
+  IOATTN_SM90_FP8_LOCAL_ROWS_OF(X, Fp8Traits256)
 
 }  // namespace ioattn::cuda::sm90
