@@ -938,9 +938,9 @@ TEST(CudaDecodeCachePrefill, OutOfRangeLengthsAndPagesGiveNaNForThatSequenceOnly
   }
 }
 
-// IOATTN_PREFILL_8BIT=staged (8-bit codes by cp.async into a staging buffer, converted after the
-// wait) against the default register path: the same converted tiles, so the same bits; the kernel
-// choice says which ran; a bad value is an error naming the variable.
+// The default staged 8-bit tiles (codes by cp.async into a staging buffer, converted after the
+// wait) against IOATTN_PREFILL_8BIT=regs (the register path): the same converted tiles, so the same
+// bits; the kernel choice says which ran; a bad value is an error naming the variable.
 TEST(CudaDecodeCachePrefill, StagedEightBitTilesEqualRegisterPathBitwise) {
   SKIP_WITHOUT_GPU();
   int ran = 0;
@@ -950,11 +950,11 @@ TEST(CudaDecodeCachePrefill, StagedEightBitTilesEqualRegisterPathBitwise) {
     Built regs(c, vals), staged(c, vals);
     KernelChoice kr, ks;
     {
-      ScopedEnv e("IOATTN_PREFILL_8BIT", nullptr);
+      ScopedEnv e("IOATTN_PREFILL_8BIT", "regs");
       kr = regs.run();
     }
     {
-      ScopedEnv e("IOATTN_PREFILL_8BIT", "staged");
+      ScopedEnv e("IOATTN_PREFILL_8BIT", nullptr);
       ks = staged.run();
     }
     EXPECT_EQ(kr.reason.find("staged by cp.async"), std::string::npos) << kr.reason;

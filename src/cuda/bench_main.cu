@@ -14,10 +14,13 @@
 //       with --mix L one sequence of seqlen tokens and the rest in sequences of L (mixed lengths).
 //   ioattn_cuda_bench local [--hdims 64,128,256] [--seqlens 4096,16384] [--tokens 16384] [--hidden 2048]
 //                           [--window 1024] [--features window,sinks,softcap,alibi,varlen] [--repeats 15]
+//                           [--dtype bf16|f8e4m3]
 //       bf16 forward with one extra feature per line on top of causal: a causal sliding window of
 //       --window keys, sinks, softcap 30, ALiBi, or varlen (the same sequences packed, cu_seqlens);
-//       TFLOP/s over the visible (row, key) pairs. Run it as is (the sm90 kLocal rows, the
-//       default) and with IOATTN_SM90_LOCAL=0 (mma.sync) for the A/B (gpu-check stage sm90local).
+//       "causal" alone as the baseline; TFLOP/s over the visible (row, key) pairs. Run it as is (the
+//       sm90 kLocal rows, the default) and with IOATTN_SM90_LOCAL=0 (mma.sync) for the A/B (gpu-check
+//       stage sm90local). --dtype f8e4m3: e4m3 Q / K / V (random codes of magnitude < 2, unit
+//       descales) with bf16 O, the fp8 kernel's rows (no varlen).
 //   ioattn_cuda_bench naive [--seqlens 4096,8192,16384] [--heads 16] [--hdim 128]
 //       standard attention (S, P in HBM) vs flash on one sequence: ms, workspace bytes, and the
 //       max |O_naive - O_flash| as a sanity check.
@@ -31,6 +34,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <random>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -126,10 +130,22 @@ void run_local(int argc, char** argv) {
   const int64_t window = std::stoll(arg(argc, argv, "--window", "1024"));
   const int repeats = std::stoi(arg(argc, argv, "--repeats", "15"));
   const std::string features = arg(argc, argv, "--features", "window,sinks,softcap,alibi,varlen");
+  const std::string dtype = arg(argc, argv, "--dtype", "bf16");
+  if (dtype != "bf16" && dtype != "f8e4m3") throw Error("--dtype", "bf16 or f8e4m3, got '" + dtype + "'");
+  const DType in_t = dtype == "bf16" ? DType::bf16 : DType::f8e4m3;
   for (int64_t d : hdims)
     for (int64_t s : seqlens) {
       const int64_t b = std::max<int64_t>(1, tokens / s), h = hidden / d;
       const Buffers buf(b * s * h * d, b * h * s, true);
+      if (in_t == DType::f8e4m3) {  // valid e4m3 codes (|x| < 2, no NaN) over the first b*s*h*d bytes
+        std::vector<uint8_t> codes(static_cast<size_t>(b * s * h * d + 2));
+        std::mt19937 rng(7);
+        for (auto& c : codes) c = static_cast<uint8_t>(rng() & 0xBF);  // exponent field <= 7
+        const size_t n = static_cast<size_t>(b * s * h * d);
+        IOATTN_CUDA_CHECK(cudaMemcpy(buf.q, codes.data(), n, cudaMemcpyHostToDevice));
+        IOATTN_CUDA_CHECK(cudaMemcpy(buf.k, codes.data() + 1, n, cudaMemcpyHostToDevice));
+        IOATTN_CUDA_CHECK(cudaMemcpy(buf.v, codes.data() + 2, n, cudaMemcpyHostToDevice));
+      }
       // Per-head vectors (sinks, ALiBi slopes) and cu_seqlens for the varlen line.
       std::vector<float> head_vals(static_cast<size_t>(h));
       for (int64_t i = 0; i < h; ++i) head_vals[static_cast<size_t>(i)] = 0.5f / static_cast<float>(i + 1);
@@ -140,9 +156,9 @@ void run_local(int argc, char** argv) {
       IOATTN_CUDA_CHECK(cudaMalloc(&cu_dev, (b + 1) * 4));
       IOATTN_CUDA_CHECK(cudaMemcpy(heads_dev, head_vals.data(), h * 4, cudaMemcpyHostToDevice));
       IOATTN_CUDA_CHECK(cudaMemcpy(cu_dev, cu.data(), (b + 1) * 4, cudaMemcpyHostToDevice));
-      const auto q = TensorView::contiguous(buf.q, DType::bf16, {b, s, h, d}, Device::cuda);
-      const auto k = TensorView::contiguous(buf.k, DType::bf16, {b, s, h, d}, Device::cuda);
-      const auto v = TensorView::contiguous(buf.v, DType::bf16, {b, s, h, d}, Device::cuda);
+      const auto q = TensorView::contiguous(buf.q, in_t, {b, s, h, d}, Device::cuda);
+      const auto k = TensorView::contiguous(buf.k, in_t, {b, s, h, d}, Device::cuda);
+      const auto v = TensorView::contiguous(buf.v, in_t, {b, s, h, d}, Device::cuda);
       const auto o = TensorView::contiguous(buf.o, DType::bf16, {b, s, h, d}, Device::cuda);
       const auto lse = TensorView::contiguous(buf.lse, DType::f32, {b, h, s}, Device::cuda);
       const auto per_head = TensorView::contiguous(heads_dev, DType::f32, {h}, Device::cuda);
@@ -171,9 +187,10 @@ void run_local(int argc, char** argv) {
           prm.softcap = 30.0f;
         } else if (f == "alibi") {
           prm.alibi_slopes = per_head;
-        } else if (f != "varlen") {
-          throw Error("--features", "window, sinks, softcap, alibi or varlen, got '" + f + "'");
+        } else if (f != "varlen" && f != "causal") {
+          throw Error("--features", "causal, window, sinks, softcap, alibi or varlen, got '" + f + "'");
         }
+        if (f == "varlen" && in_t != DType::bf16) continue;  // (the fp8 kernel takes no varlen)
         Context ctx;
         ctx.backend = Backend::flash;
         const bool varlen = f == "varlen";
@@ -183,9 +200,10 @@ void run_local(int argc, char** argv) {
         const double ms = cb::time_ms(fn, 1, repeats, cb::inner_for(one));
         const double tflops = 4.0 * b * h * pairs * d / (ms * 1e-3) / 1e12;
         std::printf(
-            "{\"impl\": \"ioattn_flash\", \"feature\": \"%s\", \"dtype\": \"bf16\", \"hdim\": %lld, \"seqlen\": %lld, "
+            "{\"impl\": \"ioattn_flash\", \"feature\": \"%s\", \"dtype\": \"%s\", \"hdim\": %lld, \"seqlen\": %lld, "
             "\"batch\": %lld, \"heads\": %lld, \"window\": %lld, \"ms\": %.5f, \"tflops\": %.2f, \"kernel\": \"%s\"}\n",
-            f.c_str(), (long long)d, (long long)s, (long long)b, (long long)h, (long long)(f == "window" ? window : -1),
+            f.c_str(), dtype.c_str(), (long long)d, (long long)s, (long long)b, (long long)h,
+            (long long)(f == "window" ? window : -1),
             ms, tflops, ran.kernel.c_str());
         std::fflush(stdout);
       }

@@ -186,16 +186,18 @@ int cache_kind(DType cache) { return cache == DType::f8e4m3 ? 1 : cache == DType
 
 struct CachePick {
   const FlashCacheKernelInfo* info = nullptr;
-  bool staged = false;  // 8-bit tiles staged by cp.async (IOATTN_PREFILL_8BIT=staged)
+  bool staged = false;  // 8-bit tiles staged by cp.async (the default where they apply)
   detail::CudaSelection sel;
 };
 
-// IOATTN_PREFILL_8BIT: "regs" (default: 8-bit codes loaded to registers, converted, stored) or
-// "staged" (cp.async into a staging buffer, converted after the wait); anything else is an error.
+// IOATTN_PREFILL_8BIT: "staged" (the default since session 27: cp.async into a staging buffer,
+// converted after the wait; H200, 512 rows, GQA 32/8 hdim 128, f8e4m3 cache: 1.2-1.6x the register
+// path, docs/PERF.md) or "regs" (8-bit codes loaded to registers, converted, stored, which exposes
+// the global latency twice per block); anything else is an error.
 bool prefill_8bit_staged() {
   const char* e = std::getenv("IOATTN_PREFILL_8BIT");
-  if (e == nullptr || *e == '\0' || std::strcmp(e, "regs") == 0) return false;
-  if (std::strcmp(e, "staged") == 0) return true;
+  if (e == nullptr || *e == '\0' || std::strcmp(e, "staged") == 0) return true;
+  if (std::strcmp(e, "regs") == 0) return false;
   throw Error("IOATTN_PREFILL_8BIT", std::string("ioattn: IOATTN_PREFILL_8BIT must be regs or staged, got '") + e + "'");
 }
 
@@ -230,22 +232,23 @@ CachePick pick_cache(const detail::FwdProblem& p, int arch) {
     }
   const int64_t m_blocks = (p.seqlen_q + info->block_m - 1) / info->block_m;
   if (m_blocks * p.heads_q * p.batch > INT_MAX) return no("query blocks x heads x batch exceeds the 2^31-1 grid limit");
-  // Staged 8-bit tiles on request, where the code rows allow 16-byte copies.
+  // Staged 8-bit tiles (unless IOATTN_PREFILL_8BIT=regs), where the code rows allow 16-byte copies.
   std::string staged_note;
   if (eight && prefill_8bit_staged()) {
     const bool ok16 = aligned(p.k, 16) && aligned(p.v, 16) && p.head_dim % 16 == 0 &&
                       p.k_stride.batch % 16 == 0 && p.k_stride.seq % 16 == 0 && p.k_stride.head % 16 == 0 &&
                       p.v_stride.batch % 16 == 0 && p.v_stride.seq % 16 == 0 && p.v_stride.head % 16 == 0;
     r.staged = ok16;
-    staged_note = ok16 ? "; 8-bit tiles staged by cp.async, converted after the wait (IOATTN_PREFILL_8BIT=staged)"
-                       : "; IOATTN_PREFILL_8BIT=staged not applicable (needs 16-byte aligned code rows and "
+    staged_note = ok16 ? "; 8-bit tiles staged by cp.async, converted after the wait (IOATTN_PREFILL_8BIT=regs: "
+                         "through registers)"
+                       : "; 8-bit tiles staged not applicable (needs 16-byte aligned code rows and "
                          "head_dim % 16 == 0): codes through registers";
   }
   DeviceGuard guard(p.device_index);
   const int optin = device_smem_optin(p.device_index);
   if (r.staged && info->smem_bytes_staged > static_cast<size_t>(optin)) {  // (sm_80 at hdim 256)
     r.staged = false;
-    staged_note = "; IOATTN_PREFILL_8BIT=staged not applicable (its staging buffers need " +
+    staged_note = "; 8-bit tiles staged not applicable (their staging buffers need " +
                   std::to_string(info->smem_bytes_staged / 1024) + " KB of shared memory, the device allows " +
                   std::to_string(optin / 1024) + " KB): codes through registers";
   }

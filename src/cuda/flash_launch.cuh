@@ -48,7 +48,7 @@ FlashKernelInfo make_flash_info(const char* reason) {
 
 // KV-cache mode (decode() with more than 16 query rows): per head dim of {64, 128, 256}, the
 // kernels for bf16 / f16 queries over a cache of the same dtype, f8e4m3 or int8 codes (those two
-// also with staged tiles: IOATTN_PREFILL_8BIT=staged, flash_dispatch.cu).
+// also through registers instead of staged tiles: IOATTN_PREFILL_8BIT=regs, flash_dispatch.cu).
 struct FlashCacheKernelInfo {
   int head_dim, block_m, block_n, warps, stages;
   size_t smem_bytes;         // the tile + the row tables
