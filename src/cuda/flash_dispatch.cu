@@ -309,10 +309,23 @@ void cuda_flash_forward(const FwdProblem& p) {
   pk.info->launch(fp, p.dtype == DType::bf16, static_cast<cudaStream_t>(p.stream));
 }
 
-CudaSelection cuda_cache_prefill_select(const FwdProblem& p, int arch) { return cuda::pick_cache(p, arch).sel; }
+// sm90: the Hopper kernel's KV-cache rows where they take the problem (16-bit caches; session 27),
+// else the mma.sync forward's KV-cache mode, and the reason says why.
+CudaSelection cuda_cache_prefill_select(const FwdProblem& p, int arch) {
+  std::string k90, why90;
+  if (arch == 90 && sm90_cache_prefill_select(p, &k90, &why90)) return {k90, why90};
+  CudaSelection s = cuda::pick_cache(p, arch).sel;
+  if (arch == 90 && !s.kernel.empty()) s.reason += "; sm90 wgmma kernel not used: " + why90;
+  return s;
+}
 
 void cuda_cache_prefill(const FwdProblem& p) {
-  const cuda::CachePick pk = cuda::pick_cache(p, cuda_device_arch(p.device_index));
+  const int arch = cuda_device_arch(p.device_index);
+  if (arch == 90 && sm90_cache_prefill_select(p, nullptr, nullptr)) {
+    sm90_cache_prefill(p);
+    return;
+  }
+  const cuda::CachePick pk = cuda::pick_cache(p, arch);
   if (pk.info == nullptr) throw Error("q", "ioattn: no CUDA cache-prefill kernel: " + pk.sel.reason);
   if (p.batch == 0) return;
   cuda::DeviceGuard guard(p.device_index);
@@ -342,8 +355,12 @@ std::vector<std::string> cuda_compiled_kernels() {
   rows.push_back("cuda/flash-backward mma.sync bf16/f16 hdim 64/128/256 (others padded up to 256), dQ atomic or deterministic");
   rows.push_back("cuda/flash-backward sm90 wgmma bf16/f16 hdim 64/128 (dQ by TMA reduce-add) and 256 (dQ by a second "
                  "wgmma pass, no atomics), deterministic too (in sm_90a images)");
+  rows.push_back("cuda/flash cache-prefill sm90 wgmma+tma bf16/f16 hdim 64/128/256 over caches of q's dtype, "
+                 "contiguous or paged (page size a multiple of 8 that divides the key block or is a multiple of "
+                 "it; in sm_90a images; IOATTN_SM90_CACHE=0 switches it off)");
   rows.push_back("cuda/flash cache-prefill mma.sync bf16/f16 hdim 64/128/256 over bf16/f16/f8e4m3/i8 caches, paged or "
-                 "contiguous (decode() with more than 16 query rows; 8-bit tiles also staged: IOATTN_PREFILL_8BIT)");
+                 "contiguous (decode() with more than 16 query rows; 8-bit tiles staged by default: "
+                 "IOATTN_PREFILL_8BIT)");
   rows.push_back("cuda/decode split-KV mma.sync (bf16/f16 hdim 64/128/256) and fma (any dtype incl. f8e4m3/i8 KV), paged or contiguous");
   rows.push_back("cuda/naive cublas f32/f16/bf16 any head_dim (S fp32 and P materialised in HBM)");
   return rows;

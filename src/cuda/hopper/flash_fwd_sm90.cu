@@ -21,6 +21,7 @@
 #include <memory>
 #include <string>
 
+#include "core/backends.hpp"
 #include "cuda/check.cuh"
 #include "cuda/hopper/flash_fwd_sm90.cuh"
 #include "cuda/hopper/flash_fwd_sm90_fp8.cuh"
@@ -70,6 +71,12 @@ IOATTN_SM90_EXTERN_LOCAL(Hdim128Bf16Causal)
 IOATTN_SM90_EXTERN_LOCAL(Hdim128F16Causal)
 IOATTN_SM90_EXTERN_LOCAL(Hdim256Bf16Causal)
 IOATTN_SM90_EXTERN_LOCAL(Hdim256F16Causal)
+IOATTN_SM90_EXTERN_CACHE(Hdim64Bf16Wg3Causal)
+IOATTN_SM90_EXTERN_CACHE(Hdim64F16Wg3Causal)
+IOATTN_SM90_EXTERN_CACHE(Hdim128Bf16Causal)
+IOATTN_SM90_EXTERN_CACHE(Hdim128F16Causal)
+IOATTN_SM90_EXTERN_CACHE(Hdim256Bf16Causal)
+IOATTN_SM90_EXTERN_CACHE(Hdim256F16Causal)
 IOATTN_SM90_V3_EXTERN(Hdim128Bf16, false)
 IOATTN_SM90_V3_EXTERN(Hdim128F16, false)
 IOATTN_SM90_V3_EXTERN(Hdim128Bf16Causal, true)
@@ -254,6 +261,22 @@ Row row_for_dtype(int64_t hdim, bool causal, bool wg3, bool v3) {
     case 256:
       return causal ? make_row<Sm90Traits<256, T, true>, true>(Sm90Tile<256, true>::kWhy)
                     : make_row<Sm90Traits<256, T, false>, false>(Sm90Tile<256, false>::kWhy);
+    default: return Row{};
+  }
+}
+
+// The KV-cache rows (decode() with more than 16 query rows; kCache): the kLocal tilings.
+template <class Tr>
+Row make_row_cache(const char* why) {
+  return Row{Tr::kBlockM, Tr::kBlockN, Tr::kStages, Tr::kConsumerWGs, false, false, why,
+             &flash_fwd_sm90_present<Tr, true, true, true>, &flash_fwd_sm90_launch<Tr, true, true, true>};
+}
+template <typename T>
+Row cache_row_for_dtype(int64_t hdim) {
+  switch (hdim) {
+    case 64: return make_row_cache<Sm90Traits3<T, true>>(Sm90Tile3<true>::kWhy);
+    case 128: return make_row_cache<Sm90Traits<128, T, true>>(Sm90Tile<128, true>::kWhy);
+    case 256: return make_row_cache<Sm90Traits<256, T, true>>(Sm90Tile<256, true>::kWhy);
     default: return Row{};
   }
 }
@@ -775,6 +798,151 @@ void fp8_forward(const FwdProblem& p, const Policy& pol) {
 }
 
 
+// ---- prefill through the KV cache (decode() with more than 16 query rows; the kCache rows) ----------
+
+// Rows per sequence of a contiguous cache ([batch, capacity, heads, d]: the batch stride over the
+// slot stride), or 0 when the layout is not that.
+int64_t cache_capacity_rows(const FwdProblem& p) {
+  if (p.batch <= 1) return std::max<int64_t>(p.kv_bound, 1);
+  const Strides3 &k = p.k_stride, &v = p.v_stride;
+  if (k.seq <= 0 || k.batch % k.seq != 0 || v.seq <= 0 || v.batch % v.seq != 0) return 0;
+  const int64_t cap = k.batch / k.seq;
+  return cap == v.batch / v.seq && cap >= p.kv_bound ? cap : 0;
+}
+
+// 16-bit caches of q's dtype, head_dim == head_dim_v in {64, 128, 256}; paged: a page size that is
+// a multiple of 8 and divides the key block or is a multiple of it, pages packed (page stride =
+// page_size x slot stride); the rows the ragged maps span below 2^30.
+bool select_cache_impl(const FwdProblem& p, std::string* kernel, std::string* why) {
+  if (p.device != Device::cuda) return fail(why, "inputs are not on a CUDA device");
+  if (detail::cuda_device_arch(p.device_index) != 90) return fail(why, "the device is not sm_90");
+  if (env_bool("IOATTN_SM90_CACHE") == 0) return fail(why, "switched off by IOATTN_SM90_CACHE=0");
+  if (p.dtype != DType::bf16 && p.dtype != DType::f16)
+    return fail(why, std::string("q dtype ") + dtype_str(p.dtype) + " (bf16, f16)");
+  if (p.kvt() != p.dtype)
+    return fail(why, std::string("a ") + dtype_str(p.kvt()) +
+                         " cache (the wgmma kernel reads 16-bit caches of q's dtype)");
+  if (p.head_dim != p.head_dim_v || (p.head_dim != 64 && p.head_dim != 128 && p.head_dim != 256))
+    return fail(why, "head_dim " + std::to_string(p.head_dim) + " / head_dim_v " + std::to_string(p.head_dim_v) +
+                               " (64, 128 or 256, equal)");
+  if (!(p.scale > 0.0f)) return fail(why, "scale <= 0");
+  if (p.heads_kv <= 0 || p.heads_q % p.heads_kv != 0) return fail(why, "heads_q is not a multiple of heads_kv");
+  if (p.seqlen_q + p.kv_bound >= (int64_t(1) << 29)) return fail(why, "seqlen_q + the cache capacity >= 2^29");
+  if (p.batch == 0 || p.seqlen_q == 0) return fail(why, "an empty dim");
+  const Row row = p.dtype == DType::bf16 ? cache_row_for_dtype<__nv_bfloat16>(p.head_dim)
+                                         : cache_row_for_dtype<__half>(p.head_dim);
+  if (p.block_table != nullptr) {
+    const int64_t ps = p.page_size;
+    if (ps % 8 != 0 || !(row.block_n % ps == 0 || ps % row.block_n == 0))
+      return fail(why, "page size " + std::to_string(ps) + " (TMA pieces: a multiple of 8 that divides the " +
+                                 std::to_string(row.block_n) + "-key block or is a multiple of it)");
+    if (p.k_stride.batch != ps * p.k_stride.seq || p.v_stride.batch != ps * p.v_stride.seq)
+      return fail(why, "pages are not packed (page stride != page_size x slot stride)");
+    if (p.num_pages * ps >= kRaggedRows) return fail(why, "num_pages x page_size >= 2^30");
+  } else {
+    const int64_t cap = cache_capacity_rows(p);
+    if (cap == 0) return fail(why, "the contiguous cache's batch stride is not capacity x slot stride");
+    if (p.batch * cap >= kRaggedRows) return fail(why, "batch x capacity >= 2^30");
+  }
+  if (std::max(p.k_stride.seq, p.v_stride.seq) * 2 >= kRaggedMaxRowStrideBytes)
+    return fail(why, "a slot stride of 2^34 bytes or more");
+  if (!tma_compatible(p.q, p.q_stride, p.batch, p.seqlen_q, p.heads_q, "q", why)) return false;
+  if (!tma_compatible(p.k, {0, p.k_stride.seq, p.k_stride.head}, 1, 2, p.heads_kv, "k_cache", why)) return false;
+  if (!tma_compatible(p.v, {0, p.v_stride.seq, p.v_stride.head}, 1, 2, p.heads_kv, "v_cache", why)) return false;
+  if (reinterpret_cast<uintptr_t>(p.o) % 4 != 0 || p.o_stride.seq % 2 != 0 || p.o_stride.head % 2 != 0 ||
+      p.o_stride.batch % 2 != 0)
+    return fail(why, "o is not 4-byte aligned with even strides");
+  const int64_t m_blocks = (p.seqlen_q + row.block_m - 1) / row.block_m;
+  if (m_blocks * p.heads_q * p.batch > INT_MAX) return fail(why, "more than 2^31-1 query tiles");
+  if (row.present == nullptr || !row.present()) return fail(why, "this build has no sm_90a image of the wgmma kernel");
+  if (kernel != nullptr)
+    *kernel = std::string("cuda/flash cache-prefill sm90 wgmma+tma ") + dtype_str(p.dtype) + " hdim" +
+              std::to_string(p.head_dim) + " tile " + std::to_string(row.block_m) + "x" + std::to_string(row.block_n) +
+              " ws " + std::to_string(row.consumer_wgs) + " consumer WGs" +
+              (p.block_table != nullptr ? " paged(" + std::to_string(p.page_size) + ")" : " contiguous");
+  *why = std::string("the Hopper forward's kLocal tiling reading K / V through ragged TMA maps over the cache (") +
+         (p.block_table != nullptr ? "one load per page piece of " +
+                                         std::to_string(std::min<int64_t>(p.page_size, row.block_n)) + " rows"
+                                   : "one load per key block") +
+         ", rows past a sequence's length read as zeros; lengths from cache_seqlens on the device); " + row.why;
+  return true;
+}
+
+void cache_prefill_impl(const FwdProblem& p) {
+  const Row row = p.dtype == DType::bf16 ? cache_row_for_dtype<__nv_bfloat16>(p.head_dim)
+                                         : cache_row_for_dtype<__half>(p.head_dim);
+  const int64_t m_blocks = (p.seqlen_q + row.block_m - 1) / row.block_m;
+  const int64_t grid = m_blocks * p.heads_q * p.batch;
+  if (grid == 0) return;
+  cuda::DeviceGuard guard(p.device_index);
+  FwdLaunch l;
+  const bool paged = p.block_table != nullptr;
+  const int64_t cap = paged ? 0 : cache_capacity_rows(p);
+  const int64_t rows = paged ? p.num_pages * p.page_size : p.batch * cap;
+  const int box = paged ? static_cast<int>(std::min<int64_t>(p.page_size, row.block_n)) : row.block_n;
+  l.q = make_tensor_map(p.q, p.dtype, p.head_dim, p.seqlen_q, p.heads_q, p.batch, p.q_stride, row.block_m, "q");
+  l.k = make_ragged_map(p.k, p.dtype, 2, p.head_dim, std::max<int64_t>(rows, 1), p.heads_kv, p.k_stride.seq,
+                        p.k_stride.head, 64, box, "k_cache");
+  l.v = make_ragged_map(p.v, p.dtype, 2, p.head_dim, std::max<int64_t>(rows, 1), p.heads_kv, p.v_stride.seq,
+                        p.v_stride.head, 64, box, "v_cache");
+  FwdParams& f = l.params;
+  f.o = p.o;
+  f.lse = p.lse;
+  f.o_batch = p.o_stride.batch;
+  f.o_seq = p.o_stride.seq;
+  f.o_head = p.o_stride.head;
+  f.lse_batch = p.lse_stride.batch;
+  f.lse_head = p.lse_stride.head;
+  f.lse_seq = p.lse_stride.seq;
+  f.seqlen_q = static_cast<int>(p.seqlen_q);
+  f.seqlen_k = static_cast<int>(p.kv_bound);
+  f.heads_q = static_cast<int>(p.heads_q);
+  f.group = static_cast<int>(p.heads_q / p.heads_kv);
+  f.num_m_blocks = static_cast<int>(m_blocks);
+  f.batch_heads = static_cast<int>(p.batch * p.heads_q);
+  f.num_tiles = static_cast<int>(grid);
+  const int64_t kv_bytes_per_head =
+      std::max<int64_t>(std::max<int64_t>(p.kv_bound, 1) * p.head_dim * 2 * 2 / f.group, 1);
+  f.section_heads = static_cast<int>(std::clamp<int64_t>(kL2SectionBytes / kv_bytes_per_head, 1, f.batch_heads));
+  constexpr float kLog2e = 1.4426950408889634f;
+  f.scale = p.scale;
+  f.scale_log2 = p.scale * kLog2e;
+  Policy pol = default_policy(p.head_dim, true);  // the kLocal rows' policy (policy_for), no end alignment
+  if (pol.grid == Grid::kDynamic && !mempools_supported(p.device_index)) pol.grid = Grid::kTilePerCta;
+  const bool persistent = pol.grid != Grid::kTilePerCta;
+  f.zigzag = pol.grid == Grid::kStatic ? 1 : 0;
+  f.stagger = 0;
+  f.rescale_skip = pol.rescale_skip ? 1 : 0;
+  f.rescale_early = pol.rescale_early ? 1 : 0;
+  CacheParams& cp = l.cache;
+  const int64_t wide = p.seqlen_q + p.kv_bound;
+  cp.window_left = p.window_left < 0 || p.window_left > wide ? -1 : static_cast<int>(p.window_left);
+  cp.window_right = p.window_right < 0 || p.window_right > wide ? -1 : static_cast<int>(p.window_right);
+  cp.sinks = p.sinks;
+  cp.softcap = p.softcap > 0.0f ? p.softcap : 0.0f;
+  cp.softcap_inv = p.softcap > 0.0f ? 1.0f / p.softcap : 0.0f;
+  cp.inv_scale = 1.0f / p.scale;
+  cp.alibi_slopes = p.alibi_slopes;
+  cp.kv_lens = p.kv_lens;
+  cp.block_table = p.block_table;
+  cp.bt_batch = p.bt_stride_batch;
+  cp.bt_page = p.bt_stride_page;
+  cp.page_size = paged ? static_cast<int>(p.page_size) : 0;
+  cp.box_rows = box;
+  cp.capacity = static_cast<int>(cap);
+  cp.kv_bound = static_cast<int>(p.kv_bound);
+  cp.num_pages = static_cast<int>(p.num_pages);
+  l.grid = static_cast<unsigned>(grid_ctas(p.device_index, grid, persistent));
+  l.stream = static_cast<cudaStream_t>(p.stream);
+  std::unique_ptr<AsyncBuffer> counter;
+  if (pol.grid == Grid::kDynamic && static_cast<int64_t>(l.grid) < grid) {
+    counter = std::make_unique<AsyncBuffer>(sizeof(int), l.stream);
+    IOATTN_CUDA_CHECK(cudaMemsetAsync(counter->ptr, 0, sizeof(int), l.stream));
+    f.tile_counter = static_cast<int*>(counter->ptr);
+  }
+  row.launch(l);
+}
+
 }  // namespace
 }  // namespace ioattn::cuda::sm90
 
@@ -885,6 +1053,20 @@ void sm90_flash_forward(const FwdProblem& p) {
     counter.ptr = nullptr;
     IOATTN_CUDA_CHECK(cudaFreeAsync(ptr, l.stream));
   }
+}
+
+bool sm90_cache_prefill_select(const FwdProblem& p, std::string* kernel, std::string* reason) {
+  std::string r;
+  const bool ok = cuda::sm90::select_cache_impl(p, kernel, &r);
+  if (reason) *reason = r;
+  return ok;
+}
+
+void sm90_cache_prefill(const FwdProblem& p) {
+  std::string why;
+  if (!cuda::sm90::select_cache_impl(p, nullptr, &why))
+    throw Error("q", "ioattn: sm90 cache-prefill kernel cannot run this problem: " + why);
+  cuda::sm90::cache_prefill_impl(p);
 }
 
 void sm90_fp8_transpose_only(const FwdProblem& p) {

@@ -33,7 +33,10 @@
 // Assumes (sm90_flash_select checks it): head_dim = head_dim_v in {64, 128, 256}; unit stride on
 // the last dim; q/k/v 16-byte aligned with 16-byte-multiple strides (TMA); o 4-byte aligned
 // with even strides; scale > 0; windows, softcap, ALiBi, sinks and varlen only in the kLocal
-// instances (LocalParams), which the selector uses unless IOATTN_SM90_LOCAL=0.
+// instances (LocalParams), which the selector uses unless IOATTN_SM90_LOCAL=0. The kCache
+// instances (CacheParams, session 27) run decode()'s prefill chunks through a 16-bit KV cache:
+// per-sequence lengths on the device, K / V through ragged maps over the cache's rows (paged: one
+// TMA load per page piece), IOATTN_SM90_CACHE=0 sends them to the mma.sync kernel's cache mode.
 // Masks are bottom-right aligned: row i sees key j iff j <= i + (seqlen_k - seqlen_q).
 // Rows with no visible key get O = 0, LSE = -inf.
 //
@@ -112,6 +115,26 @@ struct LocalParams {
   const float* alibi_slopes = nullptr;
 };
 static_assert(sizeof(LocalParams) == 56, "m_shift fills the hole before alibi_slopes");
+
+// The KV-cache instances (kCache, with kLocal; decode() with more than 16 query rows through a
+// 16-bit cache of q's dtype, session 27): the kLocal features plus the cache. Lengths kv_lens[b] on
+// the device; K / V through ragged maps over the cache's rows (make_ragged_map): contiguous,
+// [batch * capacity] rows with sequence b from row b * capacity; paged, [num_pages * page_size]
+// rows, each key block loaded in pieces of box_rows (min(page_size, kBlockN), a multiple of 8) from
+// the pages block_table names. Rows past a sequence's length (or a piece of a page past it) read
+// as zeros. A length outside [0, kv_bound] or a table entry outside [0, num_pages) poisons that
+// sequence's rows: NaN O and LSE. A kernel argument of its own type (LocalArg), so the other
+// instances' parameter block and code stay as they were.
+struct CacheParams : LocalParams {
+  const int32_t* kv_lens = nullptr;
+  const int32_t* block_table = nullptr;  // null: contiguous
+  int64_t bt_batch = 0, bt_page = 0;
+  int page_size = 0, box_rows = 0;  // paged
+  int capacity = 0;                 // contiguous: rows per sequence
+  int kv_bound = 0, num_pages = 0;
+};
+template <bool kCache>
+using LocalArg = std::conditional_t<kCache, CacheParams, LocalParams>;
 
 // kLocal: one tile's sequence (varlen: packed-token offsets q0 / k0 and lengths from cu_seqlens;
 // otherwise 0 and the fixed lengths) and its window relative to the row: key j is visible to row
@@ -272,6 +295,31 @@ __device__ __forceinline__ int2 local_key_blocks(int m0, const TileSpan& s) {
   return make_int2(first, max(0, end - first));
 }
 
+// kCache: tile_span of a sequence in the KV cache: kv_lens[b] keys (0 when the length is outside
+// [0, kv_bound]), contiguous ones from row b * capacity of the ragged map, q as [batch, seqlen_q].
+// With `poisoned`, also whether the sequence is bad: its length, or (paged) an entry of its block
+// table's first ceil(len / page_size) outside [0, num_pages), checked by this warp's lanes (warp-uniform).
+__device__ __forceinline__ TileSpan cache_span(int b, const FwdParams& p, const CacheParams& lp, bool* poisoned) {
+  const int len = __ldg(lp.kv_lens + b);
+  const bool bad_len = len < 0 || len > lp.kv_bound;
+  TileSpan s{0, lp.block_table != nullptr ? 0 : b * lp.capacity, p.seqlen_q, bad_len ? 0 : len, 0, 0};
+  const int off = s.sk - s.sq;
+  s.win_lo = lp.window_left >= 0 ? off - lp.window_left : -(1 << 30);
+  s.win_hi = lp.window_right >= 0 ? off + lp.window_right : (1 << 30);
+  if (poisoned != nullptr) {
+    bool bad = bad_len;
+    if (!bad && lp.block_table != nullptr) {
+      const int pages = (len + lp.page_size - 1) / lp.page_size;
+      for (int pi = static_cast<int>(threadIdx.x % 32); pi < pages; pi += 32) {
+        const int page = __ldg(lp.block_table + b * lp.bt_batch + pi * lp.bt_page);
+        bad |= page < 0 || page >= lp.num_pages;
+      }
+    }
+    *poisoned = __any_sync(0xffffffffu, bad);
+  }
+  return s;
+}
+
 // Tile t of the persistent schedule -> (query block, head, batch). Tiles come in sections of
 // `section_heads` (batch, head) pairs whose K and V fit in L2 together; inside a section the query
 // block is the slow index, so the tiles running at one time share K/V through L2, and for causal
@@ -340,11 +388,12 @@ __device__ __forceinline__ constexpr bool use_poly_exp2(int i) {
 
 // kLocal (with kCausal's tiling and longest-first order): sliding windows, sinks, softcap and ALiBi
 // at run time (LocalParams lp); the other instances ignore lp and compile exactly as without it.
-template <class Tr, bool kCausal, bool kLocal = false>
+template <class Tr, bool kCausal, bool kLocal = false, bool kCache = false>
 __global__ void __launch_bounds__(Tr::kThreads, 1)
     flash_fwd_sm90_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_k,
-                          const __grid_constant__ CUtensorMap tm_v, const FwdParams p, const LocalParams lp) {
+                          const __grid_constant__ CUtensorMap tm_v, const FwdParams p, const LocalArg<kCache> lp) {
 #if IOATTN_SM90A_ENABLED
+  static_assert(!kCache || kLocal, "the KV-cache instances are kLocal ones");
   using Element = typename Tr::Element;
   constexpr int kBlockM = Tr::kBlockM, kBlockN = Tr::kBlockN, kHeadDim = Tr::kHeadDim;
   constexpr int kStages = Tr::kStages;
@@ -411,7 +460,10 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         bool ragged = false;
         TileSpan span{};
         if constexpr (kLocal) {
-          span = tile_span(tc.b, p, lp);
+          if constexpr (kCache)
+            span = cache_span(tc.b, p, lp, nullptr);
+          else
+            span = tile_span(tc.b, p, lp);
           const int2 kb = local_key_blocks<kBlockM, kBlockN>(m0, span);
           n_first = kb.x, n_blocks = kb.y;
           ragged = lp.cu_seqlens_q != nullptr;
@@ -435,9 +487,32 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
           mbarrier_arrive_expect_tx(&full[st], Tr::kKVBytes);
           const int n0 = (n_first + key_block(i, n_blocks, rot)) * kBlockN;
           uint8_t* dst = buf + st * Tr::kKVBytes;
+          if constexpr (kCache) {
+            if (lp.block_table == nullptr) {  // the sequence's rows [b * capacity, + len)
 #pragma unroll
-          for (int c = 0; c < Tr::kColBlocks; ++c)
-            tma_load_rows(ragged, dst + c * kBlockN * 128, map, &full[st], c * 64, hk, tc.b, span.k0, span.sk, n0);
+              for (int c = 0; c < Tr::kColBlocks; ++c)
+                tma_load_ragged(dst + c * kBlockN * 128, map, &full[st], c * 64, hk, span.k0, span.sk, n0);
+            } else {  // pieces of box_rows keys, each inside one page (valid ones: page in range, key < len)
+              for (int j = 0; j < kBlockN; j += lp.box_rows) {
+                const int key = n0 + j, pi = key / lp.page_size, within = key - pi * lp.page_size;
+                int start = 0, len = 0;  // (len 0: every row out of bounds, zeros)
+                if (key < span.sk) {
+                  const int page = __ldg(lp.block_table + tc.b * lp.bt_batch + pi * lp.bt_page);
+                  if (page >= 0 && page < lp.num_pages) {
+                    start = page * lp.page_size;
+                    len = min(lp.page_size, span.sk - pi * lp.page_size);
+                  }
+                }
+#pragma unroll
+                for (int c = 0; c < Tr::kColBlocks; ++c)
+                  tma_load_ragged(dst + c * kBlockN * 128 + j * 128, map, &full[st], c * 64, hk, start, len, within);
+              }
+            }
+          } else {
+#pragma unroll
+            for (int c = 0; c < Tr::kColBlocks; ++c)
+              tma_load_rows(ragged, dst + c * kBlockN * 128, map, &full[st], c * 64, hk, tc.b, span.k0, span.sk, n0);
+          }
         };
         // Order K0, K1, V0, K2, V1, ...: the consumers need K_{i+1} before V_i.
         load_kv(&tm_k, s_k, full_k, empty_k, 0);
@@ -494,8 +569,12 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
       const int m0 = tile_m0<kBlockM, kCausal, kLocal>(tc, lp);
       int n_first = 0, n_blocks;
       [[maybe_unused]] TileSpan span{};  // kLocal only
+      [[maybe_unused]] bool poisoned = false;  // kCache: a bad length or table entry (NaN rows)
       if constexpr (kLocal) {
-        span = tile_span(tc.b, p, lp);
+        if constexpr (kCache)
+          span = cache_span(tc.b, p, lp, &poisoned);
+        else
+          span = tile_span(tc.b, p, lp);
         const int2 kb = local_key_blocks<kBlockM, kBlockN>(m0, span);
         n_first = kb.x, n_blocks = kb.y;
       } else {
@@ -766,6 +845,9 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
               lse = mx + logf(total);
             }
           }
+          if constexpr (kCache) {
+            if (poisoned) inv = lse = __int_as_float(0x7fc00000);  // NaN O and LSE for this sequence
+          }
           // The store below repeats the other instances' on purpose: sharing it (a lambda) changed
           // their SASS, which stays identical to the version measured on the H200 (session 7).
           const int row = m0 + row_in_tile + 8 * r;
@@ -810,16 +892,17 @@ struct FwdLaunch {
   CUtensorMap q, k, v;  // 4D maps (head_dim, seqlen, heads, batch), box (64, rows, 1, 1), 128B swizzle
   FwdParams params;
   LocalParams local;     // read by the kLocal instances only
+  CacheParams cache;     // the kCache instances' (its LocalParams part instead of `local`)
   unsigned grid = 0;     // CTAs: num_m_blocks * heads_q * batch
   cudaStream_t stream = nullptr;
 };
 
 // Whether this build holds an sm_90a image of the instance: false when built for sm_80 only, and
 // also when the driver would JIT older PTX for sm_90 (ptxVersion < 90: that body is empty).
-template <class Tr, bool kCausal, bool kLocal = false>
+template <class Tr, bool kCausal, bool kLocal = false, bool kCache = false>
 bool flash_fwd_sm90_present() {
   cudaFuncAttributes attr{};
-  const cudaError_t e = cudaFuncGetAttributes(&attr, flash_fwd_sm90_kernel<Tr, kCausal, kLocal>);
+  const cudaError_t e = cudaFuncGetAttributes(&attr, flash_fwd_sm90_kernel<Tr, kCausal, kLocal, kCache>);
   if (e != cudaSuccess) {
     cudaGetLastError();  // clear: "no image" is an answer here, not a failure
     return false;
@@ -827,11 +910,14 @@ bool flash_fwd_sm90_present() {
   return attr.binaryVersion >= 90 && attr.ptxVersion >= 90;
 }
 
-template <class Tr, bool kCausal, bool kLocal = false>
+template <class Tr, bool kCausal, bool kLocal = false, bool kCache = false>
 void flash_fwd_sm90_launch(const FwdLaunch& l) {
-  auto kernel = flash_fwd_sm90_kernel<Tr, kCausal, kLocal>;
+  auto kernel = flash_fwd_sm90_kernel<Tr, kCausal, kLocal, kCache>;
   IOATTN_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Tr::kSmemBytes));
-  kernel<<<l.grid, Tr::kThreads, Tr::kSmemBytes, l.stream>>>(l.q, l.k, l.v, l.params, l.local);
+  if constexpr (kCache)
+    kernel<<<l.grid, Tr::kThreads, Tr::kSmemBytes, l.stream>>>(l.q, l.k, l.v, l.params, l.cache);
+  else
+    kernel<<<l.grid, Tr::kThreads, Tr::kSmemBytes, l.stream>>>(l.q, l.k, l.v, l.params, l.local);
   IOATTN_CUDA_CHECK_LAUNCH("flash_fwd_sm90_kernel");
 }
 
@@ -850,5 +936,12 @@ void flash_fwd_sm90_launch(const FwdLaunch& l) {
 #define IOATTN_SM90_EXTERN_LOCAL(TR)                                       \
   extern template bool flash_fwd_sm90_present<TR, true, true>();         \
   extern template void flash_fwd_sm90_launch<TR, true, true>(const FwdLaunch& l);
+// The KV-cache rows (decode() with more than 16 query rows; CacheParams): the kLocal tiling.
+#define IOATTN_SM90_INSTANTIATE_CACHE(TR)                                  \
+  template bool flash_fwd_sm90_present<TR, true, true, true>();          \
+  template void flash_fwd_sm90_launch<TR, true, true, true>(const FwdLaunch& l);
+#define IOATTN_SM90_EXTERN_CACHE(TR)                                       \
+  extern template bool flash_fwd_sm90_present<TR, true, true, true>();   \
+  extern template void flash_fwd_sm90_launch<TR, true, true, true>(const FwdLaunch& l);
 
 }  // namespace ioattn::cuda::sm90

@@ -32,4 +32,11 @@ void sm90_flash_forward(const FwdProblem& p);
 // apart from the attention kernel. No output is written.
 void sm90_fp8_transpose_only(const FwdProblem& p);
 
+// Prefill through the KV cache (decode() with more than 16 query rows; FwdProblem from
+// cache_prefill_problem: kv_lens / block_table on the device): the Hopper kernel's kCache rows for
+// 16-bit caches of q's dtype, head_dim 64 / 128 / 256. Select: as sm90_flash_select (reason says
+// what rules it out; never throws for an unsupported problem). Run: precondition select is true.
+bool sm90_cache_prefill_select(const FwdProblem& p, std::string* kernel, std::string* reason);
+void sm90_cache_prefill(const FwdProblem& p);
+
 }  // namespace ioattn::detail
