@@ -893,11 +893,11 @@ TEST_P(CudaDecodeCachePrefill, MatchesFloat64ReferenceAndTheCpu) {
 INSTANTIATE_TEST_SUITE_P(Cases, CudaDecodeCachePrefill, ::testing::ValuesIn(cuda_prefill_cases()),
                          [](const ::testing::TestParamInfo<Spec>& info) { return info.param.name; });
 
-// On sm_90 the Hopper kernel's KV-cache rows take the 16-bit caches of q's dtype at head_dim 64 /
-// 128 / 256, contiguous or with a page size that is a multiple of 8 and divides the key block (128;
-// 80 at head_dim 256) or is a multiple of it; the rest run on the mma.sync cache mode, whose reason
-// says why the wgmma one did not; IOATTN_SM90_CACHE=0 sends everything there (each run checked
-// against the reference by MatchesFloat64ReferenceAndTheCpu, both paths here).
+// On sm_90 the Hopper kernel's KV-cache rows (IOATTN_SM90_CACHE=1; opt-in until verified on a GPU)
+// take the 16-bit caches of q's dtype at head_dim 64 / 128 / 256, contiguous or with a page size
+// that is a multiple of 8 and divides the key block (128; 80 at head_dim 256) or is a multiple of
+// it; the rest run on the mma.sync cache mode, whose reason says why the wgmma one did not.
+// Both against the float64 reference; IOATTN_SM90_CACHE=0 sends everything to mma.sync.
 TEST(CudaDecodeCachePrefill, Sm90RowsTakeSixteenBitCaches) {
   SKIP_WITHOUT_GPU();
   if (detail::cuda_device_arch(0) != 90) GTEST_SKIP() << "skipped: the wgmma rows need sm_90";
@@ -907,19 +907,17 @@ TEST(CudaDecodeCachePrefill, Sm90RowsTakeSixteenBitCaches) {
     const bool eligible = c.cache == c.dtype && (c.d == 64 || c.d == 128 || c.d == 256) &&
                           (ps == 0 || (ps % 8 == 0 && (block_n % ps == 0 || ps % block_n == 0)));
     const Values vals = make_values(c, 31);
-    Built gpu(c, vals);
-    const KernelChoice k = gpu.run();
-    EXPECT_EQ(k.kernel.find("sm90 wgmma+tma") != std::string::npos, eligible) << c.name << ": " << k.kernel;
-    if (!eligible)
-      EXPECT_NE(k.reason.find("sm90 wgmma kernel not used"), std::string::npos) << c.name << ": " << k.reason;
-    (eligible ? sm90 : mma) += 1;
-    if (eligible) {
-      ScopedEnv e("IOATTN_SM90_CACHE", "0");
-      Built off(c, vals);
-      const KernelChoice ko = off.run();
-      EXPECT_NE(ko.kernel.find("mma.sync"), std::string::npos) << c.name << ": " << ko.kernel;
-      const ForwardTol tol = forward_tol(off);
-      expect_matches_reference(off, c.name + " mma.sync", false, tol.extra_o(), tol.extra_lse());
+    for (const char* on : {"1", "0"}) {
+      ScopedEnv e("IOATTN_SM90_CACHE", on);
+      Built gpu(c, vals);
+      const KernelChoice k = gpu.run();
+      const bool wgmma = *on == '1' && eligible;
+      EXPECT_EQ(k.kernel.find("sm90 wgmma+tma") != std::string::npos, wgmma) << c.name << ": " << k.kernel;
+      if (!wgmma)
+        EXPECT_NE(k.reason.find("sm90 wgmma kernel not used"), std::string::npos) << c.name << ": " << k.reason;
+      const ForwardTol tol = forward_tol(gpu);
+      expect_matches_reference(gpu, c.name + (wgmma ? " wgmma" : " mma.sync"), false, tol.extra_o(), tol.extra_lse());
+      if (*on == '1') (wgmma ? sm90 : mma) += 1;
     }
   }
   EXPECT_GE(sm90, 4);

@@ -816,7 +816,10 @@ int64_t cache_capacity_rows(const FwdProblem& p) {
 bool select_cache_impl(const FwdProblem& p, std::string* kernel, std::string* why) {
   if (p.device != Device::cuda) return fail(why, "inputs are not on a CUDA device");
   if (detail::cuda_device_arch(p.device_index) != 90) return fail(why, "the device is not sm_90");
-  if (env_bool("IOATTN_SM90_CACHE") == 0) return fail(why, "switched off by IOATTN_SM90_CACHE=0");
+  // Opt-in until its first GPU run (session 27 wrote it after the session's device time was spent):
+  // IOATTN_SM90_CACHE=1 takes it, unset / 0 the mma.sync cache mode.
+  if (env_bool("IOATTN_SM90_CACHE") != 1)
+    return fail(why, "the wgmma cache rows are opt-in until verified on a GPU (IOATTN_SM90_CACHE=1)");
   if (p.dtype != DType::bf16 && p.dtype != DType::f16)
     return fail(why, std::string("q dtype ") + dtype_str(p.dtype) + " (bf16, f16)");
   if (p.kvt() != p.dtype)

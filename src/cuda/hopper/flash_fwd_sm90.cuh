@@ -36,7 +36,7 @@
 // instances (LocalParams), which the selector uses unless IOATTN_SM90_LOCAL=0. The kCache
 // instances (CacheParams, session 27) run decode()'s prefill chunks through a 16-bit KV cache:
 // per-sequence lengths on the device, K / V through ragged maps over the cache's rows (paged: one
-// TMA load per page piece), IOATTN_SM90_CACHE=0 sends them to the mma.sync kernel's cache mode.
+// TMA load per page piece); opt-in (IOATTN_SM90_CACHE=1) until their first GPU run.
 // Masks are bottom-right aligned: row i sees key j iff j <= i + (seqlen_k - seqlen_q).
 // Rows with no visible key get O = 0, LSE = -inf.
 //
