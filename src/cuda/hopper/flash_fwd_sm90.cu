@@ -220,18 +220,19 @@ Row make_row() {
 }
 
 // The kLocal rows (windows, sinks, softcap, ALiBi, varlen): the causal tiling of each head dim (3
-// consumer warpgroups at hdim 64), those features at run time.
-template <class Tr>
+// consumer warpgroups at hdim 64), those features at run time. kCache: the same tilings' KV-cache
+// instances (decode() with more than 16 query rows; CacheParams).
+template <class Tr, bool kCache>
 Row make_row_local(const char* why) {
   return Row{Tr::kBlockM, Tr::kBlockN, Tr::kStages, Tr::kConsumerWGs, false, false, why,
-             &flash_fwd_sm90_present<Tr, true, true>, &flash_fwd_sm90_launch<Tr, true, true>};
+             &flash_fwd_sm90_present<Tr, true, true, kCache>, &flash_fwd_sm90_launch<Tr, true, true, kCache>};
 }
-template <typename T>
+template <typename T, bool kCache = false>
 Row local_row_for_dtype(int64_t hdim) {
   switch (hdim) {
-    case 64: return make_row_local<Sm90Traits3<T, true>>(Sm90Tile3<true>::kWhy);
-    case 128: return make_row_local<Sm90Traits<128, T, true>>(Sm90Tile<128, true>::kWhy);
-    case 256: return make_row_local<Sm90Traits<256, T, true>>(Sm90Tile<256, true>::kWhy);
+    case 64: return make_row_local<Sm90Traits3<T, true>, kCache>(Sm90Tile3<true>::kWhy);
+    case 128: return make_row_local<Sm90Traits<128, T, true>, kCache>(Sm90Tile<128, true>::kWhy);
+    case 256: return make_row_local<Sm90Traits<256, T, true>, kCache>(Sm90Tile<256, true>::kWhy);
     default: return Row{};
   }
 }
@@ -261,22 +262,6 @@ Row row_for_dtype(int64_t hdim, bool causal, bool wg3, bool v3) {
     case 256:
       return causal ? make_row<Sm90Traits<256, T, true>, true>(Sm90Tile<256, true>::kWhy)
                     : make_row<Sm90Traits<256, T, false>, false>(Sm90Tile<256, false>::kWhy);
-    default: return Row{};
-  }
-}
-
-// The KV-cache rows (decode() with more than 16 query rows; kCache): the kLocal tilings.
-template <class Tr>
-Row make_row_cache(const char* why) {
-  return Row{Tr::kBlockM, Tr::kBlockN, Tr::kStages, Tr::kConsumerWGs, false, false, why,
-             &flash_fwd_sm90_present<Tr, true, true, true>, &flash_fwd_sm90_launch<Tr, true, true, true>};
-}
-template <typename T>
-Row cache_row_for_dtype(int64_t hdim) {
-  switch (hdim) {
-    case 64: return make_row_cache<Sm90Traits3<T, true>>(Sm90Tile3<true>::kWhy);
-    case 128: return make_row_cache<Sm90Traits<128, T, true>>(Sm90Tile<128, true>::kWhy);
-    case 256: return make_row_cache<Sm90Traits<256, T, true>>(Sm90Tile<256, true>::kWhy);
     default: return Row{};
   }
 }
@@ -651,6 +636,29 @@ bool select_impl(const FwdProblem& p, std::string* kernel, std::string* why) {
 }
 
 
+// The FwdParams every forward launch fills alike (output pointers and strides, extents, tile
+// count, scale); seqlen_k is the key extent the kernel sees (the cache mode: its bound).
+void fill_common(FwdParams& f, const FwdProblem& p, int64_t seqlen_k, int64_t m_blocks, int64_t tiles) {
+  f.o = p.o;
+  f.lse = p.lse;
+  f.o_batch = p.o_stride.batch;
+  f.o_seq = p.o_stride.seq;
+  f.o_head = p.o_stride.head;
+  f.lse_batch = p.lse_stride.batch;
+  f.lse_head = p.lse_stride.head;
+  f.lse_seq = p.lse_stride.seq;
+  f.seqlen_q = static_cast<int>(p.seqlen_q);
+  f.seqlen_k = static_cast<int>(seqlen_k);
+  f.heads_q = static_cast<int>(p.heads_q);
+  f.group = static_cast<int>(p.heads_q / p.heads_kv);
+  f.num_m_blocks = static_cast<int>(m_blocks);
+  f.batch_heads = static_cast<int>(p.batch * p.heads_q);
+  f.num_tiles = static_cast<int>(tiles);
+  constexpr float kLog2e = 1.4426950408889634f;
+  f.scale = p.scale;
+  f.scale_log2 = p.scale * kLog2e;
+}
+
 // K + V bytes a scheduling section may keep in L2 (H200: 60 MB L2 in two halves; leave room for
 // Q, O and the other half's copies).
 constexpr int64_t kL2SectionBytes = 24ll << 20;
@@ -741,27 +749,10 @@ void fp8_forward(const FwdProblem& p, const Policy& pol) {
                      static_cast<int>(d), "v^T");
   Fp8Params& pp = l.params;
   FwdParams& f = pp.f;
-  f.o = p.o;
-  f.lse = p.lse;
-  f.o_batch = p.o_stride.batch;
-  f.o_seq = p.o_stride.seq;
-  f.o_head = p.o_stride.head;
-  f.lse_batch = p.lse_stride.batch;
-  f.lse_head = p.lse_stride.head;
-  f.lse_seq = p.lse_stride.seq;
-  f.seqlen_q = static_cast<int>(p.seqlen_q);
-  f.seqlen_k = static_cast<int>(p.seqlen_k);
-  f.heads_q = static_cast<int>(p.heads_q);
-  f.group = static_cast<int>(p.heads_q / p.heads_kv);
-  f.num_m_blocks = static_cast<int>(m_blocks);
-  f.batch_heads = static_cast<int>(p.batch * p.heads_q);
-  f.num_tiles = static_cast<int>(tiles);
+  fill_common(f, p, p.seqlen_k, m_blocks, tiles);
   // L2 sections as for 16-bit inputs, with 1-byte K and V^T.
   const int64_t kv_bytes_per_head = std::max<int64_t>(skp * d * 2 / f.group, 1);
   f.section_heads = static_cast<int>(std::clamp<int64_t>(kL2SectionBytes / kv_bytes_per_head, 1, f.batch_heads));
-  constexpr float kLog2e = 1.4426950408889634f;
-  f.scale = p.scale;
-  f.scale_log2 = p.scale * kLog2e;
   const bool persistent = pol.grid != Grid::kTilePerCta;
   const bool local = needs_local(p);  // the kLocal rows: the causal tiling, no key rotation
   f.zigzag = pol.grid == Grid::kStatic && (p.causal || local) ? 1 : 0;
@@ -832,8 +823,8 @@ bool select_cache_impl(const FwdProblem& p, std::string* kernel, std::string* wh
   if (p.heads_kv <= 0 || p.heads_q % p.heads_kv != 0) return fail(why, "heads_q is not a multiple of heads_kv");
   if (p.seqlen_q + p.kv_bound >= (int64_t(1) << 29)) return fail(why, "seqlen_q + the cache capacity >= 2^29");
   if (p.batch == 0 || p.seqlen_q == 0) return fail(why, "an empty dim");
-  const Row row = p.dtype == DType::bf16 ? cache_row_for_dtype<__nv_bfloat16>(p.head_dim)
-                                         : cache_row_for_dtype<__half>(p.head_dim);
+  const Row row = p.dtype == DType::bf16 ? local_row_for_dtype<__nv_bfloat16, true>(p.head_dim)
+                                         : local_row_for_dtype<__half, true>(p.head_dim);
   if (p.block_table != nullptr) {
     const int64_t ps = p.page_size;
     if (ps % 8 != 0 || !(row.block_n % ps == 0 || ps % row.block_n == 0))
@@ -872,8 +863,8 @@ bool select_cache_impl(const FwdProblem& p, std::string* kernel, std::string* wh
 }
 
 void cache_prefill_impl(const FwdProblem& p) {
-  const Row row = p.dtype == DType::bf16 ? cache_row_for_dtype<__nv_bfloat16>(p.head_dim)
-                                         : cache_row_for_dtype<__half>(p.head_dim);
+  const Row row = p.dtype == DType::bf16 ? local_row_for_dtype<__nv_bfloat16, true>(p.head_dim)
+                                         : local_row_for_dtype<__half, true>(p.head_dim);
   const int64_t m_blocks = (p.seqlen_q + row.block_m - 1) / row.block_m;
   const int64_t grid = m_blocks * p.heads_q * p.batch;
   if (grid == 0) return;
@@ -889,27 +880,10 @@ void cache_prefill_impl(const FwdProblem& p) {
   l.v = make_ragged_map(p.v, p.dtype, 2, p.head_dim, std::max<int64_t>(rows, 1), p.heads_kv, p.v_stride.seq,
                         p.v_stride.head, 64, box, "v_cache");
   FwdParams& f = l.params;
-  f.o = p.o;
-  f.lse = p.lse;
-  f.o_batch = p.o_stride.batch;
-  f.o_seq = p.o_stride.seq;
-  f.o_head = p.o_stride.head;
-  f.lse_batch = p.lse_stride.batch;
-  f.lse_head = p.lse_stride.head;
-  f.lse_seq = p.lse_stride.seq;
-  f.seqlen_q = static_cast<int>(p.seqlen_q);
-  f.seqlen_k = static_cast<int>(p.kv_bound);
-  f.heads_q = static_cast<int>(p.heads_q);
-  f.group = static_cast<int>(p.heads_q / p.heads_kv);
-  f.num_m_blocks = static_cast<int>(m_blocks);
-  f.batch_heads = static_cast<int>(p.batch * p.heads_q);
-  f.num_tiles = static_cast<int>(grid);
+  fill_common(f, p, p.kv_bound, m_blocks, grid);
   const int64_t kv_bytes_per_head =
       std::max<int64_t>(std::max<int64_t>(p.kv_bound, 1) * p.head_dim * 2 * 2 / f.group, 1);
   f.section_heads = static_cast<int>(std::clamp<int64_t>(kL2SectionBytes / kv_bytes_per_head, 1, f.batch_heads));
-  constexpr float kLog2e = 1.4426950408889634f;
-  f.scale = p.scale;
-  f.scale_log2 = p.scale * kLog2e;
   Policy pol = default_policy(p.head_dim, true);  // the kLocal rows' policy (policy_for), no end alignment
   if (pol.grid == Grid::kDynamic && !mempools_supported(p.device_index)) pol.grid = Grid::kTilePerCta;
   const bool persistent = pol.grid != Grid::kTilePerCta;
@@ -989,28 +963,11 @@ void sm90_flash_forward(const FwdProblem& p) {
     l.v = make_tensor_map(p.v, p.dtype, p.head_dim, ext.seqlen_k, p.heads_kv, ext.batch, p.v_stride, row.block_n, "v");
   }
   FwdParams& f = l.params;
-  f.o = p.o;
-  f.lse = p.lse;
-  f.o_batch = p.o_stride.batch;
-  f.o_seq = p.o_stride.seq;
-  f.o_head = p.o_stride.head;
-  f.lse_batch = p.lse_stride.batch;
-  f.lse_head = p.lse_stride.head;
-  f.lse_seq = p.lse_stride.seq;
-  f.seqlen_q = static_cast<int>(p.seqlen_q);
-  f.seqlen_k = static_cast<int>(p.seqlen_k);
-  f.heads_q = static_cast<int>(p.heads_q);
-  f.group = static_cast<int>(p.heads_q / p.heads_kv);
-  f.num_m_blocks = static_cast<int>(m_blocks);
-  f.batch_heads = static_cast<int>(p.batch * p.heads_q);
-  f.num_tiles = static_cast<int>(grid);
+  fill_common(f, p, p.seqlen_k, m_blocks, grid);
   // Sections of (batch, head) pairs whose K + V fit in kL2SectionBytes (heads of one GQA group
   // share theirs), so the tiles in flight reuse K/V from L2 (see decode_tile).
   const int64_t kv_bytes_per_head = std::max<int64_t>(std::max<int64_t>(p.seqlen_k, 1) * p.head_dim * 2 * 2 / f.group, 1);
   f.section_heads = static_cast<int>(std::clamp<int64_t>(kL2SectionBytes / kv_bytes_per_head, 1, f.batch_heads));
-  constexpr float kLog2e = 1.4426950408889634f;
-  f.scale = p.scale;
-  f.scale_log2 = p.scale * kLog2e;
   const bool persistent = pol.grid != Grid::kTilePerCta;
   const bool local = needs_local(p);
   f.zigzag = pol.grid == Grid::kStatic && (p.causal || local) ? 1 : 0;
