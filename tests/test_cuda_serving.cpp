@@ -831,6 +831,14 @@ std::vector<Spec> cuda_prefill_cases() {
     c.causal = true; c.lens = {40, 300}; c.page_size = 16; v.push_back(c); }
   { Spec c = mk("d72_f8e4m3_f16_contiguous", DType::f16); c.d = 72; c.cache = DType::f8e4m3; c.hq = 2; c.hkv = 1;
     c.sq = 33; c.lens = {33, 100}; v.push_back(c); }
+  // Shapes for the sm90 KV-cache rows too (session 27): hdim 256 with 80-key blocks in 16-row page
+  // pieces, f16 with a sliding window over 8-row pages, page 128 at hdim 128 (one piece per block).
+  { Spec c = mk("d256_page16_causal_bf16", DType::bf16); c.d = 256; c.hq = 4; c.hkv = 2; c.sq = 90; c.causal = true;
+    c.lens = {90, 333, 0}; c.page_size = 16; v.push_back(c); }
+  { Spec c = mk("d64_window_page8_f16", DType::f16); c.hq = 6; c.hkv = 2; c.sq = 70; c.causal = true; c.wl = 45;
+    c.lens = {70, 250}; c.page_size = 8; v.push_back(c); }
+  { Spec c = mk("d128_page128_softcap_f16", DType::f16); c.d = 128; c.sq = 150; c.softcap = 4.0f; c.lens = {700, 150};
+    c.page_size = 128; v.push_back(c); }
   for (Spec& c : v) c = on_cuda(c);
   return v;
 }
@@ -922,6 +930,16 @@ TEST(CudaDecodeCachePrefill, Sm90RowsTakeSixteenBitCaches) {
   }
   EXPECT_GE(sm90, 4);
   EXPECT_GE(mma, 4);
+  // A persistent grid of 2 CTAs: every CTA runs many tiles (the dynamic counter, the tile hand-over).
+  ScopedEnv on("IOATTN_SM90_CACHE", "1"), ctas("IOATTN_SM90_MAX_CTAS", "2");
+  for (const Spec& c : cuda_prefill_cases()) {
+    if (c.name != "d128_sq300_page64_bf16" && c.name != "d256_page16_causal_bf16") continue;
+    Built gpu(c, make_values(c, 37));
+    const KernelChoice k = gpu.run();
+    EXPECT_NE(k.kernel.find("sm90 wgmma+tma"), std::string::npos) << c.name << ": " << k.kernel;
+    const ForwardTol tol = forward_tol(gpu);
+    expect_matches_reference(gpu, c.name + " 2 CTAs", false, tol.extra_o(), tol.extra_lse());
+  }
 }
 
 // Validation cannot read device tensors: a length past the capacity, a negative one, or a
@@ -929,7 +947,9 @@ TEST(CudaDecodeCachePrefill, Sm90RowsTakeSixteenBitCaches) {
 // paged and contiguous caches.
 TEST(CudaDecodeCachePrefill, OutOfRangeLengthsAndPagesGiveNaNForThatSequenceOnly) {
   SKIP_WITHOUT_GPU();
+  for (const char* sm90 : {"0", "1"})  // the mma.sync cache mode, and on sm_90 the wgmma rows
   for (int64_t ps : {16, 0}) {
+    ScopedEnv e("IOATTN_SM90_CACHE", sm90);
     Spec c = on_cuda(mk("prefill_bounds", DType::bf16));
     c.hq = 8;
     c.hkv = 2;

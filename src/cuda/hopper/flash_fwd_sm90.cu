@@ -838,6 +838,8 @@ bool select_cache_impl(const FwdProblem& p, std::string* kernel, std::string* wh
     if (cap == 0) return fail(why, "the contiguous cache's batch stride is not capacity x slot stride");
     if (p.batch * cap >= kRaggedRows) return fail(why, "batch x capacity >= 2^30");
   }
+  if (p.k_stride.seq <= 0 || p.v_stride.seq <= 0)
+    return fail(why, "a slot stride <= 0 (the ragged maps need rows apart)");
   if (std::max(p.k_stride.seq, p.v_stride.seq) * 2 >= kRaggedMaxRowStrideBytes)
     return fail(why, "a slot stride of 2^34 bytes or more");
   if (!tma_compatible(p.q, p.q_stride, p.batch, p.seqlen_q, p.heads_q, "q", why)) return false;

@@ -845,8 +845,8 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
               lse = mx + logf(total);
             }
           }
-          if constexpr (kCache) {
-            if (poisoned) inv = lse = __int_as_float(0x7fc00000);  // NaN O and LSE for this sequence
+          if constexpr (kCache) {  // NaN O and LSE: a poisoned sequence, or a NaN / +inf visible score
+            if (poisoned || sum != sum) inv = lse = __int_as_float(0x7fc00000);  // (fmaxf drops NaN: sum holds it)
           }
           // The store below repeats the other instances' on purpose: sharing it (a lambda) changed
           // their SASS, which stays identical to the version measured on the H200 (session 7).
