@@ -14,6 +14,10 @@
 #      forward's KV-cache mode): its tests (test_cuda_serving *CachePrefill*, bounded), then
 #      ioattn_cuda_decode_bench --seqlen-q 512 (ours through the cache vs forward() on contiguous K / V,
 #      same run; GPU_CHECK_PREFILL_ARGS overrides the grid) -> prefill.json and a table in the summary.
+#   sm90cache (not in the default stages; ~1 min): the Hopper kernel's KV-cache rows (opt-in:
+#      IOATTN_SM90_CACHE=1): test_cuda_serving *CachePrefill* with them on, compute-sanitizer memcheck
+#      and racecheck on the same filter, then ioattn_cuda_decode_bench --seqlen-q 512 (bf16 caches,
+#      contiguous / page 16 / page 64) with them on and off -> sm90cache.json and a ratio table.
 #   bwdtune (not in the default stages; ~1 min build of the target alone + <= GPU_CHECK_BWDTUNE_BUDGET
 #      s of runs): ioattn_cuda_bwd_tune, the backward tile sweep -> bwdtune.json (JSON lines) and a
 #      best-per-shape table in the summary. Alone: GPU_CHECK_STAGES=bwdtune tools/gpu-check.sh OUT
@@ -761,6 +765,37 @@ PY
 fi
 
 # ---- ring attention: time per rank vs single device / P, NVLink hop model -------------------------
+# ---- the Hopper kernel's KV-cache rows (optional stage sm90cache; opt-in IOATTN_SM90_CACHE=1) ------
+if want sm90cache && [[ -x $BUILD/test_cuda_serving ]]; then
+  IOATTN_SM90_CACHE=1 bounded_test "sm90cache tests" 120 "$BUILD/test_cuda_serving" '*CachePrefill*' \
+    "$OUT/sm90cache_tests.log" || true
+  grep -E '^\[  FAILED|Failure' "$OUT/sm90cache_tests.log" | head -20 | tee -a "$SUMMARY" >/dev/null
+  for tool in memcheck racecheck; do
+    IOATTN_SM90_CACHE=1 timeout 300 compute-sanitizer --tool $tool --error-exitcode 9 "$BUILD/test_cuda_serving" \
+      --gtest_filter='*CachePrefill*' >"$OUT/sm90cache_$tool.log" 2>&1
+    note "sm90cache $tool rc=$?  $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/sm90cache_$tool.log" | tail -1)"
+  done
+  for on in 1 0; do
+    IOATTN_SM90_CACHE=$on timeout 120 "$BUILD/ioattn_cuda_decode_bench" --seqlen-q 512 --copy 0 --batch 1,4 \
+      --kv 4096,16384 --pages 0,16,64 --caches bf16 2>&1 | grep '^{' | sed "s/^{/{\"sm90cache\": $on, /" \
+      >>"$OUT/sm90cache.json"
+  done
+  python3 - "$OUT/sm90cache.json" <<'PY' | tee -a "$SUMMARY"
+import json, sys
+rows = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
+key = lambda r: (r["batch"], r["kv_len"], r["page_size"], r["causal"])
+t = {}
+for r in rows:
+    tag = "fwd" if r["impl"] == "forward_contiguous" else ("sm90" if r["sm90cache"] else "mma")
+    t.setdefault(key(r), {}).setdefault(tag, r["tflops"])
+print("sm90cache (512 rows, bf16): batch kv page causal | wgmma rows | mma.sync | forward() contiguous | wgmma/fwd")
+for k in sorted(t):
+    d = t[k]
+    print("  %d %d %d %d | %.1f | %.1f | %.1f | %.2f" % (k + (d.get("sm90", 0), d.get("mma", 0), d.get("fwd", 0),
+                                                          d.get("sm90", 0) / d["fwd"] if d.get("fwd") else 0)))
+PY
+fi
+
 # ---- prefill through the KV cache (optional stage prefill) ----------------------------------------
 if want prefill && [[ -x $BUILD/test_cuda_serving ]]; then
   if bounded_test "prefill tests" 300 "$BUILD/test_cuda_serving" '*CachePrefill*' "$OUT/prefill_tests.log"; then :; fi
