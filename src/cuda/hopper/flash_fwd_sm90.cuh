@@ -295,6 +295,66 @@ __device__ __forceinline__ int2 local_key_blocks(int m0, const TileSpan& s) {
   return make_int2(first, max(0, end - first));
 }
 
+// kLocal pieces shared by the bf16 / f16 and fp8 kernels (one thread's two rows r = 0, 1 of a
+// 64 x kBlockN S fragment: columns key0 + 8 i + e, values s[4 i + 2 r + e]).
+// Row `row`'s keys outside its window [row + win_lo, row + win_hi] or past sk to -inf.
+template <int kBlockN>
+__device__ __forceinline__ void local_mask_row(float* s, int r, int key0, int row, const TileSpan& span) {
+  const int key_end = min(span.sk, row + span.win_hi + 1), key_begin = row + span.win_lo;
+#pragma unroll
+  for (int i = 0; i < kBlockN / 8; ++i) {
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const int key = key0 + 8 * i + e;
+      if (key < key_begin || key >= key_end) s[4 * i + 2 * r + e] = -INFINITY;
+    }
+  }
+}
+// Whether key block n needs the mask for some row of the tile [m0, m0 + kBlockM): the first row's
+// right bound is the lowest, the last row's left bound the highest.
+template <int kBlockM, int kBlockN>
+__device__ __forceinline__ bool local_needs_mask(int n, int m0, const TileSpan& span) {
+  const int lo = n * kBlockN, hi = lo + kBlockN - 1;
+  return hi >= span.sk || hi > m0 + span.win_hi || lo < m0 + kBlockM - 1 + span.win_lo;
+}
+// Softcap / ALiBi on the scores of key block n, as the mma.sync kernel applies them: t = x scale,
+// t = softcap tanh(t / softcap) (lp's, read where used), t -= slope |centre_r - key|; stored back
+// as t inv_scale.
+// centre0: row 0's ALiBi centre (its row + sk - sq).
+template <int kBlockN>
+__device__ __forceinline__ void local_modify_scores(float* s, int key0, int centre0, float scale, float inv_scale,
+                                                    const LocalParams& lp, float slope) {
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int centre = centre0 + 8 * r;
+#pragma unroll
+    for (int i = 0; i < kBlockN / 8; ++i) {
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        float& x = s[4 * i + 2 * r + e];
+        float t = x * scale;
+        if (lp.softcap > 0.0f) t = lp.softcap * ptx::tanh_approx(t * lp.softcap_inv);
+        t -= slope * fabsf(static_cast<float>(centre - (key0 + 8 * i + e)));
+        x = t * inv_scale;
+      }
+    }
+  }
+}
+// A sink in the row's softmax: sum_j exp(t_j) + exp(sink), relative to M = max(m, sink), where m is
+// the row's max in logit units (-inf without keys) and sum its exp sum relative to m; inv becomes
+// num / the total (O's factor), lse the log of the total.
+__device__ __forceinline__ void fold_sink(float sum, float m, float sink, float num, float* inv, float* lse) {
+  const float mx = fmaxf(m, sink);
+  if (mx == -INFINITY) {
+    *inv = 0.0f;
+    *lse = -INFINITY;
+  } else {
+    const float a = expf(m - mx), total = sum * a + expf(sink - mx);
+    *inv = num * a / total;
+    *lse = mx + logf(total);
+  }
+}
+
 // kCache: tile_span of a sequence in the KV cache: kv_lens[b] keys (0 when the length is outside
 // [0, kv_bound]), contiguous ones from row b * capacity of the ragged map, q as [batch, seqlen_q].
 // With `poisoned`, also whether the sequence is bad: its length, or (paged) an entry of its block
@@ -656,15 +716,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
           for (int r = 0; r < 2; ++r) {
             const int row = m0 + row_in_tile + 8 * r;
             if constexpr (kLocal) {  // visible: key_begin <= key < key_end
-              const int key_end = min(span.sk, row + span.win_hi + 1), key_begin = row + span.win_lo;
-#pragma unroll
-              for (int i = 0; i < kBlockN / 8; ++i) {
-#pragma unroll
-                for (int e = 0; e < 2; ++e) {
-                  const int key = key0 + 8 * i + e;
-                  if (key < key_begin || key >= key_end) s[4 * i + 2 * r + e] = -INFINITY;
-                }
-              }
+              local_mask_row<kBlockN>(s, r, key0, row, span);
               continue;
             }
             const int key_end = kCausal ? min(p.seqlen_k, row + off + 1) : p.seqlen_k;  // visible: key < key_end
@@ -677,10 +729,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
           }
         };
         auto needs_mask = [&](int n) {
-          if constexpr (kLocal) {  // the first row's right bound is the lowest, the last row's left the highest
-            const int lo = n * kBlockN, hi = lo + kBlockN - 1;
-            return hi >= span.sk || hi > m0 + span.win_hi || lo < m0 + kBlockM - 1 + span.win_lo;
-          }
+          if constexpr (kLocal) return local_needs_mask<kBlockM, kBlockN>(n, m0, span);
           return (n + 1) * kBlockN > p.seqlen_k || (kCausal && (n + 1) * kBlockN - 1 > m0 + off);
         };
         // Online softmax on S of one key block: new row max, corr = exp(old max - new max),
@@ -724,22 +773,8 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
           if (lp.alibi_slopes != nullptr) slope = lp.alibi_slopes[tc.h];
         }
         auto modify_scores = [&](int n) {
-          const int key0 = n * kBlockN + 2 * (lane % 4);
-#pragma unroll
-          for (int r = 0; r < 2; ++r) {
-            const int centre = m0 + row_in_tile + 8 * r + span.sk - span.sq;  // |centre - key|: the ALiBi distance
-#pragma unroll
-            for (int i = 0; i < kBlockN / 8; ++i) {
-#pragma unroll
-              for (int e = 0; e < 2; ++e) {
-                float& x = s[4 * i + 2 * r + e];
-                float t = x * p.scale;
-                if (lp.softcap > 0.0f) t = lp.softcap * ptx::tanh_approx(t * lp.softcap_inv);
-                t -= slope * fabsf(static_cast<float>(centre - (key0 + 8 * i + e)));
-                x = t * lp.inv_scale;
-              }
-            }
-          }
+          local_modify_scores<kBlockN>(s, n * kBlockN + 2 * (lane % 4), m0 + row_in_tile + span.sk - span.sq, p.scale,
+                                       lp.inv_scale, lp, slope);
         };
         auto mask_and_softmax = [&](int n) {
           if constexpr (kLocal) {
@@ -833,18 +868,8 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         if constexpr (kLocal) {
           float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
           float lse = sum > 0.0f ? row_max[r] * p.scale + logf(sum) : -INFINITY;
-          if (lp.sinks != nullptr) {  // sum_j exp(s_j scale) + exp(sink), relative to M = max(m, sink)
-            const float m = sum > 0.0f ? row_max[r] * p.scale : -INFINITY, sink = lp.sinks[tc.h];
-            const float mx = fmaxf(m, sink);
-            if (mx == -INFINITY) {
-              inv = 0.0f;
-              lse = -INFINITY;
-            } else {
-              const float a = expf(m - mx), total = sum * a + expf(sink - mx);
-              inv = a / total;
-              lse = mx + logf(total);
-            }
-          }
+          if (lp.sinks != nullptr)
+            fold_sink(sum, sum > 0.0f ? row_max[r] * p.scale : -INFINITY, lp.sinks[tc.h], 1.0f, &inv, &lse);
           if constexpr (kCache) {  // NaN O and LSE: a poisoned sequence, or a NaN / +inf visible score
             if (poisoned || sum != sum) inv = lse = __int_as_float(0x7fc00000);  // (fmaxf drops NaN: sum holds it)
           }

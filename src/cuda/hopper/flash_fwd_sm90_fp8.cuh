@@ -416,15 +416,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
           for (int r = 0; r < 2; ++r) {
             const int row = m0 + row_in_tile + 8 * r;
             if constexpr (kLocal) {  // visible: key_begin <= key < key_end
-              const int key_end = min(span.sk, row + span.win_hi + 1), key_begin = row + span.win_lo;
-#pragma unroll
-              for (int i = 0; i < kBlockN / 8; ++i) {
-#pragma unroll
-                for (int e = 0; e < 2; ++e) {
-                  const int key = key0 + 8 * i + e;
-                  if (key < key_begin || key >= key_end) s[4 * i + 2 * r + e] = -INFINITY;
-                }
-              }
+              local_mask_row<kBlockN>(s, r, key0, row, span);
               continue;
             }
             const int key_end = kCausal ? min(p.seqlen_k, row + off + 1) : p.seqlen_k;
@@ -437,10 +429,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
           }
         };
         auto needs_mask = [&](int n) {
-          if constexpr (kLocal) {  // the first row's right bound is the lowest, the last row's left the highest
-            const int lo = n * kBlockN, hi = lo + kBlockN - 1;
-            return hi >= span.sk || hi > m0 + span.win_hi || lo < m0 + kBlockM - 1 + span.win_lo;
-          }
+          if constexpr (kLocal) return local_needs_mask<kBlockM, kBlockN>(n, m0, span);
           return (n + 1) * kBlockN > p.seqlen_k || (kCausal && (n + 1) * kBlockN - 1 > m0 + off);
         };
         auto softmax = [&]() {
@@ -486,24 +475,9 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
           inv_scale_ln = scale_ln > 0.0f ? 1.0f / scale_ln : 0.0f;
         }
         auto modify_scores = [&](int n) {
-          if constexpr (kLocal) {
-            const int key0 = n * kBlockN + 2 * (lane % 4);
-#pragma unroll
-            for (int r = 0; r < 2; ++r) {
-              const int centre = m0 + row_in_tile + 8 * r + span.sk - span.sq;  // |centre - key|: the ALiBi distance
-#pragma unroll
-              for (int i = 0; i < kBlockN / 8; ++i) {
-#pragma unroll
-                for (int e = 0; e < 2; ++e) {
-                  float& x = s[4 * i + 2 * r + e];
-                  float t = x * scale_ln;
-                  if (pp.lp.softcap > 0.0f) t = pp.lp.softcap * ptx::tanh_approx(t * pp.lp.softcap_inv);
-                  t -= slope * fabsf(static_cast<float>(centre - (key0 + 8 * i + e)));
-                  x = t * inv_scale_ln;
-                }
-              }
-            }
-          }
+          if constexpr (kLocal)
+            local_modify_scores<kBlockN>(s, n * kBlockN + 2 * (lane % 4), m0 + row_in_tile + span.sk - span.sq,
+                                         scale_ln, inv_scale_ln, pp.lp, slope);
         };
         auto mask_and_softmax = [&](int n) {
           if constexpr (kLocal) {
@@ -617,18 +591,8 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         if constexpr (kLocal) {
           float inv = sum > 0.0f ? dv / sum : 0.0f;
           float lse = sum > 0.0f ? row_max[r] * scale_ln + logf(sum) : -INFINITY;
-          if (pp.lp.sinks != nullptr) {  // sum_j exp(t_j) + exp(sink), relative to M = max(m, sink)
-            const float m = sum > 0.0f ? row_max[r] * scale_ln : -INFINITY, sink = pp.lp.sinks[tc.h];
-            const float mx = fmaxf(m, sink);
-            if (mx == -INFINITY) {
-              inv = 0.0f;
-              lse = -INFINITY;
-            } else {
-              const float a = expf(m - mx), total = sum * a + expf(sink - mx);
-              inv = dv * a / total;
-              lse = mx + logf(total);
-            }
-          }
+          if (pp.lp.sinks != nullptr)
+            fold_sink(sum, sum > 0.0f ? row_max[r] * scale_ln : -INFINITY, pp.lp.sinks[tc.h], dv, &inv, &lse);
           const int row = m0 + row_in_tile + 8 * r;
           if (row < span.sq) {
             Out* orow = static_cast<Out*>(p.o) + tc.b * p.o_batch + row * p.o_seq + tc.h * p.o_head + 2 * (lane % 4);
