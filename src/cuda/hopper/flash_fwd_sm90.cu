@@ -659,6 +659,18 @@ void fill_common(FwdParams& f, const FwdProblem& p, int64_t seqlen_k, int64_t m_
   f.scale_log2 = p.scale * kLog2e;
 }
 
+// The kLocal rows' run-time features (LocalParams; cu_seqlens are the caller's): windows wider
+// than `wide` (both sequences' lengths) are unbounded, the rest as the mma.sync kernel takes them.
+void fill_local(LocalParams& lp, const FwdProblem& p, int64_t wide) {
+  lp.window_left = p.window_left < 0 || p.window_left > wide ? -1 : static_cast<int>(p.window_left);
+  lp.window_right = p.window_right < 0 || p.window_right > wide ? -1 : static_cast<int>(p.window_right);
+  lp.sinks = p.sinks;
+  lp.softcap = p.softcap > 0.0f ? p.softcap : 0.0f;
+  lp.softcap_inv = p.softcap > 0.0f ? 1.0f / p.softcap : 0.0f;
+  lp.inv_scale = 1.0f / p.scale;  // scale > 0 (checked by the selectors)
+  lp.alibi_slopes = p.alibi_slopes;
+}
+
 // K + V bytes a scheduling section may keep in L2 (H200: 60 MB L2 in two halves; leave room for
 // Q, O and the other half's copies).
 constexpr int64_t kL2SectionBytes = 24ll << 20;
@@ -729,6 +741,17 @@ void fp8_transpose(const FwdProblem& p, void* vt, int64_t skp, cudaStream_t stre
   fp8_transpose_v_launch(a, p.batch, stream);
 }
 
+// The dynamic schedule's tile counter: one int, zeroed in stream order and freed on scope exit,
+// when the persistent grid has fewer CTAs than tiles (f.tile_counter points at it); else none.
+std::unique_ptr<AsyncBuffer> dynamic_tile_counter(const Policy& pol, unsigned ctas, int64_t tiles,
+                                                  cudaStream_t stream, FwdParams& f) {
+  if (pol.grid != Grid::kDynamic || static_cast<int64_t>(ctas) >= tiles) return nullptr;
+  auto counter = std::make_unique<AsyncBuffer>(sizeof(int), stream);
+  IOATTN_CUDA_CHECK(cudaMemsetAsync(counter->ptr, 0, sizeof(int), stream));
+  f.tile_counter = static_cast<int*>(counter->ptr);
+  return counter;
+}
+
 void fp8_forward(const FwdProblem& p, const Policy& pol) {
   const Fp8Row row = fp8_table_row(p);
   const int64_t m_blocks = (p.seqlen_q + row.block_m - 1) / row.block_m;
@@ -758,16 +781,7 @@ void fp8_forward(const FwdProblem& p, const Policy& pol) {
   f.zigzag = pol.grid == Grid::kStatic && (p.causal || local) ? 1 : 0;
   f.stagger = !p.causal && !local && !env_flag("IOATTN_SM90_NO_STAGGER") ? 1 : 0;
   f.rescale_skip = pol.rescale_skip ? 1 : 0;
-  if (local) {  // a window wider than both sequences is unbounded
-    const int64_t wide = p.seqlen_q + p.seqlen_k;
-    LocalParams& lp = l.local;
-    lp.window_left = p.window_left < 0 || p.window_left > wide ? -1 : static_cast<int>(p.window_left);
-    lp.window_right = p.window_right < 0 || p.window_right > wide ? -1 : static_cast<int>(p.window_right);
-    lp.sinks = p.sinks;
-    lp.softcap = p.softcap > 0.0f ? p.softcap : 0.0f;
-    lp.softcap_inv = p.softcap > 0.0f ? 1.0f / p.softcap : 0.0f;
-    lp.alibi_slopes = p.alibi_slopes;
-  }
+  if (local) fill_local(l.local, p, p.seqlen_q + p.seqlen_k);
   pp.q_descale = p.q_descale.ptr;
   pp.k_descale = p.k_descale.ptr;
   pp.v_descale = p.v_descale.ptr;
@@ -779,12 +793,7 @@ void fp8_forward(const FwdProblem& p, const Policy& pol) {
   pp.vd_head = p.v_descale.head_stride;
   l.grid = static_cast<unsigned>(grid_ctas(p.device_index, tiles, persistent));
   l.stream = stream;
-  std::unique_ptr<AsyncBuffer> counter;
-  if (pol.grid == Grid::kDynamic && static_cast<int64_t>(l.grid) < tiles) {
-    counter = std::make_unique<AsyncBuffer>(sizeof(int), stream);
-    IOATTN_CUDA_CHECK(cudaMemsetAsync(counter->ptr, 0, sizeof(int), stream));
-    f.tile_counter = static_cast<int*>(counter->ptr);
-  }
+  const std::unique_ptr<AsyncBuffer> counter = dynamic_tile_counter(pol, l.grid, tiles, stream, f);
   row.launch(l);
 }
 
@@ -799,6 +808,12 @@ int64_t cache_capacity_rows(const FwdProblem& p) {
   if (k.seq <= 0 || k.batch % k.seq != 0 || v.seq <= 0 || v.batch % v.seq != 0) return 0;
   const int64_t cap = k.batch / k.seq;
   return cap == v.batch / v.seq && cap >= p.kv_bound ? cap : 0;
+}
+
+// The KV-cache row of a bf16 / f16 problem (the kLocal tiling of its head dim).
+Row cache_row(const FwdProblem& p) {
+  return p.dtype == DType::bf16 ? local_row_for_dtype<__nv_bfloat16, true>(p.head_dim)
+                                : local_row_for_dtype<__half, true>(p.head_dim);
 }
 
 // 16-bit caches of q's dtype, head_dim == head_dim_v in {64, 128, 256}; paged: a page size that is
@@ -823,8 +838,7 @@ bool select_cache_impl(const FwdProblem& p, std::string* kernel, std::string* wh
   if (p.heads_kv <= 0 || p.heads_q % p.heads_kv != 0) return fail(why, "heads_q is not a multiple of heads_kv");
   if (p.seqlen_q + p.kv_bound >= (int64_t(1) << 29)) return fail(why, "seqlen_q + the cache capacity >= 2^29");
   if (p.batch == 0 || p.seqlen_q == 0) return fail(why, "an empty dim");
-  const Row row = p.dtype == DType::bf16 ? local_row_for_dtype<__nv_bfloat16, true>(p.head_dim)
-                                         : local_row_for_dtype<__half, true>(p.head_dim);
+  const Row row = cache_row(p);
   if (p.block_table != nullptr) {
     const int64_t ps = p.page_size;
     if (ps % 8 != 0 || !(row.block_n % ps == 0 || ps % row.block_n == 0))
@@ -865,8 +879,7 @@ bool select_cache_impl(const FwdProblem& p, std::string* kernel, std::string* wh
 }
 
 void cache_prefill_impl(const FwdProblem& p) {
-  const Row row = p.dtype == DType::bf16 ? local_row_for_dtype<__nv_bfloat16, true>(p.head_dim)
-                                         : local_row_for_dtype<__half, true>(p.head_dim);
+  const Row row = cache_row(p);
   const int64_t m_blocks = (p.seqlen_q + row.block_m - 1) / row.block_m;
   const int64_t grid = m_blocks * p.heads_q * p.batch;
   if (grid == 0) return;
@@ -894,14 +907,7 @@ void cache_prefill_impl(const FwdProblem& p) {
   f.rescale_skip = pol.rescale_skip ? 1 : 0;
   f.rescale_early = pol.rescale_early ? 1 : 0;
   CacheParams& cp = l.cache;
-  const int64_t wide = p.seqlen_q + p.kv_bound;
-  cp.window_left = p.window_left < 0 || p.window_left > wide ? -1 : static_cast<int>(p.window_left);
-  cp.window_right = p.window_right < 0 || p.window_right > wide ? -1 : static_cast<int>(p.window_right);
-  cp.sinks = p.sinks;
-  cp.softcap = p.softcap > 0.0f ? p.softcap : 0.0f;
-  cp.softcap_inv = p.softcap > 0.0f ? 1.0f / p.softcap : 0.0f;
-  cp.inv_scale = 1.0f / p.scale;
-  cp.alibi_slopes = p.alibi_slopes;
+  fill_local(cp, p, p.seqlen_q + p.kv_bound);
   cp.kv_lens = p.kv_lens;
   cp.block_table = p.block_table;
   cp.bt_batch = p.bt_stride_batch;
@@ -913,12 +919,7 @@ void cache_prefill_impl(const FwdProblem& p) {
   cp.num_pages = static_cast<int>(p.num_pages);
   l.grid = static_cast<unsigned>(grid_ctas(p.device_index, grid, persistent));
   l.stream = static_cast<cudaStream_t>(p.stream);
-  std::unique_ptr<AsyncBuffer> counter;
-  if (pol.grid == Grid::kDynamic && static_cast<int64_t>(l.grid) < grid) {
-    counter = std::make_unique<AsyncBuffer>(sizeof(int), l.stream);
-    IOATTN_CUDA_CHECK(cudaMemsetAsync(counter->ptr, 0, sizeof(int), l.stream));
-    f.tile_counter = static_cast<int*>(counter->ptr);
-  }
+  const std::unique_ptr<AsyncBuffer> counter = dynamic_tile_counter(pol, l.grid, grid, l.stream, f);
   row.launch(l);
 }
 
@@ -974,18 +975,10 @@ void sm90_flash_forward(const FwdProblem& p) {
   const bool local = needs_local(p);
   f.zigzag = pol.grid == Grid::kStatic && (p.causal || local) ? 1 : 0;
   f.stagger = !p.causal && !local && !env_flag("IOATTN_SM90_NO_STAGGER") ? 1 : 0;
-  if (local) {  // a window wider than both (longest) sequences is unbounded
-    const int64_t wide = p.seqlen_q + p.seqlen_k;
-    LocalParams& lp = l.local;
-    lp.window_left = p.window_left < 0 || p.window_left > wide ? -1 : static_cast<int>(p.window_left);
-    lp.window_right = p.window_right < 0 || p.window_right > wide ? -1 : static_cast<int>(p.window_right);
-    lp.cu_seqlens_q = p.cu_seqlens_q;
-    lp.cu_seqlens_k = p.cu_seqlens_k;
-    lp.sinks = p.sinks;
-    lp.softcap = p.softcap > 0.0f ? p.softcap : 0.0f;
-    lp.softcap_inv = p.softcap > 0.0f ? 1.0f / p.softcap : 0.0f;
-    lp.inv_scale = 1.0f / p.scale;  // scale > 0 (checked by the selector)
-    lp.alibi_slopes = p.alibi_slopes;
+  if (local) {  // (the longest sequences' lengths bound the windows)
+    fill_local(l.local, p, p.seqlen_q + p.seqlen_k);
+    l.local.cu_seqlens_q = p.cu_seqlens_q;
+    l.local.cu_seqlens_k = p.cu_seqlens_k;
   }
   f.rescale_skip = pol.rescale_skip ? 1 : 0;
   f.rescale_early = pol.rescale_early ? 1 : 0;
