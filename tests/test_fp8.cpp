@@ -192,6 +192,34 @@ TEST(Fp8Forward, DescalesAct) {
   }
 }
 
+// The largest O and LSE errors of p's outputs (written by a backend) against the float64
+// reference, and those of attention computed in fp8 (the emulated reference) as the baseline;
+// an unwritten (NaN) element or a finite LSE where the reference's is -inf counts as infinite.
+struct Fp8Errors {
+  double err_o = 0, naive_o = 0, err_l = 0, naive_l = 0;
+};
+Fp8Errors fp8_errors(const Fp8Problem& p) {
+  auto val = detail::validate(p.qv, p.kv, p.vv, p.ov, p.lv, nullptr, p.prm, Context{});
+  const detail::RefResult ref = detail::reference_forward(val.p, detail::RefPrecision::f64);
+  const detail::RefResult emu = detail::reference_forward(val.p, detail::RefPrecision::emulated);
+  Fp8Errors e;
+  detail::for_each_output_row(val.p, ref, [&](int64_t oo, int64_t ro, int64_t lo, int64_t rl) {
+    for (int64_t x = 0; x < p.c.d; ++x) {
+      const double got = p.out_at(static_cast<size_t>(oo + x));
+      e.err_o = std::max(e.err_o, std::isnan(got) ? INFINITY : std::fabs(got - ref.o[ro + x]));
+      e.naive_o = std::max(e.naive_o, std::fabs(emu.o[ro + x] - ref.o[ro + x]));
+    }
+    const double gl = p.lse[lo], rlse = ref.lse[rl];
+    if (std::isinf(rlse)) {
+      if (!(std::isinf(gl) && gl < 0)) e.err_l = INFINITY;
+    } else {
+      e.err_l = std::max(e.err_l, std::isnan(gl) ? INFINITY : std::fabs(gl - rlse));
+      e.naive_l = std::max(e.naive_l, std::fabs(emu.lse[rl] - rlse));
+    }
+  });
+  return e;
+}
+
 class Fp8Forward : public ::testing::TestWithParam<std::tuple<Fp8Case, Backend>> {};
 
 TEST_P(Fp8Forward, MatchesReference) {
@@ -200,26 +228,8 @@ TEST_P(Fp8Forward, MatchesReference) {
   Fp8Problem p(c);
   Context ctx;
   ctx.backend = be;
-  auto val = detail::validate(p.qv, p.kv, p.vv, p.ov, p.lv, nullptr, p.prm, ctx);
-  const detail::RefResult ref = detail::reference_forward(val.p, detail::RefPrecision::f64);
-  const detail::RefResult emu = detail::reference_forward(val.p, detail::RefPrecision::emulated);
   forward(p.qv, p.kv, p.vv, p.ov, p.lv, p.prm, ctx);
-
-  double err_o = 0, naive_o = 0, err_l = 0, naive_l = 0;
-  detail::for_each_output_row(val.p, ref, [&](int64_t oo, int64_t ro, int64_t lo, int64_t rl) {
-    for (int64_t x = 0; x < c.d; ++x) {
-      const double got = p.out_at(static_cast<size_t>(oo + x));
-      err_o = std::max(err_o, std::isnan(got) ? INFINITY : std::fabs(got - ref.o[ro + x]));
-      naive_o = std::max(naive_o, std::fabs(emu.o[ro + x] - ref.o[ro + x]));
-    }
-    const double gl = p.lse[lo], rlse = ref.lse[rl];
-    if (std::isinf(rlse)) {
-      if (!(std::isinf(gl) && gl < 0)) err_l = INFINITY;
-    } else {
-      err_l = std::max(err_l, std::isnan(gl) ? INFINITY : std::fabs(gl - rlse));
-      naive_l = std::max(naive_l, std::fabs(emu.lse[rl] - rlse));
-    }
-  });
+  const auto [err_o, naive_o, err_l, naive_l] = fp8_errors(p);
   const double atol = 1e-3;
   EXPECT_LE(err_o, 2 * naive_o + atol) << "naive fp8 error " << naive_o;
   EXPECT_LE(err_l, 2 * naive_l + atol) << "naive fp8 error " << naive_l;
@@ -276,23 +286,7 @@ void run_cuda_fp8_case(const Fp8Case& c, int arch, const std::string& kernel_par
   l.download();
   std::memcpy(h.o.data(), o.host(), o.bytes());
   std::memcpy(h.lse.data(), l.host(), l.bytes());
-  auto val = detail::validate(h.qv, h.kv, h.vv, h.ov, h.lv, nullptr, h.prm, Context{});
-  const detail::RefResult ref = detail::reference_forward(val.p, detail::RefPrecision::f64);
-  const detail::RefResult emu = detail::reference_forward(val.p, detail::RefPrecision::emulated);
-  double err_o = 0, naive_o = 0, err_l = 0, naive_l = 0;
-  detail::for_each_output_row(val.p, ref, [&](int64_t oo, int64_t ro, int64_t lo, int64_t rl) {
-    for (int64_t x = 0; x < c.d; ++x) {
-      const double got = h.out_at(static_cast<size_t>(oo + x));
-      err_o = std::max(err_o, std::isnan(got) ? INFINITY : std::fabs(got - ref.o[ro + x]));
-      naive_o = std::max(naive_o, std::fabs(emu.o[ro + x] - ref.o[ro + x]));
-    }
-    const double gl = h.lse[lo], rlse = ref.lse[rl];
-    if (std::isinf(rlse))
-      err_l = std::max(err_l, std::isinf(gl) && gl < 0 ? 0.0 : INFINITY);
-    else
-      err_l = std::max(err_l, std::isnan(gl) ? INFINITY : std::fabs(gl - rlse));
-    if (!std::isinf(rlse)) naive_l = std::max(naive_l, std::fabs(emu.lse[rl] - rlse));
-  });
+  const auto [err_o, naive_o, err_l, naive_l] = fp8_errors(h);
   EXPECT_LE(err_o, 2 * naive_o + 1e-3) << c.name << " naive fp8 error " << naive_o;
   EXPECT_LE(err_l, 2 * naive_l + 1e-3) << c.name << " naive fp8 error " << naive_l;
 }
