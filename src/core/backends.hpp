@@ -16,9 +16,10 @@ void cpu_naive_forward(const FwdProblem& p);
 // Tiled online-softmax backend (Highway SIMD, OpenMP threads).
 void cpu_flash_forward(const FwdProblem& p);
 // Backward by recomputation. The reference materialises P, dP, dS per (batch, head) in float64;
-// the flash backend is tiled: one fused pass per (batch, kv head), or two passes (dK/dV over key
-// blocks, then dQ over query blocks) when those pairs are too few for the threads;
-// cpu_backward_mode says which and why (the kernel choice's reason).
+// the flash backend is tiled: one fused pass per (batch, kv head); when those pairs are too few
+// for the threads, the fused pass over key ranges with per-range dQ partials, or (deterministic
+// mode) two passes (dK/dV over key blocks, then dQ over query blocks); cpu_backward_mode says
+// which and why (the kernel choice's reason).
 void cpu_naive_backward(const BwdProblem& p);
 void cpu_flash_backward(const BwdProblem& p);
 std::string cpu_backward_mode(const BwdProblem& p);
@@ -72,8 +73,9 @@ struct CudaSelection {
 CudaSelection cuda_flash_select(const FwdProblem& p, int arch);
 void cuda_flash_forward(const FwdProblem& p);
 // decode() with more than 16 query rows (a prefill chunk against the KV cache: p's cache fields,
-// serving_api.cpp's cache_prefill_problem): the mma.sync forward in its KV-cache mode. The row for
-// this problem or why none fits; the run (the caller appended first, if asked to).
+// serving_api.cpp's cache_prefill_problem): on sm_90 the Hopper kernel's KV-cache rows where they
+// take it (opt-in, IOATTN_SM90_CACHE=1), else the mma.sync forward in its KV-cache mode. The row
+// for this problem or why none fits; the run (the caller appended first, if asked to).
 CudaSelection cuda_cache_prefill_select(const FwdProblem& p, int arch);
 void cuda_cache_prefill(const FwdProblem& p);
 void cuda_naive_forward(const FwdProblem& p);  // materialised S and P in HBM
