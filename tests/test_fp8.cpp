@@ -9,6 +9,7 @@
 // output dtype (RefPrecision::emulated on an f8e4m3 problem, src/cpu/reference.cpp).
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -23,6 +24,7 @@
 #include "cpu/reference.hpp"
 #include "cpu/serving_quant.h"
 #include "ioattn/ioattn.hpp"
+#include "check.hpp"
 
 namespace ioattn::test {
 namespace {
@@ -37,7 +39,21 @@ struct Fp8Case {
   int64_t wl = -1, wr = -1;
   float softcap = 0.0f;
   bool alibi = false, sinks = false;
+  // varlen (forward_varlen) when non-empty: the sequences' lengths (b, sq and sk are then derived:
+  // the count and the longest); 3 NaN tokens follow the last sequence in q, k and v
+  std::vector<int32_t> lens_q, lens_k;
 };
+
+// A varlen case on top of `base` (its heads, head dim, mask and features).
+Fp8Case with_lens(Fp8Case base, const std::string& name, std::vector<int32_t> lens_q, std::vector<int32_t> lens_k) {
+  base.name = name;
+  base.b = static_cast<int64_t>(lens_q.size());
+  base.sq = *std::max_element(lens_q.begin(), lens_q.end());
+  base.sk = *std::max_element(lens_k.begin(), lens_k.end());
+  base.lens_q = std::move(lens_q);
+  base.lens_k = std::move(lens_k);
+  return base;
+}
 
 // A case with a sliding window / softcap / ALiBi / sinks on top of `base`.
 Fp8Case with_features(Fp8Case base, const std::string& name, int64_t wl, int64_t wr, float softcap, bool alibi,
@@ -52,29 +68,60 @@ struct Fp8Problem {
   std::vector<uint8_t> q, k, v;
   std::vector<uint16_t> o;
   std::vector<float> lse, qd, kd, vd, slopes, sink;
+  std::vector<int32_t> cu_q, cu_k;  // varlen
   TensorView qv, kv, vv, ov, lv;
   AttnParams prm;
+  Varlen vl;  // varlen: host views of cu_q / cu_k
+
+  bool varlen() const { return !c.lens_q.empty(); }
+  // Rows of q / o and of k / v: batch x seqlen, or varlen's packed tokens (q, k, v: + 3 NaN tokens).
+  int64_t rows_q() const { return varlen() ? cu_q.back() : c.b * c.sq; }
+  int64_t rows_k() const { return varlen() ? cu_k.back() : c.b * c.sk; }
 
   explicit Fp8Problem(const Fp8Case& cc, uint64_t seed = 7) : c(cc) {
     std::mt19937_64 rng(seed);
     std::uniform_real_distribution<float> u(-3.0f, 3.0f), ud(0.25f, 1.5f);
-    q.resize(c.b * c.sq * c.hq * c.d);
-    k.resize(c.b * c.sk * c.hkv * c.d);
+    if (varlen()) {
+      cu_q.assign(1, 0), cu_k.assign(1, 0);
+      for (size_t i = 0; i < c.lens_q.size(); ++i) {
+        cu_q.push_back(cu_q.back() + c.lens_q[i]);
+        cu_k.push_back(cu_k.back() + c.lens_k[i]);
+      }
+    }
+    const int64_t pad = varlen() ? 3 : 0;  // the NaN tail tokens
+    q.resize((rows_q() + pad) * c.hq * c.d);
+    k.resize((rows_k() + pad) * c.hkv * c.d);
     v.resize(k.size());
     for (auto& x : q) x = detail::float_to_e4m3(u(rng));
     for (auto& x : k) x = detail::float_to_e4m3(u(rng));
     for (auto& x : v) x = detail::float_to_e4m3(u(rng));
-    o.assign(c.b * c.sq * c.hq * c.d, 0x7fc0);  // NaN poison (bf16 and f16 both read it as NaN)
-    lse.assign(c.b * c.hq * c.sq, std::numeric_limits<float>::quiet_NaN());
+    constexpr uint8_t kNaN = 0x7f;  // e4m3 NaN
+    std::fill(q.begin() + rows_q() * c.hq * c.d, q.end(), kNaN);
+    std::fill(k.begin() + rows_k() * c.hkv * c.d, k.end(), kNaN);
+    std::fill(v.begin() + rows_k() * c.hkv * c.d, v.end(), kNaN);
+    o.assign(rows_q() * c.hq * c.d, 0x7fc0);  // NaN poison (bf16 and f16 both read it as NaN)
+    lse.assign(rows_q() * c.hq, std::numeric_limits<float>::quiet_NaN());
     for (auto* ds : {&qd, &kd, &vd}) {
       ds->resize(c.b * c.hkv);
       for (auto& x : *ds) x = ud(rng);
     }
-    qv = TensorView::contiguous(q.data(), DType::f8e4m3, {c.b, c.sq, c.hq, c.d});
-    kv = TensorView::contiguous(k.data(), DType::f8e4m3, {c.b, c.sk, c.hkv, c.d});
-    vv = TensorView::contiguous(v.data(), DType::f8e4m3, {c.b, c.sk, c.hkv, c.d});
-    ov = TensorView::contiguous(o.data(), c.out, {c.b, c.sq, c.hq, c.d});
-    lv = TensorView::contiguous(lse.data(), DType::f32, {c.b, c.hq, c.sq});
+    if (varlen()) {
+      qv = TensorView::contiguous(q.data(), DType::f8e4m3, {rows_q(), c.hq, c.d});
+      kv = TensorView::contiguous(k.data(), DType::f8e4m3, {rows_k(), c.hkv, c.d});
+      vv = TensorView::contiguous(v.data(), DType::f8e4m3, {rows_k(), c.hkv, c.d});
+      ov = TensorView::contiguous(o.data(), c.out, {rows_q(), c.hq, c.d});
+      lv = TensorView::contiguous(lse.data(), DType::f32, {c.hq, rows_q()});
+      vl.cu_seqlens_q = TensorView::contiguous(cu_q.data(), DType::i32, {c.b + 1});
+      vl.cu_seqlens_k = TensorView::contiguous(cu_k.data(), DType::i32, {c.b + 1});
+      vl.max_seqlen_q = c.sq;
+      vl.max_seqlen_k = c.sk;
+    } else {
+      qv = TensorView::contiguous(q.data(), DType::f8e4m3, {c.b, c.sq, c.hq, c.d});
+      kv = TensorView::contiguous(k.data(), DType::f8e4m3, {c.b, c.sk, c.hkv, c.d});
+      vv = TensorView::contiguous(v.data(), DType::f8e4m3, {c.b, c.sk, c.hkv, c.d});
+      ov = TensorView::contiguous(o.data(), c.out, {c.b, c.sq, c.hq, c.d});
+      lv = TensorView::contiguous(lse.data(), DType::f32, {c.b, c.hq, c.sq});
+    }
     prm.causal = c.causal;
     if (c.descale) {
       prm.q_descale = TensorView::contiguous(qd.data(), DType::f32, {c.b, c.hkv});
@@ -93,6 +140,10 @@ struct Fp8Problem {
   }
   float out_at(size_t i) const {
     return c.out == DType::bf16 ? detail::bf16_to_float(o[i]) : detail::f16_to_float(o[i]);
+  }
+  // forward() or forward_varlen() on the host views.
+  KernelChoice run(const Context& ctx) {
+    return varlen() ? forward_varlen(qv, kv, vv, ov, lv, vl, prm, ctx) : forward(qv, kv, vv, ov, lv, prm, ctx);
   }
 };
 
@@ -199,9 +250,10 @@ struct Fp8Errors {
   double err_o = 0, naive_o = 0, err_l = 0, naive_l = 0;
 };
 Fp8Errors fp8_errors(const Fp8Problem& p) {
-  auto val = detail::validate(p.qv, p.kv, p.vv, p.ov, p.lv, nullptr, p.prm, Context{});
-  const detail::RefResult ref = detail::reference_forward(val.p, detail::RefPrecision::f64);
-  const detail::RefResult emu = detail::reference_forward(val.p, detail::RefPrecision::emulated);
+  auto val = detail::validate(p.qv, p.kv, p.vv, p.ov, p.lv, p.varlen() ? &p.vl : nullptr, p.prm, Context{});
+  const int64_t rows = p.varlen() ? p.rows_q() : -1;
+  const detail::RefResult ref = detail::reference_forward(val.p, detail::RefPrecision::f64, rows);
+  const detail::RefResult emu = detail::reference_forward(val.p, detail::RefPrecision::emulated, rows);
   Fp8Errors e;
   detail::for_each_output_row(val.p, ref, [&](int64_t oo, int64_t ro, int64_t lo, int64_t rl) {
     for (int64_t x = 0; x < p.c.d; ++x) {
@@ -228,7 +280,7 @@ TEST_P(Fp8Forward, MatchesReference) {
   Fp8Problem p(c);
   Context ctx;
   ctx.backend = be;
-  forward(p.qv, p.kv, p.vv, p.ov, p.lv, p.prm, ctx);
+  p.run(ctx);
   const auto [err_o, naive_o, err_l, naive_l] = fp8_errors(p);
   const double atol = 1e-3;
   EXPECT_LE(err_o, 2 * naive_o + atol) << "naive fp8 error " << naive_o;
@@ -266,12 +318,23 @@ void run_cuda_fp8_case(const Fp8Case& c, int arch, const std::string& kernel_par
   }
   if (c.alibi) prm.alibi_slopes = slopes.view({c.hq});
   if (c.sinks) prm.sinks = sinks.view({c.hq});
-  const TensorView qv = q.view({c.b, c.sq, c.hq, c.d}), kv = k.view({c.b, c.sk, c.hkv, c.d}),
-                   vv = v.view({c.b, c.sk, c.hkv, c.d}), ov = o.view({c.b, c.sq, c.hq, c.d}),
-                   lv = l.view({c.b, c.hq, c.sq});
+  const int64_t tq = h.rows_q(), tk = h.rows_k();
+  detail::Buffer cuq = dev(h.cu_q.data(), DType::i32, static_cast<int64_t>(h.cu_q.size()));
+  detail::Buffer cuk = dev(h.cu_k.data(), DType::i32, static_cast<int64_t>(h.cu_k.size()));
+  Varlen vl = h.vl;
+  const bool varlen = h.varlen();
+  if (varlen) vl.cu_seqlens_q = cuq.view({c.b + 1}), vl.cu_seqlens_k = cuk.view({c.b + 1});
+  const TensorView qv = varlen ? q.view({tq, c.hq, c.d}) : q.view({c.b, c.sq, c.hq, c.d}),
+                   kv = varlen ? k.view({tk, c.hkv, c.d}) : k.view({c.b, c.sk, c.hkv, c.d}),
+                   vv = varlen ? v.view({tk, c.hkv, c.d}) : v.view({c.b, c.sk, c.hkv, c.d}),
+                   ov = varlen ? o.view({tq, c.hq, c.d}) : o.view({c.b, c.sq, c.hq, c.d}),
+                   lv = varlen ? l.view({c.hq, tq}) : l.view({c.b, c.hq, c.sq});
+  auto run = [&] {
+    return varlen ? forward_varlen(qv, kv, vv, ov, lv, vl, prm) : forward(qv, kv, vv, ov, lv, prm);
+  };
   if (arch != 90 || (c.d != 64 && c.d != 128 && c.d != 256)) {
     try {
-      forward(qv, kv, vv, ov, lv, prm);
+      run();
       ADD_FAILURE() << c.name << ": fp8 ran on sm" << arch << " hdim" << c.d;
     } catch (const Error& e) {
       const std::string msg = e.what();
@@ -279,7 +342,7 @@ void run_cuda_fp8_case(const Fp8Case& c, int arch, const std::string& kernel_par
     }
     return;
   }
-  const KernelChoice kc = forward(qv, kv, vv, ov, lv, prm);
+  const KernelChoice kc = run();
   EXPECT_NE(kc.kernel.find("f8e4m3"), std::string::npos) << kc.kernel;
   EXPECT_NE(kc.kernel.find(kernel_part), std::string::npos) << c.name << ": " << kc.kernel;
   o.download();
@@ -312,6 +375,16 @@ TEST(Fp8Cuda, WindowsSoftcapAlibiSinksOnDevice) {
   for (const Fp8Case& c : fp8_feature_cases()) run_cuda_fp8_case(c, arch, "local(");
 }
 
+// Varlen (fp8_varlen_cases): on sm90 the kLocal rows with ragged Q / K maps and the packed V^T
+// workspace (session 28), every head dim; the 3 NaN tokens after the last sequence must not reach it.
+std::vector<Fp8Case> fp8_varlen_cases();
+TEST(Fp8Cuda, VarlenOnDevice) {
+  if (detail::cuda_device_count() == 0) GTEST_SKIP() << "skipped: no CUDA device";
+  const int arch = detail::cuda_device_arch(0);
+  ScopedEnv on("IOATTN_SM90_FP8_VARLEN", "1");  // opt-in until its first GPU run
+  for (const Fp8Case& c : fp8_varlen_cases()) run_cuda_fp8_case(c, arch, "varlen");
+}
+
 std::vector<Fp8Case> fp8_cases() {
   std::vector<Fp8Case> v;
   v.push_back({"one", 1, 1, 1, 1, 1, 64});
@@ -322,6 +395,7 @@ std::vector<Fp8Case> fp8_cases() {
   v.push_back({"q203_k113_causal_f16", 1, 203, 113, 2, 2, 128, true, DType::f16});
   v.push_back({"no_descale", 1, 65, 130, 2, 2, 64, false, DType::bf16, false});
   for (const Fp8Case& c : fp8_feature_cases()) v.push_back(c);
+  for (const Fp8Case& c : fp8_varlen_cases()) v.push_back(c);
   return v;
 }
 
@@ -342,6 +416,23 @@ std::vector<Fp8Case> fp8_feature_cases() {
   v.push_back(with_features({"", 1, 260, 330, 4, 1, 128, true}, "all_d128", 100, 0, 20.0f, true, true));
   v.push_back(with_features({"", 1, 190, 190, 2, 2, 64}, "all_no_descale_d64", 50, 50, 8.0f, true, true));
   v.back().descale = false;
+  return v;
+}
+
+// Packed sequences: empty ones (no query rows; no keys: O = 0, LSE = -inf), seqlen_q != seqlen_k,
+// lengths around the tiles (1, 17, 113, 129, 193, 300), causal and not, GQA, every head dim, with a
+// window and with softcap / ALiBi / sinks on top.
+std::vector<Fp8Case> fp8_varlen_cases() {
+  std::vector<Fp8Case> v;
+  v.push_back(with_lens({"", 1, 1, 1, 4, 2, 128}, "varlen_d128", {17, 0, 300, 1, 129}, {17, 5, 300, 0, 200}));
+  v.push_back(with_lens({"", 1, 1, 1, 4, 1, 128, true}, "varlen_causal_d128", {113, 193, 0, 64}, {250, 193, 9, 30}));
+  v.push_back(with_lens({"", 1, 1, 1, 2, 2, 64, true, DType::f16}, "varlen_causal_d64_f16", {1, 200, 37},
+                        {1, 300, 37}));
+  v.push_back(with_lens({"", 1, 1, 1, 2, 1, 256}, "varlen_d256", {77, 0, 130}, {190, 64, 129}));
+  v.push_back(with_lens(with_features({"", 1, 1, 1, 4, 2, 128, true}, "", 60, 0, 0.0f, false, false),
+                        "varlen_window_causal_d128", {300, 17, 250}, {300, 40, 251}));
+  v.push_back(with_lens(with_features({"", 1, 1, 1, 2, 2, 64}, "", -1, -1, 10.0f, true, true), "varlen_all_d64",
+                        {130, 5, 200}, {100, 260, 200}));
   return v;
 }
 

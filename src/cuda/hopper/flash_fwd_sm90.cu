@@ -145,11 +145,18 @@ CUtensorMap make_ragged_map(const void* ptr, DType dtype, int64_t elem_bytes, in
   const cuuint32_t box[5] = {static_cast<cuuint32_t>(box_cols), static_cast<cuuint32_t>(box_rows), 1, 1, 1};
   const cuuint32_t elem_strides[5] = {1, 1, 1, 1, 1};
   const CUtensorMapDataType type = elem_bytes == 4     ? CU_TENSOR_MAP_DATA_TYPE_FLOAT32
+                                   : elem_bytes == 1     ? CU_TENSOR_MAP_DATA_TYPE_UINT8
                                    : dtype == DType::bf16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16
                                                           : CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
+  // Box rows of 128 bytes (every 16- / 32-bit map) or 64 (the fp8 Q / K rows at hdim 64).
+  const int64_t row_bytes = box_cols * elem_bytes;
+  if (row_bytes != 64 && row_bytes != 128)
+    throw Error(name, std::string("ioattn: make_ragged_map: box rows of 64 or 128 bytes, got ") +
+                          std::to_string(row_bytes));
+  const CUtensorMapSwizzle swizzle = row_bytes == 64 ? CU_TENSOR_MAP_SWIZZLE_64B : CU_TENSOR_MAP_SWIZZLE_128B;
   CUtensorMap map{};
   const CUresult r = tensor_map_encoder()(&map, type, 5, const_cast<void*>(ptr), dims, strides, box, elem_strides,
-                                          CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                                          CU_TENSOR_MAP_INTERLEAVE_NONE, swizzle,
                                           CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   if (r != CUDA_SUCCESS)
     throw Error("cuda", std::string("ioattn: cuTensorMapEncodeTiled failed for the varlen map of ") + name +
@@ -283,6 +290,12 @@ struct MapExtent {
 MapExtent map_extent(const FwdProblem& p) {
   if (!p.varlen()) return {p.batch, p.seqlen_q, p.seqlen_k};
   return {1, p.cu_seqlens_q_host[p.batch], p.cu_seqlens_k_host[p.batch]};
+}
+
+// fp8 varlen: columns of the packed V^T workspace [heads_kv, d, width] (fp8_vt_col: the packed keys
+// plus each sequence's gap), whole 128-key column blocks.
+int64_t fp8_vt_width(const FwdProblem& p) {
+  return (fp8_vt_col(p.cu_seqlens_k_host[p.batch], p.batch) + 127) / 128 * 128;
 }
 
 // "window=l,r sinks softcap alibi varlen": what puts a problem on the kLocal rows (for the kernel
@@ -519,8 +532,8 @@ int64_t grid_ctas(int device, int64_t tiles, bool persistent) {
   return n;
 }
 
-// The fp8 rows: hdim 64, 128 or 256, the plain causal mask or none, GQA; windows, softcap, ALiBi and
-// sinks on the kLocal rows (not varlen); a V^T workspace in stream order.
+// The fp8 rows: hdim 64, 128 or 256, the plain causal mask or none, GQA; windows, softcap, ALiBi,
+// sinks and varlen on the kLocal rows; a V^T workspace in stream order.
 bool select_fp8(const FwdProblem& p, std::string* kernel, std::string* why) {
   if (p.head_dim != p.head_dim_v)
     return fail(why, "fp8: head_dim_v " + std::to_string(p.head_dim_v) + " != head_dim " + std::to_string(p.head_dim));
@@ -528,24 +541,35 @@ bool select_fp8(const FwdProblem& p, std::string* kernel, std::string* why) {
     return fail(why, "fp8: head_dim " + std::to_string(p.head_dim) + " (fp8 wgmma kernel: 64, 128 or 256)");
   if (p.fp8_out != DType::bf16 && p.fp8_out != DType::f16)
     return fail(why, std::string("fp8: output dtype ") + dtype_str(p.fp8_out) + " (bf16, f16)");
-  if (p.varlen()) return fail(why, "fp8: varlen (cu_seqlens) is not supported by the fp8 wgmma kernel");
+  // Opt-in until its first GPU run (session 28 wrote it while no device was lent).
+  if (p.varlen() && env_bool("IOATTN_SM90_FP8_VARLEN") != 1)
+    return fail(why, "fp8: varlen on the wgmma kernel is opt-in until verified on a GPU (IOATTN_SM90_FP8_VARLEN=1)");
   const bool local = needs_local(p);
   if (local && env_bool("IOATTN_SM90_LOCAL") == 0)
     return fail(why, "fp8: " + local_features(p) + " on the wgmma kernel (kLocal rows): switched off by IOATTN_SM90_LOCAL=0");
   if (local && (p.seqlen_q >= (int64_t(1) << 29) || p.seqlen_k >= (int64_t(1) << 29)))
-    return fail(why, "fp8: windows / sinks / softcap / ALiBi on the wgmma kernel: seqlen >= 2^29 (its int window bounds)");
+    return fail(why, "fp8: windows / sinks / softcap / ALiBi / varlen on the wgmma kernel: seqlen >= 2^29 (its int "
+                     "window bounds)");
   if (!(p.scale > 0.0f)) return fail(why, "fp8: scale <= 0 (the kernel's running max assumes scale > 0)");
   if (p.heads_kv <= 0 || p.heads_q % p.heads_kv != 0) return fail(why, "heads_q is not a multiple of heads_kv");
   constexpr int64_t kMaxInt = 2147483647;
   if (p.seqlen_q > kMaxInt - 256 || p.seqlen_k > (int64_t(65535) * 64 - 256)) return fail(why, "fp8: seqlen_q >= 2^31 or seqlen_k > 4M");
-  if (p.seqlen_k == 0) return fail(why, "fp8: seqlen_k = 0 (a tensor map needs every dim >= 1)");
+  if (!p.varlen() && p.seqlen_k == 0) return fail(why, "fp8: seqlen_k = 0 (a tensor map needs every dim >= 1)");
   const int64_t m_blocks = (p.seqlen_q + 127) / 128;
   if (m_blocks * p.heads_q * p.batch > kMaxInt) return fail(why, "more than 2^31-1 query tiles");
   if (p.batch * p.heads_kv * 2 > kMaxInt) return fail(why, "fp8: batch * heads_kv too large for the transpose grid");
-  if (!tma_compatible(p.q, p.q_stride, p.batch, p.seqlen_q, p.heads_q, "q", why, 1)) return false;
-  if (!tma_compatible(p.k, p.k_stride, p.batch, p.seqlen_k, p.heads_kv, "k", why, 1)) return false;
+  if (p.varlen() && (p.cu_seqlens_q_host == nullptr || p.cu_seqlens_k_host == nullptr))
+    return fail(why, "fp8 varlen without host copies of cu_seqlens (the tensor maps need the token totals)");
+  const MapExtent ext = map_extent(p);
+  // varlen: the V^T workspace's width (fp8_vt_width) and the ragged maps' limits
+  if (p.varlen() && (ext.seqlen_q > kMaxInt - 256 || fp8_vt_width(p) > kMaxInt - 256))
+    return fail(why, "fp8 varlen: more than 2^31 - 256 packed tokens (with the V^T workspace's gaps)");
+  if (p.varlen() && std::max({p.q_stride.seq, p.k_stride.seq}) >= kRaggedMaxRowStrideBytes)
+    return fail(why, "fp8 varlen: a token stride of 2^34 bytes or more (the ragged TMA maps' limit)");
+  if (!tma_compatible(p.q, p.q_stride, ext.batch, ext.seqlen_q, p.heads_q, "q", why, 1)) return false;
+  if (!tma_compatible(p.k, p.k_stride, ext.batch, ext.seqlen_k, p.heads_kv, "k", why, 1)) return false;
   // v is read by the transpose pre-pass with 4-byte loads: the same 16-byte rules keep it simple.
-  if (!tma_compatible(p.v, p.v_stride, p.batch, p.seqlen_k, p.heads_kv, "v", why, 1)) return false;
+  if (!tma_compatible(p.v, p.v_stride, ext.batch, ext.seqlen_k, p.heads_kv, "v", why, 1)) return false;
   if (reinterpret_cast<uintptr_t>(p.o) % 4 != 0 || p.o_stride.seq % 2 != 0 || p.o_stride.head % 2 != 0 ||
       p.o_stride.batch % 2 != 0)
     return fail(why, "o is not 4-byte aligned with even strides (the kernel stores element pairs)");
@@ -659,7 +683,7 @@ void fill_common(FwdParams& f, const FwdProblem& p, int64_t seqlen_k, int64_t m_
   f.scale_log2 = p.scale * kLog2e;
 }
 
-// The kLocal rows' run-time features (LocalParams; cu_seqlens are the caller's): windows wider
+// The kLocal rows' run-time features (LocalParams, varlen's cu_seqlens too): windows wider
 // than `wide` (both sequences' lengths) are unbounded, the rest as the mma.sync kernel takes them.
 void fill_local(LocalParams& lp, const FwdProblem& p, int64_t wide) {
   lp.window_left = p.window_left < 0 || p.window_left > wide ? -1 : static_cast<int>(p.window_left);
@@ -669,6 +693,8 @@ void fill_local(LocalParams& lp, const FwdProblem& p, int64_t wide) {
   lp.softcap_inv = p.softcap > 0.0f ? 1.0f / p.softcap : 0.0f;
   lp.inv_scale = 1.0f / p.scale;  // scale > 0 (checked by the selectors)
   lp.alibi_slopes = p.alibi_slopes;
+  lp.cu_seqlens_q = p.cu_seqlens_q;  // varlen (null otherwise: the KV-cache rows never are)
+  lp.cu_seqlens_k = p.cu_seqlens_k;
 }
 
 // K + V bytes a scheduling section may keep in L2 (H200: 60 MB L2 in two halves; leave room for
@@ -726,7 +752,8 @@ struct AsyncBuffer {
   AsyncBuffer& operator=(const AsyncBuffer&) = delete;
 };
 
-// The V transpose pre-pass into `vt` ([batch, heads_kv, d, skp] e4m3, P-fragment key order).
+// The V transpose pre-pass into `vt` ([batch, heads_kv, d, skp] e4m3, P-fragment key order; varlen:
+// [heads_kv, d, skp = fp8_vt_width] with each sequence at fp8_vt_col).
 void fp8_transpose(const FwdProblem& p, void* vt, int64_t skp, cudaStream_t stream) {
   Fp8TransposeArgs a;
   a.v = static_cast<const uint8_t*>(p.v);
@@ -738,6 +765,10 @@ void fp8_transpose(const FwdProblem& p, void* vt, int64_t skp, cudaStream_t stre
   a.skp = static_cast<int>(skp);
   a.head_dim = static_cast<int>(p.head_dim);
   a.heads_kv = static_cast<int>(p.heads_kv);
+  if (p.varlen()) {  // packed tokens; skp is the workspace's width (fp8_vt_width)
+    a.v_batch = 0;
+    a.cu_seqlens_k = p.cu_seqlens_k;
+  }
   fp8_transpose_v_launch(a, p.batch, stream);
 }
 
@@ -760,15 +791,27 @@ void fp8_forward(const FwdProblem& p, const Policy& pol) {
   cuda::DeviceGuard guard(p.device_index);
   const cudaStream_t stream = static_cast<cudaStream_t>(p.stream);
   const int64_t d = p.head_dim, skp = fp8_padded_keys(p);
-  AsyncBuffer vt(static_cast<size_t>(p.batch * p.heads_kv * d * skp), stream);
-  fp8_transpose(p, vt.ptr, skp, stream);
+  // V^T: [batch, heads_kv, d, skp], or varlen's packed [heads_kv, d, width] with zeroed gaps.
+  const int64_t vt_cols = p.varlen() ? fp8_vt_width(p) : skp, vt_batch = p.varlen() ? 1 : p.batch;
+  const size_t vt_bytes = static_cast<size_t>(vt_batch * p.heads_kv * d * vt_cols);
+  AsyncBuffer vt(vt_bytes, stream);
+  if (p.varlen()) IOATTN_CUDA_CHECK(cudaMemsetAsync(vt.ptr, 0, vt_bytes, stream));
+  fp8_transpose(p, vt.ptr, vt_cols, stream);
 
   Fp8Launch l;
-  l.q = make_map_u8(p.q, {d, p.seqlen_q, p.heads_q, p.batch}, {p.q_stride.seq, p.q_stride.head, p.q_stride.batch},
-                    row.qk_row, row.block_m, "q");
-  l.k = make_map_u8(p.k, {d, p.seqlen_k, p.heads_kv, p.batch}, {p.k_stride.seq, p.k_stride.head, p.k_stride.batch},
-                    row.qk_row, row.block_n, "k");
-  l.vt = make_map_u8(vt.ptr, {skp, d, p.heads_kv, p.batch}, {skp, d * skp, p.heads_kv * d * skp}, 128,
+  if (p.varlen()) {  // ragged: a tile's rows past its sequence read as zeros, not the next sequence's
+    const MapExtent ext = map_extent(p);
+    l.q = make_ragged_map(p.q, p.dtype, 1, d, std::max<int64_t>(ext.seqlen_q, 1), p.heads_q, p.q_stride.seq,
+                          p.q_stride.head, row.qk_row, row.block_m, "q");
+    l.k = make_ragged_map(p.k, p.dtype, 1, d, std::max<int64_t>(ext.seqlen_k, 1), p.heads_kv, p.k_stride.seq,
+                          p.k_stride.head, row.qk_row, row.block_n, "k");
+  } else {
+    l.q = make_map_u8(p.q, {d, p.seqlen_q, p.heads_q, p.batch}, {p.q_stride.seq, p.q_stride.head, p.q_stride.batch},
+                      row.qk_row, row.block_m, "q");
+    l.k = make_map_u8(p.k, {d, p.seqlen_k, p.heads_kv, p.batch}, {p.k_stride.seq, p.k_stride.head, p.k_stride.batch},
+                      row.qk_row, row.block_n, "k");
+  }
+  l.vt = make_map_u8(vt.ptr, {vt_cols, d, p.heads_kv, vt_batch}, {vt_cols, d * vt_cols, p.heads_kv * d * vt_cols}, 128,
                      static_cast<int>(d), "v^T");
   Fp8Params& pp = l.params;
   FwdParams& f = pp.f;
@@ -781,7 +824,7 @@ void fp8_forward(const FwdProblem& p, const Policy& pol) {
   f.zigzag = pol.grid == Grid::kStatic && (p.causal || local) ? 1 : 0;
   f.stagger = !p.causal && !local && !env_flag("IOATTN_SM90_NO_STAGGER") ? 1 : 0;
   f.rescale_skip = pol.rescale_skip ? 1 : 0;
-  if (local) fill_local(l.local, p, p.seqlen_q + p.seqlen_k);
+  if (local) fill_local(l.local, p, p.seqlen_q + p.seqlen_k);  // (the longest sequences' lengths bound the windows)
   pp.q_descale = p.q_descale.ptr;
   pp.k_descale = p.k_descale.ptr;
   pp.v_descale = p.v_descale.ptr;
@@ -975,11 +1018,7 @@ void sm90_flash_forward(const FwdProblem& p) {
   const bool local = needs_local(p);
   f.zigzag = pol.grid == Grid::kStatic && (p.causal || local) ? 1 : 0;
   f.stagger = !p.causal && !local && !env_flag("IOATTN_SM90_NO_STAGGER") ? 1 : 0;
-  if (local) {  // (the longest sequences' lengths bound the windows)
-    fill_local(l.local, p, p.seqlen_q + p.seqlen_k);
-    l.local.cu_seqlens_q = p.cu_seqlens_q;
-    l.local.cu_seqlens_k = p.cu_seqlens_k;
-  }
+  if (local) fill_local(l.local, p, p.seqlen_q + p.seqlen_k);  // (the longest sequences' lengths bound the windows)
   f.rescale_skip = pol.rescale_skip ? 1 : 0;
   f.rescale_early = pol.rescale_early ? 1 : 0;
   if (pol.align_end)  // (policy_for: plain causal, v4 body) padding rows before row 0 instead of after the last

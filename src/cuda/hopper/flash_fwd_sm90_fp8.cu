@@ -16,19 +16,29 @@ __global__ void __launch_bounds__(128) fp8_transpose_v(const Fp8TransposeArgs a)
   // Warp order: key groups fastest, then 128-dim chunks, then (batch, kv head). (Kv heads fastest,
   // so that neighbouring warps read neighbouring 128-byte pieces of a token row, measured slower:
   // 40.1-41.6 vs 37.3-38.0 us for 32 MB, session 15.)
-  const int dchunks = (a.head_dim + 127) / 128, groups = a.skp / 32;
+  const bool varlen = a.cu_seqlens_k != nullptr;
+  const int dchunks = (a.head_dim + 127) / 128, groups = (varlen ? a.seqlen_k + 31 : a.skp) / 32;
   const int64_t bh = warp / (static_cast<int64_t>(groups) * dchunks);
   if (bh >= a.batch_heads) return;
   const int rest = static_cast<int>(warp % (static_cast<int64_t>(groups) * dchunks));
   const int g = rest / dchunks, x0 = (rest % dchunks) * 128 + 4 * lane;
   if (x0 >= a.head_dim) return;
   const int64_t b = bh / a.heads_kv, h = bh % a.heads_kv;
-  const uint8_t* src = a.v + b * a.v_batch + h * a.v_head + x0;
+  // Varlen: sequence b's keys from packed token cu[b]; its groups at fp8_vt_col in rows of skp bytes.
+  int64_t k0 = 0, dst_off = (bh * a.head_dim + x0) * a.skp + 32 * g;
+  int sk = a.seqlen_k;
+  if (varlen) {
+    k0 = a.cu_seqlens_k[b];
+    sk = a.cu_seqlens_k[b + 1] - static_cast<int>(k0);
+    if (32 * g >= sk) return;  // past this sequence's last group (the caller zeroed the rest)
+    dst_off = (h * a.head_dim + x0) * a.skp + fp8_vt_col(k0, b) + 32 * g;
+  }
+  const uint8_t* src = a.v + b * a.v_batch + k0 * a.v_seq + h * a.v_head + x0;
   uint32_t w[32];
 #pragma unroll
   for (int k = 0; k < 32; ++k) {
     const int key = 32 * g + k;
-    w[k] = key < a.seqlen_k ? *reinterpret_cast<const uint32_t*>(src + key * a.v_seq) : 0u;
+    w[k] = key < sk ? *reinterpret_cast<const uint32_t*>(src + key * a.v_seq) : 0u;
   }
   uint32_t out[4][8];
 #pragma unroll
@@ -41,7 +51,7 @@ __global__ void __launch_bounds__(128) fp8_transpose_v(const Fp8TransposeArgs a)
     out[2][q] = __byte_perm(hi_ab, hi_cd, 0x5410);
     out[3][q] = __byte_perm(hi_ab, hi_cd, 0x7632);
   }
-  uint8_t* dst = a.vt + (bh * a.head_dim + x0) * a.skp + 32 * g;
+  uint8_t* dst = a.vt + dst_off;
 #pragma unroll
   for (int j = 0; j < 4; ++j) {
     uint4* row = reinterpret_cast<uint4*>(dst + static_cast<int64_t>(j) * a.skp);
@@ -55,8 +65,10 @@ __global__ void __launch_bounds__(128) fp8_transpose_v(const Fp8TransposeArgs a)
 void fp8_transpose_v_launch(const Fp8TransposeArgs& a, int64_t batch, cudaStream_t stream) {
   Fp8TransposeArgs args = a;
   args.batch_heads = batch * a.heads_kv;
-  const int64_t warps = args.batch_heads * (a.skp / 32) * ((a.head_dim + 127) / 128);
+  const int64_t groups = (a.cu_seqlens_k != nullptr ? int64_t(a.seqlen_k) + 31 : a.skp) / 32;  // (as the kernel)
+  const int64_t warps = args.batch_heads * groups * ((a.head_dim + 127) / 128);
   const int64_t blocks = (warps + 3) / 4;  // 4 warps per block; <= 2^31 - 1 for any realistic cache
+  if (blocks == 0) return;                  // varlen with no keys at all
   fp8_transpose_v<<<static_cast<unsigned>(blocks), 128, 0, stream>>>(args);
   IOATTN_CUDA_CHECK_LAUNCH("fp8_transpose_v");
 }

@@ -25,8 +25,9 @@
 //     passed as Fp8LocalParams so the other instances' parameter block (and code) is unchanged.
 //     Softcap / ALiBi act on t = s * scale * q_descale * k_descale as on the other paths.
 // Assumes (the fp8 rows of sm90_flash_select check it): head_dim = head_dim_v = 64, 128 or 256; q/k 16-byte
-// aligned with 16-byte-multiple strides; o 4-byte aligned with even strides; no varlen; kLocal:
-// sequences below 2^29; scale > 0, descales > 0.
+// aligned with 16-byte-multiple strides; o 4-byte aligned with even strides; kLocal: sequences
+// below 2^29, varlen (session 28: ragged Q / K maps, a packed V^T workspace, fp8_vt_col); scale > 0,
+// descales > 0.
 #pragma once
 
 #include <cuda.h>
@@ -91,14 +92,25 @@ struct Fp8Params {
   const float* v_descale = nullptr;
   int64_t qd_batch = 0, qd_head = 0, kd_batch = 0, kd_head = 0, vd_batch = 0, vd_head = 0;
 };
-// The kLocal instances' argument: the above plus the window / softcap / ALiBi / sinks (LocalParams;
-// cu_seqlens stay null: no varlen here; inv_scale is unused, the kernel divides by its tile's
-// descaled scale).
+// The kLocal instances' argument: the above plus the window / softcap / ALiBi / sinks and varlen's
+// cu_seqlens (LocalParams; inv_scale is unused, the kernel divides by its tile's descaled scale).
 struct Fp8LocalParams : Fp8Params {
   LocalParams lp;
 };
 template <bool kLocal>
 using Fp8KernelParams = std::conditional_t<kLocal, Fp8LocalParams, Fp8Params>;
+
+// Varlen (the kLocal rows with cu_seqlens): Q and K through ragged maps (make_ragged_map: a tile's
+// rows past its sequence read as zeros), V^T a packed workspace [heads_kv, d, width] in which
+// sequence b (first packed key k0) starts at column fp8_vt_col(k0, b) = 32 ceil(k0 / 32) + 288 b.
+// Two starts lie at least sk_b - 31 + 288 apart, more than a key block's loads reach past its last
+// key (<= 2 x 128 - 1 columns), and the pre-pass zero-fills the gaps, so a tile never reads another
+// sequence's V (whose NaN would reach it through 0 x NaN). Starts are multiples of 32: the P
+// fragment's 32-key groups (fp8_p_key) begin at the sequence's first key.
+constexpr int kFp8VtGap = 288;
+__host__ __device__ __forceinline__ int64_t fp8_vt_col(int64_t k0, int64_t b) {
+  return (k0 + 31) / 32 * 32 + kFp8VtGap * b;
+}
 
 // Tiling of the fp8 kernel. Out: the O dtype (__nv_bfloat16 or __half). kConsumerWGs_: 2
 // (ping-pong, 240 registers each) or 3 (round robin, 160 each; 192-row tiles), 64 query rows each.
@@ -213,6 +225,11 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
                               const __grid_constant__ CUtensorMap tm_vt, const Fp8KernelParams<kLocal> pp) {
 #if IOATTN_SM90A_ENABLED
   static_assert(!kLocal || kCausal, "the kLocal rows use the causal tiling");
+  static_assert(Tr::kVColBlocks * Tr::kColBlock <= kFp8VtGap - 32, "varlen V^T: a key block's loads stay in its gap");
+  // The kLocal producer keeps the tile's span and varlen's ragged coordinates: 32 registers (the
+  // whole register file with the consumers' 240 x 2 or 160 x 3); at 24 ptxas spilled 48-140 bytes.
+  constexpr int kProducerRegs = kLocal ? 32 : Tr::kProducerRegs;
+  static_assert(kProducerRegs * 128 + Tr::kConsumerRegs * 128 * Tr::kConsumerWGs <= 65536, "register file");
   using Out = typename Tr::Out;
   constexpr int kBlockM = Tr::kBlockM, kBlockN = Tr::kBlockN, kHeadDim = Tr::kHeadDim;
   constexpr int kStages = Tr::kStages, kQKRow = Tr::kQKRow;
@@ -247,7 +264,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
   const int warpgroup = threadIdx.x / 128;
   if (warpgroup == 0) {
     // ================================ producer ================================
-    setmaxnreg_dec<Tr::kProducerRegs>();
+    setmaxnreg_dec<kProducerRegs>();
     if (threadIdx.x == 0) {
       tma_prefetch_map(&tm_q);
       tma_prefetch_map(&tm_k);
@@ -264,9 +281,16 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         const TileCoord tc = decode_tile<kCausal>(t, p);
         const int m0 = tc.m_block * kBlockM, hk = tc.h / p.group;
         int n_first = 0, n_blocks;
+        // kLocal varlen: ragged Q / K maps, V^T columns from the sequence's start (fp8_vt_col).
+        bool ragged = false;
+        TileSpan span{};
+        int vt_col = 0, vt_b = tc.b;
         if constexpr (kLocal) {
-          const int2 kb = local_key_blocks<kBlockM, kBlockN>(m0, tile_span(tc.b, p, pp.lp));
+          span = tile_span(tc.b, p, pp.lp);
+          const int2 kb = local_key_blocks<kBlockM, kBlockN>(m0, span);
           n_first = kb.x, n_blocks = kb.y;
+          ragged = pp.lp.cu_seqlens_q != nullptr;
+          if (ragged) vt_col = static_cast<int>(fp8_vt_col(span.k0, tc.b)), vt_b = 0;
         } else {
           n_blocks = num_key_blocks<kBlockM, kBlockN, kCausal>(m0, p.seqlen_q, p.seqlen_k);
         }
@@ -279,7 +303,8 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         mbarrier_arrive_expect_tx(&full_q, Tr::kQBytes);
 #pragma unroll
         for (int c = 0; c < Tr::kQColBlocks; ++c)
-          tma_load_4d(s_q + c * kBlockM * kQKRow, &tm_q, &full_q, c * kQKRow, m0, tc.h, tc.b);
+          tma_load_rows(ragged, s_q + c * kBlockM * kQKRow, &tm_q, &full_q, c * kQKRow, tc.h, tc.b, span.q0, span.sq,
+                        m0);
         // K tile i: [kBlockN keys x d] at (d, key); V^T tile i: [d x kBlockN keys] at (key, d).
         auto load_k = [&](int i) {
           const uint32_t st = ring_stage(ring + i, kStages);
@@ -289,7 +314,8 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
           uint8_t* dst = s_k + st * Tr::kKVBytes;
 #pragma unroll
           for (int c = 0; c < Tr::kQColBlocks; ++c)
-            tma_load_4d(dst + c * kBlockN * kQKRow, &tm_k, &full_k[st], c * kQKRow, n0, hk, tc.b);
+            tma_load_rows(ragged, dst + c * kBlockN * kQKRow, &tm_k, &full_k[st], c * kQKRow, hk, tc.b, span.k0, span.sk,
+                          n0);
         };
         auto load_v = [&](int i) {
           const uint32_t st = ring_stage(ring + i, kStages);
@@ -299,7 +325,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
           uint8_t* dst = s_v + st * Tr::kVBytes;
 #pragma unroll
           for (int c = 0; c < Tr::kVColBlocks; ++c)
-            tma_load_4d(dst + c * kHeadDim * 128, &tm_vt, &full_v[st], n0 + c * 128, 0, hk, tc.b);
+            tma_load_4d(dst + c * kHeadDim * 128, &tm_vt, &full_v[st], vt_col + n0 + c * 128, 0, hk, vt_b);
         };
         load_k(0);
         for (int i = 1; i < n_blocks; ++i) {
@@ -583,6 +609,10 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
       }
 
       // ---- epilogue: O * v_descale / rowsum in Out; LSE = scale' * max + log(sum) ----
+      // (varlen: the sequence's first packed row, read again here rather than kept from span
+      // through the key loop: one register fewer there, where the hdim-256 rows spill)
+      [[maybe_unused]] int q0 = 0;
+      if constexpr (kLocal) q0 = pp.lp.cu_seqlens_q != nullptr ? __ldg(pp.lp.cu_seqlens_q + tc.b) : 0;
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
         float sum = row_sum[r];
@@ -594,13 +624,15 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
           if (pp.lp.sinks != nullptr)
             fold_sink(sum, sum > 0.0f ? row_max[r] * scale_ln : -INFINITY, pp.lp.sinks[tc.h], dv, &inv, &lse);
           const int row = m0 + row_in_tile + 8 * r;
-          if (row < span.sq) {
-            Out* orow = static_cast<Out*>(p.o) + tc.b * p.o_batch + row * p.o_seq + tc.h * p.o_head + 2 * (lane % 4);
+          if (row < span.sq) {  // varlen: the sequence's rows at packed position q0 + row
+            const int64_t prow = static_cast<int64_t>(q0) + row;
+            Out* orow = static_cast<Out*>(p.o) + tc.b * p.o_batch + prow * p.o_seq + tc.h * p.o_head + 2 * (lane % 4);
 #pragma unroll
             for (int i = 0; i < kHeadDim / 8; ++i)
               *reinterpret_cast<uint32_t*>(orow + 8 * i) =
                   pack2<Out>(o[4 * i + 2 * r] * inv, o[4 * i + 2 * r + 1] * inv);
-            if (p.lse != nullptr && lane % 4 == 0) p.lse[tc.b * p.lse_batch + tc.h * p.lse_head + row * p.lse_seq] = lse;
+            if (p.lse != nullptr && lane % 4 == 0)
+              p.lse[tc.b * p.lse_batch + tc.h * p.lse_head + prow * p.lse_seq] = lse;
           }
           continue;
         }
@@ -629,12 +661,15 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
 // 32 j + fp8_p_key(c) (the P fragment's order), zero where that key >= seqlen_k. One warp per
 // 32 keys x 128 dims of one (b, kv head), a register transpose (flash_fwd_sm90_fp8.cu); needs
 // head_dim % 4 == 0, v rows and strides 4-byte aligned (the selector's TMA checks give 16), skp a
-// multiple of 32 and vt 32-byte aligned.
+// multiple of 32 and vt 32-byte aligned. Varlen (cu_seqlens_k non-null; v packed [total_k, hk, d]):
+// vt[hk][x][fp8_vt_col(cu[b], b) + key'] for sequence b's keys, rows of skp (the workspace's width)
+// bytes; seqlen_k is then the longest sequence and the caller zeroes vt first (the gaps).
 struct Fp8TransposeArgs {
   const uint8_t* v = nullptr;
   int64_t v_batch = 0, v_seq = 0, v_head = 0;  // element (= byte) strides
   uint8_t* vt = nullptr;
   int seqlen_k = 0, skp = 0, head_dim = 0, heads_kv = 0;
+  const int32_t* cu_seqlens_k = nullptr;  // varlen when non-null (on the device)
   int64_t batch_heads = 0;  // batch * heads_kv (set by fp8_transpose_v_launch)
 };
 

@@ -66,8 +66,10 @@ bool tma_compatible(const void* ptr, const detail::Strides3& s, int64_t batch, i
 constexpr int kRaggedRows = 1 << 30;
 constexpr int64_t kRaggedMaxRowStrideBytes = ::ioattn::detail::kSm90RaggedMaxRowStrideBytes;  // (sm90.hpp)
 
-// Host (flash_fwd_sm90.cu): the map, 128-byte swizzle, boxes of box_cols x box_rows (x 1 x 1 x 1);
-// elem_bytes 2 (bf16 / f16 by dtype) or 4 (f32, dtype ignored). Strides in elements.
+// Host (flash_fwd_sm90.cu): the map, boxes of box_cols x box_rows (x 1 x 1 x 1) swizzled to their
+// row width (box_cols x elem_bytes: 128 bytes, or 64 for the fp8 Q / K rows at hdim 64);
+// elem_bytes 1 (e4m3 codes as uint8), 2 (bf16 / f16 by dtype) or 4 (f32); dtype only tells bf16
+// from f16. Strides in elements.
 CUtensorMap make_ragged_map(const void* ptr, DType dtype, int64_t elem_bytes, int64_t cols, int64_t total_rows,
                             int64_t heads, int64_t row_stride, int64_t head_stride, int box_cols, int box_rows,
                             const char* name);
