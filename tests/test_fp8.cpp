@@ -42,6 +42,7 @@ struct Fp8Case {
   // varlen (forward_varlen) when non-empty: the sequences' lengths (b, sq and sk are then derived:
   // the count and the longest); 3 NaN tokens follow the last sequence in q, k and v
   std::vector<int32_t> lens_q, lens_k;
+  int nan_seq = -1;  // varlen: this sequence's K / V tokens are NaN (give it no query rows)
 };
 
 // A varlen case on top of `base` (its heads, head dim, mask and features).
@@ -99,6 +100,11 @@ struct Fp8Problem {
     std::fill(q.begin() + rows_q() * c.hq * c.d, q.end(), kNaN);
     std::fill(k.begin() + rows_k() * c.hkv * c.d, k.end(), kNaN);
     std::fill(v.begin() + rows_k() * c.hkv * c.d, v.end(), kNaN);
+    if (c.nan_seq >= 0) {  // the sequence before it must not read it (gaps in the fp8 kernel's V^T)
+      const auto lo = k.begin() + cu_k[c.nan_seq] * c.hkv * c.d, hi = k.begin() + cu_k[c.nan_seq + 1] * c.hkv * c.d;
+      std::fill(lo, hi, kNaN);
+      std::fill(v.begin() + (lo - k.begin()), v.begin() + (hi - k.begin()), kNaN);
+    }
     o.assign(rows_q() * c.hq * c.d, 0x7fc0);  // NaN poison (bf16 and f16 both read it as NaN)
     lse.assign(rows_q() * c.hq, std::numeric_limits<float>::quiet_NaN());
     for (auto* ds : {&qd, &kd, &vd}) {
@@ -421,14 +427,19 @@ std::vector<Fp8Case> fp8_feature_cases() {
 
 // Packed sequences: empty ones (no query rows; no keys: O = 0, LSE = -inf), seqlen_q != seqlen_k,
 // lengths around the tiles (1, 17, 113, 129, 193, 300), causal and not, GQA, every head dim, with a
-// window and with softcap / ALiBi / sinks on top.
+// window and with softcap / ALiBi / sinks on top; NaN K / V in a query-less sequence (nan_seq) right
+// after another's keys, which that sequence's key blocks reach past its end.
 std::vector<Fp8Case> fp8_varlen_cases() {
   std::vector<Fp8Case> v;
+  v.push_back(with_lens({"", 1, 1, 1, 2, 2, 64, true}, "varlen_nan_gap_causal_d64", {40, 0, 70}, {40, 9, 90}));
+  v.back().nan_seq = 1;
   v.push_back(with_lens({"", 1, 1, 1, 4, 2, 128}, "varlen_d128", {17, 0, 300, 1, 129}, {17, 5, 300, 0, 200}));
+  v.back().nan_seq = 1;  // 5 NaN keys right after sequence 0's 17 (its key block reaches past them)
   v.push_back(with_lens({"", 1, 1, 1, 4, 1, 128, true}, "varlen_causal_d128", {113, 193, 0, 64}, {250, 193, 9, 30}));
   v.push_back(with_lens({"", 1, 1, 1, 2, 2, 64, true, DType::f16}, "varlen_causal_d64_f16", {1, 200, 37},
                         {1, 300, 37}));
   v.push_back(with_lens({"", 1, 1, 1, 2, 1, 256}, "varlen_d256", {77, 0, 130}, {190, 64, 129}));
+  v.back().nan_seq = 1;
   v.push_back(with_lens(with_features({"", 1, 1, 1, 4, 2, 128, true}, "", 60, 0, 0.0f, false, false),
                         "varlen_window_causal_d128", {300, 17, 250}, {300, 40, 251}));
   v.push_back(with_lens(with_features({"", 1, 1, 1, 2, 2, 64}, "", -1, -1, 10.0f, true, true), "varlen_all_d64",

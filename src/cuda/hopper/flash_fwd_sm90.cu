@@ -564,6 +564,9 @@ bool select_fp8(const FwdProblem& p, std::string* kernel, std::string* why) {
   // varlen: the V^T workspace's width (fp8_vt_width) and the ragged maps' limits
   if (p.varlen() && (ext.seqlen_q > kMaxInt - 256 || fp8_vt_width(p) > kMaxInt - 256))
     return fail(why, "fp8 varlen: more than 2^31 - 256 packed tokens (with the V^T workspace's gaps)");
+  // varlen's transpose grid: (sequence, kv head) x the longest sequence's 32-key groups x 128-dim chunks
+  if (p.varlen() && p.batch * p.heads_kv * ((p.seqlen_k + 31) / 32) * ((p.head_dim + 127) / 128) / 4 > kMaxInt)
+    return fail(why, "fp8 varlen: batch x heads_kv x the longest sequence too large for the V transpose grid");
   if (p.varlen() && std::max({p.q_stride.seq, p.k_stride.seq}) >= kRaggedMaxRowStrideBytes)
     return fail(why, "fp8 varlen: a token stride of 2^34 bytes or more (the ragged TMA maps' limit)");
   if (!tma_compatible(p.q, p.q_stride, ext.batch, ext.seqlen_q, p.heads_q, "q", why, 1)) return false;

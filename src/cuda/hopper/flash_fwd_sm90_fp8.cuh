@@ -139,7 +139,8 @@ struct Fp8Traits {
   static constexpr int kProducerRegs = 24;
   static constexpr int kConsumerRegs = kConsumerWGs == 2 ? 240 : 160;
   static_assert(kConsumerWGs == 2 || kConsumerWGs == 3, "consumer warpgroups");
-  static_assert(kProducerRegs * 128 + kConsumerRegs * 128 * kConsumerWGs <= 65536, "register file");
+  static_assert(kProducerRegs * 128 + kConsumerRegs * 128 * kConsumerWGs <= kThreads * ((65536 / kThreads) & ~7),
+                "register file (the CTA's launch allocation)");
   static_assert((kHeadDim == 64 || kHeadDim % kColBlock == 0) && kBlockN % 32 == 0,
                 "fp8 tile shape (64- or 128-byte Q / K rows, 32-key k-steps)");
   static_assert(kHeadDim <= 256 && kBlockN <= 256, "wgmma N and TMA box rows <= 256");
@@ -226,10 +227,15 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
 #if IOATTN_SM90A_ENABLED
   static_assert(!kLocal || kCausal, "the kLocal rows use the causal tiling");
   static_assert(Tr::kVColBlocks * Tr::kColBlock <= kFp8VtGap - 32, "varlen V^T: a key block's loads stay in its gap");
-  // The kLocal producer keeps the tile's span and varlen's ragged coordinates: 32 registers (the
-  // whole register file with the consumers' 240 x 2 or 160 x 3); at 24 ptxas spilled 48-140 bytes.
-  constexpr int kProducerRegs = kLocal ? 32 : Tr::kProducerRegs;
-  static_assert(kProducerRegs * 128 + Tr::kConsumerRegs * 128 * Tr::kConsumerWGs <= 65536, "register file");
+  // setmaxnreg moves registers only within what the CTA got at launch: kThreads x the launch count
+  // (ptxas: 168 at 384 threads, 128 at 512). The 3-warpgroup kLocal producer (span, varlen's ragged
+  // coordinates) takes 32 (32 + 3 x 160 = 4 x 128; at 24 ptxas spilled 48 bytes); the 2-warpgroup
+  // rows stay at 24 (24 + 2 x 240 = 3 x 168; 32 there would leave the last consumer warp waiting in
+  // setmaxnreg.inc forever), their producer spilling 92-140 bytes on its one thread.
+  constexpr int kProducerRegs = kLocal && Tr::kConsumerWGs == 3 ? 32 : Tr::kProducerRegs;
+  static_assert(kProducerRegs * 128 + Tr::kConsumerRegs * 128 * Tr::kConsumerWGs <=
+                    Tr::kThreads * ((65536 / Tr::kThreads) & ~7),
+                "setmaxnreg: the warpgroups' registers exceed the CTA's launch allocation");
   using Out = typename Tr::Out;
   constexpr int kBlockM = Tr::kBlockM, kBlockN = Tr::kBlockN, kHeadDim = Tr::kHeadDim;
   constexpr int kStages = Tr::kStages, kQKRow = Tr::kQKRow;
@@ -609,8 +615,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
       }
 
       // ---- epilogue: O * v_descale / rowsum in Out; LSE = scale' * max + log(sum) ----
-      // (varlen: the sequence's first packed row, read again here rather than kept from span
-      // through the key loop: one register fewer there, where the hdim-256 rows spill)
+      // (varlen: the sequence's first packed row, read again here rather than kept from span)
       [[maybe_unused]] int q0 = 0;
       if constexpr (kLocal) q0 = pp.lp.cu_seqlens_q != nullptr ? __ldg(pp.lp.cu_seqlens_q + tc.b) : 0;
 #pragma unroll
