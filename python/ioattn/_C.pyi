@@ -20,10 +20,14 @@ def forward(q: Array, k: Array, v: Array, o: Array, lse: Array | None, *, scale:
             causal: bool = False, window_left: int = -1, window_right: int = -1,
             softcap: float = 0.0, alibi_slopes: Array | None = None, sinks: Array | None = None,
             backend: str = "auto", stream: int = 0, num_threads: int = 0,
-            u16_is_bf16: bool = False) -> tuple[str, str]:
+            u16_is_bf16: bool = False, q_descale: Array | None = None,
+            k_descale: Array | None = None, v_descale: Array | None = None,
+            u8_is_e4m3: bool = False) -> tuple[str, str]:
     """Runs ioattn::forward on q, k, v [b, s, h, d], writing o [b, sq, hq, dv] and (unless
     None) lse [b, hq, sq] float32. stream is a cudaStream_t as an integer (0 = default). With
-    u16_is_bf16, uint16 arrays are read as bfloat16 bit patterns. Returns (kernel, reason)."""
+    u16_is_bf16, uint16 arrays are read as bfloat16 bit patterns; with u8_is_e4m3, uint8 q / k /
+    v as float8_e4m3fn codes (the fp8 forward: o bfloat16 or float16, descales float32
+    [batch, heads_kv] or None). Returns (kernel, reason)."""
 
 def forward_varlen(q: Array, k: Array, v: Array, o: Array, lse: Array | None,
                    cu_seqlens_q: Array, cu_seqlens_k: Array, max_seqlen_q: int = 0,
@@ -31,10 +35,12 @@ def forward_varlen(q: Array, k: Array, v: Array, o: Array, lse: Array | None,
                    window_left: int = -1, window_right: int = -1, softcap: float = 0.0,
                    alibi_slopes: Array | None = None, sinks: Array | None = None,
                    backend: str = "auto", stream: int = 0, num_threads: int = 0,
-                   u16_is_bf16: bool = False) -> tuple[str, str]:
+                   u16_is_bf16: bool = False, q_descale: Array | None = None,
+                   k_descale: Array | None = None, v_descale: Array | None = None,
+                   u8_is_e4m3: bool = False) -> tuple[str, str]:
     """Runs ioattn::forward_varlen on packed q [total_q, hq, d], k, v [total_k, hkv, d] with
     int32 cu_seqlens [batch + 1], writing o [total_q, hq, dv] and (unless None) lse
-    [hq, total_q]. Returns (kernel, reason)."""
+    [hq, total_q]. u8_is_e4m3 and the descales as for forward. Returns (kernel, reason)."""
 
 def backward(q: Array, k: Array, v: Array, o: Array, dout: Array, lse: Array, dq: Array,
              dk: Array, dv: Array, dsinks: Array | None, *, scale: float = 0.0,

@@ -49,6 +49,7 @@ __all__ = [
     "aligned_bytes",
     "attention",
     "attention_backward",
+    "attention_fp8",
     "attention_varlen",
     "attention_varlen_backward",
     "append_kv",
@@ -284,6 +285,89 @@ def attention_varlen(q: Array, k: Array, v: Array, cu_seqlens_q: Array, cu_seqle
                       alibi_slopes=host.asarray(alibi_slopes, np.float32),
                       sinks=host.asarray(sinks, np.float32), stream=host.stream(),
                       u16_is_bf16=_is_bf16(o), **opt.kwargs())
+    return (o, lse) if return_lse else o
+
+
+class _Named:
+    """An object whose dtype is only a name (host.empty(like=...) of a dtype q does not have)."""
+
+    def __init__(self, name: str) -> None:
+        self.dtype = name
+
+
+def _e4m3_codes(name: str, x: Array) -> Array:
+    """An fp8 input as the extension takes it: ml_dtypes float8_e4m3fn as its uint8 codes; uint8
+    arrays are taken as codes already; anything else is rejected with its dtype."""
+    if isinstance(x, np.ndarray) and x.dtype.kind == "V" and x.dtype.name == "float8_e4m3fn":
+        return x.view(np.uint8)
+    if str(getattr(x, "dtype", "")) == "uint8":
+        return x
+    fail(f"{name}.dtype", "float8_e4m3fn (or uint8 codes)", str(getattr(x, "dtype", type_name(x))))
+
+
+def attention_fp8(q: Array, k: Array, v: Array, *, q_descale: Optional[Array] = None,
+                  k_descale: Optional[Array] = None, v_descale: Optional[Array] = None,
+                  out_dtype: str = "bfloat16", cu_seqlens_q: Optional[Array] = None,
+                  cu_seqlens_k: Optional[Array] = None, max_seqlen_q: int = 0,
+                  max_seqlen_k: int = 0, causal: bool = False,
+                  window: Tuple[int, int] = (-1, -1), softcap: float = 0.0,
+                  scale: Optional[float] = None, alibi_slopes: Optional[Array] = None,
+                  sinks: Optional[Array] = None, return_lse: bool = False, backend: str = "auto",
+                  num_threads: int = 0) -> Union[Array, Tuple[Array, Array]]:
+    """FP8 attention (forward only): q, k, v float8_e4m3fn (torch, or numpy through ml_dtypes;
+    uint8 arrays are read as e4m3 codes), each element worth code x its descale.
+
+    q_descale, k_descale, v_descale: float32 [batch, heads_kv] (lists accepted for numpy), None =
+    1. out_dtype: "bfloat16" (default) or "float16". Fixed length as attention() ([batch, seqlen,
+    heads, head_dim]); with cu_seqlens_q / cu_seqlens_k packed sequences as attention_varlen()
+    ([total, heads, head_dim], LSE [heads_q, total_q]). Masks and modifiers as attention().
+    On CUDA the Hopper fp8 kernel (head_dim 64, 128 or 256; varlen opt-in by
+    IOATTN_SM90_FP8_VARLEN=1 until verified on a GPU); the CPU backends take every shape.
+    Returns O in out_dtype, and with return_lse=True also the float32 LSE.
+    """
+    if _is_torch(q):
+        from . import torch as _ioattn_torch
+
+        return _ioattn_torch.attention_fp8(
+            q, k, v, q_descale=q_descale, k_descale=k_descale, v_descale=v_descale,
+            out_dtype=out_dtype, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+            max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, causal=causal, window=window,
+            softcap=softcap, scale=scale, alibi_slopes=alibi_slopes, sinks=sinks,
+            return_lse=return_lse, backend=backend, num_threads=num_threads)
+    opt = Options(causal, window, softcap, scale, backend, num_threads)
+    return_lse = check_bool("return_lse", return_lse)
+    if out_dtype not in ("bfloat16", "float16"):
+        fail("out_dtype", "'bfloat16' or 'float16'", repr(out_dtype))
+    host = _Host(q, k, v)
+    codes = [_e4m3_codes(n, x) for n, x in (("q", q), ("k", k), ("v", v))]
+    varlen = cu_seqlens_q is not None or cu_seqlens_k is not None
+    qs, vs = _shape(q), _shape(v)
+    check_ndim("q", qs, 3 if varlen else 4)
+    check_ndim("v", vs, 3 if varlen else 4)
+    if out_dtype == "bfloat16" and host.cupy_device is not None:
+        fail("out_dtype", "'float16' for CuPy arrays (CuPy has no bfloat16)", "'bfloat16'")
+    # (the dtype of an output like this one: _np_dtype maps "bfloat16" to ml_dtypes')
+    like = np.empty(0, dtype=np.float16) if out_dtype == "float16" else _Named("bfloat16")
+    descales = {n: host.asarray(x, np.float32) for n, x in
+                (("q_descale", q_descale), ("k_descale", k_descale), ("v_descale", v_descale))}
+    common = dict(alibi_slopes=host.asarray(alibi_slopes, np.float32),
+                  sinks=host.asarray(sinks, np.float32), stream=host.stream(), u8_is_e4m3=True,
+                  **descales, **opt.kwargs())
+    if varlen:
+        cu_q = host.asarray(cu_seqlens_q, np.int32)
+        cu_k = host.asarray(cu_seqlens_k, np.int32)
+        _check_array("cu_seqlens_q", cu_q)
+        _check_array("cu_seqlens_k", cu_k)
+        total_q, hq, _ = qs
+        o = host.empty((total_q, hq, vs[2]), like=like, fill=0)
+        lse = host.empty((hq, total_q), like=None, fill=-np.inf) if return_lse else None
+        _C.forward_varlen(*codes, _pass(o), lse, cu_q, cu_k, check_int("max_seqlen_q", max_seqlen_q),
+                          check_int("max_seqlen_k", max_seqlen_k), u16_is_bf16=_is_bf16(o), **common)
+    else:
+        b, sq, hq, _ = qs
+        o = host.empty((b, sq, hq, vs[3]), like=like)
+        lse = host.empty((b, hq, sq), like=None) if return_lse else None
+        _C.forward(*codes, _pass(o), lse, u16_is_bf16=_is_bf16(o), **common)
     return (o, lse) if return_lse else o
 
 

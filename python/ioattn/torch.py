@@ -41,9 +41,9 @@ except ImportError as e:  # pragma: no cover - exercised where torch is missing
                       "works without it") from e
 
 from . import _C
-from ._args import Options, call_backward, check_bool, check_int, check_ndim, type_name
+from ._args import Options, call_backward, check_bool, check_int, check_ndim, fail, type_name
 
-__all__ = ["AttentionFunction", "attention", "attention_varlen"]
+__all__ = ["AttentionFunction", "attention", "attention_fp8", "attention_varlen"]
 
 Tensor = torch.Tensor
 
@@ -379,4 +379,60 @@ def attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor,
         check_int("max_seqlen_k", max_seqlen_k), opt.causal, opt.window_left, opt.window_right,
         opt.softcap, opt.scale, _head_vector(alibi_slopes, q, "alibi_slopes"),
         _head_vector(sinks, q, "sinks"), opt.backend, opt.num_threads, opt.deterministic)
+    return (out, lse) if return_lse else out
+
+
+def _descale(x: object, q: Tensor, name: str) -> Optional[Tensor]:
+    """A descale [batch, heads_kv]: nested lists become a float32 tensor on q's device."""
+    if isinstance(x, (list, tuple)):
+        return torch.tensor(x, dtype=torch.float32, device=q.device)
+    _check_tensor(name, x, optional=True)
+    return _detach(x)  # type: ignore[arg-type]
+
+
+def attention_fp8(q: Tensor, k: Tensor, v: Tensor, *, q_descale: object = None,
+                  k_descale: object = None, v_descale: object = None,
+                  out_dtype: object = "bfloat16", cu_seqlens_q: Optional[Tensor] = None,
+                  cu_seqlens_k: Optional[Tensor] = None, max_seqlen_q: int = 0,
+                  max_seqlen_k: int = 0, causal: bool = False,
+                  window: Tuple[int, int] = (-1, -1), softcap: float = 0.0,
+                  scale: Optional[float] = None,
+                  alibi_slopes: Optional[Union[Tensor, List[float]]] = None,
+                  sinks: Optional[Union[Tensor, List[float]]] = None, return_lse: bool = False,
+                  backend: str = "auto", num_threads: int = 0) -> Union[Tensor, Tuple[Tensor, Tensor]]:
+    """ioattn.attention_fp8 for torch.float8_e4m3fn tensors (uint8 tensors are read as e4m3
+    codes): forward only, no autograd. out_dtype "bfloat16" / "float16" (or the torch dtype)."""
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        _check_tensor(name, x)
+        if x.dtype not in (getattr(torch, "float8_e4m3fn", None), torch.uint8):
+            fail(f"{name}.dtype", "torch.float8_e4m3fn (or uint8 codes)", str(x.dtype))
+    out_t = {"bfloat16": torch.bfloat16, "float16": torch.float16, torch.bfloat16: torch.bfloat16,
+             torch.float16: torch.float16}.get(out_dtype)  # type: ignore[call-overload]
+    if out_t is None:
+        fail("out_dtype", "'bfloat16' or 'float16'", repr(out_dtype))
+    opt = Options(causal, window, softcap, scale, backend, num_threads)
+    return_lse = check_bool("return_lse", return_lse)
+    codes = [_detach(x).view(torch.uint8) for x in (q, k, v)]  # type: ignore[union-attr]
+    common = dict(alibi_slopes=_detach(_head_vector(alibi_slopes, q, "alibi_slopes")),
+                  sinks=_detach(_head_vector(sinks, q, "sinks")), stream=_stream(q), u8_is_e4m3=True,
+                  q_descale=_descale(q_descale, q, "q_descale"), k_descale=_descale(k_descale, q, "k_descale"),
+                  v_descale=_descale(v_descale, q, "v_descale"), **opt.kwargs())
+    varlen = cu_seqlens_q is not None or cu_seqlens_k is not None
+    check_ndim("q", tuple(q.shape), 3 if varlen else 4)
+    check_ndim("v", tuple(v.shape), 3 if varlen else 4)
+    with _DeviceGuard(q):
+        if varlen:
+            _check_tensor("cu_seqlens_q", cu_seqlens_q)
+            _check_tensor("cu_seqlens_k", cu_seqlens_k)
+            total_q, hq, _ = q.shape
+            out = torch.zeros((total_q, hq, v.shape[2]), dtype=out_t, device=q.device)
+            lse = torch.full((hq, total_q), -math.inf, dtype=torch.float32, device=q.device)
+            _C.forward_varlen(*codes, out, lse, _detach(cu_seqlens_q), _detach(cu_seqlens_k),
+                              check_int("max_seqlen_q", max_seqlen_q), check_int("max_seqlen_k", max_seqlen_k),
+                              **common)
+        else:
+            b, sq, hq, _ = q.shape
+            out = torch.empty((b, sq, hq, v.shape[3]), dtype=out_t, device=q.device)
+            lse = torch.empty((b, hq, sq), dtype=torch.float32, device=q.device)
+            _C.forward(*codes, out, lse, **common)
     return (out, lse) if return_lse else out

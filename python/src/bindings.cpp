@@ -69,7 +69,7 @@ enum class Kind { floating, f32_only, i32_only, cache, slots };
 
 const char* kind_expected(Kind k) {
   switch (k) {
-    case Kind::floating: return "float32, float16 or bfloat16";
+    case Kind::floating: return "float32, float16 or bfloat16 (q, k, v also float8_e4m3fn)";
     case Kind::f32_only: return "float32";
     case Kind::i32_only: return "int32";
     case Kind::cache: return "float32, float16, bfloat16, float8_e4m3fn or int8";
@@ -82,11 +82,12 @@ ioattn::DType to_dtype(nb::dlpack::dtype t, const std::string& name, Kind kind, 
                        bool u8_is_e4m3 = false) {
   using Code = nb::dlpack::dtype_code;
   const auto code = static_cast<Code>(t.code);
-  if (t.lanes == 1 && kind == Kind::cache) {
-    // torch / ml_dtypes float8_e4m3fn travel as their uint8 bit patterns (the Python layer).
-    if (code == Code::Int && t.bits == 8) return ioattn::DType::i8;
-    if (code == Code::UInt && t.bits == 8 && u8_is_e4m3) return ioattn::DType::f8e4m3;
-  }
+  // torch / ml_dtypes float8_e4m3fn travel as their uint8 bit patterns (the Python layer): KV
+  // caches, and the fp8 forward's q, k, v (u8_is_e4m3).
+  if (t.lanes == 1 && (kind == Kind::cache || kind == Kind::floating) && code == Code::UInt && t.bits == 8 &&
+      u8_is_e4m3)
+    return ioattn::DType::f8e4m3;
+  if (t.lanes == 1 && kind == Kind::cache && code == Code::Int && t.bits == 8) return ioattn::DType::i8;
   if (t.lanes == 1 && kind == Kind::slots && code == Code::Int && t.bits == 64) return ioattn::DType::i64;
   if (t.lanes == 1) {
     if (code == Code::Float && t.bits == 32) return ioattn::DType::f32;
@@ -156,6 +157,14 @@ ioattn::TensorView to_view_opt(const std::optional<InArray>& a, const std::strin
   return to_view(*a, name, kind, u16_is_bf16);
 }
 
+// The fp8 forward's descale factors (float32 [batch, heads_kv]; None = 1) into params.
+void set_descales(ioattn::AttnParams& p, const std::optional<InArray>& q_descale,
+                  const std::optional<InArray>& k_descale, const std::optional<InArray>& v_descale) {
+  p.q_descale = to_view_opt(q_descale, "params.q_descale", Kind::f32_only, false);
+  p.k_descale = to_view_opt(k_descale, "params.k_descale", Kind::f32_only, false);
+  p.v_descale = to_view_opt(v_descale, "params.v_descale", Kind::f32_only, false);
+}
+
 ioattn::Backend to_backend(const std::string& s) {
   if (s == "auto") return ioattn::Backend::automatic;
   if (s == "flash") return ioattn::Backend::flash;
@@ -205,12 +214,15 @@ Choice forward(const InArray& q, const InArray& k, const InArray& v, const OutAr
                const std::optional<OutArray>& lse, float scale, bool causal, int64_t window_left,
                int64_t window_right, float softcap, const std::optional<InArray>& alibi_slopes,
                const std::optional<InArray>& sinks, const std::string& backend, uintptr_t stream,
-               int num_threads, bool u16_is_bf16) {
-  const Options opt = make_options(scale, causal, window_left, window_right, softcap, alibi_slopes,
-                                   sinks, backend, stream, num_threads);
-  const ioattn::TensorView qv = to_view(q, "q", Kind::floating, u16_is_bf16);
-  const ioattn::TensorView kv = to_view(k, "k", Kind::floating, u16_is_bf16);
-  const ioattn::TensorView vv = to_view(v, "v", Kind::floating, u16_is_bf16);
+               int num_threads, bool u16_is_bf16, const std::optional<InArray>& q_descale,
+               const std::optional<InArray>& k_descale, const std::optional<InArray>& v_descale,
+               bool u8_is_e4m3) {
+  Options opt = make_options(scale, causal, window_left, window_right, softcap, alibi_slopes, sinks, backend,
+                             stream, num_threads);
+  set_descales(opt.params, q_descale, k_descale, v_descale);
+  const ioattn::TensorView qv = to_view(q, "q", Kind::floating, u16_is_bf16, u8_is_e4m3);
+  const ioattn::TensorView kv = to_view(k, "k", Kind::floating, u16_is_bf16, u8_is_e4m3);
+  const ioattn::TensorView vv = to_view(v, "v", Kind::floating, u16_is_bf16, u8_is_e4m3);
   const ioattn::TensorView ov = to_view(o, "o", Kind::floating, u16_is_bf16);
   const ioattn::TensorView lv = lse ? to_view(*lse, "lse", Kind::f32_only, false) : ioattn::TensorView{};
   return without_gil([&] { return ioattn::forward(qv, kv, vv, ov, lv, opt.params, opt.ctx); });
@@ -222,17 +234,20 @@ Choice forward_varlen(const InArray& q, const InArray& k, const InArray& v, cons
                       float scale, bool causal, int64_t window_left, int64_t window_right,
                       float softcap, const std::optional<InArray>& alibi_slopes,
                       const std::optional<InArray>& sinks, const std::string& backend,
-                      uintptr_t stream, int num_threads, bool u16_is_bf16) {
-  const Options opt = make_options(scale, causal, window_left, window_right, softcap, alibi_slopes,
-                                   sinks, backend, stream, num_threads);
+                      uintptr_t stream, int num_threads, bool u16_is_bf16,
+                      const std::optional<InArray>& q_descale, const std::optional<InArray>& k_descale,
+                      const std::optional<InArray>& v_descale, bool u8_is_e4m3) {
+  Options opt = make_options(scale, causal, window_left, window_right, softcap, alibi_slopes, sinks, backend,
+                             stream, num_threads);
+  set_descales(opt.params, q_descale, k_descale, v_descale);
   ioattn::Varlen vl;
   vl.cu_seqlens_q = to_view(cu_seqlens_q, "cu_seqlens_q", Kind::i32_only, false);
   vl.cu_seqlens_k = to_view(cu_seqlens_k, "cu_seqlens_k", Kind::i32_only, false);
   vl.max_seqlen_q = max_seqlen_q;
   vl.max_seqlen_k = max_seqlen_k;
-  const ioattn::TensorView qv = to_view(q, "q", Kind::floating, u16_is_bf16);
-  const ioattn::TensorView kv = to_view(k, "k", Kind::floating, u16_is_bf16);
-  const ioattn::TensorView vv = to_view(v, "v", Kind::floating, u16_is_bf16);
+  const ioattn::TensorView qv = to_view(q, "q", Kind::floating, u16_is_bf16, u8_is_e4m3);
+  const ioattn::TensorView kv = to_view(k, "k", Kind::floating, u16_is_bf16, u8_is_e4m3);
+  const ioattn::TensorView vv = to_view(v, "v", Kind::floating, u16_is_bf16, u8_is_e4m3);
   const ioattn::TensorView ov = to_view(o, "o", Kind::floating, u16_is_bf16);
   const ioattn::TensorView lv = lse ? to_view(*lse, "lse", Kind::f32_only, false) : ioattn::TensorView{};
   return without_gil([&] { return ioattn::forward_varlen(qv, kv, vv, ov, lv, vl, opt.params, opt.ctx); });
@@ -583,17 +598,23 @@ NB_MODULE(_C, m) {
         "scale"_a = 0.0f, "causal"_a = false, "window_left"_a = -1, "window_right"_a = -1,
         "softcap"_a = 0.0f, "alibi_slopes"_a.none() = nb::none(), "sinks"_a.none() = nb::none(),
         "backend"_a = "auto", "stream"_a = 0, "num_threads"_a = 0, "u16_is_bf16"_a = false,
+        "q_descale"_a.none() = nb::none(), "k_descale"_a.none() = nb::none(), "v_descale"_a.none() = nb::none(),
+        "u8_is_e4m3"_a = false,
         "Runs ioattn::forward on q, k, v [b, s, h, d], writing o [b, sq, hq, dv] and (unless None) "
         "lse [b, hq, sq] float32. stream is a cudaStream_t as an integer (0 = default). With "
-        "u16_is_bf16, uint16 arrays are read as bfloat16 bit patterns. Returns (kernel, reason).");
+        "u16_is_bf16, uint16 arrays are read as bfloat16 bit patterns; with u8_is_e4m3, uint8 q / k / v "
+        "as float8_e4m3fn codes (the fp8 forward: o bfloat16 or float16, descales float32 "
+        "[batch, heads_kv] or None). Returns (kernel, reason).");
   m.def("forward_varlen", &forward_varlen, "q"_a, "k"_a, "v"_a, "o"_a, "lse"_a.none(),
         "cu_seqlens_q"_a, "cu_seqlens_k"_a, "max_seqlen_q"_a = 0, "max_seqlen_k"_a = 0, nb::kw_only(),
         "scale"_a = 0.0f, "causal"_a = false, "window_left"_a = -1, "window_right"_a = -1,
         "softcap"_a = 0.0f, "alibi_slopes"_a.none() = nb::none(), "sinks"_a.none() = nb::none(),
         "backend"_a = "auto", "stream"_a = 0, "num_threads"_a = 0, "u16_is_bf16"_a = false,
+        "q_descale"_a.none() = nb::none(), "k_descale"_a.none() = nb::none(), "v_descale"_a.none() = nb::none(),
+        "u8_is_e4m3"_a = false,
         "Runs ioattn::forward_varlen on packed q [total_q, hq, d], k, v [total_k, hkv, d] with int32 "
         "cu_seqlens [batch + 1], writing o [total_q, hq, dv] and (unless None) lse [hq, total_q]. "
-        "Returns (kernel, reason).");
+        "u8_is_e4m3 and the descales as for forward. Returns (kernel, reason).");
   m.def("backward", &backward, "q"_a, "k"_a, "v"_a, "o"_a, "dout"_a, "lse"_a, "dq"_a, "dk"_a,
         "dv"_a, "dsinks"_a.none(), nb::kw_only(), "scale"_a = 0.0f, "causal"_a = false,
         "window_left"_a = -1, "window_right"_a = -1, "softcap"_a = 0.0f,
