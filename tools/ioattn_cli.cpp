@@ -2,12 +2,12 @@
 //
 //   ioattn explain [--seqlen N] [--head-dim D] [--heads H] [--layers L] [--dtype f16|bf16|f32]
 //                  [--bandwidth TB/s] [--flops TFLOP/s] [--attention-share S --speedup K] [--json]
-//   ioattn run     [--device cpu|cuda] [--backend auto|flash|naive] [--dtype f32|f16|bf16]
+//   ioattn run     [--device cpu|cuda] [--backend auto|flash|naive] [--dtype f32|f16|bf16|f8e4m3]
 //                  [--batch B] [--seqlen N | --seqlen-q N --seqlen-k N] [--heads H] [--heads-kv H]
 //                  [--head-dim D] [--head-dim-v D] [--causal] [--window L,R] [--softcap C]
 //                  [--alibi] [--sinks] [--layout bshd|bhsd] [--threads T] [--repeats R]
 //                  [--no-check] [--check-flops F] [--json]
-//   ioattn bench   [--device cpu|cuda] [--seqlen N,N..] [--hdim D,D..] [--causal 0,1] [--dtype f16,bf16,f32]
+//   ioattn bench   [--device cpu|cuda] [--seqlen N,N..] [--hdim D,D..] [--causal 0,1] [--dtype f16,bf16,f32,f8e4m3]
 //                  [--backend naive,flash,auto] [--batch B | --tokens T] [--heads H | --hidden W]
 //                  [--repeats R] [--warmup W] [--threads T] [--no-check] [--check-flops F] [--out FILE] [--quiet]
 //   ioattn info    [--json]
@@ -130,11 +130,14 @@ void check_known(const Args& a, std::initializer_list<const char*> known) {
   if (!a.missing.empty()) throw Error(a.missing, "ioattn: option '--" + a.missing + "' needs a value");
 }
 
-DType parse_dtype(const std::string& s, const char* opt) {
+// with_fp8 (run, bench): also f8e4m3 inputs (O in bf16, descales 1).
+DType parse_dtype(const std::string& s, const char* opt, bool with_fp8 = false) {
   if (s == "f32" || s == "fp32" || s == "float32") return DType::f32;
   if (s == "f16" || s == "fp16" || s == "float16") return DType::f16;
   if (s == "bf16" || s == "bfloat16") return DType::bf16;
-  throw Error(opt, std::string("ioattn: option '--") + opt + "': expected f32, f16 or bf16, got '" + s + "'");
+  if (with_fp8 && (s == "f8e4m3" || s == "fp8" || s == "float8_e4m3fn")) return DType::f8e4m3;
+  throw Error(opt, std::string("ioattn: option '--") + opt + "': expected f32, f16, bf16" +
+                       (with_fp8 ? " or f8e4m3" : "") + ", got '" + s + "'");
 }
 
 void usage() {
@@ -144,7 +147,7 @@ void usage() {
       "  ioattn explain  the memory-traffic arithmetic and the online-softmax worked example\n"
       "  ioattn bench    sweep a grid of shapes and backends, one JSON record per point\n"
       "  ioattn info     backends, SIMD targets, compiled kernels, dispatcher choices\n\n"
-      "ioattn run [--device cpu|cuda] [--backend auto|flash|naive] [--dtype f32|f16|bf16] [--batch B]\n"
+      "ioattn run [--device cpu|cuda] [--backend auto|flash|naive] [--dtype f32|f16|bf16|f8e4m3] [--batch B]\n"
       "           [--seqlen N | --seqlen-q N --seqlen-k N] [--heads H] [--heads-kv H] [--head-dim D]\n"
       "           [--head-dim-v D] [--causal] [--window L,R] [--softcap C] [--alibi] [--sinks]\n"
       "           [--layout bshd|bhsd] [--threads T] [--repeats R] [--no-check] [--check-flops F] [--json]\n"
@@ -296,9 +299,10 @@ double median(std::vector<double> v) {
 
 struct Shape {
   Device device = Device::cpu;
-  DType dtype = DType::f32;
+  DType dtype = DType::f32;  // of q, k, v; O in it too, or bf16 for f8e4m3 (out())
   int64_t batch = 1, seqlen_q = 0, seqlen_k = 0, heads_q = 1, heads_kv = 1, head_dim = 64, head_dim_v = 64;
   bool bhsd = false;  // [b, h, s, d] memory seen as [b, s, h, d] (PyTorch SDPA's layout)
+  DType out() const { return dtype == DType::f8e4m3 ? DType::bf16 : dtype; }
 };
 
 // One forward problem on random inputs (uniform in [-1, 1], rounded to the dtype): host buffers
@@ -314,10 +318,11 @@ struct Workload {
   // naming the options instead of an overflowed size or a bare std::bad_alloc.
   static double bytes_of(const Shape& sh) {
     const double b = static_cast<double>(sh.batch), e = static_cast<double>(dtype_size(sh.dtype));
+    const double eo = static_cast<double>(dtype_size(sh.out()));
     const double q = b * static_cast<double>(sh.seqlen_q) * static_cast<double>(sh.heads_q);
     const double kv = b * static_cast<double>(sh.seqlen_k) * static_cast<double>(sh.heads_kv);
-    return e * (q * static_cast<double>(sh.head_dim + sh.head_dim_v) +
-                kv * static_cast<double>(sh.head_dim + sh.head_dim_v)) + 4.0 * q;
+    return e * (q * static_cast<double>(sh.head_dim) + kv * static_cast<double>(sh.head_dim + sh.head_dim_v)) +
+           eo * q * static_cast<double>(sh.head_dim_v) + 4.0 * q;
   }
   [[noreturn]] static void too_big(const Shape& sh) {
     char gb[64];
@@ -336,7 +341,7 @@ struct Workload {
         q(s.dtype, s.batch * s.seqlen_q * s.heads_q * s.head_dim, s.device),
         k(s.dtype, s.batch * s.seqlen_k * s.heads_kv * s.head_dim, s.device),
         v(s.dtype, s.batch * s.seqlen_k * s.heads_kv * s.head_dim_v, s.device),
-        o(s.dtype, s.batch * s.seqlen_q * s.heads_q * s.head_dim_v, s.device),
+        o(s.out(), s.batch * s.seqlen_q * s.heads_q * s.head_dim_v, s.device),
         lse(DType::f32, s.batch * s.heads_q * s.seqlen_q, s.device),
         alibi(DType::f32, s.heads_q, s.device),
         sinks(DType::f32, s.heads_q, s.device) {
@@ -518,7 +523,7 @@ int cmd_run(const Args& a) {
   Context ctx;
   ctx.backend = parse_backend(a.str("backend", "auto"), "backend");
   ctx.num_threads = threads_option(a);
-  sh.dtype = parse_dtype(a.str("dtype", "f32"), "dtype");
+  sh.dtype = parse_dtype(a.str("dtype", "f32"), "dtype", true);
   sh.batch = a.integer("batch", 2);
   const int64_t S = a.integer("seqlen", 1024);
   sh.seqlen_q = a.integer("seqlen-q", S);
@@ -690,7 +695,7 @@ int cmd_bench(const Args& a) {
                               (build_info().cuda_compiled ? "no CUDA device visible" : "built without CUDA") +
                               "), got 'cuda'");
   std::vector<DType> dtypes;
-  for (const std::string& x : split_list(a.str("dtype", "bf16"))) dtypes.push_back(parse_dtype(x, "dtype"));
+  for (const std::string& x : split_list(a.str("dtype", "bf16"))) dtypes.push_back(parse_dtype(x, "dtype", true));
   std::vector<Backend> backends;
   for (const std::string& x : split_list(a.str("backend", "naive,flash"))) backends.push_back(parse_backend(x, "backend"));
   const auto seqlens = int_list(a, "seqlen", "1024,2048", 1);

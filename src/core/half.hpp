@@ -73,6 +73,7 @@ inline uint16_t float_to_f16(float f) {
 
 }  // namespace ioattn::detail
 
+#include "cpu/serving_quant.h"  // e4m3 <-> float (header-only)
 #include "ioattn/ioattn.hpp"
 
 namespace ioattn::detail {
@@ -82,6 +83,7 @@ inline float load_float(const void* base, DType t, int64_t idx) {
   switch (t) {
     case DType::f16: return f16_to_float(static_cast<const uint16_t*>(base)[idx]);
     case DType::bf16: return bf16_to_float(static_cast<const uint16_t*>(base)[idx]);
+    case DType::f8e4m3: return e4m3_to_float(static_cast<const uint8_t*>(base)[idx]);
     default: return static_cast<const float*>(base)[idx];
   }
 }
@@ -90,6 +92,7 @@ inline void store_float(void* base, DType t, int64_t idx, float x) {
   switch (t) {
     case DType::f16: static_cast<uint16_t*>(base)[idx] = float_to_f16(x); break;
     case DType::bf16: static_cast<uint16_t*>(base)[idx] = float_to_bf16(x); break;
+    case DType::f8e4m3: static_cast<uint8_t*>(base)[idx] = float_to_e4m3(x); break;
     default: static_cast<float*>(base)[idx] = x; break;
   }
 }

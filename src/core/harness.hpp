@@ -129,7 +129,7 @@ inline void output_errors(const FwdProblem& p, const void* o_host, const float* 
   const int64_t dv = p.head_dim_v;
   for_each_output_row(p, ref, [&](int64_t ooff, int64_t ro, int64_t loff, int64_t rl) {
     for (int64_t x = 0; x < dv; ++x)
-      accumulate_error(*o_err, load_float(o_host, p.dtype, ooff + x), ref.o[ro + x], ooff + x);
+      accumulate_error(*o_err, load_float(o_host, p.out_dtype(), ooff + x), ref.o[ro + x], ooff + x);
     if (lse_host && lse_err) accumulate_error(*lse_err, lse_host[loff], ref.lse[rl], loff);
   });
 }
@@ -146,15 +146,17 @@ inline void ref_errors(const RefResult& a, const RefResult& b, ErrorStats* o_err
 // the full problem's on those rows: a large problem is checked on a sample for a fraction of
 // the float64 cost. o and lse point where the full problem's outputs hold those rows.
 inline FwdProblem last_rows_problem(const FwdProblem& p, int64_t b, int64_t h, int64_t rows) {
-  const int64_t esz = dtype_size(p.dtype), hk = h / p.group(), i0 = p.seqlen_q - rows;
-  auto at = [&](const void* base, const Strides3& s, int64_t head, int64_t row) {
-    return static_cast<const char*>(base) + (b * s.batch + row * s.seq + head * s.head) * esz;
+  const int64_t hk = h / p.group(), i0 = p.seqlen_q - rows;
+  auto at = [&](const void* base, const Strides3& s, int64_t head, int64_t row, DType t) {
+    return static_cast<const char*>(base) + (b * s.batch + row * s.seq + head * s.head) * dtype_size(t);
   };
   FwdProblem s = p;
-  s.q = at(p.q, p.q_stride, h, i0);
-  s.k = at(p.k, p.k_stride, hk, 0);
-  s.v = at(p.v, p.v_stride, hk, 0);
-  s.o = const_cast<char*>(at(p.o, p.o_stride, h, i0));
+  s.q = at(p.q, p.q_stride, h, i0, p.dtype);
+  s.k = at(p.k, p.k_stride, hk, 0, p.dtype);
+  s.v = at(p.v, p.v_stride, hk, 0, p.dtype);
+  s.o = const_cast<char*>(at(p.o, p.o_stride, h, i0, p.out_dtype()));  // (fp8: o in bf16 / f16)
+  for (Descale* ds : {&s.q_descale, &s.k_descale, &s.v_descale})  // fp8: (b, hk)'s factor at (0, 0)
+    if (ds->ptr) ds->ptr += b * ds->batch_stride + hk * ds->head_stride;
   s.lse = p.lse ? p.lse + b * p.lse_stride.batch + h * p.lse_stride.head + i0 * p.lse_stride.seq : nullptr;
   s.alibi_slopes = p.alibi_slopes ? p.alibi_slopes + h : nullptr;
   s.sinks = p.sinks ? p.sinks + h : nullptr;
