@@ -18,6 +18,10 @@
 #      IOATTN_SM90_CACHE=1): test_cuda_serving *CachePrefill* with them on, compute-sanitizer memcheck
 #      and racecheck on the same filter, then ioattn_cuda_decode_bench --seqlen-q 512 (bf16 caches,
 #      contiguous / page 16 / page 64) with them on and off -> sm90cache.json and a ratio table.
+#   fp8varlen (not in the default stages; ~1 min): the fp8 kernel's varlen rows (opt-in
+#      IOATTN_SM90_FP8_VARLEN=1, session 28): ioattn_tests Fp8Cuda.* (VarlenOnDevice sets the variable),
+#      compute-sanitizer memcheck and racecheck on Fp8Cuda.VarlenOnDevice, then ioattn_cuda_bench local
+#      --dtype f8e4m3 --features causal,varlen -> fp8varlen.json and a table in the summary.
 #   bwdtune (not in the default stages; ~1 min build of the target alone + <= GPU_CHECK_BWDTUNE_BUDGET
 #      s of runs): ioattn_cuda_bwd_tune, the backward tile sweep -> bwdtune.json (JSON lines) and a
 #      best-per-shape table in the summary. Alone: GPU_CHECK_STAGES=bwdtune tools/gpu-check.sh OUT
@@ -794,6 +798,33 @@ for k in sorted(t):
     print("  %d %d %d %d | %.1f | %.1f | %.1f | %.2f" % (k + (d.get("sm90", 0), d.get("mma", 0), d.get("fwd", 0),
                                                           d.get("sm90", 0) / d["fwd"] if d.get("fwd") else 0)))
 PY
+fi
+
+# ---- the fp8 kernel's varlen rows (optional stage fp8varlen; opt-in IOATTN_SM90_FP8_VARLEN=1) -------
+if want fp8varlen && [[ -x $BUILD/tests/ioattn_tests ]]; then
+  bounded_test "fp8 tests" 150 "$BUILD/tests/ioattn_tests" 'Fp8Cuda.*' "$OUT/fp8varlen_tests.log" || true
+  grep -E '^\[  FAILED|Failure|naive fp8 error' "$OUT/fp8varlen_tests.log" | head -20 | tee -a "$SUMMARY" >/dev/null
+  for tool in memcheck racecheck; do
+    timeout 300 compute-sanitizer --tool $tool --error-exitcode 9 "$BUILD/tests/ioattn_tests" \
+      --gtest_filter='Fp8Cuda.VarlenOnDevice' >"$OUT/fp8varlen_$tool.log" 2>&1
+    note "fp8varlen $tool rc=$?  $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/fp8varlen_$tool.log" | tail -1)"
+  done
+  if [[ -x $BUILD/ioattn_cuda_bench ]]; then
+    IOATTN_SM90_FP8_VARLEN=1 timeout 200 "$BUILD/ioattn_cuda_bench" local --dtype f8e4m3 --hdims 64,128,256 \
+      --seqlens 2048,8192 --features causal,varlen 2>&1 | grep '^{' >"$OUT/fp8varlen.json"
+    python3 - "$OUT/fp8varlen.json" <<'PY' | tee -a "$SUMMARY"
+import json, sys
+rows = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
+t = {}
+for r in rows:
+    t.setdefault((r["hdim"], r["seqlen"]), {})[r["feature"]] = r["tflops"]
+print("fp8varlen (e4m3, bf16 O, causal): hdim seqlen | causal TFLOP/s | varlen (same sequences packed) | ratio")
+for k in sorted(t):
+    d = t[k]
+    print("  %d %d | %.1f | %.1f | %.2f" % (k + (d.get("causal", 0), d.get("varlen", 0),
+                                                 d.get("varlen", 0) / d["causal"] if d.get("causal") else 0)))
+PY
+  fi
 fi
 
 # ---- prefill through the KV cache (optional stage prefill) ----------------------------------------
