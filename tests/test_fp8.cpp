@@ -278,6 +278,29 @@ Fp8Errors fp8_errors(const Fp8Problem& p) {
   return e;
 }
 
+// The harness's sampled check (check_forward on a budget: the last rows of the first and the last
+// (batch, head) pair as sub-problems) on an fp8 problem whose descales differ per (batch, kv head):
+// each sub-problem must carry its own pair's factors (and read O in bf16), so the sample passes
+// the same rule as the whole problem.
+TEST(Fp8Forward, SampledCheckFollowsTheDescales) {
+  Fp8Problem p({"sampled", 2, 300, 300, 4, 2, 64, true});
+  Context ctx;
+  ctx.backend = Backend::flash;
+  p.run(ctx);
+  const detail::FwdProblem hp = detail::validate(p.qv, p.kv, p.vv, p.ov, p.lv, nullptr, p.prm, Context{}).p;
+  const detail::ForwardCheck whole = detail::check_forward(hp, 1e18), part = detail::check_forward(hp, 2e6);
+  ASSERT_FALSE(whole.sampled);
+  ASSERT_TRUE(part.sampled);
+  EXPECT_EQ(part.heads_checked, 2);
+  EXPECT_LT(part.rows_checked, 300);
+  EXPECT_LE(whole.o.max_abs, 2 * whole.naive_o.max_abs + 1e-3);
+  EXPECT_LE(part.o.max_abs, 2 * part.naive_o.max_abs + 1e-3);
+  EXPECT_LE(part.o.max_abs, whole.o.max_abs);  // a subset of the same rows
+  EXPECT_LE(part.lse.max_abs, 1e-4);
+  EXPECT_GT(p.qd[0], 0.0f);
+  EXPECT_NE(p.qd[0], p.qd[3]);  // the first and the last pair's factors differ
+}
+
 class Fp8Forward : public ::testing::TestWithParam<std::tuple<Fp8Case, Backend>> {};
 
 TEST_P(Fp8Forward, MatchesReference) {

@@ -766,7 +766,9 @@ int cmd_bench(const Args& a) {
         ein.dtype_bytes = dtype_size(dt);
         const ExplainReport model = explain(ein);
         const double naive_bytes = model.naive_bytes_per_layer;
-        const double flash_bytes = model.flash_bytes_per_head * static_cast<double>(ein.heads);
+        // (fp8: the model counts every tensor at the input's byte; O is written in bf16)
+        const double flash_bytes = model.flash_bytes_per_head * static_cast<double>(ein.heads) +
+                                   static_cast<double>((dtype_size(sh.out()) - dtype_size(dt)) * s * d * ein.heads);
         std::unique_ptr<Workload> w;
         std::string setup_error;
         try {

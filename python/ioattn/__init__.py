@@ -302,7 +302,8 @@ def _e4m3_codes(name: str, x: Array) -> Array:
         return x.view(np.uint8)
     if str(getattr(x, "dtype", "")) == "uint8":
         return x
-    fail(f"{name}.dtype", "float8_e4m3fn (or uint8 codes)", str(getattr(x, "dtype", type_name(x))))
+    fail(f"{name}.dtype", "a torch or numpy (ml_dtypes) float8_e4m3fn array, or uint8 codes",
+         f"{getattr(x, 'dtype', type_name(x))} ({type_name(x)})")
 
 
 def attention_fp8(q: Array, k: Array, v: Array, *, q_descale: Optional[Array] = None,

@@ -406,8 +406,10 @@ def attention_fp8(q: Tensor, k: Tensor, v: Tensor, *, q_descale: object = None,
         _check_tensor(name, x)
         if x.dtype not in (getattr(torch, "float8_e4m3fn", None), torch.uint8):
             fail(f"{name}.dtype", "torch.float8_e4m3fn (or uint8 codes)", str(x.dtype))
-    out_t = {"bfloat16": torch.bfloat16, "float16": torch.float16, torch.bfloat16: torch.bfloat16,
-             torch.float16: torch.float16}.get(out_dtype)  # type: ignore[call-overload]
+    out_t = None
+    for name, t in (("bfloat16", torch.bfloat16), ("float16", torch.float16)):
+        if isinstance(out_dtype, (str, torch.dtype)) and out_dtype in (name, t):
+            out_t = t
     if out_t is None:
         fail("out_dtype", "'bfloat16' or 'float16'", repr(out_dtype))
     opt = Options(causal, window, softcap, scale, backend, num_threads)

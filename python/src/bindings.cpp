@@ -69,7 +69,7 @@ enum class Kind { floating, f32_only, i32_only, cache, slots };
 
 const char* kind_expected(Kind k) {
   switch (k) {
-    case Kind::floating: return "float32, float16 or bfloat16 (q, k, v also float8_e4m3fn)";
+    case Kind::floating: return "float32, float16 or bfloat16";
     case Kind::f32_only: return "float32";
     case Kind::i32_only: return "int32";
     case Kind::cache: return "float32, float16, bfloat16, float8_e4m3fn or int8";
@@ -98,7 +98,10 @@ ioattn::DType to_dtype(nb::dlpack::dtype t, const std::string& name, Kind kind, 
     if (code == Code::UInt && t.bits == 16 && u16_is_bf16) return ioattn::DType::bf16;
     if (code == Code::Int && t.bits == 32) return ioattn::DType::i32;
   }
-  fail(name + ".dtype", kind_expected(kind), dlpack_dtype_name(t));
+  // (the fp8 forward's q, k, v: e4m3 codes as uint8 too)
+  fail(name + ".dtype",
+       std::string(kind_expected(kind)) + (kind == Kind::floating && u8_is_e4m3 ? " (or uint8 e4m3 codes)" : ""),
+       dlpack_dtype_name(t));
 }
 
 // DLPack device types (dlpack.h DLDeviceType).

@@ -121,3 +121,9 @@ def test_torch_float8_matches_numpy():
     o2 = ioattn.attention_fp8(tq, tk, tv, q_descale=torch.from_numpy(ds[0]), k_descale=torch.from_numpy(ds[1]),
                               v_descale=torch.from_numpy(ds[2]), causal=True, out_dtype="float16")
     assert o2.dtype == torch.float16
+    ref16 = ioattn.attention_fp8(q, k, v, q_descale=ds[0], k_descale=ds[1], v_descale=ds[2], causal=True,
+                                 out_dtype="float16")
+    assert np.array_equal(o2.numpy(), ref16)
+    with pytest.raises(ioattn.Error) as e:
+        it.attention_fp8(tq, tk, tv, out_dtype=[1])
+    assert e.value.argument == "out_dtype"
