@@ -14,6 +14,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <initializer_list>
 #include <climits>
 #include <cstdint>
 #include <cstdlib>
@@ -532,6 +533,24 @@ int64_t grid_ctas(int device, int64_t tiles, bool persistent) {
   return n;
 }
 
+// Varlen on the ragged TMA maps (the bf16 / f16 and fp8 selectors): host copies of cu_seqlens (the
+// maps need the token totals), totals below 2^31 - 256, sequences of at most 2^30 rows and token
+// strides (of the tensors read through ragged maps; elem_bytes each) below 2^34 bytes.
+bool varlen_maps_ok(const FwdProblem& p, std::initializer_list<int64_t> token_strides, int64_t elem_bytes,
+                    std::string* why) {
+  constexpr int64_t kMaxInt = 2147483647;
+  if (p.cu_seqlens_q_host == nullptr || p.cu_seqlens_k_host == nullptr)
+    return fail(why, "varlen without host copies of cu_seqlens (the tensor maps need the token totals)");
+  const MapExtent ext = map_extent(p);
+  if (ext.seqlen_q > kMaxInt - 256 || ext.seqlen_k > kMaxInt - 256)
+    return fail(why, "varlen: more than 2^31 - 256 packed tokens");
+  if (p.seqlen_q > kRaggedRows || p.seqlen_k > kRaggedRows)
+    return fail(why, "varlen: a sequence longer than 2^30 tokens (the ragged TMA maps' limit)");
+  if (std::max(token_strides) * elem_bytes >= kRaggedMaxRowStrideBytes)
+    return fail(why, "varlen: a token stride of 2^34 bytes or more (the ragged TMA maps' limit)");
+  return true;
+}
+
 // The fp8 rows: hdim 64, 128 or 256, the plain causal mask or none, GQA; windows, softcap, ALiBi,
 // sinks and varlen on the kLocal rows; a V^T workspace in stream order.
 bool select_fp8(const FwdProblem& p, std::string* kernel, std::string* why) {
@@ -558,17 +577,14 @@ bool select_fp8(const FwdProblem& p, std::string* kernel, std::string* why) {
   const int64_t m_blocks = (p.seqlen_q + 127) / 128;
   if (m_blocks * p.heads_q * p.batch > kMaxInt) return fail(why, "more than 2^31-1 query tiles");
   if (p.batch * p.heads_kv * 2 > kMaxInt) return fail(why, "fp8: batch * heads_kv too large for the transpose grid");
-  if (p.varlen() && (p.cu_seqlens_q_host == nullptr || p.cu_seqlens_k_host == nullptr))
-    return fail(why, "fp8 varlen without host copies of cu_seqlens (the tensor maps need the token totals)");
-  const MapExtent ext = map_extent(p);
-  // varlen: the V^T workspace's width (fp8_vt_width) and the ragged maps' limits
-  if (p.varlen() && (ext.seqlen_q > kMaxInt - 256 || fp8_vt_width(p) > kMaxInt - 256))
-    return fail(why, "fp8 varlen: more than 2^31 - 256 packed tokens (with the V^T workspace's gaps)");
-  // varlen's transpose grid: (sequence, kv head) x the longest sequence's 32-key groups x 128-dim chunks
+  // varlen: the ragged Q / K maps' limits, the V^T workspace's width (fp8_vt_width) and the transpose
+  // grid ((sequence, kv head) x the longest sequence's 32-key groups x 128-dim chunks, 4 warps a block)
+  if (p.varlen() && !varlen_maps_ok(p, {p.q_stride.seq, p.k_stride.seq}, 1, why)) return false;
+  if (p.varlen() && fp8_vt_width(p) > kMaxInt - 256)
+    return fail(why, "fp8 varlen: more than 2^31 - 256 packed keys with the V^T workspace's gaps");
   if (p.varlen() && p.batch * p.heads_kv * ((p.seqlen_k + 31) / 32) * ((p.head_dim + 127) / 128) / 4 > kMaxInt)
     return fail(why, "fp8 varlen: batch x heads_kv x the longest sequence too large for the V transpose grid");
-  if (p.varlen() && std::max({p.q_stride.seq, p.k_stride.seq}) >= kRaggedMaxRowStrideBytes)
-    return fail(why, "fp8 varlen: a token stride of 2^34 bytes or more (the ragged TMA maps' limit)");
+  const MapExtent ext = map_extent(p);
   if (!tma_compatible(p.q, p.q_stride, ext.batch, ext.seqlen_q, p.heads_q, "q", why, 1)) return false;
   if (!tma_compatible(p.k, p.k_stride, ext.batch, ext.seqlen_k, p.heads_kv, "k", why, 1)) return false;
   // v is read by the transpose pre-pass with 4-byte loads: the same 16-byte rules keep it simple.
@@ -631,15 +647,8 @@ bool select_impl(const FwdProblem& p, std::string* kernel, std::string* why) {
                      "path writes nothing, or O = 0 and LSE = -inf when seqlen_k = 0");
   const int64_t m_blocks = (p.seqlen_q + 127) / 128;
   if (m_blocks * p.heads_q * p.batch > kMaxInt) return fail(why, "more than 2^31-1 query tiles");
-  if (p.varlen() && (p.cu_seqlens_q_host == nullptr || p.cu_seqlens_k_host == nullptr))
-    return fail(why, "varlen without host copies of cu_seqlens (the tensor maps need the token totals)");
+  if (p.varlen() && !varlen_maps_ok(p, {p.q_stride.seq, p.k_stride.seq, p.v_stride.seq}, 2, why)) return false;
   const MapExtent ext = map_extent(p);
-  if (p.varlen() && (ext.seqlen_q > kMaxInt - 256 || ext.seqlen_k > kMaxInt - 256))
-    return fail(why, "varlen: more than 2^31 - 256 packed tokens");
-  if (p.varlen() && (p.seqlen_q > kRaggedRows || p.seqlen_k > kRaggedRows))
-    return fail(why, "varlen: a sequence longer than 2^30 tokens (the ragged TMA maps' limit)");
-  if (p.varlen() && std::max({p.q_stride.seq, p.k_stride.seq, p.v_stride.seq}) * 2 >= kRaggedMaxRowStrideBytes)
-    return fail(why, "varlen: a token stride of 2^34 bytes or more (the ragged TMA maps' limit)");
   if (!tma_compatible(p.q, p.q_stride, ext.batch, ext.seqlen_q, p.heads_q, "q", why)) return false;
   if (!tma_compatible(p.k, p.k_stride, ext.batch, ext.seqlen_k, p.heads_kv, "k", why)) return false;
   if (!tma_compatible(p.v, p.v_stride, ext.batch, ext.seqlen_k, p.heads_kv, "v", why)) return false;

@@ -17,7 +17,7 @@ __global__ void __launch_bounds__(128) fp8_transpose_v(const Fp8TransposeArgs a)
   // so that neighbouring warps read neighbouring 128-byte pieces of a token row, measured slower:
   // 40.1-41.6 vs 37.3-38.0 us for 32 MB, session 15.)
   const bool varlen = a.cu_seqlens_k != nullptr;
-  const int dchunks = (a.head_dim + 127) / 128, groups = (varlen ? a.seqlen_k + 31 : a.skp) / 32;
+  const int dchunks = (a.head_dim + 127) / 128, groups = a.groups();
   const int64_t bh = warp / (static_cast<int64_t>(groups) * dchunks);
   if (bh >= a.batch_heads) return;
   const int rest = static_cast<int>(warp % (static_cast<int64_t>(groups) * dchunks));
@@ -65,8 +65,7 @@ __global__ void __launch_bounds__(128) fp8_transpose_v(const Fp8TransposeArgs a)
 void fp8_transpose_v_launch(const Fp8TransposeArgs& a, int64_t batch, cudaStream_t stream) {
   Fp8TransposeArgs args = a;
   args.batch_heads = batch * a.heads_kv;
-  const int64_t groups = (a.cu_seqlens_k != nullptr ? int64_t(a.seqlen_k) + 31 : a.skp) / 32;  // (as the kernel)
-  const int64_t warps = args.batch_heads * groups * ((a.head_dim + 127) / 128);
+  const int64_t warps = args.batch_heads * a.groups() * ((a.head_dim + 127) / 128);
   const int64_t blocks = (warps + 3) / 4;  // 4 warps per block; <= 2^31 - 1 for any realistic cache
   if (blocks == 0) return;                  // varlen with no keys at all
   fp8_transpose_v<<<static_cast<unsigned>(blocks), 128, 0, stream>>>(args);

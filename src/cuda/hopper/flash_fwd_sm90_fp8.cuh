@@ -615,9 +615,6 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
       }
 
       // ---- epilogue: O * v_descale / rowsum in Out; LSE = scale' * max + log(sum) ----
-      // (varlen: the sequence's first packed row, read again here rather than kept from span)
-      [[maybe_unused]] int q0 = 0;
-      if constexpr (kLocal) q0 = pp.lp.cu_seqlens_q != nullptr ? __ldg(pp.lp.cu_seqlens_q + tc.b) : 0;
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
         float sum = row_sum[r];
@@ -630,7 +627,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
             fold_sink(sum, sum > 0.0f ? row_max[r] * scale_ln : -INFINITY, pp.lp.sinks[tc.h], dv, &inv, &lse);
           const int row = m0 + row_in_tile + 8 * r;
           if (row < span.sq) {  // varlen: the sequence's rows at packed position q0 + row
-            const int64_t prow = static_cast<int64_t>(q0) + row;
+            const int64_t prow = static_cast<int64_t>(span.q0) + row;
             Out* orow = static_cast<Out*>(p.o) + tc.b * p.o_batch + prow * p.o_seq + tc.h * p.o_head + 2 * (lane % 4);
 #pragma unroll
             for (int i = 0; i < kHeadDim / 8; ++i)
@@ -676,6 +673,8 @@ struct Fp8TransposeArgs {
   int seqlen_k = 0, skp = 0, head_dim = 0, heads_kv = 0;
   const int32_t* cu_seqlens_k = nullptr;  // varlen when non-null (on the device)
   int64_t batch_heads = 0;  // batch * heads_kv (set by fp8_transpose_v_launch)
+  // 32-key groups per (batch, kv head) the grid covers: the padded width, or varlen's longest sequence
+  __host__ __device__ int groups() const { return (cu_seqlens_k != nullptr ? seqlen_k + 31 : skp) / 32; }
 };
 
 // ---- host side ---------------------------------------------------------------------------------
