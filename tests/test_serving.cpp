@@ -238,6 +238,57 @@ TEST(DecodeQuant, E4m3CodesExactThroughScoresAndPV) {
   }
 }
 
+// The f8e4m3 score and P.V tiles convert without the NaN fix-up and watch the codes instead,
+// redoing a tile exactly when one holds a NaN code. One NaN code at a time, in the rows' 64-code
+// segments, vector-sized tails and scalar tails (d = 72 / 80 / 200), in the first and the last
+// (partial) key block: a NaN in K makes every row of that kv head NaN (O and LSE); a NaN in V
+// only its column. Everything else is bitwise the clean run (the redo computes the same sums).
+TEST(DecodeQuant, E4m3NaNCodeAnywhereInARow) {
+  for (int64_t d : {64, 72, 80, 128, 200}) {
+    Spec c = mk("e4m3nan", DType::f32);
+    c.cache = DType::f8e4m3;
+    c.hq = 8;
+    c.hkv = 2;
+    c.d = d;
+    c.lens = {150};
+    c.page_size = 16;
+    Built bl(c, make_values(c, 31));
+    auto* kc = static_cast<uint8_t*>(bl.kc.host());
+    auto* vc = static_cast<uint8_t*>(bl.vc.host());
+    for (int splits : {1, 3}) {
+      bl.run(splits);
+      const std::vector<float> clean = bl.outputs();
+      const int64_t hq_per = c.hq / c.hkv;
+      for (int64_t t : {5, 149})
+        for (int64_t pos : {int64_t{0}, int64_t{63}, d - 9, d - 1}) {
+          for (bool in_k : {true, false}) {
+            uint8_t* at = (in_k ? kc : vc) + bl.elem(0, t, 1, d) + pos;
+            const uint8_t saved = *at;
+            *at = in_k ? detail::kE4m3NaN : static_cast<uint8_t>(0x80 | detail::kE4m3NaN);
+            bl.run(splits);
+            *at = saved;
+            const std::vector<float> got = bl.outputs();
+            int bad = 0;
+            for (int64_t h = 0; h < c.hq && bad < 4; ++h) {
+              const bool hit = h / hq_per == 1;
+              for (int64_t x = 0; x <= d && bad < 4; ++x) {  // x == d: the LSE
+                const size_t i = x < d ? static_cast<size_t>(h * d + x) : static_cast<size_t>(c.hq * d + h);
+                const bool want_nan = hit && (in_k || x == pos);
+                const bool ok = want_nan ? std::isnan(got[i]) : std::memcmp(&got[i], &clean[i], 4) == 0;
+                if (!ok) {
+                  ++bad;
+                  ADD_FAILURE() << "d=" << d << " splits=" << splits << " token " << t << " pos " << pos
+                                << (in_k ? " K" : " V") << ": head " << h << (x < d ? " dim " : " LSE ")
+                                << (x < d ? x : 0) << " got " << got[i] << ", clean " << clean[i];
+                }
+              }
+            }
+          }
+        }
+    }
+  }
+}
+
 // Against the reference on the *unquantised* values, the error is bounded by the quantisation
 // step. Per element, the stored value differs by at most ek (K) / ev (V) from the original
 // (e4m3: half a step, 2^-4 relative for normals, 2^-10 * scale absolute for subnormals; i8:

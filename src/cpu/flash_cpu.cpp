@@ -68,6 +68,7 @@
 #include "core/backends.hpp"
 #include "core/half.hpp"
 #include "core/problem.hpp"
+#include "cpu/prefetch.hpp"
 #include "cpu/serving_quant.h"
 
 #ifndef HWY_DISABLED_TARGETS
@@ -365,16 +366,9 @@ HWY_INLINE void MicroPV(const float* HWY_RESTRICT pt, size_t ldp, const float* H
 // [b, s, h, d] layout the rows of one head are heads*d elements apart (4 KiB for 8 x 128 f32),
 // so every row starts a new page: the hardware prefetchers do not follow, and without this the
 // packing stalls on an L3 (and TLB) miss per row.
-// prefetcht1: into L2 (and L3), not L1. An asm statement because GCC 12 deletes a loop whose
-// only effect is __builtin_prefetch once it may assume the loop finite (-ffinite-loops, the C++
-// default), which silently removed every prefetch of an earlier version of this file.
-HWY_INLINE void PrefetchL2(const char* p) {
-#if HWY_ARCH_X86 && (HWY_COMPILER_GCC || HWY_COMPILER_CLANG)
-  asm volatile("prefetcht1 %0" : : "m"(*p));
-#else
-  __builtin_prefetch(p, 0, 2);
-#endif
-}
+// prefetcht1: into L2 (and L3), not L1 (prefetch.hpp: an asm statement, as GCC may delete a
+// loop of __builtin_prefetch).
+HWY_INLINE void PrefetchL2(const char* p) { prefetch_l2(p); }
 
 struct RowPrefetch {
   const char* k = nullptr;  // first row of the next block; null = nothing to prefetch

@@ -3,6 +3,7 @@
 // attribute and is only called after amx_usable() said yes (which implies AVX-512 on every CPU
 // that has AMX).
 #include "cpu/serving_amx.hpp"
+#include "cpu/prefetch.hpp"
 #include "cpu/serving_quant.h"
 
 #if IOATTN_HAVE_AMX
@@ -191,8 +192,8 @@ IOATTN_AMX_ATTR void amx_scores16(const uint8_t* const* rows, int64_t off0, int6
     if (pf && g == 0)  // later keys' rows, behind this group's tile loads instead of in front of them
       for (size_t k = 0; k < npf; ++k)
         for (size_t x = 0; x < d; x += 64) {
-          _mm_prefetch(reinterpret_cast<const char*>(pf[k] + off0 + x), _MM_HINT_T1);
-          if (two) _mm_prefetch(reinterpret_cast<const char*>(pf[k] + off1 + x), _MM_HINT_T1);
+          prefetch_l2(pf[k] + off0 + x);
+          if (two) prefetch_l2(pf[k] + off1 + x);
         }
     const int64_t rows_g = std::min<int64_t>(4, R - 4 * g);
     StoreScores(cb[0], rows_g, qmul0 + 4 * g, s0 + 4 * g * static_cast<int64_t>(bc), bc);
@@ -237,7 +238,7 @@ IOATTN_AMX_ATTR void amx_pv64(const float* p, size_t bc, const float* act, int64
   const size_t nx = dv / 64;
   for (size_t q = 0; q < 16; ++q) {
     for (size_t j = 4 * q; j < std::min(4 * q + 4, npf); ++j)  // the next block's rows, spread over the loop
-      for (size_t x = 0; x < dv; x += 64) _mm_prefetch(reinterpret_cast<const char*>(rows[n + j] + off + x), _MM_HINT_T1);
+      for (size_t x = 0; x < dv; x += 64) prefetch_l2(rows[n + j] + off + x);
     const uint8_t* r0 = rows[std::min(4 * q + 0, n - 1)] + off;
     const uint8_t* r1 = rows[std::min(4 * q + 1, n - 1)] + off;
     const uint8_t* r2 = rows[std::min(4 * q + 2, n - 1)] + off;

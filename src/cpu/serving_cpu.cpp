@@ -71,6 +71,7 @@
 #include "core/backends.hpp"
 #include "core/half.hpp"
 #include "core/serving_problem.hpp"
+#include "cpu/prefetch.hpp"
 #include "cpu/serving_amx.hpp"
 #include "cpu/serving_quant.h"
 
@@ -178,9 +179,10 @@ inline void block_rows(const DecodeProblem& p, int64_t b, int64_t hk, int64_t t0
 
 // Software prefetch of one cache row into L2. Without it the loops wait on DRAM latency per row
 // (one kv head's rows are 1-4 KiB apart; a task's rows of all heads are contiguous per token, but
-// the hardware streamers stop at 4 KiB page boundaries and run only ~20 lines ahead).
+// the hardware streamers stop at 4 KiB page boundaries and run only ~20 lines ahead). prefetcht1:
+// 16 tokens x all heads ahead may not fit L1.
 inline void prefetch_row(const uint8_t* row, int64_t bytes) {
-  for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(row + off, 0, 2);  // prefetcht1: 16 tokens x all heads ahead may not fit L1
+  for (int64_t off = 0; off < bytes; off += 64) prefetch_l2(row + off);
 }
 
 inline float ninf() { return -std::numeric_limits<float>::infinity(); }
@@ -291,6 +293,9 @@ HWY_INLINE void ConvertRow(DType t, const void* src, size_t n, size_t npad, floa
 // f16: S.EEEE.MMM -> S.0EEEE.MMM0000000 is the f16 of value * 2^-8, e4m3 subnormals onto f16
 // subnormals, which VCVTPH2PS converts exactly; the NaN codes (S.1111.111) by one compare.
 // LoadCvtN: the first cnt < L elements, zeros after (row tails; never reads past the row).
+// kNaN = false (f8e4m3 only) leaves out the NaN fix-up (3 of 8 vector uops per 16 codes): the
+// score and P.V tiles watch the codes they convert for NaN (WatchE4m3) and redo the tile with
+// kNaN = true when one shows up, so results are bitwise those of the exact conversion.
 constexpr float kE4m3Unit = 256.0f;
 
 template <DType T>
@@ -322,7 +327,7 @@ HWY_INLINE VF LoadCvtN(const uint8_t* HWY_RESTRICT row, size_t x, size_t cnt) {
   return hn::Load(df, buf);
 }
 
-template <DType T>
+template <DType T, bool kNaN = true>
 HWY_INLINE VF LoadCvt(const uint8_t* HWY_RESTRICT row, size_t x) {
   const DF df;
   if constexpr (T == DType::f32) {
@@ -345,6 +350,7 @@ HWY_INLINE VF LoadCvt(const uint8_t* HWY_RESTRICT row, size_t x) {
       const auto s = hn::PromoteTo(d16, hn::LoadU(d8, reinterpret_cast<const int8_t*>(row) + x));
       // sign-extended S..S.EEEE.MMM << 7, keep bit 15 (sign) and 13..7 (magnitude)
       auto t = hn::And(hn::ShiftLeft<7>(s), hn::Set(d16, static_cast<int16_t>(0xBF80)));
+      if constexpr (!kNaN) return hn::PromoteTo(df, hn::BitCast(dh, t));
       const auto is_nan = hn::Eq(hn::Or(t, hn::Set(d16, static_cast<int16_t>(0x8000))),
                                  hn::Set(d16, static_cast<int16_t>(0xBF80)));
       t = hn::IfThenElse(is_nan, hn::Set(d16, static_cast<int16_t>(0x7E00)), t);
@@ -358,6 +364,25 @@ HWY_INLINE VF LoadCvt(const uint8_t* HWY_RESTRICT row, size_t x) {
     }
 #endif
   }
+}
+
+// NaN watch for the f8e4m3 conversion without fix-up: c | 0x80 == 0xFF exactly for the NaN codes
+// (S.1111.111), so a running byte max of c | 0x80 reaches 0xFF iff one was seen. Two vector ops
+// per 64 codes, on the cache lines the conversion is loading anyway.
+using DW = hn::CappedTag<uint8_t, 64>;
+using VW = hn::Vec<DW>;
+HWY_INLINE VW WatchE4m3(VW mx, const uint8_t* HWY_RESTRICT p) {
+  const DW dw;
+  return hn::Max(mx, hn::Or(hn::LoadU(dw, p), hn::Set(dw, uint8_t{0x80})));
+}
+HWY_INLINE bool SawE4m3NaN(VW mx) {
+  const DW dw;
+  return !hn::AllFalse(dw, hn::Eq(mx, hn::Set(dw, uint8_t{0xFF})));
+}
+// The same for one vector's worth (L codes) where fewer than Lanes(DW) remain in the row.
+HWY_INLINE bool ChunkHasE4m3NaN(const uint8_t* HWY_RESTRICT p) {
+  const hn::Rebind<uint8_t, DF> dq;
+  return !hn::AllFalse(dq, hn::Eq(hn::Or(hn::LoadU(dq, p), hn::Set(dq, uint8_t{0x80})), hn::Set(dq, uint8_t{0xFF})));
 }
 
 // ---- the block kernels -------------------------------------------------------------------
@@ -406,7 +431,9 @@ constexpr int kMaxRowTile = 2;
 
 // s[r * bc + k] = q_r . K_k for the RT rows of the tile (q: stride dp, zero-padded) and the 4
 // keys' rows (dtype T, d elements each).
-template <DType T, int RT>
+// kExact = false (f8e4m3): conversion without the NaN fix-up, the codes watched; a tile that
+// met a NaN code is computed again with kExact = true.
+template <DType T, int RT, bool kExact = (T != DType::f8e4m3)>
 HWY_INLINE void ScoresTile(const float* HWY_RESTRICT q, size_t dp, const uint8_t* const* rows, size_t d,
                            float* HWY_RESTRICT s, size_t bc) {
   const DF df;
@@ -429,9 +456,28 @@ HWY_INLINE void ScoresTile(const float* HWY_RESTRICT q, size_t dp, const uint8_t
     }
   };
   size_t x = 0;
-  for (; x + L <= d; x += L)
-    fma_block(x, LoadCvt<T>(r0, x), LoadCvt<T>(r1, x), LoadCvt<T>(r2, x), LoadCvt<T>(r3, x));
-  if (x < d) {
+  if constexpr (!kExact) {
+    const DW dw;
+    const size_t LW = hn::Lanes(dw);  // a multiple of L
+    VW mx = hn::Zero(dw);
+    bool nan = false;
+    for (; x + LW <= d; x += LW) {
+      mx = WatchE4m3(WatchE4m3(WatchE4m3(WatchE4m3(mx, r0 + x), r1 + x), r2 + x), r3 + x);
+      for (size_t u = x; u < x + LW; u += L)
+        fma_block(u, LoadCvt<T, false>(r0, u), LoadCvt<T, false>(r1, u), LoadCvt<T, false>(r2, u),
+                  LoadCvt<T, false>(r3, u));
+    }
+    for (; x + L <= d; x += L) {
+      nan |= ChunkHasE4m3NaN(r0 + x) | ChunkHasE4m3NaN(r1 + x) | ChunkHasE4m3NaN(r2 + x) | ChunkHasE4m3NaN(r3 + x);
+      fma_block(x, LoadCvt<T, false>(r0, x), LoadCvt<T, false>(r1, x), LoadCvt<T, false>(r2, x),
+                LoadCvt<T, false>(r3, x));
+    }
+    if (nan || SawE4m3NaN(mx)) return ScoresTile<T, RT, true>(q, dp, rows, d, s, bc);
+  } else {
+    for (; x + L <= d; x += L)
+      fma_block(x, LoadCvt<T>(r0, x), LoadCvt<T>(r1, x), LoadCvt<T>(r2, x), LoadCvt<T>(r3, x));
+  }
+  if (x < d) {  // the row tail: exact scalar conversions
     const size_t c = d - x;
     fma_block(x, LoadCvtN<T>(r0, x, c), LoadCvtN<T>(r1, x, c), LoadCvtN<T>(r2, x, c), LoadCvtN<T>(r3, x, c));
   }
@@ -443,12 +489,15 @@ HWY_INLINE void ScoresTile(const float* HWY_RESTRICT q, size_t dp, const uint8_t
 // skipped per row (masked keys: their V may hold anything, and 0 * NaN would be NaN): bit jj of
 // `all` says every row of the tile is active and has P != 0 at jj (one shared FMA pass);
 // otherwise each row is checked. cnt < L: only the first cnt elements of the (single) vector.
-template <DType T, int RT, int NV>
+// kExact as in ScoresTile: the redo starts again from acc, which the tile stores only at its end.
+template <DType T, int RT, int NV, bool kExact = (T != DType::f8e4m3)>
 HWY_INLINE void PVTile(const float* HWY_RESTRICT p, size_t bc, const float* act, const uint8_t* const* rows,
                        int64_t off, size_t n, uint64_t all, size_t x0, size_t cnt, float* HWY_RESTRICT acc,
                        size_t dvp) {
   const DF df;
   const size_t L = hn::Lanes(df);
+  [[maybe_unused]] VW mx = hn::Zero(DW());
+  [[maybe_unused]] bool nan = false;
   VF a[RT][NV];
   for (int r = 0; r < RT; ++r)
     for (int u = 0; u < NV; ++u) a[r][u] = hn::LoadU(df, acc + r * dvp + x0 + u * L);
@@ -458,7 +507,13 @@ HWY_INLINE void PVTile(const float* HWY_RESTRICT p, size_t bc, const float* act,
     if (NV == 1 && cnt < L) {
       v[0] = LoadCvtN<T>(row, x0, cnt);
     } else {
-      for (int u = 0; u < NV; ++u) v[u] = LoadCvt<T>(row, x0 + u * L);
+      if constexpr (!kExact) {
+        const size_t LW = hn::Lanes(DW()), bytes = NV * L;
+        size_t i = 0;
+        for (; i + LW <= bytes; i += LW) mx = WatchE4m3(mx, row + x0 + i);
+        for (; i < bytes; i += L) nan |= ChunkHasE4m3NaN(row + x0 + i);
+      }
+      for (int u = 0; u < NV; ++u) v[u] = LoadCvt<T, kExact>(row, x0 + u * L);
     }
     if ((all >> jj) & 1) {
       for (int r = 0; r < RT; ++r) {
@@ -473,6 +528,9 @@ HWY_INLINE void PVTile(const float* HWY_RESTRICT p, size_t bc, const float* act,
         for (int u = 0; u < NV; ++u) a[r][u] = hn::MulAdd(pv, v[u], a[r][u]);
       }
     }
+  }
+  if constexpr (!kExact) {
+    if (nan || SawE4m3NaN(mx)) return PVTile<T, RT, NV, true>(p, bc, act, rows, off, n, all, x0, cnt, acc, dvp);
   }
   for (int r = 0; r < RT; ++r)
     for (int u = 0; u < NV; ++u) hn::StoreU(a[r][u], df, acc + r * dvp + x0 + u * L);
