@@ -240,49 +240,69 @@ TEST(DecodeQuant, E4m3CodesExactThroughScoresAndPV) {
 
 // The f8e4m3 score and P.V tiles convert without the NaN fix-up and watch the codes instead,
 // redoing a tile exactly when one holds a NaN code. One NaN code at a time, in the rows' 64-code
-// segments, vector-sized tails and scalar tails (d = 72 / 80 / 200), in the first and the last
-// (partial) key block: a NaN in K makes every row of that kv head NaN (O and LSE); a NaN in V
-// only its column. Everything else is bitwise the clean run (the redo computes the same sums).
+// segments, vector-sized tails and scalar tails (head dims 8 ... 200, dv != d), in the first and
+// the last (partial) key block: a NaN in K makes every row of that kv head that sees the key NaN
+// (O and LSE); a NaN in V only their column. Everything else is bitwise the clean run (the redo
+// computes the same sums). With 3 causal query rows only some rows of a tile see the last keys.
+// tests/CMakeLists.txt runs the Decode suites under IOATTN_CPU_TARGET=avx2 / sse4 / scalar too.
 TEST(DecodeQuant, E4m3NaNCodeAnywhereInARow) {
-  for (int64_t d : {64, 72, 80, 128, 200}) {
+  struct Shape {
+    int64_t d, dv, sq;
+  };
+  for (const Shape sh : {Shape{8, 8, 1}, Shape{12, 12, 1}, Shape{24, 24, 1}, Shape{64, 64, 1}, Shape{72, 100, 1},
+                         Shape{80, 80, 1}, Shape{100, 24, 1}, Shape{112, 112, 1}, Shape{128, 128, 1},
+                         Shape{200, 200, 1}, Shape{64, 64, 3}, Shape{96, 96, 3}}) {
     Spec c = mk("e4m3nan", DType::f32);
     c.cache = DType::f8e4m3;
     c.hq = 8;
     c.hkv = 2;
-    c.d = d;
+    c.d = sh.d;
+    c.dv = sh.dv;
+    c.sq = sh.sq;
+    c.causal = sh.sq > 1;
     c.lens = {150};
     c.page_size = 16;
+    const int64_t len = 150, d = c.d, dv = c.DV(), hq_per = c.hq / c.hkv;
     Built bl(c, make_values(c, 31));
     auto* kc = static_cast<uint8_t*>(bl.kc.host());
     auto* vc = static_cast<uint8_t*>(bl.vc.host());
+    const size_t o_count = static_cast<size_t>(c.sq * c.hq * dv);
     for (int splits : {1, 3}) {
       bl.run(splits);
       const std::vector<float> clean = bl.outputs();
-      const int64_t hq_per = c.hq / c.hkv;
-      for (int64_t t : {5, 149})
-        for (int64_t pos : {int64_t{0}, int64_t{63}, d - 9, d - 1}) {
-          for (bool in_k : {true, false}) {
-            uint8_t* at = (in_k ? kc : vc) + bl.elem(0, t, 1, d) + pos;
+      for (int64_t t : {int64_t{5}, len - 2, len - 1})
+        for (bool in_k : {true, false}) {
+          const int64_t width = in_k ? d : dv;
+          std::vector<int64_t> positions;
+          for (int64_t pos : {int64_t{0}, int64_t{63}, width - 9, width - 1})
+            if (pos >= 0 && pos < width && std::find(positions.begin(), positions.end(), pos) == positions.end())
+              positions.push_back(pos);
+          for (int64_t pos : positions) {
+            uint8_t* at = (in_k ? kc : vc) + bl.elem(0, t, 1, width) + pos;
             const uint8_t saved = *at;
             *at = in_k ? detail::kE4m3NaN : static_cast<uint8_t>(0x80 | detail::kE4m3NaN);
             bl.run(splits);
             *at = saved;
             const std::vector<float> got = bl.outputs();
             int bad = 0;
-            for (int64_t h = 0; h < c.hq && bad < 4; ++h) {
-              const bool hit = h / hq_per == 1;
-              for (int64_t x = 0; x <= d && bad < 4; ++x) {  // x == d: the LSE
-                const size_t i = x < d ? static_cast<size_t>(h * d + x) : static_cast<size_t>(c.hq * d + h);
-                const bool want_nan = hit && (in_k || x == pos);
-                const bool ok = want_nan ? std::isnan(got[i]) : std::memcmp(&got[i], &clean[i], 4) == 0;
-                if (!ok) {
-                  ++bad;
-                  ADD_FAILURE() << "d=" << d << " splits=" << splits << " token " << t << " pos " << pos
-                                << (in_k ? " K" : " V") << ": head " << h << (x < d ? " dim " : " LSE ")
-                                << (x < d ? x : 0) << " got " << got[i] << ", clean " << clean[i];
+            for (int64_t i = 0; i < c.sq; ++i)
+              for (int64_t h = 0; h < c.hq && bad < 4; ++h) {
+                const bool hit = h / hq_per == 1 && t <= len - c.sq + i;  // the row sees token t
+                for (int64_t x = 0; x <= dv && bad < 4; ++x) {             // x == dv: the LSE
+                  const size_t at_out = x < dv ? static_cast<size_t>((i * c.hq + h) * dv + x)
+                                               : o_count + static_cast<size_t>(h * c.sq + i);
+                  const bool want_nan = hit && (in_k || x == pos);
+                  const bool ok = want_nan ? std::isnan(got[at_out])
+                                           : std::memcmp(&got[at_out], &clean[at_out], 4) == 0;
+                  if (!ok) {
+                    ++bad;
+                    ADD_FAILURE() << "d=" << d << " dv=" << dv << " sq=" << c.sq << " splits=" << splits << " token "
+                                  << t << " pos " << pos << (in_k ? " K" : " V") << ": row " << i << " head " << h
+                                  << (x < dv ? " dim " : " LSE ") << (x < dv ? x : 0) << " got " << got[at_out]
+                                  << ", clean " << clean[at_out];
+                  }
                 }
               }
-            }
           }
         }
     }

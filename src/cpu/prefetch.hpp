@@ -11,6 +11,8 @@ namespace ioattn::detail {
 inline void prefetch_l2(const void* p) {
 #if (defined(__x86_64__) || defined(__i386__)) && (defined(__GNUC__) || defined(__clang__))
   __asm__ volatile("prefetcht1 %0" : : "m"(*static_cast<const char*>(p)));
+#elif defined(__aarch64__) && (defined(__GNUC__) || defined(__clang__))
+  __asm__ volatile("prfm pldl2keep, %a0" : : "p"(p));  // into L2, as prefetcht1
 #else
   __builtin_prefetch(p, 0, 2);
 #endif

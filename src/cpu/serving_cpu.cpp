@@ -368,7 +368,14 @@ HWY_INLINE VF LoadCvt(const uint8_t* HWY_RESTRICT row, size_t x) {
 
 // NaN watch for the f8e4m3 conversion without fix-up: c | 0x80 == 0xFF exactly for the NaN codes
 // (S.1111.111), so a running byte max of c | 0x80 reaches 0xFF iff one was seen. Two vector ops
-// per 64 codes, on the cache lines the conversion is loading anyway.
+// per Lanes(DW) codes (64 on AVX-512, 32 on AVX2), on the cache lines the conversion is loading
+// anyway. Only where LoadCvt has a conversion without the fix-up (F16C targets); elsewhere the
+// tiles run exact (kE4m3Watch).
+#if HWY_TARGET <= HWY_AVX2
+constexpr bool kE4m3Watch = true;
+#else
+constexpr bool kE4m3Watch = false;
+#endif
 using DW = hn::CappedTag<uint8_t, 64>;
 using VW = hn::Vec<DW>;
 HWY_INLINE VW WatchE4m3(VW mx, const uint8_t* HWY_RESTRICT p) {
@@ -433,7 +440,7 @@ constexpr int kMaxRowTile = 2;
 // keys' rows (dtype T, d elements each).
 // kExact = false (f8e4m3): conversion without the NaN fix-up, the codes watched; a tile that
 // met a NaN code is computed again with kExact = true.
-template <DType T, int RT, bool kExact = (T != DType::f8e4m3)>
+template <DType T, int RT, bool kExact = (T != DType::f8e4m3 || !kE4m3Watch)>
 HWY_INLINE void ScoresTile(const float* HWY_RESTRICT q, size_t dp, const uint8_t* const* rows, size_t d,
                            float* HWY_RESTRICT s, size_t bc) {
   const DF df;
@@ -490,7 +497,7 @@ HWY_INLINE void ScoresTile(const float* HWY_RESTRICT q, size_t dp, const uint8_t
 // `all` says every row of the tile is active and has P != 0 at jj (one shared FMA pass);
 // otherwise each row is checked. cnt < L: only the first cnt elements of the (single) vector.
 // kExact as in ScoresTile: the redo starts again from acc, which the tile stores only at its end.
-template <DType T, int RT, int NV, bool kExact = (T != DType::f8e4m3)>
+template <DType T, int RT, int NV, bool kExact = (T != DType::f8e4m3 || !kE4m3Watch)>
 HWY_INLINE void PVTile(const float* HWY_RESTRICT p, size_t bc, const float* act, const uint8_t* const* rows,
                        int64_t off, size_t n, uint64_t all, size_t x0, size_t cnt, float* HWY_RESTRICT acc,
                        size_t dvp) {
