@@ -262,7 +262,7 @@ TEST(DecodeQuant, E4m3NaNCodeAnywhereInARow) {
     c.causal = sh.sq > 1;
     c.lens = {150};
     c.page_size = 16;
-    const int64_t len = 150, d = c.d, dv = c.DV(), hq_per = c.hq / c.hkv;
+    const int64_t len = c.lens[0], d = c.d, dv = c.DV(), hq_per = c.hq / c.hkv;
     Built bl(c, make_values(c, 31));
     auto* kc = static_cast<uint8_t*>(bl.kc.host());
     auto* vc = static_cast<uint8_t*>(bl.vc.host());

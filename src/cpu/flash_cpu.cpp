@@ -366,9 +366,7 @@ HWY_INLINE void MicroPV(const float* HWY_RESTRICT pt, size_t ldp, const float* H
 // [b, s, h, d] layout the rows of one head are heads*d elements apart (4 KiB for 8 x 128 f32),
 // so every row starts a new page: the hardware prefetchers do not follow, and without this the
 // packing stalls on an L3 (and TLB) miss per row.
-// prefetcht1: into L2 (and L3), not L1 (prefetch.hpp: an asm statement, as GCC may delete a
-// loop of __builtin_prefetch).
-HWY_INLINE void PrefetchL2(const char* p) { prefetch_l2(p); }
+// prefetch_l2 (prefetch.hpp): prefetcht1, into L2 (and L3), not L1.
 
 struct RowPrefetch {
   const char* k = nullptr;  // first row of the next block; null = nothing to prefetch
@@ -386,8 +384,8 @@ struct RowPrefetch {
     for (size_t j = slice * rows / nslices; j < j1; ++j) {
       const char* kr = k + static_cast<int64_t>(j) * k_stride;
       const char* vr = v + static_cast<int64_t>(j) * v_stride;
-      for (size_t x = 0; x < k_bytes; x += kLine) PrefetchL2(kr + x);
-      for (size_t x = 0; x < v_bytes; x += kLine) PrefetchL2(vr + x);
+      for (size_t x = 0; x < k_bytes; x += kLine) prefetch_l2(kr + x);
+      for (size_t x = 0; x < v_bytes; x += kLine) prefetch_l2(vr + x);
     }
     ++slice;
   }

@@ -462,6 +462,11 @@ HWY_INLINE void ScoresTile(const float* HWY_RESTRICT q, size_t dp, const uint8_t
       a[r][3] = hn::MulAdd(qv, k3, a[r][3]);
     }
   };
+  // The 4 keys' elements [u, u + L), converted (LoadCvt<T, false>: without the NaN fix-up).
+  auto fma_at = [&](size_t u) HWY_ATTR {
+    fma_block(u, LoadCvt<T, kExact>(r0, u), LoadCvt<T, kExact>(r1, u), LoadCvt<T, kExact>(r2, u),
+              LoadCvt<T, kExact>(r3, u));
+  };
   size_t x = 0;
   if constexpr (!kExact) {
     const DW dw;
@@ -470,19 +475,15 @@ HWY_INLINE void ScoresTile(const float* HWY_RESTRICT q, size_t dp, const uint8_t
     bool nan = false;
     for (; x + LW <= d; x += LW) {
       mx = WatchE4m3(WatchE4m3(WatchE4m3(WatchE4m3(mx, r0 + x), r1 + x), r2 + x), r3 + x);
-      for (size_t u = x; u < x + LW; u += L)
-        fma_block(u, LoadCvt<T, false>(r0, u), LoadCvt<T, false>(r1, u), LoadCvt<T, false>(r2, u),
-                  LoadCvt<T, false>(r3, u));
+      for (size_t u = x; u < x + LW; u += L) fma_at(u);
     }
     for (; x + L <= d; x += L) {
       nan |= ChunkHasE4m3NaN(r0 + x) | ChunkHasE4m3NaN(r1 + x) | ChunkHasE4m3NaN(r2 + x) | ChunkHasE4m3NaN(r3 + x);
-      fma_block(x, LoadCvt<T, false>(r0, x), LoadCvt<T, false>(r1, x), LoadCvt<T, false>(r2, x),
-                LoadCvt<T, false>(r3, x));
+      fma_at(x);
     }
     if (nan || SawE4m3NaN(mx)) return ScoresTile<T, RT, true>(q, dp, rows, d, s, bc);
   } else {
-    for (; x + L <= d; x += L)
-      fma_block(x, LoadCvt<T>(r0, x), LoadCvt<T>(r1, x), LoadCvt<T>(r2, x), LoadCvt<T>(r3, x));
+    for (; x + L <= d; x += L) fma_at(x);
   }
   if (x < d) {  // the row tail: exact scalar conversions
     const size_t c = d - x;
