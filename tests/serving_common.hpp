@@ -457,6 +457,70 @@ inline std::vector<Spec> reference_cases() {
 }
 
 
+// A seeded random decode problem (1-16 query rows) mixing what reference_cases() tests one or two at
+// a time: page sizes 1 / 3 / 16 / 64 / 256 or contiguous, ragged lengths with 0 and 1, GQA up to
+// 8:1, 8-bit caches, masks, softcap, ALiBi, sinks, split counts, padded heads. The name spells out
+// every parameter. cuda: head dims that are multiples of 8 up to 256, and K / V rows of a multiple
+// of 16 bytes (the CUDA kernels' 16-byte copies; their refusal is tested on its own).
+inline Spec random_spec(uint64_t seed, bool cuda = false) {
+  std::mt19937_64 rng(0x51ed270b27a5f00dull ^ (seed * 0x100000001b3ull));  // raw engine output only
+  auto pick = [&](uint64_t n) { return static_cast<int64_t>(rng() % n); };
+  auto chance = [&](int percent) { return pick(100) < percent; };
+  static const DType kTypes[] = {DType::f32, DType::f16, DType::bf16};
+  Spec c = mk("", kTypes[pick(3)]);
+  if (chance(25)) c.cache = DType::f8e4m3;
+  else if (chance(20)) c.cache = DType::i8;
+  static const int64_t kDims[] = {8, 16, 32, 64, 72, 96, 128, 160, 256};
+  static const int64_t kOddDims[] = {1, 5, 33, 100, 130};
+  c.d = !cuda && chance(15) ? kOddDims[pick(5)] : kDims[pick(9)];
+  if (chance(20)) c.dv = kDims[pick(9)];
+  if (cuda && (c.d * dtype_size(c.cache) % 16 != 0 || c.DV() * dtype_size(c.cache) % 16 != 0)) c.cache = c.dtype;
+  c.hkv = 1 + pick(4);
+  static const int64_t kRatios[] = {1, 2, 4, 8};
+  c.hq = c.hkv * kRatios[pick(4)];
+  c.sq = chance(40) ? 1 : 1 + pick(16);
+  c.lens.clear();
+  const int64_t batch = 1 + pick(5);
+  for (int64_t b = 0; b < batch; ++b) {  // 0, or at least sq tokens
+    const int64_t len = chance(15) ? 0 : chance(10) ? c.sq : c.sq + pick(700);
+    c.lens.push_back(static_cast<int32_t>(len));
+  }
+  static const int64_t kPages[] = {0, 0, 1, 3, 16, 64, 256};
+  c.page_size = kPages[pick(7)];
+  c.causal = chance(40);
+  if (chance(25)) {
+    c.wl = chance(30) ? -1 : pick(100);
+    c.wr = chance(40) ? -1 : pick(10);
+  }
+  if (chance(20)) c.softcap = static_cast<float>(2 + pick(30));
+  c.alibi = chance(20);
+  c.sinks = chance(20);
+  static const int kSplits[] = {0, 0, 1, 2, 3, 5, 7};
+  c.splits = kSplits[pick(7)];
+  c.pad_head = chance(15) ? 8 : 0;
+  c.q_range = c.softcap > 0 || chance(15) ? 3.0f : 1.0f;
+  if (chance(10)) c.scale = 0.05f + static_cast<float>(pick(100)) / 100.0f;
+
+  std::string n = "seed" + std::to_string(seed) + "_" + dtype_name(c.dtype);
+  if (c.cache != c.dtype) n += std::string("_") + dtype_name(c.cache) + "cache";
+  n += "_sq" + std::to_string(c.sq) + "_lens";
+  for (int32_t L : c.lens) n += "_" + std::to_string(L);
+  n += (c.page_size ? "_page" + std::to_string(c.page_size) : std::string("_contiguous")) + "_h" + std::to_string(c.hq) +
+       "x" + std::to_string(c.hkv) + "_d" + std::to_string(c.d);
+  if (c.dv >= 0) n += "_dv" + std::to_string(c.dv);
+  if (c.causal) n += "_causal";
+  if (c.wl >= 0 || c.wr >= 0) n += "_window" + std::to_string(c.wl) + "_" + std::to_string(c.wr);
+  if (c.softcap > 0) n += "_softcap" + std::to_string(static_cast<int>(c.softcap));
+  if (c.alibi) n += "_alibi";
+  if (c.sinks) n += "_sinks";
+  if (c.splits) n += "_splits" + std::to_string(c.splits);
+  if (c.pad_head) n += "_padheads";
+  if (c.q_range != 1.0f) n += "_range3";
+  if (c.scale > 0) n += "_scale" + std::to_string(static_cast<int>(c.scale * 100 + 0.5f)) + "pc";
+  c.name = n;
+  return c;
+}
+
 // ---- more than 16 query rows (a prefill chunk against the cache) ----------------------------
 
 // The cases both backends run (CUDA: those with an f16 / bf16 q and head_dim == head_dim_v): block

@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "check.hpp"
+#include "fuzz_cases.hpp"
 #include "core/backends.hpp"
 #include "core/harness.hpp"
 #include "core/validate.hpp"
@@ -420,6 +421,22 @@ TEST_P(CudaBackward, MatchesFloat64Reference) { run_case(GetParam(), 7 + GetPara
 
 INSTANTIATE_TEST_SUITE_P(Cases, CudaBackward, ::testing::ValuesIn(cases()),
                          [](const auto& info) { return info.param.name; });
+
+// Seeded random mixes of the features (tests/fuzz_cases.hpp) in the kernels' space (f16 / bf16,
+// head dims that are multiples of 8 up to 256, head_dim_v == head_dim), NaN between the heads.
+class CudaBackwardFuzz : public ::testing::TestWithParam<int> {};
+
+TEST_P(CudaBackwardFuzz, MatchesFloat64Reference) {
+  FuzzSpace sp;
+  sp.low_precision = sp.tensor_core_dims = true;
+  sp.max_len = 300;
+  Case c = random_case(static_cast<uint64_t>(GetParam()), sp);
+  c.pad_head = 8;
+  run_case(c, 11 + static_cast<uint64_t>(GetParam()));
+}
+
+INSTANTIATE_TEST_SUITE_P(Seeds, CudaBackwardFuzz, ::testing::Range(0, 40),
+                         [](const auto& info) { return "seed" + std::to_string(info.param); });
 
 // The wgmma backward (sm_90's default where it applies: hdim 64 and 128, causal, sliding windows,
 // sinks, GQA, varlen; no softcap / ALiBi): the same reference checks, on an sm_90

@@ -135,6 +135,28 @@ TEST_P(CudaDecodeReference, MatchesFloat64ReferenceAndTheCpu) {
 INSTANTIATE_TEST_SUITE_P(Cases, CudaDecodeReference, ::testing::ValuesIn(cuda_cases()),
                          [](const ::testing::TestParamInfo<Spec>& info) { return info.param.name; });
 
+// Seeded random mixes (serving_common.hpp random_spec): the dispatcher's kernel at the case's split
+// count vs the float64 reference and the CPU backend.
+class CudaDecodeFuzz : public ::testing::TestWithParam<int> {};
+
+TEST_P(CudaDecodeFuzz, MatchesFloat64ReferenceAndTheCpu) {
+  SKIP_WITHOUT_GPU();
+  const Spec c = on_cuda(random_spec(static_cast<uint64_t>(GetParam()), true));
+  const Values vals = make_values(c, 100 + static_cast<uint64_t>(GetParam()));
+  Built gpu(c, vals);
+  const KernelChoice k = gpu.run();
+  EXPECT_NE(k.kernel.find("cuda/splitkv"), std::string::npos) << k.kernel;
+  expect_matches_reference(gpu, c.name + " (" + k.kernel + ")");
+  Spec cc = c;
+  cc.device = Device::cpu;
+  Built cpu(cc, vals);
+  cpu.run();
+  EXPECT_LE(max_diff(gpu.outputs(), cpu.outputs()), backend_tol(c.dtype)) << c.name << " (" << k.kernel << ")";
+}
+
+INSTANTIATE_TEST_SUITE_P(Seeds, CudaDecodeFuzz, ::testing::Range(0, 48),
+                         [](const ::testing::TestParamInfo<int>& info) { return "seed" + std::to_string(info.param); });
+
 // ---- decode vs itself ---------------------------------------------------------------------------
 
 TEST(CudaDecode, SplitMatchesUnsplitWithinFp32Rounding) {

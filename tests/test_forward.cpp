@@ -7,6 +7,7 @@
 #include <limits>
 
 #include "check.hpp"
+#include "fuzz_cases.hpp"
 
 namespace ioattn::test {
 namespace {
@@ -91,6 +92,29 @@ std::string case_name(const ::testing::TestParamInfo<std::tuple<Target, Case>>& 
 INSTANTIATE_TEST_SUITE_P(All, Forward,
                          ::testing::Combine(::testing::ValuesIn(kTargets), ::testing::ValuesIn(all_cases())),
                          case_name);
+
+// Seeded random mixes of the features (tests/fuzz_cases.hpp) on every target; the CUDA flash
+// kernels draw from the cases they take (f16 / bf16, head dims that are multiples of 8).
+constexpr int kFuzzSeeds = 48;
+
+class FuzzForward : public ::testing::TestWithParam<std::tuple<Target, int>> {};
+
+TEST_P(FuzzForward, MatchesFloat64Reference) {
+  const auto& [tg, seed] = GetParam();
+  IOATTN_SKIP_IF_NO_DEVICE(tg);
+  FuzzSpace sp;
+  sp.low_precision = sp.tensor_core_dims = tg.device == Device::cuda && tg.backend == Backend::flash;
+  const Case c = random_case(static_cast<uint64_t>(seed), sp);
+  ASSERT_TRUE(supported(tg, c)) << c.name;
+  run_case(c, tg);
+}
+
+std::string fuzz_name(const ::testing::TestParamInfo<std::tuple<Target, int>>& info) {
+  return std::get<0>(info.param).name() + "_seed" + std::to_string(std::get<1>(info.param));
+}
+
+INSTANTIATE_TEST_SUITE_P(All, FuzzForward,
+                         ::testing::Combine(::testing::ValuesIn(kTargets), ::testing::Range(0, kFuzzSeeds)), fuzz_name);
 
 class ForwardTarget : public ::testing::TestWithParam<Target> {};
 

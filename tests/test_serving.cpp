@@ -41,6 +41,20 @@ TEST_P(DecodeReference, MatchesFloat64Reference) {
 INSTANTIATE_TEST_SUITE_P(Cases, DecodeReference, ::testing::ValuesIn(reference_cases()),
                          [](const ::testing::TestParamInfo<Spec>& info) { return info.param.name; });
 
+// Seeded random mixes (serving_common.hpp random_spec).
+class DecodeFuzz : public ::testing::TestWithParam<int> {};
+
+TEST_P(DecodeFuzz, MatchesFloat64Reference) {
+  const Spec c = random_spec(static_cast<uint64_t>(GetParam()));
+  Built bl(c, make_values(c, 100 + static_cast<uint64_t>(GetParam())));
+  const KernelChoice k = bl.run();
+  EXPECT_NE(k.kernel.find("cpu/splitkv"), std::string::npos) << k.kernel;
+  expect_matches_reference(bl, c.name);
+}
+
+INSTANTIATE_TEST_SUITE_P(Seeds, DecodeFuzz, ::testing::Range(0, 48),
+                         [](const ::testing::TestParamInfo<int>& info) { return "seed" + std::to_string(info.param); });
+
 // ---- decode vs itself -----------------------------------------------------------------------
 
 TEST(DecodeSplits, SplitMatchesUnsplitWithinFp32Rounding) {
