@@ -923,35 +923,40 @@ TEST_P(CudaDecodeCachePrefill, MatchesFloat64ReferenceAndTheCpu) {
 INSTANTIATE_TEST_SUITE_P(Cases, CudaDecodeCachePrefill, ::testing::ValuesIn(cuda_prefill_cases()),
                          [](const ::testing::TestParamInfo<Spec>& info) { return info.param.name; });
 
-// On sm_90 the Hopper kernel's KV-cache rows (IOATTN_SM90_CACHE=1; opt-in until verified on a GPU)
-// take the 16-bit caches of q's dtype at head_dim 64 / 128 / 256, contiguous or with a page size
-// that is a multiple of 8 and divides the key block (128; 80 at head_dim 256) or is a multiple of
-// it; the rest run on the mma.sync cache mode, whose reason says why the wgmma one did not.
-// Both against the float64 reference; IOATTN_SM90_CACHE=0 sends everything to mma.sync.
+// On sm_90 the Hopper kernel's KV-cache rows take the 16-bit caches of q's dtype at head_dim 64 /
+// 128 / 256, contiguous or with a page size that is a multiple of 8 and divides the key block (128;
+// 80 at head_dim 256) or is a multiple of it: by default when the page pieces (min(page, block))
+// have >= 64 rows, with IOATTN_SM90_CACHE=1 also smaller ones; the rest run on the mma.sync cache
+// mode, whose reason says why the wgmma one did not. All against the float64 reference;
+// IOATTN_SM90_CACHE=0 sends everything to mma.sync.
 TEST(CudaDecodeCachePrefill, Sm90RowsTakeSixteenBitCaches) {
   SKIP_WITHOUT_GPU();
   if (detail::cuda_device_arch(0) != 90) GTEST_SKIP() << "skipped: the wgmma rows need sm_90";
-  int sm90 = 0, mma = 0;
+  int sm90 = 0, mma = 0, sm90_default = 0;
   for (const Spec& c : cuda_prefill_cases()) {
     const int64_t block_n = c.d == 256 ? 80 : 128, ps = c.page_size;
     const bool eligible = c.cache == c.dtype && (c.d == 64 || c.d == 128 || c.d == 256) &&
                           (ps == 0 || (ps % 8 == 0 && (block_n % ps == 0 || ps % block_n == 0)));
+    const bool by_default = eligible && (ps == 0 || std::min(ps, block_n) >= 64);
     const Values vals = make_values(c, 31);
-    for (const char* on : {"1", "0"}) {
-      ScopedEnv e("IOATTN_SM90_CACHE", on);
+    for (const char* on : {"1", "", "0"}) {  // forced, the default (unset), off
+      ScopedEnv e("IOATTN_SM90_CACHE", *on ? on : nullptr);
       Built gpu(c, vals);
       const KernelChoice k = gpu.run();
-      const bool wgmma = *on == '1' && eligible;
+      const bool wgmma = *on == '1' ? eligible : *on == '0' ? false : by_default;
       EXPECT_EQ(k.kernel.find("sm90 wgmma+tma") != std::string::npos, wgmma) << c.name << ": " << k.kernel;
       if (!wgmma)
         EXPECT_NE(k.reason.find("sm90 wgmma kernel not used"), std::string::npos) << c.name << ": " << k.reason;
       const ForwardTol tol = forward_tol(gpu);
-      expect_matches_reference(gpu, c.name + (wgmma ? " wgmma" : " mma.sync"), false, tol.extra_o(), tol.extra_lse());
+      expect_matches_reference(gpu, c.name + (wgmma ? " wgmma" : " mma.sync") + " IOATTN_SM90_CACHE='" + on + "'", false,
+                               tol.extra_o(), tol.extra_lse());
       if (*on == '1') (wgmma ? sm90 : mma) += 1;
+      if (*on == '\0' && wgmma) ++sm90_default;
     }
   }
   EXPECT_GE(sm90, 4);
   EXPECT_GE(mma, 4);
+  EXPECT_GE(sm90_default, 2);
   // A persistent grid of 2 CTAs: every CTA runs many tiles (the dynamic counter, the tile hand-over).
   ScopedEnv on("IOATTN_SM90_CACHE", "1"), ctas("IOATTN_SM90_MAX_CTAS", "2");
   for (const Spec& c : cuda_prefill_cases()) {

@@ -410,7 +410,6 @@ std::vector<Fp8Case> fp8_varlen_cases();
 TEST(Fp8Cuda, VarlenOnDevice) {
   if (detail::cuda_device_count() == 0) GTEST_SKIP() << "skipped: no CUDA device";
   const int arch = detail::cuda_device_arch(0);
-  ScopedEnv on("IOATTN_SM90_FP8_VARLEN", "1");  // opt-in until its first GPU run
   for (const Fp8Case& c : fp8_varlen_cases()) run_cuda_fp8_case(c, arch, "varlen");
 }
 

@@ -14,12 +14,13 @@
 #      forward's KV-cache mode): its tests (test_cuda_serving *CachePrefill*, bounded), then
 #      ioattn_cuda_decode_bench --seqlen-q 512 (ours through the cache vs forward() on contiguous K / V,
 #      same run; GPU_CHECK_PREFILL_ARGS overrides the grid) -> prefill.json and a table in the summary.
-#   sm90cache (not in the default stages; ~1 min): the Hopper kernel's KV-cache rows (opt-in:
-#      IOATTN_SM90_CACHE=1): test_cuda_serving *CachePrefill* with them on, compute-sanitizer memcheck
+#   sm90cache (not in the default stages; ~1 min): the Hopper kernel's KV-cache rows (the default for
+#      contiguous caches and page pieces >= 64 rows since session 30; IOATTN_SM90_CACHE=1 forces them for
+#      smaller pieces): test_cuda_serving *CachePrefill* with them forced, compute-sanitizer memcheck
 #      and racecheck on the same filter, then ioattn_cuda_decode_bench --seqlen-q 512 (bf16 caches,
 #      contiguous / page 16 / page 64) with them on and off -> sm90cache.json and a ratio table.
-#   fp8varlen (not in the default stages; ~1 min): the fp8 kernel's varlen rows (opt-in
-#      IOATTN_SM90_FP8_VARLEN=1, session 28): ioattn_tests Fp8Cuda.* (VarlenOnDevice sets the variable),
+#   fp8varlen (not in the default stages; ~1 min): the fp8 kernel's varlen rows (session 28; the
+#      default since session 30): ioattn_tests Fp8Cuda.*,
 #      compute-sanitizer memcheck and racecheck on Fp8Cuda.VarlenOnDevice, then ioattn_cuda_bench local
 #      --dtype f8e4m3 --features causal,varlen -> fp8varlen.json and a table in the summary.
 #   bwdtune (not in the default stages; ~1 min build of the target alone + <= GPU_CHECK_BWDTUNE_BUDGET
@@ -769,7 +770,7 @@ PY
 fi
 
 # ---- ring attention: time per rank vs single device / P, NVLink hop model -------------------------
-# ---- the Hopper kernel's KV-cache rows (optional stage sm90cache; opt-in IOATTN_SM90_CACHE=1) ------
+# ---- the Hopper kernel's KV-cache rows (optional stage sm90cache; forced by IOATTN_SM90_CACHE=1) -----
 if want sm90cache && [[ -x $BUILD/test_cuda_serving ]]; then
   IOATTN_SM90_CACHE=1 bounded_test "sm90cache tests" 120 "$BUILD/test_cuda_serving" '*CachePrefill*' \
     "$OUT/sm90cache_tests.log" || true
@@ -800,7 +801,7 @@ for k in sorted(t):
 PY
 fi
 
-# ---- the fp8 kernel's varlen rows (optional stage fp8varlen; opt-in IOATTN_SM90_FP8_VARLEN=1) -------
+# ---- the fp8 kernel's varlen rows (optional stage fp8varlen) ----------------------------------------
 if want fp8varlen && [[ -x $BUILD/tests/ioattn_tests ]]; then
   bounded_test "fp8 tests" 150 "$BUILD/tests/ioattn_tests" 'Fp8Cuda.*' "$OUT/fp8varlen_tests.log" || true
   grep -E '^\[  FAILED|Failure|naive fp8 error' "$OUT/fp8varlen_tests.log" | head -20 | tee -a "$SUMMARY" >/dev/null
@@ -810,7 +811,7 @@ if want fp8varlen && [[ -x $BUILD/tests/ioattn_tests ]]; then
     note "fp8varlen $tool rc=$?  $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/fp8varlen_$tool.log" | tail -1)"
   done
   if [[ -x $BUILD/ioattn_cuda_bench ]]; then
-    IOATTN_SM90_FP8_VARLEN=1 timeout 200 "$BUILD/ioattn_cuda_bench" local --dtype f8e4m3 --hdims 64,128,256 \
+    timeout 200 "$BUILD/ioattn_cuda_bench" local --dtype f8e4m3 --hdims 64,128,256 \
       --seqlens 2048,8192 --features causal,varlen 2>&1 | grep '^{' >"$OUT/fp8varlen.json"
     python3 - "$OUT/fp8varlen.json" <<'PY' | tee -a "$SUMMARY"
 import json, sys

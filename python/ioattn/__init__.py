@@ -322,8 +322,8 @@ def attention_fp8(q: Array, k: Array, v: Array, *, q_descale: Optional[Array] = 
     1. out_dtype: "bfloat16" (default) or "float16". Fixed length as attention() ([batch, seqlen,
     heads, head_dim]); with cu_seqlens_q / cu_seqlens_k packed sequences as attention_varlen()
     ([total, heads, head_dim], LSE [heads_q, total_q]). Masks and modifiers as attention().
-    On CUDA the Hopper fp8 kernel (head_dim 64, 128 or 256; varlen opt-in by
-    IOATTN_SM90_FP8_VARLEN=1 until verified on a GPU); the CPU backends take every shape.
+    On CUDA the Hopper fp8 kernel (head_dim 64, 128 or 256, fixed length or packed); the CPU
+    backends take every shape.
     Returns O in out_dtype, and with return_lse=True also the float32 LSE.
     """
     if _is_torch(q):

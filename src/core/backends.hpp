@@ -74,7 +74,8 @@ CudaSelection cuda_flash_select(const FwdProblem& p, int arch);
 void cuda_flash_forward(const FwdProblem& p);
 // decode() with more than 16 query rows (a prefill chunk against the KV cache: p's cache fields,
 // serving_api.cpp's cache_prefill_problem): on sm_90 the Hopper kernel's KV-cache rows where they
-// take it (opt-in, IOATTN_SM90_CACHE=1), else the mma.sync forward in its KV-cache mode. The row
+// take it (16-bit caches of q's dtype, contiguous or page pieces of >= 64 rows; IOATTN_SM90_CACHE=1
+// also smaller pieces, =0 none), else the mma.sync forward in its KV-cache mode. The row
 // for this problem or why none fits; the run (the caller appended first, if asked to).
 CudaSelection cuda_cache_prefill_select(const FwdProblem& p, int arch);
 void cuda_cache_prefill(const FwdProblem& p);

@@ -20,8 +20,7 @@
 //       "causal" alone as the baseline; TFLOP/s over the visible (row, key) pairs. Run it as is (the
 //       sm90 kLocal rows, the default) and with IOATTN_SM90_LOCAL=0 (mma.sync) for the A/B (gpu-check
 //       stage sm90local). --dtype f8e4m3: e4m3 Q / K / V (random codes of magnitude < 2, unit
-//       descales) with bf16 O, the fp8 kernel's rows (varlen: opt-in IOATTN_SM90_FP8_VARLEN=1 until
-//       verified; without it the varlen line fails with the selector's reason).
+//       descales) with bf16 O, the fp8 kernel's rows.
 //   ioattn_cuda_bench naive [--seqlens 4096,8192,16384] [--heads 16] [--hdim 128]
 //       standard attention (S, P in HBM) vs flash on one sequence: ms, workspace bytes, and the
 //       max |O_naive - O_flash| as a sanity check.
@@ -190,11 +189,6 @@ void run_local(int argc, char** argv) {
           prm.alibi_slopes = per_head;
         } else if (f != "varlen" && f != "causal") {
           throw Error("--features", "causal, window, sinks, softcap, alibi or varlen, got '" + f + "'");
-        }
-        const char* fp8_varlen = std::getenv("IOATTN_SM90_FP8_VARLEN");
-        if (f == "varlen" && in_t == DType::f8e4m3 && (fp8_varlen == nullptr || std::string(fp8_varlen) != "1")) {
-          std::fprintf(stderr, "local: fp8 varlen skipped (opt-in IOATTN_SM90_FP8_VARLEN=1)\n");
-          continue;
         }
         Context ctx;
         ctx.backend = Backend::flash;

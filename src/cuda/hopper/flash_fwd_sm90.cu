@@ -560,9 +560,6 @@ bool select_fp8(const FwdProblem& p, std::string* kernel, std::string* why) {
     return fail(why, "fp8: head_dim " + std::to_string(p.head_dim) + " (fp8 wgmma kernel: 64, 128 or 256)");
   if (p.fp8_out != DType::bf16 && p.fp8_out != DType::f16)
     return fail(why, std::string("fp8: output dtype ") + dtype_str(p.fp8_out) + " (bf16, f16)");
-  // Opt-in until its first GPU run (session 28 wrote it while no device was lent).
-  if (p.varlen() && env_bool("IOATTN_SM90_FP8_VARLEN") != 1)
-    return fail(why, "fp8: varlen on the wgmma kernel is opt-in until verified on a GPU (IOATTN_SM90_FP8_VARLEN=1)");
   const bool local = needs_local(p);
   if (local && env_bool("IOATTN_SM90_LOCAL") == 0)
     return fail(why, "fp8: " + local_features(p) + " on the wgmma kernel (kLocal rows): switched off by IOATTN_SM90_LOCAL=0");
@@ -577,13 +574,16 @@ bool select_fp8(const FwdProblem& p, std::string* kernel, std::string* why) {
   const int64_t m_blocks = (p.seqlen_q + 127) / 128;
   if (m_blocks * p.heads_q * p.batch > kMaxInt) return fail(why, "more than 2^31-1 query tiles");
   if (p.batch * p.heads_kv * 2 > kMaxInt) return fail(why, "fp8: batch * heads_kv too large for the transpose grid");
-  // varlen: the ragged Q / K maps' limits, the V^T workspace's width (fp8_vt_width) and the transpose
-  // grid ((sequence, kv head) x the longest sequence's 32-key groups x 128-dim chunks, 4 warps a block)
-  if (p.varlen() && !varlen_maps_ok(p, {p.q_stride.seq, p.k_stride.seq}, 1, why)) return false;
-  if (p.varlen() && fp8_vt_width(p) > kMaxInt - 256)
-    return fail(why, "fp8 varlen: more than 2^31 - 256 packed keys with the V^T workspace's gaps");
-  if (p.varlen() && p.batch * p.heads_kv * ((p.seqlen_k + 31) / 32) * ((p.head_dim + 127) / 128) / 4 > kMaxInt)
-    return fail(why, "fp8 varlen: batch x heads_kv x the longest sequence too large for the V transpose grid");
+  // varlen (verified on the H200 in session 30): the ragged Q / K maps' limits, the V^T workspace's
+  // width (fp8_vt_width) and the transpose grid ((sequence, kv head) x the longest sequence's 32-key
+  // groups x 128-dim chunks, 4 warps a block)
+  if (p.varlen()) {
+    if (!varlen_maps_ok(p, {p.q_stride.seq, p.k_stride.seq}, 1, why)) return false;
+    if (fp8_vt_width(p) > kMaxInt - 256)
+      return fail(why, "fp8 varlen: more than 2^31 - 256 packed keys with the V^T workspace's gaps");
+    if (p.batch * p.heads_kv * ((p.seqlen_k + 31) / 32) * ((p.head_dim + 127) / 128) / 4 > kMaxInt)
+      return fail(why, "fp8 varlen: batch x heads_kv x the longest sequence too large for the V transpose grid");
+  }
   const MapExtent ext = map_extent(p);
   if (!tma_compatible(p.q, p.q_stride, ext.batch, ext.seqlen_q, p.heads_q, "q", why, 1)) return false;
   if (!tma_compatible(p.k, p.k_stride, ext.batch, ext.seqlen_k, p.heads_kv, "k", why, 1)) return false;
@@ -874,13 +874,18 @@ Row cache_row(const FwdProblem& p) {
 // 16-bit caches of q's dtype, head_dim == head_dim_v in {64, 128, 256}; paged: a page size that is
 // a multiple of 8 and divides the key block or is a multiple of it, pages packed (page stride =
 // page_size x slot stride); the rows the ragged maps span below 2^30.
+// The smallest page piece (rows per TMA load) the wgmma cache rows take by default.
+constexpr int64_t kCacheMinPieceRows = 64;
+
 bool select_cache_impl(const FwdProblem& p, std::string* kernel, std::string* why) {
   if (p.device != Device::cuda) return fail(why, "inputs are not on a CUDA device");
   if (detail::cuda_device_arch(p.device_index) != 90) return fail(why, "the device is not sm_90");
-  // Opt-in until its first GPU run (session 27 wrote it after the session's device time was spent):
-  // IOATTN_SM90_CACHE=1 takes it, unset / 0 the mma.sync cache mode.
-  if (env_bool("IOATTN_SM90_CACHE") != 1)
-    return fail(why, "the wgmma cache rows are opt-in until verified on a GPU (IOATTN_SM90_CACHE=1)");
+  // Default since session 30 (its H200 run: 0.87-1.02x forward() on contiguous K / V for contiguous
+  // caches, 0.66-0.74x at page size 64, where the mma.sync cache mode ran 0.23-0.45x). Page pieces
+  // under 64 rows stay on mma.sync unless IOATTN_SM90_CACHE=1 (page 16: 0.26-0.34x forward(), below
+  // mma.sync at batch 4: one small TMA load per 16 rows). IOATTN_SM90_CACHE=0: always mma.sync.
+  const int env = env_bool("IOATTN_SM90_CACHE");
+  if (env == 0) return fail(why, "the wgmma cache rows are switched off by IOATTN_SM90_CACHE=0");
   if (p.dtype != DType::bf16 && p.dtype != DType::f16)
     return fail(why, std::string("q dtype ") + dtype_str(p.dtype) + " (bf16, f16)");
   if (p.kvt() != p.dtype)
@@ -902,6 +907,10 @@ bool select_cache_impl(const FwdProblem& p, std::string* kernel, std::string* wh
     if (p.k_stride.batch != ps * p.k_stride.seq || p.v_stride.batch != ps * p.v_stride.seq)
       return fail(why, "pages are not packed (page stride != page_size x slot stride)");
     if (p.num_pages * ps >= kRaggedRows) return fail(why, "num_pages x page_size >= 2^30");
+    if (env != 1 && std::min<int64_t>(ps, row.block_n) < kCacheMinPieceRows)
+      return fail(why, "page size " + std::to_string(ps) + ": TMA pieces of fewer than " +
+                           std::to_string(kCacheMinPieceRows) +
+                           " rows run slower than the mma.sync cache mode (IOATTN_SM90_CACHE=1 takes them)");
   } else {
     const int64_t cap = cache_capacity_rows(p);
     if (cap == 0) return fail(why, "the contiguous cache's batch stride is not capacity x slot stride");

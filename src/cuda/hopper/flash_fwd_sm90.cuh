@@ -36,7 +36,8 @@
 // instances (LocalParams), which the selector uses unless IOATTN_SM90_LOCAL=0. The kCache
 // instances (CacheParams, session 27) run decode()'s prefill chunks through a 16-bit KV cache:
 // per-sequence lengths on the device, K / V through ragged maps over the cache's rows (paged: one
-// TMA load per page piece); opt-in (IOATTN_SM90_CACHE=1) until their first GPU run.
+// TMA load per page piece); verified on the H200 in session 30, the default for contiguous caches
+// and page pieces of >= 64 rows (IOATTN_SM90_CACHE=1 also smaller pieces, =0 none).
 // Masks are bottom-right aligned: row i sees key j iff j <= i + (seqlen_k - seqlen_q).
 // Rows with no visible key get O = 0, LSE = -inf.
 //
