@@ -27,6 +27,7 @@
 #include <vector>
 
 #include "check.hpp"
+#include "fuzz_cases.hpp"
 #include "core/serving_problem.hpp"
 #include "cpu/serving_quant.h"
 #include "ioattn/serving.hpp"
@@ -463,43 +464,41 @@ inline std::vector<Spec> reference_cases() {
 // every parameter. cuda: head dims that are multiples of 8 up to 256, and K / V rows of a multiple
 // of 16 bytes (the CUDA kernels' 16-byte copies; their refusal is tested on its own).
 inline Spec random_spec(uint64_t seed, bool cuda = false) {
-  std::mt19937_64 rng(0x51ed270b27a5f00dull ^ (seed * 0x100000001b3ull));  // raw engine output only
-  auto pick = [&](uint64_t n) { return static_cast<int64_t>(rng() % n); };
-  auto chance = [&](int percent) { return pick(100) < percent; };
+  SeededPicks r(0x51ed270b27a5f00dull, seed);
   static const DType kTypes[] = {DType::f32, DType::f16, DType::bf16};
-  Spec c = mk("", kTypes[pick(3)]);
-  if (chance(25)) c.cache = DType::f8e4m3;
-  else if (chance(20)) c.cache = DType::i8;
+  Spec c = mk("", kTypes[r.pick(3)]);
+  if (r.chance(25)) c.cache = DType::f8e4m3;
+  else if (r.chance(20)) c.cache = DType::i8;
   static const int64_t kDims[] = {8, 16, 32, 64, 72, 96, 128, 160, 256};
   static const int64_t kOddDims[] = {1, 5, 33, 100, 130};
-  c.d = !cuda && chance(15) ? kOddDims[pick(5)] : kDims[pick(9)];
-  if (chance(20)) c.dv = kDims[pick(9)];
+  c.d = !cuda && r.chance(15) ? kOddDims[r.pick(5)] : kDims[r.pick(9)];
+  if (r.chance(20)) c.dv = kDims[r.pick(9)];
   if (cuda && (c.d * dtype_size(c.cache) % 16 != 0 || c.DV() * dtype_size(c.cache) % 16 != 0)) c.cache = c.dtype;
-  c.hkv = 1 + pick(4);
+  c.hkv = 1 + r.pick(4);
   static const int64_t kRatios[] = {1, 2, 4, 8};
-  c.hq = c.hkv * kRatios[pick(4)];
-  c.sq = chance(40) ? 1 : 1 + pick(16);
+  c.hq = c.hkv * kRatios[r.pick(4)];
+  c.sq = r.chance(40) ? 1 : 1 + r.pick(16);
   c.lens.clear();
-  const int64_t batch = 1 + pick(5);
+  const int64_t batch = 1 + r.pick(5);
   for (int64_t b = 0; b < batch; ++b) {  // 0, or at least sq tokens
-    const int64_t len = chance(15) ? 0 : chance(10) ? c.sq : c.sq + pick(700);
+    const int64_t len = r.chance(15) ? 0 : r.chance(10) ? c.sq : c.sq + r.pick(700);
     c.lens.push_back(static_cast<int32_t>(len));
   }
   static const int64_t kPages[] = {0, 0, 1, 3, 16, 64, 256};
-  c.page_size = kPages[pick(7)];
-  c.causal = chance(40);
-  if (chance(25)) {
-    c.wl = chance(30) ? -1 : pick(100);
-    c.wr = chance(40) ? -1 : pick(10);
+  c.page_size = kPages[r.pick(7)];
+  c.causal = r.chance(40);
+  if (r.chance(25)) {
+    c.wl = r.chance(30) ? -1 : r.pick(100);
+    c.wr = r.chance(40) ? -1 : r.pick(10);
   }
-  if (chance(20)) c.softcap = static_cast<float>(2 + pick(30));
-  c.alibi = chance(20);
-  c.sinks = chance(20);
+  if (r.chance(20)) c.softcap = static_cast<float>(2 + r.pick(30));
+  c.alibi = r.chance(20);
+  c.sinks = r.chance(20);
   static const int kSplits[] = {0, 0, 1, 2, 3, 5, 7};
-  c.splits = kSplits[pick(7)];
-  c.pad_head = chance(15) ? 8 : 0;
-  c.q_range = c.softcap > 0 || chance(15) ? 3.0f : 1.0f;
-  if (chance(10)) c.scale = 0.05f + static_cast<float>(pick(100)) / 100.0f;
+  c.splits = kSplits[r.pick(7)];
+  c.pad_head = r.chance(15) ? 8 : 0;
+  c.q_range = c.softcap > 0 || r.chance(15) ? 3.0f : 1.0f;
+  if (r.chance(10)) c.scale = 0.05f + static_cast<float>(r.pick(100)) / 100.0f;
 
   std::string n = "seed" + std::to_string(seed) + "_" + dtype_name(c.dtype);
   if (c.cache != c.dtype) n += std::string("_") + dtype_name(c.cache) + "cache";
@@ -516,7 +515,7 @@ inline Spec random_spec(uint64_t seed, bool cuda = false) {
   if (c.splits) n += "_splits" + std::to_string(c.splits);
   if (c.pad_head) n += "_padheads";
   if (c.q_range != 1.0f) n += "_range3";
-  if (c.scale > 0) n += "_scale" + std::to_string(static_cast<int>(c.scale * 100 + 0.5f)) + "pc";
+  if (c.scale > 0) n += scale_tag(c.scale);
   c.name = n;
   return c;
 }

@@ -871,12 +871,13 @@ Row cache_row(const FwdProblem& p) {
                                 : local_row_for_dtype<__half, true>(p.head_dim);
 }
 
-// 16-bit caches of q's dtype, head_dim == head_dim_v in {64, 128, 256}; paged: a page size that is
-// a multiple of 8 and divides the key block or is a multiple of it, pages packed (page stride =
-// page_size x slot stride); the rows the ragged maps span below 2^30.
 // The smallest page piece (rows per TMA load) the wgmma cache rows take by default.
 constexpr int64_t kCacheMinPieceRows = 64;
 
+// 16-bit caches of q's dtype, head_dim == head_dim_v in {64, 128, 256}; paged: a page size that is
+// a multiple of 8 and divides the key block or is a multiple of it (pieces of >= kCacheMinPieceRows
+// rows unless IOATTN_SM90_CACHE=1), pages packed (page stride = page_size x slot stride); the rows
+// the ragged maps span below 2^30.
 bool select_cache_impl(const FwdProblem& p, std::string* kernel, std::string* why) {
   if (p.device != Device::cuda) return fail(why, "inputs are not on a CUDA device");
   if (detail::cuda_device_arch(p.device_index) != 90) return fail(why, "the device is not sm_90");
