@@ -83,7 +83,8 @@
 #      Run it with the stages that write its peer inputs: GPU_CHECK_STAGES="build bench sm90 report"
 # Each stage logs to its own file in RESULTS_DIR; a short summary table is printed last.
 #
-# Environment: GPU_CHECK_ARCHS (default 90a), GPU_CHECK_STAGES (default "build ctest tests sanitizer
+# Environment: GPU_CHECK_PREBUILT (a tarball from tools/gpu-pack.sh: the build stage extracts its
+# binaries instead of building; ctest is skipped), GPU_CHECK_ARCHS (default 90a), GPU_CHECK_STAGES (default "build ctest tests sanitizer
 # bench sm90 interleave backward decode cp python"), GPU_CHECK_TUNE=1, GPU_CHECK_BENCH_ARGS (extra peer_bench.py args),
 # GPU_CHECK_JOBS (build parallelism, default nproc), GPU_CHECK_BWD_SM90 (0: skip the wgmma-backward
 # test and bench in the backward stage), GPU_CHECK_DECODE_BULK (0: skip the bulk-loader
@@ -120,18 +121,32 @@ bounded_test() {
   return $rc
 }
 
-# The one cmake line (the build stage, bwdtune and bwdtrace, which may run alone on a fresh machine).
-# configure [DIR [CMAKE_ARGS...]]: DIR defaults to $BUILD (bwdtrace configures a second one).
-configure() {
-  local dir=${1:-$BUILD} PREFIX=()
-  (( $# )) && shift
-  [[ -d $ROOT/.deps/usr ]] && PREFIX=(-DCMAKE_PREFIX_PATH="$ROOT/.deps/usr")
-  cmake -S "$ROOT" -B "$dir" -G Ninja -DIOATTN_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES="$ARCHS" \
-    -DIOATTN_BUILD_TESTS=ON -DIOATTN_BUILD_BENCH=ON -DIOATTN_PTXAS_VERBOSE=ON -DIOATTN_BUILD_PYTHON=OFF "${PREFIX[@]}" "$@"
-}
+# The one cmake line (the build stage, bwdtune and bwdtrace, which may run alone on a fresh machine;
+# tools/gpu-pack.sh uses it too). configure [DIR [CMAKE_ARGS...]]: DIR defaults to $BUILD (bwdtrace
+# configures a second one).
+# shellcheck source=tools/gpu-configure.sh
+source "$ROOT/tools/gpu-configure.sh"
+# Binaries built elsewhere (GPU_CHECK_PREBUILT) carry the build machine's rpath: the carried
+# .deps libraries (Highway, ...) by path.
+[[ -d $ROOT/.deps/usr/lib ]] &&
+  export LD_LIBRARY_PATH=$ROOT/.deps/usr/lib:$ROOT/.deps/usr/lib/x86_64-linux-gnu${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 
 # ---- 1. build ----------------------------------------------------------------------------
-if want build; then
+# GPU_CHECK_PREBUILT=TARBALL (tools/gpu-pack.sh): extract the binaries into BUILD instead of building.
+if want build && [[ -n ${GPU_CHECK_PREBUILT:-} ]]; then
+  t0=$(stamp)
+  mkdir -p "$BUILD"
+  if python3 -c "import sys, tarfile; tarfile.open(sys.argv[1]).extractall(sys.argv[2])" "$GPU_CHECK_PREBUILT" "$BUILD"; then
+    note "build      prebuilt  $(( $(stamp) - t0 )) s  ($(cat "$BUILD/PREBUILT" 2>/dev/null))"
+    nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader 2>&1 | tee -a "$SUMMARY"
+  else
+    note "build      prebuilt: cannot extract $GPU_CHECK_PREBUILT"
+    exit 1
+  fi
+  # ctest's files name the build machine's paths: not with prebuilt binaries
+  want ctest && note "ctest      skipped (prebuilt binaries: run the stages' binaries, or build on the device)"
+  STAGES=${STAGES//ctest/}
+elif want build; then
   t0=$(stamp)
   (
     echo "## $(date -u) $(uname -n)"
