@@ -924,39 +924,49 @@ INSTANTIATE_TEST_SUITE_P(Cases, CudaDecodeCachePrefill, ::testing::ValuesIn(cuda
                          [](const ::testing::TestParamInfo<Spec>& info) { return info.param.name; });
 
 // On sm_90 the Hopper kernel's KV-cache rows take the 16-bit caches of q's dtype at head_dim 64 /
-// 128 / 256, contiguous or with a page size that is a multiple of 8 and divides the key block (128;
-// 80 at head_dim 256) or is a multiple of it: by default when the page pieces (min(page, block))
-// have >= 64 rows, with IOATTN_SM90_CACHE=1 also smaller ones; the rest run on the mma.sync cache
-// mode, whose reason says why the wgmma one did not. All against the float64 reference;
-// IOATTN_SM90_CACHE=0 sends everything to mma.sync.
+// 128 / 256: contiguous, paged read directly where the page size is a multiple of 8 that divides
+// the key block (128; 80 at head_dim 256) or is a multiple of it and the pieces (min(page, block))
+// have >= 64 rows (IOATTN_SM90_CACHE=1: any such pieces), and every other paged cache through the
+// gathered copy where it is on (kSm90CacheGatherByDefault, or IOATTN_SM90_CACHE_GATHER=1: then every
+// paged cache; =0: none, those run on mma.sync).
+// The rest run on the mma.sync cache mode, whose reason says why the wgmma one did not. All
+// against the float64 reference; IOATTN_SM90_CACHE=0 sends everything to mma.sync.
 TEST(CudaDecodeCachePrefill, Sm90RowsTakeSixteenBitCaches) {
   SKIP_WITHOUT_GPU();
   if (detail::cuda_device_arch(0) != 90) GTEST_SKIP() << "skipped: the wgmma rows need sm_90";
-  int sm90 = 0, mma = 0, sm90_default = 0;
+  int sm90 = 0, mma = 0, sm90_default = 0, gathered_default = 0;
   for (const Spec& c : cuda_prefill_cases()) {
     const int64_t block_n = c.d == 256 ? 80 : 128, ps = c.page_size;
-    const bool eligible = c.cache == c.dtype && (c.d == 64 || c.d == 128 || c.d == 256) &&
-                          (ps == 0 || (ps % 8 == 0 && (block_n % ps == 0 || ps % block_n == 0)));
-    const bool by_default = eligible && (ps == 0 || std::min(ps, block_n) >= 64);
+    const bool eligible = c.cache == c.dtype && (c.d == 64 || c.d == 128 || c.d == 256);
+    const bool tma_pages = ps == 0 || (ps % 8 == 0 && (block_n % ps == 0 || ps % block_n == 0));
+    const bool big_pieces = ps == 0 || std::min(ps, block_n) >= detail::kSm90CacheMinPieceRows;
     const Values vals = make_values(c, 31);
-    for (const char* on : {"1", "", "0"}) {  // forced, the default (unset), off
-      ScopedEnv e("IOATTN_SM90_CACHE", *on ? on : nullptr);
+    // forced, the default (both unset), off, every paged cache gathered, the gathered copy off
+    for (const std::string mode : {"1", "", "0", "gather", "nogather"}) {
+      ScopedEnv e("IOATTN_SM90_CACHE", mode == "1" || mode == "0" ? mode.c_str() : nullptr);
+      ScopedEnv g("IOATTN_SM90_CACHE_GATHER", mode == "gather" ? "1" : mode == "nogather" ? "0" : nullptr);
       Built gpu(c, vals);
       const KernelChoice k = gpu.run();
-      const bool wgmma = *on == '1' ? eligible : *on == '0' ? false : by_default;
+      const bool direct = tma_pages && (big_pieces || mode == "1");
+      const bool gather_on = mode == "gather" || (mode != "nogather" && detail::kSm90CacheGatherByDefault);
+      const bool wgmma = eligible && mode != "0" && (direct || gather_on);
+      const bool gather = wgmma && ps != 0 && (mode == "gather" || !direct);
       EXPECT_EQ(k.kernel.find("sm90 wgmma+tma") != std::string::npos, wgmma) << c.name << ": " << k.kernel;
+      EXPECT_EQ(k.kernel.find(" gathered") != std::string::npos, gather) << c.name << ": " << k.kernel;
       if (!wgmma)
         EXPECT_NE(k.reason.find("sm90 wgmma kernel not used"), std::string::npos) << c.name << ": " << k.reason;
       const ForwardTol tol = forward_tol(gpu);
-      expect_matches_reference(gpu, c.name + (wgmma ? " wgmma" : " mma.sync") + " IOATTN_SM90_CACHE='" + on + "'", false,
-                               tol.extra_o(), tol.extra_lse());
-      if (*on == '1') (wgmma ? sm90 : mma) += 1;
-      if (*on == '\0' && wgmma) ++sm90_default;
+      expect_matches_reference(gpu, c.name + (wgmma ? gather ? " wgmma gathered" : " wgmma" : " mma.sync") + " mode '" +
+                                        mode + "'",
+                               false, tol.extra_o(), tol.extra_lse());
+      if (mode == "1") (wgmma ? sm90 : mma) += 1;
+      if (mode.empty() && wgmma) (gather ? gathered_default : sm90_default) += 1;
     }
   }
   EXPECT_GE(sm90, 4);
   EXPECT_GE(mma, 4);
   EXPECT_GE(sm90_default, 2);
+  EXPECT_GE(gathered_default, detail::kSm90CacheGatherByDefault ? 3 : 0);
   // A persistent grid of 2 CTAs: every CTA runs many tiles (the dynamic counter, the tile hand-over).
   ScopedEnv on("IOATTN_SM90_CACHE", "1"), ctas("IOATTN_SM90_MAX_CTAS", "2");
   for (const Spec& c : cuda_prefill_cases()) {
@@ -974,9 +984,11 @@ TEST(CudaDecodeCachePrefill, Sm90RowsTakeSixteenBitCaches) {
 // paged and contiguous caches.
 TEST(CudaDecodeCachePrefill, OutOfRangeLengthsAndPagesGiveNaNForThatSequenceOnly) {
   SKIP_WITHOUT_GPU();
-  for (const char* sm90 : {"0", "1"})  // the mma.sync cache mode, and on sm_90 the wgmma rows
+  // the mma.sync cache mode, and on sm_90 the wgmma rows: direct, and gathered (paged)
+  for (const char* sm90 : {"0", "1", "gather"})
   for (int64_t ps : {16, 0}) {
-    ScopedEnv e("IOATTN_SM90_CACHE", sm90);
+    ScopedEnv e("IOATTN_SM90_CACHE", sm90[0] == 'g' ? nullptr : sm90);
+    ScopedEnv g("IOATTN_SM90_CACHE_GATHER", sm90[0] == 'g' ? "1" : nullptr);
     Spec c = on_cuda(mk("prefill_bounds", DType::bf16));
     c.hq = 8;
     c.hkv = 2;

@@ -64,6 +64,13 @@ void cuda_copy_from_host(void* dst, const void* src, size_t bytes);
 void cuda_synchronize();
 // Peak device memory allocated through the runtime (bytes in use now, from cudaMemGetInfo).
 size_t cuda_used_bytes();
+// Tests: fills `bytes` of the current device's default memory pool with 0xFF bytes and frees them
+// again, stream-ordered on the legacy default stream, after raising the pool's release threshold so
+// that the memory stays in the pool. The next stream-ordered allocations there (the kernels'
+// workspaces, cudaMallocAsync) then start as NaN in the 8- and 16-bit float formats and -1 as ints,
+// so a workspace element that a kernel reads before writing shows up as NaN. Returns whether a
+// probe allocation of bytes / 4 right after came back poisoned (false without a device).
+bool cuda_poison_pool(size_t bytes);
 
 // Dispatch-table row for the CUDA flash kernel, or an empty name and a reason why none fits.
 struct CudaSelection {
@@ -74,10 +81,18 @@ CudaSelection cuda_flash_select(const FwdProblem& p, int arch);
 void cuda_flash_forward(const FwdProblem& p);
 // decode() with more than 16 query rows (a prefill chunk against the KV cache: p's cache fields,
 // serving_api.cpp's cache_prefill_problem): on sm_90 the Hopper kernel's KV-cache rows where they
-// take it (16-bit caches of q's dtype, contiguous or page pieces of >= 64 rows; IOATTN_SM90_CACHE=1
-// also smaller pieces, =0 none), else the mma.sync forward in its KV-cache mode. The row
+// take it (16-bit caches of q's dtype: contiguous, page pieces of >= 64 rows read directly, other
+// page sizes through a gathered contiguous copy; IOATTN_SM90_CACHE=1 reads smaller pieces directly,
+// =0 none; IOATTN_SM90_CACHE_GATHER=0 no copy, =1 every paged cache copied), else the mma.sync
+// forward in its KV-cache mode. The row
 // for this problem or why none fits; the run (the caller appended first, if asked to).
 CudaSelection cuda_cache_prefill_select(const FwdProblem& p, int arch);
+// The smallest page piece (rows per TMA load: min(page size, key block)) that the Hopper kernel's
+// cache rows take by default (the selector's rule; the test's expectation).
+constexpr int64_t kSm90CacheMinPieceRows = 64;
+// Whether paged caches the direct rows do not take by default go through the gathered contiguous
+// copy by default (else IOATTN_SM90_CACHE_GATHER=1 opts in): off until measured on a GPU.
+constexpr bool kSm90CacheGatherByDefault = false;
 void cuda_cache_prefill(const FwdProblem& p);
 void cuda_naive_forward(const FwdProblem& p);  // materialised S and P in HBM
 std::vector<std::string> cuda_compiled_kernels();

@@ -24,6 +24,7 @@ void cuda_free(void*) {}
 void cuda_copy_from_host(void*, const void*, size_t) { no_cuda(); }
 void cuda_synchronize() {}
 size_t cuda_used_bytes() { return 0; }
+bool cuda_poison_pool(size_t) { return false; }
 CudaSelection cuda_flash_select(const FwdProblem&, int) { return {"", "this build has no CUDA backend"}; }
 void cuda_flash_forward(const FwdProblem&) { no_cuda(); }
 void cuda_naive_forward(const FwdProblem&) { no_cuda(); }

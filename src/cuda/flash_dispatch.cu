@@ -356,8 +356,9 @@ std::vector<std::string> cuda_compiled_kernels() {
   rows.push_back("cuda/flash-backward sm90 wgmma bf16/f16 hdim 64/128 (dQ by TMA reduce-add) and 256 (dQ by a second "
                  "wgmma pass, no atomics), deterministic too (in sm_90a images)");
   rows.push_back("cuda/flash cache-prefill sm90 wgmma+tma bf16/f16 hdim 64/128/256 over caches of q's dtype, "
-                 "contiguous or paged (page size a multiple of 8 that divides the key block or is a multiple of "
-                 "it; pieces under 64 rows only with IOATTN_SM90_CACHE=1; in sm_90a images)");
+                 "contiguous or paged: read directly (page size a multiple of 8 that divides the key block or is a "
+                 "multiple of it, pieces of >= 64 rows) or through a gathered contiguous copy (any other page "
+                 "size; in sm_90a images)");
   rows.push_back("cuda/flash cache-prefill mma.sync bf16/f16 hdim 64/128/256 over bf16/f16/f8e4m3/i8 caches, paged or "
                  "contiguous (decode() with more than 16 query rows; 8-bit tiles staged by default: "
                  "IOATTN_PREFILL_8BIT)");

@@ -5,6 +5,7 @@
 // none) answer "absent" instead of throwing; everything else throws ioattn::Error.
 #include <cuda_runtime.h>
 
+#include <cstdint>
 #include <string>
 
 #include "core/backends.hpp"
@@ -97,6 +98,29 @@ size_t cuda_used_bytes() {
   size_t free_b = 0, total_b = 0;
   IOATTN_CUDA_CHECK(cudaMemGetInfo(&free_b, &total_b));
   return total_b - free_b;
+}
+
+bool cuda_poison_pool(size_t bytes) {
+  if (cuda_device_count() == 0 || bytes < 64) return false;
+  int dev = 0;
+  IOATTN_CUDA_CHECK(cudaGetDevice(&dev));
+  cudaMemPool_t pool;
+  IOATTN_CUDA_CHECK(cudaDeviceGetDefaultMemPool(&pool, dev));
+  uint64_t keep = UINT64_MAX;  // freed blocks stay in the pool across synchronisations
+  IOATTN_CUDA_CHECK(cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &keep));
+  void* p = nullptr;
+  IOATTN_CUDA_CHECK(cudaMallocAsync(&p, bytes, nullptr));
+  IOATTN_CUDA_CHECK(cudaMemsetAsync(p, 0xFF, bytes, nullptr));
+  IOATTN_CUDA_CHECK(cudaFreeAsync(p, nullptr));
+  IOATTN_CUDA_CHECK(cudaStreamSynchronize(nullptr));
+  uint8_t probe[64] = {};
+  IOATTN_CUDA_CHECK(cudaMallocAsync(&p, bytes / 4, nullptr));
+  IOATTN_CUDA_CHECK(cudaMemcpyAsync(probe, p, sizeof(probe), cudaMemcpyDeviceToHost, nullptr));
+  IOATTN_CUDA_CHECK(cudaFreeAsync(p, nullptr));
+  IOATTN_CUDA_CHECK(cudaStreamSynchronize(nullptr));
+  for (uint8_t b : probe)
+    if (b != 0xFF) return false;
+  return true;
 }
 
 }  // namespace ioattn::detail

@@ -872,20 +872,39 @@ Row cache_row(const FwdProblem& p) {
 }
 
 // The smallest page piece (rows per TMA load) the wgmma cache rows take by default.
-constexpr int64_t kCacheMinPieceRows = 64;
+constexpr int64_t kCacheMinPieceRows = ioattn::detail::kSm90CacheMinPieceRows;
 
-// 16-bit caches of q's dtype, head_dim == head_dim_v in {64, 128, 256}; paged: a page size that is
-// a multiple of 8 and divides the key block or is a multiple of it (pieces of >= kCacheMinPieceRows
-// rows unless IOATTN_SM90_CACHE=1), pages packed (page stride = page_size x slot stride); the rows
-// the ragged maps span below 2^30.
-bool select_cache_impl(const FwdProblem& p, std::string* kernel, std::string* why) {
+// Paged caches go one of two ways. Direct: the producer's TMA loads read each page piece
+// (min(page size, key block) rows) where it lies. Gathered: a copy kernel first moves the rows
+// the lengths cover into a contiguous [batch, kv_bound, heads_kv, d] buffer (stream-ordered,
+// freed after the call), which the contiguous rows then read; the copy moves the cache once more
+// (read + write), but every TMA load is a whole key block again. Direct for pieces of >=
+// kCacheMinPieceRows rows (page 64: 0.66-0.74x forward(), session 30), gathered for smaller pieces
+// (page 16 direct: 0.26-0.34x, one small load behind each block-table lookup) and for page sizes
+// the TMA pieces cannot take (not a multiple of 8, not tiling the key block) where the copy is on
+// (detail::kSm90CacheGatherByDefault, or IOATTN_SM90_CACHE_GATHER=1); else those stay on mma.sync.
+enum class CacheMode { kContiguous, kDirect, kGathered };
+
+// The gathered copy's limits: its buffer (K and V), and the rows per CTA of the copy kernel.
+constexpr int64_t kGatherMaxBytes = int64_t{4} << 30;
+constexpr int kGatherRows = 64;
+
+int64_t gather_bytes(const FwdProblem& p) {  // K and V of the gathered buffer
+  return 2 * p.batch * std::max<int64_t>(p.kv_bound, 1) * p.heads_kv * p.head_dim * 2;
+}
+
+// 16-bit caches of q's dtype, head_dim == head_dim_v in {64, 128, 256}; contiguous, or paged
+// (CacheMode): direct for a page size that is a multiple of 8 and divides the key block or is a
+// multiple of it, with pieces of >= kCacheMinPieceRows rows (IOATTN_SM90_CACHE=1: any), pages
+// packed (page stride = page_size x slot stride); else gathered (IOATTN_SM90_CACHE_GATHER=0: never;
+// =1: every paged cache), within kGatherMaxBytes. The rows the ragged maps span below 2^30.
+bool select_cache_impl(const FwdProblem& p, std::string* kernel, std::string* why, CacheMode* mode_out = nullptr) {
   if (p.device != Device::cuda) return fail(why, "inputs are not on a CUDA device");
   if (detail::cuda_device_arch(p.device_index) != 90) return fail(why, "the device is not sm_90");
   // Default since session 30 (its H200 run: 0.87-1.02x forward() on contiguous K / V for contiguous
-  // caches, 0.66-0.74x at page size 64, where the mma.sync cache mode ran 0.23-0.45x). Page pieces
-  // under 64 rows stay on mma.sync unless IOATTN_SM90_CACHE=1 (page 16: 0.26-0.34x forward(), below
-  // mma.sync at batch 4: one small TMA load per 16 rows). IOATTN_SM90_CACHE=0: always mma.sync.
-  const int env = env_bool("IOATTN_SM90_CACHE");
+  // caches, 0.66-0.74x at page size 64, where the mma.sync cache mode ran 0.23-0.45x).
+  // IOATTN_SM90_CACHE=0: always mma.sync.
+  const int env = env_bool("IOATTN_SM90_CACHE"), env_gather = env_bool("IOATTN_SM90_CACHE_GATHER");
   if (env == 0) return fail(why, "the wgmma cache rows are switched off by IOATTN_SM90_CACHE=0");
   if (p.dtype != DType::bf16 && p.dtype != DType::f16)
     return fail(why, std::string("q dtype ") + dtype_str(p.dtype) + " (bf16, f16)");
@@ -900,30 +919,53 @@ bool select_cache_impl(const FwdProblem& p, std::string* kernel, std::string* wh
   if (p.seqlen_q + p.kv_bound >= (int64_t(1) << 29)) return fail(why, "seqlen_q + the cache capacity >= 2^29");
   if (p.batch == 0 || p.seqlen_q == 0) return fail(why, "an empty dim");
   const Row row = cache_row(p);
+  CacheMode mode = CacheMode::kContiguous;
+  std::string direct_why;  // why a paged cache is not read directly (gathered instead)
   if (p.block_table != nullptr) {
     const int64_t ps = p.page_size;
     if (ps % 8 != 0 || !(row.block_n % ps == 0 || ps % row.block_n == 0))
-      return fail(why, "page size " + std::to_string(ps) + " (TMA pieces: a multiple of 8 that divides the " +
-                                 std::to_string(row.block_n) + "-key block or is a multiple of it)");
-    if (p.k_stride.batch != ps * p.k_stride.seq || p.v_stride.batch != ps * p.v_stride.seq)
-      return fail(why, "pages are not packed (page stride != page_size x slot stride)");
-    if (p.num_pages * ps >= kRaggedRows) return fail(why, "num_pages x page_size >= 2^30");
-    if (env != 1 && std::min<int64_t>(ps, row.block_n) < kCacheMinPieceRows)
-      return fail(why, "page size " + std::to_string(ps) + ": TMA pieces of fewer than " +
-                           std::to_string(kCacheMinPieceRows) +
-                           " rows run slower than the mma.sync cache mode (IOATTN_SM90_CACHE=1 takes them)");
+      direct_why = "page size " + std::to_string(ps) + " (TMA pieces: a multiple of 8 that divides the " +
+                   std::to_string(row.block_n) + "-key block or is a multiple of it)";
+    else if (p.k_stride.batch != ps * p.k_stride.seq || p.v_stride.batch != ps * p.v_stride.seq)
+      direct_why = "pages are not packed (page stride != page_size x slot stride)";
+    else if (p.num_pages * ps >= kRaggedRows)
+      direct_why = "num_pages x page_size >= 2^30";
+    else if (env != 1 && std::min<int64_t>(ps, row.block_n) < kCacheMinPieceRows)
+      direct_why = "page size " + std::to_string(ps) + ": TMA pieces of fewer than " +
+                   std::to_string(kCacheMinPieceRows) + " rows (one small load behind each block-table lookup)";
+    else if (env_gather == 1)
+      direct_why = "IOATTN_SM90_CACHE_GATHER=1";
+    mode = direct_why.empty() ? CacheMode::kDirect : CacheMode::kGathered;
+    if (mode == CacheMode::kGathered) {
+      if (env_gather == 0 || (env_gather == -1 && !ioattn::detail::kSm90CacheGatherByDefault))
+        return fail(why, direct_why + (env_gather == 0 ? "; the gathered copy is switched off by IOATTN_SM90_CACHE_GATHER=0"
+                                                       : "; the gathered copy is opt-in (IOATTN_SM90_CACHE_GATHER=1)"));
+      if (gather_bytes(p) > kGatherMaxBytes)
+        return fail(why, direct_why + "; the gathered copy would need " + std::to_string(gather_bytes(p) >> 20) +
+                             " MiB (batch x kv_bound rows of K and V; at most " +
+                             std::to_string(kGatherMaxBytes >> 20) + ")");
+      if (p.batch * std::max<int64_t>(p.kv_bound, 1) >= kRaggedRows || p.batch > 65535)
+        return fail(why, direct_why + "; the gathered copy: batch x kv_bound >= 2^30 or batch > 65535");
+      // the copy's 16-byte loads
+      if (reinterpret_cast<uintptr_t>(p.k) % 16 != 0 || reinterpret_cast<uintptr_t>(p.v) % 16 != 0 ||
+          p.k_stride.batch % 8 != 0 || p.k_stride.seq % 8 != 0 || p.k_stride.head % 8 != 0 ||
+          p.v_stride.batch % 8 != 0 || p.v_stride.seq % 8 != 0 || p.v_stride.head % 8 != 0)
+        return fail(why, direct_why + "; the gathered copy needs 16-byte aligned caches and strides");
+    }
   } else {
     const int64_t cap = cache_capacity_rows(p);
     if (cap == 0) return fail(why, "the contiguous cache's batch stride is not capacity x slot stride");
     if (p.batch * cap >= kRaggedRows) return fail(why, "batch x capacity >= 2^30");
   }
-  if (p.k_stride.seq <= 0 || p.v_stride.seq <= 0)
-    return fail(why, "a slot stride <= 0 (the ragged maps need rows apart)");
-  if (std::max(p.k_stride.seq, p.v_stride.seq) * 2 >= kRaggedMaxRowStrideBytes)
-    return fail(why, "a slot stride of 2^34 bytes or more");
+  if (mode != CacheMode::kGathered) {
+    if (p.k_stride.seq <= 0 || p.v_stride.seq <= 0)
+      return fail(why, "a slot stride <= 0 (the ragged maps need rows apart)");
+    if (std::max(p.k_stride.seq, p.v_stride.seq) * 2 >= kRaggedMaxRowStrideBytes)
+      return fail(why, "a slot stride of 2^34 bytes or more");
+    if (!tma_compatible(p.k, {0, p.k_stride.seq, p.k_stride.head}, 1, 2, p.heads_kv, "k_cache", why)) return false;
+    if (!tma_compatible(p.v, {0, p.v_stride.seq, p.v_stride.head}, 1, 2, p.heads_kv, "v_cache", why)) return false;
+  }
   if (!tma_compatible(p.q, p.q_stride, p.batch, p.seqlen_q, p.heads_q, "q", why)) return false;
-  if (!tma_compatible(p.k, {0, p.k_stride.seq, p.k_stride.head}, 1, 2, p.heads_kv, "k_cache", why)) return false;
-  if (!tma_compatible(p.v, {0, p.v_stride.seq, p.v_stride.head}, 1, 2, p.heads_kv, "v_cache", why)) return false;
   if (reinterpret_cast<uintptr_t>(p.o) % 4 != 0 || p.o_stride.seq % 2 != 0 || p.o_stride.head % 2 != 0 ||
       p.o_stride.batch % 2 != 0)
     return fail(why, "o is not 4-byte aligned with even strides");
@@ -934,12 +976,22 @@ bool select_cache_impl(const FwdProblem& p, std::string* kernel, std::string* wh
     *kernel = std::string("cuda/flash cache-prefill sm90 wgmma+tma ") + dtype_str(p.dtype) + " hdim" +
               std::to_string(p.head_dim) + " tile " + std::to_string(row.block_m) + "x" + std::to_string(row.block_n) +
               " ws " + std::to_string(row.consumer_wgs) + " consumer WGs" +
-              (p.block_table != nullptr ? " paged(" + std::to_string(p.page_size) + ")" : " contiguous");
-  *why = std::string("the Hopper forward's kLocal tiling reading K / V through ragged TMA maps over the cache (") +
-         (p.block_table != nullptr ? "one load per page piece of " +
-                                         std::to_string(std::min<int64_t>(p.page_size, row.block_n)) + " rows"
-                                   : "one load per key block") +
-         ", rows past a sequence's length read as zeros; lengths from cache_seqlens on the device); " + row.why;
+              (mode == CacheMode::kContiguous ? std::string(" contiguous")
+                                              : " paged(" + std::to_string(p.page_size) + ")" +
+                                                    (mode == CacheMode::kGathered ? " gathered" : ""));
+  if (mode == CacheMode::kGathered)
+    *why = "the Hopper forward's kLocal tiling over a contiguous copy of the paged cache (" + direct_why +
+           "; a copy kernel moves the rows the lengths cover into a [batch, kv_bound] buffer of " +
+           std::to_string((gather_bytes(p) + (1 << 20) - 1) >> 20) +
+           " MiB, freed after the call; one TMA load per key block; lengths and table entries checked on the "
+           "device); " + row.why;
+  else
+    *why = std::string("the Hopper forward's kLocal tiling reading K / V through ragged TMA maps over the cache (") +
+           (mode == CacheMode::kDirect ? "one load per page piece of " +
+                                             std::to_string(std::min<int64_t>(p.page_size, row.block_n)) + " rows"
+                                       : "one load per key block") +
+           ", rows past a sequence's length read as zeros; lengths from cache_seqlens on the device); " + row.why;
+  if (mode_out != nullptr) *mode_out = mode;
   return true;
 }
 
@@ -986,6 +1038,101 @@ void cache_prefill_impl(const FwdProblem& p) {
   l.stream = static_cast<cudaStream_t>(p.stream);
   const std::unique_ptr<AsyncBuffer> counter = dynamic_tile_counter(pol, l.grid, grid, l.stream, f);
   row.launch(l);
+}
+
+// The gathered copy (CacheMode::kGathered): K and V rows of the paged cache into [batch, kv_bound,
+// heads_kv, d] buffers, 16 bytes a thread, consecutive threads on consecutive bytes of a token's
+// row; rows past a sequence's length are not written (the ragged maps clip them to zeros).
+struct GatherArgs {
+  const uint8_t* k = nullptr;
+  const uint8_t* v = nullptr;
+  uint8_t* k_out = nullptr;
+  uint8_t* v_out = nullptr;
+  int64_t k_page = 0, k_slot = 0, k_head = 0, v_page = 0, v_slot = 0, v_head = 0;  // bytes
+  const int32_t* lens = nullptr;
+  int32_t* lens_out = nullptr;  // the lengths the forward reads: -1 for a poisoned sequence
+  const int32_t* table = nullptr;
+  int64_t bt_batch = 0, bt_page = 0;
+  int page_size = 0, num_pages = 0, kv_bound = 0, heads_kv = 0, row_bytes = 0;  // row_bytes: d x 2
+};
+
+// CTA (x, b): rows [64 x, 64 x + 64) of sequence b. CTA 0 of a sequence also checks its length and
+// the table entries its length covers, as the direct rows do (cache_span), and writes the length the
+// forward reads: -1 (outside [0, kv_bound]: the forward poisons the sequence, NaN O and LSE) where
+// one is bad. A bad entry's rows are written as zeros, never read from outside the cache.
+__global__ void __launch_bounds__(256) gather_cache_rows(const GatherArgs a) {
+  const int b = blockIdx.y, t0 = blockIdx.x * kGatherRows;
+  const int len = __ldg(a.lens + b);
+  const bool bad_len = len < 0 || len > a.kv_bound;
+  const int32_t* table = a.table + b * a.bt_batch;
+  if (blockIdx.x == 0) {
+    int bad = bad_len;
+    if (!bad) {
+      const int pages = (len + a.page_size - 1) / a.page_size;
+      for (int pi = threadIdx.x; pi < pages; pi += blockDim.x) {
+        const int page = __ldg(table + pi * a.bt_page);
+        bad |= page < 0 || page >= a.num_pages;
+      }
+    }
+    bad = __syncthreads_or(bad);
+    if (threadIdx.x == 0) a.lens_out[b] = bad ? -1 : len;
+  }
+  if (bad_len) return;
+  const int rows = min(kGatherRows, len - t0);
+  if (rows <= 0) return;
+  const int chunks = a.row_bytes / 16, per_row = a.heads_kv * chunks, per_kv = rows * per_row;
+  const int64_t out_slot = static_cast<int64_t>(a.heads_kv) * a.row_bytes;
+  for (int i = threadIdx.x; i < 2 * per_kv; i += blockDim.x) {
+    const bool is_v = i >= per_kv;
+    const int j = is_v ? i - per_kv : i, r = j / per_row, rem = j - r * per_row, h = rem / chunks,
+              c = rem - h * chunks;
+    const int t = t0 + r, pi = t / a.page_size, w = t - pi * a.page_size;
+    const int page = __ldg(table + pi * a.bt_page);
+    uint4 x = make_uint4(0u, 0u, 0u, 0u);
+    if (page >= 0 && page < a.num_pages) {
+      const uint8_t* src = is_v ? a.v + page * a.v_page + w * a.v_slot + h * a.v_head
+                                : a.k + page * a.k_page + w * a.k_slot + h * a.k_head;
+      x = __ldg(reinterpret_cast<const uint4*>(src) + c);
+    }
+    uint8_t* dst = (is_v ? a.v_out : a.k_out) + (static_cast<int64_t>(b) * a.kv_bound + t) * out_slot + h * a.row_bytes;
+    reinterpret_cast<uint4*>(dst)[c] = x;
+  }
+}
+
+// CacheMode::kGathered: the copy, then the contiguous rows over it (both on p's stream; the
+// buffers are freed in stream order after them).
+void cache_prefill_gathered(const FwdProblem& p) {
+  cuda::DeviceGuard guard(p.device_index);
+  const cudaStream_t stream = static_cast<cudaStream_t>(p.stream);
+  const int64_t bound = std::max<int64_t>(p.kv_bound, 1), slot = p.heads_kv * p.head_dim;
+  const size_t half = static_cast<size_t>(gather_bytes(p) / 2);
+  AsyncBuffer kb(half, stream), vb(half, stream), lens(static_cast<size_t>(p.batch) * sizeof(int32_t), stream);
+  GatherArgs a;
+  a.k = static_cast<const uint8_t*>(p.k);
+  a.v = static_cast<const uint8_t*>(p.v);
+  a.k_out = static_cast<uint8_t*>(kb.ptr);
+  a.v_out = static_cast<uint8_t*>(vb.ptr);
+  a.k_page = p.k_stride.batch * 2, a.k_slot = p.k_stride.seq * 2, a.k_head = p.k_stride.head * 2;
+  a.v_page = p.v_stride.batch * 2, a.v_slot = p.v_stride.seq * 2, a.v_head = p.v_stride.head * 2;
+  a.lens = p.kv_lens;
+  a.lens_out = static_cast<int32_t*>(lens.ptr);
+  a.table = p.block_table;
+  a.bt_batch = p.bt_stride_batch, a.bt_page = p.bt_stride_page;
+  a.page_size = static_cast<int>(p.page_size);
+  a.num_pages = static_cast<int>(p.num_pages);
+  a.kv_bound = static_cast<int>(p.kv_bound);
+  a.heads_kv = static_cast<int>(p.heads_kv);
+  a.row_bytes = static_cast<int>(p.head_dim * 2);
+  const dim3 grid(static_cast<unsigned>((bound + kGatherRows - 1) / kGatherRows), static_cast<unsigned>(p.batch));
+  gather_cache_rows<<<grid, 256, 0, stream>>>(a);
+  IOATTN_CUDA_CHECK_LAUNCH("gather_cache_rows");
+  FwdProblem g = p;
+  g.k = kb.ptr, g.v = vb.ptr;
+  g.k_stride = g.v_stride = {bound * slot, slot, p.head_dim};
+  g.block_table = nullptr;
+  g.page_size = 0, g.bt_stride_batch = 0, g.bt_stride_page = 0, g.num_pages = 0;
+  g.kv_lens = static_cast<const int32_t*>(lens.ptr);
+  cache_prefill_impl(g);
 }
 
 }  // namespace
@@ -1080,9 +1227,13 @@ bool sm90_cache_prefill_select(const FwdProblem& p, std::string* kernel, std::st
 
 void sm90_cache_prefill(const FwdProblem& p) {
   std::string why;
-  if (!cuda::sm90::select_cache_impl(p, nullptr, &why))
+  cuda::sm90::CacheMode mode;
+  if (!cuda::sm90::select_cache_impl(p, nullptr, &why, &mode))
     throw Error("q", "ioattn: sm90 cache-prefill kernel cannot run this problem: " + why);
-  cuda::sm90::cache_prefill_impl(p);
+  if (mode == cuda::sm90::CacheMode::kGathered)
+    cuda::sm90::cache_prefill_gathered(p);
+  else
+    cuda::sm90::cache_prefill_impl(p);
 }
 
 void sm90_fp8_transpose_only(const FwdProblem& p) {
