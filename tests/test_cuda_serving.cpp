@@ -924,7 +924,7 @@ INSTANTIATE_TEST_SUITE_P(Cases, CudaDecodeCachePrefill, ::testing::ValuesIn(cuda
                          [](const ::testing::TestParamInfo<Spec>& info) { return info.param.name; });
 
 // On sm_90 the Hopper kernel's KV-cache rows take the 16-bit caches of q's dtype at head_dim 64 /
-// 128 / 256: contiguous, paged read directly where the page size is a multiple of 8 that divides
+// 128 / 256 (and 8-bit ones through the gathered copy, where it is on): contiguous, paged read directly where the page size is a multiple of 8 that divides
 // the key block (128; 80 at head_dim 256) or is a multiple of it and the pieces (min(page, block))
 // have >= 64 rows (IOATTN_SM90_CACHE=1: any such pieces), and every other paged cache through the
 // gathered copy where it is on (kSm90CacheGatherByDefault, or IOATTN_SM90_CACHE_GATHER=1: then every
@@ -937,7 +937,8 @@ TEST(CudaDecodeCachePrefill, Sm90RowsTakeSixteenBitCaches) {
   int sm90 = 0, mma = 0, sm90_default = 0, gathered_default = 0;
   for (const Spec& c : cuda_prefill_cases()) {
     const int64_t block_n = c.d == 256 ? 80 : 128, ps = c.page_size;
-    const bool eligible = c.cache == c.dtype && (c.d == 64 || c.d == 128 || c.d == 256);
+    const bool eight_bit = c.cache == DType::f8e4m3 || c.cache == DType::i8;  // (gathered only)
+    const bool eligible = (c.cache == c.dtype || eight_bit) && (c.d == 64 || c.d == 128 || c.d == 256);
     const bool tma_pages = ps == 0 || (ps % 8 == 0 && (block_n % ps == 0 || ps % block_n == 0));
     const bool big_pieces = ps == 0 || std::min(ps, block_n) >= detail::kSm90CacheMinPieceRows;
     const Values vals = make_values(c, 31);
@@ -947,10 +948,10 @@ TEST(CudaDecodeCachePrefill, Sm90RowsTakeSixteenBitCaches) {
       ScopedEnv g("IOATTN_SM90_CACHE_GATHER", mode == "gather" ? "1" : mode == "nogather" ? "0" : nullptr);
       Built gpu(c, vals);
       const KernelChoice k = gpu.run();
-      const bool direct = tma_pages && (big_pieces || mode == "1");
+      const bool direct = !eight_bit && tma_pages && (big_pieces || mode == "1");
       const bool gather_on = mode == "gather" || (mode != "nogather" && detail::kSm90CacheGatherByDefault);
       const bool wgmma = eligible && mode != "0" && (direct || gather_on);
-      const bool gather = wgmma && ps != 0 && (mode == "gather" || !direct);
+      const bool gather = wgmma && ((ps != 0 && mode == "gather") || !direct);
       EXPECT_EQ(k.kernel.find("sm90 wgmma+tma") != std::string::npos, wgmma) << c.name << ": " << k.kernel;
       EXPECT_EQ(k.kernel.find(" gathered") != std::string::npos, gather) << c.name << ": " << k.kernel;
       if (!wgmma)
@@ -986,10 +987,12 @@ TEST(CudaDecodeCachePrefill, OutOfRangeLengthsAndPagesGiveNaNForThatSequenceOnly
   SKIP_WITHOUT_GPU();
   // the mma.sync cache mode, and on sm_90 the wgmma rows: direct, and gathered (paged)
   for (const char* sm90 : {"0", "1", "gather"})
-  for (int64_t ps : {16, 0}) {
+  for (int64_t ps : {16, 0})
+  for (DType cache : {DType::bf16, DType::f8e4m3}) {  // (f8e4m3: mma.sync, or the gathered copy)
     ScopedEnv e("IOATTN_SM90_CACHE", sm90[0] == 'g' ? nullptr : sm90);
     ScopedEnv g("IOATTN_SM90_CACHE_GATHER", sm90[0] == 'g' ? "1" : nullptr);
     Spec c = on_cuda(mk("prefill_bounds", DType::bf16));
+    c.cache = cache;
     c.hq = 8;
     c.hkv = 2;
     c.d = 128;
@@ -1033,6 +1036,7 @@ TEST(CudaDecodeCachePrefill, OutOfRangeLengthsAndPagesGiveNaNForThatSequenceOnly
 // bits; the kernel choice says which ran; a bad value is an error naming the variable.
 TEST(CudaDecodeCachePrefill, StagedEightBitTilesEqualRegisterPathBitwise) {
   SKIP_WITHOUT_GPU();
+  ScopedEnv mma("IOATTN_SM90_CACHE", "0");  // (the mma.sync cache mode's two 8-bit paths)
   int ran = 0;
   for (const Spec& c : cuda_prefill_cases()) {
     if (c.cache != DType::f8e4m3 && c.cache != DType::i8) continue;

@@ -82,17 +82,18 @@ void cuda_flash_forward(const FwdProblem& p);
 // decode() with more than 16 query rows (a prefill chunk against the KV cache: p's cache fields,
 // serving_api.cpp's cache_prefill_problem): on sm_90 the Hopper kernel's KV-cache rows where they
 // take it (16-bit caches of q's dtype: contiguous, page pieces of >= 64 rows read directly, other
-// page sizes through a gathered contiguous copy; IOATTN_SM90_CACHE=1 reads smaller pieces directly,
-// =0 none; IOATTN_SM90_CACHE_GATHER=0 no copy, =1 every paged cache copied), else the mma.sync
-// forward in its KV-cache mode. The row
+// page sizes and 8-bit caches through a gathered contiguous copy; IOATTN_SM90_CACHE=1 reads smaller
+// pieces directly, =0 none; IOATTN_SM90_CACHE_GATHER=0 no copy, =1 every paged cache copied), else
+// the mma.sync forward in its KV-cache mode. The row
 // for this problem or why none fits; the run (the caller appended first, if asked to).
 CudaSelection cuda_cache_prefill_select(const FwdProblem& p, int arch);
 // The smallest page piece (rows per TMA load: min(page size, key block)) that the Hopper kernel's
 // cache rows take by default (the selector's rule; the test's expectation).
 constexpr int64_t kSm90CacheMinPieceRows = 64;
-// Whether paged caches the direct rows do not take by default go through the gathered contiguous
-// copy by default (else IOATTN_SM90_CACHE_GATHER=1 opts in): off until measured on a GPU.
-constexpr bool kSm90CacheGatherByDefault = false;
+// Whether caches the direct rows do not take (paged with pieces under kSm90CacheMinPieceRows rows
+// or odd page sizes, 8-bit caches) go through the gathered contiguous copy by default (session 31:
+// 1.6-2.9x the mma.sync cache mode there on an H100; IOATTN_SM90_CACHE_GATHER=0 switches it off).
+constexpr bool kSm90CacheGatherByDefault = true;
 void cuda_cache_prefill(const FwdProblem& p);
 void cuda_naive_forward(const FwdProblem& p);  // materialised S and P in HBM
 std::vector<std::string> cuda_compiled_kernels();

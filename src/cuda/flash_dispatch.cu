@@ -355,10 +355,10 @@ std::vector<std::string> cuda_compiled_kernels() {
   rows.push_back("cuda/flash-backward mma.sync bf16/f16 hdim 64/128/256 (others padded up to 256), dQ atomic or deterministic");
   rows.push_back("cuda/flash-backward sm90 wgmma bf16/f16 hdim 64/128 (dQ by TMA reduce-add) and 256 (dQ by a second "
                  "wgmma pass, no atomics), deterministic too (in sm_90a images)");
-  rows.push_back("cuda/flash cache-prefill sm90 wgmma+tma bf16/f16 hdim 64/128/256 over caches of q's dtype, "
-                 "contiguous or paged: read directly (page size a multiple of 8 that divides the key block or is a "
-                 "multiple of it, pieces of >= 64 rows) or through a gathered contiguous copy (any other page "
-                 "size; in sm_90a images)");
+  rows.push_back("cuda/flash cache-prefill sm90 wgmma+tma bf16/f16 hdim 64/128/256: caches of q's dtype read "
+                 "directly (contiguous, or page size a multiple of 8 that divides the key block or is a multiple "
+                 "of it, pieces of >= 64 rows), other page sizes and f8e4m3/i8 caches through a gathered "
+                 "contiguous copy (in sm_90a images)");
   rows.push_back("cuda/flash cache-prefill mma.sync bf16/f16 hdim 64/128/256 over bf16/f16/f8e4m3/i8 caches, paged or "
                  "contiguous (decode() with more than 16 query rows; 8-bit tiles staged by default: "
                  "IOATTN_PREFILL_8BIT)");

@@ -28,6 +28,7 @@
 #include "cuda/hopper/flash_fwd_sm90_fp8.cuh"
 #include "cuda/hopper/flash_fwd_sm90_v3.cuh"
 #include "cuda/hopper/sm90.hpp"
+#include "cuda/serving.cuh"
 
 namespace ioattn::cuda::sm90 {
 using Hdim64Bf16 = Sm90Traits<64, __nv_bfloat16, false>;
@@ -581,7 +582,7 @@ bool select_fp8(const FwdProblem& p, std::string* kernel, std::string* why) {
     if (!varlen_maps_ok(p, {p.q_stride.seq, p.k_stride.seq}, 1, why)) return false;
     if (fp8_vt_width(p) > kMaxInt - 256)
       return fail(why, "fp8 varlen: more than 2^31 - 256 packed keys with the V^T workspace's gaps");
-    if (p.batch * p.heads_kv * ((p.seqlen_k + 31) / 32) * ((p.head_dim + 127) / 128) / 4 > kMaxInt)
+    if (p.batch * p.heads_kv * ((p.seqlen_k + 31) / 32 + kFp8VtTailGroups) * ((p.head_dim + 127) / 128) / 4 > kMaxInt)
       return fail(why, "fp8 varlen: batch x heads_kv x the longest sequence too large for the V transpose grid");
   }
   const MapExtent ext = map_extent(p);
@@ -807,7 +808,6 @@ void fp8_forward(const FwdProblem& p, const Policy& pol) {
   const int64_t vt_cols = p.varlen() ? fp8_vt_width(p) : skp, vt_batch = p.varlen() ? 1 : p.batch;
   const size_t vt_bytes = static_cast<size_t>(vt_batch * p.heads_kv * d * vt_cols);
   AsyncBuffer vt(vt_bytes, stream);
-  if (p.varlen()) IOATTN_CUDA_CHECK(cudaMemsetAsync(vt.ptr, 0, vt_bytes, stream));
   fp8_transpose(p, vt.ptr, vt_cols, stream);
 
   Fp8Launch l;
@@ -908,9 +908,10 @@ bool select_cache_impl(const FwdProblem& p, std::string* kernel, std::string* wh
   if (env == 0) return fail(why, "the wgmma cache rows are switched off by IOATTN_SM90_CACHE=0");
   if (p.dtype != DType::bf16 && p.dtype != DType::f16)
     return fail(why, std::string("q dtype ") + dtype_str(p.dtype) + " (bf16, f16)");
-  if (p.kvt() != p.dtype)
+  const bool eight_bit = p.kvt() == DType::f8e4m3 || p.kvt() == DType::i8;
+  if (p.kvt() != p.dtype && !eight_bit)
     return fail(why, std::string("a ") + dtype_str(p.kvt()) +
-                         " cache (the wgmma kernel reads 16-bit caches of q's dtype)");
+                         " cache (the wgmma kernel reads 16-bit caches of q's dtype, 8-bit ones through the gathered copy)");
   if (p.head_dim != p.head_dim_v || (p.head_dim != 64 && p.head_dim != 128 && p.head_dim != 256))
     return fail(why, "head_dim " + std::to_string(p.head_dim) + " / head_dim_v " + std::to_string(p.head_dim_v) +
                                " (64, 128 or 256, equal)");
@@ -920,8 +921,11 @@ bool select_cache_impl(const FwdProblem& p, std::string* kernel, std::string* wh
   if (p.batch == 0 || p.seqlen_q == 0) return fail(why, "an empty dim");
   const Row row = cache_row(p);
   CacheMode mode = CacheMode::kContiguous;
-  std::string direct_why;  // why a paged cache is not read directly (gathered instead)
-  if (p.block_table != nullptr) {
+  std::string direct_why;  // why a cache is not read directly (gathered instead)
+  if (eight_bit) {  // codes converted exactly into q's dtype by the copy; scales applied in the kernel
+    direct_why = std::string("a ") + dtype_str(p.kvt()) + " cache";
+    mode = CacheMode::kGathered;
+  } else if (p.block_table != nullptr) {
     const int64_t ps = p.page_size;
     if (ps % 8 != 0 || !(row.block_n % ps == 0 || ps % row.block_n == 0))
       direct_why = "page size " + std::to_string(ps) + " (TMA pieces: a multiple of 8 that divides the " +
@@ -936,23 +940,24 @@ bool select_cache_impl(const FwdProblem& p, std::string* kernel, std::string* wh
     else if (env_gather == 1)
       direct_why = "IOATTN_SM90_CACHE_GATHER=1";
     mode = direct_why.empty() ? CacheMode::kDirect : CacheMode::kGathered;
-    if (mode == CacheMode::kGathered) {
-      if (env_gather == 0 || (env_gather == -1 && !ioattn::detail::kSm90CacheGatherByDefault))
-        return fail(why, direct_why + (env_gather == 0 ? "; the gathered copy is switched off by IOATTN_SM90_CACHE_GATHER=0"
-                                                       : "; the gathered copy is opt-in (IOATTN_SM90_CACHE_GATHER=1)"));
-      if (gather_bytes(p) > kGatherMaxBytes)
-        return fail(why, direct_why + "; the gathered copy would need " + std::to_string(gather_bytes(p) >> 20) +
-                             " MiB (batch x kv_bound rows of K and V; at most " +
-                             std::to_string(kGatherMaxBytes >> 20) + ")");
-      if (p.batch * std::max<int64_t>(p.kv_bound, 1) >= kRaggedRows || p.batch > 65535)
-        return fail(why, direct_why + "; the gathered copy: batch x kv_bound >= 2^30 or batch > 65535");
-      // the copy's 16-byte loads
-      if (reinterpret_cast<uintptr_t>(p.k) % 16 != 0 || reinterpret_cast<uintptr_t>(p.v) % 16 != 0 ||
-          p.k_stride.batch % 8 != 0 || p.k_stride.seq % 8 != 0 || p.k_stride.head % 8 != 0 ||
-          p.v_stride.batch % 8 != 0 || p.v_stride.seq % 8 != 0 || p.v_stride.head % 8 != 0)
-        return fail(why, direct_why + "; the gathered copy needs 16-byte aligned caches and strides");
-    }
-  } else {
+  }
+  if (mode == CacheMode::kGathered) {
+    if (env_gather == 0 || (env_gather == -1 && !ioattn::detail::kSm90CacheGatherByDefault))
+      return fail(why, direct_why + (env_gather == 0 ? "; the gathered copy is switched off by IOATTN_SM90_CACHE_GATHER=0"
+                                                     : "; the gathered copy is opt-in (IOATTN_SM90_CACHE_GATHER=1)"));
+    if (gather_bytes(p) > kGatherMaxBytes)
+      return fail(why, direct_why + "; the gathered copy would need " + std::to_string(gather_bytes(p) >> 20) +
+                           " MiB (batch x kv_bound rows of K and V; at most " +
+                           std::to_string(kGatherMaxBytes >> 20) + ")");
+    if (p.batch * std::max<int64_t>(p.kv_bound, 1) >= kRaggedRows || p.batch > 65535)
+      return fail(why, direct_why + "; the gathered copy: batch x kv_bound >= 2^30 or batch > 65535");
+    // the copy's 16-byte loads (strides in elements of the cache's dtype)
+    const int64_t e16 = eight_bit ? 16 : 8;
+    if (reinterpret_cast<uintptr_t>(p.k) % 16 != 0 || reinterpret_cast<uintptr_t>(p.v) % 16 != 0 ||
+        p.k_stride.batch % e16 != 0 || p.k_stride.seq % e16 != 0 || p.k_stride.head % e16 != 0 ||
+        p.v_stride.batch % e16 != 0 || p.v_stride.seq % e16 != 0 || p.v_stride.head % e16 != 0)
+      return fail(why, direct_why + "; the gathered copy needs 16-byte aligned caches and strides");
+  } else if (p.block_table == nullptr) {
     const int64_t cap = cache_capacity_rows(p);
     if (cap == 0) return fail(why, "the contiguous cache's batch stride is not capacity x slot stride");
     if (p.batch * cap >= kRaggedRows) return fail(why, "batch x capacity >= 2^30");
@@ -976,9 +981,9 @@ bool select_cache_impl(const FwdProblem& p, std::string* kernel, std::string* wh
     *kernel = std::string("cuda/flash cache-prefill sm90 wgmma+tma ") + dtype_str(p.dtype) + " hdim" +
               std::to_string(p.head_dim) + " tile " + std::to_string(row.block_m) + "x" + std::to_string(row.block_n) +
               " ws " + std::to_string(row.consumer_wgs) + " consumer WGs" +
-              (mode == CacheMode::kContiguous ? std::string(" contiguous")
-                                              : " paged(" + std::to_string(p.page_size) + ")" +
-                                                    (mode == CacheMode::kGathered ? " gathered" : ""));
+              (p.block_table == nullptr ? std::string(" contiguous") : " paged(" + std::to_string(p.page_size) + ")") +
+              (p.kvt() != p.dtype ? std::string(" ") + dtype_str(p.kvt()) + " cache" : std::string()) +
+              (mode == CacheMode::kGathered ? " gathered" : "");
   if (mode == CacheMode::kGathered)
     *why = "the Hopper forward's kLocal tiling over a contiguous copy of the paged cache (" + direct_why +
            "; a copy kernel moves the rows the lengths cover into a [batch, kv_bound] buffer of " +
@@ -1034,15 +1039,20 @@ void cache_prefill_impl(const FwdProblem& p) {
   cp.capacity = static_cast<int>(cap);
   cp.kv_bound = static_cast<int>(p.kv_bound);
   cp.num_pages = static_cast<int>(p.num_pages);
+  cp.k_scale = p.k_descale.ptr;  // (null but for an 8-bit cache's gathered copy)
+  cp.v_scale = p.v_descale.ptr;
   l.grid = static_cast<unsigned>(grid_ctas(p.device_index, grid, persistent));
   l.stream = static_cast<cudaStream_t>(p.stream);
   const std::unique_ptr<AsyncBuffer> counter = dynamic_tile_counter(pol, l.grid, grid, l.stream, f);
   row.launch(l);
 }
 
-// The gathered copy (CacheMode::kGathered): K and V rows of the paged cache into [batch, kv_bound,
-// heads_kv, d] buffers, 16 bytes a thread, consecutive threads on consecutive bytes of a token's
-// row; rows past a sequence's length are not written (the ragged maps clip them to zeros).
+// The gathered copy (CacheMode::kGathered): K and V rows of the cache (paged, or an 8-bit
+// contiguous one) into [batch, kv_bound, heads_kv, d] buffers of q's dtype, one 16-byte chunk of
+// the cache a thread, consecutive threads on consecutive bytes of a token's row; 8-bit codes
+// become the same values in q's dtype (exact: every e4m3 and int8 value is a bf16 and an f16;
+// the scales stay out, CacheParams::k_scale / v_scale). Rows past a sequence's length are not
+// written (the ragged maps clip them to zeros).
 struct GatherArgs {
   const uint8_t* k = nullptr;
   const uint8_t* v = nullptr;
@@ -1051,23 +1061,28 @@ struct GatherArgs {
   int64_t k_page = 0, k_slot = 0, k_head = 0, v_page = 0, v_slot = 0, v_head = 0;  // bytes
   const int32_t* lens = nullptr;
   int32_t* lens_out = nullptr;  // the lengths the forward reads: -1 for a poisoned sequence
-  const int32_t* table = nullptr;
+  const int32_t* table = nullptr;  // null: contiguous (sequence b = "page" b, page_size = kv_bound)
   int64_t bt_batch = 0, bt_page = 0;
-  int page_size = 0, num_pages = 0, kv_bound = 0, heads_kv = 0, row_bytes = 0;  // row_bytes: d x 2
+  int page_size = 0, num_pages = 0, kv_bound = 0, heads_kv = 0, head_dim = 0;
 };
 
 // CTA (x, b): rows [64 x, 64 x + 64) of sequence b. CTA 0 of a sequence also checks its length and
 // the table entries its length covers, as the direct rows do (cache_span), and writes the length the
 // forward reads: -1 (outside [0, kv_bound]: the forward poisons the sequence, NaN O and LSE) where
 // one is bad. A bad entry's rows are written as zeros, never read from outside the cache.
+// CT: the cache's element (Out itself: a plain copy; E4m3 or int8_t: codes converted).
+template <typename CT, typename Out>
 __global__ void __launch_bounds__(256) gather_cache_rows(const GatherArgs a) {
+  constexpr bool kCopy = std::is_same_v<CT, Out>;
+  constexpr int kElems = kCopy ? 8 : 16;  // elements per 16-byte chunk of the cache
   const int b = blockIdx.y, t0 = blockIdx.x * kGatherRows;
   const int len = __ldg(a.lens + b);
   const bool bad_len = len < 0 || len > a.kv_bound;
-  const int32_t* table = a.table + b * a.bt_batch;
+  const bool paged = a.table != nullptr;
+  const int32_t* table = paged ? a.table + b * a.bt_batch : nullptr;
   if (blockIdx.x == 0) {
     int bad = bad_len;
-    if (!bad) {
+    if (!bad && paged) {
       const int pages = (len + a.page_size - 1) / a.page_size;
       for (int pi = threadIdx.x; pi < pages; pi += blockDim.x) {
         const int page = __ldg(table + pi * a.bt_page);
@@ -1080,55 +1095,86 @@ __global__ void __launch_bounds__(256) gather_cache_rows(const GatherArgs a) {
   if (bad_len) return;
   const int rows = min(kGatherRows, len - t0);
   if (rows <= 0) return;
-  const int chunks = a.row_bytes / 16, per_row = a.heads_kv * chunks, per_kv = rows * per_row;
-  const int64_t out_slot = static_cast<int64_t>(a.heads_kv) * a.row_bytes;
+  const int chunks = a.head_dim / kElems, per_row = a.heads_kv * chunks, per_kv = rows * per_row;
+  const int64_t out_slot = static_cast<int64_t>(a.heads_kv) * a.head_dim;  // elements
   for (int i = threadIdx.x; i < 2 * per_kv; i += blockDim.x) {
     const bool is_v = i >= per_kv;
     const int j = is_v ? i - per_kv : i, r = j / per_row, rem = j - r * per_row, h = rem / chunks,
               c = rem - h * chunks;
-    const int t = t0 + r, pi = t / a.page_size, w = t - pi * a.page_size;
-    const int page = __ldg(table + pi * a.bt_page);
+    const int t = t0 + r;
+    int page = b, w = t;
+    if (paged) {
+      const int pi = t / a.page_size;
+      w = t - pi * a.page_size;
+      page = __ldg(table + pi * a.bt_page);
+    }
     uint4 x = make_uint4(0u, 0u, 0u, 0u);
-    if (page >= 0 && page < a.num_pages) {
+    if (!paged || (page >= 0 && page < a.num_pages)) {
       const uint8_t* src = is_v ? a.v + page * a.v_page + w * a.v_slot + h * a.v_head
                                 : a.k + page * a.k_page + w * a.k_slot + h * a.k_head;
       x = __ldg(reinterpret_cast<const uint4*>(src) + c);
     }
-    uint8_t* dst = (is_v ? a.v_out : a.k_out) + (static_cast<int64_t>(b) * a.kv_bound + t) * out_slot + h * a.row_bytes;
-    reinterpret_cast<uint4*>(dst)[c] = x;
+    Out* dst = reinterpret_cast<Out*>(is_v ? a.v_out : a.k_out) + (static_cast<int64_t>(b) * a.kv_bound + t) * out_slot +
+               h * a.head_dim + c * kElems;
+    if constexpr (kCopy) {
+      *reinterpret_cast<uint4*>(dst) = x;
+    } else {
+      float f[16];
+      serving::CacheTraits<CT>::convert(x, f);
+      uint32_t pk[8];
+#pragma unroll
+      for (int e = 0; e < 8; ++e) pk[e] = pack2<Out>(f[2 * e], f[2 * e + 1]);
+      reinterpret_cast<uint4*>(dst)[0] = make_uint4(pk[0], pk[1], pk[2], pk[3]);
+      reinterpret_cast<uint4*>(dst)[1] = make_uint4(pk[4], pk[5], pk[6], pk[7]);
+    }
   }
 }
 
 // CacheMode::kGathered: the copy, then the contiguous rows over it (both on p's stream; the
 // buffers are freed in stream order after them).
+template <typename Out>
+void launch_gather(const GatherArgs& a, DType cache, dim3 grid, cudaStream_t stream) {
+  if (cache == DType::f8e4m3)
+    gather_cache_rows<serving::E4m3, Out><<<grid, 256, 0, stream>>>(a);
+  else if (cache == DType::i8)
+    gather_cache_rows<int8_t, Out><<<grid, 256, 0, stream>>>(a);
+  else
+    gather_cache_rows<Out, Out><<<grid, 256, 0, stream>>>(a);
+  IOATTN_CUDA_CHECK_LAUNCH("gather_cache_rows");
+}
+
 void cache_prefill_gathered(const FwdProblem& p) {
   cuda::DeviceGuard guard(p.device_index);
   const cudaStream_t stream = static_cast<cudaStream_t>(p.stream);
   const int64_t bound = std::max<int64_t>(p.kv_bound, 1), slot = p.heads_kv * p.head_dim;
   const size_t half = static_cast<size_t>(gather_bytes(p) / 2);
   AsyncBuffer kb(half, stream), vb(half, stream), lens(static_cast<size_t>(p.batch) * sizeof(int32_t), stream);
+  const int64_t eb = dtype_size(p.kvt());  // the cache's element bytes
   GatherArgs a;
   a.k = static_cast<const uint8_t*>(p.k);
   a.v = static_cast<const uint8_t*>(p.v);
   a.k_out = static_cast<uint8_t*>(kb.ptr);
   a.v_out = static_cast<uint8_t*>(vb.ptr);
-  a.k_page = p.k_stride.batch * 2, a.k_slot = p.k_stride.seq * 2, a.k_head = p.k_stride.head * 2;
-  a.v_page = p.v_stride.batch * 2, a.v_slot = p.v_stride.seq * 2, a.v_head = p.v_stride.head * 2;
+  a.k_page = p.k_stride.batch * eb, a.k_slot = p.k_stride.seq * eb, a.k_head = p.k_stride.head * eb;
+  a.v_page = p.v_stride.batch * eb, a.v_slot = p.v_stride.seq * eb, a.v_head = p.v_stride.head * eb;
   a.lens = p.kv_lens;
   a.lens_out = static_cast<int32_t*>(lens.ptr);
   a.table = p.block_table;
   a.bt_batch = p.bt_stride_batch, a.bt_page = p.bt_stride_page;
-  a.page_size = static_cast<int>(p.page_size);
-  a.num_pages = static_cast<int>(p.num_pages);
+  a.page_size = static_cast<int>(p.block_table != nullptr ? p.page_size : p.kv_bound);
+  a.num_pages = static_cast<int>(p.block_table != nullptr ? p.num_pages : p.batch);
   a.kv_bound = static_cast<int>(p.kv_bound);
   a.heads_kv = static_cast<int>(p.heads_kv);
-  a.row_bytes = static_cast<int>(p.head_dim * 2);
+  a.head_dim = static_cast<int>(p.head_dim);
   const dim3 grid(static_cast<unsigned>((bound + kGatherRows - 1) / kGatherRows), static_cast<unsigned>(p.batch));
-  gather_cache_rows<<<grid, 256, 0, stream>>>(a);
-  IOATTN_CUDA_CHECK_LAUNCH("gather_cache_rows");
+  if (p.dtype == DType::bf16)
+    launch_gather<__nv_bfloat16>(a, p.kvt(), grid, stream);
+  else
+    launch_gather<__half>(a, p.kvt(), grid, stream);
   FwdProblem g = p;
   g.k = kb.ptr, g.v = vb.ptr;
   g.k_stride = g.v_stride = {bound * slot, slot, p.head_dim};
+  g.kv_dtype = p.dtype;  // (k_descale / v_descale stay: an 8-bit cache's scales, CacheParams)
   g.block_table = nullptr;
   g.page_size = 0, g.bt_stride_batch = 0, g.bt_stride_page = 0, g.num_pages = 0;
   g.kv_lens = static_cast<const int32_t*>(lens.ptr);

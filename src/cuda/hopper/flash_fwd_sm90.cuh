@@ -133,6 +133,10 @@ struct CacheParams : LocalParams {
   int page_size = 0, box_rows = 0;  // paged
   int capacity = 0;                 // contiguous: rows per sequence
   int kv_bound = 0, num_pages = 0;
+  // 8-bit caches (through the gathered copy, which holds their codes exactly in q's dtype): per kv
+  // head, k_scale joins the score scale and v_scale O's factor, as on mma.sync; null = 1.
+  const float* k_scale = nullptr;
+  const float* v_scale = nullptr;
 };
 template <bool kCache>
 using LocalArg = std::conditional_t<kCache, CacheParams, LocalParams>;
@@ -642,6 +646,26 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         n_blocks = num_key_blocks<kBlockM, kBlockN, kCausal>(m0, p.seqlen_q, p.seqlen_k);
       }
       const int rot = key_rotation(tc.m_block, n_blocks, p);
+      // The score scale (and its log2(e) multiple, 1 / it) and O's factor of this tile: kCache with
+      // an 8-bit cache's scales folds k_scale / v_scale of the tile's kv head in; the other
+      // instances read p's (scale(), scale_log2(): their SASS stays as it was).
+      [[maybe_unused]] float tile_scale = 0.0f, tile_scale_log2 = 0.0f, tile_inv_scale = 0.0f, o_factor = 1.0f;
+      if constexpr (kCache) {
+        const int hk = tc.h / p.group;
+        const float ks = lp.k_scale != nullptr ? __ldg(lp.k_scale + hk) : 1.0f;
+        tile_scale = p.scale * ks;
+        tile_scale_log2 = p.scale_log2 * ks;
+        tile_inv_scale = lp.inv_scale / ks;
+        o_factor = lp.v_scale != nullptr ? __ldg(lp.v_scale + hk) : 1.0f;
+      }
+      auto scale = [&]() {
+        if constexpr (kCache) return tile_scale;
+        else return p.scale;
+      };
+      auto scale_log2 = [&]() {
+        if constexpr (kCache) return tile_scale_log2;
+        else return p.scale_log2;
+      };
 
       float o[kHeadDim / 2];  // O accumulator fragment (64 x kHeadDim per warpgroup)
 #pragma unroll
@@ -747,8 +771,8 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
             mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));  // the 4 threads of a quad share a row
             mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
             changed |= mx != row_max[r];
-            const float m_scaled = mx == -INFINITY ? 0.0f : mx * p.scale_log2;
-            corr[r] = exp2_approx(row_max[r] * p.scale_log2 - m_scaled);  // old max -inf -> 0
+            const float m_scaled = mx == -INFINITY ? 0.0f : mx * scale_log2();
+            corr[r] = exp2_approx(row_max[r] * scale_log2() - m_scaled);  // old max -inf -> 0
             row_max[r] = mx;
             float sum = 0.0f;
 #pragma unroll
@@ -756,7 +780,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
 #pragma unroll
               for (int e = 0; e < 2; ++e) {
                 float& x = s[4 * i + 2 * r + e];
-                const float arg = fmaf(x, p.scale_log2, -m_scaled);
+                const float arg = fmaf(x, scale_log2(), -m_scaled);
                 if (kPoly && use_poly_exp2<Tr::kExp2PolyEvery>(i))
                   x = exp2_poly3(arg);
                 else
@@ -774,8 +798,12 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
           if (lp.alibi_slopes != nullptr) slope = lp.alibi_slopes[tc.h];
         }
         auto modify_scores = [&](int n) {
-          local_modify_scores<kBlockN>(s, n * kBlockN + 2 * (lane % 4), m0 + row_in_tile + span.sk - span.sq, p.scale,
-                                       lp.inv_scale, lp, slope);
+          if constexpr (kCache)
+            local_modify_scores<kBlockN>(s, n * kBlockN + 2 * (lane % 4), m0 + row_in_tile + span.sk - span.sq,
+                                         tile_scale, tile_inv_scale, lp, slope);
+          else
+            local_modify_scores<kBlockN>(s, n * kBlockN + 2 * (lane % 4), m0 + row_in_tile + span.sk - span.sq,
+                                         p.scale, lp.inv_scale, lp, slope);
         };
         auto mask_and_softmax = [&](int n) {
           if constexpr (kLocal) {
@@ -868,10 +896,11 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         sum += __shfl_xor_sync(0xffffffffu, sum, 2);
         if constexpr (kLocal) {
           float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
-          float lse = sum > 0.0f ? row_max[r] * p.scale + logf(sum) : -INFINITY;
+          float lse = sum > 0.0f ? row_max[r] * scale() + logf(sum) : -INFINITY;
           if (lp.sinks != nullptr)
-            fold_sink(sum, sum > 0.0f ? row_max[r] * p.scale : -INFINITY, lp.sinks[tc.h], 1.0f, &inv, &lse);
+            fold_sink(sum, sum > 0.0f ? row_max[r] * scale() : -INFINITY, lp.sinks[tc.h], 1.0f, &inv, &lse);
           if constexpr (kCache) {  // NaN O and LSE: a poisoned sequence, or a NaN / +inf visible score
+            inv *= o_factor;
             if (poisoned || sum != sum) inv = lse = __int_as_float(0x7fc00000);  // (fmaxf drops NaN: sum holds it)
           }
           // The store below repeats the other instances' on purpose: sharing it (a lambda) changed

@@ -30,8 +30,20 @@ __global__ void __launch_bounds__(128) fp8_transpose_v(const Fp8TransposeArgs a)
   if (varlen) {
     k0 = a.cu_seqlens_k[b];
     sk = a.cu_seqlens_k[b + 1] - static_cast<int>(k0);
-    if (32 * g >= sk) return;  // past this sequence's last group (the caller zeroed the rest)
-    dst_off = (h * a.head_dim + x0) * a.skp + fp8_vt_col(k0, b) + 32 * g;
+    const int64_t col = fp8_vt_col(k0, b) + 32 * g;
+    dst_off = (h * a.head_dim + x0) * a.skp + col;
+    if (32 * g >= sk) {  // past the sequence's last group: zeros up to the next start or the width
+      const int64_t end = bh + a.heads_kv < a.batch_heads ? fp8_vt_col(a.cu_seqlens_k[b + 1], b + 1) : a.skp;
+      if (col >= end) return;
+      const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        uint4* row = reinterpret_cast<uint4*>(a.vt + dst_off + static_cast<int64_t>(j) * a.skp);
+        row[0] = zero;
+        row[1] = zero;
+      }
+      return;
+    }
   }
   const uint8_t* src = a.v + b * a.v_batch + k0 * a.v_seq + h * a.v_head + x0;
   uint32_t w[32];

@@ -108,6 +108,12 @@ using Fp8KernelParams = std::conditional_t<kLocal, Fp8LocalParams, Fp8Params>;
 // sequence's V (whose NaN would reach it through 0 x NaN). Starts are multiples of 32: the P
 // fragment's 32-key groups (fp8_p_key) begin at the sequence's first key.
 constexpr int kFp8VtGap = 288;
+// The pre-pass writes every column itself (session 31; before, the host zeroed the whole workspace
+// first, a memset as large as V): a sequence's groups past its last key, up to the next start
+// (<= 288 columns) or, after the last sequence, to the width (<= 288 + 127), are zeros: at most
+// kFp8VtTailGroups groups past the longest sequence's. Its test poisons the workspace pool first
+// (Fp8Cuda.VarlenOnDevice).
+constexpr int kFp8VtTailGroups = (kFp8VtGap + 127 + 31) / 32;
 __host__ __device__ __forceinline__ int64_t fp8_vt_col(int64_t k0, int64_t b) {
   return (k0 + 31) / 32 * 32 + kFp8VtGap * b;
 }
@@ -673,8 +679,11 @@ struct Fp8TransposeArgs {
   int seqlen_k = 0, skp = 0, head_dim = 0, heads_kv = 0;
   const int32_t* cu_seqlens_k = nullptr;  // varlen when non-null (on the device)
   int64_t batch_heads = 0;  // batch * heads_kv (set by fp8_transpose_v_launch)
-  // 32-key groups per (batch, kv head) the grid covers: the padded width, or varlen's longest sequence
-  __host__ __device__ int groups() const { return (cu_seqlens_k != nullptr ? seqlen_k + 31 : skp) / 32; }
+  // 32-key groups per (batch, kv head) the grid covers: the padded width, or varlen's longest
+  // sequence and the zero groups of its gap (kFp8VtTailGroups)
+  __host__ __device__ int groups() const {
+    return cu_seqlens_k != nullptr ? (seqlen_k + 31) / 32 + kFp8VtTailGroups : skp / 32;
+  }
 };
 
 // ---- host side ---------------------------------------------------------------------------------
