@@ -965,7 +965,7 @@ TEST(CudaDecodeCachePrefill, Sm90RowsTakeSixteenBitCaches) {
     }
   }
   EXPECT_GE(sm90, 4);
-  EXPECT_GE(mma, 4);
+  EXPECT_GE(mma, detail::kSm90CacheGatherByDefault ? 3 : 4);  // (head dims 72 / 96; 8-bit without the copy)
   EXPECT_GE(sm90_default, 2);
   EXPECT_GE(gathered_default, detail::kSm90CacheGatherByDefault ? 3 : 0);
   // A persistent grid of 2 CTAs: every CTA runs many tiles (the dynamic counter, the tile hand-over).
