@@ -14,11 +14,12 @@
 #      forward's KV-cache mode): its tests (test_cuda_serving *CachePrefill*, bounded), then
 #      ioattn_cuda_decode_bench --seqlen-q 512 (ours through the cache vs forward() on contiguous K / V,
 #      same run; GPU_CHECK_PREFILL_ARGS overrides the grid) -> prefill.json and a table in the summary.
-#   sm90cache (not in the default stages; ~1 min): the Hopper kernel's KV-cache rows (the default for
-#      contiguous caches and page pieces >= 64 rows since session 30; IOATTN_SM90_CACHE=1 forces them for
-#      smaller pieces): test_cuda_serving *CachePrefill* with them forced, compute-sanitizer memcheck
-#      and racecheck on the same filter, then ioattn_cuda_decode_bench --seqlen-q 512 (bf16 caches,
-#      contiguous / page 16 / page 64) with them on and off -> sm90cache.json and a ratio table.
+#   sm90cache (not in the default stages; ~1-2 min): the Hopper kernel's KV-cache rows (direct for
+#      contiguous caches and page pieces >= 64 rows, the gathered copy for smaller / odd pages and 8-bit
+#      caches since session 31): test_cuda_serving *CachePrefill*, compute-sanitizer memcheck and
+#      racecheck on the same filter (IOATTN_SM90_CACHE=1), then ioattn_cuda_decode_bench --seqlen-q 512
+#      (bf16 / f8e4m3 caches, contiguous / page 1 / 16 / 64) per mode (default, mma.sync only, direct
+#      only, the copy for all) -> sm90cache.json and a table of ratios to forward() in the summary.
 #   fp8varlen (not in the default stages; ~1 min): the fp8 kernel's varlen rows (session 28; the
 #      default since session 30): ioattn_tests Fp8Cuda.*,
 #      compute-sanitizer memcheck and racecheck on Fp8Cuda.VarlenOnDevice, then ioattn_cuda_bench local
@@ -787,32 +788,34 @@ fi
 # ---- ring attention: time per rank vs single device / P, NVLink hop model -------------------------
 # ---- the Hopper kernel's KV-cache rows (optional stage sm90cache; forced by IOATTN_SM90_CACHE=1) -----
 if want sm90cache && [[ -x $BUILD/test_cuda_serving ]]; then
-  IOATTN_SM90_CACHE=1 bounded_test "sm90cache tests" 120 "$BUILD/test_cuda_serving" '*CachePrefill*' \
-    "$OUT/sm90cache_tests.log" || true
+  # (the defaults; Sm90RowsTakeSixteenBitCaches runs every case forced / default / off / copy-all / copy-off)
+  bounded_test "sm90cache tests" 120 "$BUILD/test_cuda_serving" '*CachePrefill*' "$OUT/sm90cache_tests.log" || true
   grep -E '^\[  FAILED|Failure' "$OUT/sm90cache_tests.log" | head -20 | tee -a "$SUMMARY" >/dev/null
   for tool in memcheck racecheck; do
     IOATTN_SM90_CACHE=1 timeout 300 compute-sanitizer --tool $tool --error-exitcode 9 "$BUILD/test_cuda_serving" \
       --gtest_filter='*CachePrefill*' >"$OUT/sm90cache_$tool.log" 2>&1
     note "sm90cache $tool rc=$?  $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/sm90cache_$tool.log" | tail -1)"
   done
-  for on in 1 0; do
-    IOATTN_SM90_CACHE=$on timeout 120 "$BUILD/ioattn_cuda_decode_bench" --seqlen-q 512 --copy 0 --batch 1,4 \
-      --kv 4096,16384 --pages 0,16,64 --caches bf16 2>&1 | grep '^{' | sed "s/^{/{\"sm90cache\": $on, /" \
+  # modes: the default (direct pieces >= 64 rows, the gathered copy for the rest), mma.sync only,
+  # direct only (no copy: small pages and 8-bit caches on mma.sync), the copy for every paged cache
+  for mode in default:IOATTN_X=1 mma:IOATTN_SM90_CACHE=0 direct:IOATTN_SM90_CACHE_GATHER=0 copy:IOATTN_SM90_CACHE_GATHER=1; do
+    env "${mode#*:}" timeout 120 "$BUILD/ioattn_cuda_decode_bench" --seqlen-q 512 --copy 0 --batch 1,4 \
+      --kv 4096,16384 --pages 0,1,16,64 --caches bf16,f8e4m3 2>&1 | grep '^{' | sed "s/^{/{\"mode\": \"${mode%%:*}\", /" \
       >>"$OUT/sm90cache.json"
   done
   python3 - "$OUT/sm90cache.json" <<'PY' | tee -a "$SUMMARY"
 import json, sys
 rows = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
-key = lambda r: (r["batch"], r["kv_len"], r["page_size"], r["causal"])
+modes = ["default", "mma", "direct", "copy"]
 t = {}
 for r in rows:
-    tag = "fwd" if r["impl"] == "forward_contiguous" else ("sm90" if r["sm90cache"] else "mma")
-    t.setdefault(key(r), {}).setdefault(tag, r["tflops"])
-print("sm90cache (512 rows, bf16): batch kv page causal | wgmma rows | mma.sync | forward() contiguous | wgmma/fwd")
+    k = (r["cache"], r["batch"], r["kv_len"], r["page_size"], r["causal"])
+    t.setdefault(k, {})["fwd" if r["impl"] == "forward_contiguous" else r["mode"]] = r["tflops"]
+print("sm90cache (512 rows, bf16 q; x forward() on contiguous K / V): cache batch kv page causal | " + " | ".join(modes))
 for k in sorted(t):
     d = t[k]
-    print("  %d %d %d %d | %.1f | %.1f | %.1f | %.2f" % (k + (d.get("sm90", 0), d.get("mma", 0), d.get("fwd", 0),
-                                                          d.get("sm90", 0) / d["fwd"] if d.get("fwd") else 0)))
+    f = d.get("fwd") or 0
+    print("  %s %d %d %d %d | " % k + " | ".join("%.2f" % (d[m] / f) if f and m in d else "-" for m in modes))
 PY
 fi
 
