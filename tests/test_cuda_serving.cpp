@@ -924,13 +924,13 @@ INSTANTIATE_TEST_SUITE_P(Cases, CudaDecodeCachePrefill, ::testing::ValuesIn(cuda
                          [](const ::testing::TestParamInfo<Spec>& info) { return info.param.name; });
 
 // On sm_90 the Hopper kernel's KV-cache rows take the 16-bit caches of q's dtype at head_dim 64 /
-// 128 / 256 (and 8-bit ones through the gathered copy, where it is on): contiguous, paged read directly where the page size is a multiple of 8 that divides
+// 128 / 256: read directly when contiguous or when the page size is a multiple of 8 that divides
 // the key block (128; 80 at head_dim 256) or is a multiple of it and the pieces (min(page, block))
-// have >= 64 rows (IOATTN_SM90_CACHE=1: any such pieces), and every other paged cache through the
-// gathered copy where it is on (kSm90CacheGatherByDefault, or IOATTN_SM90_CACHE_GATHER=1: then every
-// paged cache; =0: none, those run on mma.sync).
-// The rest run on the mma.sync cache mode, whose reason says why the wgmma one did not. All
-// against the float64 reference; IOATTN_SM90_CACHE=0 sends everything to mma.sync.
+// have >= 64 rows (IOATTN_SM90_CACHE=1: any such pieces); every other paged cache, and the 8-bit
+// caches, through the gathered copy where it is on (kSm90CacheGatherByDefault, or
+// IOATTN_SM90_CACHE_GATHER=1: then every paged cache; =0: none). The rest run on the mma.sync cache
+// mode, whose reason says why the wgmma one did not. All against the float64 reference;
+// IOATTN_SM90_CACHE=0 sends everything to mma.sync.
 TEST(CudaDecodeCachePrefill, Sm90RowsTakeSixteenBitCaches) {
   SKIP_WITHOUT_GPU();
   if (detail::cuda_device_arch(0) != 90) GTEST_SKIP() << "skipped: the wgmma rows need sm_90";

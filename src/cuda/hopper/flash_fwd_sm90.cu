@@ -985,7 +985,7 @@ bool select_cache_impl(const FwdProblem& p, std::string* kernel, std::string* wh
               (p.kvt() != p.dtype ? std::string(" ") + dtype_str(p.kvt()) + " cache" : std::string()) +
               (mode == CacheMode::kGathered ? " gathered" : "");
   if (mode == CacheMode::kGathered)
-    *why = "the Hopper forward's kLocal tiling over a contiguous copy of the paged cache (" + direct_why +
+    *why = "the Hopper forward's kLocal tiling over a contiguous copy of the cache (" + direct_why +
            "; a copy kernel moves the rows the lengths cover into a [batch, kv_bound] buffer of " +
            std::to_string((gather_bytes(p) + (1 << 20) - 1) >> 20) +
            " MiB, freed after the call; one TMA load per key block; lengths and table entries checked on the "
@@ -1061,7 +1061,7 @@ struct GatherArgs {
   int64_t k_page = 0, k_slot = 0, k_head = 0, v_page = 0, v_slot = 0, v_head = 0;  // bytes
   const int32_t* lens = nullptr;
   int32_t* lens_out = nullptr;  // the lengths the forward reads: -1 for a poisoned sequence
-  const int32_t* table = nullptr;  // null: contiguous (sequence b = "page" b, page_size = kv_bound)
+  const int32_t* table = nullptr;  // null: contiguous (sequence b at b x k_page / v_page)
   int64_t bt_batch = 0, bt_page = 0;
   int page_size = 0, num_pages = 0, kv_bound = 0, heads_kv = 0, head_dim = 0;
 };
@@ -1161,8 +1161,8 @@ void cache_prefill_gathered(const FwdProblem& p) {
   a.lens_out = static_cast<int32_t*>(lens.ptr);
   a.table = p.block_table;
   a.bt_batch = p.bt_stride_batch, a.bt_page = p.bt_stride_page;
-  a.page_size = static_cast<int>(p.block_table != nullptr ? p.page_size : p.kv_bound);
-  a.num_pages = static_cast<int>(p.block_table != nullptr ? p.num_pages : p.batch);
+  a.page_size = static_cast<int>(p.page_size);  // (paged only)
+  a.num_pages = static_cast<int>(p.num_pages);
   a.kv_bound = static_cast<int>(p.kv_bound);
   a.heads_kv = static_cast<int>(p.heads_kv);
   a.head_dim = static_cast<int>(p.head_dim);
