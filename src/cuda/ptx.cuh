@@ -66,6 +66,15 @@ __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
 }
 
+// ld.global.u16 as a volatile asm statement: it keeps its place in program order relative to the
+// other volatile statements (cp.async above all), where a plain load is sunk by the compiler to
+// its first use. The decode issues its query loads this way ahead of its K / V copies.
+__device__ __forceinline__ uint32_t ld_global_u16(const void* src) {
+  uint16_t r;
+  asm volatile("ld.global.u16 %0, [%1];\n" : "=h"(r) : "l"(src));
+  return r;
+}
+
 // ld.shared.v4.b32: 16 bytes of shared memory (src 16-byte aligned) into registers, a..d from
 // increasing addresses. The forward's staged 8-bit cache tiles read their raw codes with it.
 __device__ __forceinline__ uint4 ld_shared_v4(uint32_t src_smem) {

@@ -372,6 +372,33 @@ __global__ void __launch_bounds__(kThreads) decode_mma_kernel(const DecodeParams
     return kSwz ? kv + Tr::kTileBytes + v_sw[m & 3] + (m >> 2) * 128 : kv + Tr::kTileBytes + v_lane + m * 32;
   };
 
+  // The query rows first, by loads that stay in front of the prologue's copies (volatile asm; the
+  // compiler sinks plain loads to their first use) and whose values are used only after them: the loads go out ahead of this CTA's (and, at small batch, the whole grid's) burst
+  // of K / V requests instead of queueing behind it, so the first use (the 8-bit caches' per-row
+  // max of q, the first mma otherwise) does not wait for the burst to drain (session 32).
+  // Q^T as the B operand: the lane holds query row g of each n-tile, dims 2t, 2t+1 (and +8) of
+  // each k-step; with an 8-bit cache the k-step's dims are permuted as the K codes arrive (below):
+  // b0 = dims 4t, 4t+1 and b1 = dims 4t+2, 4t+3 of the step's 16.
+  uint32_t qb[NT][kKD][2];
+  {
+    const auto* q16 = static_cast<const uint16_t*>(p.q);
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+      const int rr = w.rb * ROWS + nt * 8 + g;
+      const bool ok = rr < p.rows;
+      const int hh = ok ? rr / sq : 0, i = ok ? rr % sq : 0, h = w.hk * p.group + hh;
+      const int64_t qoff = w.b * p.q_sb + i * p.q_ss + h * p.q_sh;
+#pragma unroll
+      for (int kk = 0; kk < kKD; ++kk)
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          const int col = k8 ? kk * 16 + 4 * t4 + 2 * half : kk * 16 + half * 8 + 2 * t4;
+          uint32_t bits = 0;
+          if (ok) bits = ptx::ld_global_u16(q16 + qoff + col) | ptx::ld_global_u16(q16 + qoff + col + 1) << 16;
+          qb[nt][kk][half] = bits;
+        }
+    }
+  }
 #if IOATTN_DECODE_BULK_ENABLED
   if constexpr (kBulk) {
     if (tid == 0) {
@@ -398,35 +425,22 @@ __global__ void __launch_bounds__(kThreads) decode_mma_kernel(const DecodeParams
   }
   DEC_TRACE(2);
 
-  // The query rows and the per-row constants only now, with the first tiles' loads in flight: the
-  // q loads' latency (and that of the first use of their values) overlaps the cache reads instead
-  // of delaying their issue (trace, H200 b1 x 4k: ~5,000 cycles from work_item to the last issue).
-  // Q^T as the B operand: the lane holds query row g of each n-tile, dims 2t, 2t+1 (and +8) of
-  // each k-step; with an 8-bit cache the k-step's dims are permuted as the K codes arrive (below):
-  // b0 = dims 4t, 4t+1 and b1 = dims 4t+2, 4t+3 of the step's 16.
-  uint32_t qb[NT][kKD][2];
-  const auto* q16 = static_cast<const uint16_t*>(p.q);
-  float qmax[NT];  // 8-bit caches with bf16 q: this lane's max finite |q| of row g, per n-tile
+  // qmax (8-bit caches with bf16 q): this lane's max finite |q| of row g, per n-tile, from the
+  // query bits loaded before the prologue's copies (below their first use, here).
+  float qmax[NT];
 #pragma unroll
   for (int nt = 0; nt < NT; ++nt) {
     qmax[nt] = 0.0f;
-    const int rr = w.rb * ROWS + nt * 8 + g;
-    const bool ok = rr < p.rows;
-    const int hh = ok ? rr / sq : 0, i = ok ? rr % sq : 0, h = w.hk * p.group + hh;
-    const int64_t qoff = w.b * p.q_sb + i * p.q_ss + h * p.q_sh;
+    if (k8 && p.dtype == DType::bf16) {
 #pragma unroll
-    for (int kk = 0; kk < kKD; ++kk)
+      for (int kk = 0; kk < kKD; ++kk)
 #pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        const int col = k8 ? kk * 16 + 4 * t4 + 2 * half : kk * 16 + half * 8 + 2 * t4;
-        uint32_t bits = 0;
-        if (ok) bits = static_cast<uint32_t>(q16[qoff + col]) | static_cast<uint32_t>(q16[qoff + col + 1]) << 16;
-        qb[nt][kk][half] = bits;
-        if (k8 && p.dtype == DType::bf16) {
+        for (int half = 0; half < 2; ++half) {
+          const uint32_t bits = qb[nt][kk][half];
           const float lo = fabsf(__uint_as_float(bits << 16)), hi = fabsf(__uint_as_float(bits & 0xffff0000u));
           qmax[nt] = fmaxf(qmax[nt], fmaxf(lo < INFINITY ? lo : 0.0f, hi < INFINITY ? hi : 0.0f));  // inf, NaN: 0
         }
-      }
+    }
   }
   // bf16 q on the f16 mma: each row times 2^-s, its max finite |q| then in [2^13, 2^14) (a power
   // of two: exact; elements below 2^-24 of the row's largest flush, far under bf16's own rounding;
