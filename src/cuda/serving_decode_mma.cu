@@ -373,9 +373,10 @@ __global__ void __launch_bounds__(kThreads) decode_mma_kernel(const DecodeParams
   };
 
   // The query rows first, by loads that stay in front of the prologue's copies (volatile asm; the
-  // compiler sinks plain loads to their first use) and whose values are used only after them: the loads go out ahead of this CTA's (and, at small batch, the whole grid's) burst
-  // of K / V requests instead of queueing behind it, so the first use (the 8-bit caches' per-row
-  // max of q, the first mma otherwise) does not wait for the burst to drain (session 32).
+  // compiler sinks plain loads to their first use) and whose values are used only after them: the
+  // loads go out ahead of this CTA's (and, at small batch, the whole grid's) burst of K / V
+  // requests instead of queueing behind it, so the first use (the 8-bit caches' per-row max of q,
+  // the first mma otherwise) does not wait for the burst to drain (session 32).
   // Q^T as the B operand: the lane holds query row g of each n-tile, dims 2t, 2t+1 (and +8) of
   // each k-step; with an 8-bit cache the k-step's dims are permuted as the K codes arrive (below):
   // b0 = dims 4t, 4t+1 and b1 = dims 4t+2, 4t+3 of the step's 16.
@@ -425,23 +426,6 @@ __global__ void __launch_bounds__(kThreads) decode_mma_kernel(const DecodeParams
   }
   DEC_TRACE(2);
 
-  // qmax (8-bit caches with bf16 q): this lane's max finite |q| of row g, per n-tile, from the
-  // query bits loaded before the prologue's copies (below their first use, here).
-  float qmax[NT];
-#pragma unroll
-  for (int nt = 0; nt < NT; ++nt) {
-    qmax[nt] = 0.0f;
-    if (k8 && p.dtype == DType::bf16) {
-#pragma unroll
-      for (int kk = 0; kk < kKD; ++kk)
-#pragma unroll
-        for (int half = 0; half < 2; ++half) {
-          const uint32_t bits = qb[nt][kk][half];
-          const float lo = fabsf(__uint_as_float(bits << 16)), hi = fabsf(__uint_as_float(bits & 0xffff0000u));
-          qmax[nt] = fmaxf(qmax[nt], fmaxf(lo < INFINITY ? lo : 0.0f, hi < INFINITY ? hi : 0.0f));  // inf, NaN: 0
-        }
-    }
-  }
   // bf16 q on the f16 mma: each row times 2^-s, its max finite |q| then in [2^13, 2^14) (a power
   // of two: exact; elements below 2^-24 of the row's largest flush, far under bf16's own rounding;
   // inf and NaN stay what they are and poison their row as on the CPU), and 2^s back in that row's
@@ -453,7 +437,15 @@ __global__ void __launch_bounds__(kThreads) decode_mma_kernel(const DecodeParams
     if (p.dtype == DType::bf16) {
 #pragma unroll
       for (int nt = 0; nt < NT; ++nt) {
-        float m = qmax[nt];  // over the 4 lanes that hold row g
+        float m = 0.0f;  // max finite |q| of row g: this lane's dims, then over the 4 lanes that hold it
+#pragma unroll
+        for (int kk = 0; kk < kKD; ++kk)
+#pragma unroll
+          for (int half = 0; half < 2; ++half) {
+            const uint32_t bits = qb[nt][kk][half];
+            const float lo = fabsf(__uint_as_float(bits << 16)), hi = fabsf(__uint_as_float(bits & 0xffff0000u));
+            m = fmaxf(m, fmaxf(lo < INFINITY ? lo : 0.0f, hi < INFINITY ? hi : 0.0f));  // inf, NaN: 0
+          }
         m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
         m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
         // s = floor(log2 m) - 13 from the exponent bits, so 2^13 <= m * 2^-s < 2^14: large rows
