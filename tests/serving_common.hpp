@@ -335,6 +335,33 @@ inline bool close(double got, double want, double tol) {
   return std::fabs(got - want) <= tol;  // false for NaN
 }
 
+// The tensor-core forwards' own roundings on top of the decode tolerance (expect_matches_reference's
+// extra_o / extra_lse): P is rounded to q's dtype before P V (the decode kernels keep ~16 bits),
+// which moves O by at most u * max |V| (unit roundoff u = 2^-8 bf16, 2^-11 f16); and on the GPU a
+// softcap goes through tanh.approx (relative error <= 2^-11: approx_tanh), which moves each score
+// by <= softcap * 2^-11, so LSE by as much and O by twice that times max |V|. The checks allow
+// twice each bound. (The CUDA forwards, and the CPU forward's AMX-BF16 products.)
+struct ForwardTol {
+  double o = 0, lse = 0;
+  std::function<double(int64_t, int64_t, int64_t)> extra_o() const {
+    return [t = o](int64_t, int64_t, int64_t) { return t; };
+  }
+  std::function<double(int64_t, int64_t, int64_t)> extra_lse() const {
+    return [t = lse](int64_t, int64_t, int64_t) { return t; };
+  }
+};
+inline ForwardTol forward_tol(const Built& bl, bool approx_tanh = true) {
+  double vmax = 0;
+  for (const auto& seq : bl.vdeq)
+    for (float x : seq)
+      if (std::isfinite(x)) vmax = std::max(vmax, static_cast<double>(std::fabs(x)));
+  ForwardTol t;
+  const double cap = approx_tanh ? bl.c.softcap * std::ldexp(1.0, -11) : 0.0;
+  t.lse = 2 * cap;
+  t.o = 2 * (std::ldexp(1.0, bl.c.dtype == DType::bf16 ? -8 : -11) + 2 * cap) * vmax;
+  return t;
+}
+
 // Decode output vs the float64 reference on the values the kernel sees; extra_o / extra_lse
 // widen the tolerance per (b, h, i) row (8-bit vs unquantised values).
 // `out` holds the outputs when they are not in bl (default: bl's own).

@@ -865,32 +865,6 @@ std::vector<Spec> cuda_prefill_cases() {
   return v;
 }
 
-// The forward's own roundings on top of the decode tolerance (expect_matches_reference's extra_o /
-// extra_lse): P is rounded to q's dtype before P V (the decode kernels keep ~16 bits), which moves
-// O by at most u * max |V| (unit roundoff u = 2^-8 bf16, 2^-11 f16); and a softcap goes through
-// tanh.approx (relative error <= 2^-11), which moves each score by <= softcap * 2^-11, so LSE by as
-// much and O by twice that times max |V|. The checks allow twice each bound.
-struct ForwardTol {
-  double o = 0, lse = 0;
-  std::function<double(int64_t, int64_t, int64_t)> extra_o() const {
-    return [t = o](int64_t, int64_t, int64_t) { return t; };
-  }
-  std::function<double(int64_t, int64_t, int64_t)> extra_lse() const {
-    return [t = lse](int64_t, int64_t, int64_t) { return t; };
-  }
-};
-ForwardTol forward_tol(const Built& bl) {
-  double vmax = 0;
-  for (const auto& seq : bl.vdeq)
-    for (float x : seq)
-      if (std::isfinite(x)) vmax = std::max(vmax, static_cast<double>(std::fabs(x)));
-  ForwardTol t;
-  const double cap = bl.c.softcap * std::ldexp(1.0, -11);
-  t.lse = 2 * cap;
-  t.o = 2 * (std::ldexp(1.0, bl.c.dtype == DType::bf16 ? -8 : -11) + 2 * cap) * vmax;
-  return t;
-}
-
 class CudaDecodeCachePrefill : public ::testing::TestWithParam<Spec> {};
 
 // Against the float64 reference and the CPU backend on the same inputs, and with the chunk's own

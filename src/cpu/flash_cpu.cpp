@@ -68,6 +68,7 @@
 #include "core/backends.hpp"
 #include "core/half.hpp"
 #include "core/problem.hpp"
+#include "cpu/flash_amx.hpp"
 #include "cpu/prefetch.hpp"
 #include "cpu/serving_quant.h"
 
@@ -99,6 +100,7 @@ inline size_t round_up(size_t x, size_t m) { return (x + m - 1) / m * m; }
 struct Workspace {
   float* qt = nullptr;      // (d, br)    Q^T of the tile, pre-scaled
   float* st = nullptr;      // (bc, br)   S^T, then P^T
+  uint32_t* pv = nullptr;   // (bc/2, br) P^T as bf16 key pairs (the AMX path's B operand)
   float* kp = nullptr;      // (bc, d)    K block, fp32
   float* vp = nullptr;      // (bc, dvp)  V block, fp32, columns padded to the vector width
   float* o = nullptr;       // (br, dvp)  O accumulator
@@ -118,17 +120,19 @@ struct Workspace {
     constexpr size_t kAlign = 16;  // floats: 64 bytes, the widest vector
     const size_t br = s.br, bc = s.bc, dk = static_cast<size_t>(d);
     dvp = round_up(static_cast<size_t>(dv), static_cast<size_t>(s.lanes));
-    const size_t sizes[] = {dk * br, bc * br, bc * dk, bc * dvp, br * dvp, br, br, br, br, br};
+    const size_t sizes[] = {dk * br, bc * br, bc * dk, bc * dvp, br * dvp, br, br, br, br, br, bc / 2 * br};
     size_t total = 0;
     for (size_t n : sizes) total += round_up(n, kAlign);
     fbuf = hwy::AllocateAligned<float>(total);
     std::fill(fbuf.get(), fbuf.get() + total, 0.0f);
-    float** dst[] = {&qt, &st, &kp, &vp, &o, &m, &l, &alpha, &slope, &poison};
+    float* pvf = nullptr;
+    float** dst[] = {&qt, &st, &kp, &vp, &o, &m, &l, &alpha, &slope, &poison, &pvf};
     size_t at = 0;
     for (size_t i = 0; i < sizeof(sizes) / sizeof(sizes[0]); ++i) {
       *dst[i] = fbuf.get() + at;
       at += round_up(sizes[i], kAlign);
     }
+    pv = reinterpret_cast<uint32_t*>(pvf);
     const size_t bri = round_up(br, kAlign);
     ibuf = hwy::AllocateAligned<int32_t>(3 * bri);
     std::fill(ibuf.get(), ibuf.get() + 3 * bri, 0);
@@ -546,12 +550,26 @@ struct BlockMods {
   float softcap = 0.0f;  // 0 = off
 };
 
+// The bf16 bits of v (round to nearest even) in the low half of each 32-bit lane; P >= 0 or a
+// NaN of a poisoned row (whose output is NaN whatever P holds).
+HWY_INLINE hn::Vec<DU> Bf16Bits(VF v) {
+  const DU du;
+  const auto u = hn::BitCast(du, v);
+  return hn::ShiftRight<16>(hn::Add(u, hn::Add(hn::Set(du, 0x7FFFu), hn::And(hn::ShiftRight<16>(u), hn::Set(du, 1)))));
+}
+
 // For each query row (column of S^T): apply softcap / ALiBi / mask to the block's scores, update
 // the running max m and sum l, turn S^T into P^T = exp(S - m) and leave alpha = exp(m_old - m).
+// The AMX path passes S^T unscaled (qk_scale: the softmax scale, applied here to each score as
+// the fp32 path's pre-scaled Q does) and takes P^T as bf16 key pairs in pv ((len + 1) / 2 rows
+// of kBr, zero pairs after them up to the next 32 keys) instead of fp32 in st.
 HWY_NOINLINE void SoftmaxBlock(const Workspace& ws, size_t nvq, int64_t kb, size_t len,
-                               const BlockMods& mods) {
+                               const BlockMods& mods, float qk_scale = 1.0f, uint32_t* pv = nullptr) {
   const DF df;
   const DI di;
+  const DU du;
+  const bool scaled = qk_scale != 1.0f;
+  const VF qs = hn::Set(df, qk_scale);
   const VF ninf = hn::Set(df, -std::numeric_limits<float>::infinity());
   const VF pinf = hn::Set(df, std::numeric_limits<float>::infinity());
   const VF cap = hn::Set(df, mods.softcap);
@@ -564,7 +582,8 @@ HWY_NOINLINE void SoftmaxBlock(const Workspace& ws, size_t nvq, int64_t kb, size
     auto bad = hn::Lt(pinf, pinf);  // all false: NaN or +inf seen among visible scores
     if (plain) {
       for (size_t j = 0; j < len; ++j) {
-        const VF v = hn::Load(df, s + j * kBr);
+        VF v = hn::Load(df, s + j * kBr);
+        if (scaled) v = hn::Mul(v, qs);
         bad = hn::Or(bad, hn::Not(hn::Lt(v, pinf)));
         mx = hn::Max(mx, v);
       }
@@ -575,6 +594,7 @@ HWY_NOINLINE void SoftmaxBlock(const Workspace& ws, size_t nvq, int64_t kb, size
       const VF slope = hn::Load(df, ws.slope + c * kL);
       for (size_t j = 0; j < len; ++j) {
         VF v = hn::Load(df, s + j * kBr);
+        if (scaled) v = hn::Mul(v, qs);
         const VI key = hn::Set(di, static_cast<int32_t>(kb + static_cast<int64_t>(j)));
         if (mods.softcap > 0) v = hn::Mul(cap, hn::Tanh(df, hn::Mul(v, inv_cap)));
         if (mods.alibi) v = hn::NegMulAdd(slope, hn::ConvertTo(df, hn::Abs(hn::Sub(diag, key))), v);
@@ -593,20 +613,34 @@ HWY_NOINLINE void SoftmaxBlock(const Workspace& ws, size_t nvq, int64_t kb, size
     const VF log2e = hn::Set(df, kLog2e);
     const VF alpha = Exp2NonPositive(hn::Mul(hn::Sub(m_old, m_use), log2e));
     VF sum0 = hn::Zero(df), sum1 = hn::Zero(df);
+    const bool scale_here = plain && scaled;  // (the masked path stored its scores scaled)
     size_t j = 0;
     for (; j + 2 <= len; j += 2) {
-      const VF p0 = Exp2NonPositive(hn::Mul(hn::Sub(hn::Load(df, s + j * kBr), m_use), log2e));
-      const VF p1 = Exp2NonPositive(hn::Mul(hn::Sub(hn::Load(df, s + (j + 1) * kBr), m_use), log2e));
-      hn::Store(p0, df, s + j * kBr);
-      hn::Store(p1, df, s + (j + 1) * kBr);
+      VF s0 = hn::Load(df, s + j * kBr), s1 = hn::Load(df, s + (j + 1) * kBr);
+      if (scale_here) s0 = hn::Mul(s0, qs), s1 = hn::Mul(s1, qs);
+      const VF p0 = Exp2NonPositive(hn::Mul(hn::Sub(s0, m_use), log2e));
+      const VF p1 = Exp2NonPositive(hn::Mul(hn::Sub(s1, m_use), log2e));
+      if (pv) {
+        hn::Store(hn::Or(Bf16Bits(p0), hn::ShiftLeft<16>(Bf16Bits(p1))), du, pv + j / 2 * kBr + c * kL);
+      } else {
+        hn::Store(p0, df, s + j * kBr);
+        hn::Store(p1, df, s + (j + 1) * kBr);
+      }
       sum0 = hn::Add(sum0, p0);
       sum1 = hn::Add(sum1, p1);
     }
     if (j < len) {
-      const VF p0 = Exp2NonPositive(hn::Mul(hn::Sub(hn::Load(df, s + j * kBr), m_use), log2e));
-      hn::Store(p0, df, s + j * kBr);
+      VF s0 = hn::Load(df, s + j * kBr);
+      if (scale_here) s0 = hn::Mul(s0, qs);
+      const VF p0 = Exp2NonPositive(hn::Mul(hn::Sub(s0, m_use), log2e));
+      if (pv)
+        hn::Store(Bf16Bits(p0), du, pv + j / 2 * kBr + c * kL);
+      else
+        hn::Store(p0, df, s + j * kBr);
       sum0 = hn::Add(sum0, p0);
     }
+    if (pv)
+      for (size_t jj = (len + 1) / 2; jj < round_up(len, 32) / 2; ++jj) hn::Store(hn::Zero(du), du, pv + jj * kBr + c * kL);
     hn::Store(hn::MulAdd(hn::Load(df, ws.l + c * kL), alpha, hn::Add(sum0, sum1)), df, ws.l + c * kL);
     hn::Store(mx, df, ws.m + c * kL);
     hn::Store(alpha, df, ws.alpha + c * kL);
@@ -625,6 +659,58 @@ HWY_INLINE bool AnyNonFinite(const Workspace& ws, size_t j0, size_t j1) {
   return !hn::AllFalse(df, bad);
 }
 
+// ---- AMX-BF16 products (flash_amx.hpp) --------------------------------------------------
+// On the AVX-512 targets, for bf16 Q / K / V with head_dim % 32 == 0 and head_dim_v % 16 == 0,
+// where the CPU has AMX-BF16: K staged as bf16 rows, V as bf16 V^T, S^T by tile products, the
+// softmax as above (scaling the raw scores, writing P^T as bf16 key pairs), O^T accumulated by
+// tile products (the accumulator is O^T here: columns are query rows, as in S^T).
+#if IOATTN_HAVE_FLASH_AMX && HWY_ARCH_X86 && HWY_TARGET <= HWY_AVX3
+constexpr bool kAmxTarget = true;
+#else
+constexpr bool kAmxTarget = false;
+#endif
+
+bool UsesAmx(const FwdProblem& p) {
+#if IOATTN_HAVE_FLASH_AMX
+  return kAmxTarget && p.dtype == DType::bf16 && p.kvt() == DType::bf16 && !p.fp8() && p.head_dim % 32 == 0 &&
+         p.head_dim_v % 16 == 0 && flash_amx_usable();
+#else
+  (void)p;
+  return false;
+#endif
+}
+
+// O^T columns (query rows) times this block's alpha, for the column groups where some alpha != 1.
+HWY_INLINE void ScaleOT(const Workspace& ws, size_t nvq, size_t dv) {
+  const DF df;
+  for (size_t u = 0; u < nvq; ++u) {
+    const VF a = hn::Load(df, ws.alpha + u * kL);
+    if (hn::AllTrue(df, hn::Eq(a, hn::Set(df, 1.0f)))) continue;
+    for (size_t x = 0; x < dv; ++x) {
+      float* o = ws.o + x * kBr + u * kL;
+      hn::Store(hn::Mul(hn::Load(df, o), a), df, o);
+    }
+  }
+}
+
+// True if a staged V^T column (key) in [j0, j1) holds a non-finite value.
+HWY_INLINE bool AnyNonFiniteT(const uint16_t* vt, size_t dv, size_t j0, size_t j1) {
+  for (size_t x = 0; x < dv; ++x)
+    for (size_t j = j0; j < j1; ++j)
+      if ((vt[x * kBc + j] & 0x7F80u) == 0x7F80u) return true;
+  return false;
+}
+
+// The exact path on O^T (fp32 P^T in st): keys with P == 0 contribute nothing, not 0 * inf.
+HWY_NOINLINE void PVSkipZerosT(const Workspace& ws, const uint16_t* vt, size_t len, size_t ncols, size_t dv) {
+  for (size_t c = 0; c < ncols; ++c)
+    for (size_t j = 0; j < len; ++j) {
+      const float pij = ws.st[j * kBr + c];
+      if (pij == 0.0f) continue;
+      for (size_t x = 0; x < dv; ++x) ws.o[x * kBr + c] += pij * bf16_to_float(vt[x * kBc + j]);
+    }
+}
+
 // ---- one task ----------------------------------------------------------------------------
 
 void RunTask(const FwdProblem& p, const Task& t, const Workspace& ws) {
@@ -637,6 +723,10 @@ void RunTask(const FwdProblem& p, const Task& t, const Workspace& ws) {
   const size_t width = nvq * kL;
   const DType dt = p.dtype, kvt = p.kvt();
   const float ninf = -std::numeric_limits<float>::infinity();
+  const bool amx = UsesAmx(p);
+  // AMX: Q in VNNI order, [column tile][d / 32][16 dim pairs][16 columns], in qt's memory.
+  uint32_t* const qv = reinterpret_cast<uint32_t*>(ws.qt);
+  if (amx) std::memset(qv, 0, width * d * sizeof(uint16_t));
 
   // Per query row: visible key range, ALiBi slope, initial max (the sink logit, if any), and
   // the packed, pre-scaled column of Q^T. Pad columns see no key and hold Q = 0.
@@ -647,7 +737,8 @@ void RunTask(const FwdProblem& p, const Task& t, const Workspace& ws) {
       ws.lo[c] = ws.hi[c] = ws.diag[c] = 0;
       ws.slope[c] = 0.0f;
       ws.m[c] = ninf;
-      for (size_t k = 0; k < d; ++k) ws.qt[k * kBr + c] = 0.0f;
+      if (!amx)
+        for (size_t k = 0; k < d; ++k) ws.qt[k * kBr + c] = 0.0f;
       continue;
     }
     const int64_t r = t.r0 + static_cast<int64_t>(c);
@@ -660,7 +751,12 @@ void RunTask(const FwdProblem& p, const Task& t, const Workspace& ws) {
     ws.slope[c] = p.alibi_slopes ? p.alibi_slopes[h] : 0.0f;
     ws.m[c] = p.sinks ? p.sinks[h] : ninf;
     const int64_t qoff = t.b * p.q_stride.batch + (t.q_start + i) * p.q_stride.seq + h * p.q_stride.head;
-    if (p.fp8()) {
+    if (amx) {
+      const uint16_t* qrow = static_cast<const uint16_t*>(p.q) + qoff;
+      uint32_t* col = qv + c / kL * (d / 32) * 256 + c % kL;
+      for (size_t k = 0; k < d; k += 2)
+        col[k / 32 * 256 + k % 32 / 2 * 16] = qrow[k] | static_cast<uint32_t>(qrow[k + 1]) << 16;
+    } else if (p.fp8()) {
       const float qs = p.q_descale.at(t.b, t.hk) * p.scale;
       for (size_t k = 0; k < d; ++k)
         ws.qt[k * kBr + c] = e4m3_to_float(static_cast<const uint8_t*>(p.q)[qoff + static_cast<int64_t>(k)]) * qs;
@@ -670,6 +766,9 @@ void RunTask(const FwdProblem& p, const Task& t, const Workspace& ws) {
     }
   }
   std::memset(ws.o, 0, kBr * dvp * sizeof(float));
+#if IOATTN_HAVE_FLASH_AMX
+  if (amx) flash_amx_begin();
+#endif
 
   // The key range of the tile: lo and hi are monotone in the query row, so the first row bounds
   // the start and the last row the end; blocks inside [lo(last), hi(first)) need no mask.
@@ -688,6 +787,7 @@ void RunTask(const FwdProblem& p, const Task& t, const Workspace& ws) {
     const size_t len = static_cast<size_t>(std::min<int64_t>(kBc, hi_last - kb));
     const size_t nkeys = round_up(len, kMr1);
     mods.mask = !(kb >= lo_last && kb + static_cast<int64_t>(len) <= hi_first);
+    const uint16_t* vrows[kBc];
     for (size_t j = 0; j < len; ++j) {
       const int64_t key = t.k_start + kb + static_cast<int64_t>(j);
       int64_t page = t.b, slot = key;  // (a KV-cache block table: the key's page and offset)
@@ -695,12 +795,26 @@ void RunTask(const FwdProblem& p, const Task& t, const Workspace& ws) {
         page = p.block_table[t.b * p.bt_stride_batch + key / p.page_size * p.bt_stride_page];
         slot = key % p.page_size;
       }
-      LoadRow(kvt, p.k, page * p.k_stride.batch + slot * p.k_stride.seq + hk * p.k_stride.head, d,
-              ws.kp + j * d, k_descale);
-      LoadRow(kvt, p.v, page * p.v_stride.batch + slot * p.v_stride.seq + hk * p.v_stride.head, dv,
-              ws.vp + j * dvp, v_descale);
+      const int64_t koff = page * p.k_stride.batch + slot * p.k_stride.seq + hk * p.k_stride.head;
+      const int64_t voff = page * p.v_stride.batch + slot * p.v_stride.seq + hk * p.v_stride.head;
+      if (amx) {  // K rows copied as they are, V rows transposed below
+        std::memcpy(reinterpret_cast<uint16_t*>(ws.kp) + j * d, static_cast<const uint16_t*>(p.k) + koff,
+                    d * sizeof(uint16_t));
+        vrows[j] = static_cast<const uint16_t*>(p.v) + voff;
+        continue;
+      }
+      LoadRow(kvt, p.k, koff, d, ws.kp + j * d, k_descale);
+      LoadRow(kvt, p.v, voff, dv, ws.vp + j * dvp, v_descale);
     }
-    if (nkeys > len) std::memset(ws.kp + len * d, 0, (nkeys - len) * d * sizeof(float));
+    if (amx) {
+#if IOATTN_HAVE_FLASH_AMX
+      const size_t kpad = round_up(len, 16);  // the key tiles' rows
+      if (kpad > len) std::memset(reinterpret_cast<uint16_t*>(ws.kp) + len * d, 0, (kpad - len) * d * sizeof(uint16_t));
+      flash_amx_stage_vt(vrows, len, dv, reinterpret_cast<uint16_t*>(ws.vp), kBc);
+#endif
+    } else if (nkeys > len) {
+      std::memset(ws.kp + len * d, 0, (nkeys - len) * d * sizeof(float));
+    }
 
     RowPrefetch pf;  // (rows of one stride: none across the pages of a block table)
     const int64_t next = kb + static_cast<int64_t>(kBc);
@@ -722,6 +836,35 @@ void RunTask(const FwdProblem& p, const Task& t, const Workspace& ws) {
     blk.kb = kb;
     blk.len = len;
     blk.ncols = ncols;
+#if IOATTN_HAVE_FLASH_AMX
+    if (amx) {
+      pf.Finish();
+      int32_t kt0[kBr / kL], kt1[kBr / kL], kc0[kBr / kL], kc1[kBr / kL];
+      for (size_t u = 0; u < nvq; ++u) {
+        size_t j0, j1;
+        VisibleSpan(ws, blk, u * kL, (u + 1) * kL, &j0, &j1);
+        if (j1 <= j0) j0 = j1 = 0;
+        kt0[u] = static_cast<int32_t>(j0 / 16), kt1[u] = static_cast<int32_t>((j1 + 15) / 16);
+        kc0[u] = static_cast<int32_t>(j0 / 32), kc1[u] = static_cast<int32_t>((j1 + 31) / 32);
+      }
+      const uint16_t* vt = reinterpret_cast<const uint16_t*>(ws.vp);
+      flash_amx_qk(reinterpret_cast<const uint16_t*>(ws.kp), d, qv, nvq, kt0, kt1, ws.st, kBr);
+      bool skip_zeros = false;
+      if (mods.mask) {
+        const int64_t a = std::clamp<int64_t>(lo_last - kb, 0, len);
+        const int64_t b = std::clamp<int64_t>(hi_first - kb, 0, len);
+        skip_zeros = AnyNonFiniteT(vt, dv, 0, static_cast<size_t>(a)) ||
+                     AnyNonFiniteT(vt, dv, static_cast<size_t>(std::max(a, b)), len);
+      }
+      SoftmaxBlock(ws, nvq, kb, len, mods, p.scale, skip_zeros ? nullptr : ws.pv);
+      ScaleOT(ws, nvq, dv);
+      if (skip_zeros)
+        PVSkipZerosT(ws, vt, len, ncols, dv);
+      else
+        flash_amx_pv(vt, kBc, dv, ws.pv, kBr, nvq, kc0, kc1, ws.o, kBr);
+      continue;
+    }
+#endif
     TileQK(ws, blk, d, nvq, pf);
     SoftmaxBlock(ws, nvq, kb, len, mods);
 
@@ -739,6 +882,9 @@ void RunTask(const FwdProblem& p, const Task& t, const Workspace& ws) {
       TilePV(ws, blk, pf);
     pf.Finish();
   }
+#if IOATTN_HAVE_FLASH_AMX
+  if (amx) flash_amx_end();
+#endif
 
   // Normalise and write O (input dtype) and LSE (fp32).
   for (size_t c = 0; c < ncols; ++c) {
@@ -751,7 +897,12 @@ void RunTask(const FwdProblem& p, const Task& t, const Workspace& ws) {
     float lse = l > 0.0f ? m + std::log(l) : ninf;
     if (ws.poison[c] != 0.0f) inv = lse = std::numeric_limits<float>::quiet_NaN();
     const int64_t ooff = t.b * p.o_stride.batch + (t.q_start + i) * p.o_stride.seq + h * p.o_stride.head;
-    StoreRow(p.out_dtype(), p.o, ooff, dv, ws.o + c * dvp, inv);
+    const float* orow = ws.o + c * dvp;
+    if (amx) {  // column c of O^T, gathered into the (finished) K stage
+      for (size_t x = 0; x < dv; ++x) ws.kp[x] = ws.o[x * kBr + c];
+      orow = ws.kp;
+    }
+    StoreRow(p.out_dtype(), p.o, ooff, dv, orow, inv);
     if (p.lse) p.lse[t.b * p.lse_stride.batch + h * p.lse_stride.head + (t.q_start + i) * p.lse_stride.seq] = lse;
   }
 }
@@ -768,6 +919,7 @@ namespace flash {
 HWY_EXPORT(TargetShape);
 HWY_EXPORT(TargetBits);
 HWY_EXPORT(RunTask);
+HWY_EXPORT(UsesAmx);
 
 namespace {
 
@@ -898,7 +1050,8 @@ void cpu_flash_forward(const FwdProblem& p) {
 std::string cpu_flash_tile(const FwdProblem& p) {
   flash::apply_target_cap();
   const flash::TileShape s = HWY_DYNAMIC_DISPATCH(flash::TargetShape)();
-  return std::to_string(flash::tile_rows(p, s, flash::resolve_threads(p))) + "x" + std::to_string(s.bc);
+  return std::to_string(flash::tile_rows(p, s, flash::resolve_threads(p))) + "x" + std::to_string(s.bc) +
+         (HWY_DYNAMIC_DISPATCH(flash::UsesAmx)(p) ? " amx-bf16" : "");
 }
 
 std::vector<std::string> cpu_compiled_targets() {

@@ -1,0 +1,45 @@
+// AMX-BF16 tile products for the CPU flash forward with bf16 inputs (flash_cpu.cpp).
+//
+// The forward keeps its tiling (a task = Br query rows of one (batch, kv head); key blocks of Bc
+// keys; the online softmax down the columns of S^T, in fp32) and replaces its two fp32 register
+// GEMMs with TDPBF16PS (bf16 pairs, products exact, fp32 sums; input denormals read as zero):
+//   S^T (Bc keys, Br rows) = K_blk . Q^T      A = 16 staged K rows x 32 dims (the input's bf16
+//                                            bits, copied), B = Q in VNNI order, C = S^T tiles
+//                                            stored straight into the softmax's fp32 buffer
+//                                            (unscaled: the softmax multiplies by the scale).
+//   O^T (dv, Br)  += V_blk^T . P^T           A = the staged V^T (16 columns x 32 keys), B = P^T
+//                                            in VNNI order (key pairs interleaved per row: the
+//                                            softmax writes it so, rounding P to bf16 as the
+//                                            GPU kernels do), C = the O^T accumulator (fp32).
+// Tiles (palette 1, all 16 x 64 bytes, serving_amx's configuration): C in tmm0-3 (2 x 2 tiles of
+// 16 x 16 fp32), A in tmm4/5, B in tmm6/7.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+namespace ioattn::detail::flash {
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__)) && defined(__linux__)
+#define IOATTN_HAVE_FLASH_AMX 1
+// AMX-BF16 and AVX512-BF16 present, the OS permission granted, IOATTN_CPU_AMX not 0.
+bool flash_amx_usable();
+// The thread's tile configuration (before the first product of a task) and its release (after).
+void flash_amx_begin();
+void flash_amx_end();
+// st[j * ldst + c] = sum_x K[j][x] Q[c][x] for the key tiles kt in [kt0[u], kt1[u]) of each
+// 16-column tile u < ncol_tiles (a pair of column tiles computes the union of their ranges).
+// ks: staged K rows (d bf16 each, d % 32 == 0), enough rows for every key tile asked for.
+// qv: Q in VNNI order, [u][d / 32][16 dim pairs][16 columns] 32-bit pairs.
+void flash_amx_qk(const uint16_t* ks, size_t d, const uint32_t* qv, size_t ncol_tiles, const int32_t* kt0,
+                  const int32_t* kt1, float* st, size_t ldst);
+// ot[x * ldo + c] += sum_j V[j][x] P[c][j] for x < dv (dv % 16 == 0), key chunks of 32 in
+// [kc0[u], kc1[u]) of each 16-column tile u. vt: staged V^T, vt[x * ldv + j] (bf16, ldv % 32 == 0);
+// pv: P^T in VNNI order, pv[(j / 2) * ldp + c] = (P[c][j], P[c][j + 1]) as two bf16.
+void flash_amx_pv(const uint16_t* vt, size_t ldv, size_t dv, const uint32_t* pv, size_t ldp, size_t ncol_tiles,
+                  const int32_t* kc0, const int32_t* kc1, float* ot, size_t ldo);
+// vt[x * ldv + j] = v_j[x] for j < n, x < dv; columns j in [n, ldv) zero. rows[j]: key j's V row (bf16).
+void flash_amx_stage_vt(const uint16_t* const* rows, size_t n, size_t dv, uint16_t* vt, size_t ldv);
+#endif
+
+}  // namespace ioattn::detail::flash
