@@ -7,6 +7,10 @@
 
 #if IOATTN_HAVE_FLASH_AMX
 
+// GCC 12: its AVX-512 headers trip -W(maybe-)uninitialized (_mm512_undefined_*).
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#pragma GCC diagnostic ignored "-Wuninitialized"
+
 #include <immintrin.h>
 
 #include <algorithm>
@@ -107,11 +111,56 @@ IOATTN_FLASH_AMX_ATTR void flash_amx_pv(const uint16_t* vt, size_t ldv, size_t d
   }
 }
 
-void flash_amx_stage_vt(const uint16_t* const* rows, size_t n, size_t dv, uint16_t* vt, size_t ldv) {
-  for (size_t x = 0; x < dv; ++x) std::memset(vt + x * ldv + n, 0, (ldv - n) * sizeof(uint16_t));
-  for (size_t j = 0; j < n; ++j) {
-    const uint16_t* r = rows[j];
-    for (size_t x = 0; x < dv; ++x) vt[x * ldv + j] = r[x];
+namespace {
+
+// 16 x 16 32-bit transpose: r[c] becomes column c of the input rows.
+IOATTN_FLASH_AMX_ATTR inline void Transpose16(__m512i r[16]) {
+  __m512i t[16];
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; ++i) {
+    r[4 * i + 0] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+    r[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+    r[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+    r[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+  }
+  // Lane L of r[4 i + k] now holds rows 4 i .. 4 i + 3 at column 4 L + k.
+  for (int k = 0; k < 4; ++k) {
+    t[k] = _mm512_shuffle_i32x4(r[k], r[4 + k], 0x88);
+    t[4 + k] = _mm512_shuffle_i32x4(r[k], r[4 + k], 0xdd);
+    t[8 + k] = _mm512_shuffle_i32x4(r[8 + k], r[12 + k], 0x88);
+    t[12 + k] = _mm512_shuffle_i32x4(r[8 + k], r[12 + k], 0xdd);
+  }
+  for (int k = 0; k < 4; ++k) {
+    r[k] = _mm512_shuffle_i32x4(t[k], t[8 + k], 0x88);
+    r[8 + k] = _mm512_shuffle_i32x4(t[k], t[8 + k], 0xdd);
+    r[4 + k] = _mm512_shuffle_i32x4(t[4 + k], t[12 + k], 0x88);
+    r[12 + k] = _mm512_shuffle_i32x4(t[4 + k], t[12 + k], 0xdd);
+  }
+}
+
+}  // namespace
+
+// Keys in pairs: the 32-bit word (v_2i[x], v_2i+1[x]) is element (x, i) of V^T read as 32-bit
+// words, so 16 key pairs x 16 columns of such words, transposed, are 16 rows of V^T x 32 keys.
+IOATTN_FLASH_AMX_ATTR void flash_amx_stage_vt(const uint16_t* const* rows, size_t n, size_t dv, uint16_t* vt,
+                                              size_t ldv) {
+  alignas(64) static const uint16_t kZeros[512] = {};  // a missing key's row (dv <= 512 here)
+  for (size_t j0 = 0; j0 < ldv; j0 += 32) {
+    const uint16_t* r[32];
+    for (size_t j = 0; j < 32; ++j) r[j] = j0 + j < n ? rows[j0 + j] : kZeros;
+    for (size_t x0 = 0; x0 < dv; x0 += 16) {
+      __m512i w[16];
+      for (int i = 0; i < 16; ++i) {
+        const __m512i a = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(r[2 * i] + x0)));
+        const __m512i b = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(r[2 * i + 1] + x0)));
+        w[i] = _mm512_or_si512(a, _mm512_slli_epi32(b, 16));
+      }
+      Transpose16(w);
+      for (int x = 0; x < 16; ++x) _mm512_storeu_si512(vt + (x0 + x) * ldv + j0, w[x]);
+    }
   }
 }
 

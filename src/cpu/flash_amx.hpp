@@ -38,7 +38,8 @@ void flash_amx_qk(const uint16_t* ks, size_t d, const uint32_t* qv, size_t ncol_
 // pv: P^T in VNNI order, pv[(j / 2) * ldp + c] = (P[c][j], P[c][j + 1]) as two bf16.
 void flash_amx_pv(const uint16_t* vt, size_t ldv, size_t dv, const uint32_t* pv, size_t ldp, size_t ncol_tiles,
                   const int32_t* kc0, const int32_t* kc1, float* ot, size_t ldo);
-// vt[x * ldv + j] = v_j[x] for j < n, x < dv; columns j in [n, ldv) zero. rows[j]: key j's V row (bf16).
+// vt[x * ldv + j] = v_j[x] for j < n, x < dv (dv % 16 == 0, <= 512); columns j in [n, ldv) zero
+// (ldv % 32 == 0). rows[j]: key j's V row (bf16).
 void flash_amx_stage_vt(const uint16_t* const* rows, size_t n, size_t dv, uint16_t* vt, size_t ldv);
 #endif
 

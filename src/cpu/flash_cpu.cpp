@@ -83,6 +83,7 @@ namespace ioattn::detail::flash {
 struct TileShape {
   int br = 0;     // most query rows per tile (columns of S^T); a multiple of the vector length
   int bc = 0;     // keys per block (rows of S^T)
+  int bc_amx = 0; // keys per block of the AMX-BF16 path (flash_amx.hpp; 0: none on this target)
   int lanes = 0;  // floats per vector
 };
 
@@ -118,7 +119,7 @@ struct Workspace {
 
   Workspace(const TileShape& s, int64_t d, int64_t dv) {
     constexpr size_t kAlign = 16;  // floats: 64 bytes, the widest vector
-    const size_t br = s.br, bc = s.bc, dk = static_cast<size_t>(d);
+    const size_t br = s.br, bc = std::max(s.bc, s.bc_amx), dk = static_cast<size_t>(d);
     dvp = round_up(static_cast<size_t>(dv), static_cast<size_t>(s.lanes));
     const size_t sizes[] = {dk * br, bc * br, bc * dk, bc * dvp, br * dvp, br, br, br, br, br, bc / 2 * br};
     size_t total = 0;
@@ -185,6 +186,15 @@ constexpr bool kRegs32 = true;
 constexpr bool kRegs32 = false;
 #endif
 constexpr size_t kBr = 384;
+// The AMX-BF16 path (below) on the AVX-512 targets: 128 keys per block, so each O^T accumulator
+// tile loaded from L2 takes 4 key chunks of products before it is stored back (64: P.V at half
+// the speed of Q.K^T).
+#if IOATTN_HAVE_FLASH_AMX && HWY_ARCH_X86 && HWY_TARGET <= HWY_AVX3
+constexpr bool kAmxTarget = true;
+#else
+constexpr bool kAmxTarget = false;
+#endif
+constexpr size_t kBcAmx = 128;
 constexpr size_t kBc = kRegs32 ? 64 : 48;
 constexpr size_t kMr1 = kRegs32 ? 8 : 6;
 constexpr size_t kNr1 = kRegs32 ? 3 : 2;
@@ -201,6 +211,7 @@ TileShape TargetShape() {
   TileShape s;
   s.br = static_cast<int>(kBr);
   s.bc = static_cast<int>(kBc);
+  s.bc_amx = kAmxTarget ? static_cast<int>(kBcAmx) : 0;
   s.lanes = static_cast<int>(kL);
   return s;
 }
@@ -561,10 +572,14 @@ HWY_INLINE hn::Vec<DU> Bf16Bits(VF v) {
 // For each query row (column of S^T): apply softcap / ALiBi / mask to the block's scores, update
 // the running max m and sum l, turn S^T into P^T = exp(S - m) and leave alpha = exp(m_old - m).
 // The AMX path passes S^T unscaled (qk_scale: the softmax scale, applied here to each score as
-// the fp32 path's pre-scaled Q does) and takes P^T as bf16 key pairs in pv ((len + 1) / 2 rows
-// of kBr, zero pairs after them up to the next 32 keys) instead of fp32 in st.
+// the fp32 path's pre-scaled Q does), takes P^T as bf16 key pairs in pv ((len + 1) / 2 rows of
+// kBr, zero pairs after them up to the next 32 keys) instead of fp32 in st, and keeps a row's
+// max until the block's exceeds it by more than `lazy` (P then up to e^lazy; alpha = 1 exactly
+// while the max stands, so the O^T rescale is skipped: LSE = m + log l holds for any m >= the
+// true max), with the next block's prefetch spread over the row groups (pf).
 HWY_NOINLINE void SoftmaxBlock(const Workspace& ws, size_t nvq, int64_t kb, size_t len,
-                               const BlockMods& mods, float qk_scale = 1.0f, uint32_t* pv = nullptr) {
+                               const BlockMods& mods, float qk_scale = 1.0f, uint32_t* pv = nullptr,
+                               float lazy = 0.0f, RowPrefetch* pf = nullptr) {
   const DF df;
   const DI di;
   const DU du;
@@ -576,10 +591,22 @@ HWY_NOINLINE void SoftmaxBlock(const Workspace& ws, size_t nvq, int64_t kb, size
   const VF inv_cap = hn::Set(df, mods.softcap > 0 ? 1.0f / mods.softcap : 0.0f);
   const bool plain = !mods.mask && !mods.alibi && !(mods.softcap > 0);
   for (size_t c = 0; c < nvq; ++c) {
+    if (pf) pf->Next();
     float* s = ws.st + c * kL;
     const VF m_old = hn::Load(df, ws.m + c * kL);
     VF mx = m_old;
     auto bad = hn::Lt(pinf, pinf);  // all false: NaN or +inf seen among visible scores
+    // Under a mask, the keys [j0, j1) some row of the group can see (a superset: pad columns have
+    // lo = hi = 0), widened to whole pairs; the others give P = 0 without being computed.
+    size_t j0 = 0, j1 = len;
+    if (mods.mask) {
+      const int64_t lo_min = hn::GetLane(hn::MinOfLanes(di, hn::Load(di, ws.lo + c * kL)));
+      const int64_t hi_max = hn::GetLane(hn::MaxOfLanes(di, hn::Load(di, ws.hi + c * kL)));
+      const int64_t n = static_cast<int64_t>(len);
+      j0 = static_cast<size_t>(std::clamp<int64_t>(lo_min - kb, 0, n)) & ~size_t{1};
+      j1 = std::min(len, round_up(static_cast<size_t>(std::clamp<int64_t>(hi_max - kb, 0, n)), 2));
+      j1 = std::max(j0, j1);
+    }
     if (plain) {
       for (size_t j = 0; j < len; ++j) {
         VF v = hn::Load(df, s + j * kBr);
@@ -592,7 +619,7 @@ HWY_NOINLINE void SoftmaxBlock(const Workspace& ws, size_t nvq, int64_t kb, size
       const VI hi = hn::Load(di, ws.hi + c * kL);
       const VI diag = hn::Load(di, ws.diag + c * kL);
       const VF slope = hn::Load(df, ws.slope + c * kL);
-      for (size_t j = 0; j < len; ++j) {
+      for (size_t j = j0; j < j1; ++j) {
         VF v = hn::Load(df, s + j * kBr);
         if (scaled) v = hn::Mul(v, qs);
         const VI key = hn::Set(di, static_cast<int32_t>(kb + static_cast<int64_t>(j)));
@@ -609,13 +636,15 @@ HWY_NOINLINE void SoftmaxBlock(const Workspace& ws, size_t nvq, int64_t kb, size
     }
     // A row that has seen only -inf keeps m = -inf; subtract 0 instead so exp never sees
     // -inf - (-inf).
+    if (lazy > 0.0f) mx = hn::IfThenElse(hn::Gt(mx, hn::Add(m_old, hn::Set(df, lazy))), mx, m_old);
     const VF m_use = hn::IfThenElseZero(hn::Ne(mx, ninf), mx);
     const VF log2e = hn::Set(df, kLog2e);
-    const VF alpha = Exp2NonPositive(hn::Mul(hn::Sub(m_old, m_use), log2e));
+    VF alpha = Exp2NonPositive(hn::Mul(hn::Sub(m_old, m_use), log2e));
+    if (lazy > 0.0f) alpha = hn::IfThenElse(hn::Eq(mx, m_old), hn::Set(df, 1.0f), alpha);  // (-inf rows too)
     VF sum0 = hn::Zero(df), sum1 = hn::Zero(df);
     const bool scale_here = plain && scaled;  // (the masked path stored its scores scaled)
-    size_t j = 0;
-    for (; j + 2 <= len; j += 2) {
+    size_t j = j0;
+    for (; j + 2 <= j1; j += 2) {
       VF s0 = hn::Load(df, s + j * kBr), s1 = hn::Load(df, s + (j + 1) * kBr);
       if (scale_here) s0 = hn::Mul(s0, qs), s1 = hn::Mul(s1, qs);
       const VF p0 = Exp2NonPositive(hn::Mul(hn::Sub(s0, m_use), log2e));
@@ -629,7 +658,7 @@ HWY_NOINLINE void SoftmaxBlock(const Workspace& ws, size_t nvq, int64_t kb, size
       sum0 = hn::Add(sum0, p0);
       sum1 = hn::Add(sum1, p1);
     }
-    if (j < len) {
+    if (j < j1) {
       VF s0 = hn::Load(df, s + j * kBr);
       if (scale_here) s0 = hn::Mul(s0, qs);
       const VF p0 = Exp2NonPositive(hn::Mul(hn::Sub(s0, m_use), log2e));
@@ -639,8 +668,13 @@ HWY_NOINLINE void SoftmaxBlock(const Workspace& ws, size_t nvq, int64_t kb, size
         hn::Store(p0, df, s + j * kBr);
       sum0 = hn::Add(sum0, p0);
     }
-    if (pv)
-      for (size_t jj = (len + 1) / 2; jj < round_up(len, 32) / 2; ++jj) hn::Store(hn::Zero(du), du, pv + jj * kBr + c * kL);
+    if (pv) {
+      for (size_t jj = 0; jj < j0 / 2; ++jj) hn::Store(hn::Zero(du), du, pv + jj * kBr + c * kL);
+      for (size_t jj = (j1 + 1) / 2; jj < round_up(len, 32) / 2; ++jj) hn::Store(hn::Zero(du), du, pv + jj * kBr + c * kL);
+    } else {
+      for (size_t jj = 0; jj < j0; ++jj) hn::Store(hn::Zero(df), df, s + jj * kBr);
+      for (size_t jj = j1; jj < len; ++jj) hn::Store(hn::Zero(df), df, s + jj * kBr);
+    }
     hn::Store(hn::MulAdd(hn::Load(df, ws.l + c * kL), alpha, hn::Add(sum0, sum1)), df, ws.l + c * kL);
     hn::Store(mx, df, ws.m + c * kL);
     hn::Store(alpha, df, ws.alpha + c * kL);
@@ -664,16 +698,14 @@ HWY_INLINE bool AnyNonFinite(const Workspace& ws, size_t j0, size_t j1) {
 // where the CPU has AMX-BF16: K staged as bf16 rows, V as bf16 V^T, S^T by tile products, the
 // softmax as above (scaling the raw scores, writing P^T as bf16 key pairs), O^T accumulated by
 // tile products (the accumulator is O^T here: columns are query rows, as in S^T).
-#if IOATTN_HAVE_FLASH_AMX && HWY_ARCH_X86 && HWY_TARGET <= HWY_AVX3
-constexpr bool kAmxTarget = true;
-#else
-constexpr bool kAmxTarget = false;
-#endif
+// The AMX path's lazy running max (SoftmaxBlock): a row's max moves when a block's exceeds it by
+// more than this (natural-log units), so P <= e^5.5 ~ 245, well inside bf16 and fp32.
+constexpr float kLazyMax = 5.5f;
 
 bool UsesAmx(const FwdProblem& p) {
 #if IOATTN_HAVE_FLASH_AMX
   return kAmxTarget && p.dtype == DType::bf16 && p.kvt() == DType::bf16 && !p.fp8() && p.head_dim % 32 == 0 &&
-         p.head_dim_v % 16 == 0 && flash_amx_usable();
+         p.head_dim_v % 16 == 0 && p.head_dim_v <= 512 && flash_amx_usable();
 #else
   (void)p;
   return false;
@@ -697,7 +729,7 @@ HWY_INLINE void ScaleOT(const Workspace& ws, size_t nvq, size_t dv) {
 HWY_INLINE bool AnyNonFiniteT(const uint16_t* vt, size_t dv, size_t j0, size_t j1) {
   for (size_t x = 0; x < dv; ++x)
     for (size_t j = j0; j < j1; ++j)
-      if ((vt[x * kBc + j] & 0x7F80u) == 0x7F80u) return true;
+      if ((vt[x * kBcAmx + j] & 0x7F80u) == 0x7F80u) return true;
   return false;
 }
 
@@ -707,7 +739,7 @@ HWY_NOINLINE void PVSkipZerosT(const Workspace& ws, const uint16_t* vt, size_t l
     for (size_t j = 0; j < len; ++j) {
       const float pij = ws.st[j * kBr + c];
       if (pij == 0.0f) continue;
-      for (size_t x = 0; x < dv; ++x) ws.o[x * kBr + c] += pij * bf16_to_float(vt[x * kBc + j]);
+      for (size_t x = 0; x < dv; ++x) ws.o[x * kBr + c] += pij * bf16_to_float(vt[x * kBcAmx + j]);
     }
 }
 
@@ -780,14 +812,15 @@ void RunTask(const FwdProblem& p, const Task& t, const Workspace& ws) {
   mods.softcap = p.softcap;
   const int64_t hk = t.hk;
   const float k_descale = p.k_descale.at(t.b, hk), v_descale = p.v_descale.at(t.b, hk);
-  // Blocks sit on a global grid of kBc keys, so a row's result does not depend on which tile
+  // Blocks sit on a global grid of bc keys, so a row's result does not depend on which tile
   // (hence on the thread count) computed it: bit-identical for any number of threads.
-  const int64_t kb0 = lo_first / static_cast<int64_t>(kBc) * static_cast<int64_t>(kBc);
-  for (int64_t kb = kb0; kb < hi_last; kb += static_cast<int64_t>(kBc)) {
-    const size_t len = static_cast<size_t>(std::min<int64_t>(kBc, hi_last - kb));
+  const int64_t bc = static_cast<int64_t>(amx ? kBcAmx : kBc);
+  const int64_t kb0 = lo_first / bc * bc;
+  for (int64_t kb = kb0; kb < hi_last; kb += bc) {
+    const size_t len = static_cast<size_t>(std::min<int64_t>(bc, hi_last - kb));
     const size_t nkeys = round_up(len, kMr1);
     mods.mask = !(kb >= lo_last && kb + static_cast<int64_t>(len) <= hi_first);
-    const uint16_t* vrows[kBc];
+    const uint16_t* vrows[std::max(kBc, kBcAmx)];
     for (size_t j = 0; j < len; ++j) {
       const int64_t key = t.k_start + kb + static_cast<int64_t>(j);
       int64_t page = t.b, slot = key;  // (a KV-cache block table: the key's page and offset)
@@ -810,14 +843,14 @@ void RunTask(const FwdProblem& p, const Task& t, const Workspace& ws) {
 #if IOATTN_HAVE_FLASH_AMX
       const size_t kpad = round_up(len, 16);  // the key tiles' rows
       if (kpad > len) std::memset(reinterpret_cast<uint16_t*>(ws.kp) + len * d, 0, (kpad - len) * d * sizeof(uint16_t));
-      flash_amx_stage_vt(vrows, len, dv, reinterpret_cast<uint16_t*>(ws.vp), kBc);
+      flash_amx_stage_vt(vrows, len, dv, reinterpret_cast<uint16_t*>(ws.vp), kBcAmx);
 #endif
     } else if (nkeys > len) {
       std::memset(ws.kp + len * d, 0, (nkeys - len) * d * sizeof(float));
     }
 
     RowPrefetch pf;  // (rows of one stride: none across the pages of a block table)
-    const int64_t next = kb + static_cast<int64_t>(kBc);
+    const int64_t next = kb + bc;
     if (next < hi_last && !p.block_table) {
       const int64_t key = t.k_start + next;
       const int64_t esize = dtype_size(kvt);
@@ -829,7 +862,7 @@ void RunTask(const FwdProblem& p, const Task& t, const Workspace& ws) {
       pf.v_stride = p.v_stride.seq * esize;
       pf.k_bytes = d * esize;
       pf.v_bytes = dv * esize;
-      pf.rows = static_cast<size_t>(std::min<int64_t>(kBc, hi_last - next));
+      pf.rows = static_cast<size_t>(std::min<int64_t>(bc, hi_last - next));
       pf.nslices = GemmCalls(nkeys, nvq, ncols, dvp / kL);
     }
     Block blk;
@@ -838,7 +871,6 @@ void RunTask(const FwdProblem& p, const Task& t, const Workspace& ws) {
     blk.ncols = ncols;
 #if IOATTN_HAVE_FLASH_AMX
     if (amx) {
-      pf.Finish();
       int32_t kt0[kBr / kL], kt1[kBr / kL], kc0[kBr / kL], kc1[kBr / kL];
       for (size_t u = 0; u < nvq; ++u) {
         size_t j0, j1;
@@ -856,12 +888,14 @@ void RunTask(const FwdProblem& p, const Task& t, const Workspace& ws) {
         skip_zeros = AnyNonFiniteT(vt, dv, 0, static_cast<size_t>(a)) ||
                      AnyNonFiniteT(vt, dv, static_cast<size_t>(std::max(a, b)), len);
       }
-      SoftmaxBlock(ws, nvq, kb, len, mods, p.scale, skip_zeros ? nullptr : ws.pv);
+      pf.nslices = nvq;
+      SoftmaxBlock(ws, nvq, kb, len, mods, p.scale, skip_zeros ? nullptr : ws.pv, kLazyMax, &pf);
+      pf.Finish();
       ScaleOT(ws, nvq, dv);
       if (skip_zeros)
         PVSkipZerosT(ws, vt, len, ncols, dv);
       else
-        flash_amx_pv(vt, kBc, dv, ws.pv, kBr, nvq, kc0, kc1, ws.o, kBr);
+        flash_amx_pv(vt, kBcAmx, dv, ws.pv, kBr, nvq, kc0, kc1, ws.o, kBr);
       continue;
     }
 #endif
@@ -1050,8 +1084,9 @@ void cpu_flash_forward(const FwdProblem& p) {
 std::string cpu_flash_tile(const FwdProblem& p) {
   flash::apply_target_cap();
   const flash::TileShape s = HWY_DYNAMIC_DISPATCH(flash::TargetShape)();
-  return std::to_string(flash::tile_rows(p, s, flash::resolve_threads(p))) + "x" + std::to_string(s.bc) +
-         (HWY_DYNAMIC_DISPATCH(flash::UsesAmx)(p) ? " amx-bf16" : "");
+  const bool amx = HWY_DYNAMIC_DISPATCH(flash::UsesAmx)(p);
+  return std::to_string(flash::tile_rows(p, s, flash::resolve_threads(p))) + "x" + std::to_string(amx ? s.bc_amx : s.bc) +
+         (amx ? " amx-bf16" : "");
 }
 
 std::vector<std::string> cpu_compiled_targets() {
