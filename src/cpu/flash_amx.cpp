@@ -15,6 +15,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <limits>
 
 #define IOATTN_FLASH_AMX_ATTR __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw")))
 
@@ -142,6 +143,95 @@ IOATTN_FLASH_AMX_ATTR inline void Transpose16(__m512i r[16]) {
 }
 
 }  // namespace
+
+#define IOATTN_FLASH_BF16_ATTR __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
+
+namespace {
+
+// 2^x for x in [-inf, 128): n = round(max(x, -127)), 2^(x - n) by flash_cpu.cpp's degree-6
+// polynomial (relative error ~1 ulp), times 2^n by vscalefps (below 2^-126 a denormal or 0).
+IOATTN_FLASH_BF16_ATTR inline __m512 Exp2(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-127.0f));
+  const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(x, n);
+  __m512 p = _mm512_set1_ps(1.5345720694913637e-4f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3399930471579434e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618489296472785e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5503287792933516e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022646887500068e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931472057358227e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0000000005545888f));
+  return _mm512_scalef_ps(p, n);
+}
+
+}  // namespace
+
+IOATTN_FLASH_BF16_ATTR void flash_amx_softmax_plain(const float* st, size_t ldst, size_t ngroups, size_t len,
+                                                    float scale, float lazy, float* m, float* l, float* alpha,
+                                                    float* poison, uint32_t* pv, size_t ldp, void (*hook)(void*),
+                                                    void* hook_arg) {
+  constexpr float kLog2e = 1.44269504088896340736f;
+  const __m512 pinf = _mm512_set1_ps(std::numeric_limits<float>::infinity());
+  const __m512 ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  const __m512 one = _mm512_set1_ps(1.0f), vscale = _mm512_set1_ps(scale), log2e = _mm512_set1_ps(kLog2e);
+  const __m512 c1 = _mm512_set1_ps(scale * kLog2e);
+  // (p0[i], p1[i]) pairs from vcvtne2ps2bf16(p1, p0) = [p0 0..15 | p1 0..15]: word 2 i <- i, 2 i + 1 <- 16 + i.
+  alignas(64) static const uint16_t kInterleave[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
+                                                       8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+  const __m512i perm = _mm512_load_si512(kInterleave);
+  const size_t pairs = len / 2, pad_end = (len + 31) / 32 * 16;
+  for (size_t g = 0; g < ngroups; ++g) {
+    if (hook) hook(hook_arg);
+    const float* s = st + g * 16;
+    uint32_t* pg = pv + g * 16;
+    __m512 mr0 = ninf, mr1 = ninf;  // max of the raw scores (two chains)
+    __mmask16 bad = 0;              // NaN or +inf among them
+    size_t j = 0;
+    for (; j + 2 <= len; j += 2) {
+      const __m512 v0 = _mm512_load_ps(s + j * ldst), v1 = _mm512_load_ps(s + (j + 1) * ldst);
+      bad |= _mm512_cmp_ps_mask(v0, pinf, _CMP_NLT_UQ) | _mm512_cmp_ps_mask(v1, pinf, _CMP_NLT_UQ);
+      mr0 = _mm512_max_ps(mr0, v0);
+      mr1 = _mm512_max_ps(mr1, v1);
+    }
+    if (j < len) {
+      const __m512 v0 = _mm512_load_ps(s + j * ldst);
+      bad |= _mm512_cmp_ps_mask(v0, pinf, _CMP_NLT_UQ);
+      mr0 = _mm512_max_ps(mr0, v0);
+    }
+    // The scaled max (rounding is monotone: the max of the scaled scores), a scaled +inf poisons.
+    const __m512 m_old = _mm512_load_ps(m + g * 16);
+    const __m512 mb = _mm512_mul_ps(_mm512_max_ps(mr0, mr1), vscale);
+    bad |= _mm512_cmp_ps_mask(mb, pinf, _CMP_NLT_UQ);
+    __m512 mx = _mm512_max_ps(m_old, mb);
+    mx = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(mx, _mm512_add_ps(m_old, _mm512_set1_ps(lazy)), _CMP_GT_OQ), m_old, mx);
+    const __m512 m_use = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(mx, ninf, _CMP_NEQ_OQ), mx);
+    const __m512 a = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(mx, m_old, _CMP_EQ_OQ),
+                                          Exp2(_mm512_mul_ps(_mm512_sub_ps(m_old, m_use), log2e)), one);
+    const __m512 bias = _mm512_mul_ps(_mm512_sub_ps(_mm512_setzero_ps(), m_use), log2e);
+    __m512 sum0 = _mm512_setzero_ps(), sum1 = _mm512_setzero_ps();
+    for (size_t jj = 0; jj < pairs; ++jj) {
+      const __m512 p0 = Exp2(_mm512_fmadd_ps(_mm512_load_ps(s + 2 * jj * ldst), c1, bias));
+      const __m512 p1 = Exp2(_mm512_fmadd_ps(_mm512_load_ps(s + (2 * jj + 1) * ldst), c1, bias));
+      const __m512i b = _mm512_permutexvar_epi16(perm, (__m512i)_mm512_cvtne2ps_pbh(p1, p0));
+      _mm512_store_si512(pg + jj * ldp, b);
+      sum0 = _mm512_add_ps(sum0, p0);
+      sum1 = _mm512_add_ps(sum1, p1);
+    }
+    size_t jj = pairs;
+    if (len % 2) {
+      const __m512 p0 = Exp2(_mm512_fmadd_ps(_mm512_load_ps(s + (len - 1) * ldst), c1, bias));
+      const __m512i b = _mm512_permutexvar_epi16(perm, (__m512i)_mm512_cvtne2ps_pbh(_mm512_setzero_ps(), p0));
+      _mm512_store_si512(pg + jj * ldp, b);
+      sum0 = _mm512_add_ps(sum0, p0);
+      ++jj;
+    }
+    for (; jj < pad_end; ++jj) _mm512_store_si512(pg + jj * ldp, _mm512_setzero_si512());
+    _mm512_store_ps(l + g * 16, _mm512_fmadd_ps(_mm512_load_ps(l + g * 16), a, _mm512_add_ps(sum0, sum1)));
+    _mm512_store_ps(m + g * 16, mx);
+    _mm512_store_ps(alpha + g * 16, a);
+    _mm512_store_ps(poison + g * 16, _mm512_mask_blend_ps(bad, _mm512_load_ps(poison + g * 16), one));
+  }
+}
 
 // Keys in pairs: the 32-bit word (v_2i[x], v_2i+1[x]) is element (x, i) of V^T read as 32-bit
 // words, so 16 key pairs x 16 columns of such words, transposed, are 16 rows of V^T x 32 keys.

@@ -38,6 +38,14 @@ void flash_amx_qk(const uint16_t* ks, size_t d, const uint32_t* qv, size_t ncol_
 // pv: P^T in VNNI order, pv[(j / 2) * ldp + c] = (P[c][j], P[c][j + 1]) as two bf16.
 void flash_amx_pv(const uint16_t* vt, size_t ldv, size_t dv, const uint32_t* pv, size_t ldp, size_t ncol_tiles,
                   const int32_t* kc0, const int32_t* kc1, float* ot, size_t ldo);
+// The online softmax of a block that no row masks and without softcap / ALiBi (flash_cpu.cpp's
+// SoftmaxBlock for that case, with its lazy running max), in AVX512-BF16: for each group g of 16
+// query rows (columns of st, ldst apart per key), scores st * scale, running max m, sum l, rescale
+// alpha, poison flag (NaN / +inf seen); P^T written as bf16 key pairs into pv (rows ldp apart),
+// zero pairs up to the next 32 keys. hook(hook_arg), if set, runs before each group (prefetch).
+void flash_amx_softmax_plain(const float* st, size_t ldst, size_t ngroups, size_t len, float scale, float lazy,
+                             float* m, float* l, float* alpha, float* poison, uint32_t* pv, size_t ldp,
+                             void (*hook)(void*), void* hook_arg);
 // vt[x * ldv + j] = v_j[x] for j < n, x < dv (dv % 16 == 0, <= 512); columns j in [n, ldv) zero
 // (ldv % 32 == 0). rows[j]: key j's V row (bf16).
 void flash_amx_stage_vt(const uint16_t* const* rows, size_t n, size_t dv, uint16_t* vt, size_t ldv);

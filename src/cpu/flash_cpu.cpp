@@ -889,7 +889,11 @@ void RunTask(const FwdProblem& p, const Task& t, const Workspace& ws) {
                      AnyNonFiniteT(vt, dv, static_cast<size_t>(std::max(a, b)), len);
       }
       pf.nslices = nvq;
-      SoftmaxBlock(ws, nvq, kb, len, mods, p.scale, skip_zeros ? nullptr : ws.pv, kLazyMax, &pf);
+      if (!mods.mask && !mods.alibi && !(mods.softcap > 0))  // the common block: AVX512-BF16 softmax
+        flash_amx_softmax_plain(ws.st, kBr, nvq, len, p.scale, kLazyMax, ws.m, ws.l, ws.alpha, ws.poison, ws.pv,
+                                kBr, [](void* a) { static_cast<RowPrefetch*>(a)->Next(); }, &pf);
+      else
+        SoftmaxBlock(ws, nvq, kb, len, mods, p.scale, skip_zeros ? nullptr : ws.pv, kLazyMax, &pf);
       pf.Finish();
       ScaleOT(ws, nvq, dv);
       if (skip_zeros)
