@@ -57,6 +57,8 @@ struct Case {
   int64_t pad_head = 0;               // extra elements between heads (non-contiguous rows)
   std::vector<int32_t> varlen_q, varlen_k;  // per-sequence lengths; non-empty = varlen
   float input_range = 1.0f;
+  float k_ramp = 0.0f;  // > 0: key row j scaled by 1 + k_ramp * j, so the logits grow along the keys
+                        // and a row's max keeps rising from block to block ([b, s, h, d], no varlen)
   float scale = 0.0f;
   int64_t dv() const { return head_dim_v < 0 ? head_dim : head_dim_v; }
 };
@@ -105,6 +107,12 @@ inline RunResult run_case(const Case& c, const Target& tg, uint64_t seed = 42) {
   q.fill_random(rng, c.input_range);
   k.fill_random(rng, c.input_range);
   v.fill_random(rng);
+  if (c.k_ramp > 0) {
+    EXPECT_TRUE(!varlen && !c.bhsd) << c.name << ": k_ramp takes the [b, s, h, d] layout";
+    const int64_t row = Hk * (D + ph);
+    for (int64_t e = 0; e < rows_k * row; ++e) k.set(e, k.get(e) * (1.0f + c.k_ramp * static_cast<float>(e / row % c.seqlen_k)));
+    k.upload();
+  }
   o.poison();
   lse.poison();
 

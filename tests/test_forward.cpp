@@ -60,6 +60,17 @@ std::vector<Case> all_cases() {
   { Case c = mk("hdim320_bf16", 21, 40, 320, DType::bf16); v.push_back(c); }
   { Case c = mk("scale_custom_f32", 30, 40, 64, DType::f32); c.scale = 0.3f; v.push_back(c); }
   { Case c = mk("large_logits_f16", 50, 50, 64, DType::f16); c.input_range = 4.0f; c.causal = true; v.push_back(c); }
+  // Logits that keep growing along the keys: a row's running max rises block after block (the
+  // CPU's AMX path keeps a stale max until a block's exceeds it by e^5.5, then rescales).
+  for (bool causal : {false, true}) {
+    Case c = mk(std::string("growing_logits_") + (causal ? "causal_" : "") + "bf16", 200, 1000, 128, DType::bf16);
+    c.heads_q = 4;
+    c.heads_kv = 2;
+    c.k_ramp = 0.05f;
+    c.input_range = 2.0f;
+    c.causal = causal;
+    v.push_back(c);
+  }
   return v;
 }
 

@@ -233,6 +233,28 @@ IOATTN_FLASH_BF16_ATTR void flash_amx_softmax_plain(const float* st, size_t ldst
   }
 }
 
+// Column group u of Q in VNNI order: the 16 rows' dims [32 c, 32 c + 32) as 16 dim-pair words
+// each, transposed, are the B tile of chunk c.
+IOATTN_FLASH_AMX_ATTR void flash_amx_pack_q(const uint16_t* const* rows, size_t d, uint32_t* qv) {
+  for (size_t c = 0; c < d / 32; ++c) {
+    __m512i w[16];
+    for (int i = 0; i < 16; ++i)
+      w[i] = rows[i] ? _mm512_loadu_si512(rows[i] + 32 * c) : _mm512_setzero_si512();
+    Transpose16(w);
+    for (int k = 0; k < 16; ++k) _mm512_store_si512(qv + c * 256 + k * 16, w[k]);
+  }
+}
+
+// out[i * ldr + x] = ot[x * ldo + i] for 16 columns i (query rows) and x < dv (dv % 16 == 0).
+IOATTN_FLASH_AMX_ATTR void flash_amx_unpack_o(const float* ot, size_t ldo, size_t dv, float* out, size_t ldr) {
+  for (size_t x0 = 0; x0 < dv; x0 += 16) {
+    __m512i w[16];
+    for (int x = 0; x < 16; ++x) w[x] = _mm512_loadu_si512(ot + (x0 + x) * ldo);
+    Transpose16(w);
+    for (int i = 0; i < 16; ++i) _mm512_storeu_si512(out + i * ldr + x0, w[i]);
+  }
+}
+
 // Keys in pairs: the 32-bit word (v_2i[x], v_2i+1[x]) is element (x, i) of V^T read as 32-bit
 // words, so 16 key pairs x 16 columns of such words, transposed, are 16 rows of V^T x 32 keys.
 IOATTN_FLASH_AMX_ATTR void flash_amx_stage_vt(const uint16_t* const* rows, size_t n, size_t dv, uint16_t* vt,

@@ -38,6 +38,11 @@ void flash_amx_qk(const uint16_t* ks, size_t d, const uint32_t* qv, size_t ncol_
 // pv: P^T in VNNI order, pv[(j / 2) * ldp + c] = (P[c][j], P[c][j + 1]) as two bf16.
 void flash_amx_pv(const uint16_t* vt, size_t ldv, size_t dv, const uint32_t* pv, size_t ldp, size_t ncol_tiles,
                   const int32_t* kc0, const int32_t* kc1, float* ot, size_t ldo);
+// The B tiles of one 16-column group of Q: qv[c * 256 + k * 16 + i] = (q_i[32 c + 2 k], q_i[32 c + 2 k + 1])
+// for rows[i] (bf16, d % 32 == 0; nullptr: a pad column, zeros); qv 64-byte aligned.
+void flash_amx_pack_q(const uint16_t* const* rows, size_t d, uint32_t* qv);
+// out[i * ldr + x] = ot[x * ldo + i], i < 16, x < dv (dv % 16 == 0): 16 rows of O from O^T.
+void flash_amx_unpack_o(const float* ot, size_t ldo, size_t dv, float* out, size_t ldr);
 // The online softmax of a block that no row masks and without softcap / ALiBi (flash_cpu.cpp's
 // SoftmaxBlock for that case, with its lazy running max), in AVX512-BF16: for each group g of 16
 // query rows (columns of st, ldst apart per key), scores st * scale, running max m, sum l, rescale

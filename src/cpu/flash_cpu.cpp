@@ -758,7 +758,7 @@ void RunTask(const FwdProblem& p, const Task& t, const Workspace& ws) {
   const bool amx = UsesAmx(p);
   // AMX: Q in VNNI order, [column tile][d / 32][16 dim pairs][16 columns], in qt's memory.
   uint32_t* const qv = reinterpret_cast<uint32_t*>(ws.qt);
-  if (amx) std::memset(qv, 0, width * d * sizeof(uint16_t));
+  const uint16_t* qrows[16] = {};  // the current column group's Q rows (AMX)
 
   // Per query row: visible key range, ALiBi slope, initial max (the sink logit, if any), and
   // the packed, pre-scaled column of Q^T. Pad columns see no key and hold Q = 0.
@@ -784,10 +784,13 @@ void RunTask(const FwdProblem& p, const Task& t, const Workspace& ws) {
     ws.m[c] = p.sinks ? p.sinks[h] : ninf;
     const int64_t qoff = t.b * p.q_stride.batch + (t.q_start + i) * p.q_stride.seq + h * p.q_stride.head;
     if (amx) {
-      const uint16_t* qrow = static_cast<const uint16_t*>(p.q) + qoff;
-      uint32_t* col = qv + c / kL * (d / 32) * 256 + c % kL;
-      for (size_t k = 0; k < d; k += 2)
-        col[k / 32 * 256 + k % 32 / 2 * 16] = qrow[k] | static_cast<uint32_t>(qrow[k + 1]) << 16;
+      qrows[c % kL] = static_cast<const uint16_t*>(p.q) + qoff;
+#if IOATTN_HAVE_FLASH_AMX
+      if (c % kL == kL - 1 || c + 1 == ncols) {  // the group's last row: pack it (pad rows zero)
+        for (size_t i = c % kL + 1; i < kL; ++i) qrows[i] = nullptr;
+        flash_amx_pack_q(qrows, d, qv + c / kL * (d / 32) * 256);
+      }
+#endif
     } else if (p.fp8()) {
       const float qs = p.q_descale.at(t.b, t.hk) * p.scale;
       for (size_t k = 0; k < d; ++k)
@@ -936,10 +939,12 @@ void RunTask(const FwdProblem& p, const Task& t, const Workspace& ws) {
     if (ws.poison[c] != 0.0f) inv = lse = std::numeric_limits<float>::quiet_NaN();
     const int64_t ooff = t.b * p.o_stride.batch + (t.q_start + i) * p.o_stride.seq + h * p.o_stride.head;
     const float* orow = ws.o + c * dvp;
-    if (amx) {  // column c of O^T, gathered into the (finished) K stage
-      for (size_t x = 0; x < dv; ++x) ws.kp[x] = ws.o[x * kBr + c];
-      orow = ws.kp;
+#if IOATTN_HAVE_FLASH_AMX
+    if (amx) {  // rows of O from columns of O^T, 16 at a time, into the (finished) K stage
+      if (c % kL == 0) flash_amx_unpack_o(ws.o + c, kBr, dv, ws.kp, dvp);
+      orow = ws.kp + c % kL * dvp;
     }
+#endif
     StoreRow(p.out_dtype(), p.o, ooff, dv, orow, inv);
     if (p.lse) p.lse[t.b * p.lse_stride.batch + h * p.lse_stride.head + (t.q_start + i) * p.lse_stride.seq] = lse;
   }
