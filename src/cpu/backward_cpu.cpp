@@ -76,6 +76,7 @@
 
 #include "core/backends.hpp"
 #include "core/half.hpp"
+#include "cpu/flash_amx.hpp"
 
 // The same Highway targets as the forward (src/cpu/flash_cpu.cpp): SSSE3 is not compiled.
 #ifndef HWY_DISABLED_TARGETS
@@ -514,9 +515,44 @@ void GradsTransposed(const ScoreParams& sp, const RowInfo& ri, int64_t nc, int64
 
 // Pass 1: dK, dV of keys [c0, c0 + nc) of kv head hk. With dq (the fused pass) also
 // dq[(h - hk * group) * sq + i] += dS K for the rows the block's keys reach (unscaled, fp32).
+// The single-pass modes' tile products by AMX-BF16 (flash_amx.hpp) on the AVX-512 targets, for
+// bf16 inputs with head dims that are multiples of 16 (<= 512), where the CPU has AMX-BF16: Q, K,
+// V and dO exact in bf16, P and dS rounded to bf16 as the GPU kernels do; scale applied to S and
+// to dK after the products instead of to Q before. The two passes and Context::deterministic stay
+// on the fp32 products (so a deterministic run has the same bits for any thread count, fused or not).
+#if IOATTN_HAVE_FLASH_AMX && HWY_ARCH_X86 && HWY_TARGET <= HWY_AVX3
+constexpr bool kAmxTarget = true;
+#else
+constexpr bool kAmxTarget = false;
+#endif
+
+bool UsesAmx(const FwdProblem& p) {
+#if IOATTN_HAVE_FLASH_AMX
+  return kAmxTarget && p.dtype == DType::bf16 && p.head_dim % 16 == 0 && p.head_dim_v % 16 == 0 &&
+         p.head_dim <= 512 && p.head_dim_v <= 512 && flash::flash_amx_usable();
+#else
+  (void)p;
+  return false;
+#endif
+}
+
 void KVTask(const Plan& pl, const Task& task, const Workspace& w, float* dq = nullptr) {
   const BwdProblem& bp = *pl.bp;
   const FwdProblem& p = bp.f;
+  const bool amx = dq != nullptr && !bp.deterministic && UsesAmx(p);
+  // C (M, N) = [C +] alpha A B, by the AMX products or MatMul (alpha 1 there).
+  auto mm = [&](bool acc, size_t M, size_t N, size_t K, const float* a, size_t sam, size_t sak, const float* bm,
+                size_t ldb, float* c, size_t ldc, float alpha) {
+#if IOATTN_HAVE_FLASH_AMX
+    if (amx) return flash::flash_amx_matmul(M, N, K, a, sam, sak, bm, ldb, c, ldc, acc, alpha);
+#endif
+    (void)alpha;
+    acc ? MatMul<true>(M, N, K, a, sam, sak, bm, ldb, c, ldc) : MatMul<false>(M, N, K, a, sam, sak, bm, ldb, c, ldc);
+  };
+#if IOATTN_HAVE_FLASH_AMX
+  if (amx) flash::flash_amx_begin();
+#endif
+  const float qmul = amx ? 1.0f : p.scale, smul = amx ? p.scale : 1.0f;
   const DF df;
   const int64_t L = static_cast<int64_t>(hn::Lanes(df));
   const int64_t b = task.b, hk = task.head, c0 = task.start, d = p.head_dim, dv = p.head_dim_v;
@@ -550,22 +586,25 @@ void KVTask(const Plan& pl, const Task& task, const Workspace& w, float* dq = nu
       FillRowInfo(pl, sr, b, h, r0, nr, &ri);
       for (int64_t r = 0; r < nr; ++r) {
         const int64_t row = sr.q_start + r0 + r;
-        LoadRow(p.q, t, b * p.q_stride.batch + row * p.q_stride.seq + h * p.q_stride.head, d, p.scale, w.qbuf + r * d);
+        LoadRow(p.q, t, b * p.q_stride.batch + row * p.q_stride.seq + h * p.q_stride.head, d, qmul, w.qbuf + r * d);
         LoadRow(bp.dout, t, b * bp.dout_stride.batch + row * bp.dout_stride.seq + h * bp.dout_stride.head, dv, 1.0f,
                 w.obuf + r * dv);
       }
-      MatMul<false>(nr, ncv, d, w.qbuf, d, 1, w.kbuf, kTileK, w.s, kTileK);   // S  (nr, ncv) = (scale Q) K^T
-      MatMul<false>(nr, ncv, dv, w.obuf, dv, 1, w.vbuf, kTileK, w.dp, kTileK);  // dP (nr, ncv) = dO V^T
-      GradsRowMajor(sp, ri, nr, ncv, r0, c0, off, w.s, w.dp);                 // s = P, dp = dS
-      MatMul<true>(nc, dv, nr, w.s, 1, kTileK, w.obuf, dv, w.acc2, dv);       // dV (nc, dv) += P^T dO
-      MatMul<true>(nc, d, nr, w.dp, 1, kTileK, w.qbuf, d, w.acc1, d);         // dK (nc, d) += dS^T (scale Q)
-      if (dq)                                                                  // dQ (nr, d) += dS K
-        MatMul<true>(nr, d, nc, w.dp, kTileK, 1, w.krow, d, dq + ((h - hk * p.group()) * sq + r0) * d, d);
+      mm(false, nr, ncv, d, w.qbuf, d, 1, w.kbuf, kTileK, w.s, kTileK, smul);  // S  (nr, ncv) = (scale Q) K^T
+      mm(false, nr, ncv, dv, w.obuf, dv, 1, w.vbuf, kTileK, w.dp, kTileK, 1.0f);  // dP (nr, ncv) = dO V^T
+      GradsRowMajor(sp, ri, nr, ncv, r0, c0, off, w.s, w.dp);                   // s = P, dp = dS
+      mm(true, nc, dv, nr, w.s, 1, kTileK, w.obuf, dv, w.acc2, dv, 1.0f);       // dV (nc, dv) += P^T dO
+      mm(true, nc, d, nr, w.dp, 1, kTileK, w.qbuf, d, w.acc1, d, 1.0f);         // dK (nc, d) += dS^T (scale Q)
+      if (dq)                                                                    // dQ (nr, d) += dS K
+        mm(true, nr, d, nc, w.dp, kTileK, 1, w.krow, d, dq + ((h - hk * p.group()) * sq + r0) * d, d, 1.0f);
     }
   }
+#if IOATTN_HAVE_FLASH_AMX
+  if (amx) flash::flash_amx_end();
+#endif
   for (int64_t j = 0; j < nc; ++j) {
     const int64_t key = sr.k_start + c0 + j;
-    StoreRow(bp.dk, t, b * bp.dk_stride.batch + key * bp.dk_stride.seq + hk * bp.dk_stride.head, d, w.acc1 + j * d, 1.0f);
+    StoreRow(bp.dk, t, b * bp.dk_stride.batch + key * bp.dk_stride.seq + hk * bp.dk_stride.head, d, w.acc1 + j * d, smul);
     StoreRow(bp.dv, t, b * bp.dv_stride.batch + key * bp.dv_stride.seq + hk * bp.dv_stride.head, dv, w.acc2 + j * dv,
              1.0f);
   }
@@ -690,6 +729,7 @@ namespace bwd {
 HWY_EXPORT(TargetName);
 HWY_EXPORT(RunTask);
 HWY_EXPORT(ReduceDq);
+HWY_EXPORT(UsesAmx);
 
 // Pass 0: D_i = dO_i . O_i (fp32) for every (head, row), and each (batch, head)'s share of
 // dsinks (in double, summed over batches in order afterwards, so it is deterministic too).
@@ -793,6 +833,8 @@ BwdMode bwd_mode(const BwdProblem& bp, int nt) {
       throw Error("IOATTN_CPU_BWD", "ioattn: IOATTN_CPU_BWD must be fused, split or twopass, got '" + v + "'");
     }
   }
+  if (m.kind != BwdMode::two_pass && !bp.deterministic && HWY_DYNAMIC_DISPATCH(UsesAmx)(p))
+    m.why += "; amx-bf16 tile products (P and dS rounded to bf16)";
   if (m.kind == BwdMode::fused) m.dq_floats = dq_floats;
   if (m.kind == BwdMode::split) m.chunks = chunks;
   return m;

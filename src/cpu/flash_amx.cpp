@@ -14,12 +14,34 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
+#include <new>
+#include <vector>
 
-#define IOATTN_FLASH_AMX_ATTR __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw")))
+// One target set for every function here (they call each other inline): flash_amx_usable() checks
+// AMX-BF16 and AVX512-BF16 (AVX-512 F / BW / VL come with them).
+#define IOATTN_FLASH_AMX_ATTR __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512bf16")))
 
 namespace ioattn::detail::flash {
+
+namespace {
+// 64-byte aligned storage for the tile operands (tileloadd / aligned vector stores).
+template <class T>
+struct AlignedAlloc {
+  using value_type = T;
+  AlignedAlloc() = default;
+  template <class U>
+  AlignedAlloc(const AlignedAlloc<U>&) {}
+  T* allocate(size_t n) { return static_cast<T*>(::operator new(n * sizeof(T), std::align_val_t{64})); }
+  void deallocate(T* p, size_t) { ::operator delete(p, std::align_val_t{64}); }
+  template <class U>
+  bool operator==(const AlignedAlloc<U>&) const { return true; }
+  template <class U>
+  bool operator!=(const AlignedAlloc<U>&) const { return false; }
+};
+}  // namespace
 
 bool flash_amx_usable() { return serving::amx_bf16_usable(); }
 void flash_amx_begin() { serving::amx_begin(); }
@@ -144,7 +166,7 @@ IOATTN_FLASH_AMX_ATTR inline void Transpose16(__m512i r[16]) {
 
 }  // namespace
 
-#define IOATTN_FLASH_BF16_ATTR __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
+#define IOATTN_FLASH_BF16_ATTR IOATTN_FLASH_AMX_ATTR
 
 namespace {
 
@@ -274,6 +296,138 @@ IOATTN_FLASH_AMX_ATTR void flash_amx_stage_vt(const uint16_t* const* rows, size_
       for (int x = 0; x < 16; ++x) _mm512_storeu_si512(vt + (x0 + x) * ldv + j0, w[x]);
     }
   }
+}
+
+namespace {
+
+// Rows 2 k and 2 k + 1 of 16 values each -> the 16 words (r0[i], r1[i]) as bf16 pairs.
+IOATTN_FLASH_BF16_ATTR inline __m512i PairBf16(__m512 r0, __m512 r1) {
+  alignas(64) static const uint16_t kInterleave[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
+                                                       8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+  return _mm512_permutexvar_epi16(_mm512_load_si512(kInterleave), (__m512i)_mm512_cvtne2ps_pbh(r1, r0));
+}
+
+IOATTN_FLASH_BF16_ATTR inline __mmask16 Mask16(size_t n) {
+  return n >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << n) - 1);
+}
+
+IOATTN_FLASH_BF16_ATTR void PackA(size_t M, size_t K, const float* a, size_t sam, size_t sak, uint16_t* ap,
+                                  size_t m16, size_t k32) {
+  if (sak == 1) {  // rows contiguous
+    for (size_t m = 0; m < m16; ++m)
+      for (size_t k = 0; k < k32; k += 32) {
+        __m512 lo = _mm512_setzero_ps(), hi = _mm512_setzero_ps();
+        if (m < M) {
+          lo = _mm512_maskz_loadu_ps(Mask16(K > k ? K - k : 0), a + m * sam + k);
+          hi = _mm512_maskz_loadu_ps(Mask16(K > k + 16 ? K - k - 16 : 0), a + m * sam + k + 16);
+        }
+        _mm512_store_si512(ap + m * k32 + k, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+      }
+    return;
+  }
+  if (sam == 1) {  // columns contiguous: 16 rows x 32 columns as pair words, transposed
+    for (size_t m = 0; m < m16; m += 16) {
+      const __mmask16 mm = Mask16(M > m ? M - m : 0);
+      for (size_t k = 0; k < k32; k += 32) {
+        __m512i w[16];
+        for (size_t kk = 0; kk < 16; ++kk) {
+          const size_t k0 = k + 2 * kk, k1 = k0 + 1;
+          const __m512 c0 = k0 < K ? _mm512_maskz_loadu_ps(mm, a + k0 * sak + m) : _mm512_setzero_ps();
+          const __m512 c1 = k1 < K ? _mm512_maskz_loadu_ps(mm, a + k1 * sak + m) : _mm512_setzero_ps();
+          w[kk] = PairBf16(c0, c1);
+        }
+        Transpose16(w);
+        for (size_t i = 0; i < 16; ++i) _mm512_store_si512(ap + (m + i) * k32 + k, w[i]);
+      }
+    }
+    return;
+  }
+  for (size_t m = 0; m < m16; ++m)
+    for (size_t k = 0; k < k32; ++k) {
+      const float x = m < M && k < K ? a[m * sam + k * sak] : 0.0f;
+      uint32_t u;
+      std::memcpy(&u, &x, 4);
+      u += 0x7FFFu + ((u >> 16) & 1u);  // round to nearest even (finite values; NaN stays NaN-ish)
+      ap[m * k32 + k] = static_cast<uint16_t>(u >> 16);
+    }
+}
+
+// B (K x N, rows ldb apart) -> VNNI pairs bp[(k / 2) * n16 + n] = (B[k][n], B[k + 1][n]).
+IOATTN_FLASH_BF16_ATTR void PackB(size_t N, size_t K, const float* b, size_t ldb, uint32_t* bp, size_t n16,
+                                  size_t k32) {
+  for (size_t kk = 0; kk < k32 / 2; ++kk) {
+    const size_t k0 = 2 * kk, k1 = k0 + 1;
+    for (size_t n = 0; n < n16; n += 16) {
+      const __mmask16 mn = Mask16(N > n ? N - n : 0);
+      const __m512 r0 = k0 < K ? _mm512_maskz_loadu_ps(mn, b + k0 * ldb + n) : _mm512_setzero_ps();
+      const __m512 r1 = k1 < K ? _mm512_maskz_loadu_ps(mn, b + k1 * ldb + n) : _mm512_setzero_ps();
+      _mm512_store_si512(bp + kk * n16 + n, PairBf16(r0, r1));
+    }
+  }
+}
+
+IOATTN_FLASH_AMX_ATTR void TileGemm(const uint16_t* ap, const uint32_t* bp, float* t, size_t m16, size_t n16,
+                                    size_t k32) {
+  const size_t mt = m16 / 16, nt = n16 / 16, kc = k32 / 32, astride = k32 * 2, bstride = n16 * 4, tstride = n16 * 4;
+  for (size_t m = 0; m < mt; m += 2) {
+    const bool twom = m + 1 < mt;
+    for (size_t n = 0; n < nt; n += 2) {
+      const bool twon = n + 1 < nt;
+      _tile_zero(0);
+      _tile_zero(1);
+      _tile_zero(2);
+      _tile_zero(3);
+      for (size_t c = 0; c < kc; ++c) {
+        const uint32_t* b0 = bp + c * 16 * n16 + n * 16;
+        const uint16_t* a0 = ap + m * 16 * k32 + c * 32;
+        _tile_loadd(6, b0, bstride);
+        _tile_loadd(4, a0, astride);
+        _tile_dpbf16ps(0, 4, 6);
+        if (twon) {
+          _tile_loadd(7, b0 + 16, bstride);
+          _tile_dpbf16ps(1, 4, 7);
+        }
+        if (twom) {
+          _tile_loadd(5, a0 + 16 * k32, astride);
+          _tile_dpbf16ps(2, 5, 6);
+          if (twon) _tile_dpbf16ps(3, 5, 7);
+        }
+      }
+      float* o = t + m * 16 * n16 + n * 16;
+      _tile_stored(0, o, tstride);
+      if (twon) _tile_stored(1, o + 16, tstride);
+      if (twom) {
+        _tile_stored(2, o + 16 * n16, tstride);
+        if (twon) _tile_stored(3, o + 16 * n16 + 16, tstride);
+      }
+    }
+  }
+}
+
+}  // namespace
+
+IOATTN_FLASH_BF16_ATTR void flash_amx_matmul(size_t M, size_t N, size_t K, const float* a, size_t sam, size_t sak,
+                                             const float* b, size_t ldb, float* c, size_t ldc, bool accumulate,
+                                             float alpha) {
+  if (M == 0 || N == 0) return;
+  const size_t m16 = (M + 15) / 16 * 16, n16 = (N + 15) / 16 * 16, k32 = std::max<size_t>(32, (K + 31) / 32 * 32);
+  thread_local std::vector<uint16_t, AlignedAlloc<uint16_t>> ap;
+  thread_local std::vector<uint32_t, AlignedAlloc<uint32_t>> bp;
+  thread_local std::vector<float, AlignedAlloc<float>> t;
+  if (ap.size() < m16 * k32) ap.resize(m16 * k32);
+  if (bp.size() < k32 / 2 * n16) bp.resize(k32 / 2 * n16);
+  if (t.size() < m16 * n16) t.resize(m16 * n16);
+  PackA(M, K, a, sam, sak, ap.data(), m16, k32);
+  PackB(N, K, b, ldb, bp.data(), n16, k32);
+  TileGemm(ap.data(), bp.data(), t.data(), m16, n16, k32);
+  const __m512 va = _mm512_set1_ps(alpha);
+  for (size_t m = 0; m < M; ++m)
+    for (size_t n = 0; n < N; n += 16) {
+      const __mmask16 mn = Mask16(N - n);
+      __m512 x = _mm512_mul_ps(_mm512_load_ps(t.data() + m * n16 + n), va);
+      if (accumulate) x = _mm512_add_ps(_mm512_maskz_loadu_ps(mn, c + m * ldc + n), x);
+      _mm512_mask_storeu_ps(c + m * ldc + n, mn, x);
+    }
 }
 
 }  // namespace ioattn::detail::flash

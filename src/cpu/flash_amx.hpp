@@ -54,6 +54,13 @@ void flash_amx_softmax_plain(const float* st, size_t ldst, size_t ngroups, size_
 // vt[x * ldv + j] = v_j[x] for j < n, x < dv (dv % 16 == 0, <= 512); columns j in [n, ldv) zero
 // (ldv % 32 == 0). rows[j]: key j's V row (bf16).
 void flash_amx_stage_vt(const uint16_t* const* rows, size_t n, size_t dv, uint16_t* vt, size_t ldv);
+// C (M x N) = [C +] alpha * A B for the backward's tile products: A(m, k) = a[m * sam + k * sak]
+// (rows or columns contiguous take vector packing), B (K x N) row-major (ldb), C row-major (ldc),
+// all fp32; A and B rounded to bf16 (exact for values read from bf16 inputs), the products by
+// TDPBF16PS into a 64-byte aligned per-thread scratch, then added to C. The caller holds the
+// tile configuration (flash_amx_begin).
+void flash_amx_matmul(size_t M, size_t N, size_t K, const float* a, size_t sam, size_t sak, const float* b,
+                      size_t ldb, float* c, size_t ldc, bool accumulate, float alpha);
 #endif
 
 }  // namespace ioattn::detail::flash
