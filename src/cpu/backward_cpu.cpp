@@ -541,12 +541,13 @@ void KVTask(const Plan& pl, const Task& task, const Workspace& w, float* dq = nu
   const FwdProblem& p = bp.f;
   const bool amx = dq != nullptr && !bp.deterministic && UsesAmx(p);
   // C (M, N) = [C +] alpha A B, by the AMX products or MatMul (alpha 1 there).
+  // slot >= 0: B is the block's operand packed in that slot (AMX; K^T 0, V^T 1, K 2).
   auto mm = [&](bool acc, size_t M, size_t N, size_t K, const float* a, size_t sam, size_t sak, const float* bm,
-                size_t ldb, float* c, size_t ldc, float alpha) {
+                size_t ldb, float* c, size_t ldc, float alpha, int slot) {
 #if IOATTN_HAVE_FLASH_AMX
-    if (amx) return flash::flash_amx_matmul(M, N, K, a, sam, sak, bm, ldb, c, ldc, acc, alpha);
+    if (amx) return flash::flash_amx_matmul(M, N, K, a, sam, sak, bm, ldb, c, ldc, acc, alpha, slot);
 #endif
-    (void)alpha;
+    (void)alpha, (void)slot;
     acc ? MatMul<true>(M, N, K, a, sam, sak, bm, ldb, c, ldc) : MatMul<false>(M, N, K, a, sam, sak, bm, ldb, c, ldc);
   };
 #if IOATTN_HAVE_FLASH_AMX
@@ -572,6 +573,13 @@ void KVTask(const Plan& pl, const Task& task, const Workspace& w, float* dq = nu
     LoadRow(p.v, t, b * p.v_stride.batch + key * p.v_stride.seq + hk * p.v_stride.head, dv, 1.0f, w.row);
     for (int64_t x = 0; x < dv; ++x) w.vbuf[x * kTileK + j] = w.row[x];
   }
+#if IOATTN_HAVE_FLASH_AMX
+  if (amx) {  // the block's K^T, V^T and K, packed once for all its products
+    flash::flash_amx_pack_b(0, static_cast<size_t>(ncv), static_cast<size_t>(d), w.kbuf, kTileK);
+    flash::flash_amx_pack_b(1, static_cast<size_t>(ncv), static_cast<size_t>(dv), w.vbuf, kTileK);
+    flash::flash_amx_pack_b(2, static_cast<size_t>(d), static_cast<size_t>(nc), w.krow, static_cast<size_t>(d));
+  }
+#endif
   std::fill(w.acc1, w.acc1 + nc * d, 0.0f);   // dK (nc, d)
   std::fill(w.acc2, w.acc2 + nc * dv, 0.0f);  // dV (nc, dv)
 
@@ -590,13 +598,13 @@ void KVTask(const Plan& pl, const Task& task, const Workspace& w, float* dq = nu
         LoadRow(bp.dout, t, b * bp.dout_stride.batch + row * bp.dout_stride.seq + h * bp.dout_stride.head, dv, 1.0f,
                 w.obuf + r * dv);
       }
-      mm(false, nr, ncv, d, w.qbuf, d, 1, w.kbuf, kTileK, w.s, kTileK, smul);  // S  (nr, ncv) = (scale Q) K^T
-      mm(false, nr, ncv, dv, w.obuf, dv, 1, w.vbuf, kTileK, w.dp, kTileK, 1.0f);  // dP (nr, ncv) = dO V^T
-      GradsRowMajor(sp, ri, nr, ncv, r0, c0, off, w.s, w.dp);                   // s = P, dp = dS
-      mm(true, nc, dv, nr, w.s, 1, kTileK, w.obuf, dv, w.acc2, dv, 1.0f);       // dV (nc, dv) += P^T dO
-      mm(true, nc, d, nr, w.dp, 1, kTileK, w.qbuf, d, w.acc1, d, 1.0f);         // dK (nc, d) += dS^T (scale Q)
-      if (dq)                                                                    // dQ (nr, d) += dS K
-        mm(true, nr, d, nc, w.dp, kTileK, 1, w.krow, d, dq + ((h - hk * p.group()) * sq + r0) * d, d, 1.0f);
+      mm(false, nr, ncv, d, w.qbuf, d, 1, w.kbuf, kTileK, w.s, kTileK, smul, 0);   // S  (nr, ncv) = (scale Q) K^T
+      mm(false, nr, ncv, dv, w.obuf, dv, 1, w.vbuf, kTileK, w.dp, kTileK, 1.0f, 1);  // dP (nr, ncv) = dO V^T
+      GradsRowMajor(sp, ri, nr, ncv, r0, c0, off, w.s, w.dp);                      // s = P, dp = dS
+      mm(true, nc, dv, nr, w.s, 1, kTileK, w.obuf, dv, w.acc2, dv, 1.0f, -1);      // dV (nc, dv) += P^T dO
+      mm(true, nc, d, nr, w.dp, 1, kTileK, w.qbuf, d, w.acc1, d, 1.0f, -1);        // dK (nc, d) += dS^T (scale Q)
+      if (dq)                                                                       // dQ (nr, d) += dS K
+        mm(true, nr, d, nc, w.dp, kTileK, 1, w.krow, d, dq + ((h - hk * p.group()) * sq + r0) * d, d, 1.0f, 2);
     }
   }
 #if IOATTN_HAVE_FLASH_AMX

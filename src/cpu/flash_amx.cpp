@@ -406,25 +406,93 @@ IOATTN_FLASH_AMX_ATTR void TileGemm(const uint16_t* ap, const uint32_t* bp, floa
 
 }  // namespace
 
+namespace {
+// The per-thread operand scratch: A, the products T, and B (slot -1) or a packed B kept for
+// several products (slots 0..kSlots-1, flash_amx_pack_b).
+constexpr int kSlots = 3;
+struct Scratch {
+  std::vector<uint16_t, AlignedAlloc<uint16_t>> ap;
+  std::vector<float, AlignedAlloc<float>> t;
+  std::vector<uint32_t, AlignedAlloc<uint32_t>> bp[kSlots + 1];
+  size_t bn[kSlots + 1] = {}, bk[kSlots + 1] = {};  // the N and K each slot was packed for
+};
+thread_local Scratch tl_scratch;
+
+// C tiles (16 x 16 fp32) loaded from C, the products added, stored back: M, N multiples of 16.
+IOATTN_FLASH_AMX_ATTR void TileGemmInPlace(const uint16_t* ap, const uint32_t* bp, float* c, size_t ldc, size_t m16,
+                                           size_t n16, size_t k32) {
+  const size_t mt = m16 / 16, nt = n16 / 16, kc = k32 / 32, astride = k32 * 2, bstride = n16 * 4, cstride = ldc * 4;
+  for (size_t m = 0; m < mt; m += 2) {
+    const bool twom = m + 1 < mt;
+    for (size_t n = 0; n < nt; n += 2) {
+      const bool twon = n + 1 < nt;
+      float* o = c + m * 16 * ldc + n * 16;
+      _tile_loadd(0, o, cstride);
+      if (twon) _tile_loadd(1, o + 16, cstride);
+      if (twom) {
+        _tile_loadd(2, o + 16 * ldc, cstride);
+        if (twon) _tile_loadd(3, o + 16 * ldc + 16, cstride);
+      }
+      for (size_t q = 0; q < kc; ++q) {
+        const uint32_t* b0 = bp + q * 16 * n16 + n * 16;
+        const uint16_t* a0 = ap + m * 16 * k32 + q * 32;
+        _tile_loadd(6, b0, bstride);
+        _tile_loadd(4, a0, astride);
+        _tile_dpbf16ps(0, 4, 6);
+        if (twon) {
+          _tile_loadd(7, b0 + 16, bstride);
+          _tile_dpbf16ps(1, 4, 7);
+        }
+        if (twom) {
+          _tile_loadd(5, a0 + 16 * k32, astride);
+          _tile_dpbf16ps(2, 5, 6);
+          if (twon) _tile_dpbf16ps(3, 5, 7);
+        }
+      }
+      _tile_stored(0, o, cstride);
+      if (twon) _tile_stored(1, o + 16, cstride);
+      if (twom) {
+        _tile_stored(2, o + 16 * ldc, cstride);
+        if (twon) _tile_stored(3, o + 16 * ldc + 16, cstride);
+      }
+    }
+  }
+}
+
+size_t K32(size_t K) { return std::max<size_t>(32, (K + 31) / 32 * 32); }
+}  // namespace
+
+IOATTN_FLASH_BF16_ATTR void flash_amx_pack_b(int slot, size_t N, size_t K, const float* b, size_t ldb) {
+  Scratch& s = tl_scratch;
+  const size_t n16 = (N + 15) / 16 * 16, k32 = K32(K);
+  auto& bp = s.bp[slot + 1];
+  if (bp.size() < k32 / 2 * n16) bp.resize(k32 / 2 * n16);
+  PackB(N, K, b, ldb, bp.data(), n16, k32);
+  s.bn[slot + 1] = N;
+  s.bk[slot + 1] = K;
+}
+
 IOATTN_FLASH_BF16_ATTR void flash_amx_matmul(size_t M, size_t N, size_t K, const float* a, size_t sam, size_t sak,
                                              const float* b, size_t ldb, float* c, size_t ldc, bool accumulate,
-                                             float alpha) {
+                                             float alpha, int b_slot) {
   if (M == 0 || N == 0) return;
-  const size_t m16 = (M + 15) / 16 * 16, n16 = (N + 15) / 16 * 16, k32 = std::max<size_t>(32, (K + 31) / 32 * 32);
-  thread_local std::vector<uint16_t, AlignedAlloc<uint16_t>> ap;
-  thread_local std::vector<uint32_t, AlignedAlloc<uint32_t>> bp;
-  thread_local std::vector<float, AlignedAlloc<float>> t;
-  if (ap.size() < m16 * k32) ap.resize(m16 * k32);
-  if (bp.size() < k32 / 2 * n16) bp.resize(k32 / 2 * n16);
-  if (t.size() < m16 * n16) t.resize(m16 * n16);
-  PackA(M, K, a, sam, sak, ap.data(), m16, k32);
-  PackB(N, K, b, ldb, bp.data(), n16, k32);
-  TileGemm(ap.data(), bp.data(), t.data(), m16, n16, k32);
+  Scratch& s = tl_scratch;
+  const size_t m16 = (M + 15) / 16 * 16, n16 = (N + 15) / 16 * 16, k32 = K32(K);
+  if (s.ap.size() < m16 * k32) s.ap.resize(m16 * k32);
+  PackA(M, K, a, sam, sak, s.ap.data(), m16, k32);
+  if (b_slot < 0) flash_amx_pack_b(-1, N, K, b, ldb);
+  const uint32_t* bp = s.bp[b_slot + 1].data();
+  if (accumulate && alpha == 1.0f && M % 16 == 0 && N % 16 == 0) {  // C's own tiles: no scratch, no epilogue
+    TileGemmInPlace(s.ap.data(), bp, c, ldc, m16, n16, k32);
+    return;
+  }
+  if (s.t.size() < m16 * n16) s.t.resize(m16 * n16);
+  TileGemm(s.ap.data(), bp, s.t.data(), m16, n16, k32);
   const __m512 va = _mm512_set1_ps(alpha);
   for (size_t m = 0; m < M; ++m)
     for (size_t n = 0; n < N; n += 16) {
       const __mmask16 mn = Mask16(N - n);
-      __m512 x = _mm512_mul_ps(_mm512_load_ps(t.data() + m * n16 + n), va);
+      __m512 x = _mm512_mul_ps(_mm512_load_ps(s.t.data() + m * n16 + n), va);
       if (accumulate) x = _mm512_add_ps(_mm512_maskz_loadu_ps(mn, c + m * ldc + n), x);
       _mm512_mask_storeu_ps(c + m * ldc + n, mn, x);
     }

@@ -59,8 +59,11 @@ void flash_amx_stage_vt(const uint16_t* const* rows, size_t n, size_t dv, uint16
 // all fp32; A and B rounded to bf16 (exact for values read from bf16 inputs), the products by
 // TDPBF16PS into a 64-byte aligned per-thread scratch, then added to C. The caller holds the
 // tile configuration (flash_amx_begin).
+// b_slot >= 0: B is the one flash_amx_pack_b(b_slot, N, K, ...) packed last on this thread (b
+// and ldb unused), for an operand that several products share.
 void flash_amx_matmul(size_t M, size_t N, size_t K, const float* a, size_t sam, size_t sak, const float* b,
-                      size_t ldb, float* c, size_t ldc, bool accumulate, float alpha);
+                      size_t ldb, float* c, size_t ldc, bool accumulate, float alpha, int b_slot = -1);
+void flash_amx_pack_b(int slot, size_t N, size_t K, const float* b, size_t ldb);
 #endif
 
 }  // namespace ioattn::detail::flash
