@@ -4,6 +4,7 @@
 #include "cpu/flash_amx.hpp"
 
 #include "cpu/serving_amx.hpp"
+#include "cpu/transpose_avx512.hpp"
 
 #if IOATTN_HAVE_FLASH_AMX
 
@@ -134,38 +135,6 @@ IOATTN_FLASH_AMX_ATTR void flash_amx_pv(const uint16_t* vt, size_t ldv, size_t d
   }
 }
 
-namespace {
-
-// 16 x 16 32-bit transpose: r[c] becomes column c of the input rows.
-IOATTN_FLASH_AMX_ATTR inline void Transpose16(__m512i r[16]) {
-  __m512i t[16];
-  for (int i = 0; i < 8; ++i) {
-    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
-    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
-  }
-  for (int i = 0; i < 4; ++i) {
-    r[4 * i + 0] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
-    r[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
-    r[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
-    r[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
-  }
-  // Lane L of r[4 i + k] now holds rows 4 i .. 4 i + 3 at column 4 L + k.
-  for (int k = 0; k < 4; ++k) {
-    t[k] = _mm512_shuffle_i32x4(r[k], r[4 + k], 0x88);
-    t[4 + k] = _mm512_shuffle_i32x4(r[k], r[4 + k], 0xdd);
-    t[8 + k] = _mm512_shuffle_i32x4(r[8 + k], r[12 + k], 0x88);
-    t[12 + k] = _mm512_shuffle_i32x4(r[8 + k], r[12 + k], 0xdd);
-  }
-  for (int k = 0; k < 4; ++k) {
-    r[k] = _mm512_shuffle_i32x4(t[k], t[8 + k], 0x88);
-    r[8 + k] = _mm512_shuffle_i32x4(t[k], t[8 + k], 0xdd);
-    r[4 + k] = _mm512_shuffle_i32x4(t[4 + k], t[12 + k], 0x88);
-    r[12 + k] = _mm512_shuffle_i32x4(t[4 + k], t[12 + k], 0xdd);
-  }
-}
-
-}  // namespace
-
 #define IOATTN_FLASH_BF16_ATTR IOATTN_FLASH_AMX_ATTR
 
 namespace {
@@ -262,7 +231,7 @@ IOATTN_FLASH_AMX_ATTR void flash_amx_pack_q(const uint16_t* const* rows, size_t 
     __m512i w[16];
     for (int i = 0; i < 16; ++i)
       w[i] = rows[i] ? _mm512_loadu_si512(rows[i] + 32 * c) : _mm512_setzero_si512();
-    Transpose16(w);
+    transpose16x16_u32(w);
     for (int k = 0; k < 16; ++k) _mm512_store_si512(qv + c * 256 + k * 16, w[k]);
   }
 }
@@ -272,7 +241,7 @@ IOATTN_FLASH_AMX_ATTR void flash_amx_unpack_o(const float* ot, size_t ldo, size_
   for (size_t x0 = 0; x0 < dv; x0 += 16) {
     __m512i w[16];
     for (int x = 0; x < 16; ++x) w[x] = _mm512_loadu_si512(ot + (x0 + x) * ldo);
-    Transpose16(w);
+    transpose16x16_u32(w);
     for (int i = 0; i < 16; ++i) _mm512_storeu_si512(out + i * ldr + x0, w[i]);
   }
 }
@@ -292,7 +261,7 @@ IOATTN_FLASH_AMX_ATTR void flash_amx_stage_vt(const uint16_t* const* rows, size_
         const __m512i b = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(r[2 * i + 1] + x0)));
         w[i] = _mm512_or_si512(a, _mm512_slli_epi32(b, 16));
       }
-      Transpose16(w);
+      transpose16x16_u32(w);
       for (int x = 0; x < 16; ++x) _mm512_storeu_si512(vt + (x0 + x) * ldv + j0, w[x]);
     }
   }
@@ -336,7 +305,7 @@ IOATTN_FLASH_BF16_ATTR void PackA(size_t M, size_t K, const float* a, size_t sam
           const __m512 c1 = k1 < K ? _mm512_maskz_loadu_ps(mm, a + k1 * sak + m) : _mm512_setzero_ps();
           w[kk] = PairBf16(c0, c1);
         }
-        Transpose16(w);
+        transpose16x16_u32(w);
         for (size_t i = 0; i < 16; ++i) _mm512_store_si512(ap + (m + i) * k32 + k, w[i]);
       }
     }
@@ -366,44 +335,6 @@ IOATTN_FLASH_BF16_ATTR void PackB(size_t N, size_t K, const float* b, size_t ldb
   }
 }
 
-IOATTN_FLASH_AMX_ATTR void TileGemm(const uint16_t* ap, const uint32_t* bp, float* t, size_t m16, size_t n16,
-                                    size_t k32) {
-  const size_t mt = m16 / 16, nt = n16 / 16, kc = k32 / 32, astride = k32 * 2, bstride = n16 * 4, tstride = n16 * 4;
-  for (size_t m = 0; m < mt; m += 2) {
-    const bool twom = m + 1 < mt;
-    for (size_t n = 0; n < nt; n += 2) {
-      const bool twon = n + 1 < nt;
-      _tile_zero(0);
-      _tile_zero(1);
-      _tile_zero(2);
-      _tile_zero(3);
-      for (size_t c = 0; c < kc; ++c) {
-        const uint32_t* b0 = bp + c * 16 * n16 + n * 16;
-        const uint16_t* a0 = ap + m * 16 * k32 + c * 32;
-        _tile_loadd(6, b0, bstride);
-        _tile_loadd(4, a0, astride);
-        _tile_dpbf16ps(0, 4, 6);
-        if (twon) {
-          _tile_loadd(7, b0 + 16, bstride);
-          _tile_dpbf16ps(1, 4, 7);
-        }
-        if (twom) {
-          _tile_loadd(5, a0 + 16 * k32, astride);
-          _tile_dpbf16ps(2, 5, 6);
-          if (twon) _tile_dpbf16ps(3, 5, 7);
-        }
-      }
-      float* o = t + m * 16 * n16 + n * 16;
-      _tile_stored(0, o, tstride);
-      if (twon) _tile_stored(1, o + 16, tstride);
-      if (twom) {
-        _tile_stored(2, o + 16 * n16, tstride);
-        if (twon) _tile_stored(3, o + 16 * n16 + 16, tstride);
-      }
-    }
-  }
-}
-
 }  // namespace
 
 namespace {
@@ -418,20 +349,27 @@ struct Scratch {
 };
 thread_local Scratch tl_scratch;
 
-// C tiles (16 x 16 fp32) loaded from C, the products added, stored back: M, N multiples of 16.
-IOATTN_FLASH_AMX_ATTR void TileGemmInPlace(const uint16_t* ap, const uint32_t* bp, float* c, size_t ldc, size_t m16,
-                                           size_t n16, size_t k32) {
+// C (+)= A B in 16 x 16 fp32 tiles, 2 x 2 at a time over the K chunks: ap (m16 x k32 bf16 rows),
+// bp (k32 / 2 x n16 VNNI pairs), c (rows ldc apart; kLoadC: its tiles loaded first, else zeros).
+template <bool kLoadC>
+IOATTN_FLASH_AMX_ATTR void TileGemm(const uint16_t* ap, const uint32_t* bp, float* c, size_t ldc, size_t m16,
+                                    size_t n16, size_t k32) {
   const size_t mt = m16 / 16, nt = n16 / 16, kc = k32 / 32, astride = k32 * 2, bstride = n16 * 4, cstride = ldc * 4;
   for (size_t m = 0; m < mt; m += 2) {
     const bool twom = m + 1 < mt;
     for (size_t n = 0; n < nt; n += 2) {
       const bool twon = n + 1 < nt;
       float* o = c + m * 16 * ldc + n * 16;
-      _tile_loadd(0, o, cstride);
-      if (twon) _tile_loadd(1, o + 16, cstride);
-      if (twom) {
-        _tile_loadd(2, o + 16 * ldc, cstride);
-        if (twon) _tile_loadd(3, o + 16 * ldc + 16, cstride);
+      if constexpr (kLoadC) {
+        _tile_loadd(0, o, cstride);
+        if (twon) _tile_loadd(1, o + 16, cstride);
+        if (twom) _tile_loadd(2, o + 16 * ldc, cstride);
+        if (twom && twon) _tile_loadd(3, o + 16 * ldc + 16, cstride);
+      } else {
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
       }
       for (size_t q = 0; q < kc; ++q) {
         const uint32_t* b0 = bp + q * 16 * n16 + n * 16;
@@ -451,10 +389,8 @@ IOATTN_FLASH_AMX_ATTR void TileGemmInPlace(const uint16_t* ap, const uint32_t* b
       }
       _tile_stored(0, o, cstride);
       if (twon) _tile_stored(1, o + 16, cstride);
-      if (twom) {
-        _tile_stored(2, o + 16 * ldc, cstride);
-        if (twon) _tile_stored(3, o + 16 * ldc + 16, cstride);
-      }
+      if (twom) _tile_stored(2, o + 16 * ldc, cstride);
+      if (twom && twon) _tile_stored(3, o + 16 * ldc + 16, cstride);
     }
   }
 }
@@ -483,11 +419,11 @@ IOATTN_FLASH_BF16_ATTR void flash_amx_matmul(size_t M, size_t N, size_t K, const
   if (b_slot < 0) flash_amx_pack_b(-1, N, K, b, ldb);
   const uint32_t* bp = s.bp[b_slot + 1].data();
   if (accumulate && alpha == 1.0f && M % 16 == 0 && N % 16 == 0) {  // C's own tiles: no scratch, no epilogue
-    TileGemmInPlace(s.ap.data(), bp, c, ldc, m16, n16, k32);
+    TileGemm<true>(s.ap.data(), bp, c, ldc, m16, n16, k32);
     return;
   }
   if (s.t.size() < m16 * n16) s.t.resize(m16 * n16);
-  TileGemm(s.ap.data(), bp, s.t.data(), m16, n16, k32);
+  TileGemm<false>(s.ap.data(), bp, s.t.data(), n16, m16, n16, k32);
   const __m512 va = _mm512_set1_ps(alpha);
   for (size_t m = 0; m < M; ++m)
     for (size_t n = 0; n < N; n += 16) {

@@ -5,6 +5,7 @@
 #include "cpu/serving_amx.hpp"
 #include "cpu/prefetch.hpp"
 #include "cpu/serving_quant.h"
+#include "cpu/transpose_avx512.hpp"
 
 #if IOATTN_HAVE_AMX
 
@@ -37,33 +38,6 @@ struct TileConfig {
   uint8_t rows[16] = {};
 };
 
-// 16 x 16 int32 transpose: r[c] becomes column c of the input rows.
-IOATTN_AMX_ATTR inline void Transpose16(__m512i r[16]) {
-  __m512i t[16];
-  for (int i = 0; i < 8; ++i) {
-    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
-    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
-  }
-  for (int i = 0; i < 4; ++i) {
-    r[4 * i + 0] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
-    r[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
-    r[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
-    r[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
-  }
-  // Lane L of r[4 i + k] now holds rows 4 i .. 4 i + 3 at column 4 L + k.
-  for (int k = 0; k < 4; ++k) {
-    t[k] = _mm512_shuffle_i32x4(r[k], r[4 + k], 0x88);       // L0, L2 of rows 0-3, 4-7
-    t[4 + k] = _mm512_shuffle_i32x4(r[k], r[4 + k], 0xdd);   // L1, L3
-    t[8 + k] = _mm512_shuffle_i32x4(r[8 + k], r[12 + k], 0x88);
-    t[12 + k] = _mm512_shuffle_i32x4(r[8 + k], r[12 + k], 0xdd);
-  }
-  for (int k = 0; k < 4; ++k) {
-    r[k] = _mm512_shuffle_i32x4(t[k], t[8 + k], 0x88);           // column k
-    r[8 + k] = _mm512_shuffle_i32x4(t[k], t[8 + k], 0xdd);       // column 8 + k
-    r[4 + k] = _mm512_shuffle_i32x4(t[4 + k], t[12 + k], 0x88);  // column 4 + k
-    r[12 + k] = _mm512_shuffle_i32x4(t[4 + k], t[12 + k], 0xdd); // column 12 + k
-  }
-}
 
 // ((c3 * 256 + c2) * 256 + c1) * 256 + c0 in fp32 (the limb sums are exact integers < 2^24).
 IOATTN_AMX_ATTR inline __m512 Horner4(__m512i c0, __m512i c1, __m512i c2, __m512i c3) {
@@ -143,7 +117,7 @@ bool amx_pack_q(const float* qf, size_t dp, size_t d, int64_t R, int8_t* qb, flo
 IOATTN_AMX_ATTR inline void StoreScores(const int32_t* cb, int64_t rows, const float* qmul, float* s, size_t bc) {
   __m512i v[16];
   for (int k = 0; k < 16; ++k) v[k] = _mm512_load_si512(cb + 16 * k);
-  Transpose16(v);  // v[4 rl + l]: limb l of row rl, over the 16 keys
+  transpose16x16_u32(v);  // v[4 rl + l]: limb l of row rl, over the 16 keys
   for (int64_t rl = 0; rl < rows; ++rl) {
     const __m512 t = Horner4(v[4 * rl], v[4 * rl + 1], v[4 * rl + 2], v[4 * rl + 3]);
     _mm512_storeu_ps(s + rl * static_cast<int64_t>(bc), _mm512_mul_ps(t, _mm512_set1_ps(qmul[rl])));
@@ -446,7 +420,7 @@ IOATTN_AMX_BF16_ATTR void amx_scores16_e4m3(const uint8_t* const* rows, int64_t 
         const int64_t head = 2 * pr + h;
         __m512i v[16];
         for (int k = 0; k < 16; ++k) v[k] = _mm512_load_si512(cb[h] + 16 * k);
-        Transpose16(v);
+        transpose16x16_u32(v);
         const float* qm = qmul + head * R + 4 * g;
         float* sr = s + (head * R + 4 * g) * static_cast<int64_t>(bc);
         for (int64_t rl = 0; rl < rows_g; ++rl) {
