@@ -570,6 +570,12 @@ inline std::vector<Spec> cache_prefill_cases() {
   { Spec c = mk("prefill_f8e4m3_bf16", DType::bf16); c.cache = DType::f8e4m3; c.sq = 48; c.causal = true;
     c.lens = {300, 48}; c.page_size = 16; c.hq = 8; v.push_back(c); }
   { Spec c = mk("prefill_i8_f16", DType::f16); c.cache = DType::i8; c.sq = 20; c.lens = {64, 0, 20}; v.push_back(c); }
+  // bf16 q over 8-bit caches past one 128-key block, with windows (the CPU's AMX path stages the
+  // codes as bf16 and folds the scales into the score scale and O's normaliser)
+  { Spec c = mk("prefill_i8_bf16_d128_window", DType::bf16); c.cache = DType::i8; c.d = 128; c.sq = 70; c.causal = true;
+    c.wl = 150; c.lens = {400, 70}; c.page_size = 16; c.hq = 4; v.push_back(c); }
+  { Spec c = mk("prefill_f8e4m3_bf16_d128_long", DType::bf16); c.cache = DType::f8e4m3; c.d = 128; c.sq = 130;
+    c.lens = {600, 130}; c.hq = 4; c.hkv = 2; v.push_back(c); }
   { Spec c = mk("prefill_hdim72_dv40_f32", DType::f32); c.d = 72; c.dv = 40; c.sq = 30; c.causal = true;
     c.lens = {45, 129}; c.page_size = 8; v.push_back(c); }
   return v;

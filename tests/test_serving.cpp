@@ -200,6 +200,32 @@ TEST(DecodeEdge, MaskedNaNCodeDoesNotLeakE4m3) {
   }
 }
 
+// The same through the prefill path (40 query rows: the tiled flash forward over the cache, on a
+// CPU with AMX-BF16 its tile products over codes staged as bf16): only the chunk's last row sees
+// the NaN codes of token 99; every other row stays finite.
+TEST(DecodeCachePrefill, MaskedNaNCodeDoesNotLeakE4m3) {
+  Spec c = mk("nan8_prefill", DType::bf16);
+  c.cache = DType::f8e4m3;
+  c = masked_bad_token_spec(c);
+  c.sq = 40;
+  Built bl(c, make_values(c, 2));
+  for (int64_t h = 0; h < c.hkv; ++h) {
+    auto* kc = static_cast<uint8_t*>(bl.kc.host());
+    auto* vc = static_cast<uint8_t*>(bl.vc.host());
+    for (int64_t x = 0; x < c.d; ++x) kc[bl.elem(0, 99, h, c.d) + x] = x % 2 ? 0x7f : 0xff;
+    for (int64_t x = 0; x < c.DV(); ++x) vc[bl.elem(0, 99, h, c.DV()) + x] = 0x7f;
+  }
+  const KernelChoice k = bl.run();
+  EXPECT_NE(k.kernel.find("cpu/flash cache-prefill"), std::string::npos) << k.kernel;
+  for (int64_t i = 0; i < c.sq; ++i)
+    for (int64_t h = 0; h < c.hq; ++h) {
+      const bool sees = i == c.sq - 1;
+      EXPECT_EQ(std::isnan(bl.lse_at(0, h, i)), sees) << "row " << i << " lse " << bl.lse_at(0, h, i);
+      for (int64_t x = 0; x < c.DV(); ++x)
+        ASSERT_EQ(std::isfinite(bl.o_at(0, i, h, x)), !sees) << "row " << i << " x " << x;
+    }
+}
+
 // ---- 8-bit KV ------------------------------------------------------------------------------
 
 // Every e4m3 code through both passes, exactly: one cached token, scales 1, query row h one-hot

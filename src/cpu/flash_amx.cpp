@@ -246,6 +246,34 @@ IOATTN_FLASH_AMX_ATTR void flash_amx_unpack_o(const float* ot, size_t ldo, size_
   }
 }
 
+// 8-bit cache codes -> bf16, exactly: e4m3 through the f16 bit pattern (sign, then the 7 low bits
+// shifted up by 7: the value times 2^-8, subnormals included), widened by vcvtph2ps and narrowed
+// by vcvtne2ps2bf16 (3 mantissa bits: exact), NaN codes (S.1111.111) set to a bf16 NaN; int8 codes
+// as integers (|c| <= 128: exact).
+IOATTN_FLASH_AMX_ATTR void flash_amx_codes_to_bf16(const uint8_t* src, size_t n, bool e4m3, uint16_t* dst) {
+  for (size_t x = 0; x < n; x += 32) {
+    const __mmask32 m = n - x >= 32 ? ~__mmask32{0} : static_cast<__mmask32>((uint64_t{1} << (n - x)) - 1);
+    const __m256i c = _mm256_maskz_loadu_epi8(m, src + x);
+    __m512 lo, hi;
+    __mmask32 nan = 0;
+    if (e4m3) {
+      const __m512i w = _mm512_cvtepu8_epi16(c);
+      const __m512i mag = _mm512_and_si512(w, _mm512_set1_epi16(0x7f));
+      const __m512i h = _mm512_or_si512(_mm512_slli_epi16(_mm512_and_si512(w, _mm512_set1_epi16(0x80)), 8),
+                                        _mm512_slli_epi16(mag, 7));
+      lo = _mm512_cvtph_ps(_mm512_castsi512_si256(h));
+      hi = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(h, 1));
+      nan = _mm512_cmpeq_epi16_mask(mag, _mm512_set1_epi16(0x7f));
+    } else {
+      lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(c)));
+      hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(c, 1)));
+    }
+    __m512i b = (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
+    b = _mm512_mask_mov_epi16(b, nan, _mm512_set1_epi16(0x7fc0));
+    _mm512_mask_storeu_epi16(dst + x, m, b);
+  }
+}
+
 // Keys in pairs: the 32-bit word (v_2i[x], v_2i+1[x]) is element (x, i) of V^T read as 32-bit
 // words, so 16 key pairs x 16 columns of such words, transposed, are 16 rows of V^T x 32 keys.
 IOATTN_FLASH_AMX_ATTR void flash_amx_stage_vt(const uint16_t* const* rows, size_t n, size_t dv, uint16_t* vt,

@@ -51,6 +51,8 @@ void flash_amx_unpack_o(const float* ot, size_t ldo, size_t dv, float* out, size
 void flash_amx_softmax_plain(const float* st, size_t ldst, size_t ngroups, size_t len, float scale, float lazy,
                              float* m, float* l, float* alpha, float* poison, uint32_t* pv, size_t ldp,
                              void (*hook)(void*), void* hook_arg);
+// dst[0, n) = the bf16 of n 8-bit cache codes (e4m3: value * 2^-8; else int8), exactly; NaN codes NaN.
+void flash_amx_codes_to_bf16(const uint8_t* src, size_t n, bool e4m3, uint16_t* dst);
 // vt[x * ldv + j] = v_j[x] for j < n, x < dv (dv % 16 == 0, <= 512); columns j in [n, ldv) zero
 // (ldv % 32 == 0). rows[j]: key j's V row (bf16).
 void flash_amx_stage_vt(const uint16_t* const* rows, size_t n, size_t dv, uint16_t* vt, size_t ldv);

@@ -704,7 +704,9 @@ constexpr float kLazyMax = 5.5f;
 
 bool UsesAmx(const FwdProblem& p) {
 #if IOATTN_HAVE_FLASH_AMX
-  return kAmxTarget && p.dtype == DType::bf16 && p.kvt() == DType::bf16 && !p.fp8() && p.head_dim % 32 == 0 &&
+  const DType kv = p.kvt();
+  return kAmxTarget && p.dtype == DType::bf16 && (kv == DType::bf16 || kv == DType::f8e4m3 || kv == DType::i8) &&
+         !p.fp8() && p.head_dim % 32 == 0 &&
          p.head_dim_v % 16 == 0 && p.head_dim_v <= 512 && flash_amx_usable();
 #else
   (void)p;
@@ -815,6 +817,12 @@ void RunTask(const FwdProblem& p, const Task& t, const Workspace& ws) {
   mods.softcap = p.softcap;
   const int64_t hk = t.hk;
   const float k_descale = p.k_descale.at(t.b, hk), v_descale = p.v_descale.at(t.b, hk);
+  // AMX over 8-bit cache codes: the codes staged as bf16 (e4m3 as value * 2^-8), k_scale (and the
+  // 2^8) folded into the softmax's score scale, v_scale (and the 2^8) into O's normaliser.
+  const bool codes = amx && (kvt == DType::f8e4m3 || kvt == DType::i8);
+  const float code_unit = kvt == DType::f8e4m3 ? 256.0f : 1.0f;
+  const float qk_scale = codes ? p.scale * k_descale * code_unit : p.scale;
+  const float o_mul = codes ? v_descale * code_unit : 1.0f;
   // Blocks sit on a global grid of bc keys, so a row's result does not depend on which tile
   // (hence on the thread count) computed it: bit-identical for any number of threads.
   const int64_t bc = static_cast<int64_t>(amx ? kBcAmx : kBc);
@@ -833,9 +841,18 @@ void RunTask(const FwdProblem& p, const Task& t, const Workspace& ws) {
       }
       const int64_t koff = page * p.k_stride.batch + slot * p.k_stride.seq + hk * p.k_stride.head;
       const int64_t voff = page * p.v_stride.batch + slot * p.v_stride.seq + hk * p.v_stride.head;
-      if (amx) {  // K rows copied as they are, V rows transposed below
-        std::memcpy(reinterpret_cast<uint16_t*>(ws.kp) + j * d, static_cast<const uint16_t*>(p.k) + koff,
-                    d * sizeof(uint16_t));
+      if (amx) {  // K rows copied as they are (or converted from codes), V rows transposed below
+        uint16_t* krow = reinterpret_cast<uint16_t*>(ws.kp) + j * d;
+#if IOATTN_HAVE_FLASH_AMX
+        if (codes) {  // (V's converted rows wait in st, which the products overwrite only after)
+          uint16_t* vrow = reinterpret_cast<uint16_t*>(ws.st) + j * dv;
+          flash_amx_codes_to_bf16(static_cast<const uint8_t*>(p.k) + koff, d, kvt == DType::f8e4m3, krow);
+          flash_amx_codes_to_bf16(static_cast<const uint8_t*>(p.v) + voff, dv, kvt == DType::f8e4m3, vrow);
+          vrows[j] = vrow;
+          continue;
+        }
+#endif
+        std::memcpy(krow, static_cast<const uint16_t*>(p.k) + koff, d * sizeof(uint16_t));
         vrows[j] = static_cast<const uint16_t*>(p.v) + voff;
         continue;
       }
@@ -893,10 +910,10 @@ void RunTask(const FwdProblem& p, const Task& t, const Workspace& ws) {
       }
       pf.nslices = nvq;
       if (!mods.mask && !mods.alibi && !(mods.softcap > 0))  // the common block: AVX512-BF16 softmax
-        flash_amx_softmax_plain(ws.st, kBr, nvq, len, p.scale, kLazyMax, ws.m, ws.l, ws.alpha, ws.poison, ws.pv,
+        flash_amx_softmax_plain(ws.st, kBr, nvq, len, qk_scale, kLazyMax, ws.m, ws.l, ws.alpha, ws.poison, ws.pv,
                                 kBr, [](void* a) { static_cast<RowPrefetch*>(a)->Next(); }, &pf);
       else
-        SoftmaxBlock(ws, nvq, kb, len, mods, p.scale, skip_zeros ? nullptr : ws.pv, kLazyMax, &pf);
+        SoftmaxBlock(ws, nvq, kb, len, mods, qk_scale, skip_zeros ? nullptr : ws.pv, kLazyMax, &pf);
       pf.Finish();
       ScaleOT(ws, nvq, dv);
       if (skip_zeros)
@@ -945,7 +962,7 @@ void RunTask(const FwdProblem& p, const Task& t, const Workspace& ws) {
       orow = ws.kp + c % kL * dvp;
     }
 #endif
-    StoreRow(p.out_dtype(), p.o, ooff, dv, orow, inv);
+    StoreRow(p.out_dtype(), p.o, ooff, dv, orow, inv * o_mul);
     if (p.lse) p.lse[t.b * p.lse_stride.batch + h * p.lse_stride.head + (t.q_start + i) * p.lse_stride.seq] = lse;
   }
 }
