@@ -138,6 +138,13 @@ IOATTN_FLASH_AMX_ATTR void flash_amx_pv(const uint16_t* vt, size_t ldv, size_t d
 #define IOATTN_FLASH_BF16_ATTR IOATTN_FLASH_AMX_ATTR
 
 namespace {
+// The first min(n, 16) lanes.
+IOATTN_FLASH_AMX_ATTR inline __mmask16 Mask16(size_t n) {
+  return n >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << n) - 1);
+}
+}  // namespace
+
+namespace {
 
 // 2^x for x in [-inf, 128): n = round(max(x, -127)), 2^(x - n) by flash_cpu.cpp's degree-6
 // polynomial (relative error ~1 ulp), times 2^n by vscalefps (below 2^-126 a denormal or 0).
@@ -160,7 +167,7 @@ IOATTN_FLASH_BF16_ATTR inline __m512 Exp2(__m512 x) {
 IOATTN_FLASH_BF16_ATTR void flash_amx_softmax_plain(const float* st, size_t ldst, size_t ngroups, size_t len,
                                                     float scale, float lazy, float* m, float* l, float* alpha,
                                                     float* poison, uint32_t* pv, size_t ldp, void (*hook)(void*),
-                                                    void* hook_arg) {
+                                                    void* hook_arg, uint32_t* pv_lo) {
   constexpr float kLog2e = 1.44269504088896340736f;
   const __m512 pinf = _mm512_set1_ps(std::numeric_limits<float>::infinity());
   const __m512 ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
@@ -175,6 +182,7 @@ IOATTN_FLASH_BF16_ATTR void flash_amx_softmax_plain(const float* st, size_t ldst
     if (hook) hook(hook_arg);
     const float* s = st + g * 16;
     uint32_t* pg = pv + g * 16;
+    uint32_t* pgl = pv_lo ? pv_lo + g * 16 : nullptr;
     __m512 mr0 = ninf, mr1 = ninf;  // max of the raw scores (two chains)
     __mmask16 bad = 0;              // NaN or +inf among them
     size_t j = 0;
@@ -203,20 +211,32 @@ IOATTN_FLASH_BF16_ATTR void flash_amx_softmax_plain(const float* st, size_t ldst
     for (size_t jj = 0; jj < pairs; ++jj) {
       const __m512 p0 = Exp2(_mm512_fmadd_ps(_mm512_load_ps(s + 2 * jj * ldst), c1, bias));
       const __m512 p1 = Exp2(_mm512_fmadd_ps(_mm512_load_ps(s + (2 * jj + 1) * ldst), c1, bias));
-      const __m512i b = _mm512_permutexvar_epi16(perm, (__m512i)_mm512_cvtne2ps_pbh(p1, p0));
-      _mm512_store_si512(pg + jj * ldp, b);
+      const __m512i h = (__m512i)_mm512_cvtne2ps_pbh(p1, p0);
+      _mm512_store_si512(pg + jj * ldp, _mm512_permutexvar_epi16(perm, h));
+      if (pgl) {  // P - bf16(P), the second bf16 part (f16 inputs)
+        const __m512 r0 = _mm512_sub_ps(p0, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(h)), 16)));
+        const __m512 r1 = _mm512_sub_ps(p1, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(h, 1)), 16)));
+        _mm512_store_si512(pgl + jj * ldp, _mm512_permutexvar_epi16(perm, (__m512i)_mm512_cvtne2ps_pbh(r1, r0)));
+      }
       sum0 = _mm512_add_ps(sum0, p0);
       sum1 = _mm512_add_ps(sum1, p1);
     }
     size_t jj = pairs;
     if (len % 2) {
       const __m512 p0 = Exp2(_mm512_fmadd_ps(_mm512_load_ps(s + (len - 1) * ldst), c1, bias));
-      const __m512i b = _mm512_permutexvar_epi16(perm, (__m512i)_mm512_cvtne2ps_pbh(_mm512_setzero_ps(), p0));
-      _mm512_store_si512(pg + jj * ldp, b);
+      const __m512i h = (__m512i)_mm512_cvtne2ps_pbh(_mm512_setzero_ps(), p0);
+      _mm512_store_si512(pg + jj * ldp, _mm512_permutexvar_epi16(perm, h));
+      if (pgl) {
+        const __m512 r0 = _mm512_sub_ps(p0, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(h)), 16)));
+        _mm512_store_si512(pgl + jj * ldp, _mm512_permutexvar_epi16(perm, (__m512i)_mm512_cvtne2ps_pbh(_mm512_setzero_ps(), r0)));
+      }
       sum0 = _mm512_add_ps(sum0, p0);
       ++jj;
     }
-    for (; jj < pad_end; ++jj) _mm512_store_si512(pg + jj * ldp, _mm512_setzero_si512());
+    for (; jj < pad_end; ++jj) {
+      _mm512_store_si512(pg + jj * ldp, _mm512_setzero_si512());
+      if (pgl) _mm512_store_si512(pgl + jj * ldp, _mm512_setzero_si512());
+    }
     _mm512_store_ps(l + g * 16, _mm512_fmadd_ps(_mm512_load_ps(l + g * 16), a, _mm512_add_ps(sum0, sum1)));
     _mm512_store_ps(m + g * 16, mx);
     _mm512_store_ps(alpha + g * 16, a);
@@ -274,6 +294,22 @@ IOATTN_FLASH_AMX_ATTR void flash_amx_codes_to_bf16(const uint8_t* src, size_t n,
   }
 }
 
+// f16 -> two bf16 parts, hi = bf16(x) and lo = bf16(x - hi), exactly (11 significant bits = 8 + 3;
+// f16's range inside bf16's normal range); lo = 0 where x is not finite (hi holds the inf / NaN).
+IOATTN_FLASH_AMX_ATTR void flash_amx_split_f16(const uint16_t* src, size_t n, uint16_t* hi, uint16_t* lo) {
+  for (size_t x = 0; x < n; x += 16) {
+    const __mmask16 m = Mask16(n - x);
+    const __m512 v = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, src + x));
+    const __m256i h = (__m256i)_mm512_cvtneps_pbh(v);
+    const __m512 hv = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    const __mmask16 fin = _mm512_cmp_ps_mask(_mm512_abs_ps(v), _mm512_set1_ps(std::numeric_limits<float>::infinity()),
+                                            _CMP_LT_OQ);
+    const __m256i l = (__m256i)_mm512_cvtneps_pbh(_mm512_maskz_sub_ps(fin, v, hv));
+    _mm256_mask_storeu_epi16(hi + x, m, h);
+    _mm256_mask_storeu_epi16(lo + x, m, l);
+  }
+}
+
 // Keys in pairs: the 32-bit word (v_2i[x], v_2i+1[x]) is element (x, i) of V^T read as 32-bit
 // words, so 16 key pairs x 16 columns of such words, transposed, are 16 rows of V^T x 32 keys.
 IOATTN_FLASH_AMX_ATTR void flash_amx_stage_vt(const uint16_t* const* rows, size_t n, size_t dv, uint16_t* vt,
@@ -304,9 +340,6 @@ IOATTN_FLASH_BF16_ATTR inline __m512i PairBf16(__m512 r0, __m512 r1) {
   return _mm512_permutexvar_epi16(_mm512_load_si512(kInterleave), (__m512i)_mm512_cvtne2ps_pbh(r1, r0));
 }
 
-IOATTN_FLASH_BF16_ATTR inline __mmask16 Mask16(size_t n) {
-  return n >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << n) - 1);
-}
 
 IOATTN_FLASH_BF16_ATTR void PackA(size_t M, size_t K, const float* a, size_t sam, size_t sak, uint16_t* ap,
                                   size_t m16, size_t k32) {

@@ -102,6 +102,7 @@ struct Workspace {
   float* qt = nullptr;      // (d, br)    Q^T of the tile, pre-scaled
   float* st = nullptr;      // (bc, br)   S^T, then P^T
   uint32_t* pv = nullptr;   // (bc/2, br) P^T as bf16 key pairs (the AMX path's B operand)
+  uint32_t* pv_lo = nullptr;  // (bc/2, br) P^T - bf16(P^T) likewise (the AMX path for f16 inputs)
   float* kp = nullptr;      // (bc, d)    K block, fp32
   float* vp = nullptr;      // (bc, dvp)  V block, fp32, columns padded to the vector width
   float* o = nullptr;       // (br, dvp)  O accumulator
@@ -121,7 +122,8 @@ struct Workspace {
     constexpr size_t kAlign = 16;  // floats: 64 bytes, the widest vector
     const size_t br = s.br, bc = std::max(s.bc, s.bc_amx), dk = static_cast<size_t>(d);
     dvp = round_up(static_cast<size_t>(dv), static_cast<size_t>(s.lanes));
-    const size_t sizes[] = {dk * br, bc * br, bc * dk, bc * dvp, br * dvp, br, br, br, br, br, bc / 2 * br};
+    const size_t x2 = s.bc_amx ? 2 : 1;  // (the AMX path's f16 operands: 3 d-wide Q and K stages, two P parts)
+    const size_t sizes[] = {x2 * dk * br, bc * br, x2 * bc * dk, bc * dvp, br * dvp, br, br, br, br, br, x2 * bc / 2 * br};
     size_t total = 0;
     for (size_t n : sizes) total += round_up(n, kAlign);
     fbuf = hwy::AllocateAligned<float>(total);
@@ -134,6 +136,7 @@ struct Workspace {
       at += round_up(sizes[i], kAlign);
     }
     pv = reinterpret_cast<uint32_t*>(pvf);
+    pv_lo = pv + bc / 2 * br;
     const size_t bri = round_up(br, kAlign);
     ibuf = hwy::AllocateAligned<int32_t>(3 * bri);
     std::fill(ibuf.get(), ibuf.get() + 3 * bri, 0);
@@ -579,7 +582,7 @@ HWY_INLINE hn::Vec<DU> Bf16Bits(VF v) {
 // true max), with the next block's prefetch spread over the row groups (pf).
 HWY_NOINLINE void SoftmaxBlock(const Workspace& ws, size_t nvq, int64_t kb, size_t len,
                                const BlockMods& mods, float qk_scale = 1.0f, uint32_t* pv = nullptr,
-                               float lazy = 0.0f, RowPrefetch* pf = nullptr) {
+                               float lazy = 0.0f, RowPrefetch* pf = nullptr, uint32_t* pv_lo = nullptr) {
   const DF df;
   const DI di;
   const DU du;
@@ -650,7 +653,13 @@ HWY_NOINLINE void SoftmaxBlock(const Workspace& ws, size_t nvq, int64_t kb, size
       const VF p0 = Exp2NonPositive(hn::Mul(hn::Sub(s0, m_use), log2e));
       const VF p1 = Exp2NonPositive(hn::Mul(hn::Sub(s1, m_use), log2e));
       if (pv) {
-        hn::Store(hn::Or(Bf16Bits(p0), hn::ShiftLeft<16>(Bf16Bits(p1))), du, pv + j / 2 * kBr + c * kL);
+        const auto h0 = Bf16Bits(p0), h1 = Bf16Bits(p1);
+        hn::Store(hn::Or(h0, hn::ShiftLeft<16>(h1)), du, pv + j / 2 * kBr + c * kL);
+        if (pv_lo) {  // the second parts, P - bf16(P)
+          const VF r0 = hn::Sub(p0, hn::BitCast(df, hn::ShiftLeft<16>(h0)));
+          const VF r1 = hn::Sub(p1, hn::BitCast(df, hn::ShiftLeft<16>(h1)));
+          hn::Store(hn::Or(Bf16Bits(r0), hn::ShiftLeft<16>(Bf16Bits(r1))), du, pv_lo + j / 2 * kBr + c * kL);
+        }
       } else {
         hn::Store(p0, df, s + j * kBr);
         hn::Store(p1, df, s + (j + 1) * kBr);
@@ -662,15 +671,20 @@ HWY_NOINLINE void SoftmaxBlock(const Workspace& ws, size_t nvq, int64_t kb, size
       VF s0 = hn::Load(df, s + j * kBr);
       if (scale_here) s0 = hn::Mul(s0, qs);
       const VF p0 = Exp2NonPositive(hn::Mul(hn::Sub(s0, m_use), log2e));
-      if (pv)
-        hn::Store(Bf16Bits(p0), du, pv + j / 2 * kBr + c * kL);
-      else
+      if (pv) {
+        const auto h0 = Bf16Bits(p0);
+        hn::Store(h0, du, pv + j / 2 * kBr + c * kL);
+        if (pv_lo) hn::Store(Bf16Bits(hn::Sub(p0, hn::BitCast(df, hn::ShiftLeft<16>(h0)))), du, pv_lo + j / 2 * kBr + c * kL);
+      } else
         hn::Store(p0, df, s + j * kBr);
       sum0 = hn::Add(sum0, p0);
     }
     if (pv) {
-      for (size_t jj = 0; jj < j0 / 2; ++jj) hn::Store(hn::Zero(du), du, pv + jj * kBr + c * kL);
-      for (size_t jj = (j1 + 1) / 2; jj < round_up(len, 32) / 2; ++jj) hn::Store(hn::Zero(du), du, pv + jj * kBr + c * kL);
+      for (uint32_t* q : {pv, pv_lo}) {
+        if (!q) continue;
+        for (size_t jj = 0; jj < j0 / 2; ++jj) hn::Store(hn::Zero(du), du, q + jj * kBr + c * kL);
+        for (size_t jj = (j1 + 1) / 2; jj < round_up(len, 32) / 2; ++jj) hn::Store(hn::Zero(du), du, q + jj * kBr + c * kL);
+      }
     } else {
       for (size_t jj = 0; jj < j0; ++jj) hn::Store(hn::Zero(df), df, s + jj * kBr);
       for (size_t jj = j1; jj < len; ++jj) hn::Store(hn::Zero(df), df, s + jj * kBr);
@@ -705,9 +719,11 @@ constexpr float kLazyMax = 5.5f;
 bool UsesAmx(const FwdProblem& p) {
 #if IOATTN_HAVE_FLASH_AMX
   const DType kv = p.kvt();
-  return kAmxTarget && p.dtype == DType::bf16 && (kv == DType::bf16 || kv == DType::f8e4m3 || kv == DType::i8) &&
-         !p.fp8() && p.head_dim % 32 == 0 &&
-         p.head_dim_v % 16 == 0 && p.head_dim_v <= 512 && flash_amx_usable();
+  const bool bf16 = p.dtype == DType::bf16 && (kv == DType::bf16 || kv == DType::f8e4m3 || kv == DType::i8);
+  // f16 as two bf16 parts (x = hi + lo exactly): head dims up to 256 (the stages' room)
+  const bool f16 = p.dtype == DType::f16 && kv == DType::f16 && p.head_dim <= 256 && p.head_dim_v <= 256;
+  return kAmxTarget && (bf16 || f16) && !p.fp8() && p.head_dim % 32 == 0 && p.head_dim_v % 16 == 0 &&
+         p.head_dim_v <= 512 && flash_amx_usable();
 #else
   (void)p;
   return false;
@@ -736,12 +752,17 @@ HWY_INLINE bool AnyNonFiniteT(const uint16_t* vt, size_t dv, size_t j0, size_t j
 }
 
 // The exact path on O^T (fp32 P^T in st): keys with P == 0 contribute nothing, not 0 * inf.
-HWY_NOINLINE void PVSkipZerosT(const Workspace& ws, const uint16_t* vt, size_t len, size_t ncols, size_t dv) {
+// vt_lo (f16 inputs): V's second parts, added to vt's.
+HWY_NOINLINE void PVSkipZerosT(const Workspace& ws, const uint16_t* vt, const uint16_t* vt_lo, size_t len, size_t ncols,
+                               size_t dv) {
   for (size_t c = 0; c < ncols; ++c)
     for (size_t j = 0; j < len; ++j) {
       const float pij = ws.st[j * kBr + c];
       if (pij == 0.0f) continue;
-      for (size_t x = 0; x < dv; ++x) ws.o[x * kBr + c] += pij * bf16_to_float(vt[x * kBcAmx + j]);
+      for (size_t x = 0; x < dv; ++x) {
+        const size_t e = x * kBcAmx + j;
+        ws.o[x * kBr + c] += pij * (bf16_to_float(vt[e]) + (vt_lo ? bf16_to_float(vt_lo[e]) : 0.0f));
+      }
     }
 }
 
@@ -758,7 +779,11 @@ void RunTask(const FwdProblem& p, const Task& t, const Workspace& ws) {
   const DType dt = p.dtype, kvt = p.kvt();
   const float ninf = -std::numeric_limits<float>::infinity();
   const bool amx = UsesAmx(p);
-  // AMX: Q in VNNI order, [column tile][d / 32][16 dim pairs][16 columns], in qt's memory.
+  // f16 on AMX: every operand as two bf16 parts; S from K = [Kh | Kh | Kl] . Q = [Qh; Ql; Qh] (the
+  // Ql Kl term, < 2^-16 relative, dropped), O^T += Vh Ph + Vh Pl + Vl Ph.
+  const bool split = amx && dt == DType::f16;
+  const size_t da = split ? 3 * d : d;  // the depth of the S products
+  // AMX: Q in VNNI order, [column tile][da / 32][16 dim pairs][16 columns], in qt's memory.
   uint32_t* const qv = reinterpret_cast<uint32_t*>(ws.qt);
   const uint16_t* qrows[16] = {};  // the current column group's Q rows (AMX)
 
@@ -788,9 +813,15 @@ void RunTask(const FwdProblem& p, const Task& t, const Workspace& ws) {
     if (amx) {
       qrows[c % kL] = static_cast<const uint16_t*>(p.q) + qoff;
 #if IOATTN_HAVE_FLASH_AMX
+      if (split) {  // [Qh | Ql | Qh] in st (free until the first block's products)
+        uint16_t* row = reinterpret_cast<uint16_t*>(ws.st) + c % kL * da;
+        flash_amx_split_f16(qrows[c % kL], d, row, row + d);
+        std::memcpy(row + 2 * d, row, d * sizeof(uint16_t));
+        qrows[c % kL] = row;
+      }
       if (c % kL == kL - 1 || c + 1 == ncols) {  // the group's last row: pack it (pad rows zero)
         for (size_t i = c % kL + 1; i < kL; ++i) qrows[i] = nullptr;
-        flash_amx_pack_q(qrows, d, qv + c / kL * (d / 32) * 256);
+        flash_amx_pack_q(qrows, da, qv + c / kL * (da / 32) * 256);
       }
 #endif
     } else if (p.fp8()) {
@@ -832,6 +863,7 @@ void RunTask(const FwdProblem& p, const Task& t, const Workspace& ws) {
     const size_t nkeys = round_up(len, kMr1);
     mods.mask = !(kb >= lo_last && kb + static_cast<int64_t>(len) <= hi_first);
     const uint16_t* vrows[std::max(kBc, kBcAmx)];
+    const uint16_t* vrows_lo[kBcAmx];
     for (size_t j = 0; j < len; ++j) {
       const int64_t key = t.k_start + kb + static_cast<int64_t>(j);
       int64_t page = t.b, slot = key;  // (a KV-cache block table: the key's page and offset)
@@ -842,8 +874,18 @@ void RunTask(const FwdProblem& p, const Task& t, const Workspace& ws) {
       const int64_t koff = page * p.k_stride.batch + slot * p.k_stride.seq + hk * p.k_stride.head;
       const int64_t voff = page * p.v_stride.batch + slot * p.v_stride.seq + hk * p.v_stride.head;
       if (amx) {  // K rows copied as they are (or converted from codes), V rows transposed below
-        uint16_t* krow = reinterpret_cast<uint16_t*>(ws.kp) + j * d;
+        uint16_t* krow = reinterpret_cast<uint16_t*>(ws.kp) + j * da;
 #if IOATTN_HAVE_FLASH_AMX
+        if (split) {  // K as [Kh | Kh | Kl]; V's two parts wait in st
+          flash_amx_split_f16(static_cast<const uint16_t*>(p.k) + koff, d, krow, krow + 2 * d);
+          std::memcpy(krow + d, krow, d * sizeof(uint16_t));
+          uint16_t* vh = reinterpret_cast<uint16_t*>(ws.st) + j * dv;
+          uint16_t* vl = vh + kBcAmx * dv;
+          flash_amx_split_f16(static_cast<const uint16_t*>(p.v) + voff, dv, vh, vl);
+          vrows[j] = vh;
+          vrows_lo[j] = vl;
+          continue;
+        }
         if (codes) {  // (V's converted rows wait in st, which the products overwrite only after)
           uint16_t* vrow = reinterpret_cast<uint16_t*>(ws.st) + j * dv;
           flash_amx_codes_to_bf16(static_cast<const uint8_t*>(p.k) + koff, d, kvt == DType::f8e4m3, krow);
@@ -862,8 +904,9 @@ void RunTask(const FwdProblem& p, const Task& t, const Workspace& ws) {
     if (amx) {
 #if IOATTN_HAVE_FLASH_AMX
       const size_t kpad = round_up(len, 16);  // the key tiles' rows
-      if (kpad > len) std::memset(reinterpret_cast<uint16_t*>(ws.kp) + len * d, 0, (kpad - len) * d * sizeof(uint16_t));
+      if (kpad > len) std::memset(reinterpret_cast<uint16_t*>(ws.kp) + len * da, 0, (kpad - len) * da * sizeof(uint16_t));
       flash_amx_stage_vt(vrows, len, dv, reinterpret_cast<uint16_t*>(ws.vp), kBcAmx);
+      if (split) flash_amx_stage_vt(vrows_lo, len, dv, reinterpret_cast<uint16_t*>(ws.vp) + dv * kBcAmx, kBcAmx);
 #endif
     } else if (nkeys > len) {
       std::memset(ws.kp + len * d, 0, (nkeys - len) * d * sizeof(float));
@@ -900,7 +943,8 @@ void RunTask(const FwdProblem& p, const Task& t, const Workspace& ws) {
         kc0[u] = static_cast<int32_t>(j0 / 32), kc1[u] = static_cast<int32_t>((j1 + 31) / 32);
       }
       const uint16_t* vt = reinterpret_cast<const uint16_t*>(ws.vp);
-      flash_amx_qk(reinterpret_cast<const uint16_t*>(ws.kp), d, qv, nvq, kt0, kt1, ws.st, kBr);
+      const uint16_t* vt_lo = split ? vt + dv * kBcAmx : nullptr;
+      flash_amx_qk(reinterpret_cast<const uint16_t*>(ws.kp), da, qv, nvq, kt0, kt1, ws.st, kBr);
       bool skip_zeros = false;
       if (mods.mask) {
         const int64_t a = std::clamp<int64_t>(lo_last - kb, 0, len);
@@ -911,15 +955,22 @@ void RunTask(const FwdProblem& p, const Task& t, const Workspace& ws) {
       pf.nslices = nvq;
       if (!mods.mask && !mods.alibi && !(mods.softcap > 0))  // the common block: AVX512-BF16 softmax
         flash_amx_softmax_plain(ws.st, kBr, nvq, len, qk_scale, kLazyMax, ws.m, ws.l, ws.alpha, ws.poison, ws.pv,
-                                kBr, [](void* a) { static_cast<RowPrefetch*>(a)->Next(); }, &pf);
+                                kBr, [](void* a) { static_cast<RowPrefetch*>(a)->Next(); }, &pf,
+                                split ? ws.pv_lo : nullptr);
       else
-        SoftmaxBlock(ws, nvq, kb, len, mods, qk_scale, skip_zeros ? nullptr : ws.pv, kLazyMax, &pf);
+        SoftmaxBlock(ws, nvq, kb, len, mods, qk_scale, skip_zeros ? nullptr : ws.pv, kLazyMax, &pf,
+                     split && !skip_zeros ? ws.pv_lo : nullptr);
       pf.Finish();
       ScaleOT(ws, nvq, dv);
-      if (skip_zeros)
-        PVSkipZerosT(ws, vt, len, ncols, dv);
-      else
+      if (skip_zeros) {
+        PVSkipZerosT(ws, vt, vt_lo, len, ncols, dv);
+      } else {
         flash_amx_pv(vt, kBcAmx, dv, ws.pv, kBr, nvq, kc0, kc1, ws.o, kBr);
+        if (split) {
+          flash_amx_pv(vt, kBcAmx, dv, ws.pv_lo, kBr, nvq, kc0, kc1, ws.o, kBr);
+          flash_amx_pv(vt_lo, kBcAmx, dv, ws.pv, kBr, nvq, kc0, kc1, ws.o, kBr);
+        }
+      }
       continue;
     }
 #endif
@@ -1112,7 +1163,7 @@ std::string cpu_flash_tile(const FwdProblem& p) {
   const flash::TileShape s = HWY_DYNAMIC_DISPATCH(flash::TargetShape)();
   const bool amx = HWY_DYNAMIC_DISPATCH(flash::UsesAmx)(p);
   return std::to_string(flash::tile_rows(p, s, flash::resolve_threads(p))) + "x" + std::to_string(amx ? s.bc_amx : s.bc) +
-         (amx ? " amx-bf16" : "");
+         (amx ? (p.dtype == DType::f16 ? " amx-bf16 (f16 as two bf16 parts)" : " amx-bf16") : "");
 }
 
 std::vector<std::string> cpu_compiled_targets() {
