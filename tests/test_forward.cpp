@@ -201,6 +201,41 @@ TEST_P(ForwardTarget, NaNInMaskedKeysDoesNotLeak) {
   }
 }
 
+// An inf in a visible V element reaches that output column as inf (P > 0 times inf), and every
+// other column stays finite: on the CPU's AMX path for f16 (two bf16 parts per value) only the hi
+// parts meet the inf, never an inf - inf of two parts. Every 16-bit dtype the target takes.
+TEST_P(ForwardTarget, VisibleInfInVGivesInfInItsColumn) {
+  const Target tg = GetParam();
+  IOATTN_SKIP_IF_NO_DEVICE(tg);
+  if (tg.backend != Backend::flash) GTEST_SKIP() << "the flash kernels";
+  for (DType t : {DType::f16, DType::bf16}) {
+    if (!supported(tg, mk("x", 1, 1, 64, t))) continue;
+    const int64_t S = 150, H = 2, D = 64;
+    std::mt19937_64 rng(11);
+    detail::Buffer q(t, S * H * D, tg.device), k(t, S * H * D, tg.device), v(t, S * H * D, tg.device);
+    detail::Buffer o(t, S * H * D, tg.device);
+    q.fill_random(rng);
+    k.fill_random(rng);
+    v.fill_random(rng);
+    for (int64_t h = 0; h < H; ++h) v.set((5 * H + h) * D + 3, std::numeric_limits<float>::infinity());  // key 5, column 3
+    v.upload();
+    o.poison();
+    Context ctx;
+    ctx.backend = tg.backend;
+    forward(q.view({1, S, H, D}), k.view({1, S, H, D}), v.view({1, S, H, D}), o.view({1, S, H, D}), TensorView{},
+            AttnParams{}, ctx);
+    o.download();
+    for (int64_t row = 0; row < S * H; ++row)
+      for (int64_t x = 0; x < D; ++x) {
+        const float y = o.get(row * D + x);
+        if (x == 3)
+          ASSERT_TRUE(std::isinf(y) && y > 0) << dtype_name(t) << " row " << row << ": " << y;
+        else
+          ASSERT_TRUE(std::isfinite(y)) << dtype_name(t) << " row " << row << " col " << x << ": " << y;
+      }
+  }
+}
+
 // The same inputs give the same outputs run to run (no races, no uninitialised reads).
 TEST_P(ForwardTarget, Deterministic) {
   const Target tg = GetParam();

@@ -296,7 +296,8 @@ IOATTN_FLASH_AMX_ATTR void flash_amx_codes_to_bf16(const uint8_t* src, size_t n,
 
 // f16 -> two bf16 parts, hi = bf16(x) and lo = bf16(x - hi), exactly (11 significant bits = 8 + 3;
 // f16's range inside bf16's normal range); lo = 0 where x is not finite (hi holds the inf / NaN).
-IOATTN_FLASH_AMX_ATTR void flash_amx_split_f16(const uint16_t* src, size_t n, uint16_t* hi, uint16_t* lo) {
+IOATTN_FLASH_AMX_ATTR void flash_amx_split_f16(const uint16_t* src, size_t n, uint16_t* hi, uint16_t* lo,
+                                              uint16_t* hi_finite) {
   for (size_t x = 0; x < n; x += 16) {
     const __mmask16 m = Mask16(n - x);
     const __m512 v = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, src + x));
@@ -307,6 +308,7 @@ IOATTN_FLASH_AMX_ATTR void flash_amx_split_f16(const uint16_t* src, size_t n, ui
     const __m256i l = (__m256i)_mm512_cvtneps_pbh(_mm512_maskz_sub_ps(fin, v, hv));
     _mm256_mask_storeu_epi16(hi + x, m, h);
     _mm256_mask_storeu_epi16(lo + x, m, l);
+    _mm256_mask_storeu_epi16(hi_finite + x, m, _mm256_maskz_mov_epi16(fin, h));
   }
 }
 

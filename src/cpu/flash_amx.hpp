@@ -52,8 +52,10 @@ void flash_amx_unpack_o(const float* ot, size_t ldo, size_t dv, float* out, size
 void flash_amx_softmax_plain(const float* st, size_t ldst, size_t ngroups, size_t len, float scale, float lazy,
                              float* m, float* l, float* alpha, float* poison, uint32_t* pv, size_t ldp,
                              void (*hook)(void*), void* hook_arg, uint32_t* pv_lo = nullptr);
-// f16 values -> hi = bf16(x), lo = bf16(x - hi) (exact: x = hi + lo; lo = 0 where x is inf / NaN).
-void flash_amx_split_f16(const uint16_t* src, size_t n, uint16_t* hi, uint16_t* lo);
+// f16 values -> hi = bf16(x), lo = bf16(x - hi) (exact: x = hi + lo), and hi_finite = hi with inf /
+// NaN as 0 (lo is 0 there too): the products pair an inf / NaN only with the other operand's hi
+// part, so a non-finite input gives the fp32 path's inf / NaN, never an inf - inf of two parts.
+void flash_amx_split_f16(const uint16_t* src, size_t n, uint16_t* hi, uint16_t* lo, uint16_t* hi_finite);
 // dst[0, n) = the bf16 of n 8-bit cache codes (e4m3: value * 2^-8; else int8), exactly; NaN codes NaN.
 void flash_amx_codes_to_bf16(const uint8_t* src, size_t n, bool e4m3, uint16_t* dst);
 // vt[x * ldv + j] = v_j[x] for j < n, x < dv (dv % 16 == 0, <= 512); columns j in [n, ldv) zero

@@ -123,7 +123,7 @@ struct Workspace {
     const size_t br = s.br, bc = std::max(s.bc, s.bc_amx), dk = static_cast<size_t>(d);
     dvp = round_up(static_cast<size_t>(dv), static_cast<size_t>(s.lanes));
     const size_t x2 = s.bc_amx ? 2 : 1;  // (the AMX path's f16 operands: 3 d-wide Q and K stages, two P parts)
-    const size_t sizes[] = {x2 * dk * br, bc * br, x2 * bc * dk, bc * dvp, br * dvp, br, br, br, br, br, x2 * bc / 2 * br};
+    const size_t sizes[] = {x2 * dk * br, bc * br, x2 * bc * dk, x2 * bc * dvp, br * dvp, br, br, br, br, br, x2 * bc / 2 * br};
     size_t total = 0;
     for (size_t n : sizes) total += round_up(n, kAlign);
     fbuf = hwy::AllocateAligned<float>(total);
@@ -779,8 +779,9 @@ void RunTask(const FwdProblem& p, const Task& t, const Workspace& ws) {
   const DType dt = p.dtype, kvt = p.kvt();
   const float ninf = -std::numeric_limits<float>::infinity();
   const bool amx = UsesAmx(p);
-  // f16 on AMX: every operand as two bf16 parts; S from K = [Kh | Kh | Kl] . Q = [Qh; Ql; Qh] (the
-  // Ql Kl term, < 2^-16 relative, dropped), O^T += Vh Ph + Vh Pl + Vl Ph.
+  // f16 on AMX: every operand as two bf16 parts; S from K = [Kh | Kh' | Kl] . Q = [Qh; Ql; Qh'] (the
+  // Ql Kl term, < 2^-16 relative, dropped), O^T += Vh Ph + Vh' Pl + Vl Ph, where x' is x's hi part
+  // with inf / NaN as 0 (flash_amx_split_f16): only hi . hi products meet a non-finite input.
   const bool split = amx && dt == DType::f16;
   const size_t da = split ? 3 * d : d;  // the depth of the S products
   // AMX: Q in VNNI order, [column tile][da / 32][16 dim pairs][16 columns], in qt's memory.
@@ -813,10 +814,9 @@ void RunTask(const FwdProblem& p, const Task& t, const Workspace& ws) {
     if (amx) {
       qrows[c % kL] = static_cast<const uint16_t*>(p.q) + qoff;
 #if IOATTN_HAVE_FLASH_AMX
-      if (split) {  // [Qh | Ql | Qh] in st (free until the first block's products)
+      if (split) {  // [Qh | Ql | Qh'] in st (free until the first block's products)
         uint16_t* row = reinterpret_cast<uint16_t*>(ws.st) + c % kL * da;
-        flash_amx_split_f16(qrows[c % kL], d, row, row + d);
-        std::memcpy(row + 2 * d, row, d * sizeof(uint16_t));
+        flash_amx_split_f16(qrows[c % kL], d, row, row + d, row + 2 * d);
         qrows[c % kL] = row;
       }
       if (c % kL == kL - 1 || c + 1 == ncols) {  // the group's last row: pack it (pad rows zero)
@@ -864,6 +864,7 @@ void RunTask(const FwdProblem& p, const Task& t, const Workspace& ws) {
     mods.mask = !(kb >= lo_last && kb + static_cast<int64_t>(len) <= hi_first);
     const uint16_t* vrows[std::max(kBc, kBcAmx)];
     const uint16_t* vrows_lo[kBcAmx];
+    const uint16_t* vrows_hf[kBcAmx];
     for (size_t j = 0; j < len; ++j) {
       const int64_t key = t.k_start + kb + static_cast<int64_t>(j);
       int64_t page = t.b, slot = key;  // (a KV-cache block table: the key's page and offset)
@@ -876,14 +877,15 @@ void RunTask(const FwdProblem& p, const Task& t, const Workspace& ws) {
       if (amx) {  // K rows copied as they are (or converted from codes), V rows transposed below
         uint16_t* krow = reinterpret_cast<uint16_t*>(ws.kp) + j * da;
 #if IOATTN_HAVE_FLASH_AMX
-        if (split) {  // K as [Kh | Kh | Kl]; V's two parts wait in st
-          flash_amx_split_f16(static_cast<const uint16_t*>(p.k) + koff, d, krow, krow + 2 * d);
-          std::memcpy(krow + d, krow, d * sizeof(uint16_t));
+        if (split) {  // K as [Kh | Kh' | Kl]; V's parts wait in st (3 x 128 x dv <= 384 x 128 floats)
+          flash_amx_split_f16(static_cast<const uint16_t*>(p.k) + koff, d, krow, krow + 2 * d, krow + d);
           uint16_t* vh = reinterpret_cast<uint16_t*>(ws.st) + j * dv;
           uint16_t* vl = vh + kBcAmx * dv;
-          flash_amx_split_f16(static_cast<const uint16_t*>(p.v) + voff, dv, vh, vl);
+          uint16_t* vhf = vl + kBcAmx * dv;
+          flash_amx_split_f16(static_cast<const uint16_t*>(p.v) + voff, dv, vh, vl, vhf);
           vrows[j] = vh;
           vrows_lo[j] = vl;
+          vrows_hf[j] = vhf;
           continue;
         }
         if (codes) {  // (V's converted rows wait in st, which the products overwrite only after)
@@ -906,7 +908,10 @@ void RunTask(const FwdProblem& p, const Task& t, const Workspace& ws) {
       const size_t kpad = round_up(len, 16);  // the key tiles' rows
       if (kpad > len) std::memset(reinterpret_cast<uint16_t*>(ws.kp) + len * da, 0, (kpad - len) * da * sizeof(uint16_t));
       flash_amx_stage_vt(vrows, len, dv, reinterpret_cast<uint16_t*>(ws.vp), kBcAmx);
-      if (split) flash_amx_stage_vt(vrows_lo, len, dv, reinterpret_cast<uint16_t*>(ws.vp) + dv * kBcAmx, kBcAmx);
+      if (split) {
+        flash_amx_stage_vt(vrows_lo, len, dv, reinterpret_cast<uint16_t*>(ws.vp) + dv * kBcAmx, kBcAmx);
+        flash_amx_stage_vt(vrows_hf, len, dv, reinterpret_cast<uint16_t*>(ws.vp) + 2 * dv * kBcAmx, kBcAmx);
+      }
 #endif
     } else if (nkeys > len) {
       std::memset(ws.kp + len * d, 0, (nkeys - len) * d * sizeof(float));
@@ -967,8 +972,8 @@ void RunTask(const FwdProblem& p, const Task& t, const Workspace& ws) {
       } else {
         flash_amx_pv(vt, kBcAmx, dv, ws.pv, kBr, nvq, kc0, kc1, ws.o, kBr);
         if (split) {
-          flash_amx_pv(vt, kBcAmx, dv, ws.pv_lo, kBr, nvq, kc0, kc1, ws.o, kBr);
-          flash_amx_pv(vt_lo, kBcAmx, dv, ws.pv, kBr, nvq, kc0, kc1, ws.o, kBr);
+          flash_amx_pv(vt + 2 * dv * kBcAmx, kBcAmx, dv, ws.pv_lo, kBr, nvq, kc0, kc1, ws.o, kBr);  // Vh' Pl
+          flash_amx_pv(vt_lo, kBcAmx, dv, ws.pv, kBr, nvq, kc0, kc1, ws.o, kBr);                    // Vl Ph
         }
       }
       continue;
