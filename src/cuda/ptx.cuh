@@ -75,6 +75,19 @@ __device__ __forceinline__ uint32_t ld_global_u16(const void* src) {
   return r;
 }
 
+// The same as 4 bytes (src 4-byte aligned) and as 8 bytes into two registers, lo from the lower
+// address (src 8-byte aligned): the decode's wide query loads.
+__device__ __forceinline__ uint32_t ld_global_u32(const void* src) {
+  uint32_t r;
+  asm volatile("ld.global.u32 %0, [%1];\n" : "=r"(r) : "l"(src));
+  return r;
+}
+__device__ __forceinline__ uint2 ld_global_v2_u32(const void* src) {
+  uint2 r;
+  asm volatile("ld.global.v2.u32 {%0, %1}, [%2];\n" : "=r"(r.x), "=r"(r.y) : "l"(src));
+  return r;
+}
+
 // ld.shared.v4.b32: 16 bytes of shared memory (src 16-byte aligned) into registers, a..d from
 // increasing addresses. The forward's staged 8-bit cache tiles read their raw codes with it.
 __device__ __forceinline__ uint4 ld_shared_v4(uint32_t src_smem) {

@@ -380,24 +380,42 @@ __global__ void __launch_bounds__(kThreads) decode_mma_kernel(const DecodeParams
   // Q^T as the B operand: the lane holds query row g of each n-tile, dims 2t, 2t+1 (and +8) of
   // each k-step; with an 8-bit cache the k-step's dims are permuted as the K codes arrive (below):
   // b0 = dims 4t, 4t+1 and b1 = dims 4t+2, 4t+3 of the step's 16.
+  // Where q's base and strides keep every lane's piece aligned (a grid-uniform test), the lane's
+  // dims of a k-step go as one 8-byte load (8-bit caches: dims 4t..4t+3 are contiguous) or two
+  // 4-byte loads (dims 2t, 2t+1 and 2t+8, 2t+9), else as 16-bit pairs. Rows past p.rows load row
+  // (b, 0, the group's first head), which exists, and keep zeros: no per-lane branch.
   uint32_t qb[NT][kKD][2];
   {
     const auto* q16 = static_cast<const uint16_t*>(p.q);
+    const bool wide = ((reinterpret_cast<uintptr_t>(p.q) | uint64_t(p.q_sb | p.q_ss | p.q_sh) << 1) & (k8 ? 7 : 3)) == 0;
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt) {
       const int rr = w.rb * ROWS + nt * 8 + g;
       const bool ok = rr < p.rows;
       const int hh = ok ? rr / sq : 0, i = ok ? rr % sq : 0, h = w.hk * p.group + hh;
-      const int64_t qoff = w.b * p.q_sb + i * p.q_ss + h * p.q_sh;
+      const uint16_t* qrow = q16 + (w.b * p.q_sb + i * p.q_ss + h * p.q_sh);
+      const uint32_t keep = ok ? 0xffffffffu : 0u;
+      if (wide) {
 #pragma unroll
-      for (int kk = 0; kk < kKD; ++kk)
+        for (int kk = 0; kk < kKD; ++kk) {
+          if constexpr (k8) {
+            const uint2 v = ptx::ld_global_v2_u32(qrow + kk * 16 + 4 * t4);
+            qb[nt][kk][0] = v.x & keep, qb[nt][kk][1] = v.y & keep;
+          } else {
 #pragma unroll
-        for (int half = 0; half < 2; ++half) {
-          const int col = k8 ? kk * 16 + 4 * t4 + 2 * half : kk * 16 + half * 8 + 2 * t4;
-          uint32_t bits = 0;
-          if (ok) bits = ptx::ld_global_u16(q16 + qoff + col) | ptx::ld_global_u16(q16 + qoff + col + 1) << 16;
-          qb[nt][kk][half] = bits;
+            for (int half = 0; half < 2; ++half)
+              qb[nt][kk][half] = ptx::ld_global_u32(qrow + kk * 16 + half * 8 + 2 * t4) & keep;
+          }
         }
+      } else {
+#pragma unroll
+        for (int kk = 0; kk < kKD; ++kk)
+#pragma unroll
+          for (int half = 0; half < 2; ++half) {
+            const int col = k8 ? kk * 16 + 4 * t4 + 2 * half : kk * 16 + half * 8 + 2 * t4;
+            qb[nt][kk][half] = (ptx::ld_global_u16(qrow + col) | ptx::ld_global_u16(qrow + col + 1) << 16) & keep;
+          }
+      }
     }
   }
 #if IOATTN_DECODE_BULK_ENABLED
