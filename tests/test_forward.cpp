@@ -131,6 +131,28 @@ INSTANTIATE_TEST_SUITE_P(All, FuzzForward,
 
 class ForwardTarget : public ::testing::TestWithParam<Target> {};
 
+// The edge tests' problem: q (sq rows), k and v (sk keys) in [1, s, H, D] memory, uniform random
+// from seed, and o poisoned; run() calls forward (after any edit to k / v was uploaded).
+struct EdgeProblem {
+  int64_t sq, sk, H, D;
+  detail::Buffer q, k, v, o;
+  EdgeProblem(DType t, int64_t sq_, int64_t sk_, int64_t h, int64_t d, Device dev, uint64_t seed)
+      : sq(sq_), sk(sk_), H(h), D(d), q(t, sq_ * h * d, dev), k(t, sk_ * h * d, dev), v(t, sk_ * h * d, dev),
+        o(t, sq_ * h * d, dev) {
+    std::mt19937_64 rng(seed);
+    q.fill_random(rng);
+    k.fill_random(rng);
+    v.fill_random(rng);
+    o.poison();
+  }
+  void run(const AttnParams& prm, Backend backend, const TensorView& lse = TensorView{}) {
+    Context ctx;
+    ctx.backend = backend;
+    forward(q.view({1, sq, H, D}), k.view({1, sk, H, D}), v.view({1, sk, H, D}), o.view({1, sq, H, D}), lse, prm, ctx);
+    o.download();
+  }
+};
+
 // A row with no visible key gives O = 0 and LSE = -inf, never NaN.
 TEST_P(ForwardTarget, FullyMaskedRowsAreZeroWithNegInfLse) {
   const Target tg = GetParam();
@@ -138,22 +160,14 @@ TEST_P(ForwardTarget, FullyMaskedRowsAreZeroWithNegInfLse) {
   for (DType t : {DType::f32, DType::bf16}) {
     if (!supported(tg, mk("x", 1, 1, 64, t))) continue;
     const int64_t Sq = 40, Sk = 10, H = 2, D = 64;  // causal, bottom-right: rows 0..29 see nothing
-    std::mt19937_64 rng(7);
-    detail::Buffer q(t, Sq * H * D, tg.device), k(t, Sk * H * D, tg.device), v(t, Sk * H * D, tg.device);
-    detail::Buffer o(t, Sq * H * D, tg.device), lse(DType::f32, H * Sq, tg.device);
-    q.fill_random(rng);
-    k.fill_random(rng);
-    v.fill_random(rng);
-    o.poison();
+    EdgeProblem e(t, Sq, Sk, H, D, tg.device, 7);
+    detail::Buffer lse(DType::f32, H * Sq, tg.device);
     lse.poison();
     AttnParams prm;
     prm.causal = true;
-    Context ctx;
-    ctx.backend = tg.backend;
-    forward(q.view({1, Sq, H, D}), k.view({1, Sk, H, D}), v.view({1, Sk, H, D}), o.view({1, Sq, H, D}),
-            lse.view({1, H, Sq}), prm, ctx);
-    o.download();
+    e.run(prm, tg.backend, lse.view({1, H, Sq}));
     lse.download();
+    const detail::Buffer& o = e.o;
     for (int64_t i = 0; i < Sq; ++i)
       for (int64_t h = 0; h < H; ++h) {
         const float l = static_cast<const float*>(lse.host())[h * Sq + i];
@@ -175,29 +189,19 @@ TEST_P(ForwardTarget, NaNInMaskedKeysDoesNotLeak) {
   IOATTN_SKIP_IF_NO_DEVICE(tg);
   for (DType t : {DType::f32, DType::f16}) {
     if (!supported(tg, mk("x", 1, 1, 64, t))) continue;
-    const int64_t S = 70, H = 1, D = 64;
-    std::mt19937_64 rng(9);
-    detail::Buffer q(t, S * H * D, tg.device), k(t, S * H * D, tg.device), v(t, S * H * D, tg.device);
-    detail::Buffer o(t, S * H * D, tg.device);
-    q.fill_random(rng);
-    k.fill_random(rng);
-    v.fill_random(rng);
+    const int64_t S = 70, D = 64;
+    EdgeProblem e(t, S, S, 1, D, tg.device, 9);
     // The last two key rows are visible only to the last two queries under causal masking.
     for (int64_t x = 0; x < D; ++x) {
-      k.set((S - 1) * D + x, std::numeric_limits<float>::quiet_NaN());
-      k.set((S - 2) * D + x, std::numeric_limits<float>::infinity());
+      e.k.set((S - 1) * D + x, std::numeric_limits<float>::quiet_NaN());
+      e.k.set((S - 2) * D + x, std::numeric_limits<float>::infinity());
     }
-    k.upload();
-    o.poison();
+    e.k.upload();
     AttnParams prm;
     prm.causal = true;
-    Context ctx;
-    ctx.backend = tg.backend;
-    forward(q.view({1, S, H, D}), k.view({1, S, H, D}), v.view({1, S, H, D}), o.view({1, S, H, D}), TensorView{},
-            prm, ctx);
-    o.download();
+    e.run(prm, tg.backend);
     for (int64_t i = 0; i + 2 < S; ++i)
-      for (int64_t x = 0; x < D; ++x) ASSERT_TRUE(std::isfinite(o.get(i * D + x))) << "row " << i << " col " << x;
+      for (int64_t x = 0; x < D; ++x) ASSERT_TRUE(std::isfinite(e.o.get(i * D + x))) << "row " << i << " col " << x;
   }
 }
 
@@ -211,23 +215,13 @@ TEST_P(ForwardTarget, VisibleInfInVGivesInfInItsColumn) {
   for (DType t : {DType::f16, DType::bf16}) {
     if (!supported(tg, mk("x", 1, 1, 64, t))) continue;
     const int64_t S = 150, H = 2, D = 64;
-    std::mt19937_64 rng(11);
-    detail::Buffer q(t, S * H * D, tg.device), k(t, S * H * D, tg.device), v(t, S * H * D, tg.device);
-    detail::Buffer o(t, S * H * D, tg.device);
-    q.fill_random(rng);
-    k.fill_random(rng);
-    v.fill_random(rng);
-    for (int64_t h = 0; h < H; ++h) v.set((5 * H + h) * D + 3, std::numeric_limits<float>::infinity());  // key 5, column 3
-    v.upload();
-    o.poison();
-    Context ctx;
-    ctx.backend = tg.backend;
-    forward(q.view({1, S, H, D}), k.view({1, S, H, D}), v.view({1, S, H, D}), o.view({1, S, H, D}), TensorView{},
-            AttnParams{}, ctx);
-    o.download();
+    EdgeProblem e(t, S, S, H, D, tg.device, 11);
+    for (int64_t h = 0; h < H; ++h) e.v.set((5 * H + h) * D + 3, std::numeric_limits<float>::infinity());  // key 5, column 3
+    e.v.upload();
+    e.run(AttnParams{}, tg.backend);
     for (int64_t row = 0; row < S * H; ++row)
       for (int64_t x = 0; x < D; ++x) {
-        const float y = o.get(row * D + x);
+        const float y = e.o.get(row * D + x);
         if (x == 3)
           ASSERT_TRUE(std::isinf(y) && y > 0) << dtype_name(t) << " row " << row << ": " << y;
         else

@@ -187,6 +187,7 @@ struct BwdMode {
   enum Kind { two_pass, fused, split } kind = two_pass;
   int64_t dq_floats = 0;  // fused: the per-thread fp32 dQ of one group, [group, longest seqlen_q, d]
   int64_t chunks = 1;     // split: key ranges per (batch, kv head) (fewer where a sequence has fewer blocks)
+  bool amx = false;       // the single pass's products on AMX-BF16 (KVTask)
   std::string why;
 };
 
@@ -194,6 +195,7 @@ struct Plan {
   const BwdProblem* bp = nullptr;
   const float* D = nullptr;  // [heads_q, d_rows]: dO_i . O_i
   int64_t d_rows = 0;        // batch * seqlen_q, or the packed query count for varlen
+  bool amx = false;          // BwdMode::amx
 };
 
 // pass 1 (kv = true): key block starting at `start` of kv head `head`;
@@ -520,11 +522,7 @@ void GradsTransposed(const ScoreParams& sp, const RowInfo& ri, int64_t nc, int64
 // V and dO exact in bf16, P and dS rounded to bf16 as the GPU kernels do; scale applied to S and
 // to dK after the products instead of to Q before. The two passes and Context::deterministic stay
 // on the fp32 products (so a deterministic run has the same bits for any thread count, fused or not).
-#if IOATTN_HAVE_FLASH_AMX && HWY_ARCH_X86 && HWY_TARGET <= HWY_AVX3
-constexpr bool kAmxTarget = true;
-#else
-constexpr bool kAmxTarget = false;
-#endif
+constexpr bool kAmxTarget = IOATTN_FLASH_AMX_HWY_TARGET;
 
 bool UsesAmx(const FwdProblem& p) {
 #if IOATTN_HAVE_FLASH_AMX
@@ -539,7 +537,7 @@ bool UsesAmx(const FwdProblem& p) {
 void KVTask(const Plan& pl, const Task& task, const Workspace& w, float* dq = nullptr) {
   const BwdProblem& bp = *pl.bp;
   const FwdProblem& p = bp.f;
-  const bool amx = dq != nullptr && !bp.deterministic && UsesAmx(p);
+  const bool amx = pl.amx;  // (set only for the single-pass modes, which pass dq)
   // C (M, N) = [C +] alpha A B, by the AMX products or MatMul (alpha 1 there).
   // slot >= 0: B is the block's operand packed in that slot (AMX; K^T 0, V^T 1, K 2).
   auto mm = [&](bool acc, size_t M, size_t N, size_t K, const float* a, size_t sam, size_t sak, const float* bm,
@@ -841,8 +839,8 @@ BwdMode bwd_mode(const BwdProblem& bp, int nt) {
       throw Error("IOATTN_CPU_BWD", "ioattn: IOATTN_CPU_BWD must be fused, split or twopass, got '" + v + "'");
     }
   }
-  if (m.kind != BwdMode::two_pass && !bp.deterministic && HWY_DYNAMIC_DISPATCH(UsesAmx)(p))
-    m.why += "; amx-bf16 tile products (P and dS rounded to bf16)";
+  m.amx = m.kind != BwdMode::two_pass && !bp.deterministic && HWY_DYNAMIC_DISPATCH(UsesAmx)(p);
+  if (m.amx) m.why += "; amx-bf16 tile products (P and dS rounded to bf16)";
   if (m.kind == BwdMode::fused) m.dq_floats = dq_floats;
   if (m.kind == BwdMode::split) m.chunks = chunks;
   return m;
@@ -896,6 +894,7 @@ void cpu_flash_backward(const BwdProblem& bp) {
     }
 
   const BwdMode mode = bwd_mode(bp, nt);
+  pl.amx = mode.amx;
   const bool one_pass = mode.kind != BwdMode::two_pass;
   std::vector<Task> tasks;
   // split: every (batch, kv head)'s partials back to back ([ranges, group, seqlen_q, d] fp32);

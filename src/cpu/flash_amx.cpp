@@ -3,6 +3,7 @@
 // after flash_amx_usable() said yes.
 #include "cpu/flash_amx.hpp"
 
+#include "cpu/exp2_poly.hpp"
 #include "cpu/serving_amx.hpp"
 #include "cpu/transpose_avx512.hpp"
 
@@ -42,6 +43,81 @@ struct AlignedAlloc {
   template <class U>
   bool operator!=(const AlignedAlloc<U>&) const { return false; }
 };
+
+// The first min(n, 16) lanes.
+IOATTN_FLASH_AMX_ATTR inline __mmask16 Mask16(size_t n) {
+  return n >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << n) - 1);
+}
+
+// 2^x for x in [-inf, 128): n = round(max(x, -127)), 2^(x - n) by kExp2Poly (exp2_poly.hpp, as the
+// Highway softmax), times 2^n by vscalefps (below 2^-126 a denormal or 0).
+IOATTN_FLASH_AMX_ATTR inline __m512 Exp2(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-127.0f));
+  const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(x, n);
+  __m512 p = _mm512_set1_ps(kExp2Poly[0]);
+#pragma GCC unroll 6
+  for (int i = 1; i < 7; ++i) p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(kExp2Poly[i]));
+  return _mm512_scalef_ps(p, n);
+}
+
+// vcvtne2ps2bf16(r1, r0) = [r0 0..15 | r1 0..15] as words -> the 16 words (r0[i], r1[i]).
+IOATTN_FLASH_AMX_ATTR inline __m512i Interleave(__m512i h) {
+  alignas(64) static const uint16_t kIdx[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
+                                                8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+  return _mm512_permutexvar_epi16(_mm512_load_si512(kIdx), h);
+}
+
+// Rows 2 k and 2 k + 1 of 16 values each -> the 16 words (r0[i], r1[i]) as bf16 pairs.
+IOATTN_FLASH_AMX_ATTR inline __m512i PairBf16(__m512 r0, __m512 r1) {
+  return Interleave((__m512i)_mm512_cvtne2ps_pbh(r1, r0));
+}
+
+// 16 bf16 values back to fp32 (exact).
+IOATTN_FLASH_AMX_ATTR inline __m512 Bf16Widen(__m256i h) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+// The 2 x 2 block of 16 x 16 fp32 C tiles at c (rows ldc apart; the second row of tiles only when
+// twom, the second column only when twon) (+)= A B over nk chunks of 32 products: the A tiles at a
+// and a + a_next (bf16 rows astride bytes apart), the B tiles at b and b + b_next (VNNI rows
+// bstride bytes apart); each chunk moves a by a_step and b by b_step elements. kLoadC: C's tiles
+// are loaded first, else start at zero. Tiles: C 0-3, A 4/5, B 6/7 (the palette of flash_amx.hpp).
+template <bool kLoadC>
+IOATTN_FLASH_AMX_ATTR inline void Block2x2(const uint16_t* a, size_t a_next, size_t astride, size_t a_step,
+                                           const uint32_t* b, size_t b_next, size_t bstride, size_t b_step,
+                                           size_t nk, float* c, size_t ldc, bool twom, bool twon) {
+  const size_t cstride = ldc * 4;
+  if constexpr (kLoadC) {
+    _tile_loadd(0, c, cstride);
+    if (twon) _tile_loadd(1, c + 16, cstride);
+    if (twom) _tile_loadd(2, c + 16 * ldc, cstride);
+    if (twom && twon) _tile_loadd(3, c + 16 * ldc + 16, cstride);
+  } else {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+  }
+  for (size_t q = 0; q < nk; ++q, a += a_step, b += b_step) {
+    _tile_loadd(6, b, bstride);
+    _tile_loadd(4, a, astride);
+    _tile_dpbf16ps(0, 4, 6);
+    if (twon) {
+      _tile_loadd(7, b + b_next, bstride);
+      _tile_dpbf16ps(1, 4, 7);
+    }
+    if (twom) {
+      _tile_loadd(5, a + a_next, astride);
+      _tile_dpbf16ps(2, 5, 6);
+      if (twon) _tile_dpbf16ps(3, 5, 7);
+    }
+  }
+  _tile_stored(0, c, cstride);
+  if (twon) _tile_stored(1, c + 16, cstride);
+  if (twom) _tile_stored(2, c + 16 * ldc, cstride);
+  if (twom && twon) _tile_stored(3, c + 16 * ldc + 16, cstride);
+}
 }  // namespace
 
 bool flash_amx_usable() { return serving::amx_bf16_usable(); }
@@ -50,139 +126,57 @@ void flash_amx_end() { serving::amx_end(); }
 
 IOATTN_FLASH_AMX_ATTR void flash_amx_qk(const uint16_t* ks, size_t d, const uint32_t* qv, size_t ncol_tiles,
                                         const int32_t* kt0, const int32_t* kt1, float* st, size_t ldst) {
-  const size_t chunks = d / 32, kstride = d * 2, sstride = ldst * 4;
+  const size_t chunks = d / 32;
   for (size_t u = 0; u < ncol_tiles; u += 2) {
     const bool two = u + 1 < ncol_tiles;
     int32_t a = kt0[u], b = kt1[u];
     if (two) a = std::min(a, kt0[u + 1]), b = std::max(b, kt1[u + 1]);
-    const uint32_t* q0 = qv + u * chunks * 256;
-    const uint32_t* q1 = q0 + chunks * 256;
-    for (int32_t kt = a; kt < b; kt += 2) {
-      const bool twok = kt + 1 < b;
-      const uint16_t* k0 = ks + static_cast<size_t>(kt) * 16 * d;
-      const uint16_t* k1 = k0 + 16 * d;
-      _tile_zero(0);
-      _tile_zero(1);
-      _tile_zero(2);
-      _tile_zero(3);
-      for (size_t c = 0; c < chunks; ++c) {
-        _tile_loadd(6, q0 + c * 256, 64);
-        _tile_loadd(4, k0 + c * 32, kstride);
-        _tile_dpbf16ps(0, 4, 6);
-        if (two) {
-          _tile_loadd(7, q1 + c * 256, 64);
-          _tile_dpbf16ps(1, 4, 7);
-        }
-        if (twok) {
-          _tile_loadd(5, k1 + c * 32, kstride);
-          _tile_dpbf16ps(2, 5, 6);
-          if (two) _tile_dpbf16ps(3, 5, 7);
-        }
-      }
-      float* s = st + static_cast<size_t>(kt) * 16 * ldst + u * 16;
-      _tile_stored(0, s, sstride);
-      if (two) _tile_stored(1, s + 16, sstride);
-      if (twok) {
-        _tile_stored(2, s + 16 * ldst, sstride);
-        if (two) _tile_stored(3, s + 16 * ldst + 16, sstride);
-      }
-    }
+    for (int32_t kt = a; kt < b; kt += 2)  // A: 16 K rows x 32 dims; B: Q's tiles, 1 KiB apart per chunk
+      Block2x2<false>(ks + static_cast<size_t>(kt) * 16 * d, 16 * d, d * 2, 32, qv + u * chunks * 256, chunks * 256,
+                      64, 256, chunks, st + static_cast<size_t>(kt) * 16 * ldst + u * 16, ldst, kt + 1 < b, two);
   }
 }
 
 IOATTN_FLASH_AMX_ATTR void flash_amx_pv(const uint16_t* vt, size_t ldv, size_t dv, const uint32_t* pv, size_t ldp,
                                         size_t ncol_tiles, const int32_t* kc0, const int32_t* kc1, float* ot,
                                         size_t ldo) {
-  const size_t xtiles = dv / 16, vstride = ldv * 2, pstride = ldp * 4, ostride = ldo * 4;
+  const size_t xtiles = dv / 16;
   for (size_t u = 0; u < ncol_tiles; u += 2) {
     const bool two = u + 1 < ncol_tiles;
     int32_t a = kc0[u], b = kc1[u];
     if (two) a = std::min(a, kc0[u + 1]), b = std::max(b, kc1[u + 1]);
     if (a >= b) continue;
-    for (size_t xt = 0; xt < xtiles; xt += 2) {
-      const bool twox = xt + 1 < xtiles;
-      float* o = ot + xt * 16 * ldo + u * 16;
-      _tile_loadd(0, o, ostride);
-      if (two) _tile_loadd(1, o + 16, ostride);
-      if (twox) {
-        _tile_loadd(2, o + 16 * ldo, ostride);
-        if (two) _tile_loadd(3, o + 16 * ldo + 16, ostride);
-      }
-      const uint16_t* v0 = vt + xt * 16 * ldv;
-      const uint16_t* v1 = v0 + 16 * ldv;
-      for (int32_t c = a; c < b; ++c) {
-        const uint32_t* p = pv + static_cast<size_t>(c) * 16 * ldp + u * 16;
-        _tile_loadd(6, p, pstride);
-        _tile_loadd(4, v0 + c * 32, vstride);
-        _tile_dpbf16ps(0, 4, 6);
-        if (two) {
-          _tile_loadd(7, p + 16, pstride);
-          _tile_dpbf16ps(1, 4, 7);
-        }
-        if (twox) {
-          _tile_loadd(5, v1 + c * 32, vstride);
-          _tile_dpbf16ps(2, 5, 6);
-          if (two) _tile_dpbf16ps(3, 5, 7);
-        }
-      }
-      _tile_stored(0, o, ostride);
-      if (two) _tile_stored(1, o + 16, ostride);
-      if (twox) {
-        _tile_stored(2, o + 16 * ldo, ostride);
-        if (two) _tile_stored(3, o + 16 * ldo + 16, ostride);
-      }
-    }
+    for (size_t xt = 0; xt < xtiles; xt += 2)  // A: 16 V^T rows x 32 keys; B: 16 key pairs of P^T
+      Block2x2<true>(vt + xt * 16 * ldv + static_cast<size_t>(a) * 32, 16 * ldv, ldv * 2, 32,
+                     pv + static_cast<size_t>(a) * 16 * ldp + u * 16, 16, ldp * 4, 16 * ldp, static_cast<size_t>(b - a),
+                     ot + xt * 16 * ldo + u * 16, ldo, xt + 1 < xtiles, two);
   }
 }
 
-#define IOATTN_FLASH_BF16_ATTR IOATTN_FLASH_AMX_ATTR
-
-namespace {
-// The first min(n, 16) lanes.
-IOATTN_FLASH_AMX_ATTR inline __mmask16 Mask16(size_t n) {
-  return n >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << n) - 1);
-}
-}  // namespace
-
-namespace {
-
-// 2^x for x in [-inf, 128): n = round(max(x, -127)), 2^(x - n) by flash_cpu.cpp's degree-6
-// polynomial (relative error ~1 ulp), times 2^n by vscalefps (below 2^-126 a denormal or 0).
-IOATTN_FLASH_BF16_ATTR inline __m512 Exp2(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-127.0f));
-  const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_sub_ps(x, n);
-  __m512 p = _mm512_set1_ps(1.5345720694913637e-4f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3399930471579434e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618489296472785e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5503287792933516e-2f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022646887500068e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931472057358227e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0000000005545888f));
-  return _mm512_scalef_ps(p, n);
-}
-
-}  // namespace
-
-IOATTN_FLASH_BF16_ATTR void flash_amx_softmax_plain(const float* st, size_t ldst, size_t ngroups, size_t len,
+IOATTN_FLASH_AMX_ATTR void flash_amx_softmax_plain(const float* st, size_t ldst, size_t ngroups, size_t len,
                                                     float scale, float lazy, float* m, float* l, float* alpha,
                                                     float* poison, uint32_t* pv, size_t ldp, void (*hook)(void*),
                                                     void* hook_arg, uint32_t* pv_lo) {
-  constexpr float kLog2e = 1.44269504088896340736f;
   const __m512 pinf = _mm512_set1_ps(std::numeric_limits<float>::infinity());
   const __m512 ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   const __m512 one = _mm512_set1_ps(1.0f), vscale = _mm512_set1_ps(scale), log2e = _mm512_set1_ps(kLog2e);
   const __m512 c1 = _mm512_set1_ps(scale * kLog2e);
-  // (p0[i], p1[i]) pairs from vcvtne2ps2bf16(p1, p0) = [p0 0..15 | p1 0..15]: word 2 i <- i, 2 i + 1 <- 16 + i.
-  alignas(64) static const uint16_t kInterleave[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
-                                                       8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
-  const __m512i perm = _mm512_load_si512(kInterleave);
   const size_t pairs = len / 2, pad_end = (len + 31) / 32 * 16;
   for (size_t g = 0; g < ngroups; ++g) {
     if (hook) hook(hook_arg);
     const float* s = st + g * 16;
     uint32_t* pg = pv + g * 16;
     uint32_t* pgl = pv_lo ? pv_lo + g * 16 : nullptr;
+    // Key pair jj's P as bf16 pairs, and (f16 inputs) P - bf16(P), the second bf16 part.
+    auto store_pair = [&](size_t jj, __m512 p0, __m512 p1) IOATTN_FLASH_AMX_ATTR {
+      const __m512i h = (__m512i)_mm512_cvtne2ps_pbh(p1, p0);
+      _mm512_store_si512(pg + jj * ldp, Interleave(h));
+      if (pgl) {
+        const __m512 r0 = _mm512_sub_ps(p0, Bf16Widen(_mm512_castsi512_si256(h)));
+        const __m512 r1 = _mm512_sub_ps(p1, Bf16Widen(_mm512_extracti64x4_epi64(h, 1)));
+        _mm512_store_si512(pgl + jj * ldp, PairBf16(r0, r1));
+      }
+    };
     __m512 mr0 = ninf, mr1 = ninf;  // max of the raw scores (two chains)
     __mmask16 bad = 0;              // NaN or +inf among them
     size_t j = 0;
@@ -211,27 +205,15 @@ IOATTN_FLASH_BF16_ATTR void flash_amx_softmax_plain(const float* st, size_t ldst
     for (size_t jj = 0; jj < pairs; ++jj) {
       const __m512 p0 = Exp2(_mm512_fmadd_ps(_mm512_load_ps(s + 2 * jj * ldst), c1, bias));
       const __m512 p1 = Exp2(_mm512_fmadd_ps(_mm512_load_ps(s + (2 * jj + 1) * ldst), c1, bias));
-      const __m512i h = (__m512i)_mm512_cvtne2ps_pbh(p1, p0);
-      _mm512_store_si512(pg + jj * ldp, _mm512_permutexvar_epi16(perm, h));
-      if (pgl) {  // P - bf16(P), the second bf16 part (f16 inputs)
-        const __m512 r0 = _mm512_sub_ps(p0, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(h)), 16)));
-        const __m512 r1 = _mm512_sub_ps(p1, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(h, 1)), 16)));
-        _mm512_store_si512(pgl + jj * ldp, _mm512_permutexvar_epi16(perm, (__m512i)_mm512_cvtne2ps_pbh(r1, r0)));
-      }
+      store_pair(jj, p0, p1);
       sum0 = _mm512_add_ps(sum0, p0);
       sum1 = _mm512_add_ps(sum1, p1);
     }
     size_t jj = pairs;
     if (len % 2) {
       const __m512 p0 = Exp2(_mm512_fmadd_ps(_mm512_load_ps(s + (len - 1) * ldst), c1, bias));
-      const __m512i h = (__m512i)_mm512_cvtne2ps_pbh(_mm512_setzero_ps(), p0);
-      _mm512_store_si512(pg + jj * ldp, _mm512_permutexvar_epi16(perm, h));
-      if (pgl) {
-        const __m512 r0 = _mm512_sub_ps(p0, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(h)), 16)));
-        _mm512_store_si512(pgl + jj * ldp, _mm512_permutexvar_epi16(perm, (__m512i)_mm512_cvtne2ps_pbh(_mm512_setzero_ps(), r0)));
-      }
+      store_pair(jj++, p0, _mm512_setzero_ps());
       sum0 = _mm512_add_ps(sum0, p0);
-      ++jj;
     }
     for (; jj < pad_end; ++jj) {
       _mm512_store_si512(pg + jj * ldp, _mm512_setzero_si512());
@@ -302,7 +284,7 @@ IOATTN_FLASH_AMX_ATTR void flash_amx_split_f16(const uint16_t* src, size_t n, ui
     const __mmask16 m = Mask16(n - x);
     const __m512 v = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, src + x));
     const __m256i h = (__m256i)_mm512_cvtneps_pbh(v);
-    const __m512 hv = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    const __m512 hv = Bf16Widen(h);
     const __mmask16 fin = _mm512_cmp_ps_mask(_mm512_abs_ps(v), _mm512_set1_ps(std::numeric_limits<float>::infinity()),
                                             _CMP_LT_OQ);
     const __m256i l = (__m256i)_mm512_cvtneps_pbh(_mm512_maskz_sub_ps(fin, v, hv));
@@ -335,17 +317,11 @@ IOATTN_FLASH_AMX_ATTR void flash_amx_stage_vt(const uint16_t* const* rows, size_
 
 namespace {
 
-// Rows 2 k and 2 k + 1 of 16 values each -> the 16 words (r0[i], r1[i]) as bf16 pairs.
-IOATTN_FLASH_BF16_ATTR inline __m512i PairBf16(__m512 r0, __m512 r1) {
-  alignas(64) static const uint16_t kInterleave[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
-                                                       8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
-  return _mm512_permutexvar_epi16(_mm512_load_si512(kInterleave), (__m512i)_mm512_cvtne2ps_pbh(r1, r0));
-}
-
-
-IOATTN_FLASH_BF16_ATTR void PackA(size_t M, size_t K, const float* a, size_t sam, size_t sak, uint16_t* ap,
-                                  size_t m16, size_t k32) {
-  if (sak == 1) {  // rows contiguous
+// A (M x K) into bf16 rows, m16 x k32 zero-padded: rows contiguous (sak == 1) or else columns
+// contiguous (sam == 1, the only two layouts the backward passes).
+IOATTN_FLASH_AMX_ATTR void PackA(size_t M, size_t K, const float* a, size_t sam, size_t sak, uint16_t* ap,
+                                 size_t m16, size_t k32) {
+  if (sak == 1) {
     for (size_t m = 0; m < m16; ++m)
       for (size_t k = 0; k < k32; k += 32) {
         __m512 lo = _mm512_setzero_ps(), hi = _mm512_setzero_ps();
@@ -357,35 +333,24 @@ IOATTN_FLASH_BF16_ATTR void PackA(size_t M, size_t K, const float* a, size_t sam
       }
     return;
   }
-  if (sam == 1) {  // columns contiguous: 16 rows x 32 columns as pair words, transposed
-    for (size_t m = 0; m < m16; m += 16) {
-      const __mmask16 mm = Mask16(M > m ? M - m : 0);
-      for (size_t k = 0; k < k32; k += 32) {
-        __m512i w[16];
-        for (size_t kk = 0; kk < 16; ++kk) {
-          const size_t k0 = k + 2 * kk, k1 = k0 + 1;
-          const __m512 c0 = k0 < K ? _mm512_maskz_loadu_ps(mm, a + k0 * sak + m) : _mm512_setzero_ps();
-          const __m512 c1 = k1 < K ? _mm512_maskz_loadu_ps(mm, a + k1 * sak + m) : _mm512_setzero_ps();
-          w[kk] = PairBf16(c0, c1);
-        }
-        transpose16x16_u32(w);
-        for (size_t i = 0; i < 16; ++i) _mm512_store_si512(ap + (m + i) * k32 + k, w[i]);
+  for (size_t m = 0; m < m16; m += 16) {  // 16 rows x 32 columns as pair words, transposed
+    const __mmask16 mm = Mask16(M > m ? M - m : 0);
+    for (size_t k = 0; k < k32; k += 32) {
+      __m512i w[16];
+      for (size_t kk = 0; kk < 16; ++kk) {
+        const size_t k0 = k + 2 * kk, k1 = k0 + 1;
+        const __m512 c0 = k0 < K ? _mm512_maskz_loadu_ps(mm, a + k0 * sak + m) : _mm512_setzero_ps();
+        const __m512 c1 = k1 < K ? _mm512_maskz_loadu_ps(mm, a + k1 * sak + m) : _mm512_setzero_ps();
+        w[kk] = PairBf16(c0, c1);
       }
+      transpose16x16_u32(w);
+      for (size_t i = 0; i < 16; ++i) _mm512_store_si512(ap + (m + i) * k32 + k, w[i]);
     }
-    return;
   }
-  for (size_t m = 0; m < m16; ++m)
-    for (size_t k = 0; k < k32; ++k) {
-      const float x = m < M && k < K ? a[m * sam + k * sak] : 0.0f;
-      uint32_t u;
-      std::memcpy(&u, &x, 4);
-      u += 0x7FFFu + ((u >> 16) & 1u);  // round to nearest even (finite values; NaN stays NaN-ish)
-      ap[m * k32 + k] = static_cast<uint16_t>(u >> 16);
-    }
 }
 
 // B (K x N, rows ldb apart) -> VNNI pairs bp[(k / 2) * n16 + n] = (B[k][n], B[k + 1][n]).
-IOATTN_FLASH_BF16_ATTR void PackB(size_t N, size_t K, const float* b, size_t ldb, uint32_t* bp, size_t n16,
+IOATTN_FLASH_AMX_ATTR void PackB(size_t N, size_t K, const float* b, size_t ldb, uint32_t* bp, size_t n16,
                                   size_t k32) {
   for (size_t kk = 0; kk < k32 / 2; ++kk) {
     const size_t k0 = 2 * kk, k1 = k0 + 1;
@@ -398,9 +363,6 @@ IOATTN_FLASH_BF16_ATTR void PackB(size_t N, size_t K, const float* b, size_t ldb
   }
 }
 
-}  // namespace
-
-namespace {
 // The per-thread operand scratch: A, the products T, and B (slot -1) or a packed B kept for
 // several products (slots 0..kSlots-1, flash_amx_pack_b).
 constexpr int kSlots = 3;
@@ -408,7 +370,6 @@ struct Scratch {
   std::vector<uint16_t, AlignedAlloc<uint16_t>> ap;
   std::vector<float, AlignedAlloc<float>> t;
   std::vector<uint32_t, AlignedAlloc<uint32_t>> bp[kSlots + 1];
-  size_t bn[kSlots + 1] = {}, bk[kSlots + 1] = {};  // the N and K each slot was packed for
 };
 thread_local Scratch tl_scratch;
 
@@ -417,61 +378,25 @@ thread_local Scratch tl_scratch;
 template <bool kLoadC>
 IOATTN_FLASH_AMX_ATTR void TileGemm(const uint16_t* ap, const uint32_t* bp, float* c, size_t ldc, size_t m16,
                                     size_t n16, size_t k32) {
-  const size_t mt = m16 / 16, nt = n16 / 16, kc = k32 / 32, astride = k32 * 2, bstride = n16 * 4, cstride = ldc * 4;
-  for (size_t m = 0; m < mt; m += 2) {
-    const bool twom = m + 1 < mt;
-    for (size_t n = 0; n < nt; n += 2) {
-      const bool twon = n + 1 < nt;
-      float* o = c + m * 16 * ldc + n * 16;
-      if constexpr (kLoadC) {
-        _tile_loadd(0, o, cstride);
-        if (twon) _tile_loadd(1, o + 16, cstride);
-        if (twom) _tile_loadd(2, o + 16 * ldc, cstride);
-        if (twom && twon) _tile_loadd(3, o + 16 * ldc + 16, cstride);
-      } else {
-        _tile_zero(0);
-        _tile_zero(1);
-        _tile_zero(2);
-        _tile_zero(3);
-      }
-      for (size_t q = 0; q < kc; ++q) {
-        const uint32_t* b0 = bp + q * 16 * n16 + n * 16;
-        const uint16_t* a0 = ap + m * 16 * k32 + q * 32;
-        _tile_loadd(6, b0, bstride);
-        _tile_loadd(4, a0, astride);
-        _tile_dpbf16ps(0, 4, 6);
-        if (twon) {
-          _tile_loadd(7, b0 + 16, bstride);
-          _tile_dpbf16ps(1, 4, 7);
-        }
-        if (twom) {
-          _tile_loadd(5, a0 + 16 * k32, astride);
-          _tile_dpbf16ps(2, 5, 6);
-          if (twon) _tile_dpbf16ps(3, 5, 7);
-        }
-      }
-      _tile_stored(0, o, cstride);
-      if (twon) _tile_stored(1, o + 16, cstride);
-      if (twom) _tile_stored(2, o + 16 * ldc, cstride);
-      if (twom && twon) _tile_stored(3, o + 16 * ldc + 16, cstride);
-    }
-  }
+  const size_t mt = m16 / 16, nt = n16 / 16;
+  for (size_t m = 0; m < mt; m += 2)
+    for (size_t n = 0; n < nt; n += 2)
+      Block2x2<kLoadC>(ap + m * 16 * k32, 16 * k32, k32 * 2, 32, bp + n * 16, 16, n16 * 4, 16 * n16, k32 / 32,
+                       c + m * 16 * ldc + n * 16, ldc, m + 1 < mt, n + 1 < nt);
 }
 
 size_t K32(size_t K) { return std::max<size_t>(32, (K + 31) / 32 * 32); }
 }  // namespace
 
-IOATTN_FLASH_BF16_ATTR void flash_amx_pack_b(int slot, size_t N, size_t K, const float* b, size_t ldb) {
+IOATTN_FLASH_AMX_ATTR void flash_amx_pack_b(int slot, size_t N, size_t K, const float* b, size_t ldb) {
   Scratch& s = tl_scratch;
   const size_t n16 = (N + 15) / 16 * 16, k32 = K32(K);
   auto& bp = s.bp[slot + 1];
   if (bp.size() < k32 / 2 * n16) bp.resize(k32 / 2 * n16);
   PackB(N, K, b, ldb, bp.data(), n16, k32);
-  s.bn[slot + 1] = N;
-  s.bk[slot + 1] = K;
 }
 
-IOATTN_FLASH_BF16_ATTR void flash_amx_matmul(size_t M, size_t N, size_t K, const float* a, size_t sam, size_t sak,
+IOATTN_FLASH_AMX_ATTR void flash_amx_matmul(size_t M, size_t N, size_t K, const float* a, size_t sam, size_t sak,
                                              const float* b, size_t ldb, float* c, size_t ldc, bool accumulate,
                                              float alpha, int b_slot) {
   if (M == 0 || N == 0) return;

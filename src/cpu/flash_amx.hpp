@@ -22,6 +22,9 @@ namespace ioattn::detail::flash {
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__)) && defined(__linux__)
 #define IOATTN_HAVE_FLASH_AMX 1
+// In a Highway per-target section (expanded there, so it follows HWY_TARGET): whether this target
+// may call these functions (x86 AVX-512 and better; the AMX checks are flash_amx_usable()'s).
+#define IOATTN_FLASH_AMX_HWY_TARGET (HWY_ARCH_X86 && HWY_TARGET <= HWY_AVX3)
 // AMX-BF16 and AVX512-BF16 present, the OS permission granted, IOATTN_CPU_AMX not 0.
 bool flash_amx_usable();
 // The thread's tile configuration (before the first product of a task) and its release (after).
@@ -71,6 +74,8 @@ void flash_amx_stage_vt(const uint16_t* const* rows, size_t n, size_t dv, uint16
 void flash_amx_matmul(size_t M, size_t N, size_t K, const float* a, size_t sam, size_t sak, const float* b,
                       size_t ldb, float* c, size_t ldc, bool accumulate, float alpha, int b_slot = -1);
 void flash_amx_pack_b(int slot, size_t N, size_t K, const float* b, size_t ldb);
+#else
+#define IOATTN_FLASH_AMX_HWY_TARGET false
 #endif
 
 }  // namespace ioattn::detail::flash

@@ -68,6 +68,7 @@
 #include "core/backends.hpp"
 #include "core/half.hpp"
 #include "core/problem.hpp"
+#include "cpu/exp2_poly.hpp"
 #include "cpu/flash_amx.hpp"
 #include "cpu/prefetch.hpp"
 #include "cpu/serving_quant.h"
@@ -192,11 +193,7 @@ constexpr size_t kBr = 384;
 // The AMX-BF16 path (below) on the AVX-512 targets: 128 keys per block, so each O^T accumulator
 // tile loaded from L2 takes 4 key chunks of products before it is stored back (64: P.V at half
 // the speed of Q.K^T).
-#if IOATTN_HAVE_FLASH_AMX && HWY_ARCH_X86 && HWY_TARGET <= HWY_AVX3
-constexpr bool kAmxTarget = true;
-#else
-constexpr bool kAmxTarget = false;
-#endif
+constexpr bool kAmxTarget = IOATTN_FLASH_AMX_HWY_TARGET;
 constexpr size_t kBcAmx = 128;
 constexpr size_t kBc = kRegs32 ? 64 : 48;
 constexpr size_t kMr1 = kRegs32 ? 8 : 6;
@@ -282,6 +279,15 @@ HWY_INLINE void LoadRow(DType t, const void* base, int64_t off, size_t n, float*
 }
 
 // base[off, off + n) of dtype t = src * inv (round to nearest even).
+// The bf16 bits of v (round to nearest even) in the low half of each 32-bit lane; a NaN may come
+// out as inf or another NaN (StoreRow fixes NaNs up; the softmax's P is >= 0, or NaN only in a
+// poisoned row, whose output is NaN whatever P holds).
+HWY_INLINE hn::Vec<DU> Bf16Bits(VF v) {
+  const DU du;
+  const auto u = hn::BitCast(du, v);
+  return hn::ShiftRight<16>(hn::Add(u, hn::Add(hn::Set(du, 0x7FFFu), hn::And(hn::ShiftRight<16>(u), hn::Set(du, 1)))));
+}
+
 HWY_INLINE void StoreRow(DType t, void* base, int64_t off, size_t n, const float* HWY_RESTRICT src,
                          float inv) {
   const DF df;
@@ -301,8 +307,7 @@ HWY_INLINE void StoreRow(DType t, void* base, int64_t off, size_t n, const float
     for (; x + kL <= n; x += kL) {
       const VF v = hn::Mul(hn::Load(df, src + x), vinv);
       const auto u = hn::BitCast(du, v);
-      const auto rounding = hn::Add(hn::Set(du, 0x7FFFu), hn::And(hn::ShiftRight<16>(u), hn::Set(du, 1)));
-      auto r = hn::ShiftRight<16>(hn::Add(u, rounding));
+      auto r = Bf16Bits(v);
       r = hn::IfThenElse(hn::RebindMask(du, hn::Ne(v, v)),
                          hn::Or(hn::ShiftRight<16>(u), hn::Set(du, 0x40)), r);
       hn::StoreU(hn::DemoteTo(du16, hn::BitCast(di, r)), du16, dst + x);
@@ -535,25 +540,20 @@ HWY_NOINLINE void TilePVSkipZeros(const Workspace& ws, size_t kc, size_t rows) {
 // ---- online softmax on S^T ---------------------------------------------------------------
 // P = exp(s - m) = 2^((s - m) * log2(e)). Folding log2(e) into the Q scale instead would save the
 // multiply but makes the error grow with |s| rather than |s - m| (2.5x worse on large logits).
-constexpr float kLog2e = 1.44269504088896340736f;
+// kLog2e and the polynomial's coefficients: exp2_poly.hpp.
 
 // 2^x for x <= 0, the only range the softmax needs: x = -inf gives 0 and results below 2^-126
 // flush to 0 (Highway's Exp costs about twice as many instructions for the full range).
-// 2^x = 2^n * 2^f with n = round(x), f in [-0.5, 0.5]; 2^f by a degree-6 polynomial fitted for
-// relative error (1.9e-9 in exact arithmetic, ~1 ulp evaluated in fp32).
+// 2^x = 2^n * 2^f with n = round(x), f in [-0.5, 0.5]; 2^f by the degree-6 polynomial kExp2Poly.
 HWY_INLINE VF Exp2NonPositive(VF x) {
   const DF df;
   const DI di;
   x = hn::Max(hn::Set(df, -127.0f), x);  // n = -127 below makes the 2^n factor +0
   const VF n = hn::Round(x);
   const VF f = hn::Sub(x, n);
-  VF p = hn::Set(df, 1.5345720694913637e-4f);
-  p = hn::MulAdd(p, f, hn::Set(df, 1.3399930471579434e-3f));
-  p = hn::MulAdd(p, f, hn::Set(df, 9.618489296472785e-3f));
-  p = hn::MulAdd(p, f, hn::Set(df, 5.5503287792933516e-2f));
-  p = hn::MulAdd(p, f, hn::Set(df, 2.4022646887500068e-1f));
-  p = hn::MulAdd(p, f, hn::Set(df, 6.931472057358227e-1f));
-  p = hn::MulAdd(p, f, hn::Set(df, 1.0000000005545888f));
+  VF p = hn::Set(df, kExp2Poly[0]);
+#pragma GCC unroll 6
+  for (int i = 1; i < 7; ++i) p = hn::MulAdd(p, f, hn::Set(df, kExp2Poly[i]));
   const VI e = hn::ShiftLeft<23>(hn::Add(hn::ConvertTo(di, n), hn::Set(di, 127)));
   return hn::Mul(p, hn::BitCast(df, e));
 }
@@ -563,14 +563,6 @@ struct BlockMods {
   bool alibi = false;
   float softcap = 0.0f;  // 0 = off
 };
-
-// The bf16 bits of v (round to nearest even) in the low half of each 32-bit lane; P >= 0 or a
-// NaN of a poisoned row (whose output is NaN whatever P holds).
-HWY_INLINE hn::Vec<DU> Bf16Bits(VF v) {
-  const DU du;
-  const auto u = hn::BitCast(du, v);
-  return hn::ShiftRight<16>(hn::Add(u, hn::Add(hn::Set(du, 0x7FFFu), hn::And(hn::ShiftRight<16>(u), hn::Set(du, 1)))));
-}
 
 // For each query row (column of S^T): apply softcap / ALiBi / mask to the block's scores, update
 // the running max m and sum l, turn S^T into P^T = exp(S - m) and leave alpha = exp(m_old - m).
@@ -931,12 +923,20 @@ void RunTask(const FwdProblem& p, const Task& t, const Workspace& ws) {
       pf.k_bytes = d * esize;
       pf.v_bytes = dv * esize;
       pf.rows = static_cast<size_t>(std::min<int64_t>(bc, hi_last - next));
-      pf.nslices = GemmCalls(nkeys, nvq, ncols, dvp / kL);
+      // spread over the register-tile calls of the GEMMs (AMX: over the softmax's row groups)
+      pf.nslices = amx ? nvq : GemmCalls(nkeys, nvq, ncols, dvp / kL);
     }
     Block blk;
     blk.kb = kb;
     blk.len = len;
     blk.ncols = ncols;
+    // V rows that some row of the tile masks: [0, masked_a) and [masked_b, len) of the block (P
+    // there must add nothing, not 0 * inf: a non-finite value in them takes the exact skip path).
+    size_t masked_a = 0, masked_b = len;
+    if (mods.mask) {
+      masked_a = static_cast<size_t>(std::clamp<int64_t>(lo_last - kb, 0, len));
+      masked_b = std::max(masked_a, static_cast<size_t>(std::clamp<int64_t>(hi_first - kb, 0, len)));
+    }
 #if IOATTN_HAVE_FLASH_AMX
     if (amx) {
       int32_t kt0[kBr / kL], kt1[kBr / kL], kc0[kBr / kL], kc1[kBr / kL];
@@ -948,16 +948,10 @@ void RunTask(const FwdProblem& p, const Task& t, const Workspace& ws) {
         kc0[u] = static_cast<int32_t>(j0 / 32), kc1[u] = static_cast<int32_t>((j1 + 31) / 32);
       }
       const uint16_t* vt = reinterpret_cast<const uint16_t*>(ws.vp);
-      const uint16_t* vt_lo = split ? vt + dv * kBcAmx : nullptr;
+      const uint16_t* vt_lo = split ? vt + dv * kBcAmx : nullptr;      // (f16: Vl)
+      const uint16_t* vt_hf = split ? vt + 2 * dv * kBcAmx : nullptr;  // (f16: Vh')
       flash_amx_qk(reinterpret_cast<const uint16_t*>(ws.kp), da, qv, nvq, kt0, kt1, ws.st, kBr);
-      bool skip_zeros = false;
-      if (mods.mask) {
-        const int64_t a = std::clamp<int64_t>(lo_last - kb, 0, len);
-        const int64_t b = std::clamp<int64_t>(hi_first - kb, 0, len);
-        skip_zeros = AnyNonFiniteT(vt, dv, 0, static_cast<size_t>(a)) ||
-                     AnyNonFiniteT(vt, dv, static_cast<size_t>(std::max(a, b)), len);
-      }
-      pf.nslices = nvq;
+      const bool skip_zeros = mods.mask && (AnyNonFiniteT(vt, dv, 0, masked_a) || AnyNonFiniteT(vt, dv, masked_b, len));
       if (!mods.mask && !mods.alibi && !(mods.softcap > 0))  // the common block: AVX512-BF16 softmax
         flash_amx_softmax_plain(ws.st, kBr, nvq, len, qk_scale, kLazyMax, ws.m, ws.l, ws.alpha, ws.poison, ws.pv,
                                 kBr, [](void* a) { static_cast<RowPrefetch*>(a)->Next(); }, &pf,
@@ -972,8 +966,8 @@ void RunTask(const FwdProblem& p, const Task& t, const Workspace& ws) {
       } else {
         flash_amx_pv(vt, kBcAmx, dv, ws.pv, kBr, nvq, kc0, kc1, ws.o, kBr);
         if (split) {
-          flash_amx_pv(vt + 2 * dv * kBcAmx, kBcAmx, dv, ws.pv_lo, kBr, nvq, kc0, kc1, ws.o, kBr);  // Vh' Pl
-          flash_amx_pv(vt_lo, kBcAmx, dv, ws.pv, kBr, nvq, kc0, kc1, ws.o, kBr);                    // Vl Ph
+          flash_amx_pv(vt_hf, kBcAmx, dv, ws.pv_lo, kBr, nvq, kc0, kc1, ws.o, kBr);  // Vh' Pl
+          flash_amx_pv(vt_lo, kBcAmx, dv, ws.pv, kBr, nvq, kc0, kc1, ws.o, kBr);     // Vl Ph
         }
       }
       continue;
@@ -981,16 +975,7 @@ void RunTask(const FwdProblem& p, const Task& t, const Workspace& ws) {
 #endif
     TileQK(ws, blk, d, nvq, pf);
     SoftmaxBlock(ws, nvq, kb, len, mods);
-
-    // V rows that some row of the tile masks: [kb, lo(last)) and [hi(first), kb + len).
-    bool skip_zeros = false;
-    if (mods.mask) {
-      const int64_t a = std::clamp<int64_t>(lo_last - kb, 0, len);
-      const int64_t b = std::clamp<int64_t>(hi_first - kb, 0, len);
-      skip_zeros = AnyNonFinite(ws, 0, static_cast<size_t>(a)) ||
-                   AnyNonFinite(ws, static_cast<size_t>(std::max(a, b)), len);
-    }
-    if (skip_zeros)
+    if (mods.mask && (AnyNonFinite(ws, 0, masked_a) || AnyNonFinite(ws, masked_b, len)))
       TilePVSkipZeros(ws, len, ncols);
     else
       TilePV(ws, blk, pf);
