@@ -95,6 +95,14 @@ std::vector<Spec> cuda_cases() {
   { Spec c = mk("sq4_nomask_f16", DType::f16); c.hq = 8; c.hkv = 2; c.sq = 4; c.d = 128; c.lens = {600, 4, 0}; c.page_size = 16; v.push_back(c); }
   { Spec c = mk("alibi_sq1_softcap_bf16", DType::bf16); c.alibi = true; c.softcap = 5.0f; c.q_range = 3.0f; c.hq = 16; c.hkv = 4; c.lens = {333, 70}; c.page_size = 16; v.push_back(c); }
   { Spec c = mk("hdim256_f16_sinks", DType::f16); c.d = 256; c.sinks = true; c.lens = {1000, 1, 0}; c.page_size = 16; v.push_back(c); }
+  // q head strides that rule out the mma kernel's wide q loads (8 bytes per lane for 8-bit caches,
+  // 4 for 16-bit ones: serving_decode_mma.cu's grid-uniform alignment test), so its 16-bit
+  // fallback runs: an odd stride (every load path), and a stride of d + 2 (4-byte aligned, not
+  // 8: the 16-bit cache keeps its wide loads, the 8-bit one falls back).
+  { Spec c = mk("oddq_stride_bf16", DType::bf16); c.hq = 32; c.hkv = 8; c.d = 128; c.pad_head = 3; c.lens = {700, 5}; c.page_size = 16; v.push_back(c); }
+  { Spec c = mk("oddq_stride_f8_f16", DType::f16); c.hq = 8; c.hkv = 2; c.d = 64; c.cache = DType::f8e4m3; c.pad_head = 1; c.lens = {300, 17}; v.push_back(c); }
+  { Spec c = mk("q_stride_d2_f8_bf16", DType::bf16); c.hq = 32; c.hkv = 8; c.d = 128; c.cache = DType::f8e4m3; c.pad_head = 2; c.lens = {900, 1}; c.page_size = 16; v.push_back(c); }
+  { Spec c = mk("q_stride_d2_bf16", DType::bf16); c.hq = 16; c.hkv = 4; c.d = 128; c.pad_head = 2; c.lens = {400, 33}; v.push_back(c); }
   for (Spec& c : v) c = on_cuda(c);
   return v;
 }
