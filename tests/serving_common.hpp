@@ -576,6 +576,9 @@ inline std::vector<Spec> cache_prefill_cases() {
     c.wl = 150; c.lens = {400, 70}; c.page_size = 16; c.hq = 4; v.push_back(c); }
   { Spec c = mk("prefill_f8e4m3_bf16_d128_long", DType::bf16); c.cache = DType::f8e4m3; c.d = 128; c.sq = 130;
     c.lens = {600, 130}; c.hq = 4; c.hkv = 2; v.push_back(c); }
+  // head_dim 80 = 2 x 32 + 16 (the AMX path's zero-padded rows) over e4m3 codes, paged
+  { Spec c = mk("prefill_f8e4m3_bf16_d80", DType::bf16); c.cache = DType::f8e4m3; c.d = 80; c.sq = 90; c.causal = true;
+    c.lens = {350, 90}; c.page_size = 16; c.hq = 4; c.hkv = 2; v.push_back(c); }
   { Spec c = mk("prefill_hdim72_dv40_f32", DType::f32); c.d = 72; c.dv = 40; c.sq = 30; c.causal = true;
     c.lens = {45, 129}; c.page_size = 8; v.push_back(c); }
   return v;

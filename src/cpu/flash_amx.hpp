@@ -32,7 +32,8 @@ void flash_amx_begin();
 void flash_amx_end();
 // st[j * ldst + c] = sum_x K[j][x] Q[c][x] for the key tiles kt in [kt0[u], kt1[u]) of each
 // 16-column tile u < ncol_tiles (a pair of column tiles computes the union of their ranges).
-// ks: staged K rows (d bf16 each, d % 32 == 0), enough rows for every key tile asked for.
+// ks: staged K rows (d bf16 each, d % 32 == 0; flash_cpu.cpp zero-pads bf16 rows of 32 k + 16 to
+// 32 (k + 1)), enough rows for every key tile asked for.
 // qv: Q in VNNI order, [u][d / 32][16 dim pairs][16 columns] 32-bit pairs.
 void flash_amx_qk(const uint16_t* ks, size_t d, const uint32_t* qv, size_t ncol_tiles, const int32_t* kt0,
                   const int32_t* kt1, float* st, size_t ldst);

@@ -714,7 +714,10 @@ bool UsesAmx(const FwdProblem& p) {
   const bool bf16 = p.dtype == DType::bf16 && (kv == DType::bf16 || kv == DType::f8e4m3 || kv == DType::i8);
   // f16 as two bf16 parts (x = hi + lo exactly): head dims up to 256 (the stages' room)
   const bool f16 = p.dtype == DType::f16 && kv == DType::f16 && p.head_dim <= 256 && p.head_dim_v <= 256;
-  return kAmxTarget && (bf16 || f16) && !p.fp8() && p.head_dim % 32 == 0 && p.head_dim_v % 16 == 0 &&
+  // Head dims: the products' depth is a whole number of 32-element steps (K and Q rows zero-padded
+  // from d % 32 == 16 on bf16 inputs; f16's three-part rows keep d % 32 == 0).
+  const bool dims = p.head_dim % 32 == 0 || (bf16 && p.head_dim % 16 == 0);
+  return kAmxTarget && (bf16 || f16) && !p.fp8() && dims && p.head_dim_v % 16 == 0 &&
          p.head_dim_v <= 512 && flash_amx_usable();
 #else
   (void)p;
@@ -775,7 +778,10 @@ void RunTask(const FwdProblem& p, const Task& t, const Workspace& ws) {
   // Ql Kl term, < 2^-16 relative, dropped), O^T += Vh Ph + Vh' Pl + Vl Ph, where x' is x's hi part
   // with inf / NaN as 0 (flash_amx_split_f16): only hi . hi products meet a non-finite input.
   const bool split = amx && dt == DType::f16;
-  const size_t da = split ? 3 * d : d;  // the depth of the S products
+  // The depth of the S products: 3 d for f16's parts, d rounded up to whole 32-element steps for
+  // bf16 (pad: Q and K rows copied with zeros after d, which add nothing to a score).
+  const size_t da = split ? 3 * d : round_up(d, size_t{32});
+  const bool pad = amx && !split && da != d;
   // AMX: Q in VNNI order, [column tile][da / 32][16 dim pairs][16 columns], in qt's memory.
   uint32_t* const qv = reinterpret_cast<uint32_t*>(ws.qt);
   const uint16_t* qrows[16] = {};  // the current column group's Q rows (AMX)
@@ -809,6 +815,11 @@ void RunTask(const FwdProblem& p, const Task& t, const Workspace& ws) {
       if (split) {  // [Qh | Ql | Qh'] in st (free until the first block's products)
         uint16_t* row = reinterpret_cast<uint16_t*>(ws.st) + c % kL * da;
         flash_amx_split_f16(qrows[c % kL], d, row, row + d, row + 2 * d);
+        qrows[c % kL] = row;
+      } else if (pad) {  // [Q | 0] in st (as above)
+        uint16_t* row = reinterpret_cast<uint16_t*>(ws.st) + c % kL * da;
+        std::memcpy(row, qrows[c % kL], d * sizeof(uint16_t));
+        std::memset(row + d, 0, (da - d) * sizeof(uint16_t));
         qrows[c % kL] = row;
       }
       if (c % kL == kL - 1 || c + 1 == ncols) {  // the group's last row: pack it (pad rows zero)
@@ -880,6 +891,7 @@ void RunTask(const FwdProblem& p, const Task& t, const Workspace& ws) {
           vrows_hf[j] = vhf;
           continue;
         }
+        if (pad) std::memset(krow + d, 0, (da - d) * sizeof(uint16_t));
         if (codes) {  // (V's converted rows wait in st, which the products overwrite only after)
           uint16_t* vrow = reinterpret_cast<uint16_t*>(ws.st) + j * dv;
           flash_amx_codes_to_bf16(static_cast<const uint8_t*>(p.k) + koff, d, kvt == DType::f8e4m3, krow);
