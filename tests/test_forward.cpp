@@ -58,9 +58,11 @@ std::vector<Case> all_cases() {
   { Case c = mk("hdim1_f32", 19, 23, 1, DType::f32); v.push_back(c); }
   { Case c = mk("hdim512_f32", 9, 70, 512, DType::f32); v.push_back(c); }
   { Case c = mk("hdim320_bf16", 21, 40, 320, DType::bf16); v.push_back(c); }
-  // Head dims of 32 k + 16 past one 128-key block (the CPU's AMX-BF16 path pads Q and K rows with
-  // zeros to whole 32-element steps): causal GQA, and a sliding window with ALiBi and sinks.
+  // Head dims of 32 k + 16 past one 128-key block (the CPU's AMX-BF16 path pads Q and K rows, or
+  // f16's parts, with zeros to whole 32-element steps): causal GQA, f16, and a sliding window with
+  // ALiBi and sinks.
   { Case c = mk("hdim80_causal_gqa_bf16", 300, 333, 80, DType::bf16); c.heads_q = 4; c.heads_kv = 2; c.causal = true; v.push_back(c); }
+  { Case c = mk("hdim48_causal_f16", 200, 260, 48, DType::f16); c.causal = true; v.push_back(c); }
   { Case c = mk("hdim112_window_bf16", 150, 290, 112, DType::bf16); c.window_left = 60; c.window_right = 5; c.alibi = true;
     c.sinks = true; v.push_back(c); }
   { Case c = mk("scale_custom_f32", 30, 40, 64, DType::f32); c.scale = 0.3f; v.push_back(c); }

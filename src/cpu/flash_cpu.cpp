@@ -121,7 +121,8 @@ struct Workspace {
 
   Workspace(const TileShape& s, int64_t d, int64_t dv) {
     constexpr size_t kAlign = 16;  // floats: 64 bytes, the widest vector
-    const size_t br = s.br, bc = std::max(s.bc, s.bc_amx), dk = static_cast<size_t>(d);
+    const size_t br = s.br, bc = std::max(s.bc, s.bc_amx);
+    const size_t dk = s.bc_amx ? round_up(static_cast<size_t>(d), 32) : static_cast<size_t>(d);  // (AMX: zero-padded rows)
     dvp = round_up(static_cast<size_t>(dv), static_cast<size_t>(s.lanes));
     const size_t x2 = s.bc_amx ? 2 : 1;  // (the AMX path's f16 operands: 3 d-wide Q and K stages, two P parts)
     const size_t sizes[] = {x2 * dk * br, bc * br, x2 * bc * dk, x2 * bc * dvp, br * dvp, br, br, br, br, br, x2 * bc / 2 * br};
@@ -714,10 +715,9 @@ bool UsesAmx(const FwdProblem& p) {
   const bool bf16 = p.dtype == DType::bf16 && (kv == DType::bf16 || kv == DType::f8e4m3 || kv == DType::i8);
   // f16 as two bf16 parts (x = hi + lo exactly): head dims up to 256 (the stages' room)
   const bool f16 = p.dtype == DType::f16 && kv == DType::f16 && p.head_dim <= 256 && p.head_dim_v <= 256;
-  // Head dims: the products' depth is a whole number of 32-element steps (K and Q rows zero-padded
-  // from d % 32 == 16 on bf16 inputs; f16's three-part rows keep d % 32 == 0).
-  const bool dims = p.head_dim % 32 == 0 || (bf16 && p.head_dim % 16 == 0);
-  return kAmxTarget && (bf16 || f16) && !p.fp8() && dims && p.head_dim_v % 16 == 0 &&
+  // Head dims: the products' depth is a whole number of 32-element steps (Q and K rows, or each of
+  // f16's three parts, zero-padded from d % 32 == 16).
+  return kAmxTarget && (bf16 || f16) && !p.fp8() && p.head_dim % 16 == 0 && p.head_dim_v % 16 == 0 &&
          p.head_dim_v <= 512 && flash_amx_usable();
 #else
   (void)p;
@@ -778,10 +778,11 @@ void RunTask(const FwdProblem& p, const Task& t, const Workspace& ws) {
   // Ql Kl term, < 2^-16 relative, dropped), O^T += Vh Ph + Vh' Pl + Vl Ph, where x' is x's hi part
   // with inf / NaN as 0 (flash_amx_split_f16): only hi . hi products meet a non-finite input.
   const bool split = amx && dt == DType::f16;
-  // The depth of the S products: 3 d for f16's parts, d rounded up to whole 32-element steps for
-  // bf16 (pad: Q and K rows copied with zeros after d, which add nothing to a score).
-  const size_t da = split ? 3 * d : round_up(d, size_t{32});
-  const bool pad = amx && !split && da != d;
+  // The depth of the S products: d rounded up to whole 32-element steps (dq: Q and K rows, or each
+  // of f16's three parts, copied with zeros after d, which add nothing to a score), 3 dq for f16.
+  const size_t dq = round_up(d, size_t{32});
+  const size_t da = split ? 3 * dq : dq;
+  const bool pad = amx && !split && dq != d;
   // AMX: Q in VNNI order, [column tile][da / 32][16 dim pairs][16 columns], in qt's memory.
   uint32_t* const qv = reinterpret_cast<uint32_t*>(ws.qt);
   const uint16_t* qrows[16] = {};  // the current column group's Q rows (AMX)
@@ -814,7 +815,8 @@ void RunTask(const FwdProblem& p, const Task& t, const Workspace& ws) {
 #if IOATTN_HAVE_FLASH_AMX
       if (split) {  // [Qh | Ql | Qh'] in st (free until the first block's products)
         uint16_t* row = reinterpret_cast<uint16_t*>(ws.st) + c % kL * da;
-        flash_amx_split_f16(qrows[c % kL], d, row, row + d, row + 2 * d);
+        if (dq != d) std::memset(row, 0, da * sizeof(uint16_t));
+        flash_amx_split_f16(qrows[c % kL], d, row, row + dq, row + 2 * dq);
         qrows[c % kL] = row;
       } else if (pad) {  // [Q | 0] in st (as above)
         uint16_t* row = reinterpret_cast<uint16_t*>(ws.st) + c % kL * da;
@@ -881,7 +883,8 @@ void RunTask(const FwdProblem& p, const Task& t, const Workspace& ws) {
         uint16_t* krow = reinterpret_cast<uint16_t*>(ws.kp) + j * da;
 #if IOATTN_HAVE_FLASH_AMX
         if (split) {  // K as [Kh | Kh' | Kl]; V's parts wait in st (3 x 128 x dv <= 384 x 128 floats)
-          flash_amx_split_f16(static_cast<const uint16_t*>(p.k) + koff, d, krow, krow + 2 * d, krow + d);
+          if (dq != d) std::memset(krow, 0, da * sizeof(uint16_t));
+          flash_amx_split_f16(static_cast<const uint16_t*>(p.k) + koff, d, krow, krow + 2 * dq, krow + dq);
           uint16_t* vh = reinterpret_cast<uint16_t*>(ws.st) + j * dv;
           uint16_t* vl = vh + kBcAmx * dv;
           uint16_t* vhf = vl + kBcAmx * dv;
