@@ -517,11 +517,13 @@ void GradsTransposed(const ScoreParams& sp, const RowInfo& ri, int64_t nc, int64
 
 // Pass 1: dK, dV of keys [c0, c0 + nc) of kv head hk. With dq (the fused pass) also
 // dq[(h - hk * group) * sq + i] += dS K for the rows the block's keys reach (unscaled, fp32).
-// The single-pass modes' tile products by AMX-BF16 (flash_amx.hpp) on the AVX-512 targets, for
-// bf16 inputs with head dims that are multiples of 16 (<= 512), where the CPU has AMX-BF16: Q, K,
-// V and dO exact in bf16, P and dS rounded to bf16 as the GPU kernels do; scale applied to S and
-// to dK after the products instead of to Q before. The two passes and Context::deterministic stay
-// on the fp32 products (so a deterministic run has the same bits for any thread count, fused or not).
+// The tile products by AMX-BF16 (flash_amx.hpp) on the AVX-512 targets, for bf16 inputs with head
+// dims that are multiples of 16 (<= 512), where the CPU has AMX-BF16: Q, K, V and dO exact in bf16,
+// P and dS rounded to bf16 as the GPU kernels do; scale applied to S and to dK / dQ after the
+// products instead of to Q before. Every mode (the two passes too: each output element's products
+// and sums do not depend on the thread count, so Context::deterministic keeps its guarantee; the
+// fused and the two-pass modes then differ in rounding, as their key blocks cut the sums
+// differently, where on the fp32 products they agree bitwise).
 constexpr bool kAmxTarget = IOATTN_FLASH_AMX_HWY_TARGET;
 
 bool UsesAmx(const FwdProblem& p) {
@@ -537,7 +539,7 @@ bool UsesAmx(const FwdProblem& p) {
 void KVTask(const Plan& pl, const Task& task, const Workspace& w, float* dq = nullptr) {
   const BwdProblem& bp = *pl.bp;
   const FwdProblem& p = bp.f;
-  const bool amx = pl.amx;  // (set only for the single-pass modes, which pass dq)
+  const bool amx = pl.amx;
   // C (M, N) = [C +] alpha A B, by the AMX products or MatMul (alpha 1 there).
   // slot >= 0: B is the block's operand packed in that slot (AMX; K^T 0, V^T 1, K 2).
   auto mm = [&](bool acc, size_t M, size_t N, size_t K, const float* a, size_t sam, size_t sak, const float* bm,
@@ -575,7 +577,7 @@ void KVTask(const Plan& pl, const Task& task, const Workspace& w, float* dq = nu
   if (amx) {  // the block's K^T, V^T and K, packed once for all its products
     flash::flash_amx_pack_b(0, static_cast<size_t>(ncv), static_cast<size_t>(d), w.kbuf, kTileK);
     flash::flash_amx_pack_b(1, static_cast<size_t>(ncv), static_cast<size_t>(dv), w.vbuf, kTileK);
-    flash::flash_amx_pack_b(2, static_cast<size_t>(d), static_cast<size_t>(nc), w.krow, static_cast<size_t>(d));
+    if (dq) flash::flash_amx_pack_b(2, static_cast<size_t>(d), static_cast<size_t>(nc), w.krow, static_cast<size_t>(d));
   }
 #endif
   std::fill(w.acc1, w.acc1 + nc * d, 0.0f);   // dK (nc, d)
@@ -629,6 +631,18 @@ void QTask(const Plan& pl, const Task& task, const Workspace& w) {
   const int64_t sq = sr.q_len, sk = sr.k_len, off = sk - sq;
   const int64_t nr = std::min(kTileQ, sq - r0), nrv = round_up(nr, L);
 
+  const bool amx = pl.amx;  // (as KVTask: Q unscaled into the products, the scale applied to S)
+  const float qmul = amx ? 1.0f : p.scale, smul = amx ? p.scale : 1.0f;
+  // C (M, N) = [C +] alpha A B, by the AMX products (B packed in slot >= 0, or from b) or MatMul.
+  auto mm = [&](bool acc, size_t M, size_t N, size_t K, const float* a, size_t sam, size_t sak, const float* bm,
+                size_t ldb, float* c, size_t ldc, float alpha, int slot) {
+#if IOATTN_HAVE_FLASH_AMX
+    if (amx) return flash::flash_amx_matmul(M, N, K, a, sam, sak, bm, ldb, c, ldc, acc, alpha, slot);
+#endif
+    (void)alpha, (void)slot;
+    acc ? MatMul<true>(M, N, K, a, sam, sak, bm, ldb, c, ldc) : MatMul<false>(M, N, K, a, sam, sak, bm, ldb, c, ldc);
+  };
+
   RowInfo ri;
   FillRowInfo(pl, sr, b, h, r0, nr, &ri);
   // (scale Q)^T (d, kTileQ) and dO^T (dv, kTileQ); columns past nr are zero.
@@ -636,12 +650,19 @@ void QTask(const Plan& pl, const Task& task, const Workspace& w) {
   std::fill(w.obuf, w.obuf + dv * kTileQ, 0.0f);
   for (int64_t r = 0; r < nr; ++r) {
     const int64_t row = sr.q_start + r0 + r;
-    LoadRow(p.q, t, b * p.q_stride.batch + row * p.q_stride.seq + h * p.q_stride.head, d, p.scale, w.row);
+    LoadRow(p.q, t, b * p.q_stride.batch + row * p.q_stride.seq + h * p.q_stride.head, d, qmul, w.row);
     for (int64_t x = 0; x < d; ++x) w.qbuf[x * kTileQ + r] = w.row[x];
     LoadRow(bp.dout, t, b * bp.dout_stride.batch + row * bp.dout_stride.seq + h * bp.dout_stride.head, dv, 1.0f, w.row);
     for (int64_t x = 0; x < dv; ++x) w.obuf[x * kTileQ + r] = w.row[x];
   }
   std::fill(w.acc1, w.acc1 + nr * d, 0.0f);  // dQ (nr, d), unscaled
+#if IOATTN_HAVE_FLASH_AMX
+  if (amx) {  // Q^T and dO^T, packed once for every key block's products
+    flash::flash_amx_begin();
+    flash::flash_amx_pack_b(0, static_cast<size_t>(nrv), static_cast<size_t>(d), w.qbuf, kTileQ);
+    flash::flash_amx_pack_b(1, static_cast<size_t>(nrv), static_cast<size_t>(dv), w.obuf, kTileQ);
+  }
+#endif
 
   // Keys seen by any row of the block: [lo of the first row, hi of the last row).
   int64_t k_begin, unused, k_end;
@@ -655,11 +676,15 @@ void QTask(const Plan& pl, const Task& task, const Workspace& w) {
       LoadRow(p.k, t, b * p.k_stride.batch + key * p.k_stride.seq + hk * p.k_stride.head, d, 1.0f, w.kbuf + j * d);
       LoadRow(p.v, t, b * p.v_stride.batch + key * p.v_stride.seq + hk * p.v_stride.head, dv, 1.0f, w.vbuf + j * dv);
     }
-    MatMul<false>(nc, nrv, d, w.kbuf, d, 1, w.qbuf, kTileQ, w.s, kTileQ);    // S^T  (nc, nrv) = K (scale Q)^T
-    MatMul<false>(nc, nrv, dv, w.vbuf, dv, 1, w.obuf, kTileQ, w.dp, kTileQ);  // dP^T (nc, nrv) = V dO^T
-    GradsTransposed(sp, ri, nc, nrv, r0, c0, off, w.s, w.dp);               // s = P^T, dp = dS^T
-    MatMul<true>(nr, d, nc, w.dp, 1, kTileQ, w.kbuf, d, w.acc1, d);          // dQ (nr, d) += dS K
+    const size_t nc_ = static_cast<size_t>(nc), nrv_ = static_cast<size_t>(nrv);
+    mm(false, nc_, nrv_, d, w.kbuf, d, 1, w.qbuf, kTileQ, w.s, kTileQ, smul, 0);    // S^T  (nc, nrv) = K (scale Q)^T
+    mm(false, nc_, nrv_, dv, w.vbuf, dv, 1, w.obuf, kTileQ, w.dp, kTileQ, 1.0f, 1);  // dP^T (nc, nrv) = V dO^T
+    GradsTransposed(sp, ri, nc, nrv, r0, c0, off, w.s, w.dp);                       // s = P^T, dp = dS^T
+    mm(true, static_cast<size_t>(nr), d, nc_, w.dp, 1, kTileQ, w.kbuf, d, w.acc1, d, 1.0f, -1);  // dQ (nr, d) += dS K
   }
+#if IOATTN_HAVE_FLASH_AMX
+  if (amx) flash::flash_amx_end();
+#endif
   for (int64_t r = 0; r < nr; ++r) {
     const int64_t row = sr.q_start + r0 + r;
     StoreRow(bp.dq, t, b * bp.dq_stride.batch + row * bp.dq_stride.seq + h * bp.dq_stride.head, d, w.acc1 + r * d,
@@ -839,7 +864,7 @@ BwdMode bwd_mode(const BwdProblem& bp, int nt) {
       throw Error("IOATTN_CPU_BWD", "ioattn: IOATTN_CPU_BWD must be fused, split or twopass, got '" + v + "'");
     }
   }
-  m.amx = m.kind != BwdMode::two_pass && !bp.deterministic && HWY_DYNAMIC_DISPATCH(UsesAmx)(p);
+  m.amx = HWY_DYNAMIC_DISPATCH(UsesAmx)(p);
   if (m.amx) m.why += "; amx-bf16 tile products (P and dS rounded to bf16)";
   if (m.kind == BwdMode::fused) m.dq_floats = dq_floats;
   if (m.kind == BwdMode::split) m.chunks = chunks;
