@@ -711,8 +711,19 @@ void fill_local(LocalParams& lp, const FwdProblem& p, int64_t wide) {
 }
 
 // K + V bytes a scheduling section may keep in L2 (H200: 60 MB L2 in two halves; leave room for
-// Q, O and the other half's copies).
+// Q, O and the other half's copies). IOATTN_SM90_L2_SECTION_MB overrides it (tile order only,
+// results unchanged): session 34's Nsight Compute run on an H100 (bf16 hdim 128, 2k tokens per
+// sequence, 16 heads x 8 sequences, 24 sections of 1 MB heads) read 436 MB from DRAM where cuDNN
+// read 201 (Q + K + V once) and took 449 vs 425 us: sections that span ~3 waves may not stay in L2.
 constexpr int64_t kL2SectionBytes = 24ll << 20;
+int64_t l2_section_bytes() {
+  static const int64_t bytes = [] {
+    const char* e = std::getenv("IOATTN_SM90_L2_SECTION_MB");
+    const long mb = e != nullptr ? std::strtol(e, nullptr, 10) : 0;
+    return mb > 0 ? static_cast<int64_t>(mb) << 20 : kL2SectionBytes;
+  }();
+  return bytes;
+}
 
 // 4D uint8 map (e4m3 codes): dims innermost first, strides of dims 1..3 in bytes, box (box0,
 // box1, 1, 1), swizzled to box0-byte rows: box0 = 128 (SWIZZLE_128B) or 64 (SWIZZLE_64B, fp8 Q / K
@@ -830,7 +841,7 @@ void fp8_forward(const FwdProblem& p, const Policy& pol) {
   fill_common(f, p, p.seqlen_k, m_blocks, tiles);
   // L2 sections as for 16-bit inputs, with 1-byte K and V^T.
   const int64_t kv_bytes_per_head = std::max<int64_t>(skp * d * 2 / f.group, 1);
-  f.section_heads = static_cast<int>(std::clamp<int64_t>(kL2SectionBytes / kv_bytes_per_head, 1, f.batch_heads));
+  f.section_heads = static_cast<int>(std::clamp<int64_t>(l2_section_bytes() / kv_bytes_per_head, 1, f.batch_heads));
   const bool persistent = pol.grid != Grid::kTilePerCta;
   const bool local = needs_local(p);  // the kLocal rows: the causal tiling, no key rotation
   f.zigzag = pol.grid == Grid::kStatic && (p.causal || local) ? 1 : 0;
@@ -1020,7 +1031,7 @@ void cache_prefill_impl(const FwdProblem& p) {
   fill_common(f, p, p.kv_bound, m_blocks, grid);
   const int64_t kv_bytes_per_head =
       std::max<int64_t>(std::max<int64_t>(p.kv_bound, 1) * p.head_dim * 2 * 2 / f.group, 1);
-  f.section_heads = static_cast<int>(std::clamp<int64_t>(kL2SectionBytes / kv_bytes_per_head, 1, f.batch_heads));
+  f.section_heads = static_cast<int>(std::clamp<int64_t>(l2_section_bytes() / kv_bytes_per_head, 1, f.batch_heads));
   Policy pol = default_policy(p.head_dim, true);  // the kLocal rows' policy (policy_for), no end alignment
   if (pol.grid == Grid::kDynamic && !mempools_supported(p.device_index)) pol.grid = Grid::kTilePerCta;
   const bool persistent = pol.grid != Grid::kTilePerCta;
@@ -1228,7 +1239,7 @@ void sm90_flash_forward(const FwdProblem& p) {
   // Sections of (batch, head) pairs whose K + V fit in kL2SectionBytes (heads of one GQA group
   // share theirs), so the tiles in flight reuse K/V from L2 (see decode_tile).
   const int64_t kv_bytes_per_head = std::max<int64_t>(std::max<int64_t>(p.seqlen_k, 1) * p.head_dim * 2 * 2 / f.group, 1);
-  f.section_heads = static_cast<int>(std::clamp<int64_t>(kL2SectionBytes / kv_bytes_per_head, 1, f.batch_heads));
+  f.section_heads = static_cast<int>(std::clamp<int64_t>(l2_section_bytes() / kv_bytes_per_head, 1, f.batch_heads));
   const bool persistent = pol.grid != Grid::kTilePerCta;
   const bool local = needs_local(p);
   f.zigzag = pol.grid == Grid::kStatic && (p.causal || local) ? 1 : 0;
