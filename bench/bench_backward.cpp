@@ -65,10 +65,11 @@ struct Problem {
   }
 };
 
-// args: seqlen, head_dim, causal, dtype (0 f32, 1 bf16), kv heads
+// args: seqlen, head_dim, causal, dtype (0 f32, 1 bf16, 2 f16), kv heads
 void run(benchmark::State& st, Backend be, bool with_forward) {
   const int64_t hkv = st.range(4);
-  Problem p(st.range(0), st.range(1), st.range(2) != 0, st.range(3) ? DType::bf16 : DType::f32, hkv);
+  const DType t = st.range(3) == 2 ? DType::f16 : st.range(3) == 1 ? DType::bf16 : DType::f32;
+  Problem p(st.range(0), st.range(1), st.range(2) != 0, t, hkv);
   p.forward(Backend::naive);  // o, lse for the backward
   for (auto _ : st) {
     if (with_forward) p.forward(be);
@@ -96,6 +97,12 @@ void BM_fwd_bwd_flash(benchmark::State& st) { run(st, Backend::flash, true); }
 void BM_fwd_bwd_naive(benchmark::State& st) { run(st, Backend::naive, true); }
 
 BENCHMARK(BM_bwd_flash)->Name("bwd/flash")->Apply([](auto* b) { shapes(b, 4096); });
+// f16 (on a CPU with AMX-BF16: two bf16 parts per operand, else the fp32 products)
+BENCHMARK(BM_bwd_flash)->Name("bwd/flash/f16")->Apply([](auto* b) {
+  for (int64_t s : {1024, 4096})
+    for (int64_t causal : {0, 1}) b->Args({s, 128, causal, 2, kHeads});
+  b->ArgNames({"s", "d", "causal", "dtype", "hkv"})->Unit(benchmark::kMillisecond)->UseRealTime();
+});
 // GQA / MQA (8 query heads over 1, 2 or 8 kv heads): the fused and split single passes by group size
 BENCHMARK(BM_bwd_flash)->Name("bwd/flash/gqa")->Apply([](auto* b) {
   for (int64_t s : {1024, 4096})

@@ -512,13 +512,14 @@ TEST(BackwardFlash, FusedAndTwoPassAgreeBitwise) {
   }
 }
 
-// The two passes (Context::deterministic's mode) on every bf16 case of the suite against the float64
-// reference: on a CPU with AMX-BF16 their own tile products (the second pass's S^T, dP^T, dQ).
-TEST(BackwardFlash, TwoPassesMatchTheReferenceBf16) {
+// The two passes (Context::deterministic's mode) on every bf16 / f16 case of the suite against the
+// float64 reference: on a CPU with AMX-BF16 their own tile products (the second pass's S^T, dP^T,
+// dQ; f16 as two bf16 parts).
+TEST(BackwardFlash, TwoPassesMatchTheReference16Bit) {
   ScopedEnv e("IOATTN_CPU_BWD", "twopass");
   int n = 0;
   for (const Case& c : bwd_cases()) {
-    if (c.dtype != DType::bf16) continue;
+    if (c.dtype != DType::bf16 && c.dtype != DType::f16) continue;
     run_bwd_case(c, Backend::flash);
     ++n;
   }

@@ -528,7 +528,8 @@ constexpr bool kAmxTarget = IOATTN_FLASH_AMX_HWY_TARGET;
 
 bool UsesAmx(const FwdProblem& p) {
 #if IOATTN_HAVE_FLASH_AMX
-  return kAmxTarget && p.dtype == DType::bf16 && p.head_dim % 16 == 0 && p.head_dim_v % 16 == 0 &&
+  return kAmxTarget && (p.dtype == DType::bf16 || p.dtype == DType::f16) && p.head_dim % 16 == 0 &&
+         p.head_dim_v % 16 == 0 &&
          p.head_dim <= 512 && p.head_dim_v <= 512 && flash::flash_amx_usable();
 #else
   (void)p;
@@ -540,12 +541,13 @@ void KVTask(const Plan& pl, const Task& task, const Workspace& w, float* dq = nu
   const BwdProblem& bp = *pl.bp;
   const FwdProblem& p = bp.f;
   const bool amx = pl.amx;
+  const bool split = amx && p.dtype == DType::f16;  // f16: two bf16 parts per operand (flash_amx.hpp)
   // C (M, N) = [C +] alpha A B, by the AMX products or MatMul (alpha 1 there).
   // slot >= 0: B is the block's operand packed in that slot (AMX; K^T 0, V^T 1, K 2).
   auto mm = [&](bool acc, size_t M, size_t N, size_t K, const float* a, size_t sam, size_t sak, const float* bm,
                 size_t ldb, float* c, size_t ldc, float alpha, int slot) {
 #if IOATTN_HAVE_FLASH_AMX
-    if (amx) return flash::flash_amx_matmul(M, N, K, a, sam, sak, bm, ldb, c, ldc, acc, alpha, slot);
+    if (amx) return flash::flash_amx_matmul(M, N, K, a, sam, sak, bm, ldb, c, ldc, acc, alpha, slot, split);
 #endif
     (void)alpha, (void)slot;
     acc ? MatMul<true>(M, N, K, a, sam, sak, bm, ldb, c, ldc) : MatMul<false>(M, N, K, a, sam, sak, bm, ldb, c, ldc);
@@ -575,9 +577,10 @@ void KVTask(const Plan& pl, const Task& task, const Workspace& w, float* dq = nu
   }
 #if IOATTN_HAVE_FLASH_AMX
   if (amx) {  // the block's K^T, V^T and K, packed once for all its products
-    flash::flash_amx_pack_b(0, static_cast<size_t>(ncv), static_cast<size_t>(d), w.kbuf, kTileK);
-    flash::flash_amx_pack_b(1, static_cast<size_t>(ncv), static_cast<size_t>(dv), w.vbuf, kTileK);
-    if (dq) flash::flash_amx_pack_b(2, static_cast<size_t>(d), static_cast<size_t>(nc), w.krow, static_cast<size_t>(d));
+    flash::flash_amx_pack_b(0, static_cast<size_t>(ncv), static_cast<size_t>(d), w.kbuf, kTileK, split);
+    flash::flash_amx_pack_b(1, static_cast<size_t>(ncv), static_cast<size_t>(dv), w.vbuf, kTileK, split);
+    if (dq)
+      flash::flash_amx_pack_b(2, static_cast<size_t>(d), static_cast<size_t>(nc), w.krow, static_cast<size_t>(d), split);
   }
 #endif
   std::fill(w.acc1, w.acc1 + nc * d, 0.0f);   // dK (nc, d)
@@ -632,12 +635,13 @@ void QTask(const Plan& pl, const Task& task, const Workspace& w) {
   const int64_t nr = std::min(kTileQ, sq - r0), nrv = round_up(nr, L);
 
   const bool amx = pl.amx;  // (as KVTask: Q unscaled into the products, the scale applied to S)
+  const bool split = amx && p.dtype == DType::f16;
   const float qmul = amx ? 1.0f : p.scale, smul = amx ? p.scale : 1.0f;
   // C (M, N) = [C +] alpha A B, by the AMX products (B packed in slot >= 0, or from b) or MatMul.
   auto mm = [&](bool acc, size_t M, size_t N, size_t K, const float* a, size_t sam, size_t sak, const float* bm,
                 size_t ldb, float* c, size_t ldc, float alpha, int slot) {
 #if IOATTN_HAVE_FLASH_AMX
-    if (amx) return flash::flash_amx_matmul(M, N, K, a, sam, sak, bm, ldb, c, ldc, acc, alpha, slot);
+    if (amx) return flash::flash_amx_matmul(M, N, K, a, sam, sak, bm, ldb, c, ldc, acc, alpha, slot, split);
 #endif
     (void)alpha, (void)slot;
     acc ? MatMul<true>(M, N, K, a, sam, sak, bm, ldb, c, ldc) : MatMul<false>(M, N, K, a, sam, sak, bm, ldb, c, ldc);
@@ -659,8 +663,8 @@ void QTask(const Plan& pl, const Task& task, const Workspace& w) {
 #if IOATTN_HAVE_FLASH_AMX
   if (amx) {  // Q^T and dO^T, packed once for every key block's products
     flash::flash_amx_begin();
-    flash::flash_amx_pack_b(0, static_cast<size_t>(nrv), static_cast<size_t>(d), w.qbuf, kTileQ);
-    flash::flash_amx_pack_b(1, static_cast<size_t>(nrv), static_cast<size_t>(dv), w.obuf, kTileQ);
+    flash::flash_amx_pack_b(0, static_cast<size_t>(nrv), static_cast<size_t>(d), w.qbuf, kTileQ, split);
+    flash::flash_amx_pack_b(1, static_cast<size_t>(nrv), static_cast<size_t>(dv), w.obuf, kTileQ, split);
   }
 #endif
 
@@ -865,7 +869,9 @@ BwdMode bwd_mode(const BwdProblem& bp, int nt) {
     }
   }
   m.amx = HWY_DYNAMIC_DISPATCH(UsesAmx)(p);
-  if (m.amx) m.why += "; amx-bf16 tile products (P and dS rounded to bf16)";
+  if (m.amx)
+    m.why += p.dtype == DType::f16 ? "; amx-bf16 tile products (f16 as two bf16 parts, P and dS to ~16 bits)"
+                                   : "; amx-bf16 tile products (P and dS rounded to bf16)";
   if (m.kind == BwdMode::fused) m.dq_floats = dq_floats;
   if (m.kind == BwdMode::split) m.chunks = chunks;
   return m;

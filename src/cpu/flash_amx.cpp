@@ -317,10 +317,22 @@ IOATTN_FLASH_AMX_ATTR void flash_amx_stage_vt(const uint16_t* const* rows, size_
 
 namespace {
 
-// A (M x K) into bf16 rows, m16 x k32 zero-padded: rows contiguous (sak == 1) or else columns
-// contiguous (sam == 1, the only two layouts the backward passes).
+// The parts of a split operand (flash_amx_matmul's split): 0 the value (rounded to bf16 when
+// packed: hi), 1 lo = x - bf16(x), 2 hi' = x; both 0 where x is not finite.
+IOATTN_FLASH_AMX_ATTR inline __m512 Part(__m512 x, int part) {
+  if (part == 0) return x;
+  const __mmask16 fin =
+      _mm512_cmp_ps_mask(_mm512_abs_ps(x), _mm512_set1_ps(std::numeric_limits<float>::infinity()), _CMP_LT_OQ);
+  if (part == 2) return _mm512_maskz_mov_ps(fin, x);
+  return _mm512_maskz_sub_ps(fin, x, Bf16Widen((__m256i)_mm512_cvtneps_pbh(x)));
+}
+
+// A (M x K) into bf16 rows, m16 x parts * k32 zero-padded (parts 1, or 3 for split: the segments
+// [hi | lo | hi'], each k32 wide): rows contiguous (sak == 1) or else columns contiguous (sam ==
+// 1, the only two layouts the backward passes).
 IOATTN_FLASH_AMX_ATTR void PackA(size_t M, size_t K, const float* a, size_t sam, size_t sak, uint16_t* ap,
-                                 size_t m16, size_t k32) {
+                                 size_t m16, size_t k32, int parts) {
+  const size_t kd = parts * k32;  // the packed row
   if (sak == 1) {
     for (size_t m = 0; m < m16; ++m)
       for (size_t k = 0; k < k32; k += 32) {
@@ -329,38 +341,44 @@ IOATTN_FLASH_AMX_ATTR void PackA(size_t M, size_t K, const float* a, size_t sam,
           lo = _mm512_maskz_loadu_ps(Mask16(K > k ? K - k : 0), a + m * sam + k);
           hi = _mm512_maskz_loadu_ps(Mask16(K > k + 16 ? K - k - 16 : 0), a + m * sam + k + 16);
         }
-        _mm512_store_si512(ap + m * k32 + k, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+        for (int q = 0; q < parts; ++q)
+          _mm512_store_si512(ap + m * kd + q * k32 + k, (__m512i)_mm512_cvtne2ps_pbh(Part(hi, q), Part(lo, q)));
       }
     return;
   }
   for (size_t m = 0; m < m16; m += 16) {  // 16 rows x 32 columns as pair words, transposed
     const __mmask16 mm = Mask16(M > m ? M - m : 0);
-    for (size_t k = 0; k < k32; k += 32) {
-      __m512i w[16];
-      for (size_t kk = 0; kk < 16; ++kk) {
-        const size_t k0 = k + 2 * kk, k1 = k0 + 1;
-        const __m512 c0 = k0 < K ? _mm512_maskz_loadu_ps(mm, a + k0 * sak + m) : _mm512_setzero_ps();
-        const __m512 c1 = k1 < K ? _mm512_maskz_loadu_ps(mm, a + k1 * sak + m) : _mm512_setzero_ps();
-        w[kk] = PairBf16(c0, c1);
+    for (size_t k = 0; k < k32; k += 32)
+      for (int q = 0; q < parts; ++q) {
+        __m512i w[16];
+        for (size_t kk = 0; kk < 16; ++kk) {
+          const size_t k0 = k + 2 * kk, k1 = k0 + 1;
+          const __m512 c0 = k0 < K ? _mm512_maskz_loadu_ps(mm, a + k0 * sak + m) : _mm512_setzero_ps();
+          const __m512 c1 = k1 < K ? _mm512_maskz_loadu_ps(mm, a + k1 * sak + m) : _mm512_setzero_ps();
+          w[kk] = PairBf16(Part(c0, q), Part(c1, q));
+        }
+        transpose16x16_u32(w);
+        for (size_t i = 0; i < 16; ++i) _mm512_store_si512(ap + (m + i) * kd + q * k32 + k, w[i]);
       }
-      transpose16x16_u32(w);
-      for (size_t i = 0; i < 16; ++i) _mm512_store_si512(ap + (m + i) * k32 + k, w[i]);
-    }
   }
 }
 
-// B (K x N, rows ldb apart) -> VNNI pairs bp[(k / 2) * n16 + n] = (B[k][n], B[k + 1][n]).
+// B (K x N, rows ldb apart) -> VNNI pairs bp[(k / 2) * n16 + n] = (B[k][n], B[k + 1][n]); split
+// (parts 3): the segments [hi ; hi' ; lo], k32 deep each, matching PackA's [hi | lo | hi'].
 IOATTN_FLASH_AMX_ATTR void PackB(size_t N, size_t K, const float* b, size_t ldb, uint32_t* bp, size_t n16,
-                                  size_t k32) {
-  for (size_t kk = 0; kk < k32 / 2; ++kk) {
-    const size_t k0 = 2 * kk, k1 = k0 + 1;
-    for (size_t n = 0; n < n16; n += 16) {
-      const __mmask16 mn = Mask16(N > n ? N - n : 0);
-      const __m512 r0 = k0 < K ? _mm512_maskz_loadu_ps(mn, b + k0 * ldb + n) : _mm512_setzero_ps();
-      const __m512 r1 = k1 < K ? _mm512_maskz_loadu_ps(mn, b + k1 * ldb + n) : _mm512_setzero_ps();
-      _mm512_store_si512(bp + kk * n16 + n, PairBf16(r0, r1));
+                                  size_t k32, int parts) {
+  static constexpr int kPartOf[3] = {0, 2, 1};
+  for (int q = 0; q < parts; ++q)
+    for (size_t kk = 0; kk < k32 / 2; ++kk) {
+      const size_t k0 = 2 * kk, k1 = k0 + 1;
+      uint32_t* row = bp + (q * k32 / 2 + kk) * n16;
+      for (size_t n = 0; n < n16; n += 16) {
+        const __mmask16 mn = Mask16(N > n ? N - n : 0);
+        const __m512 r0 = k0 < K ? _mm512_maskz_loadu_ps(mn, b + k0 * ldb + n) : _mm512_setzero_ps();
+        const __m512 r1 = k1 < K ? _mm512_maskz_loadu_ps(mn, b + k1 * ldb + n) : _mm512_setzero_ps();
+        _mm512_store_si512(row + n, PairBf16(Part(r0, kPartOf[q]), Part(r1, kPartOf[q])));
+      }
     }
-  }
 }
 
 // The per-thread operand scratch: A, the products T, and B (slot -1) or a packed B kept for
@@ -388,23 +406,25 @@ IOATTN_FLASH_AMX_ATTR void TileGemm(const uint16_t* ap, const uint32_t* bp, floa
 size_t K32(size_t K) { return std::max<size_t>(32, (K + 31) / 32 * 32); }
 }  // namespace
 
-IOATTN_FLASH_AMX_ATTR void flash_amx_pack_b(int slot, size_t N, size_t K, const float* b, size_t ldb) {
+IOATTN_FLASH_AMX_ATTR void flash_amx_pack_b(int slot, size_t N, size_t K, const float* b, size_t ldb, bool split) {
   Scratch& s = tl_scratch;
+  const int parts = split ? 3 : 1;
   const size_t n16 = (N + 15) / 16 * 16, k32 = K32(K);
   auto& bp = s.bp[slot + 1];
-  if (bp.size() < k32 / 2 * n16) bp.resize(k32 / 2 * n16);
-  PackB(N, K, b, ldb, bp.data(), n16, k32);
+  if (bp.size() < parts * k32 / 2 * n16) bp.resize(parts * k32 / 2 * n16);
+  PackB(N, K, b, ldb, bp.data(), n16, k32, parts);
 }
 
 IOATTN_FLASH_AMX_ATTR void flash_amx_matmul(size_t M, size_t N, size_t K, const float* a, size_t sam, size_t sak,
                                              const float* b, size_t ldb, float* c, size_t ldc, bool accumulate,
-                                             float alpha, int b_slot) {
+                                             float alpha, int b_slot, bool split) {
   if (M == 0 || N == 0) return;
   Scratch& s = tl_scratch;
-  const size_t m16 = (M + 15) / 16 * 16, n16 = (N + 15) / 16 * 16, k32 = K32(K);
+  const int parts = split ? 3 : 1;
+  const size_t m16 = (M + 15) / 16 * 16, n16 = (N + 15) / 16 * 16, k32 = K32(K) * parts;  // (the products' depth)
   if (s.ap.size() < m16 * k32) s.ap.resize(m16 * k32);
-  PackA(M, K, a, sam, sak, s.ap.data(), m16, k32);
-  if (b_slot < 0) flash_amx_pack_b(-1, N, K, b, ldb);
+  PackA(M, K, a, sam, sak, s.ap.data(), m16, k32 / parts, parts);
+  if (b_slot < 0) flash_amx_pack_b(-1, N, K, b, ldb, split);
   const uint32_t* bp = s.bp[b_slot + 1].data();
   if (accumulate && alpha == 1.0f && M % 16 == 0 && N % 16 == 0) {  // C's own tiles: no scratch, no epilogue
     TileGemm<true>(s.ap.data(), bp, c, ldc, m16, n16, k32);

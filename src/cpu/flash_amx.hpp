@@ -72,9 +72,15 @@ void flash_amx_stage_vt(const uint16_t* const* rows, size_t n, size_t dv, uint16
 // tile configuration (flash_amx_begin).
 // b_slot >= 0: B is the one flash_amx_pack_b(b_slot, N, K, ...) packed last on this thread (b
 // and ldb unused), for an operand that several products share.
+// split (f16 inputs; B packed with the same flag): each operand as two bf16 parts, x = hi + lo
+// with lo = bf16(x - hi) (exact for f16 values, ~16 bits for others), one product of depth 3 K:
+// [A_hi | A_lo | A_hi'] . [B_hi ; B_hi' ; B_lo] (the lo . lo term, < 2^-16 relative, dropped), x'
+// being hi with inf / NaN as 0 and lo 0 there, so a non-finite value meets only hi parts (as the
+// forward's f16 rows, flash_amx_split_f16).
 void flash_amx_matmul(size_t M, size_t N, size_t K, const float* a, size_t sam, size_t sak, const float* b,
-                      size_t ldb, float* c, size_t ldc, bool accumulate, float alpha, int b_slot = -1);
-void flash_amx_pack_b(int slot, size_t N, size_t K, const float* b, size_t ldb);
+                      size_t ldb, float* c, size_t ldc, bool accumulate, float alpha, int b_slot = -1,
+                      bool split = false);
+void flash_amx_pack_b(int slot, size_t N, size_t K, const float* b, size_t ldb, bool split = false);
 #else
 #define IOATTN_FLASH_AMX_HWY_TARGET false
 #endif
