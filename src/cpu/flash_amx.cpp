@@ -330,8 +330,9 @@ IOATTN_FLASH_AMX_ATTR inline __m512 Part(__m512 x, int part) {
 // A (M x K) into bf16 rows, m16 x parts * k32 zero-padded (parts 1, or 3 for split: the segments
 // [hi | lo | hi'], each k32 wide): rows contiguous (sak == 1) or else columns contiguous (sam ==
 // 1, the only two layouts the backward passes).
+template <int parts>
 IOATTN_FLASH_AMX_ATTR void PackA(size_t M, size_t K, const float* a, size_t sam, size_t sak, uint16_t* ap,
-                                 size_t m16, size_t k32, int parts) {
+                                 size_t m16, size_t k32) {
   const size_t kd = parts * k32;  // the packed row
   if (sak == 1) {
     for (size_t m = 0; m < m16; ++m)
@@ -365,8 +366,9 @@ IOATTN_FLASH_AMX_ATTR void PackA(size_t M, size_t K, const float* a, size_t sam,
 
 // B (K x N, rows ldb apart) -> VNNI pairs bp[(k / 2) * n16 + n] = (B[k][n], B[k + 1][n]); split
 // (parts 3): the segments [hi ; hi' ; lo], k32 deep each, matching PackA's [hi | lo | hi'].
+template <int parts>
 IOATTN_FLASH_AMX_ATTR void PackB(size_t N, size_t K, const float* b, size_t ldb, uint32_t* bp, size_t n16,
-                                  size_t k32, int parts) {
+                                  size_t k32) {
   static constexpr int kPartOf[3] = {0, 2, 1};
   for (int q = 0; q < parts; ++q)
     for (size_t kk = 0; kk < k32 / 2; ++kk) {
@@ -412,7 +414,7 @@ IOATTN_FLASH_AMX_ATTR void flash_amx_pack_b(int slot, size_t N, size_t K, const 
   const size_t n16 = (N + 15) / 16 * 16, k32 = K32(K);
   auto& bp = s.bp[slot + 1];
   if (bp.size() < parts * k32 / 2 * n16) bp.resize(parts * k32 / 2 * n16);
-  PackB(N, K, b, ldb, bp.data(), n16, k32, parts);
+  split ? PackB<3>(N, K, b, ldb, bp.data(), n16, k32) : PackB<1>(N, K, b, ldb, bp.data(), n16, k32);
 }
 
 IOATTN_FLASH_AMX_ATTR void flash_amx_matmul(size_t M, size_t N, size_t K, const float* a, size_t sam, size_t sak,
@@ -423,7 +425,8 @@ IOATTN_FLASH_AMX_ATTR void flash_amx_matmul(size_t M, size_t N, size_t K, const 
   const int parts = split ? 3 : 1;
   const size_t m16 = (M + 15) / 16 * 16, n16 = (N + 15) / 16 * 16, k32 = K32(K) * parts;  // (the products' depth)
   if (s.ap.size() < m16 * k32) s.ap.resize(m16 * k32);
-  PackA(M, K, a, sam, sak, s.ap.data(), m16, k32 / parts, parts);
+  split ? PackA<3>(M, K, a, sam, sak, s.ap.data(), m16, k32 / parts)
+        : PackA<1>(M, K, a, sam, sak, s.ap.data(), m16, k32);
   if (b_slot < 0) flash_amx_pack_b(-1, N, K, b, ldb, split);
   const uint32_t* bp = s.bp[b_slot + 1].data();
   if (accumulate && alpha == 1.0f && M % 16 == 0 && N % 16 == 0) {  // C's own tiles: no scratch, no epilogue
