@@ -537,21 +537,27 @@ bool UsesAmx(const FwdProblem& p) {
 #endif
 }
 
-void KVTask(const Plan& pl, const Task& task, const Workspace& w, float* dq = nullptr) {
-  const BwdProblem& bp = *pl.bp;
-  const FwdProblem& p = bp.f;
-  const bool amx = pl.amx;
-  const bool split = amx && p.dtype == DType::f16;  // f16: two bf16 parts per operand (flash_amx.hpp)
-  // C (M, N) = [C +] alpha A B, by the AMX products or MatMul (alpha 1 there).
-  // slot >= 0: B is the block's operand packed in that slot (AMX; K^T 0, V^T 1, K 2).
-  auto mm = [&](bool acc, size_t M, size_t N, size_t K, const float* a, size_t sam, size_t sak, const float* bm,
-                size_t ldb, float* c, size_t ldc, float alpha, int slot) {
+// The passes' tile products: C (M, N) = [C +] alpha A B, by the AMX products (B packed in slot >= 0
+// (KVTask: K^T 0, V^T 1, K 2; QTask: Q^T 0, dO^T 1), or from bm; f16 split into two bf16 parts,
+// flash_amx.hpp) or by MatMul (alpha 1 there).
+struct Products {
+  bool amx, split;
+  Products(const Plan& pl, const FwdProblem& p) : amx(pl.amx), split(pl.amx && p.dtype == DType::f16) {}
+  void operator()(bool acc, size_t M, size_t N, size_t K, const float* a, size_t sam, size_t sak, const float* bm,
+                  size_t ldb, float* c, size_t ldc, float alpha, int slot) const {
 #if IOATTN_HAVE_FLASH_AMX
     if (amx) return flash::flash_amx_matmul(M, N, K, a, sam, sak, bm, ldb, c, ldc, acc, alpha, slot, split);
 #endif
     (void)alpha, (void)slot;
     acc ? MatMul<true>(M, N, K, a, sam, sak, bm, ldb, c, ldc) : MatMul<false>(M, N, K, a, sam, sak, bm, ldb, c, ldc);
-  };
+  }
+};
+
+void KVTask(const Plan& pl, const Task& task, const Workspace& w, float* dq = nullptr) {
+  const BwdProblem& bp = *pl.bp;
+  const FwdProblem& p = bp.f;
+  const Products mm(pl, p);
+  [[maybe_unused]] const bool amx = mm.amx, split = mm.split;
 #if IOATTN_HAVE_FLASH_AMX
   if (amx) flash::flash_amx_begin();
 #endif
@@ -634,18 +640,9 @@ void QTask(const Plan& pl, const Task& task, const Workspace& w) {
   const int64_t sq = sr.q_len, sk = sr.k_len, off = sk - sq;
   const int64_t nr = std::min(kTileQ, sq - r0), nrv = round_up(nr, L);
 
-  const bool amx = pl.amx;  // (as KVTask: Q unscaled into the products, the scale applied to S)
-  const bool split = amx && p.dtype == DType::f16;
+  const Products mm(pl, p);  // (as KVTask: Q unscaled into the products, the scale applied to S)
+  [[maybe_unused]] const bool amx = mm.amx, split = mm.split;
   const float qmul = amx ? 1.0f : p.scale, smul = amx ? p.scale : 1.0f;
-  // C (M, N) = [C +] alpha A B, by the AMX products (B packed in slot >= 0, or from b) or MatMul.
-  auto mm = [&](bool acc, size_t M, size_t N, size_t K, const float* a, size_t sam, size_t sak, const float* bm,
-                size_t ldb, float* c, size_t ldc, float alpha, int slot) {
-#if IOATTN_HAVE_FLASH_AMX
-    if (amx) return flash::flash_amx_matmul(M, N, K, a, sam, sak, bm, ldb, c, ldc, acc, alpha, slot, split);
-#endif
-    (void)alpha, (void)slot;
-    acc ? MatMul<true>(M, N, K, a, sam, sak, bm, ldb, c, ldc) : MatMul<false>(M, N, K, a, sam, sak, bm, ldb, c, ldc);
-  };
 
   RowInfo ri;
   FillRowInfo(pl, sr, b, h, r0, nr, &ri);
