@@ -724,6 +724,11 @@ int64_t l2_section_bytes() {
   }();
   return bytes;
 }
+// FwdParams::section_heads: the (batch, head) pairs whose K + V (kv_bytes_per_head each, heads of
+// one GQA group sharing theirs) fit in a section, at least 1, at most all of them.
+int section_heads(int64_t kv_bytes_per_head, int batch_heads) {
+  return static_cast<int>(std::clamp<int64_t>(l2_section_bytes() / std::max<int64_t>(kv_bytes_per_head, 1), 1, batch_heads));
+}
 
 // 4D uint8 map (e4m3 codes): dims innermost first, strides of dims 1..3 in bytes, box (box0,
 // box1, 1, 1), swizzled to box0-byte rows: box0 = 128 (SWIZZLE_128B) or 64 (SWIZZLE_64B, fp8 Q / K
@@ -840,8 +845,7 @@ void fp8_forward(const FwdProblem& p, const Policy& pol) {
   FwdParams& f = pp.f;
   fill_common(f, p, p.seqlen_k, m_blocks, tiles);
   // L2 sections as for 16-bit inputs, with 1-byte K and V^T.
-  const int64_t kv_bytes_per_head = std::max<int64_t>(skp * d * 2 / f.group, 1);
-  f.section_heads = static_cast<int>(std::clamp<int64_t>(l2_section_bytes() / kv_bytes_per_head, 1, f.batch_heads));
+  f.section_heads = section_heads(skp * d * 2 / f.group, f.batch_heads);
   const bool persistent = pol.grid != Grid::kTilePerCta;
   const bool local = needs_local(p);  // the kLocal rows: the causal tiling, no key rotation
   f.zigzag = pol.grid == Grid::kStatic && (p.causal || local) ? 1 : 0;
@@ -1029,9 +1033,7 @@ void cache_prefill_impl(const FwdProblem& p) {
                         p.v_stride.head, 64, box, "v_cache");
   FwdParams& f = l.params;
   fill_common(f, p, p.kv_bound, m_blocks, grid);
-  const int64_t kv_bytes_per_head =
-      std::max<int64_t>(std::max<int64_t>(p.kv_bound, 1) * p.head_dim * 2 * 2 / f.group, 1);
-  f.section_heads = static_cast<int>(std::clamp<int64_t>(l2_section_bytes() / kv_bytes_per_head, 1, f.batch_heads));
+  f.section_heads = section_heads(std::max<int64_t>(p.kv_bound, 1) * p.head_dim * 2 * 2 / f.group, f.batch_heads);
   Policy pol = default_policy(p.head_dim, true);  // the kLocal rows' policy (policy_for), no end alignment
   if (pol.grid == Grid::kDynamic && !mempools_supported(p.device_index)) pol.grid = Grid::kTilePerCta;
   const bool persistent = pol.grid != Grid::kTilePerCta;
@@ -1236,10 +1238,9 @@ void sm90_flash_forward(const FwdProblem& p) {
   }
   FwdParams& f = l.params;
   fill_common(f, p, p.seqlen_k, m_blocks, grid);
-  // Sections of (batch, head) pairs whose K + V fit in kL2SectionBytes (heads of one GQA group
-  // share theirs), so the tiles in flight reuse K/V from L2 (see decode_tile).
-  const int64_t kv_bytes_per_head = std::max<int64_t>(std::max<int64_t>(p.seqlen_k, 1) * p.head_dim * 2 * 2 / f.group, 1);
-  f.section_heads = static_cast<int>(std::clamp<int64_t>(l2_section_bytes() / kv_bytes_per_head, 1, f.batch_heads));
+  // Sections of (batch, head) pairs whose K + V fit in l2_section_bytes(), so the tiles in flight
+  // reuse K/V from L2 (see decode_tile).
+  f.section_heads = section_heads(std::max<int64_t>(p.seqlen_k, 1) * p.head_dim * 2 * 2 / f.group, f.batch_heads);
   const bool persistent = pol.grid != Grid::kTilePerCta;
   const bool local = needs_local(p);
   f.zigzag = pol.grid == Grid::kStatic && (p.causal || local) ? 1 : 0;
