@@ -646,7 +646,7 @@ void QTask(const Plan& pl, const Task& task, const Workspace& w) {
 
   RowInfo ri;
   FillRowInfo(pl, sr, b, h, r0, nr, &ri);
-  // (scale Q)^T (d, kTileQ) and dO^T (dv, kTileQ); columns past nr are zero.
+  // (qmul Q)^T (d, kTileQ) and dO^T (dv, kTileQ); columns past nr are zero.
   std::fill(w.qbuf, w.qbuf + d * kTileQ, 0.0f);
   std::fill(w.obuf, w.obuf + dv * kTileQ, 0.0f);
   for (int64_t r = 0; r < nr; ++r) {
@@ -678,7 +678,7 @@ void QTask(const Plan& pl, const Task& task, const Workspace& w) {
       LoadRow(p.v, t, b * p.v_stride.batch + key * p.v_stride.seq + hk * p.v_stride.head, dv, 1.0f, w.vbuf + j * dv);
     }
     const size_t nc_ = static_cast<size_t>(nc), nrv_ = static_cast<size_t>(nrv);
-    mm(false, nc_, nrv_, d, w.kbuf, d, 1, w.qbuf, kTileQ, w.s, kTileQ, smul, 0);    // S^T  (nc, nrv) = K (scale Q)^T
+    mm(false, nc_, nrv_, d, w.kbuf, d, 1, w.qbuf, kTileQ, w.s, kTileQ, smul, 0);    // S^T  (nc, nrv) = scale K Q^T
     mm(false, nc_, nrv_, dv, w.vbuf, dv, 1, w.obuf, kTileQ, w.dp, kTileQ, 1.0f, 1);  // dP^T (nc, nrv) = V dO^T
     GradsTransposed(sp, ri, nc, nrv, r0, c0, off, w.s, w.dp);                       // s = P^T, dp = dS^T
     mm(true, static_cast<size_t>(nr), d, nc_, w.dp, 1, kTileQ, w.kbuf, d, w.acc1, d, 1.0f, -1);  // dQ (nr, d) += dS K
