@@ -3,10 +3,12 @@
 //
 //   ioattn_cuda_bench grid  [--hdims 64,128,256] [--seqlens 512,...,16384] [--tokens 16384]
 //                           [--hidden 2048] [--dtypes bf16,f16] [--f16-hdims 128] [--repeats 15]
+//                           [--causal 0|1|both]
 //       FlashAttention's benchmark grid: batch·seqlen = tokens, heads = hidden / hdim, causal and
-//       not; f16 only for --f16-hdims. One line per (config): ms, TFLOP/s, the selected kernel.
+//       not (--causal: only one of them); f16 only for --f16-hdims. One line per (config): ms, TFLOP/s, the selected kernel.
 //   ioattn_cuda_bench bwd   [--hdims 64,128,256] [--seqlens 512,...,16384] [--tokens 16384] [--hidden 2048]
 //                           [--dtypes bf16] [--repeats 10] [--deterministic 0|1] [--varlen 0|1] [--mix L]
+//                           [--causal 0|1|both]
 //       forward + backward through the public API on the same grid, causal and not: fwd+bwd ms and
 //       TFLOP/s (FLOPs = fwd + 2.5·fwd, FlashAttention's convention), the backward alone, and both
 //       kernels' names. dO uniform in [-1, 1); the forward's O and LSE feed the backward. --varlen 1:
@@ -36,6 +38,7 @@
 #include <cstring>
 #include <random>
 #include <sstream>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -80,6 +83,14 @@ struct Buffers {
   }
 };
 
+// --causal 0|1|both: only the unmasked or only the causal lines (both by default).
+std::string causal_arg(int argc, char** argv) {
+  const std::string masks = arg(argc, argv, "--causal", "both");
+  if (masks != "both" && masks != "0" && masks != "1")
+    throw std::invalid_argument("--causal must be 0, 1 or both, got '" + masks + "'");
+  return masks;
+}
+
 void run_grid(int argc, char** argv) {
   const auto hdims = cb::parse_list(arg(argc, argv, "--hdims", "64,128,256"));
   const auto seqlens = cb::parse_list(arg(argc, argv, "--seqlens", "512,1024,2048,4096,8192,16384"));
@@ -88,6 +99,7 @@ void run_grid(int argc, char** argv) {
   const int64_t hidden = std::stoll(arg(argc, argv, "--hidden", "2048"));
   const int repeats = std::stoi(arg(argc, argv, "--repeats", "15"));
   const std::string dtypes = arg(argc, argv, "--dtypes", "bf16,f16");
+  const std::string masks = causal_arg(argc, argv);
   for (int64_t d : hdims)
     for (int64_t s : seqlens)
       for (const char* dts : {"bf16", "f16"}) {
@@ -103,6 +115,7 @@ void run_grid(int argc, char** argv) {
         const auto o = TensorView::contiguous(buf.o, dt, {b, s, h, d}, Device::cuda);
         const auto lse = TensorView::contiguous(buf.lse, DType::f32, {b, h, s}, Device::cuda);
         for (bool causal : {false, true}) {
+          if (masks != "both" && (masks == "1") != causal) continue;
           AttnParams prm;
           prm.causal = causal;
           Context ctx;
@@ -219,6 +232,7 @@ void run_bwd(int argc, char** argv) {
   const int repeats = std::stoi(arg(argc, argv, "--repeats", "10"));
   const std::string dtypes = arg(argc, argv, "--dtypes", "bf16");
   const bool deterministic = arg(argc, argv, "--deterministic", "0") == "1";
+  const std::string masks = causal_arg(argc, argv);
   // --varlen 1: the same tokens as b packed sequences of s tokens each (forward_varlen /
   // backward_varlen over [b*s, h, d] views of the same memory, LSE [h, b*s]).
   const bool varlen = arg(argc, argv, "--varlen", "0") == "1";
@@ -265,6 +279,7 @@ void run_bwd(int argc, char** argv) {
         vl.cu_seqlens_q = vl.cu_seqlens_k = TensorView::contiguous(cu_dev, DType::i32, {nseq + 1}, Device::cuda);
         vl.max_seqlen_q = vl.max_seqlen_k = std::max(s, mix);
         for (bool causal : {false, true}) {
+          if (masks != "both" && (masks == "1") != causal) continue;
           AttnParams prm;
           prm.causal = causal;
           Context ctx;

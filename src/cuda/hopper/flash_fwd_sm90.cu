@@ -710,12 +710,14 @@ void fill_local(LocalParams& lp, const FwdProblem& p, int64_t wide) {
   lp.cu_seqlens_k = p.cu_seqlens_k;
 }
 
-// K + V bytes a scheduling section may keep in L2 (H200: 60 MB L2 in two halves; leave room for
-// Q, O and the other half's copies). IOATTN_SM90_L2_SECTION_MB overrides it (tile order only,
-// results unchanged): session 34's Nsight Compute run on an H100 (bf16 hdim 128, 2k tokens per
-// sequence, 16 heads x 8 sequences, 24 sections of 1 MB heads) read 436 MB from DRAM where cuDNN
-// read 201 (Q + K + V once) and took 449 vs 425 us: sections that span ~3 waves may not stay in L2.
-constexpr int64_t kL2SectionBytes = 24ll << 20;
+// K + V bytes a scheduling section may keep in L2 (50-60 MB of L2 in two halves; Q, O and the
+// other half's copies need room too). IOATTN_SM90_L2_SECTION_MB overrides it (tile order only,
+// results unchanged). 8 MB since session 35: Nsight Compute on an H100 (bf16, 16k tokens, hidden
+// 2048, no mask; docs/PERF.md "Session 35"), 24 -> 8 MB: DRAM read 432 -> 221 MB at hdim 128 x 2k
+// (cuDNN reads 201: Q + K + V once), 454 -> 228 at 4k, 474 -> 233 at 16k; kernel time -1.6%, -1.4%,
+// -0.6%; hdim 64 and 256 the same way (-0.5..-2.4%, 16k x hdim 256 unchanged: one head's K + V is
+// 16 MB). 24 MB sections (~3 waves of 132 CTAs at 2k) did not stay in L2; 4 MB was no better than 8.
+constexpr int64_t kL2SectionBytes = 8ll << 20;
 int64_t l2_section_bytes() {
   static const int64_t bytes = [] {
     const char* e = std::getenv("IOATTN_SM90_L2_SECTION_MB");
