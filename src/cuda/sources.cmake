@@ -106,9 +106,14 @@ function(ioattn_cuda_extras)
       # sweep; tile order only): many sections with a partial last one, on 3 persistent CTAs.
       add_test(NAME cuda_kernels_sm90_l2section COMMAND test_cuda_kernels --gtest_filter=*tiles_*:*1023x1024*:*bhsd*:*causal*)
       set_tests_properties(cuda_kernels_sm90_l2section PROPERTIES ENVIRONMENT "IOATTN_SM90_L2_SECTION_MB=1;IOATTN_SM90_MAX_CTAS=3")
+      # The rotated (staggered) non-causal key order, off by default since session 35: the multi-tile
+      # and odd-length cases with it on, on 3 persistent CTAs.
+      add_test(NAME cuda_kernels_sm90_stagger COMMAND test_cuda_kernels --gtest_filter=*tiles_*:*1023x1024*:*seq17*:*bhsd*:*hdim*)
+      set_tests_properties(cuda_kernels_sm90_stagger PROPERTIES ENVIRONMENT "IOATTN_SM90_STAGGER=1;IOATTN_SM90_MAX_CTAS=3")
       # A GPU-less machine prints "skipped: no CUDA device"; ctest reports those as skipped.
       set_tests_properties(cuda_kernels cuda_kernels_mma_local cuda_kernels_sm90_local_2ctas cuda_kernels_sm90_noqregs cuda_kernels_sm90_3ctas
-                           cuda_kernels_sm90_alignend cuda_kernels_sm90_l2section PROPERTIES SKIP_REGULAR_EXPRESSION "skipped: no CUDA device")
+                           cuda_kernels_sm90_alignend cuda_kernels_sm90_l2section cuda_kernels_sm90_stagger
+                           PROPERTIES SKIP_REGULAR_EXPRESSION "skipped: no CUDA device")
       add_executable(test_cuda_backward ${PROJECT_SOURCE_DIR}/tests/test_cuda_backward.cpp)
       target_link_libraries(test_cuda_backward PRIVATE ioattn::ioattn GTest::gtest GTest::gtest_main)
       target_include_directories(test_cuda_backward PRIVATE ${PROJECT_SOURCE_DIR}/src ${PROJECT_SOURCE_DIR}/tests)

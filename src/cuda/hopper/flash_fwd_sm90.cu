@@ -461,7 +461,8 @@ bool mempools_supported(int device) {
 //   IOATTN_SM90_BODY=v3|v4 (hdim 128: the v3 kernel body or the current one);
 //   IOATTN_SM90_MAX_CTAS=N caps a persistent grid (with a handful of CTAs every small problem runs
 //       many tiles per CTA);
-//   IOATTN_SM90_NO_STAGGER=1 keeps every non-causal tile's key order unrotated;
+//   IOATTN_SM90_STAGGER=1 rotates each non-causal tile's key order (16-bit rows; off by default since
+//       session 35); IOATTN_SM90_NO_STAGGER=1 keeps the fp8 rows' key order unrotated;
 //   IOATTN_SM90_ALIGN_END=0|1: causal query blocks aligned to the sequence's end (LocalParams::m_shift;
 //       the causal default since session 13).
 // kDynamic needs a stream-ordered allocation (memory pools); without them it falls back.
@@ -1246,7 +1247,12 @@ void sm90_flash_forward(const FwdProblem& p) {
   const bool persistent = pol.grid != Grid::kTilePerCta;
   const bool local = needs_local(p);
   f.zigzag = pol.grid == Grid::kStatic && (p.causal || local) ? 1 : 0;
-  f.stagger = !p.causal && !local && !env_flag("IOATTN_SM90_NO_STAGGER") ? 1 : 0;
+  // The non-causal key-order stagger is off by default since session 35 (IOATTN_SM90_STAGGER=1 turns
+  // it on): with 8 MB L2 sections, Nsight Compute on an H100 (bf16, no mask, two rounds) put the
+  // unrotated order at 0.970 / 0.991 / 0.999 of the rotated one's cycles for hdim 256 at 2k / 4k /
+  // 16k, 0.991 / 0.995 / 1.000 for hdim 64 and 0.991 / 1.001 / 0.998 for hdim 128 (docs/PERF.md).
+  // The fp8 rows (fp8_forward) keep it: not measured.
+  f.stagger = !p.causal && !local && env_flag("IOATTN_SM90_STAGGER") ? 1 : 0;
   if (local) fill_local(l.local, p, p.seqlen_q + p.seqlen_k);  // (the longest sequences' lengths bound the windows)
   f.rescale_skip = pol.rescale_skip ? 1 : 0;
   f.rescale_early = pol.rescale_early ? 1 : 0;
