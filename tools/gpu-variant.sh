@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # tools/gpu-variant.sh OUT_DIR "NVCC_FLAGS" SOURCE.cu [SOURCE.cu ...] — a compile-time variant of the
 # CUDA binaries for an A/B in one device call, without a second build tree: recompiles the named
-# library sources (paths relative to the repo) with extra nvcc flags (e.g. -DIOATTN_SM90_V3_EARLY_Q=1),
+# library sources (paths relative to the repo) with extra nvcc flags (e.g. -DIOATTN_SM90_EARLY_Q=1),
 # swaps those objects into a copy of build-cuda's libioattn.a and relinks ioattn_cuda_bench and
 # test_cuda_kernels against it into OUT_DIR. build-cuda must be built (tools/gpu-configure.sh).
 #
-#   tools/gpu-variant.sh /tmp/earlyq "-DIOATTN_SM90_V3_EARLY_Q=1" src/cuda/hopper/flash_fwd_sm90_hdim128.cu
+#   tools/gpu-variant.sh /tmp/earlyq "-DIOATTN_SM90_EARLY_Q=1" src/cuda/hopper/flash_fwd_sm90_hdim128.cu
 #
 # Environment: GPU_VARIANT_BUILD (default build-cuda), GPU_VARIANT_TARGETS (default "ioattn_cuda_bench
 # test_cuda_kernels").

@@ -70,6 +70,16 @@
 
 namespace ioattn::cuda::sm90 {
 
+// IOATTN_SM90_EARLY_Q (compile time, default 0: prepared in session 35 for an A/B, never run): each
+// consumer warp of the v3 and v4 bodies gives the Q buffer back as soon as its tile's last Q K^T
+// has completed (in the last visited block, before that block's softmax) instead of after the
+// steady loop, so the next tile's Q load (which the producer can start only then) also gets the
+// last softmax's time. Same arrivals per tile (one per consumer warp), only earlier; neither Q nor
+// the tile slot is read after that point. tools/gpu-variant.sh builds the variant for an A/B.
+#ifndef IOATTN_SM90_EARLY_Q
+#define IOATTN_SM90_EARLY_Q 0
+#endif
+
 // Everything the kernel needs besides the three tensor maps. Offsets in elements, int64.
 struct FwdParams {
   void* o = nullptr;
@@ -841,6 +851,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
           wgmma_wait<0>();
           fence_s();
           release(&empty_k[st]);
+          if (IOATTN_SM90_EARLY_Q && n_blocks == 1) release(&empty_q);
           mask_and_softmax(n_first + key_block(0, n_blocks, rot));
           if (p.rescale_skip) rescale = false;  // O is still all zeros
           convert_p();
@@ -862,13 +873,15 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
           wgmma_wait<1>();  // S_i ready (P V may still run)
           fence_s();
           release(&empty_k[st]);
+          if (IOATTN_SM90_EARLY_Q && i == n_blocks - 1) release(&empty_q);
           mask_and_softmax(n_first + key_block(i, n_blocks, rot));
           wgmma_wait<0>();  // P_{i-1} V_{i-1} done: pf and the V slot are free
           fence_o();
           release(&empty_v[prev]);
           convert_p();
         }
-        release(&empty_q);  // every Q K^T of this tile has completed: the producer may load the next Q
+        // Every Q K^T of this tile has completed: the producer may load the next Q.
+        if (!IOATTN_SM90_EARLY_Q) release(&empty_q);
 
         // ---- last P V ----
         {

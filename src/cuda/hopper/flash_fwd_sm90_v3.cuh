@@ -25,14 +25,6 @@ namespace ioattn::cuda::sm90 {
 #ifndef IOATTN_FWD_TRACE
 #define IOATTN_FWD_TRACE 0
 #endif
-// IOATTN_SM90_V3_EARLY_Q (compile time, default 0: prepared in session 35 for an A/B, never run):
-// each consumer warp gives the Q buffer back as soon as its tile's last Q K^T has completed (in the
-// last visited block, before that block's softmax) instead of after the steady loop, so the next
-// tile's Q load (which the producer can start only then) gets the last softmax's time too. Same
-// arrivals per tile (one per consumer warp), only earlier; Q is not read after that point.
-#ifndef IOATTN_SM90_V3_EARLY_Q
-#define IOATTN_SM90_V3_EARLY_Q 0
-#endif
 
 #if IOATTN_FWD_TRACE
 namespace fwd_trace {
@@ -304,7 +296,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
           if (tr) FWD_TRACE(cw, round, 4);
           fence_s();
           release(&empty_k[st]);
-          if (IOATTN_SM90_V3_EARLY_Q && n_blocks == 1) release(&empty_q);
+          if (IOATTN_SM90_EARLY_Q && n_blocks == 1) release(&empty_q);
           mask_and_softmax(key_block(0, n_blocks, rot));
           convert_p();
           if (tr) FWD_TRACE(cw, round, 5);
@@ -323,7 +315,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
           wgmma_wait<1>();  // S_i ready (P V may still run)
           fence_s();
           release(&empty_k[st]);
-          if (IOATTN_SM90_V3_EARLY_Q && i == n_blocks - 1) release(&empty_q);
+          if (IOATTN_SM90_EARLY_Q && i == n_blocks - 1) release(&empty_q);
           mask_and_softmax(key_block(i, n_blocks, rot));
           wgmma_wait<0>();  // P_{i-1} V_{i-1} done: pf and the V slot are free
           fence_o();
@@ -331,7 +323,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
           convert_p();
         }
         // Every Q K^T of this tile has completed: the producer may load the next Q.
-        if (!IOATTN_SM90_V3_EARLY_Q) release(&empty_q);
+        if (!IOATTN_SM90_EARLY_Q) release(&empty_q);
         if (tr) FWD_TRACE(cw, round, 6);
 
         // ---- last P V ----
