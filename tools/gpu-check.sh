@@ -74,9 +74,10 @@
 #      GPU_CHECK_FP8AB_PASSES (default 2) interleaved passes of the fp8 bench -> fp8ab.log, ms per
 #      mode and hdim-128 row in the summary (the bench's hdim-64 / 256 rows, prefixed "d64" / "d256", are in
 #      the log).
-#   fwdtrace (not in the default stages; ~1.5 min incl. its own build in BUILD-fwdtrace): the v3 forward
-#      body's per-tile phases (Q wait, first block, steady loop, last P V, epilogue; IOATTN_FWD_TRACE=1
-#      build), hdim 128 without a mask, per seqlen in GPU_CHECK_FWDTRACE_SEQLENS -> summary.
+#   fwdtrace (not in the default stages; ~2 min incl. its own build in BUILD-fwdtrace): the forward's
+#      per-tile phases (Q wait, first block, steady loop, last P V, epilogue; IOATTN_FWD_TRACE=1 build),
+#      per GPU_CHECK_FWDTRACE_CFGS (HDIM:CAUSAL) and GPU_CHECK_FWDTRACE_SEQLENS -> summary. Without a
+#      second tree: tools/gpu-variant.sh OUT "-DIOATTN_FWD_TRACE=1" src/cuda/hopper/flash_fwd_sm90_hdim*.cu.
 #   dectrace (not in the default stages; ~1.5 min incl. its own build in BUILD-dtrace): the mma decode
 #      kernel's phases (IOATTN_DECODE_TRACE=1 build), SM cycles per phase over the CTAs of a launch,
 #      per cell in GPU_CHECK_DECTRACE_CELLS -> summary.
@@ -631,21 +632,25 @@ if want bwdtrace; then
 fi
 
 # ---- the 16-bit forward's per-tile phases (optional stage fwdtrace) -------------------------------
-# A second build with -DIOATTN_FWD_TRACE=1 (flash_fwd_sm90_v3.cuh: SM clock stamps per tile of the v3
-# body, both consumer warpgroups and the producer); ioattn_cuda_bench grid prints the trace after the
-# 10th launch, hdim 128 without a mask, per seqlen in GPU_CHECK_FWDTRACE_SEQLENS (default "2048 16384").
+# A second build with -DIOATTN_FWD_TRACE=1 (flash_fwd_sm90.cuh: SM clock stamps per tile of the v3 and
+# v4 bodies, every consumer warpgroup, and the v3 producer); ioattn_cuda_bench grid prints the trace
+# after an instance's 10th launch, per HDIM:CAUSAL of GPU_CHECK_FWDTRACE_CFGS (default "128:0 64:1
+# 256:0": the three rows that trailed cuDNN at 2k in session 35) and seqlen of
+# GPU_CHECK_FWDTRACE_SEQLENS (default "2048 16384"), one process each.
 if want fwdtrace; then
   t0=$(stamp)
   WBUILD="$BUILD-fwdtrace"
   { configure "$WBUILD" -DCMAKE_CUDA_FLAGS=-DIOATTN_FWD_TRACE=1 &&
       ninja -C "$WBUILD" -j "$JOBS" ioattn_cuda_bench; } >"$OUT/fwdtrace.log" 2>&1
-  for s in ${GPU_CHECK_FWDTRACE_SEQLENS:-2048 16384}; do
-    echo "## seqlen $s" >>"$OUT/fwdtrace.log"
-    timeout 120 "$WBUILD/ioattn_cuda_bench" grid --hdims 128 --seqlens "$s" --dtypes bf16 --f16-hdims 0 --causal 0 \
-      >>"$OUT/fwdtrace.log" 2>&1
+  for cfg in ${GPU_CHECK_FWDTRACE_CFGS:-128:0 64:1 256:0}; do
+    for s in ${GPU_CHECK_FWDTRACE_SEQLENS:-2048 16384}; do
+      echo "## hdim ${cfg%:*} causal ${cfg#*:} seqlen $s" >>"$OUT/fwdtrace.log"
+      timeout 120 "$WBUILD/ioattn_cuda_bench" grid --hdims "${cfg%:*}" --seqlens "$s" --dtypes bf16 --f16-hdims 0 \
+        --causal "${cfg#*:}" >>"$OUT/fwdtrace.log" 2>&1
+    done
   done
   note "fwdtrace   rc=$?  $(( $(stamp) - t0 )) s  (fwdtrace.log)"
-  grep -E '^## seqlen|^fwd trace' "$OUT/fwdtrace.log" | tee -a "$SUMMARY"
+  grep -E '^## hdim|^fwd trace' "$OUT/fwdtrace.log" | tee -a "$SUMMARY"
 fi
 
 # ---- the fp8 forward's consumer-loop phases (optional stage fp8trace) ------------------------------

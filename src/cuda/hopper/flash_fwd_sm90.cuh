@@ -61,6 +61,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <cstdio>
 #include <type_traits>
 
 #include "cuda/check.cuh"
@@ -78,6 +79,34 @@ namespace ioattn::cuda::sm90 {
 // the tile slot is read after that point. tools/gpu-variant.sh builds the variant for an A/B.
 #ifndef IOATTN_SM90_EARLY_Q
 #define IOATTN_SM90_EARLY_Q 0
+#endif
+
+// IOATTN_FWD_TRACE (a diagnostic build only, -DIOATTN_FWD_TRACE=1; gpu-check stage fwdtrace): SM
+// clock stamps at the phases of each tile of the first kBlocks CTAs (each consumer warpgroup's
+// thread 0, and the producer) of the v3 and v4 bodies, printed by the host after an instance's
+// 10th launch as mean cycles per phase over rounds 1 .. kRounds - 2: where a short tile's time goes
+// outside its steady-state steps.
+#ifndef IOATTN_FWD_TRACE
+#define IOATTN_FWD_TRACE 0
+#endif
+
+#if IOATTN_FWD_TRACE
+namespace fwd_trace {
+constexpr int kBlocks = 8, kRounds = 16, kPoints = 10;
+constexpr int kProducer = 3;  // `who` of the producer; consumer warpgroups are 0 .. 2
+// [cta][who][round][point]; the points are named in fwd_trace_print().
+static __device__ unsigned g_stamp[kBlocks][4][kRounds][kPoints];
+static __device__ int g_blocks[kBlocks][kRounds];  // the tile's visited key blocks
+}  // namespace fwd_trace
+#define FWD_TRACE(who, rnd, k)                                                                    \
+  do {                                                                                            \
+    if (blockIdx.x < fwd_trace::kBlocks && (rnd) < fwd_trace::kRounds)                            \
+      fwd_trace::g_stamp[blockIdx.x][(who)][(rnd)][(k)] = static_cast<unsigned>(clock64());       \
+  } while (0)
+#else
+#define FWD_TRACE(who, rnd, k) \
+  do {                         \
+  } while (0)
 #endif
 
 // Everything the kernel needs besides the three tensor maps. Offsets in elements, int64.
@@ -629,8 +658,11 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     };
     int ring = 0;
 
+    const bool tr = IOATTN_FWD_TRACE && threadIdx.x % 128 == 0;  // (trace builds: who stamps)
     for (int round = 0;; ++round) {
+      if (tr) FWD_TRACE(cw, round, 0);
       mbarrier_wait(&full_q, round & 1);  // this tile's index, and its Q when it has keys
+      if (tr) FWD_TRACE(cw, round, 1);
       // Lane 0 alone reads the slot and broadcasts it: lane 0 is also the lane that arrives on
       // empty_q, so the read is ordered before that arrival by program order even when the tile
       // has no key block (no named barrier in between). With every lane reading, racecheck
@@ -656,6 +688,11 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         n_blocks = num_key_blocks<kBlockM, kBlockN, kCausal>(m0, p.seqlen_q, p.seqlen_k);
       }
       const int rot = key_rotation(tc.m_block, n_blocks, p);
+#if IOATTN_FWD_TRACE
+      // (the v4 producer stamps nothing: at 24 registers its stamps spilled)
+      if (tr && cw == 0 && blockIdx.x < fwd_trace::kBlocks && round < fwd_trace::kRounds)
+        fwd_trace::g_blocks[blockIdx.x][round] = n_blocks;
+#endif
       // The score scale (and its log2(e) multiple, 1 / it) and O's factor of this tile: kCache with
       // an 8-bit cache's scales folds k_scale / v_scale of the tile's kv head in; the other
       // instances read p's (scale(), scale_log2(): their SASS stays as it was).
@@ -845,16 +882,20 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         {
           const uint32_t st = ring_stage(ring, kStages);
           mbarrier_wait(&full_k[st], ring_phase(ring, kStages));
+          if (tr) FWD_TRACE(cw, round, 2);
           named_barrier_sync(sched_mine, 256);
+          if (tr) FWD_TRACE(cw, round, 3);
           issue_qk(st);
           named_barrier_arrive(sched_other, 256);
           wgmma_wait<0>();
+          if (tr) FWD_TRACE(cw, round, 4);
           fence_s();
           release(&empty_k[st]);
           if (IOATTN_SM90_EARLY_Q && n_blocks == 1) release(&empty_q);
           mask_and_softmax(n_first + key_block(0, n_blocks, rot));
           if (p.rescale_skip) rescale = false;  // O is still all zeros
           convert_p();
+          if (tr) FWD_TRACE(cw, round, 5);
         }
 
         // ---- steady state: S_i = Q K_i^T issued with O += P_{i-1} V_{i-1} ----
@@ -882,6 +923,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         }
         // Every Q K^T of this tile has completed: the producer may load the next Q.
         if (!IOATTN_SM90_EARLY_Q) release(&empty_q);
+        if (tr) FWD_TRACE(cw, round, 6);
 
         // ---- last P V ----
         {
@@ -896,6 +938,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
           fence_o();
           release(&empty_v[prev]);
         }
+        if (tr) FWD_TRACE(cw, round, 7);
         ring += n_blocks;
       } else {
         release(&empty_q);  // nothing loaded for this tile: the slot is free again at once
@@ -946,6 +989,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
                 sum > 0.0f ? row_max[r] * p.scale + logf(sum) : -INFINITY;
         }
       }
+      if (tr) FWD_TRACE(cw, round, 8);
     }
     if (cw == 0) named_barrier_sync(static_cast<int>(NamedBarrier::kSchedWG0), 256);  // the extra arrival
   }
@@ -967,6 +1011,66 @@ struct FwdLaunch {
 
 // Whether this build holds an sm_90a image of the instance: false when built for sm_80 only, and
 // also when the driver would JIT older PTX for sm_90 (ptxVersion < 90: that body is empty).
+#if IOATTN_FWD_TRACE
+// After the 10th launch (per instance): mean cycles per phase over rounds 1 .. kRounds - 2 of the
+// traced CTAs (rounds whose next round ran a tile too), per consumer warpgroup and the producer.
+// The v4 body's producer stamps nothing (its consumer warpgroup 0 records the visited blocks).
+// A round's span is its point 0 to the next round's point 0; "outside the steps" = the span less
+// (visited blocks - 1) x the steady step (steady loop / (blocks - 1)).
+// Before the traced (10th) launch: zero the stamps, so rounds that launch did not run (dynamic
+// schedules hand out different tiles per launch) read as absent, not as an older launch's.
+inline void fwd_trace_arm(cudaStream_t stream) {
+  void* a = nullptr;
+  IOATTN_CUDA_CHECK(cudaGetSymbolAddress(&a, fwd_trace::g_stamp));
+  IOATTN_CUDA_CHECK(cudaMemsetAsync(a, 0, sizeof(fwd_trace::g_stamp), stream));
+  IOATTN_CUDA_CHECK(cudaGetSymbolAddress(&a, fwd_trace::g_blocks));
+  IOATTN_CUDA_CHECK(cudaMemsetAsync(a, 0, sizeof(fwd_trace::g_blocks), stream));
+}
+inline void fwd_trace_print(unsigned grid, int consumer_wgs, const char* what) {
+  using namespace fwd_trace;
+  static unsigned h[kBlocks][4][kRounds][kPoints];
+  static int nb[kBlocks][kRounds];
+  IOATTN_CUDA_CHECK(cudaDeviceSynchronize());
+  IOATTN_CUDA_CHECK(cudaMemcpyFromSymbol(h, g_stamp, sizeof(h)));
+  IOATTN_CUDA_CHECK(cudaMemcpyFromSymbol(nb, g_blocks, sizeof(nb)));
+  const int blocks = static_cast<int>(grid < static_cast<unsigned>(kBlocks) ? grid : kBlocks);
+  const char* names[8] = {"Q wait", "K0 wait", "turn", "first S", "first softmax", "steady loop", "last P V",
+                          "epilogue"};
+  for (int who = 0; who < consumer_wgs; ++who) {
+    double ph[8] = {}, span = 0, step = 0, outside = 0;
+    int n = 0;
+    for (int b = 0; b < blocks; ++b)
+      for (int r = 1; r < kRounds - 1; ++r) {
+        const unsigned* x = h[b][who][r];
+        const unsigned* next = h[b][who][r + 1];
+        if (x[0] == 0 || next[0] == 0 || x[8] == 0 || nb[b][r] < 2) continue;
+        for (int k = 0; k < 8; ++k) ph[k] += static_cast<double>(x[k + 1] - x[k]);
+        const double sp = static_cast<double>(next[0] - x[0]), st = static_cast<double>(x[6] - x[5]) / (nb[b][r] - 1);
+        span += sp, step += st, outside += sp - (nb[b][r] - 1) * st, ++n;
+      }
+    if (n == 0) continue;
+    std::fprintf(stderr, "fwd trace %s wg %d (mean cycles over %d tiles):", what, who, n);
+    for (int k = 0; k < 8; ++k) std::fprintf(stderr, " %s %.0f |", names[k], ph[k] / n);
+    std::fprintf(stderr, " tile span %.0f | steady step %.0f | outside the steps %.0f\n", span / n, step / n,
+                 outside / n);
+  }
+  double qwait = 0, k0 = 0;
+  int n = 0;
+  for (int b = 0; b < blocks; ++b)
+    for (int r = 1; r < kRounds - 1; ++r) {
+      const unsigned* x = h[b][kProducer][r];
+      const unsigned* c = h[b][0][r];
+      if (x[0] == 0 || x[2] == 0 || c[1] == 0) continue;
+      qwait += static_cast<double>(x[1] - x[0]);
+      k0 += static_cast<double>(c[1] - x[1]);  // producer's Q issue -> consumer 0 sees Q landed
+      ++n;
+    }
+  if (n > 0)
+    std::fprintf(stderr, "fwd trace %s producer: empty_q wait %.0f | Q issue -> Q landed (wg 0) %.0f\n", what,
+                 qwait / n, k0 / n);
+}
+#endif
+
 template <class Tr, bool kCausal, bool kLocal = false, bool kCache = false>
 bool flash_fwd_sm90_present() {
   cudaFuncAttributes attr{};
@@ -982,11 +1086,18 @@ template <class Tr, bool kCausal, bool kLocal = false, bool kCache = false>
 void flash_fwd_sm90_launch(const FwdLaunch& l) {
   auto kernel = flash_fwd_sm90_kernel<Tr, kCausal, kLocal, kCache>;
   IOATTN_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Tr::kSmemBytes));
+#if IOATTN_FWD_TRACE
+  static int calls = 0;
+  if (++calls == 10) fwd_trace_arm(l.stream);
+#endif
   if constexpr (kCache)
     kernel<<<l.grid, Tr::kThreads, Tr::kSmemBytes, l.stream>>>(l.q, l.k, l.v, l.params, l.cache);
   else
     kernel<<<l.grid, Tr::kThreads, Tr::kSmemBytes, l.stream>>>(l.q, l.k, l.v, l.params, l.local);
   IOATTN_CUDA_CHECK_LAUNCH("flash_fwd_sm90_kernel");
+#if IOATTN_FWD_TRACE
+  if (calls == 10) fwd_trace_print(l.grid, Tr::kConsumerWGs, kCausal ? "v4 causal" : "v4");
+#endif
 }
 
 // Explicit instantiation (one line per dispatch-table row, in the flash_fwd_sm90_hdim*.cu files).

@@ -12,37 +12,11 @@
 // launches it with a static or one-CTA-per-tile grid, never with a tile counter.
 #pragma once
 
-#include <cstdio>
 
 #include "cuda/hopper/flash_fwd_sm90.cuh"
 
 namespace ioattn::cuda::sm90 {
 
-// IOATTN_FWD_TRACE (a diagnostic build only, -DIOATTN_FWD_TRACE=1; gpu-check stage fwdtrace): SM
-// clock stamps at the phases of each tile of the first kBlocks CTAs (each consumer warpgroup's
-// thread 0, and the producer), printed by the host after the 10th launch as mean cycles per phase
-// over rounds 1 .. kRounds - 2: where a short tile's time goes outside its steady-state steps.
-#ifndef IOATTN_FWD_TRACE
-#define IOATTN_FWD_TRACE 0
-#endif
-
-#if IOATTN_FWD_TRACE
-namespace fwd_trace {
-constexpr int kBlocks = 8, kRounds = 16, kPoints = 10;
-// [cta][who: consumer warpgroup 0 / 1, producer 2][round][point]; the points are named in print().
-static __device__ unsigned g_stamp[kBlocks][3][kRounds][kPoints];
-static __device__ int g_blocks[kBlocks][kRounds];  // the tile's visited key blocks
-}  // namespace fwd_trace
-#define FWD_TRACE(who, rnd, k)                                                                    \
-  do {                                                                                            \
-    if (blockIdx.x < fwd_trace::kBlocks && (rnd) < fwd_trace::kRounds)                            \
-      fwd_trace::g_stamp[blockIdx.x][(who)][(rnd)][(k)] = static_cast<unsigned>(clock64());       \
-  } while (0)
-#else
-#define FWD_TRACE(who, rnd, k) \
-  do {                         \
-  } while (0)
-#endif
 
 template <class Tr, bool kCausal>
 __global__ void __launch_bounds__(Tr::kThreads, 1)
@@ -97,9 +71,9 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         if (n_blocks == 0) continue;
         const int rot = key_rotation(tc.m_block, n_blocks, p);
         // Q of this tile once the consumers finished every Q K^T of the previous one.
-        FWD_TRACE(2, round, 0);
+        FWD_TRACE(fwd_trace::kProducer, round, 0);
         mbarrier_wait(&empty_q, (q_iter & 1) ^ 1);
-        FWD_TRACE(2, round, 1);
+        FWD_TRACE(fwd_trace::kProducer, round, 1);
         mbarrier_arrive_expect_tx(&full_q, Tr::kQBytes);
 #pragma unroll
         for (int c = 0; c < Tr::kColBlocks; ++c)
@@ -117,7 +91,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         };
         // Order K0, K1, V0, K2, V1, ...: the consumers need K_{i+1} before V_i.
         load_kv(&tm_k, s_k, full_k, empty_k, 0);
-        FWD_TRACE(2, round, 2);
+        FWD_TRACE(fwd_trace::kProducer, round, 2);
 #if IOATTN_FWD_TRACE
         if (blockIdx.x < fwd_trace::kBlocks && round < fwd_trace::kRounds) fwd_trace::g_blocks[blockIdx.x][round] = n_blocks;
 #endif
@@ -383,66 +357,20 @@ bool flash_fwd_sm90_v3_present() {
   return attr.binaryVersion >= 90 && attr.ptxVersion >= 90;
 }
 
-#if IOATTN_FWD_TRACE
-// After the 10th launch (per instance): mean cycles per phase over rounds 1 .. kRounds - 2 of the
-// traced CTAs (rounds whose next round ran a tile too), per consumer warpgroup and the producer.
-// A round's span is its point 0 to the next round's point 0; "outside the steps" = the span less
-// (visited blocks - 1) x the steady step (steady loop / (blocks - 1)).
-inline void fwd_trace_print(unsigned grid, const char* what) {
-  using namespace fwd_trace;
-  static unsigned h[kBlocks][3][kRounds][kPoints];
-  static int nb[kBlocks][kRounds];
-  IOATTN_CUDA_CHECK(cudaDeviceSynchronize());
-  IOATTN_CUDA_CHECK(cudaMemcpyFromSymbol(h, g_stamp, sizeof(h)));
-  IOATTN_CUDA_CHECK(cudaMemcpyFromSymbol(nb, g_blocks, sizeof(nb)));
-  const int blocks = static_cast<int>(grid < static_cast<unsigned>(kBlocks) ? grid : kBlocks);
-  const char* names[8] = {"Q wait", "K0 wait", "turn", "first S", "first softmax", "steady loop", "last P V",
-                          "epilogue"};
-  for (int who = 0; who < 2; ++who) {
-    double ph[8] = {}, span = 0, step = 0, outside = 0;
-    int n = 0;
-    for (int b = 0; b < blocks; ++b)
-      for (int r = 1; r < kRounds - 1; ++r) {
-        const unsigned* x = h[b][who][r];
-        const unsigned* next = h[b][who][r + 1];
-        if (x[0] == 0 || next[0] == 0 || x[8] == 0 || nb[b][r] < 2) continue;
-        for (int k = 0; k < 8; ++k) ph[k] += static_cast<double>(x[k + 1] - x[k]);
-        const double sp = static_cast<double>(next[0] - x[0]), st = static_cast<double>(x[6] - x[5]) / (nb[b][r] - 1);
-        span += sp, step += st, outside += sp - (nb[b][r] - 1) * st, ++n;
-      }
-    if (n == 0) continue;
-    std::fprintf(stderr, "fwd trace %s wg %d (mean cycles over %d tiles):", what, who, n);
-    for (int k = 0; k < 8; ++k) std::fprintf(stderr, " %s %.0f |", names[k], ph[k] / n);
-    std::fprintf(stderr, " tile span %.0f | steady step %.0f | outside the steps %.0f\n", span / n, step / n,
-                 outside / n);
-  }
-  double qwait = 0, k0 = 0;
-  int n = 0;
-  for (int b = 0; b < blocks; ++b)
-    for (int r = 1; r < kRounds - 1; ++r) {
-      const unsigned* x = h[b][2][r];
-      const unsigned* c = h[b][0][r];
-      if (x[0] == 0 || x[2] == 0 || c[1] == 0) continue;
-      qwait += static_cast<double>(x[1] - x[0]);
-      k0 += static_cast<double>(c[1] - x[1]);  // producer's Q issue -> consumer 0 sees Q landed
-      ++n;
-    }
-  if (n > 0)
-    std::fprintf(stderr, "fwd trace %s producer: empty_q wait %.0f | Q issue -> Q landed (wg 0) %.0f\n", what,
-                 qwait / n, k0 / n);
-}
-#endif
 
 template <class Tr, bool kCausal>
 void flash_fwd_sm90_v3_launch(const FwdLaunch& l) {
   static_assert(Tr::kConsumerWGs == 2, "the v3 body has 2 consumer warpgroups (128-row tiles)");
   auto kernel = flash_fwd_sm90_v3_kernel<Tr, kCausal>;
   IOATTN_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Tr::kSmemBytes));
+#if IOATTN_FWD_TRACE
+  static int calls = 0;
+  if (++calls == 10) fwd_trace_arm(l.stream);
+#endif
   kernel<<<l.grid, Tr::kThreads, Tr::kSmemBytes, l.stream>>>(l.q, l.k, l.v, l.params);
   IOATTN_CUDA_CHECK_LAUNCH("flash_fwd_sm90_v3_kernel");
 #if IOATTN_FWD_TRACE
-  static int calls = 0;
-  if (++calls == 10) fwd_trace_print(l.grid, kCausal ? "v3 causal" : "v3");
+  if (calls == 10) fwd_trace_print(l.grid, 2, kCausal ? "v3 causal" : "v3");
 #endif
 }
 
