@@ -3,6 +3,7 @@
 
     python3 bench/peer_cpu_torch.py [--threads 2] [--seqlens 1024,4096] [--hdims 64,128]
                                     [--heads 8] [--dtypes float32,bfloat16] [--repeats 5]
+                                    [--no-backward] [--deterministic]
 
 Both run on the same torch CPU tensors ([batch, seq, heads, d] memory; SDPA sees the
 [batch, heads, seq, d] transpose view, ioattn reads the memory in place): ioattn through
@@ -41,6 +42,8 @@ def main():
     ap.add_argument("--causal", default="0,1")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--no-backward", action="store_true")
+    ap.add_argument("--deterministic", action="store_true",
+                    help="ioattn's backward in deterministic mode (Context::deterministic: the two passes)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
@@ -62,7 +65,8 @@ def main():
                                                               v.transpose(1, 2), is_causal=bool(causal))
 
                     def fb_ioattn():
-                        o = ioattn.attention(*leaves, causal=bool(causal), num_threads=args.threads)
+                        o = ioattn.attention(*leaves, causal=bool(causal), num_threads=args.threads,
+                                             deterministic=args.deterministic)
                         return torch.autograd.grad(o, leaves, do)
 
                     def fb_torch():
@@ -84,7 +88,7 @@ def main():
                             t_i.append(timed(f_i))
                             t_t.append(timed(f_t))
                         row = dict(mode=mode, dtype=dt_name, batch=b, heads=h, seqlen=s, head_dim=d,
-                                   causal=causal, threads=args.threads,
+                                   causal=causal, threads=args.threads, deterministic=args.deterministic,
                                    ioattn_gflops=round(mult * flops / statistics.median(t_i) / 1e9, 1),
                                    torch_gflops=round(mult * flops / statistics.median(t_t) / 1e9, 1),
                                    max_diff=diff if mode == "forward" else gdiff)
