@@ -65,8 +65,11 @@ def main():
                                                               v.transpose(1, 2), is_causal=bool(causal))
 
                     def fb_ioattn():
-                        o = ioattn.attention(*leaves, causal=bool(causal), num_threads=args.threads,
-                                             deterministic=args.deterministic)
+                        if args.deterministic:  # (the torch op's keyword; ioattn.attention has none)
+                            o = ioattn.torch.attention(*leaves, causal=bool(causal), num_threads=args.threads,
+                                                       deterministic=True)
+                        else:
+                            o = ioattn.attention(*leaves, causal=bool(causal), num_threads=args.threads)
                         return torch.autograd.grad(o, leaves, do)
 
                     def fb_torch():
