@@ -75,8 +75,10 @@ namespace ioattn::cuda::sm90 {
 // consumer warp of the v3 and v4 bodies gives the Q buffer back as soon as its tile's last Q K^T
 // has completed (in the last visited block, before that block's softmax) instead of after the
 // steady loop, so the next tile's Q load (which the producer can start only then) also gets the
-// last softmax's time. Same arrivals per tile (one per consumer warp), only earlier; neither Q nor
-// the tile slot is read after that point. tools/gpu-variant.sh builds the variant for an A/B.
+// last softmax's time; with Q in registers (kQRegs, the hdim-128 causal default) right after its
+// ldmatrix loads, so the next Q has a whole tile to arrive. Same arrivals per tile (one per consumer
+// warp), only earlier; neither Q nor the tile slot is read after that point (mbarrier.arrive
+// releases the warp's earlier shared-memory reads). tools/gpu-variant.sh builds the variant.
 #ifndef IOATTN_SM90_EARLY_Q
 #define IOATTN_SM90_EARLY_Q 0
 #endif
@@ -742,6 +744,8 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
             const uint32_t chunk = 2 * (kk % 4) + lane / 16;
             ptx::ldmatrix_x4(qa[kk], q_base + (kk / 4) * kBlockM * 128 + qrow * 128 + ((chunk ^ (qrow % 8)) << 4));
           }
+          // IOATTN_SM90_EARLY_Q: with Q in registers nothing reads the Q tile after this point.
+          if (IOATTN_SM90_EARLY_Q) release(&empty_q);
         }
         // S = Q K^T for ring slot st: kHeadDim/16 k-steps, K-major A and B (kQRegs: A from qa).
         auto issue_qk = [&](uint32_t st) {
@@ -891,7 +895,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
           if (tr) FWD_TRACE(cw, round, 4);
           fence_s();
           release(&empty_k[st]);
-          if (IOATTN_SM90_EARLY_Q && n_blocks == 1) release(&empty_q);
+          if (IOATTN_SM90_EARLY_Q && !kQRegs && n_blocks == 1) release(&empty_q);
           mask_and_softmax(n_first + key_block(0, n_blocks, rot));
           if (p.rescale_skip) rescale = false;  // O is still all zeros
           convert_p();
@@ -914,7 +918,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
           wgmma_wait<1>();  // S_i ready (P V may still run)
           fence_s();
           release(&empty_k[st]);
-          if (IOATTN_SM90_EARLY_Q && i == n_blocks - 1) release(&empty_q);
+          if (IOATTN_SM90_EARLY_Q && !kQRegs && i == n_blocks - 1) release(&empty_q);
           mask_and_softmax(n_first + key_block(i, n_blocks, rot));
           wgmma_wait<0>();  // P_{i-1} V_{i-1} done: pf and the V slot are free
           fence_o();
