@@ -72,7 +72,7 @@
 namespace ioattn::cuda::sm90 {
 
 // IOATTN_SM90_EARLY_Q (compile time, default 0: prepared in session 35 for an A/B, never run): each
-// consumer warp of the v3 and v4 bodies gives the Q buffer back as soon as its tile's last Q K^T
+// consumer warp of the v3, v4 and fp8 bodies gives the Q buffer back as soon as its tile's last Q K^T
 // has completed (in the last visited block, before that block's softmax) instead of after the
 // steady loop, so the next tile's Q load (which the producer can start only then) also gets the
 // last softmax's time; with Q in registers (kQRegs, the hdim-128 causal default) right after its

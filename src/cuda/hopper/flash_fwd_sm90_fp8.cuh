@@ -564,6 +564,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
           wgmma_wait<0>();
           fence_s();
           release(&empty_k[st]);
+          if (IOATTN_SM90_EARLY_Q && n_blocks == 1) release(&empty_q);  // (flash_fwd_sm90.cuh)
           mask_and_softmax(n_first + key_block(0, n_blocks, rot));
           if (p.rescale_skip) rescale = false;  // O is still all zeros
           convert_p();
@@ -591,6 +592,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
           wgmma_wait<1>();
           fence_s();
           release(&empty_k[st]);
+          if (IOATTN_SM90_EARLY_Q && i == n_blocks - 1) release(&empty_q);
           FP8_TRACE(i, 7);
           mask_and_softmax(n_first + key_block(i, n_blocks, rot));
           FP8_TRACE(i, 8);
@@ -601,7 +603,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
           convert_p();
           FP8_TRACE(i, 10);
         }
-        release(&empty_q);
+        if (!IOATTN_SM90_EARLY_Q) release(&empty_q);
 
         // ---- last P V ----
         {
