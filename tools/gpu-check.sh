@@ -33,6 +33,10 @@
 #   readbw (not in the default stages; ~30 s incl. its build): ioattn_cuda_readbw, the HBM read ceiling
 #      by load mechanism (LDG, cp.async with/without L2 prefetch hints, 1-D bulk copy) and access
 #      pattern (contiguous, the decode cache's rows) -> readbw.json and a table in the summary.
+#   ncupeer (not in the default stages; ~2 min): the forward against cuDNN at equal clocks, one
+#      Nsight Compute reading per kernel (duration, SM clock, DRAM read) for every bf16 shape of
+#      GPU_CHECK_NCUPEER_HDIMS x GPU_CHECK_NCUPEER_SEQLENS x causal 0 / 1 (default 64 128 256 x
+#      2048 4096 16384), joined by bench/ncu_table.py (cuDNN cycles / ours) -> summary.
 #   ncubwd (not in the default stages; ~1 min): Nsight Compute sections (speed of light, warp
 #      states, scheduler, pipes, memory) plus the stall reasons per issued instruction, each pipe's
 #      active cycles and the shared-memory wavefronts of the wgmma backward kernel at hdim 128, 4k, per
@@ -433,6 +437,31 @@ if want ncubwd && command -v ncu >/dev/null; then
   # The lines that decide the next step, in the summary (the log itself travels in logs.tgz).
   grep -E 'flash_bwd_sm90_kernel|Duration|pipe_(tensor|shared|alu|fma)_cycles|wavefronts_mem_shared|stalled_(wait|dispatch_stall|mio_throttle|long_scoreboard|short_scoreboard|barrier|gmma|math_pipe_throttle)_per|Eligible Warps' \
     "$OUT/ncu_bwd.log" | grep -v '^==' | sed -E 's/  +/ /g; s/^ //' | cut -c1-150 | tee -a "$SUMMARY"
+fi
+
+# ---- the forward against cuDNN at equal clocks (optional stage ncupeer) ---------------------------
+# Session 35's method for power-capped cards: one Nsight Compute reading per kernel (duration, SM
+# clock, DRAM read), ours through ioattn_cuda_bench grid --causal C, cuDNN's through
+# bench/cudnn_ncu.py in profiler ranges; bench/ncu_table.py joins them (cuDNN cycles / ours).
+if want ncupeer && command -v ncu >/dev/null; then
+  t0=$(stamp)
+  NCU_PEER=(ncu --clock-control none --metrics gpu__time_duration.sum,sm__cycles_elapsed.avg.per_second,dram__bytes_read.sum)
+  hd=${GPU_CHECK_NCUPEER_HDIMS:-64 128 256}
+  sl=${GPU_CHECK_NCUPEER_SEQLENS:-2048 4096 16384}
+  : >"$OUT/ncupeer_ours.log"
+  for d in $hd; do
+    for s in $sl; do
+      for c in 0 1; do
+        echo "=== hdim $d seqlen $s causal $c" >>"$OUT/ncupeer_ours.log"
+        timeout 60 "${NCU_PEER[@]}" -k regex:flash_fwd_sm90 --launch-skip 2 -c 1 "$BUILD/ioattn_cuda_bench" grid \
+          --hdims "$d" --seqlens "$s" --dtypes bf16 --f16-hdims 0 --repeats 1 --causal "$c" >>"$OUT/ncupeer_ours.log" 2>&1
+      done
+    done
+  done
+  timeout 400 "${NCU_PEER[@]}" --profile-from-start off -k regex:cudnn python3 "$ROOT/bench/cudnn_ncu.py" \
+    --hdims "${hd// /,}" --seqlens "${sl// /,}" >"$OUT/ncupeer_cudnn.log" 2>&1
+  note "ncupeer    rc=$?  $(( $(stamp) - t0 )) s  (ncupeer_ours.log, ncupeer_cudnn.log)"
+  python3 "$ROOT/bench/ncu_table.py" "$OUT/ncupeer_ours.log" "$OUT/ncupeer_cudnn.log" | tee -a "$SUMMARY"
 fi
 
 # ---- Nsight Compute on the decode, ours and cuDNN's (optional stage ncudec) -----------------------
