@@ -43,7 +43,8 @@ def main():
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--no-backward", action="store_true")
     ap.add_argument("--deterministic", action="store_true",
-                    help="ioattn's backward in deterministic mode (Context::deterministic: the two passes)")
+                    help="ioattn's backward with Context::deterministic (no thread-count-dependent split; "
+                         "the fused pass where the (batch, kv head) tasks fill the threads)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)

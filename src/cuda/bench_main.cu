@@ -83,12 +83,12 @@ struct Buffers {
   }
 };
 
-// --causal 0|1|both: only the unmasked or only the causal lines (both by default).
-std::string causal_arg(int argc, char** argv) {
+// --causal 0|1|both: the masks to run, unmasked first (both by default).
+std::vector<bool> causal_arg(int argc, char** argv) {
   const std::string masks = arg(argc, argv, "--causal", "both");
-  if (masks != "both" && masks != "0" && masks != "1")
-    throw std::invalid_argument("--causal must be 0, 1 or both, got '" + masks + "'");
-  return masks;
+  if (masks == "both") return {false, true};
+  if (masks == "0" || masks == "1") return {masks == "1"};
+  throw std::invalid_argument("--causal must be 0, 1 or both, got '" + masks + "'");
 }
 
 void run_grid(int argc, char** argv) {
@@ -99,7 +99,7 @@ void run_grid(int argc, char** argv) {
   const int64_t hidden = std::stoll(arg(argc, argv, "--hidden", "2048"));
   const int repeats = std::stoi(arg(argc, argv, "--repeats", "15"));
   const std::string dtypes = arg(argc, argv, "--dtypes", "bf16,f16");
-  const std::string masks = causal_arg(argc, argv);
+  const std::vector<bool> masks = causal_arg(argc, argv);
   for (int64_t d : hdims)
     for (int64_t s : seqlens)
       for (const char* dts : {"bf16", "f16"}) {
@@ -114,8 +114,7 @@ void run_grid(int argc, char** argv) {
         const auto v = TensorView::contiguous(buf.v, dt, {b, s, h, d}, Device::cuda);
         const auto o = TensorView::contiguous(buf.o, dt, {b, s, h, d}, Device::cuda);
         const auto lse = TensorView::contiguous(buf.lse, DType::f32, {b, h, s}, Device::cuda);
-        for (bool causal : {false, true}) {
-          if (masks != "both" && (masks == "1") != causal) continue;
+        for (bool causal : masks) {
           AttnParams prm;
           prm.causal = causal;
           Context ctx;
@@ -232,7 +231,7 @@ void run_bwd(int argc, char** argv) {
   const int repeats = std::stoi(arg(argc, argv, "--repeats", "10"));
   const std::string dtypes = arg(argc, argv, "--dtypes", "bf16");
   const bool deterministic = arg(argc, argv, "--deterministic", "0") == "1";
-  const std::string masks = causal_arg(argc, argv);
+  const std::vector<bool> masks = causal_arg(argc, argv);
   // --varlen 1: the same tokens as b packed sequences of s tokens each (forward_varlen /
   // backward_varlen over [b*s, h, d] views of the same memory, LSE [h, b*s]).
   const bool varlen = arg(argc, argv, "--varlen", "0") == "1";
@@ -278,8 +277,7 @@ void run_bwd(int argc, char** argv) {
         Varlen vl;
         vl.cu_seqlens_q = vl.cu_seqlens_k = TensorView::contiguous(cu_dev, DType::i32, {nseq + 1}, Device::cuda);
         vl.max_seqlen_q = vl.max_seqlen_k = std::max(s, mix);
-        for (bool causal : {false, true}) {
-          if (masks != "both" && (masks == "1") != causal) continue;
+        for (bool causal : masks) {
           AttnParams prm;
           prm.causal = causal;
           Context ctx;

@@ -100,14 +100,23 @@ constexpr int kProducer = 3;  // `who` of the producer; consumer warpgroups are 
 static __device__ unsigned g_stamp[kBlocks][4][kRounds][kPoints];
 static __device__ int g_blocks[kBlocks][kRounds];  // the tile's visited key blocks
 }  // namespace fwd_trace
-#define FWD_TRACE(who, rnd, k)                                                                    \
-  do {                                                                                            \
-    if (blockIdx.x < fwd_trace::kBlocks && (rnd) < fwd_trace::kRounds)                            \
-      fwd_trace::g_stamp[blockIdx.x][(who)][(rnd)][(k)] = static_cast<unsigned>(clock64());       \
+#define FWD_TRACE_IN(rnd) (blockIdx.x < fwd_trace::kBlocks && (rnd) < fwd_trace::kRounds)
+#define FWD_TRACE(who, rnd, k)                                                              \
+  do {                                                                                      \
+    if (FWD_TRACE_IN(rnd))                                                                  \
+      fwd_trace::g_stamp[blockIdx.x][(who)][(rnd)][(k)] = static_cast<unsigned>(clock64()); \
+  } while (0)
+// The tile's visited key blocks (one writer per CTA and round).
+#define FWD_TRACE_BLOCKS(rnd, n)                                          \
+  do {                                                                    \
+    if (FWD_TRACE_IN(rnd)) fwd_trace::g_blocks[blockIdx.x][(rnd)] = (n); \
   } while (0)
 #else
 #define FWD_TRACE(who, rnd, k) \
   do {                         \
+  } while (0)
+#define FWD_TRACE_BLOCKS(rnd, n) \
+  do {                           \
   } while (0)
 #endif
 
@@ -690,11 +699,8 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         n_blocks = num_key_blocks<kBlockM, kBlockN, kCausal>(m0, p.seqlen_q, p.seqlen_k);
       }
       const int rot = key_rotation(tc.m_block, n_blocks, p);
-#if IOATTN_FWD_TRACE
       // (the v4 producer stamps nothing: at 24 registers its stamps spilled)
-      if (tr && cw == 0 && blockIdx.x < fwd_trace::kBlocks && round < fwd_trace::kRounds)
-        fwd_trace::g_blocks[blockIdx.x][round] = n_blocks;
-#endif
+      if (tr && cw == 0) FWD_TRACE_BLOCKS(round, n_blocks);
       // The score scale (and its log2(e) multiple, 1 / it) and O's factor of this tile: kCache with
       // an 8-bit cache's scales folds k_scale / v_scale of the tile's kv head in; the other
       // instances read p's (scale(), scale_log2(): their SASS stays as it was).
@@ -1016,11 +1022,6 @@ struct FwdLaunch {
 // Whether this build holds an sm_90a image of the instance: false when built for sm_80 only, and
 // also when the driver would JIT older PTX for sm_90 (ptxVersion < 90: that body is empty).
 #if IOATTN_FWD_TRACE
-// After the 10th launch (per instance): mean cycles per phase over rounds 1 .. kRounds - 2 of the
-// traced CTAs (rounds whose next round ran a tile too), per consumer warpgroup and the producer.
-// The v4 body's producer stamps nothing (its consumer warpgroup 0 records the visited blocks).
-// A round's span is its point 0 to the next round's point 0; "outside the steps" = the span less
-// (visited blocks - 1) x the steady step (steady loop / (blocks - 1)).
 // Before the traced (10th) launch: zero the stamps, so rounds that launch did not run (dynamic
 // schedules hand out different tiles per launch) read as absent, not as an older launch's.
 inline void fwd_trace_arm(cudaStream_t stream) {
@@ -1030,6 +1031,11 @@ inline void fwd_trace_arm(cudaStream_t stream) {
   IOATTN_CUDA_CHECK(cudaGetSymbolAddress(&a, fwd_trace::g_blocks));
   IOATTN_CUDA_CHECK(cudaMemsetAsync(a, 0, sizeof(fwd_trace::g_blocks), stream));
 }
+// After the 10th launch (per instance): mean cycles per phase over rounds 1 .. kRounds - 2 of the
+// traced CTAs (rounds whose next round ran a tile too), per consumer warpgroup and the producer.
+// The v4 body's producer stamps nothing (its consumer warpgroup 0 records the visited blocks).
+// A round's span is its point 0 to the next round's point 0; "outside the steps" = the span less
+// (visited blocks - 1) x the steady step (steady loop / (blocks - 1)).
 inline void fwd_trace_print(unsigned grid, int consumer_wgs, const char* what) {
   using namespace fwd_trace;
   static unsigned h[kBlocks][4][kRounds][kPoints];

@@ -92,9 +92,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         // Order K0, K1, V0, K2, V1, ...: the consumers need K_{i+1} before V_i.
         load_kv(&tm_k, s_k, full_k, empty_k, 0);
         FWD_TRACE(fwd_trace::kProducer, round, 2);
-#if IOATTN_FWD_TRACE
-        if (blockIdx.x < fwd_trace::kBlocks && round < fwd_trace::kRounds) fwd_trace::g_blocks[blockIdx.x][round] = n_blocks;
-#endif
+        FWD_TRACE_BLOCKS(round, n_blocks);
         for (int i = 1; i < n_blocks; ++i) {
           load_kv(&tm_k, s_k, full_k, empty_k, i);
           load_kv(&tm_v, s_v, full_v, empty_v, i - 1);
@@ -122,6 +120,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     const uint32_t k_base = smem_u32(s_k);
     const uint32_t v_base = smem_u32(s_v);
     int ring = 0, q_iter = 0;
+    const bool tr = IOATTN_FWD_TRACE && threadIdx.x % 128 == 0;  // (trace builds: who stamps)
 
     for (int round = 0; round * static_cast<int>(gridDim.x) < p.num_tiles; ++round) {
       const int t = tile_of_round(round, p.zigzag);
@@ -254,7 +253,6 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         };
 
         // ---- first key block (the last one in key order) ----
-        const bool tr = IOATTN_FWD_TRACE && threadIdx.x % 128 == 0;
         if (tr) FWD_TRACE(cw, round, 0);
         mbarrier_wait(&full_q, q_iter & 1);
         if (tr) FWD_TRACE(cw, round, 1);
@@ -337,7 +335,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
                 sum > 0.0f ? row_max[r] * p.scale + logf(sum) : -INFINITY;
         }
       }
-      if (IOATTN_FWD_TRACE && threadIdx.x % 128 == 0) FWD_TRACE(cw, round, 8);
+      if (tr) FWD_TRACE(cw, round, 8);
     }
     if (cw == 0) named_barrier_sync(static_cast<int>(NamedBarrier::kSchedWG0), 256);  // the extra arrival
   }
