@@ -42,6 +42,7 @@
 
 #include "cuda/check.cuh"
 #include "cuda/flash_bwd_launch.cuh"
+#include "cuda/hopper/epilogue_sm90.cuh"
 #include "cuda/hopper/ptx_sm90.cuh"
 
 namespace ioattn::cuda {
@@ -52,6 +53,13 @@ namespace sm90_bwd {
 // the 20th launch (per-phase mean cycles over the steps).
 #ifndef IOATTN_BWD_TRACE
 #define IOATTN_BWD_TRACE 0
+#endif
+
+// IOATTN_BWD_DKV_VEC (compile time, default 1 since session 36; 0 = element pairs): dK and dV
+// leave the dK/dV kernels (hdim 64 / 128 and 256) as 16-byte vectors after a quad transpose
+// (store_acc_row, epilogue_sm90.cuh) when dk / dv and their strides allow.
+#ifndef IOATTN_BWD_DKV_VEC
+#define IOATTN_BWD_DKV_VEC 1
 #endif
 #if IOATTN_BWD_TRACE
 // Points 0-9: the phases every variant prints; 10-14: finer points (10: after the dQ piece
@@ -754,21 +762,18 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_sm90_kernel(const BwdPa
   ptx::cp_async_wait<0>();
   if (kTmaDq && dq_issuer) bulk_wait_group<0>();  // the last pieces read (and added) before exit
 
-  // dK (scaled), dV: keys 64wg + 16w + g (+8), dims 8i + 2t (+1).
+  // dK (scaled), dV: keys 64wg + 16w + g (+8), dims 8i + 2t (+1); as 16-byte vectors when the
+  // tensors allow (store_acc_row, IOATTN_BWD_DKV_VEC).
   T* dkp = static_cast<T*>(p.dk) + b * p.dk_batch + static_cast<int64_t>(k_start) * p.dk_seq + hk * p.dk_head;
   T* dvp = static_cast<T*>(p.dv) + b * p.dv_batch + static_cast<int64_t>(k_start) * p.dv_seq + hk * p.dv_head;
+  const bool vec = IOATTN_BWD_DKV_VEC && vec16_ok<T>(p.dk, p.dk_batch, p.dk_seq, p.dk_head) &&
+                   vec16_ok<T>(p.dv, p.dv_batch, p.dv_seq, p.dv_head);
 #pragma unroll
-  for (int i = 0; i < kD / 8; ++i)
-#pragma unroll
-    for (int rh = 0; rh < 2; ++rh) {
-      const int j = n0 + 64 * wg + 16 * w + g + 8 * rh;
-      if (j >= sk_len) continue;
-      const int d = 8 * i + 2 * t;
-      *reinterpret_cast<uint32_t*>(dkp + static_cast<int64_t>(j) * p.dk_seq + d) =
-          ptx::pack2<T>(dk[4 * i + 2 * rh] * p.scale, dk[4 * i + 2 * rh + 1] * p.scale);
-      *reinterpret_cast<uint32_t*>(dvp + static_cast<int64_t>(j) * p.dv_seq + d) =
-          ptx::pack2<T>(dv[4 * i + 2 * rh], dv[4 * i + 2 * rh + 1]);
-    }
+  for (int rh = 0; rh < 2; ++rh) {
+    const int j = n0 + 64 * wg + 16 * w + g + 8 * rh;
+    store_acc_row<T, kD>(dkp + static_cast<int64_t>(j) * p.dk_seq, dk, rh, p.scale, lane, vec, j < sk_len);
+    store_acc_row<T, kD>(dvp + static_cast<int64_t>(j) * p.dv_seq, dv, rh, 1.0f, lane, vec, j < sk_len);
+  }
 #elif defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   __trap();  // an sm_90 image without the "a" features (wgmma): never silently write nothing
 #endif
@@ -1107,22 +1112,23 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_sm90_d256_kernel(const 
 #pragma unroll
   for (int i = 0; i < kD / 4; ++i) reg_fence(dv[i]), reg_fence(dk[i]);
 
-  // dK (scaled), dV: keys n0 + r0 (+8), dims 128c + 8i + 2t (+1).
-  T* dkp = static_cast<T*>(p.dk) + b * p.dk_batch + static_cast<int64_t>(k_start) * p.dk_seq + hk * p.dk_head;
-  T* dvp = static_cast<T*>(p.dv) + b * p.dv_batch + static_cast<int64_t>(k_start) * p.dv_seq + hk * p.dv_head;
+  // dK (scaled), dV: keys n0 + r0 (+8), dims 128c + 8i + 2t (+1); 16-byte vectors as above.
+  if (steps == 0) {  // no step: dK = dV = 0 (the registers were never written)
 #pragma unroll
-  for (int i = 0; i < kD / 16; ++i)
+    for (int i = 0; i < kD / 4; ++i) dv[i] = 0.f, dk[i] = 0.f;
+  }
+  T* dkp = static_cast<T*>(p.dk) + b * p.dk_batch + static_cast<int64_t>(k_start) * p.dk_seq + hk * p.dk_head +
+           (kD / 2) * wg;
+  T* dvp = static_cast<T*>(p.dv) + b * p.dv_batch + static_cast<int64_t>(k_start) * p.dv_seq + hk * p.dv_head +
+           (kD / 2) * wg;
+  const bool vec = IOATTN_BWD_DKV_VEC && vec16_ok<T>(p.dk, p.dk_batch, p.dk_seq, p.dk_head) &&
+                   vec16_ok<T>(p.dv, p.dv_batch, p.dv_seq, p.dv_head);
 #pragma unroll
-    for (int rh = 0; rh < 2; ++rh) {
-      const int j = n0 + r0 + 8 * rh;
-      if (j >= sk_len) continue;
-      const int d = (kD / 2) * wg + 8 * i + 2 * t;
-      const bool any = steps > 0;  // no step: dK = dV = 0 (the registers were never written)
-      *reinterpret_cast<uint32_t*>(dkp + static_cast<int64_t>(j) * p.dk_seq + d) =
-          ptx::pack2<T>(any ? dk[4 * i + 2 * rh] * p.scale : 0.f, any ? dk[4 * i + 2 * rh + 1] * p.scale : 0.f);
-      *reinterpret_cast<uint32_t*>(dvp + static_cast<int64_t>(j) * p.dv_seq + d) =
-          ptx::pack2<T>(any ? dv[4 * i + 2 * rh] : 0.f, any ? dv[4 * i + 2 * rh + 1] : 0.f);
-    }
+  for (int rh = 0; rh < 2; ++rh) {
+    const int j = n0 + r0 + 8 * rh;
+    store_acc_row<T, kD / 2>(dkp + static_cast<int64_t>(j) * p.dk_seq, dk, rh, p.scale, lane, vec, j < sk_len);
+    store_acc_row<T, kD / 2>(dvp + static_cast<int64_t>(j) * p.dv_seq, dv, rh, 1.0f, lane, vec, j < sk_len);
+  }
 #elif defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   __trap();  // an sm_90 image without the "a" features (wgmma): never silently write nothing
 #endif

@@ -65,6 +65,7 @@
 #include <type_traits>
 
 #include "cuda/check.cuh"
+#include "cuda/hopper/epilogue_sm90.cuh"
 #include "cuda/hopper/ptx_sm90.cuh"
 #include "cuda/hopper/sched_sm90.cuh"
 #include "cuda/ptx.cuh"  // tanh_approx (softcap, as the mma.sync kernel)
@@ -87,60 +88,14 @@ namespace ioattn::cuda::sm90 {
 
 // IOATTN_SM90_O_VEC (compile time, default 1 since session 36; 0 = the element-pair stores
 // always): the epilogue stores each O row as 16-byte vectors after a 4 x 4 transpose of 32-bit
-// words inside each quad (store_o_row) instead of one 4-byte element pair per column group: a
+// words inside each quad (store_acc_row) instead of one 4-byte element pair per column group: a
 // quarter of the store instructions, each writing whole 32-byte sectors (the pair stores wrote 16
 // bytes of each of 8 rows per warp instruction). The phase trace put the hdim-128 epilogue at ~3,600
 // cycles of a 2k tile's 45,700 (hdim 256: ~7,300 of 80,300; with the vectors 2,600-3,100 and
-// 4,600-4,800). Taken when o and its strides are 16-byte multiples (o_vec16), else the pair stores.
+// 4,600-4,800). Taken when o and its strides are 16-byte multiples (vec16_ok), else the pair stores.
 #ifndef IOATTN_SM90_O_VEC
 #define IOATTN_SM90_O_VEC 1
 #endif
-
-// Whether O's base and strides allow store_o_row's 16-byte vectors (warp-uniform; once per CTA).
-template <class Out, class P>
-__device__ __forceinline__ bool o_vec16(const P& p) {
-  return ((reinterpret_cast<uintptr_t>(p.o) |
-           static_cast<uint64_t>(p.o_batch | p.o_seq | p.o_head) * sizeof(Out)) & 15) == 0;
-}
-
-// One accumulator row of the epilogue (r = 0 / 1: this thread's rows m and m + 8) times inv, in
-// Out, to orow (the row's element 0). The wgmma accumulator gives lane q of a quad the element pairs
-// at columns 8 i + 2 q; with vec the quad transposes each 4 x 4 block of those 32-bit words (lanes
-// q and q ^ 2 swap the off-diagonal 2 x 2 blocks, then lanes q and q ^ 1 the off-diagonal words of
-// each block) so that lane q holds columns 32 g + 8 q .. + 7 and stores them as one 16-byte vector.
-// Every lane of the warp must call it when vec (shuffles); `in` masks the stores (rows past the
-// sequence, padding rows).
-template <class Out, int kHeadDim>
-__device__ __forceinline__ void store_o_row(Out* orow, const float* o, int r, float inv, int lane, bool vec,
-                                            bool in) {
-  static_assert(kHeadDim % 32 == 0, "16-byte groups of 4 column pairs per lane");
-  const int q = lane & 3;
-  if (vec) {
-#pragma unroll
-    for (int g = 0; g < kHeadDim / 32; ++g) {
-      uint32_t w[4];
-#pragma unroll
-      for (int k = 0; k < 4; ++k) w[k] = pack2<Out>(o[4 * (4 * g + k) + 2 * r] * inv, o[4 * (4 * g + k) + 2 * r + 1] * inv);
-#pragma unroll
-      for (int j = 0; j < 2; ++j) {  // lanes q, q ^ 2: words j (lanes 2, 3) <-> words 2 + j (lanes 0, 1)
-        const uint32_t got = __shfl_xor_sync(0xffffffffu, (q & 2) ? w[j] : w[2 + j], 2);
-        if (q & 2) w[j] = got; else w[2 + j] = got;
-      }
-#pragma unroll
-      for (int j = 0; j < 4; j += 2) {  // lanes q, q ^ 1: words j (odd lanes) <-> words j + 1 (even lanes)
-        const uint32_t got = __shfl_xor_sync(0xffffffffu, (q & 1) ? w[j] : w[j + 1], 1);
-        if (q & 1) w[j] = got; else w[j + 1] = got;
-      }
-      if (in) *reinterpret_cast<uint4*>(orow + 32 * g + 8 * q) = make_uint4(w[0], w[1], w[2], w[3]);
-    }
-    return;
-  }
-  if (in) {
-#pragma unroll
-    for (int i = 0; i < kHeadDim / 8; ++i)
-      *reinterpret_cast<uint32_t*>(orow + 8 * i + 2 * q) = pack2<Out>(o[4 * i + 2 * r] * inv, o[4 * i + 2 * r + 1] * inv);
-  }
-}
 
 // IOATTN_FWD_TRACE (a diagnostic build only, -DIOATTN_FWD_TRACE=1; gpu-check stage fwdtrace): SM
 // clock stamps at the phases of each tile of the first kBlocks CTAs (each consumer warpgroup's
@@ -707,7 +662,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     const int cw = warpgroup - 1;  // consumer warpgroup 0, 1(, 2): rows [64 cw, 64 cw + 64) of the tile
     const int warp = (threadIdx.x / 32) % 4;
     const int lane = threadIdx.x % 32;
-    const bool o_vec = IOATTN_SM90_O_VEC && o_vec16<Element>(p);  // the epilogue's 16-byte stores
+    const bool o_vec = IOATTN_SM90_O_VEC && vec16_ok<Element>(p.o, p.o_batch, p.o_seq, p.o_head);  // the epilogue's 16-byte stores
     const int row_in_tile = cw * 64 + warp * 16 + lane / 4;  // this thread's rows: +0 and +8
     const int off = p.seqlen_k - p.seqlen_q;                 // bottom-right causal offset
     const int sched_mine = static_cast<int>(NamedBarrier::kSchedWG0) + cw;
@@ -1031,7 +986,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
           }
           const int row = m0 + row_in_tile + 8 * r;
           const int64_t prow = static_cast<int64_t>(span.q0) + row;  // varlen: packed position q0 + row
-          store_o_row<Element, kHeadDim>(static_cast<Element*>(p.o) + tc.b * p.o_batch + prow * p.o_seq + tc.h * p.o_head,
+          store_acc_row<Element, kHeadDim>(static_cast<Element*>(p.o) + tc.b * p.o_batch + prow * p.o_seq + tc.h * p.o_head,
                                          o, r, inv, lane, o_vec, row < span.sq);
           if (row < span.sq && p.lse != nullptr && lane % 4 == 0)
             p.lse[tc.b * p.lse_batch + tc.h * p.lse_head + prow * p.lse_seq] = lse;
@@ -1040,7 +995,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
         const int row = m0 + row_in_tile + 8 * r;
         const bool in = row < p.seqlen_q && (!kCausal || row >= 0);  // (rows < 0: m_shift's padding)
-        store_o_row<Element, kHeadDim>(static_cast<Element*>(p.o) + tc.b * p.o_batch + row * p.o_seq + tc.h * p.o_head,
+        store_acc_row<Element, kHeadDim>(static_cast<Element*>(p.o) + tc.b * p.o_batch + row * p.o_seq + tc.h * p.o_head,
                                        o, r, inv, lane, o_vec, in);
         if (in && p.lse != nullptr && lane % 4 == 0)
           p.lse[tc.b * p.lse_batch + tc.h * p.lse_head + row * p.lse_seq] =

@@ -355,7 +355,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     const int cw = warpgroup - 1;
     const int warp = (threadIdx.x / 32) % 4;
     const int lane = threadIdx.x % 32;
-    const bool o_vec = IOATTN_SM90_O_VEC && o_vec16<Out>(p);  // the epilogue's 16-byte stores (store_o_row)
+    const bool o_vec = IOATTN_SM90_O_VEC && vec16_ok<Out>(p.o, p.o_batch, p.o_seq, p.o_head);  // the epilogue's 16-byte stores (store_acc_row)
     const int row_in_tile = cw * 64 + warp * 16 + lane / 4;
     const int off = p.seqlen_k - p.seqlen_q;
     const int sched_mine = static_cast<int>(NamedBarrier::kSchedWG0) + cw;
@@ -636,7 +636,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
             fold_sink(sum, sum > 0.0f ? row_max[r] * scale_ln : -INFINITY, pp.lp.sinks[tc.h], dv, &inv, &lse);
           const int row = m0 + row_in_tile + 8 * r;
           const int64_t prow = static_cast<int64_t>(span.q0) + row;  // varlen: packed position q0 + row
-          store_o_row<Out, kHeadDim>(static_cast<Out*>(p.o) + tc.b * p.o_batch + prow * p.o_seq + tc.h * p.o_head, o, r,
+          store_acc_row<Out, kHeadDim>(static_cast<Out*>(p.o) + tc.b * p.o_batch + prow * p.o_seq + tc.h * p.o_head, o, r,
                                      inv, lane, o_vec, row < span.sq);
           if (row < span.sq && p.lse != nullptr && lane % 4 == 0)
             p.lse[tc.b * p.lse_batch + tc.h * p.lse_head + prow * p.lse_seq] = lse;
@@ -644,7 +644,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         }
         const float inv = sum > 0.0f ? dv / sum : 0.0f;
         const int row = m0 + row_in_tile + 8 * r;
-        store_o_row<Out, kHeadDim>(static_cast<Out*>(p.o) + tc.b * p.o_batch + row * p.o_seq + tc.h * p.o_head, o, r,
+        store_acc_row<Out, kHeadDim>(static_cast<Out*>(p.o) + tc.b * p.o_batch + row * p.o_seq + tc.h * p.o_head, o, r,
                                    inv, lane, o_vec, row < p.seqlen_q);
         if (row < p.seqlen_q && p.lse != nullptr && lane % 4 == 0)
           p.lse[tc.b * p.lse_batch + tc.h * p.lse_head + row * p.lse_seq] =

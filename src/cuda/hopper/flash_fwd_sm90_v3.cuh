@@ -108,7 +108,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     const int cw = warpgroup - 1;  // consumer warpgroup 0 / 1: rows [64 cw, 64 cw + 64) of the tile
     const int warp = (threadIdx.x / 32) % 4;
     const int lane = threadIdx.x % 32;
-    const bool o_vec = IOATTN_SM90_O_VEC && o_vec16<Element>(p);  // the epilogue's 16-byte stores
+    const bool o_vec = IOATTN_SM90_O_VEC && vec16_ok<Element>(p.o, p.o_batch, p.o_seq, p.o_head);  // the epilogue's 16-byte stores
     const int row_in_tile = cw * 64 + warp * 16 + lane / 4;  // this thread's rows: +0 and +8
     const int off = p.seqlen_k - p.seqlen_q;                 // bottom-right causal offset
     const int sched_mine = static_cast<int>(NamedBarrier::kSchedWG0) + cw;
@@ -324,7 +324,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         sum += __shfl_xor_sync(0xffffffffu, sum, 2);
         const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
         const int row = m0 + row_in_tile + 8 * r;
-        store_o_row<Element, kHeadDim>(static_cast<Element*>(p.o) + tc.b * p.o_batch + row * p.o_seq + tc.h * p.o_head,
+        store_acc_row<Element, kHeadDim>(static_cast<Element*>(p.o) + tc.b * p.o_batch + row * p.o_seq + tc.h * p.o_head,
                                        o, r, inv, lane, o_vec, row < p.seqlen_q);
         if (row < p.seqlen_q && p.lse != nullptr && lane % 4 == 0)
           p.lse[tc.b * p.lse_batch + tc.h * p.lse_head + row * p.lse_seq] =
