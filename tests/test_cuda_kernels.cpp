@@ -43,6 +43,7 @@ struct Case {
   std::vector<int32_t> lens_q, lens_k;   // varlen when non-empty
   int nan_seq = -1;  // varlen: this sequence's Q / K / V tokens are all NaN; the others must not see it
   Backend backend = Backend::flash;
+  int64_t o_pad = 8;  // O's NaN columns per row (2: 4-byte aligned rows, the sm90 epilogue's pair stores)
 };
 
 constexpr int64_t kPad = 8;  // NaN-filled elements after each row's head_dim (keeps 16-B alignment)
@@ -77,8 +78,8 @@ struct Tensor {
 
 // Allocates [rows(seq), heads, dim] with kPad NaN columns per row; fills the real entries.
 void make_qkv(Tensor& t, DType dt, int64_t batch, int64_t seq, int64_t heads, int64_t dim, bool varlen, bool bhsd,
-              std::mt19937& rng, float amp, bool fill) {
-  const int64_t dp = dim + kPad;
+              std::mt19937& rng, float amp, bool fill, int64_t pad = kPad) {
+  const int64_t dp = dim + pad;
   t.dtype = dt;
   t.numel = (varlen ? 1 : batch) * seq * heads * dp;
   t.host = nan_buffer(dt, t.numel);
@@ -108,6 +109,12 @@ void make_qkv(Tensor& t, DType dt, int64_t batch, int64_t seq, int64_t heads, in
 
 void run_case(const Case& c, uint32_t seed) {
   if (detail::cuda_device_count() == 0) GTEST_SKIP() << "skipped: no CUDA device";
+  // O rows 4-byte aligned only: the sm90 kernels' element-pair stores (their 16-byte stores need
+  // 16-byte rows); the mma.sync kernel refuses such an O, so other GPUs have no kernel for it.
+  if (c.o_pad % 8 != 0 && detail::cuda_device_arch(0) != 90) GTEST_SKIP() << "sm90 only: O rows 4-byte aligned";
+  if (const char* l = std::getenv("IOATTN_SM90_LOCAL"); c.o_pad % 8 != 0 && l != nullptr && *l == '0' &&
+                                                         (!c.lens_q.empty() || c.wl >= 0 || c.wr >= 0))
+    GTEST_SKIP() << "kLocal rows off (IOATTN_SM90_LOCAL=0) and mma.sync refuses 4-byte O rows";
   SCOPED_TRACE(c.name);
   std::mt19937 rng(seed);
   const bool varlen = !c.lens_q.empty();
@@ -125,7 +132,7 @@ void run_case(const Case& c, uint32_t seed) {
   make_qkv(q, dt, batch, rows_q, c.hq, c.d, varlen, c.bhsd, rng, 2.0f, true);
   make_qkv(k, dt, batch, rows_k, c.hkv, c.d, varlen, c.bhsd, rng, 1.0f, true);
   make_qkv(v, dt, batch, rows_k, c.hkv, dv, varlen, c.bhsd, rng, 1.0f, true);
-  make_qkv(o, dt, batch, rows_q, c.hq, dv, varlen, c.bhsd, rng, 1.0f, false);
+  make_qkv(o, dt, batch, rows_q, c.hq, dv, varlen, c.bhsd, rng, 1.0f, false, c.o_pad);
   if (varlen) {  // the 3 tail tokens stay NaN in q/k/v
     for (Tensor* t : {&q, &k, &v}) {
       const int64_t total = t == &q ? cu_q.back() : cu_k.back();
@@ -194,6 +201,7 @@ void run_case(const Case& c, uint32_t seed) {
   detail::cuda_synchronize();
   if (c.backend == Backend::flash) {
     EXPECT_NE(kc.kernel.find("cuda/flash"), std::string::npos) << kc.kernel;
+    if (c.o_pad % 8 != 0) EXPECT_NE(kc.kernel.find("wgmma"), std::string::npos) << kc.kernel;
     // sm90 takes the wgmma/TMA kernel where its table fits, the mma.sync kernel elsewhere.
     EXPECT_TRUE(kc.kernel.find("mma.sync") != std::string::npos || kc.kernel.find("wgmma") != std::string::npos)
         << kc.kernel;
@@ -222,7 +230,7 @@ void run_case(const Case& c, uint32_t seed) {
       if (!varlen && has(" persistent") && std::getenv("IOATTN_SM90_MAX_CTAS") == nullptr) {
         std::mt19937 rng2(seed + 1);
         Tensor o2, lse2;
-        make_qkv(o2, dt, batch, rows_q, c.hq, dv, varlen, c.bhsd, rng2, 1.0f, false);
+        make_qkv(o2, dt, batch, rows_q, c.hq, dv, varlen, c.bhsd, rng2, 1.0f, false, c.o_pad);
         o2.upload();
         lse2.dtype = DType::f32;
         lse2.numel = lse.numel;
@@ -432,6 +440,24 @@ std::vector<Case> flash_cases() {
   {
     Case c = mk("bhsd_strided_f16", hf, 2, 129, 257, 4, 2, 128);
     c.bhsd = true;
+    v.push_back(c);
+  }
+  // O with rows of head_dim + 2 elements (4-byte aligned, not 16): the sm90 epilogue's element-pair
+  // stores instead of its 16-byte vectors (store_acc_row), on each body: v3 (hdim 128 without a
+  // mask), Q in registers (hdim 128 causal), 3 warpgroups (hdim 64 causal), hdim 256, kLocal (varlen).
+  for (int64_t d : {64, 128, 256}) {
+    Case c = mk("o_pairs_hdim" + std::to_string(d), d == 128 ? hf : bf, 2, 300, 257, 4, 2, d);
+    c.o_pad = 2;
+    v.push_back(c);
+    c.name += "_causal";
+    c.causal = true;
+    v.push_back(c);
+  }
+  {
+    Case c = mk("o_pairs_ragged_left60_d128", bf, 0, 0, 0, 4, 2, 128);  // (kLocal: varlen + window)
+    c.lens_q = {130, 0, 77};
+    c.lens_k = {200, 5, 77};
+    c.wl = 60, c.wr = 0, c.causal = true, c.o_pad = 2;
     v.push_back(c);
   }
   // Dense empty dims (session 17: validation admits empty tensors whatever their strides): no keys
