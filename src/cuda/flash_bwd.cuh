@@ -616,9 +616,22 @@ __global__ void __launch_bounds__(Tr::kThreads, Tr::kMinBlocksPerSm) flash_bwd_d
   const int64_t bo = ptx::opaque(static_cast<int64_t>(b)), k0 = ptx::opaque(static_cast<int64_t>(si.k_start));
   T* gdk = static_cast<T*>(p.dk) + bo * p.dk_batch + k0 * p.dk_seq + static_cast<int64_t>(hk) * p.dk_head;
   T* gdv = static_cast<T*>(p.dv) + bo * p.dv_batch + k0 * p.dv_seq + static_cast<int64_t>(hk) * p.dv_head;
+  // IOATTN_SM80_EPI_VEC (flash_fwd.cuh): 16-byte vectors when this CTA's columns are all real and
+  // the rows 16-byte aligned.
+  const bool vec = IOATTN_SM80_EPI_VEC && Tr::kAccCols % 32 == 0 && col0 + Tr::kAccCols <= p.head_dim &&
+                   vec16_ok<T>(p.dk, p.dk_batch, p.dk_seq, p.dk_head) && vec16_ok<T>(p.dv, p.dv_batch, p.dv_seq, p.dv_head);
 #pragma unroll
   for (int rh = 0; rh < 2; ++rh) {
     const int key = key_row0 + rh * 8;
+    if constexpr (IOATTN_SM80_EPI_VEC && Tr::kAccCols % 32 == 0) {
+      if (vec) {  // every lane of the warp (shuffles); key < sk masks the stores
+        store_acc_row<T, Tr::kAccCols>(gdk + static_cast<int64_t>(key) * p.dk_seq + col0, &acc_dk[0][0], rh, p.scale,
+                                       lane, true, key < sk);
+        store_acc_row<T, Tr::kAccCols>(gdv + static_cast<int64_t>(key) * p.dv_seq + col0, &acc_dv[0][0], rh, 1.0f, lane,
+                                       true, key < sk);
+        continue;
+      }
+    }
     if (key < sk) {
       T* k_row = gdk + static_cast<int64_t>(key) * p.dk_seq + col0 + 2 * t;
       T* v_row = gdv + static_cast<int64_t>(key) * p.dv_seq + col0 + 2 * t;

@@ -52,8 +52,18 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "cuda/epilogue.cuh"
 #include "cuda/ptx.cuh"
 #include "cuda/serving.cuh"  // serving::E4m3, the 8-bit cache tag of the KV-cache mode
+
+// IOATTN_SM80_EPI_VEC (compile time, default 0: prepared in session 36, compiled, never run): the
+// epilogue's O rows (and flash_bwd.cuh's dK / dV rows) as 16-byte vectors after a quad transpose
+// (store_acc_row, cuda/epilogue.cuh), as the sm90 kernels store theirs since session 36 (-2..-6% of
+// their cycles at 2k), where the head dim is unpadded and the rows 16-byte aligned; element pairs
+// otherwise. A/B: tools/gpu-variant.sh OUT "-DIOATTN_SM80_EPI_VEC=1" src/cuda/flash_fwd_hdim96.cu ...
+#ifndef IOATTN_SM80_EPI_VEC
+#define IOATTN_SM80_EPI_VEC 0
+#endif
 
 namespace ioattn::cuda {
 
@@ -682,6 +692,9 @@ __global__ void __launch_bounds__(Tr::kThreads, Tr::kMinBlocksPerSm) flash_fwd_k
   // ---- epilogue: O = acc / l (with the sink in l), LSE = m + log(l); written once ----
   const float sink_log2 = p.sinks != nullptr ? p.sinks[h] * kLog2e : kNegInf;
   T* gO = static_cast<T*>(p.o) + b * p.o_batch + q_start * p.o_seq + h * p.o_head;
+  // 16-byte row stores need every column real (no padded head dim) and 16-byte rows.
+  const bool o_vec = IOATTN_SM80_EPI_VEC && kD % 32 == 0 && p.head_dim == kD &&
+                     vec16_ok<T>(p.o, p.o_batch, p.o_seq, p.o_head);
 #pragma unroll
   for (int mt = 0; mt < kMT; ++mt)
 #pragma unroll
@@ -701,13 +714,22 @@ __global__ void __launch_bounds__(Tr::kThreads, Tr::kMinBlocksPerSm) flash_fwd_k
       float inv = l > 0.f ? o_scale / l : 0.f;
       if constexpr (k8) inv *= p.v_scale != nullptr ? p.v_scale[hk] : 1.f;  // the codes' v_scale
       const int r = row0 + mt * 16 + rh * 8;
+      bool stored = false;  // (IOATTN_SM80_EPI_VEC: the row went out as 16-byte vectors)
+      if constexpr (IOATTN_SM80_EPI_VEC && kD % 32 == 0) {
+        if (o_vec) {  // every lane of the warp (shuffles); r < sq masks the stores
+          store_acc_row<T, kD>(gO + static_cast<int64_t>(r) * p.o_seq, &acc_o[mt][0][0], rh, inv, lane, true, r < sq);
+          stored = true;
+        }
+      }
       if (r < sq) {
         T* o_row = gO + static_cast<int64_t>(r) * p.o_seq;
+        if (!stored) {
 #pragma unroll
-        for (int dt = 0; dt < kDT; ++dt)
-          if (dt * 8 < p.head_dim)
-            *reinterpret_cast<uint32_t*>(o_row + dt * 8 + 2 * t) =
-                pack2<T>(acc_o[mt][dt][2 * rh] * inv, acc_o[mt][dt][2 * rh + 1] * inv);
+          for (int dt = 0; dt < kDT; ++dt)
+            if (dt * 8 < p.head_dim)
+              *reinterpret_cast<uint32_t*>(o_row + dt * 8 + 2 * t) =
+                  pack2<T>(acc_o[mt][dt][2 * rh] * inv, acc_o[mt][dt][2 * rh + 1] * inv);
+        }
         if (p.lse != nullptr && t == 0) {
           // (KV-cache mode: a NaN / +inf visible score leaves l NaN, and the row's LSE is NaN as in
           // the decode kernels; the plain forward keeps its -inf there)

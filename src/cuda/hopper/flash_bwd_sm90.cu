@@ -41,8 +41,8 @@
 #include <type_traits>
 
 #include "cuda/check.cuh"
+#include "cuda/epilogue.cuh"
 #include "cuda/flash_bwd_launch.cuh"
-#include "cuda/hopper/epilogue_sm90.cuh"
 #include "cuda/hopper/ptx_sm90.cuh"
 
 namespace ioattn::cuda {
@@ -57,7 +57,7 @@ namespace sm90_bwd {
 
 // IOATTN_BWD_DKV_VEC (compile time, default 1 since session 36; 0 = element pairs): dK and dV
 // leave the dK/dV kernels (hdim 64 / 128 and 256) as 16-byte vectors after a quad transpose
-// (store_acc_row, epilogue_sm90.cuh) when dk / dv and their strides allow.
+// (store_acc_row, cuda/epilogue.cuh) when dk / dv and their strides allow.
 #ifndef IOATTN_BWD_DKV_VEC
 #define IOATTN_BWD_DKV_VEC 1
 #endif

@@ -65,7 +65,7 @@
 #include <type_traits>
 
 #include "cuda/check.cuh"
-#include "cuda/hopper/epilogue_sm90.cuh"
+#include "cuda/epilogue.cuh"
 #include "cuda/hopper/ptx_sm90.cuh"
 #include "cuda/hopper/sched_sm90.cuh"
 #include "cuda/ptx.cuh"  // tanh_approx (softcap, as the mma.sync kernel)

@@ -1,8 +1,10 @@
-// Epilogue stores of wgmma accumulators (sm_90a kernels: the forward's O, the backward's dK / dV).
+// Epilogue stores of tensor-core accumulators: the sm90 kernels' O (forward) and dK / dV (backward),
+// and, behind IOATTN_SM80_EPI_VEC, the mma.sync kernels' (flash_fwd.cuh, flash_bwd.cuh).
 //
 // A wgmma m64nN fp32 accumulator gives lane l of a warp rows 16 w + l / 4 (+ 8) of its warpgroup's
 // tile and, per row, the element pairs at columns 8 i + 2 (l % 4) (+ 1): acc[4 i + 2 r], acc[4 i +
-// 2 r + 1] for row half r. Stored as they are, each warp instruction writes 4 bytes per lane, 16
+// 2 r + 1] for row half r. An mma.sync m16n8 C fragment per 8-column tile i is the same (c0, c1 at
+// row l / 4, c2, c3 at row l / 4 + 8), so a warp's [tiles][4] array, flattened, has that layout too. Stored as they are, each warp instruction writes 4 bytes per lane, 16
 // bytes of each of 8 rows. store_acc_row first transposes 4 x 4 blocks of those 32-bit words inside
 // each quad so that a lane holds 8 consecutive columns and writes them as one 16-byte vector: a
 // quarter of the store instructions, whole 32-byte sectors (session 36: the forward's epilogue went
@@ -13,9 +15,9 @@
 
 #include <cstdint>
 
-#include "cuda/hopper/ptx_sm90.cuh"  // pack2
+#include "cuda/ptx.cuh"  // pack2
 
-namespace ioattn::cuda::sm90 {
+namespace ioattn::cuda {
 
 // Whether a tensor's base and strides (elements of T) allow store_acc_row's 16-byte vectors
 // (warp-uniform; evaluate once per CTA).
@@ -41,7 +43,7 @@ __device__ __forceinline__ void store_acc_row(Out* row, const float* acc, int r,
       uint32_t w[4];
 #pragma unroll
       for (int k = 0; k < 4; ++k)
-        w[k] = pack2<Out>(acc[4 * (4 * g + k) + 2 * r] * mul, acc[4 * (4 * g + k) + 2 * r + 1] * mul);
+        w[k] = ptx::pack2<Out>(acc[4 * (4 * g + k) + 2 * r] * mul, acc[4 * (4 * g + k) + 2 * r + 1] * mul);
 #pragma unroll
       for (int j = 0; j < 2; ++j) {  // lanes q, q ^ 2: words j (lanes 2, 3) <-> words 2 + j (lanes 0, 1)
         const uint32_t got = __shfl_xor_sync(0xffffffffu, (q & 2) ? w[j] : w[2 + j], 2);
@@ -59,8 +61,8 @@ __device__ __forceinline__ void store_acc_row(Out* row, const float* acc, int r,
   if (in) {
 #pragma unroll
     for (int i = 0; i < kCols / 8; ++i)
-      *reinterpret_cast<uint32_t*>(row + 8 * i + 2 * q) = pack2<Out>(acc[4 * i + 2 * r] * mul, acc[4 * i + 2 * r + 1] * mul);
+      *reinterpret_cast<uint32_t*>(row + 8 * i + 2 * q) = ptx::pack2<Out>(acc[4 * i + 2 * r] * mul, acc[4 * i + 2 * r + 1] * mul);
   }
 }
 
-}  // namespace ioattn::cuda::sm90
+}  // namespace ioattn::cuda
