@@ -3,7 +3,7 @@
 for Nsight Compute: the peer side of a per-kernel, equal-clock comparison on a power-capped GPU.
 
     ncu --clock-control none --profile-from-start off -k regex:cudnn \\
-        --metrics gpu__time_duration.sum,sm__cycles_elapsed.avg.per_second,dram__bytes_read.sum \\
+        --metrics gpu__time_duration.sum,sm__cycles_elapsed.avg.per_second,sm__cycles_elapsed.avg,dram__bytes_read.sum \\
         python3 bench/cudnn_ncu.py [--hdims 64,128,256] [--seqlens 2048,4096,16384] [--causal 0,1] [--backward]
 
 Shapes as ioattn_cuda_bench grid (FlashAttention's grid): bf16, batch * seqlen = --tokens, heads =

@@ -445,7 +445,7 @@ fi
 # bench/cudnn_ncu.py in profiler ranges; bench/ncu_table.py joins them (cuDNN cycles / ours).
 if want ncupeer && command -v ncu >/dev/null; then
   t0=$(stamp)
-  NCU_PEER=(ncu --clock-control none --metrics gpu__time_duration.sum,sm__cycles_elapsed.avg.per_second,dram__bytes_read.sum)
+  NCU_PEER=(ncu --clock-control none --metrics gpu__time_duration.sum,sm__cycles_elapsed.avg.per_second,sm__cycles_elapsed.avg,dram__bytes_read.sum)
   hd=${GPU_CHECK_NCUPEER_HDIMS:-64 128 256}
   sl=${GPU_CHECK_NCUPEER_SEQLENS:-2048 4096 16384}
   : >"$OUT/ncupeer_ours.log"
