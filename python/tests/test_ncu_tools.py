@@ -3,22 +3,13 @@
 The logs below copy the layout of real `ncu --metrics ...` reports (session 36, H100); the values
 are made up so that the expected ratios are exact.
 """
-import importlib.util
 import sys
-from pathlib import Path
 
-BENCH = Path(__file__).resolve().parents[2] / "bench"
+from _scripts import load_script
 
 
 def _module(name):
-    sys.path.insert(0, str(BENCH))
-    try:
-        spec = importlib.util.spec_from_file_location(name, BENCH / f"{name}.py")
-        mod = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(mod)
-        return mod
-    finally:
-        sys.path.remove(str(BENCH))
+    return load_script("bench", name)
 
 
 def _report(time, time_unit, clock, cycles=None, dram="409.79"):

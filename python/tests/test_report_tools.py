@@ -4,27 +4,20 @@ The chart test needs matplotlib (on the GPU machine; `pip install matplotlib` el
 skips without it. The sample under tools/report/sample/ is synthetic: it exercises the code, it
 measures nothing.
 """
-import importlib.util
 import json
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from _scripts import load_script
 
 REPORT = Path(__file__).resolve().parents[2] / "tools" / "report"
 SAMPLE = REPORT / "sample"
 
 
 def _module(name):
-    sys.path.insert(0, str(REPORT))
-    try:
-        spec = importlib.util.spec_from_file_location(name, REPORT / f"{name}.py")
-        mod = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(mod)
-        return mod
-    finally:
-        sys.path.remove(str(REPORT))
+    return load_script("tools/report", name)
 
 
 def test_load_records_reads_every_shape(tmp_path):
