@@ -7,12 +7,11 @@ measures nothing.
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
-from _scripts import load_script
+from _scripts import ROOT, load_script
 
-REPORT = Path(__file__).resolve().parents[2] / "tools" / "report"
+REPORT = ROOT / "tools" / "report"
 SAMPLE = REPORT / "sample"
 
 

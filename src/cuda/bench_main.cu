@@ -19,9 +19,9 @@
 //                           [--dtype bf16|f8e4m3]
 //       bf16 forward with one extra feature per line on top of causal: a causal sliding window of
 //       --window keys, sinks, softcap 30, ALiBi, or varlen (the same sequences packed, cu_seqlens);
-//       "causal" alone as the baseline ("none": no mask at all); TFLOP/s over the visible (row, key) pairs. Run it as is (the
-//       sm90 kLocal rows, the default) and with IOATTN_SM90_LOCAL=0 (mma.sync) for the A/B (gpu-check
-//       stage sm90local). --dtype f8e4m3: e4m3 Q / K / V (random codes of magnitude < 2, unit
+//       "causal" alone as the baseline ("none": no mask at all); TFLOP/s over the visible (row, key)
+//       pairs. Run it as is (the sm90 kLocal rows, the default) and with IOATTN_SM90_LOCAL=0
+//       (mma.sync) for the A/B (gpu-check stage sm90local). --dtype f8e4m3: e4m3 Q / K / V (random codes of magnitude < 2, unit
 //       descales) with bf16 O, the fp8 kernel's rows.
 //   ioattn_cuda_bench naive [--seqlens 4096,8192,16384] [--heads 16] [--hdim 128]
 //       standard attention (S, P in HBM) vs flash on one sequence: ms, workspace bytes, and the

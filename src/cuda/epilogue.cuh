@@ -4,11 +4,12 @@
 // A wgmma m64nN fp32 accumulator gives lane l of a warp rows 16 w + l / 4 (+ 8) of its warpgroup's
 // tile and, per row, the element pairs at columns 8 i + 2 (l % 4) (+ 1): acc[4 i + 2 r], acc[4 i +
 // 2 r + 1] for row half r. An mma.sync m16n8 C fragment per 8-column tile i is the same (c0, c1 at
-// row l / 4, c2, c3 at row l / 4 + 8), so a warp's [tiles][4] array, flattened, has that layout too. Stored as they are, each warp instruction writes 4 bytes per lane, 16
-// bytes of each of 8 rows. store_acc_row first transposes 4 x 4 blocks of those 32-bit words inside
-// each quad so that a lane holds 8 consecutive columns and writes them as one 16-byte vector: a
-// quarter of the store instructions, whole 32-byte sectors (session 36: the forward's epilogue went
-// from ~3,600 to ~2,600 cycles per hdim-128 tile; docs/PERF.md "Session 36").
+// row l / 4, c2, c3 at row l / 4 + 8), so a warp's [tiles][4] array, flattened, has that layout
+// too. Stored as they are, each warp instruction writes 4 bytes per lane, 16 bytes of each of 8
+// rows. store_acc_row first transposes 4 x 4 blocks of those 32-bit words inside each quad so that
+// a lane holds 8 consecutive columns and writes them as one 16-byte vector: a quarter of the store
+// instructions, whole 32-byte sectors (session 36: the forward's epilogue went from ~3,600 to
+// ~2,600 cycles per hdim-128 tile; docs/PERF.md "Session 36").
 #pragma once
 
 #include <cuda_runtime.h>
@@ -61,7 +62,8 @@ __device__ __forceinline__ void store_acc_row(Out* row, const float* acc, int r,
   if (in) {
 #pragma unroll
     for (int i = 0; i < kCols / 8; ++i)
-      *reinterpret_cast<uint32_t*>(row + 8 * i + 2 * q) = ptx::pack2<Out>(acc[4 * i + 2 * r] * mul, acc[4 * i + 2 * r + 1] * mul);
+      *reinterpret_cast<uint32_t*>(row + 8 * i + 2 * q) =
+          ptx::pack2<Out>(acc[4 * i + 2 * r] * mul, acc[4 * i + 2 * r + 1] * mul);
   }
 }
 

@@ -714,16 +714,13 @@ __global__ void __launch_bounds__(Tr::kThreads, Tr::kMinBlocksPerSm) flash_fwd_k
       float inv = l > 0.f ? o_scale / l : 0.f;
       if constexpr (k8) inv *= p.v_scale != nullptr ? p.v_scale[hk] : 1.f;  // the codes' v_scale
       const int r = row0 + mt * 16 + rh * 8;
-      bool stored = false;  // (IOATTN_SM80_EPI_VEC: the row went out as 16-byte vectors)
       if constexpr (IOATTN_SM80_EPI_VEC && kD % 32 == 0) {
-        if (o_vec) {  // every lane of the warp (shuffles); r < sq masks the stores
+        if (o_vec)  // every lane of the warp (shuffles); r < sq masks the stores
           store_acc_row<T, kD>(gO + static_cast<int64_t>(r) * p.o_seq, &acc_o[mt][0][0], rh, inv, lane, true, r < sq);
-          stored = true;
-        }
       }
       if (r < sq) {
         T* o_row = gO + static_cast<int64_t>(r) * p.o_seq;
-        if (!stored) {
+        if (!o_vec) {  // (else stored above)
 #pragma unroll
           for (int dt = 0; dt < kDT; ++dt)
             if (dt * 8 < p.head_dim)
