@@ -302,7 +302,7 @@ void run_case(const Case& c, uint32_t seed) {
       for (int64_t h = 0; h < c.hq; ++h) {
         const int64_t row = varlen ? q0 + i : b * sq + i;
         const int64_t obase = b * p.o_stride.batch + (q0 + i) * p.o_stride.seq + h * p.o_stride.head;
-        for (int64_t x = 0; x < dv + kPad; ++x) {
+        for (int64_t x = 0; x < dv + c.o_pad; ++x) {
           const float got = o.at(obase + x);
           if (x >= dv) {
             pad_written += !std::isnan(got);

@@ -56,13 +56,14 @@
 #include "cuda/ptx.cuh"
 #include "cuda/serving.cuh"  // serving::E4m3, the 8-bit cache tag of the KV-cache mode
 
-// IOATTN_SM80_EPI_VEC (compile time, default 0: prepared in session 36, compiled, never run): the
-// epilogue's O rows (and flash_bwd.cuh's dK / dV rows) as 16-byte vectors after a quad transpose
-// (store_acc_row, cuda/epilogue.cuh), as the sm90 kernels store theirs since session 36 (-2..-6% of
-// their cycles at 2k), where the head dim is unpadded and the rows 16-byte aligned; element pairs
-// otherwise. A/B: tools/gpu-variant.sh OUT "-DIOATTN_SM80_EPI_VEC=1" src/cuda/flash_fwd_hdim96.cu ...
+// IOATTN_SM80_EPI_VEC (compile time, default 1 since session 37; 0 = the previous element pairs):
+// the epilogue's O rows (and flash_bwd.cuh's dK / dV rows) as 16-byte vectors after a quad transpose
+// (store_acc_row, cuda/epilogue.cuh), as the sm90 kernels store theirs since session 36, where the
+// head dim is unpadded and the rows 16-byte aligned; element pairs otherwise. H100, Nsight Compute
+// SM cycles against 0 (docs/PERF.md "Session 37"): forward hdim 192 2k 0.988, hdim 96 0.998, hdim 32
+// 4k causal 1.000; backward dK / dV kernel hdim 128 2k 0.976, hdim 64 4k causal 0.990.
 #ifndef IOATTN_SM80_EPI_VEC
-#define IOATTN_SM80_EPI_VEC 0
+#define IOATTN_SM80_EPI_VEC 1
 #endif
 
 namespace ioattn::cuda {

@@ -97,17 +97,6 @@ namespace ioattn::cuda::sm90 {
 #define IOATTN_SM90_O_VEC 1
 #endif
 
-// IOATTN_SM90_V3_QRING: see flash_fwd_sm90_v3.cuh (compile time, default 0, prepared, never run).
-// IOATTN_SM90_D128_BLOCKN: the key block of the hdim-128 rows without a mask (176; 160 with the
-// Q ring, whose second Q buffer does not fit beside 176-key stages; -DIOATTN_SM90_D128_BLOCKN=160
-// alone separates the tile's effect from the ring's in an A/B).
-#ifndef IOATTN_SM90_V3_QRING
-#define IOATTN_SM90_V3_QRING 0
-#endif
-#ifndef IOATTN_SM90_D128_BLOCKN
-#define IOATTN_SM90_D128_BLOCKN (IOATTN_SM90_V3_QRING ? 160 : 176)
-#endif
-
 // IOATTN_FWD_TRACE (a diagnostic build only, -DIOATTN_FWD_TRACE=1; gpu-check stage fwdtrace): SM
 // clock stamps at the phases of each tile of the first kBlocks CTAs (each consumer warpgroup's
 // thread 0, and the producer) of the v3 and v4 bodies, printed by the host after an instance's
@@ -288,7 +277,7 @@ struct Sm90Tile<64, true> {
 };
 template <>
 struct Sm90Tile<128, false> {
-  static constexpr int kBlockN = IOATTN_SM90_D128_BLOCKN, kStages = 2, kExp2PolyEvery = 0;  // (176)
+  static constexpr int kBlockN = 176, kStages = 2, kExp2PolyEvery = 0;
   static constexpr const char* kWhy =
       "hdim128: 128x176 = S 88 + P 44 + O 64 registers (fits 240 with the overlapped next S), "
       "32 KB Q + 2 x 88 KB K/V = 208 KB smem; +0..8% over 128x128 measured";
