@@ -296,28 +296,59 @@ constexpr int kPreRows = 64;  // workspace rows per CTA (8 per warp)
 template <typename T>
 __global__ void __launch_bounds__(kPreWarps * 32) flash_bwd_preprocess_kernel(const BwdParams p) {
   using namespace ptx;
+  constexpr int kRows = kPreRows / kPreWarps;  // per warp
   const int h = blockIdx.y, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int64_t row0 = static_cast<int64_t>(blockIdx.x) * kPreRows;
+  // The fp32 dQ accumulator's rows of this block ([heads_q, rows_q, pitch]: one contiguous span)
+  // zeroed here rather than by a memset pass of its own (the dK/dV kernel adds into it next).
+  if (p.ws_dq != nullptr) {
+    const int64_t n = min(static_cast<int64_t>(kPreRows), p.rows_q - row0) * p.ws_dq_pitch;
+    float* z = p.ws_dq + (static_cast<int64_t>(h) * p.rows_q + row0) * p.ws_dq_pitch;
+    if (p.ws_dq_pitch % 4 == 0) {  // 16-byte aligned (the workspace is 256-byte aligned)
+      for (int64_t i = threadIdx.x; i < n / 4; i += kPreWarps * 32)
+        reinterpret_cast<float4*>(z)[i] = make_float4(0.f, 0.f, 0.f, 0.f);
+    } else {
+      for (int64_t i = threadIdx.x; i < n; i += kPreWarps * 32) z[i] = 0.f;
+    }
+  }
   const float sink = p.dsinks != nullptr ? p.sinks[h] : 0.f;
   float sink_part = 0.f;  // lane 0's running sum over its rows, in row order
-  for (int r = 0; r < kPreRows / kPreWarps; ++r) {
-    const int64_t row = static_cast<int64_t>(blockIdx.x) * kPreRows + warp * (kPreRows / kPreWarps) + r;
-    if (row >= p.rows_q) break;  // warp-uniform
-    int64_t b, pos;
-    bwd_detail::ws_row_to_pos(p, row, &b, &pos);
-    float acc = 0.f;
-    if (lane * 8 < p.head_dim) {  // head_dim <= 256: one 8-element chunk per lane
-      const T* o = static_cast<const T*>(p.o) + b * p.o_batch + pos * p.o_seq + h * p.o_head + lane * 8;
-      const T* g = static_cast<const T*>(p.dout) + b * p.do_batch + pos * p.do_seq + h * p.do_head + lane * 8;
-      acc = bwd_detail::dot8<T>(*reinterpret_cast<const uint4*>(g), *reinterpret_cast<const uint4*>(o));
-    }
+  // D of the warp's rows: every row's loads first (kRows rows in flight), then the reductions.
+  float acc[kRows];
+  int64_t bs[kRows], poss[kRows];
+  uint4 ov[kRows], gv[kRows];
+  float lses[kRows];  // lane 0's
+  const bool has_chunk = lane * 8 < p.head_dim;  // head_dim <= 256: one 8-element chunk per lane
 #pragma unroll
-    for (int m = 16; m >= 1; m /= 2) acc += shfl_xor(acc, m);  // same tree every run
+  for (int r = 0; r < kRows; ++r) {
+    const int64_t row = row0 + warp * kRows + r;
+    bs[r] = poss[r] = 0;
+    ov[r] = gv[r] = make_uint4(0u, 0u, 0u, 0u);  // (zero chunks: dot 0)
+    lses[r] = 0.f;
+    if (row >= p.rows_q) continue;  // warp-uniform
+    bwd_detail::ws_row_to_pos(p, row, &bs[r], &poss[r]);
+    if (lane == 0) lses[r] = p.lse[bs[r] * p.lse_batch + h * p.lse_head + poss[r] * p.lse_seq];
+    if (has_chunk) {
+      const T* o = static_cast<const T*>(p.o) + bs[r] * p.o_batch + poss[r] * p.o_seq + h * p.o_head + lane * 8;
+      const T* g = static_cast<const T*>(p.dout) + bs[r] * p.do_batch + poss[r] * p.do_seq + h * p.do_head + lane * 8;
+      ov[r] = __ldg(reinterpret_cast<const uint4*>(o));
+      gv[r] = __ldg(reinterpret_cast<const uint4*>(g));
+    }
+  }
+#pragma unroll
+  for (int r = 0; r < kRows; ++r) acc[r] = bwd_detail::dot8<T>(gv[r], ov[r]);
+#pragma unroll
+  for (int r = 0; r < kRows; ++r) {
+    const int64_t row = row0 + warp * kRows + r;
+    if (row >= p.rows_q) break;  // warp-uniform
+#pragma unroll
+    for (int m = 16; m >= 1; m /= 2) acc[r] += shfl_xor(acc[r], m);  // same tree every run
     if (lane == 0) {
-      const float lse = p.lse[b * p.lse_batch + h * p.lse_head + pos * p.lse_seq];
+      const float lse = lses[r];
       const int64_t w = static_cast<int64_t>(h) * p.rows_q + row;
       p.ws_lse[w] = lse == kNegInf ? kPosInf : lse * kLog2e;
-      p.ws_d[w] = acc;
-      if (p.dsinks != nullptr && lse != kNegInf) sink_part -= expf(sink - lse) * acc;  // sink's P·(0 - D)
+      p.ws_d[w] = acc[r];
+      if (p.dsinks != nullptr && lse != kNegInf) sink_part -= expf(sink - lse) * acc[r];  // sink's P·(0 - D)
     }
   }
   if (p.dsinks != nullptr) {

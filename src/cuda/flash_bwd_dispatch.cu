@@ -12,8 +12,8 @@
 // stream after the last kernel, so it is stream-ordered and costs no device synchronisation):
 //   ws_lse, ws_d   2 · heads_q · rows_q floats (rows_q = batch·seqlen_q, or total_q for varlen)
 //   ws_dsink       heads_q · ceil(rows_q / 64) floats (only with dsinks)
-//   ws_dq          heads_q · rows_q · kHeadDim floats (default mode only; zeroed with
-//                  cudaMemsetAsync) — O(n) in total, never seqlen_q x seqlen_k.
+//   ws_dq          heads_q · rows_q · kHeadDim floats (default mode only; zeroed by the
+//                  preprocess kernel) — O(n) in total, never seqlen_q x seqlen_k.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -364,7 +364,7 @@ void run_flash_backward(const detail::BwdProblem& bp, const BwdKernelInfo& info)
   bw.ws_dq = dq_bytes > 0 ? reinterpret_cast<float*>(base + 2 * lse_bytes + sink_bytes) : nullptr;
 
   const bool bf16 = p.dtype == DType::bf16;
-  if (dq_bytes > 0) IOATTN_CUDA_CHECK(cudaMemsetAsync(bw.ws_dq, 0, dq_bytes, stream));
+  // (the dQ accumulator is zeroed by the preprocess kernel, which covers all hr rows)
   if (hr > 0) {
     const dim3 grid(static_cast<unsigned>(bw.num_pre_blocks), static_cast<unsigned>(p.heads_q));
     if (bf16)
