@@ -300,16 +300,12 @@ __global__ void __launch_bounds__(kPreWarps * 32) flash_bwd_preprocess_kernel(co
   const int h = blockIdx.y, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int64_t row0 = static_cast<int64_t>(blockIdx.x) * kPreRows;
   // The fp32 dQ accumulator's rows of this block ([heads_q, rows_q, pitch]: one contiguous span)
-  // zeroed here rather than by a memset pass of its own (the dK/dV kernel adds into it next).
+  // zeroed here rather than by a memset pass of its own (the dK/dV kernel adds into it next). The
+  // pitch is a kernel head dim (64, 128 or 256) and the workspace 256-byte aligned: 16-byte stores.
   if (p.ws_dq != nullptr) {
-    const int64_t n = min(static_cast<int64_t>(kPreRows), p.rows_q - row0) * p.ws_dq_pitch;
-    float* z = p.ws_dq + (static_cast<int64_t>(h) * p.rows_q + row0) * p.ws_dq_pitch;
-    if (p.ws_dq_pitch % 4 == 0) {  // 16-byte aligned (the workspace is 256-byte aligned)
-      for (int64_t i = threadIdx.x; i < n / 4; i += kPreWarps * 32)
-        reinterpret_cast<float4*>(z)[i] = make_float4(0.f, 0.f, 0.f, 0.f);
-    } else {
-      for (int64_t i = threadIdx.x; i < n; i += kPreWarps * 32) z[i] = 0.f;
-    }
+    const int64_t n4 = min(static_cast<int64_t>(kPreRows), p.rows_q - row0) * p.ws_dq_pitch / 4;
+    float4* z = reinterpret_cast<float4*>(p.ws_dq + (static_cast<int64_t>(h) * p.rows_q + row0) * p.ws_dq_pitch);
+    for (int64_t i = threadIdx.x; i < n4; i += kPreWarps * 32) z[i] = make_float4(0.f, 0.f, 0.f, 0.f);
   }
   const float sink = p.dsinks != nullptr ? p.sinks[h] : 0.f;
   float sink_part = 0.f;  // lane 0's running sum over its rows, in row order

@@ -347,7 +347,7 @@ void run_flash_backward(const detail::BwdProblem& bp, const BwdKernelInfo& info)
   bw.alibi_slopes = p.alibi_slopes;
   bw.sinks = p.sinks;
   bw.dsinks = bp.dsinks;
-  bw.ws_dq_pitch = info.head_dim;
+  bw.ws_dq_pitch = info.head_dim;  // 64 / 128 / 256: the preprocess zeroes the rows with 16-byte stores
   bw.num_pre_blocks = static_cast<int>(ceil_div(bw.rows_q, kPreRows));
   if (p.heads_q == 0) return;
 
